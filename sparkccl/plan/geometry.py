@@ -1,0 +1,73 @@
+"""Piece and half arithmetic: the one place where byte bounds are computed.
+
+Every executor (the verifier, the native proxy, the CPU twin and the CUDA kernels) cuts
+slices the same way. The native proxy and the kernels carry a copy of these few lines;
+tests compare their output against this module over many sizes so the copies cannot
+drift (see ``tests/test_geometry_shared.py``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+PIECES = 8
+"""Each collective's slice is cut into this many pieces (SPEC §4)."""
+
+ALIGN = 16
+"""Piece boundaries and half splits fall on multiples of this many bytes."""
+
+FLAG_STRIDE = 16
+"""Flag value for (seq, piece c) is ``seq * FLAG_STRIDE + c + 1``."""
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def piece_step(slice_bytes: int, granule: int = ALIGN) -> int:
+    """Bytes per piece: slice/8 rounded up to the granule (16 bytes, or a row for finalize)."""
+    return round_up(-(-slice_bytes // PIECES), granule)
+
+
+def piece_bounds(slice_bytes: int, piece: int, granule: int = ALIGN) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` of piece ``piece`` within one slice."""
+    if not 0 <= piece < PIECES:
+        raise ValueError(f"piece {piece} out of range 0..{PIECES - 1}")
+    step = piece_step(slice_bytes, granule)
+    lo = min(slice_bytes, piece * step)
+    hi = slice_bytes if piece == PIECES - 1 else min(slice_bytes, (piece + 1) * step)
+    return lo, hi
+
+
+def split_point(lo: int, hi: int) -> int:
+    """Where ``[lo, hi)`` splits in two: at len/2 rounded up to 16, clamped to the range."""
+    n = hi - lo
+    return lo + min(n, round_up(-(-n // 2), ALIGN))
+
+
+class Part(NamedTuple):
+    """Which sub-range of a piece an item carries.
+
+    First the piece is split between the roots (``root`` of ``roots``), then that root's
+    share is split between travel directions (``half`` of ``halves``). A count of 1
+    means no split at that level.
+    """
+
+    root: int
+    roots: int
+    half: int
+    halves: int
+
+
+def sub_range(lo: int, hi: int, part: Part) -> tuple[int, int]:
+    """The byte range of ``part`` within piece ``[lo, hi)``."""
+    if part.roots == 2:
+        h = split_point(lo, hi)
+        lo, hi = (lo, h) if part.root == 0 else (h, hi)
+    if part.halves == 2:
+        h = split_point(lo, hi)
+        lo, hi = (lo, h) if part.half == 0 else (h, hi)
+    return lo, hi
+
+
+def flag_value(seq: int, piece: int) -> int:
+    return seq * FLAG_STRIDE + piece + 1
