@@ -1,0 +1,234 @@
+"""Plans and their verifier: every topology, world and root count verifies; broken plans don't."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from sparkccl.plan.build import build_all, build_plan
+from sparkccl.plan.geometry import (
+    ALIGN, PIECES, Part, piece_bounds, split_point, sub_range,
+)
+from sparkccl.plan.model import OnFlag, OnPublish, Op, Region, decode_flag_word, flag_word
+from sparkccl.plan.verify import (
+    Collective, PlanError, default_sequence, lower_bound, verify, verify_plans,
+)
+
+WORLDS = range(2, 9)
+
+
+# -- geometry --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("granule", [16, 48, 8192])
+def test_pieces_tile_the_slice_on_granule_boundaries(granule):
+    for size in list(range(0, 600)) + [4096 * 3 + 5, 1 << 20, (1 << 20) + 1]:
+        if granule != 16:
+            size = (size % 50) * granule
+        bounds = [piece_bounds(size, c, granule) for c in range(PIECES)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == size
+        for (lo, hi), (lo2, _) in zip(bounds, bounds[1:]):
+            assert lo <= hi == lo2
+            assert lo % granule == 0 or lo == size
+        assert max(hi - lo for lo, hi in bounds) <= -(-size // PIECES) + granule
+
+
+def test_split_point_is_half_rounded_up_to_16():
+    assert split_point(0, 40) == 32
+    assert split_point(0, 10) == 10
+    assert split_point(16, 16 + 33) == 16 + 32
+    assert split_point(0, 0) == 0
+    for n in range(0, 300):
+        h = split_point(100, 100 + n)
+        assert 100 <= h <= 100 + n
+        assert (h - 100) % ALIGN == 0 or h == 100 + n
+
+
+def test_parts_tile_a_piece():
+    for n in (0, 1, 17, 100, 1000):
+        for roots in (1, 2):
+            for halves in (1, 2):
+                spans = sorted(sub_range(64, 64 + n, Part(k, roots, h, halves))
+                               for k in range(roots) for h in range(halves))
+                assert spans[0][0] == 64 and spans[-1][1] == 64 + n
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_flag_words_decode():
+    for w in WORLDS:
+        seen = set()
+        for op in Op:
+            for o in range(w):
+                for ch in (0, 1):
+                    for root in (0, 1):
+                        word = flag_word(w, op, o, ch, root)
+                        assert decode_flag_word(w, word) == (op, o, ch, root)
+                        seen.add(word)
+        assert seen == set(range(len(seen)))
+
+
+# -- every combination verifies ---------------------------------------------------------
+
+@pytest.mark.parametrize("roots", [1, 2])
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+def test_plans_verify(topology, world, roots):
+    report = verify(topology, world, roots)
+    for op in Op:
+        assert report.max_port_load(op) == pytest.approx(lower_bound(op, topology, world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+def test_plans_verify_at_many_sizes(topology, world):
+    """Each size, alone and in a row with the others, for every kind of collective."""
+    sizes = [1, 2, 15, 16, 17, 31, 33, 127, 128, 129, 255, 257, 1023, 1025, 4096 + 48, 99991]
+    seq = [Collective(k, s) for s in sizes for k in ("AG", "RS")]
+    seq += [Collective("FIN", rows * rb, rb) for rows, rb in ((8, 16), (9, 32), (64, 8192))]
+    verify_plans(build_all(topology, world, 2), seq)
+
+
+def test_ring_world4_loads_match_spec():
+    ag = verify("ring", 4, 2)
+    assert ag.max_port_load(Op.AG) == 1.5
+    assert ag.max_port_load(Op.RS) == 2.0
+    # Every port of every rank carries the same load, both ways.
+    assert set(ag.port_out.values()) | set(ag.port_in.values()) == {1.5, 2.0}
+
+
+def test_ring_talks_only_to_neighbours_and_world4_relays_through_own_block():
+    for w in WORLDS:
+        for r in range(w):
+            p = build_plan("ring", w, r, 2)
+            assert {c.peer for c in p.connections} <= {(r + 1) % w, (r - 1) % w}
+    p = build_plan("ring", 4, 1, 2)
+    staged = [it for s in p.streams_of(Op.RS) for it in s.items
+              if s.origin == 1 and it.dst_region == Region.RS_RECV and it.dst_block in (1, 2, 0)
+              and it.src_block == 3]
+    # Chunk r+2 goes half each way into the neighbour's own RS recv position (SPEC §5).
+    assert {(it.dst_block, it.part.half) for it in staged} == {(2, 0), (0, 1)}
+    assert build_plan("ring", 4, 0, 2).rs_recv_blocks == 4
+
+
+def test_mesh_serves_peers_in_staggered_order():
+    p = build_plan("mesh", 5, 2, 1)
+    assert [c.peer for c in p.connections] == [3, 4, 0, 1]
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="topology"):
+        build_plan("torus", 4, 0)
+    with pytest.raises(ValueError, match="world"):
+        build_plan("mesh", 9, 0)
+    with pytest.raises(ValueError, match="roots"):
+        build_plan("mesh", 4, 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        build_plan("mesh", 4, 4)
+
+
+# -- broken plans are caught ------------------------------------------------------------
+
+def _mutate(plans, rank, stream_index, **changes):
+    plans = list(plans)
+    p = plans[rank]
+    streams = list(p.streams)
+    streams[stream_index] = dataclasses.replace(streams[stream_index], **changes)
+    plans[rank] = dataclasses.replace(p, streams=tuple(streams))
+    return plans
+
+
+def _first(plan, pred):
+    return next(i for i, s in enumerate(plan.streams) if pred(s))
+
+
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+def test_byte_delivered_twice_is_caught(topology):
+    plans = build_all(topology, 4, 2)
+    k = _first(plans[0], lambda s: s.op == Op.RS)
+    st = plans[0].streams[k]
+    broken = _mutate(plans, 0, k, items=st.items + st.items[:1])
+    with pytest.raises(PlanError, match="delivered twice"):
+        verify_plans(broken)
+
+
+def test_flag_with_two_writers_is_caught():
+    plans = build_all("mesh", 3, 2)
+    a = _first(plans[0], lambda s: s.op == Op.AG)
+    # Make rank 0's second AG stream (other root) write the first one's flag word.
+    b = _first(plans[0], lambda s: s.op == Op.AG and s.conn != plans[0].streams[a].conn
+               and plans[0].connections[s.conn].peer == plans[0].connections[
+                   plans[0].streams[a].conn].peer)
+    broken = _mutate(plans, 0, b, dst_flag=plans[0].streams[a].dst_flag)
+    with pytest.raises(PlanError, match="two writers"):
+        verify_plans(broken)
+
+
+@pytest.mark.parametrize("op", [Op.AG, Op.RS])
+def test_relay_before_its_flag_is_caught(op):
+    plans = build_all("ring", 4, 2)
+    k = _first(plans[1], lambda s: s.op == op and isinstance(s.trigger, OnFlag))
+    # Fire on this rank's own publish instead of on the flag that carried the bytes here.
+    broken = _mutate(plans, 1, k, trigger=OnPublish(frozenset({1})))
+    with pytest.raises(PlanError, match="before"):
+        verify_plans(broken)
+
+
+def test_relay_on_the_wrong_flag_is_caught():
+    plans = build_all("ring", 4, 2)
+    k = _first(plans[1], lambda s: s.op == Op.AG and isinstance(s.trigger, OnFlag))
+    w = plans[1].streams[k].trigger.word
+    other_root = w ^ 1  # same origin and channel, the other root's connection
+    broken = _mutate(plans, 1, k, trigger=OnFlag(other_root))
+    with pytest.raises(PlanError, match="before a flag that proves"):
+        verify_plans(broken)
+
+
+def test_missing_stream_is_caught():
+    plans = list(build_all("ring", 5, 2))
+    p = plans[2]
+    k = _first(p, lambda s: s.op == Op.RS and isinstance(s.trigger, OnFlag))
+    plans[2] = dataclasses.replace(p, streams=p.streams[:k] + p.streams[k + 1:])
+    with pytest.raises(PlanError, match="deadlock|nobody writes|received"):
+        verify_plans(plans)
+
+
+def test_wrong_destination_block_is_caught():
+    plans = build_all("mesh", 4, 1)
+    k = _first(plans[0], lambda s: s.op == Op.RS)
+    st = plans[0].streams[k]
+    it = dataclasses.replace(st.items[0], src_block=(st.items[0].src_block + 1) % 4)
+    broken = _mutate(plans, 0, k, items=(it,),
+                     trigger=OnPublish(frozenset({it.src_block})))
+    with pytest.raises(PlanError, match="expected rank 0's block"):
+        verify_plans(broken)
+
+
+@pytest.mark.parametrize("region", [Region.AG, Region.RS_SEND, Region.RS_RECV])
+def test_too_few_slots_are_caught(region):
+    slots = {Region.AG: 3, Region.RS_SEND: 2, Region.RS_RECV: 2}
+    slots[region] = 1
+    with pytest.raises(PlanError, match="slot reuse"):
+        verify_plans(build_all("ring", 4, 2), default_sequence(), slots)
+
+
+# -- the command ------------------------------------------------------------------------
+
+def _plan_cli(*args):
+    out = subprocess.run([sys.executable, "-m", "sparkccl.cli", "plan", *args],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()
+
+
+def test_cli_ring4_port_loads():
+    ag = _plan_cli("--collective", "all_gather", "--topology", "ring", "--world", "4")
+    assert ag[-1] == "max port load: 1.5 slices (lower bound 1.5)"
+    assert any(line.startswith("verifier: passed") for line in ag)
+    rs = _plan_cli("--collective", "reduce_scatter", "--topology", "ring", "--world", "4")
+    assert rs[-1] == "max port load: 2 slices (lower bound 2)"
+
+
+def test_cli_mesh8_roots1():
+    out = _plan_cli("--collective", "reduce_scatter", "--topology", "mesh", "--world", "8",
+                    "--roots", "1")
+    assert out[-1] == "max port load: 7 slices (lower bound 7)"
