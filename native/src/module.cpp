@@ -1,4 +1,174 @@
-// Python binding of the native layer (placeholder until the proxy lands).
+// Python binding: sparkccl._native. Addresses are plain ints (the Python side maps POSIX
+// shm with mmap and passes the address). Every call that can wait releases the GIL.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "control.h"
+#include "geometry.h"
+#include "layout.h"
+#include "proxy.h"
+
 namespace nb = nanobind;
-NB_MODULE(_native, m) { m.attr("ABI_VERSION") = 1; }
+using namespace nb::literals;
+using namespace sparkccl;
+
+namespace {
+
+nb::dict layout_dict() {
+  using namespace sparkccl::layout;
+  nb::dict d;
+#define SPARKCCL_PUT(name) d[#name] = nb::int_(name)
+  SPARKCCL_PUT(PAGE);
+  SPARKCCL_PUT(CTL_MAGIC);
+  SPARKCCL_PUT(CTL_ABORT);
+  SPARKCCL_PUT(CTL_RING_HEAD);
+  SPARKCCL_PUT(CTL_RING_TAIL);
+  SPARKCCL_PUT(CTL_PID);
+  SPARKCCL_PUT(CTL_ERROR);
+  SPARKCCL_PUT(ERROR_BYTES);
+  SPARKCCL_PUT(CTL_BYTES);
+  SPARKCCL_PUT(CTL_MAGIC_VALUE);
+  SPARKCCL_PUT(ABORT_NONE);
+  SPARKCCL_PUT(ABORT_TIMEOUT);
+  SPARKCCL_PUT(ABORT_TRANSPORT);
+  SPARKCCL_PUT(ABORT_PEER);
+  SPARKCCL_PUT(ABORT_USER);
+  SPARKCCL_PUT(RING_OFFSET);
+  SPARKCCL_PUT(RING_ENTRIES);
+  SPARKCCL_PUT(RING_ENTRY_BYTES);
+  SPARKCCL_PUT(ENT_TAG);
+  SPARKCCL_PUT(ENT_SEQ);
+  SPARKCCL_PUT(ENT_SLICE);
+  SPARKCCL_PUT(ENT_LO);
+  SPARKCCL_PUT(ENT_HI);
+  SPARKCCL_PUT(ENT_OP);
+  SPARKCCL_PUT(ENT_PIECE);
+  SPARKCCL_PUT(ENT_CHUNK);
+  SPARKCCL_PUT(ENT_GRANULE);
+  SPARKCCL_PUT(FLAGS_OFFSET);
+  SPARKCCL_PUT(FLAG_BYTES);
+#undef SPARKCCL_PUT
+  return d;
+}
+
+void check_addr(uint64_t addr, const char* what) {
+  if (!addr) throw std::invalid_argument(std::string(what) + ": null address");
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "sparkccl native layer: control block, publish/wait helpers, proxy, shm transport";
+  m.attr("ABI_VERSION") = 2;
+
+  m.def("layout", &layout_dict, "Every constant of native/src/layout.h (names as in sparkccl/layout.py).");
+
+  m.def(
+      "piece_bounds",
+      [](uint64_t slice, int piece, uint64_t granule) {
+        if (piece < 0 || piece >= geom::PIECES) throw std::invalid_argument("piece out of range 0..7");
+        if (granule == 0) throw std::invalid_argument("granule must be > 0");
+        return geom::piece_bounds(slice, piece, granule);
+      },
+      "slice"_a, "piece"_a, "granule"_a = 16);
+
+  m.def(
+      "sub_range",
+      [](uint64_t lo, uint64_t hi, int root, int roots, int half, int halves) {
+        if (hi < lo) throw std::invalid_argument("hi < lo");
+        return geom::sub_range(lo, hi, root, roots, half, halves);
+      },
+      "lo"_a, "hi"_a, "root"_a, "roots"_a, "half"_a, "halves"_a);
+
+  m.def(
+      "init_control",
+      [](uint64_t ctl, uint64_t pid) {
+        check_addr(ctl, "init_control");
+        init_control(ctl, pid);
+      },
+      "ctl_addr"_a, "pid"_a);
+
+  m.def(
+      "publish",
+      [](uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64_t slice,
+         uint64_t granule, double timeout_s) {
+        check_addr(ctl, "publish");
+        nb::gil_scoped_release nogil;
+        return publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s);
+      },
+      "ctl_addr"_a, "op"_a, "seq"_a, "piece"_a, "chunk"_a, "slice"_a, "granule"_a,
+      "timeout_s"_a);
+
+  m.def(
+      "wait_flags",
+      [](uint64_t ctl, uint64_t flags, std::vector<int64_t> words, uint64_t value,
+         double timeout_s) {
+        check_addr(ctl, "wait_flags");
+        check_addr(flags, "wait_flags");
+        nb::gil_scoped_release nogil;
+        return wait_flags(ctl, flags, words, value, timeout_s);
+      },
+      "ctl_addr"_a, "flags_addr"_a, "words"_a, "value"_a, "timeout_s"_a);
+
+  m.def(
+      "set_abort",
+      [](uint64_t ctl, uint64_t code, const std::string& message) {
+        check_addr(ctl, "set_abort");
+        return set_abort(ctl, code, message);
+      },
+      "ctl_addr"_a, "code"_a, "message"_a);
+
+  m.def(
+      "abort_code",
+      [](uint64_t ctl) {
+        check_addr(ctl, "abort_code");
+        return abort_code(ctl);
+      },
+      "ctl_addr"_a);
+
+  m.def(
+      "error_text",
+      [](uint64_t ctl) {
+        check_addr(ctl, "error_text");
+        nb::gil_scoped_release nogil;
+        return error_text(ctl);
+      },
+      "ctl_addr"_a);
+
+  nb::class_<Proxy>(m, "Proxy")
+      .def(nb::init<int, int, uint64_t, uint64_t, const std::vector<std::vector<int64_t>>&,
+                    const std::vector<std::vector<int64_t>>&,
+                    const std::vector<std::vector<int64_t>>&, const std::vector<int>&, uint64_t,
+                    uint64_t>(),
+           "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
+           "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
+           "nap_us"_a = 200)
+      .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
+           "Local region base address and slot stride; size 0 means slots * stride.")
+      .def("set_peer", &Proxy::set_peer, "peer"_a, "ctl_addr"_a, "flags_addr"_a, "pid"_a)
+      .def("set_peer_region", &Proxy::set_peer_region, "peer"_a, "region"_a, "base"_a,
+           "size"_a = 0, "Peer's region base mapped here; size 0 means slots * our stride.")
+      .def("start", &Proxy::start, nb::call_guard<nb::gil_scoped_release>())
+      .def("stop", &Proxy::stop, nb::call_guard<nb::gil_scoped_release>())
+      .def("outstanding", &Proxy::outstanding)
+      .def_prop_ro("running", &Proxy::running)
+      .def("stats", [](Proxy& p) {
+        ProxyStats s = p.stats();
+        nb::dict d;
+        d["entries"] = s.entries;
+        d["stale_entries"] = s.stale_entries;
+        d["writes"] = s.writes;
+        d["bytes"] = s.bytes;
+        d["flags"] = s.flags;
+        d["turns"] = s.turns;
+        d["naps"] = s.naps;
+        d["delay_samples"] = s.delay_samples;
+        d["delay_p50_ns"] = s.delay_p50_ns;
+        d["delay_p99_ns"] = s.delay_p99_ns;
+        return d;
+      });
+}

@@ -1,0 +1,385 @@
+// The proxy: executes a rank's stream tables (docs/PROTOCOL.md "Streams").
+//
+// One thread. Each turn it consumes new publish-ring entries (strictly in index order),
+// then lets every stream post at most one piece whose trigger holds, then (every ~100 ms)
+// watches the peers. It spins while there is progress and for spin_us after, then naps
+// nap_us per turn. Any failure sets the abort word (first writer wins) and stops posting.
+#include "proxy.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "control.h"
+
+namespace sparkccl {
+
+using namespace layout;
+
+namespace {
+
+const char* op_name(int op) { return op == 0 ? "AG" : op == 1 ? "RS" : "?"; }
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("Proxy: " + what);
+}
+
+constexpr uint64_t WATCH_NS = 100000000ull;  // peer liveness / abort check period
+constexpr size_t MAX_SAMPLES = 4096;
+
+}  // namespace
+
+Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
+             const std::vector<std::vector<int64_t>>& connections,
+             const std::vector<std::vector<int64_t>>& streams,
+             const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
+             uint64_t spin_us, uint64_t nap_us)
+    : rank_(rank), world_(world), ctl_(ctl), flags_(flags), spin_ns_(spin_us * 1000),
+      nap_ns_(nap_us * 1000),
+      reg_((need(world >= 1 && world <= 1024, "world out of range"),
+            need(rank >= 0 && rank < world, "rank out of range"),
+            need(slots.size() == size_t(NUM_REGIONS), "slots must have 3 entries"), rank),
+           world, slots) {
+  need(ctl != 0 && flags != 0, "null control or flags address");
+  for (int s : slots) need(s >= 1, "slots must be >= 1");
+  const uint64_t nflags = reg_.num_flags;
+  for (auto& c : connections) {
+    need(c.size() == 3, "connection rows are [peer, channel, root]");
+    need(c[0] >= 0 && c[0] < world && c[0] != rank, "connection peer out of range");
+    need(c[1] >= 0 && c[1] < CHANNELS && c[2] >= 0 && c[2] < MAX_ROOTS,
+         "connection channel/root out of range");
+    conns_.push_back(ConnInfo{int(c[0]), int(c[1]), int(c[2])});
+  }
+  for (auto& it : items) {
+    need(it.size() == 8, "item rows have 8 fields");
+    need(it[0] >= 0 && it[0] < NUM_REGIONS && it[2] >= 0 && it[2] < NUM_REGIONS,
+         "item region out of range");
+    need(it[1] >= 0 && it[3] >= 0, "item block negative");
+    need(it[5] >= 1 && it[5] <= 2 && it[4] >= 0 && it[4] < it[5], "item root/roots invalid");
+    need(it[7] >= 1 && it[7] <= 2 && it[6] >= 0 && it[6] < it[7], "item half/halves invalid");
+    items_.push_back(ItemRow{int(it[0]), int(it[1]), int(it[2]), int(it[3]), int(it[4]),
+                             int(it[5]), int(it[6]), int(it[7])});
+  }
+  for (auto& s : streams) {
+    need(s.size() == 7, "stream rows have 7 fields");
+    need(s[0] >= 0 && s[0] < NUM_OPS, "stream op out of range");
+    need(s[1] >= 0 && size_t(s[1]) < conns_.size(), "stream connection out of range");
+    need(s[2] >= 0 && uint64_t(s[2]) < nflags, "stream dst_flag out of range");
+    need(s[3] == 0 || s[3] == 1, "stream trigger kind must be 0 or 1");
+    if (s[3] == 0)
+      need(s[4] > 0 && s[4] < (int64_t(1) << 32), "publish trigger chunk mask out of range");
+    else
+      need(s[4] >= 0 && uint64_t(s[4]) < nflags, "relay trigger flag word out of range");
+    need(s[5] >= 0 && s[6] >= 0 && size_t(s[5] + s[6]) <= items_.size(),
+         "stream items out of range");
+    StreamRow row{int(s[0]), int(s[1]), uint64_t(s[2]), int(s[3]), uint64_t(s[4]),
+                  size_t(s[5]), size_t(s[6])};
+    ops_[row.op].streams.push_back(streams_.size());
+    streams_.push_back(row);
+  }
+  transport_ = make_shm_transport(&reg_, conns_);
+  samples_.reserve(MAX_SAMPLES);
+}
+
+Proxy::~Proxy() { stop(); }
+
+void Proxy::set_region(int region, uint64_t base, uint64_t stride, uint64_t size) {
+  need(region >= 0 && region < NUM_REGIONS, "region out of range");
+  reg_.stride[region].store(stride, std::memory_order_release);
+  reg_.size[region].store(size, std::memory_order_release);
+  reg_.base[region].store(base, std::memory_order_release);
+}
+
+void Proxy::set_peer(int peer, uint64_t ctl, uint64_t flags, uint64_t pid) {
+  need(peer >= 0 && peer < world_ && peer != rank_, "peer out of range");
+  auto& p = reg_.peers[peer];
+  p.ctl.store(ctl, std::memory_order_release);
+  p.flags.store(flags, std::memory_order_release);
+  p.pid.store(pid, std::memory_order_release);
+}
+
+void Proxy::set_peer_region(int peer, int region, uint64_t base, uint64_t size) {
+  need(peer >= 0 && peer < world_ && peer != rank_, "peer out of range");
+  need(region >= 0 && region < NUM_REGIONS, "region out of range");
+  reg_.peers[peer].size[region].store(size, std::memory_order_release);
+  reg_.peers[peer].base[region].store(base, std::memory_order_release);
+}
+
+void Proxy::start() {
+  if (started_) {
+    if (stop_.load()) throw std::runtime_error("Proxy: cannot restart a stopped proxy");
+    return;
+  }
+  started_ = true;
+  tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
+  transport_->start();
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (...) {
+    transport_->stop();
+    stop_.store(true);
+    throw;
+  }
+}
+
+void Proxy::stop() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  if (transport_) transport_->stop();
+}
+
+uint64_t Proxy::outstanding() const { return transport_->outstanding(); }
+
+void Proxy::fail(uint64_t code, const std::string& message) {
+  set_abort(ctl_, code, message);
+  aborted_ = true;
+}
+
+void Proxy::run() {
+  try {
+    uint64_t last_progress = now_ns();
+    uint64_t last_watch = last_progress;
+    uint64_t idle_turns = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      n_turns_.fetch_add(1, std::memory_order_relaxed);
+      if (!aborted_ && abort_code(ctl_) != ABORT_NONE) aborted_ = true;
+      bool progress = consume_ring();
+      if (!aborted_) progress |= advance_streams();
+      if (!aborted_) {
+        int conn = -1;
+        std::string cause;
+        if (!transport_->poll(&conn, &cause)) {
+          const ConnInfo& c = conns_[size_t(conn)];
+          fail(ABORT_TRANSPORT, "rank " + std::to_string(rank_) + ": " + transport_->name() +
+                                    " transport: connection " + std::to_string(conn) +
+                                    " (peer " + std::to_string(c.peer) + ", channel " +
+                                    std::to_string(c.channel) + ", root " +
+                                    std::to_string(c.root) + "): " + cause);
+        }
+      }
+      uint64_t t = now_ns();
+      if (progress) last_progress = t;
+      if (t - last_watch >= WATCH_NS) {
+        last_watch = t;
+        if (!aborted_) watch();
+      }
+      if (!aborted_ && t - last_progress < spin_ns_) {
+        if (progress) {
+          idle_turns = 0;
+        } else if (++idle_turns % 64 == 0) {
+          sched_yield();
+        } else {
+          cpu_relax();
+        }
+      } else {
+        n_naps_.fetch_add(1, std::memory_order_relaxed);
+        sleep_ns(nap_ns_ ? nap_ns_ : 1000);
+      }
+    }
+  } catch (const std::exception& e) {
+    fail(ABORT_TRANSPORT, "rank " + std::to_string(rank_) + ": proxy thread failed: " + e.what());
+  } catch (...) {
+    fail(ABORT_TRANSPORT, "rank " + std::to_string(rank_) + ": proxy thread failed");
+  }
+}
+
+bool Proxy::consume_ring() {
+  bool progress = false;
+  uint64_t* tail_word = word_at(ctl_, CTL_RING_TAIL);
+  for (int k = 0; k < 64; ++k) {
+    uint64_t ent = ctl_ + RING_OFFSET + (tail_ % RING_ENTRIES) * RING_ENTRY_BYTES;
+    if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
+    uint64_t seq = *word_at(ent, ENT_SEQ);
+    uint64_t slice = *word_at(ent, ENT_SLICE);
+    uint32_t op, piece, granule;
+    int32_t chunk;
+    std::memcpy(&op, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_OP)), 4);
+    std::memcpy(&piece, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_PIECE)), 4);
+    std::memcpy(&chunk, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), 4);
+    std::memcpy(&granule,
+                reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);
+    uint64_t index = tail_;
+    ++tail_;
+    store_release(tail_word, tail_);
+    n_entries_.fetch_add(1, std::memory_order_relaxed);
+    progress = true;
+
+    auto bad = [&](const std::string& why) {
+      if (!aborted_)
+        fail(ABORT_TRANSPORT, "rank " + std::to_string(rank_) + ": proxy: bad publish entry " +
+                                  std::to_string(index) + " (op " + std::to_string(op) +
+                                  ", seq " + std::to_string(seq) + ", piece " +
+                                  std::to_string(piece) + ", chunk " + std::to_string(chunk) +
+                                  "): " + why);
+    };
+    if (op >= uint32_t(NUM_OPS)) { bad("op out of range"); continue; }
+    if (piece >= uint32_t(geom::PIECES)) { bad("piece out of range"); continue; }
+    if (chunk < -1 || chunk >= 32) { bad("chunk out of range"); continue; }
+    if (granule == 0) { bad("granule is 0"); continue; }
+
+    OpState& o = ops_[op];
+    Coll* c = nullptr;
+    for (auto& h : o.hist)
+      if (h.seq == seq) { c = &h; break; }
+    if (!c) {
+      if (o.any && seq <= o.last_seq) {  // a collective every stream is done with
+        n_stale_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      Coll fresh{};
+      fresh.seq = seq;
+      fresh.slice = slice;
+      fresh.granule = granule;
+      o.hist.push_back(fresh);
+      o.any = true;
+      o.last_seq = seq;
+      c = &o.hist.back();
+    } else if (c->slice != slice || c->granule != granule) {
+      bad("slice/granule differ from the collective's first entry (" +
+          std::to_string(c->slice) + "/" + std::to_string(c->granule) + ")");
+      continue;
+    }
+    if (!c->seen_ns[piece]) c->seen_ns[piece] = now_ns();
+    if (chunk < 0)
+      c->all |= uint8_t(1u << piece);
+    else
+      c->chunks[piece] |= 1u << chunk;
+  }
+  if (progress) trim();
+  return progress;
+}
+
+bool Proxy::advance_streams() {
+  bool progress = false;
+  for (StreamRow& s : streams_) {
+    OpState& o = ops_[s.op];
+    uint64_t idx = s.coll - o.base;
+    if (idx >= o.hist.size()) continue;  // collective not issued here yet
+    Coll& c = o.hist[idx];
+    const int p = s.piece;
+    bool ready;
+    if (s.kind == 0) {
+      uint32_t mask = uint32_t(s.arg);
+      ready = ((c.all >> p) & 1u) || (c.chunks[p] & mask) == mask;
+    } else {
+      ready = load_acquire(word_at(flags_, s.arg * FLAG_BYTES)) >= geom::flag_value(c.seq, p);
+    }
+    if (!ready) continue;
+    if (!post_piece(s, c, p)) return progress;
+    if (s.kind == 0 && !((c.posted >> p) & 1u)) {
+      c.posted |= uint8_t(1u << p);
+      if (c.seen_ns[p]) record_delay(now_ns() - c.seen_ns[p]);
+    }
+    progress = true;
+    if (++s.piece == geom::PIECES) {
+      s.piece = 0;
+      ++s.coll;
+    }
+  }
+  if (progress) trim();
+  return progress;
+}
+
+bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
+  auto pb = geom::piece_bounds(c.slice, piece, c.granule);
+  std::string cause;
+  bool ok = true;
+  for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
+    const ItemRow& it = items_[i];
+    auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
+    uint64_t len = r.second - r.first;
+    if (!len) continue;
+    uint64_t src_off = (c.seq % reg_.slots[it.src_region]) *
+                           reg_.stride[it.src_region].load(std::memory_order_acquire) +
+                       uint64_t(it.src_block) * c.slice + r.first;
+    uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
+                           reg_.stride[it.dst_region].load(std::memory_order_acquire) +
+                       uint64_t(it.dst_block) * c.slice + r.first;
+    ok = transport_->write(s.conn, it.src_region, src_off, it.dst_region, dst_off, len, &cause);
+    if (ok) {
+      n_writes_.fetch_add(1, std::memory_order_relaxed);
+      n_bytes_.fetch_add(len, std::memory_order_relaxed);
+    }
+  }
+  if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, piece), &cause);
+  if (!ok) {
+    const ConnInfo& cn = conns_[size_t(s.conn)];
+    fail(ABORT_TRANSPORT,
+         "rank " + std::to_string(rank_) + ": " + transport_->name() + " transport: connection " +
+             std::to_string(s.conn) + " (peer " + std::to_string(cn.peer) + ", channel " +
+             std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
+             op_name(s.op) + " seq " + std::to_string(c.seq) + " piece " +
+             std::to_string(piece) + ": " + cause);
+    return false;
+  }
+  n_flags_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void Proxy::trim() {
+  for (auto& o : ops_) {
+    uint64_t low = o.base + o.hist.size();
+    for (size_t k : o.streams) low = std::min(low, streams_[k].coll);
+    while (o.base < low && !o.hist.empty()) {
+      o.hist.pop_front();
+      ++o.base;
+    }
+  }
+}
+
+void Proxy::watch() {
+  for (int p = 0; p < world_ && !aborted_; ++p) {
+    if (p == rank_) continue;
+    auto& peer = reg_.peers[p];
+    uint64_t pid = peer.pid.load(std::memory_order_acquire);
+    if (pid && kill(pid_t(pid), 0) != 0 && errno == ESRCH) {
+      fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
+                           " (pid " + std::to_string(pid) + ") exited");
+      break;
+    }
+    uint64_t pctl = peer.ctl.load(std::memory_order_acquire);
+    if (pctl && abort_code(pctl) != ABORT_NONE) {
+      fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
+                           " aborted: " + error_text(pctl));
+      break;
+    }
+  }
+}
+
+void Proxy::record_delay(uint64_t ns) {
+  std::lock_guard<std::mutex> lk(samples_mu_);
+  if (samples_.size() < MAX_SAMPLES)
+    samples_.push_back(ns);
+  else
+    samples_[samples_total_ % MAX_SAMPLES] = ns;
+  ++samples_total_;
+}
+
+ProxyStats Proxy::stats() {
+  ProxyStats st{};
+  st.entries = n_entries_.load();
+  st.stale_entries = n_stale_.load();
+  st.writes = n_writes_.load();
+  st.bytes = n_bytes_.load();
+  st.flags = n_flags_.load();
+  st.turns = n_turns_.load();
+  st.naps = n_naps_.load();
+  std::vector<uint64_t> s;
+  {
+    std::lock_guard<std::mutex> lk(samples_mu_);
+    s = samples_;
+    st.delay_samples = samples_total_;
+  }
+  if (!s.empty()) {
+    std::sort(s.begin(), s.end());
+    st.delay_p50_ns = s[s.size() / 2];
+    st.delay_p99_ns = s[std::min(s.size() - 1, s.size() * 99 / 100)];
+  }
+  return st;
+}
+
+}  // namespace sparkccl

@@ -1,0 +1,103 @@
+// The proxy: one thread per rank that executes the rank's stream tables
+// (RankPlan.to_tables(), docs/PROTOCOL.md "Streams") over a transport.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "geometry.h"
+#include "layout.h"
+#include "transport.h"
+
+namespace sparkccl {
+
+struct ProxyStats {
+  uint64_t entries, stale_entries, writes, bytes, flags, turns, naps;
+  uint64_t delay_samples, delay_p50_ns, delay_p99_ns;
+};
+
+class Proxy {
+ public:
+  Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
+        const std::vector<std::vector<int64_t>>& connections,
+        const std::vector<std::vector<int64_t>>& streams,
+        const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
+        uint64_t spin_us, uint64_t nap_us);
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  void set_region(int region, uint64_t base, uint64_t stride, uint64_t size);
+  void set_peer(int peer, uint64_t ctl, uint64_t flags, uint64_t pid);
+  void set_peer_region(int peer, int region, uint64_t base, uint64_t size);
+  void start();
+  void stop();
+  bool running() const { return thread_.joinable() && !stop_.load(); }
+  ProxyStats stats();
+  uint64_t outstanding() const;
+
+ private:
+  struct StreamRow {
+    int op, conn;
+    uint64_t dst_flag;
+    int kind;       // 0: publish trigger, 1: relay (flag) trigger
+    uint64_t arg;   // chunk mask, or local flag word
+    size_t first, n;
+    uint64_t coll = 0;  // cursor: collective index within its op
+    int piece = 0;
+  };
+  struct ItemRow {
+    int src_region, src_block, dst_region, dst_block, root, roots, half, halves;
+  };
+  struct Coll {
+    uint64_t seq, slice, granule;
+    uint32_t chunks[geom::PIECES];      // chunks published per piece
+    uint8_t all = 0;                    // pieces published for every chunk (chunk -1)
+    uint8_t posted = 0;                 // pieces that went out on some publish stream
+    uint64_t seen_ns[geom::PIECES];     // when the piece's first entry was consumed
+  };
+  struct OpState {
+    std::deque<Coll> hist;  // collectives still needed by some stream, in issue order
+    uint64_t base = 0;      // index of hist.front()
+    bool any = false;
+    uint64_t last_seq = 0;
+    std::vector<size_t> streams;
+  };
+
+  void run();
+  bool consume_ring();
+  bool advance_streams();
+  bool post_piece(StreamRow& s, Coll& c, int piece);
+  void trim();
+  void watch();
+  void fail(uint64_t code, const std::string& message);
+  void record_delay(uint64_t ns);
+
+  const int rank_, world_;
+  const uint64_t ctl_, flags_;
+  const uint64_t spin_ns_, nap_ns_;
+  Registry reg_;
+  std::vector<ConnInfo> conns_;
+  std::vector<StreamRow> streams_;
+  std::vector<ItemRow> items_;
+  OpState ops_[layout::NUM_OPS];
+  std::unique_ptr<Transport> transport_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  bool started_ = false;
+  bool aborted_ = false;
+  uint64_t tail_ = 0;
+
+  std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
+      n_turns_{0}, n_naps_{0};
+  std::mutex samples_mu_;
+  std::vector<uint64_t> samples_;
+  uint64_t samples_total_ = 0;
+};
+
+}  // namespace sparkccl

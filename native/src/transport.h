@@ -1,0 +1,72 @@
+// The transport contract (SPEC §7), shaped like RC queue pairs: per connection an ordered
+// stream of write(local off, len, remote off) and flag(remote word, value), where a flag
+// becomes visible only after every earlier write on that connection, plus polling for
+// asynchronous completion errors. The proxy is the only caller (one thread).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layout.h"
+
+namespace sparkccl {
+
+// What a proxy knows about memory: local regions and each peer's segments as mapped in
+// this process. Python threads write it (set_region / set_peer*), the proxy thread reads
+// it when posting, hence atomics. Region sizes default to slots * stride.
+struct Registry {
+  struct Peer {
+    std::atomic<uint64_t> ctl{0}, flags{0}, pid{0};
+    std::atomic<uint64_t> base[layout::NUM_REGIONS]{}, size[layout::NUM_REGIONS]{};
+  };
+
+  Registry(int rank_, int world_, const std::vector<int>& slots_)
+      : rank(rank_), world(world_), num_flags(layout::num_flag_words(world_)),
+        peers(new Peer[size_t(world_)]) {
+    for (int r = 0; r < layout::NUM_REGIONS; ++r) slots[r] = uint64_t(slots_[size_t(r)]);
+  }
+
+  uint64_t local_size(int r) const {
+    uint64_t s = size[r].load(std::memory_order_acquire);
+    return s ? s : slots[r] * stride[r].load(std::memory_order_acquire);
+  }
+  uint64_t peer_size(int p, int r) const {
+    uint64_t s = peers[p].size[r].load(std::memory_order_acquire);
+    return s ? s : slots[r] * stride[r].load(std::memory_order_acquire);
+  }
+
+  const int rank, world;
+  const uint64_t num_flags;
+  uint64_t slots[layout::NUM_REGIONS];
+  std::atomic<uint64_t> base[layout::NUM_REGIONS]{}, stride[layout::NUM_REGIONS]{},
+      size[layout::NUM_REGIONS]{};
+  std::unique_ptr<Peer[]> peers;
+};
+
+struct ConnInfo {
+  int peer, channel, root;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  virtual void start() = 0;
+  virtual void stop() = 0;  // joins every worker; idempotent
+  // Post in order on connection `conn`. Returns false with *cause set on a failure found
+  // at post time (bounds, unregistered memory); nothing is posted then.
+  virtual bool write(int conn, int src_region, uint64_t src_off, int dst_region,
+                     uint64_t dst_off, uint64_t len, std::string* cause) = 0;
+  virtual bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) = 0;
+  // Asynchronous completions: false with *conn / *cause for the first failed operation.
+  virtual bool poll(int* conn, std::string* cause) = 0;
+  // Operations posted and not yet completed (all connections).
+  virtual uint64_t outstanding() const = 0;
+};
+
+// shm: peers' segments are mapped in this process; one ordered copy worker per connection.
+std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInfo> conns);
+
+}  // namespace sparkccl

@@ -1,0 +1,501 @@
+"""Tests of the native layer (sparkccl._native): layout and geometry drift, the publish
+ring, flag waits, the abort word, and the proxy + shm transport end to end with every
+rank of a world living in this one process."""
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparkccl import layout as L
+from sparkccl.plan import geometry as G
+from sparkccl.plan.build import build_plan
+from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
+
+N = pytest.importorskip("sparkccl._native")
+
+SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
+PID = os.getpid()
+
+
+# ---------------------------------------------------------------- layout and geometry
+
+def test_layout_matches_python():
+    native = N.layout()
+    expected = {k: v for k, v in vars(L).items() if k.isupper() and isinstance(v, int)}
+    assert native == expected
+
+
+def test_piece_bounds_match_python():
+    for granule in (16, 32, 48, 96, 112, 256, 4096 + 16):
+        for size in range(0, 5001, 7):
+            for c in range(G.PIECES):
+                assert N.piece_bounds(size, c, granule) == G.piece_bounds(size, c, granule), (size, c, granule)
+    for size in (2**31 + 5, 2**40 + 12345, 123456789):
+        for c in range(G.PIECES):
+            assert N.piece_bounds(size, c, 16) == G.piece_bounds(size, c, 16)
+
+
+def test_sub_range_matches_python():
+    parts = [G.Part(r, rs, h, hs) for rs in (1, 2) for r in range(rs) for hs in (1, 2) for h in range(hs)]
+    for size in range(0, 5001, 13):
+        for granule in (16, 48):
+            for c in range(G.PIECES):
+                lo, hi = G.piece_bounds(size, c, granule)
+                for p in parts:
+                    assert N.sub_range(lo, hi, *p) == G.sub_range(lo, hi, p), (size, c, p)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError):
+        N.piece_bounds(100, 8, 16)
+    with pytest.raises(ValueError):
+        N.piece_bounds(100, 0, 0)
+
+
+# ---------------------------------------------------------------- memory helpers
+
+class Buf:
+    """Anonymous shared mapping with a numpy view and its address."""
+
+    def __init__(self, nbytes: int):
+        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        self.a = np.frombuffer(self.mm, dtype=np.uint8)
+        self.addr = self.a.ctypes.data
+
+
+class Ctl:
+    def __init__(self, world: int):
+        nfw = num_flag_words(world)
+        self.buf = Buf(L.control_bytes(nfw))
+        self.addr = self.buf.addr
+        self.flags_addr = self.addr + L.FLAGS_OFFSET
+        self.flags = self.buf.a[L.FLAGS_OFFSET:L.FLAGS_OFFSET + 8 * nfw].view(np.uint64)
+        N.init_control(self.addr, PID)
+
+    def word(self, off: int) -> int:
+        return int(self.buf.a[off:off + 8].view(np.uint64)[0])
+
+
+def test_init_control():
+    c = Ctl(2)
+    assert c.word(L.CTL_MAGIC) == L.CTL_MAGIC_VALUE
+    assert c.word(L.CTL_PID) == PID
+    assert N.abort_code(c.addr) == 0 and N.error_text(c.addr) == ""
+
+
+# ---------------------------------------------------------------- abort word
+
+def test_set_abort_first_writer_wins():
+    c = Ctl(2)
+    assert N.set_abort(c.addr, L.ABORT_USER, "first failure")
+    assert not N.set_abort(c.addr, L.ABORT_PEER, "second failure")
+    assert N.abort_code(c.addr) == L.ABORT_USER
+    assert N.error_text(c.addr) == "first failure"
+
+
+def test_set_abort_long_message_truncated():
+    c = Ctl(2)
+    assert N.set_abort(c.addr, L.ABORT_TRANSPORT, "x" * 5000)
+    assert N.error_text(c.addr) == "x" * (L.ERROR_BYTES - 1)
+
+
+def test_set_abort_race_has_one_winner():
+    c = Ctl(2)
+    wins = []
+    barrier = threading.Barrier(4)
+
+    def go(i):
+        barrier.wait()
+        if N.set_abort(c.addr, L.ABORT_USER, f"writer {i}"):
+            wins.append(i)
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert len(wins) == 1
+    assert N.error_text(c.addr) == f"writer {wins[0]}"
+
+
+# ---------------------------------------------------------------- publish ring and waits
+
+def ring_entry(c: Ctl, index: int) -> dict:
+    off = L.RING_OFFSET + (index % L.RING_ENTRIES) * L.RING_ENTRY_BYTES
+    e = c.buf.a[off:off + L.RING_ENTRY_BYTES]
+    u64 = lambda o: int(e[o:o + 8].view(np.uint64)[0])  # noqa: E731
+    u32 = lambda o: int(e[o:o + 4].view(np.uint32)[0])  # noqa: E731
+    return dict(tag=u64(L.ENT_TAG), seq=u64(L.ENT_SEQ), slice=u64(L.ENT_SLICE), lo=u64(L.ENT_LO),
+                hi=u64(L.ENT_HI), op=u32(L.ENT_OP), piece=u32(L.ENT_PIECE),
+                chunk=int(e[L.ENT_CHUNK:L.ENT_CHUNK + 4].view(np.int32)[0]), granule=u32(L.ENT_GRANULE))
+
+
+def test_publish_writes_entry():
+    c = Ctl(2)
+    assert N.publish(c.addr, 1, 7, 3, -1, 1000, 16, 1.0) == 0
+    assert N.publish(c.addr, 0, 8, 7, 2, 4800, 48, 1.0) == 0
+    e0, e1 = ring_entry(c, 0), ring_entry(c, 1)
+    assert e0 == dict(tag=1, seq=7, slice=1000, lo=G.piece_bounds(1000, 3)[0],
+                      hi=G.piece_bounds(1000, 3)[1], op=1, piece=3, chunk=-1, granule=16)
+    assert e1["tag"] == 2 and e1["chunk"] == 2 and (e1["lo"], e1["hi"]) == G.piece_bounds(4800, 7, 48)
+    assert c.word(L.CTL_RING_HEAD) == 2
+
+
+def test_ring_never_overrun():
+    c = Ctl(2)
+    proxy = N.Proxy(0, 2, c.addr, c.flags_addr, [], [], [], spin_us=1000, nap_us=50)
+    done = []
+
+    def producer():
+        for i in range(1000):
+            assert N.publish(c.addr, 0, i, i % 8, -1, 4096, 16, 30.0) == 0
+            done.append(i)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert len(done) == L.RING_ENTRIES  # blocked on the 257th, not overwriting
+        assert c.word(L.CTL_RING_TAIL) == 0
+        assert [ring_entry(c, i)["tag"] for i in range(L.RING_ENTRIES)] == list(range(1, 257))
+        assert [ring_entry(c, i)["seq"] for i in range(L.RING_ENTRIES)] == list(range(256))
+        proxy.start()
+        t.join(20)
+        assert not t.is_alive()
+        deadline = time.time() + 5
+        while proxy.stats()["entries"] < 1000 and time.time() < deadline:
+            time.sleep(0.01)
+        assert proxy.stats()["entries"] == 1000
+        assert c.word(L.CTL_RING_TAIL) == 1000
+        assert N.abort_code(c.addr) == 0
+    finally:
+        proxy.stop()
+        t.join(5)
+
+
+def test_publish_timeout_sets_abort():
+    c = Ctl(2)
+    for i in range(L.RING_ENTRIES):
+        assert N.publish(c.addr, 0, 0, 0, -1, 16, 16, 1.0) == 0
+    t0 = time.monotonic()
+    assert N.publish(c.addr, 0, 0, 0, -1, 16, 16, 0.2) == L.ABORT_TIMEOUT
+    assert 0.15 < time.monotonic() - t0 < 2
+    assert N.abort_code(c.addr) == L.ABORT_TIMEOUT
+    assert "ring full" in N.error_text(c.addr)
+    # Later publishes return the abort code at once.
+    assert N.publish(c.addr, 0, 1, 0, -1, 16, 16, 5.0) == L.ABORT_TIMEOUT
+
+
+def test_wait_flags():
+    c = Ctl(2)
+    c.flags[3] = 5
+    c.flags[4] = 9
+    assert N.wait_flags(c.addr, c.flags_addr, [3, 4], 5, 1.0) == (0, -1)
+    assert N.wait_flags(c.addr, c.flags_addr, [], 5, 1.0) == (0, -1)
+    t0 = time.monotonic()
+    assert N.wait_flags(c.addr, c.flags_addr, [4, 3], 6, 0.1) == (L.ABORT_TIMEOUT, 1)
+    assert 0.05 < time.monotonic() - t0 < 2
+    assert N.abort_code(c.addr) == 0  # the caller composes the message
+
+    def later():
+        time.sleep(0.1)
+        c.flags[3] = 6
+
+    t = threading.Thread(target=later)
+    t.start()
+    assert N.wait_flags(c.addr, c.flags_addr, [4, 3], 6, 10.0) == (0, -1)
+    t.join()
+
+    def abort_later():
+        time.sleep(0.1)
+        N.set_abort(c.addr, L.ABORT_USER, "closed")
+
+    t = threading.Thread(target=abort_later)
+    t.start()
+    assert N.wait_flags(c.addr, c.flags_addr, [4, 3, 2], 7, 10.0) == (L.ABORT_USER, 1)
+    t.join()
+
+
+# ---------------------------------------------------------------- end to end (shm, in-process)
+
+class World:
+    """W ranks in this process: control/flags and regions per rank, one Proxy each."""
+
+    def __init__(self, topology: str, world: int, roots: int, max_slice: int,
+                 spin_us: int = 2000, nap_us: int = 50):
+        self.world = world
+        self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
+        self.ctl = [Ctl(world) for _ in range(world)]
+        blocks = [world, world, self.plans[0].rs_recv_blocks]
+        self.stride = [L.slot_stride(b * max_slice) for b in blocks]
+        self.regions = [[Buf(SLOTS[g] * self.stride[g]) for g in range(3)] for _ in range(world)]
+        self.proxies = []
+        for r, plan in enumerate(self.plans):
+            t = plan.to_tables()
+            p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].flags_addr, t["connections"],
+                        t["streams"], t["items"], SLOTS, spin_us, nap_us)
+            for g in range(3):
+                p.set_region(g, self.regions[r][g].addr, self.stride[g])
+            for q in range(world):
+                if q == r:
+                    continue
+                p.set_peer(q, self.ctl[q].addr, self.ctl[q].flags_addr, PID)
+                for g in range(3):
+                    p.set_peer_region(q, g, self.regions[q][g].addr)
+            self.proxies.append(p)
+        self.seq = 0
+
+    def start(self):
+        for p in self.proxies:
+            p.start()
+
+    def stop(self):
+        for p in self.proxies:
+            p.stop()
+
+    def block(self, r, region, seq, b, slice_):
+        off = (seq % SLOTS[region]) * self.stride[region] + b * slice_
+        return self.regions[r][region].a[off:off + slice_]
+
+    def wait_all(self, op, seq, timeout=20.0):
+        for r, plan in enumerate(self.plans):
+            for src in range(self.world):
+                for c in range(G.PIECES):
+                    words = list(plan.waits[op][src])
+                    got = N.wait_flags(self.ctl[r].addr, self.ctl[r].flags_addr, words,
+                                       G.flag_value(seq, c), timeout)
+                    assert got == (0, -1), (r, src, c, got, N.error_text(self.ctl[r].addr))
+
+    def check_healthy(self):
+        for r in range(self.world):
+            assert N.abort_code(self.ctl[r].addr) == 0, N.error_text(self.ctl[r].addr)
+
+
+def pattern(seq, origin, chunk, n):
+    return np.random.default_rng([seq, origin, chunk, n]).integers(0, 256, n, dtype=np.uint8)
+
+
+def run_ag(w: World, slice_: int):
+    seq, W = w.seq, w.world
+    for r in range(W):
+        for b in range(W):
+            w.block(r, Region.AG, seq, b, slice_)[:] = pattern(seq, r, 0, slice_) if b == r else 0xEE
+    for c in range(G.PIECES):
+        for r in range(W):
+            assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
+    w.wait_all(Op.AG, seq)
+    for r in range(W):
+        for b in range(W):
+            got = w.block(r, Region.AG, seq, b, slice_)
+            assert np.array_equal(got, pattern(seq, b, 0, slice_)), ("AG", r, b, slice_, seq)
+    w.seq += 1
+
+
+def run_rs(w: World, slice_: int, finalize: bool = False, granule: int = 16, rng=None):
+    seq, W = w.seq, w.world
+    for r in range(W):
+        for j in range(W):
+            w.block(r, Region.RS_SEND, seq, j, slice_)[:] = pattern(seq, r, j, slice_)
+        for b in range(w.plans[r].rs_recv_blocks):
+            w.block(r, Region.RS_RECV, seq, b, slice_)[:] = 0xEE
+    if not finalize:
+        for c in range(G.PIECES):
+            for r in range(W):
+                assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, -1, slice_, granule, 5.0) == 0
+    else:
+        # Finalize-style: one entry per (piece, destination chunk), in a scrambled order.
+        for r in range(W):
+            order = [(c, j) for c in range(G.PIECES) for j in range(W)]
+            rng.shuffle(order)
+            for c, j in order:
+                assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, j, slice_, granule, 5.0) == 0
+    w.wait_all(Op.RS, seq)
+    for r in range(W):
+        for i in range(W):
+            if i == r:
+                continue
+            got = w.block(r, Region.RS_RECV, seq, i, slice_)
+            assert np.array_equal(got, pattern(seq, i, r, slice_)), ("RS", r, i, slice_, seq)
+    w.seq += 1
+
+
+SLICES = [1, 15, 16, 17, 1000, 4096 * 3 + 5]
+CONFIGS = ([("mesh", w, roots) for w in (2, 3, 4, 8) for roots in (1, 2)]
+           + [("ring", w, roots) for w in (2, 3, 4, 5, 6) for roots in (1, 2)])
+
+
+@pytest.mark.parametrize("topology,world,roots", CONFIGS)
+def test_end_to_end(topology, world, roots):
+    w = World(topology, world, roots, max(SLICES))
+    w.start()
+    try:
+        for slice_ in SLICES:
+            # AG, RS, RS, AG per size: sequence numbers rotate through every slot.
+            run_ag(w, slice_)
+            run_rs(w, slice_)
+            run_rs(w, slice_)
+            run_ag(w, slice_)
+        w.check_healthy()
+        st = w.proxies[0].stats()
+        assert st["entries"] == 8 * w.seq and st["flags"] > 0 and st["writes"] > 0
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 4), ("mesh", 8), ("ring", 4), ("ring", 5), ("ring", 6)])
+def test_finalize_style_publishes(topology, world):
+    row = 48
+    rng = np.random.default_rng(1)
+    w = World(topology, world, 2, 64 * row)
+    w.start()
+    try:
+        for rows in (8, 13, 37, 64):
+            run_rs(w, rows * row, finalize=True, granule=row, rng=rng)
+            run_ag(w, rows * row)
+        run_rs(w, 5 * row, finalize=True, granule=row, rng=rng)
+        w.check_healthy()
+    finally:
+        w.stop()
+
+
+def test_many_collectives_in_flight():
+    """Publishes of several collectives before any wait (the proxy keeps a history)."""
+    w = World("ring", 4, 2, 4096)
+    w.start()
+    try:
+        slice_ = 4096
+        base = w.seq
+        for k in range(3):  # three all-gathers published back to back: slots 0,1,2
+            seq = base + k
+            for r in range(4):
+                w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
+            for c in range(G.PIECES):
+                for r in range(4):
+                    assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        for k in range(3):
+            seq = base + k
+            w.wait_all(Op.AG, seq)
+            for r in range(4):
+                for b in range(4):
+                    assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+        w.check_healthy()
+    finally:
+        w.stop()
+
+
+def test_proxy_stop_idempotent_and_restart_refused():
+    w = World("mesh", 2, 2, 64)
+    w.start()
+    w.start()
+    run_ag(w, 64)
+    w.stop()
+    w.stop()
+    with pytest.raises(RuntimeError):
+        w.proxies[0].start()
+    del w  # destructors after stop are fine
+
+
+def test_proxy_destructor_stops_running_proxy():
+    w = World("ring", 3, 2, 64)
+    w.start()
+    run_ag(w, 64)
+    w.proxies.clear()  # destructors join the threads
+
+
+# ---------------------------------------------------------------- failures
+
+def test_dead_peer_sets_abort_peer():
+    proc = subprocess.Popen(["sleep", "0"])
+    proc.wait()
+    dead = proc.pid
+    c0, c1 = Ctl(2), Ctl(2)
+    t = build_plan("mesh", 2, 0, 2).to_tables()
+    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                spin_us=0, nap_us=200)
+    p.set_peer(1, c1.addr, c1.flags_addr, dead)
+    p.start()
+    try:
+        deadline = time.monotonic() + 2
+        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.abort_code(c0.addr) == L.ABORT_PEER
+        assert N.error_text(c0.addr) == f"rank 0: peer 1 (pid {dead}) exited"
+        # A blocked data-plane wait sees it.
+        assert N.wait_flags(c0.addr, c0.flags_addr, [4], 1, 5.0) == (L.ABORT_PEER, 0)
+    finally:
+        p.stop()
+
+
+def test_peer_abort_propagates():
+    c0, c1 = Ctl(2), Ctl(2)
+    t = build_plan("mesh", 2, 0, 2).to_tables()
+    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                spin_us=0, nap_us=200)
+    p.set_peer(1, c1.addr, c1.flags_addr, PID)
+    p.start()
+    try:
+        time.sleep(0.15)
+        assert N.abort_code(c0.addr) == 0
+        N.set_abort(c1.addr, L.ABORT_TIMEOUT, "rank 1: wait for rank 0 timed out")
+        deadline = time.monotonic() + 2
+        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.abort_code(c0.addr) == L.ABORT_PEER
+        assert N.error_text(c0.addr) == "rank 0: peer 1 aborted: rank 1: wait for rank 0 timed out"
+    finally:
+        p.stop()
+
+
+def test_out_of_bounds_write_is_transport_error():
+    w = World("mesh", 3, 2, 4096)
+    # Rank 0 believes rank 2's RS recv region is one page only: writes there must fail cleanly.
+    w.proxies[0].set_peer_region(2, int(Region.RS_RECV), w.regions[2][2].addr, size=4096)
+    w.start()
+    try:
+        slice_ = 4096
+        for r in range(3):
+            for c in range(G.PIECES):
+                assert N.publish(w.ctl[r].addr, int(Op.RS), 1, c, -1, slice_, 16, 5.0) == 0
+        deadline = time.monotonic() + 5
+        while N.abort_code(w.ctl[0].addr) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TRANSPORT
+        text = N.error_text(w.ctl[0].addr)
+        assert text.startswith("rank 0: shm transport: connection") and "peer 2" in text
+        assert "RS_RECV" in text and "root" in text
+    finally:
+        w.stop()
+
+
+def test_unregistered_region_is_transport_error():
+    c0, c1 = Ctl(2), Ctl(2)
+    t = build_plan("mesh", 2, 0, 1).to_tables()
+    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                spin_us=1000, nap_us=50)
+    p.set_peer(1, c1.addr, c1.flags_addr, PID)
+    p.start()
+    try:
+        assert N.publish(c0.addr, 0, 0, 0, -1, 64, 16, 5.0) == 0
+        deadline = time.monotonic() + 5
+        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.abort_code(c0.addr) == L.ABORT_TRANSPORT
+        assert "not registered" in N.error_text(c0.addr)
+    finally:
+        p.stop()
+
+
+def test_bad_tables_raise():
+    c = Ctl(2)
+    with pytest.raises(ValueError):
+        N.Proxy(0, 2, c.addr, c.flags_addr, [[0, 0, 0]], [], [])  # connection to self
+    with pytest.raises(ValueError):
+        N.Proxy(0, 2, c.addr, c.flags_addr, [[1, 0, 0]], [[0, 5, 0, 0, 1, 0, 0]], [])
+    with pytest.raises(ValueError):
+        N.Proxy(0, 2, c.addr, c.flags_addr, [[1, 0, 0]], [[0, 0, 0, 0, 1, 0, 1]], [])
+    with pytest.raises(ValueError):
+        N.Proxy(2, 2, c.addr, c.flags_addr, [], [], [])
