@@ -1,0 +1,150 @@
+"""Bootstrap over a torch.distributed Store: a unique id, an exchange, barriers, validation.
+
+Every communicator gets a random token from rank 0; all its keys live under
+``sparkccl/<token>/`` so communicators sharing a store (or a host) never collide. The
+token itself is found under ``sparkccl/token/<n>``, where n counts the communicators each
+rank has built on this store (a counter kept in the store, per rank, so it agrees across
+ranks that build communicators in the same order, even if they recreate Store objects).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from .errors import CollectiveError
+
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.05
+
+
+def resolve_group(group, store, rank, world_size):
+    """-> (store, rank, world_size, description). Explicit store wins over a group."""
+    if store is not None:
+        if group is not None:
+            raise ValueError("pass either group= or store= (with rank= and world_size=), not both")
+        if rank is None or world_size is None:
+            raise ValueError("store= needs rank= and world_size= too")
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..world_size-1 = 0..{world_size - 1}, got {rank}")
+        if not hasattr(store, "set") or not hasattr(store, "get"):
+            raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        return store, rank, world_size, "store"
+    import torch.distributed as dist
+    if rank is not None or world_size is not None:
+        raise ValueError("rank= and world_size= go with store=; with a process group they "
+                         "come from the group")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("no process group: call torch.distributed.init_process_group() first, "
+                         "or pass store=, rank= and world_size=")
+    from torch.distributed import distributed_c10d as c10d
+    if group is None:
+        group = dist.group.WORLD
+    try:
+        pg_store = c10d._get_process_group_store(group)
+    except Exception:
+        if group is not dist.group.WORLD:
+            raise ValueError("cannot find the store of this process group") from None
+        pg_store = c10d._get_default_store()
+    r, w = dist.get_rank(group), dist.get_world_size(group)
+    if r < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return pg_store, r, w, "group"
+
+
+def _poll(cond: Callable[[], bool], deadline: float, abort_check: Callable[[], None] | None):
+    delay = POLL_MIN_S
+    while True:
+        if cond():
+            return True
+        if abort_check is not None:
+            abort_check()
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+class Rendezvous:
+    """Keyed exchange among the ranks of one communicator."""
+
+    def __init__(self, store, prefix: str, rank: int, world: int, timeout_s: float):
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+
+    def key(self, *parts) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _wait_all(self, name: str, what: str, abort_check=None) -> None:
+        keys = [self.key(name, r) for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        if _poll(lambda: self.store.check(keys), deadline, abort_check):
+            return
+        missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+        raise CollectiveError(
+            f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for rank(s) "
+            f"{', '.join(map(str, missing))} to {what} (did they crash, or not create the "
+            "communicator / call the same collectives?)",
+            rank=self.rank, peer=missing[0] if missing else None)
+
+    def exchange(self, name: str, value: Any, what: str = "join", abort_check=None) -> list:
+        """Publish ``value`` (JSON) and return every rank's value, in rank order."""
+        self.store.set(self.key(name, self.rank), json.dumps(value))
+        self._wait_all(name, what, abort_check)
+        return [json.loads(self.store.get(self.key(name, r))) for r in range(self.world)]
+
+    def barrier(self, name: str, what: str, abort_check=None) -> None:
+        self.store.set(self.key(name, self.rank), "1")
+        self._wait_all(name, what, abort_check)
+
+
+def new_token(store, rank: int, world: int, timeout_s: float) -> str:
+    """A random id shared by the ranks of the communicator being built."""
+    n = store.add(f"sparkccl/count/r{rank}", 1)
+    key = f"sparkccl/token/{n}"
+    if rank == 0:
+        token = secrets.token_hex(6)
+        store.set(key, token)
+        return token
+    deadline = time.monotonic() + timeout_s
+    if not _poll(lambda: store.check([key]), deadline, None):
+        raise CollectiveError(
+            f"rank {rank}: timed out after {timeout_s:g} s waiting for rank 0 to create "
+            f"communicator #{n} on this store (all {world} ranks must construct it)",
+            rank=rank, peer=0)
+    return store.get(key).decode()
+
+
+def describe_disagreement(field: str, values: list) -> str | None:
+    """``None`` if all equal, else "field: 'a' on ranks 0, 1; 'b' on rank 2"."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(repr(v), []).append(r)
+    if len(groups) == 1:
+        return None
+    parts = []
+    for v, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1])):
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{v} on {label} {', '.join(map(str, ranks))}")
+    return f"{field}: " + "; ".join(parts)
+
+
+def validate(infos: list[dict], fields: tuple[str, ...]) -> None:
+    """Raise one ValueError naming every field the ranks disagree on (same on every rank)."""
+    problems = [p for f in fields
+                if (p := describe_disagreement(f, [i.get(f) for i in infos])) is not None]
+    if problems:
+        raise ValueError("sparkccl.Communicator: ranks disagree on its settings; pass the same "
+                         "values on every rank:\n  " + "\n  ".join(problems))
+
+
+def timedelta_s(s: float) -> timedelta:
+    return timedelta(seconds=s)

@@ -1,0 +1,527 @@
+"""The Communicator: bootstrap, shared segments, the collectives, lifetime.
+
+::
+
+    import sparkccl, torch
+    with sparkccl.Communicator(store=store, rank=r, world_size=w) as comm:
+        y = comm.all_gather(x)            # [w * x.shape[0], *x.shape[1:]]
+        z = comm.reduce_scatter(y)        # [y.shape[0] // w, ...], fp32 sum in rank order
+
+All ranks must create the communicator together and call the same collectives in the same
+order with the same shapes (SPEC §3). See ``sparkccl/config.py`` for settings.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+
+import torch
+
+from . import bootstrap, config, layout, shm
+from .dataplane.cpu import CpuDataPlane, ring_view
+from .errors import CollectiveError
+from .plan.build import TOPOLOGIES, build_plan
+from .plan.geometry import ALIGN, round_up
+from .plan.model import REGION_SLOTS, Region
+
+log = logging.getLogger("sparkccl")
+
+TRANSPORTS = ("auto", "shm")
+RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+AG_SLOTS = REGION_SLOTS[Region.AG]
+RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
+PROTOCOL_VERSION = 1
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _native():
+    try:
+        from . import _native as nat
+    except ImportError as e:  # pragma: no cover - depends on the build
+        raise ImportError("sparkccl's native module is not built: reinstall with "
+                          "`pip install --no-build-isolation -e .` (needs a C++17 compiler and "
+                          f"cmake): {e}") from e
+    return nat
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class Communicator:
+    """A group of ranks that run all-gather and reduce-scatter together.
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup to bootstrap over (its store is used;
+            default: the default group). Mutually exclusive with ``store``.
+        store: a ``torch.distributed.Store`` shared by the ranks, with ``rank`` and
+            ``world_size``.
+        device: where collective inputs live; only ``"cpu"`` for now (the default).
+        topology: ``"mesh"`` (every rank reaches every other) or ``"ring"`` (neighbours only,
+            relays for the rest); results are bit-identical.
+        transport: ``"auto"`` (``"shm"`` when all ranks are on one host) or ``"shm"``.
+        slot_bytes: capacity of one slot = the whole gathered / reduce-scattered tensor of
+            one collective (world x slice bytes); larger inputs are split into several
+            collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB.
+        timeout_s: how long a collective (and the bootstrap) may wait for peers before it
+            raises ``CollectiveError``. Default ``SPARKCCL_TIMEOUT_S`` or 120 s.
+
+    Attributes ``rank``, ``world_size``, ``topology``, ``transport``, ``slot_bytes``,
+    ``timeout_s``, ``pinned_bytes`` (shared memory this rank holds; grows by the
+    reduce-scatter buffers on first reduce-scatter, unless ``SPARKCCL_RS_UP_FRONT=1``).
+
+    Settings every rank must agree on (checked at creation, where every rank raises the
+    same ``ValueError`` naming the ranks that disagree): topology, transport, world size,
+    slot size, roots, ``SPARKCCL_RS_UP_FRONT``. All ranks must also call the same
+    collectives in the same order with the same shapes; a size mismatch is detected on the
+    first piece of the collective where it occurs (``CollectiveError``, after sending,
+    when ``SPARKCCL_CHECK_SIZES`` is on) or shows as a timeout.
+    """
+
+    def __init__(self, group=None, *, store=None, rank=None, world_size=None, device=None,
+                 topology: str = "mesh", transport: str = "auto", slot_bytes=None,
+                 timeout_s=None):
+        self._closed = True  # until fully built
+        self._segments: list[shm.Segment] = []
+        self._names: list[str] = []
+        self._proxy = None
+        for name, v in (("topology", topology), ("transport", transport)):
+            if not isinstance(v, str):
+                raise TypeError(f"{name} must be a str, got {type(v).__name__}")
+        if timeout_s is not None and (isinstance(timeout_s, bool)
+                                      or not isinstance(timeout_s, (int, float))):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        dev = torch.device("cpu" if device is None else device)
+        if dev.type != "cpu":
+            raise ValueError(f"device={str(dev)!r}: only CPU tensors are supported so far "
+                             "(device='cpu'); the GPU data plane is not available yet")
+        self.device = dev
+
+        st, r, w, how = bootstrap.resolve_group(group, store, rank, world_size)
+        self.rank, self.world_size = r, w
+        self._settings = s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s,
+                                            local_ranks=w)
+        self.slot_bytes = s.slot_bytes
+        self.timeout_s = s.timeout_s
+        self.topology = topology
+        self._nat = _native()
+
+        token = bootstrap.new_token(st, r, w, s.timeout_s)
+        self.token = token
+        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, s.timeout_s)
+        info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
+                    slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
+                    host=socket.gethostname(), uid=os.getuid(), pid=os.getpid())
+        infos = rv.exchange("info", info, "join the communicator")
+        bootstrap.validate(infos, ("version", "world", "topology", "transport", "slot_bytes",
+                                   "roots", "rs_up_front"))
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: only 'shm' (ranks on one host) or "
+                             "'auto' are available; tcp and verbs are not implemented yet")
+        hosts = [i["host"] for i in infos]
+        if len(set(hosts)) != 1:
+            p = bootstrap.describe_disagreement("host", hosts)
+            raise ValueError("sparkccl.Communicator: ranks run on different hosts, and only the "
+                             f"'shm' transport (one host) is available yet; tcp and verbs are "
+                             f"not implemented ({p})")
+        bootstrap.validate(infos, ("uid",))
+        self.transport = "shm"
+        self._pids = [int(i["pid"]) for i in infos]
+        self.plan = build_plan(topology, w, r, s.roots)
+
+        # Sizes: every rank computes the same from the agreed settings.
+        self._max_slice = (s.slot_bytes // w) // ALIGN * ALIGN
+        if self._max_slice < ALIGN:
+            raise ValueError(f"slot_bytes={s.slot_bytes} is too small for world {w}")
+        self._ag_stride = layout.slot_stride(s.slot_bytes)
+        self._rs_send_stride = layout.slot_stride(s.slot_bytes)
+        self._rs_recv_stride = layout.slot_stride(self.plan.rs_recv_blocks * self._max_slice)
+        self._ctl_bytes = layout.control_bytes(self.plan.num_flag_words)
+        self._ag_bytes = AG_SLOTS * self._ag_stride
+        self._rs_bytes = RS_SLOTS * (self._rs_send_stride + self._rs_recv_stride)
+
+        self._seq = 0
+        self._rs_count = 0
+        self._rs_ready = False
+        self._handout = None  # (tensor data_ptr, nbytes, slot parity, rs_count) of the zero-copy buffer
+        self._lock = threading.Lock()
+        self._peer_segs: dict[tuple[int, str], shm.Segment] = {}
+        self.pinned_bytes = 0
+        try:
+            self._setup(s)
+        except BaseException:
+            self._teardown(barrier=False)
+            raise
+        self._closed = False
+        with _live_lock:
+            _live.add(self)
+        rs_note = ("reduce-scatter buffers held" if self._rs_ready else
+                   f"+{_mib(self._rs_bytes)} for reduce-scatter on first use")
+        log.info("sparkccl: rank %d/%d %s/%s holds %s of shared memory (slot %s; %s); "
+                 "timeout %g s, proxy spin %d us nap %d us%s",
+                 r, w, topology, self.transport, _mib(self.pinned_bytes), _mib(s.slot_bytes),
+                 rs_note, s.timeout_s, s.spin_us, s.nap_us,
+                 " (oversubscribed host)" if s.oversubscribed else "")
+
+    # ---- setup -----------------------------------------------------------------------
+    def _name(self, rank: int, kind: str) -> str:
+        return shm.segment_name(self.token, rank, kind)
+
+    def _create(self, kind: str, size: int) -> shm.Segment:
+        name = self._name(self.rank, kind)
+        self._names.append(name)
+        seg = shm.Segment.create(name, size)
+        self._segments.append(seg)
+        self.pinned_bytes += size
+        return seg
+
+    def _attach_peers(self, kind: str, size: int) -> None:
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            name = self._name(p, kind)
+            self._names.append(name)
+            self._peer_segs[(p, kind)] = shm.Segment.attach(name, size)
+
+    def _setup(self, s: config.Settings) -> None:
+        nat, rv, r, w = self._nat, self._rv, self.rank, self.world_size
+        ctl = self._create("ctl", self._ctl_bytes)
+        nat.init_control(ctl.addr, os.getpid())
+        self._ctl = ctl
+        self._ctl_addr = ctl.addr
+        self._flags_addr = ctl.addr + layout.FLAGS_OFFSET
+        ag = self._create("ag", self._ag_bytes)
+        self._ag = ag
+        if s.rs_up_front:
+            self._rs = self._create("rs", self._rs_bytes)
+        rv.barrier("created", "create its shared memory")
+        self._attach_peers("ctl", self._ctl_bytes)
+        self._attach_peers("ag", self._ag_bytes)
+        if s.rs_up_front:
+            self._attach_peers("rs", self._rs_bytes)
+        rv.barrier("mapped", "map the shared memory of its peers")
+        for seg in self._segments:
+            seg.unlink()
+
+        t = self.plan.to_tables()
+        slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
+        self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr, t["connections"],
+                                     t["streams"], t["items"], slots, s.spin_us, s.nap_us)
+        px.set_region(int(Region.AG), ag.addr, self._ag_stride, self._ag_bytes)
+        for p in range(w):
+            if p == r:
+                continue
+            pc = self._peer_segs[(p, "ctl")]
+            px.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self._pids[p])
+            pa = self._peer_segs[(p, "ag")]
+            px.set_peer_region(p, int(Region.AG), pa.addr, self._ag_bytes)
+        if s.rs_up_front:
+            self._wire_rs()
+        rings = None
+        if s.check_sizes:
+            rings = [None if p == r else ring_view(self._peer_segs[(p, "ctl")].tensor)
+                     for p in range(w)]
+        self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
+                                flags_addr=self._flags_addr, ag=ag.tensor,
+                                ag_stride=self._ag_stride, timeout_s=s.timeout_s,
+                                peer_rings=rings)
+        if self._rs_ready:
+            self._attach_rs_dataplane()
+        px.start()
+
+    def _wire_rs(self) -> None:
+        px, rs = self._proxy, self._rs
+        send_bytes = RS_SLOTS * self._rs_send_stride
+        recv_bytes = RS_SLOTS * self._rs_recv_stride
+        px.set_region(int(Region.RS_SEND), rs.addr, self._rs_send_stride, send_bytes)
+        px.set_region(int(Region.RS_RECV), rs.addr + send_bytes, self._rs_recv_stride, recv_bytes)
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            pr = self._peer_segs[(p, "rs")]
+            px.set_peer_region(p, int(Region.RS_SEND), pr.addr, send_bytes)
+            px.set_peer_region(p, int(Region.RS_RECV), pr.addr + send_bytes, recv_bytes)
+        self._rs_ready = True
+
+    def _attach_rs_dataplane(self) -> None:
+        send_bytes = RS_SLOTS * self._rs_send_stride
+        t = self._rs.tensor
+        self._dp.attach_rs(t[:send_bytes], self._rs_send_stride, t[send_bytes:],
+                           self._rs_recv_stride)
+
+    def _ensure_rs(self) -> None:
+        """Create the reduce-scatter buffers on first use (every rank reaches this at the
+        same collective, so the exchange goes through the store here)."""
+        if self._rs_ready:
+            return
+        try:
+            self._rs = self._create("rs", self._rs_bytes)
+            self._rv.barrier("rs-created", "create its reduce-scatter buffers",
+                             self._dp.check_abort)
+            self._attach_peers("rs", self._rs_bytes)
+            self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
+                             self._dp.check_abort)
+            self._rs.unlink()
+        except CollectiveError as e:
+            for n in self._names:
+                shm.unlink_name(n)
+            if not self._nat.abort_code(self._ctl_addr):
+                self._nat.set_abort(self._ctl_addr, layout.ABORT_TIMEOUT, str(e))
+            raise
+        except OSError as e:
+            msg = f"rank {self.rank}: could not set up reduce-scatter buffers: {e}"
+            self._nat.set_abort(self._ctl_addr, layout.ABORT_TRANSPORT, msg)
+            raise CollectiveError(msg, rank=self.rank) from e
+        self._wire_rs()
+        self._attach_rs_dataplane()
+        log.info("sparkccl: rank %d: reduce-scatter buffers created (+%s, now %s)",
+                 self.rank, _mib(self._rs_bytes), _mib(self.pinned_bytes))
+
+    # ---- checks ----------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(f"{what}: this Communicator is closed; create a new one")
+
+    def _check_tensor(self, x, what: str, name: str = "x") -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(f"{what}: {name} must be a dense (strided) tensor, got {x.layout}")
+        if x.device != self.device:
+            raise ValueError(f"{what}: {name} is on {x.device}, but this communicator works on "
+                             f"{self.device}; move it with {name}.to({str(self.device)!r})")
+        if x.is_quantized:
+            raise TypeError(f"{what}: quantized tensors are not supported; pass "
+                            f"{name}.int_repr() or a plain dtype")
+        if not x.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous; pass {name}.contiguous()")
+
+    def _check_out(self, out, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        self._check_tensor(out, what, "out")
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+            raise ValueError(f"{what}: out must have shape {list(shape)} and dtype {dtype}, got "
+                             f"{list(out.shape)} {out.dtype}")
+        return out
+
+    def _check_alive(self, what: str) -> None:
+        code = self._nat.abort_code(self._ctl_addr)
+        if code:
+            text = self._nat.error_text(self._ctl_addr) or f"aborted (code {code})"
+            raise CollectiveError(f"rank {self.rank}: {what}: this communicator failed earlier "
+                                  f"and cannot be used any more (create a new one): {text}",
+                                  rank=self.rank, cause=text)
+
+    def _next_seq(self) -> int:
+        s = self._seq
+        self._seq += 1
+        return s
+
+    # ---- collectives -----------------------------------------------------------------
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather every rank's ``x`` (any dtype and shape, contiguous, same on every rank).
+
+        Returns ``[world * x.shape[0], *x.shape[1:]]`` (a 0-dim ``x`` counts as shape
+        ``[1]``, giving ``[world]``) with rank i's ``x`` at position i: a fresh tensor, or
+        ``out``. Slices above the slot capacity are split into several collectives.
+        """
+        what = "all_gather"
+        self._check_open(what)
+        self._check_tensor(x, what)
+        shape = tuple(x.shape) if x.dim() > 0 else (1,)
+        out_shape = (self.world_size * shape[0], *shape[1:])
+        out = self._check_out(out, what, out_shape, x.dtype)
+        n = x.numel() * x.element_size()
+        if n == 0:
+            return out
+        with self._lock:
+            self._check_alive(what)
+            src = x.detach().reshape(-1).view(torch.uint8)
+            dst = out.detach().reshape(-1).view(torch.uint8)
+            for off in range(0, n, self._max_slice):
+                L = min(self._max_slice, n - off)
+                self._dp.all_gather(self._next_seq(), src[off:off + L], dst, off, n)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum ``x`` (``[world * m, ...]``, bf16 / fp16 / fp32) over ranks; return chunk
+        ``rank`` (``[m, ...]``) of the sum, taken in fp32 in rank order 0..world-1 and
+        rounded once to ``x.dtype``. If ``x`` came from :meth:`reduce_scatter_input`, the
+        input copy is skipped."""
+        what = "reduce_scatter"
+        self._check_open(what)
+        self._check_tensor(x, what)
+        if x.dtype not in RS_DTYPES:
+            raise TypeError(f"{what}: dtype {x.dtype} is not supported; use torch.bfloat16, "
+                            "torch.float16 or torch.float32 (e.g. x.to(torch.bfloat16))")
+        if x.dim() == 0:
+            raise ValueError(f"{what}: x must have at least one dimension ([world * m, ...]), "
+                             "got a 0-dim tensor")
+        W = self.world_size
+        if x.shape[0] % W:
+            raise ValueError(f"{what}: x.shape[0] = {x.shape[0]} must be a multiple of the world "
+                             f"size {W} (x is [world * m, ...]); pad it to "
+                             f"{round_up(x.shape[0], W)} rows")
+        m = x.shape[0] // W
+        out = self._check_out(out, what, (m, *x.shape[1:]), x.dtype)
+        chunk = x.numel() * x.element_size() // W
+        handout = self._match_handout(x, what)
+        if chunk == 0:
+            return out
+        with self._lock:
+            self._check_alive(what)
+            self._ensure_rs()
+            dst = out.detach().reshape(-1).view(torch.uint8)
+            if handout is not None and handout == self._seq % RS_SLOTS:
+                self._dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, x.dtype)
+            else:
+                src = x.detach().reshape(-1).view(torch.uint8)
+                for off in range(0, chunk, self._max_slice):
+                    L = min(self._max_slice, chunk - off)
+                    self._dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off,
+                                            x.dtype)
+            self._rs_count += 1
+            self._handout = None
+        return out
+
+    def _match_handout(self, x: torch.Tensor, what: str):
+        """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
+        if not self._rs_ready:
+            return None
+        send = self._dp.rs_send
+        lo = send.data_ptr()
+        hi = lo + send.numel()
+        p = x.data_ptr()
+        if not lo <= p < hi:
+            return None
+        h = self._handout
+        if h is None or h[0] != p or h[1] != x.numel() * x.element_size() or h[3] != self._rs_count:
+            raise ValueError(f"{what}: x lies in a reduce-scatter send slot but is not the buffer "
+                             "from the latest reduce_scatter_input() (such a buffer is valid for "
+                             "one reduce_scatter only); call reduce_scatter_input() again")
+        return h[2]
+
+    def reduce_scatter_input(self, shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A tensor of ``shape`` / ``dtype`` that *is* the next reduce-scatter's send slot:
+        write the input into it and pass it to :meth:`reduce_scatter`, which then skips
+        its input copy. Valid for the next reduce-scatter only.
+
+        Zero-copy needs the per-rank chunk to be a multiple of 16 bytes and to fit one slot;
+        otherwise (and if another collective runs in between, so the sequence parity moved)
+        this still returns a usable tensor and reduce-scatter copies it as usual.
+        """
+        what = "reduce_scatter_input"
+        self._check_open(what)
+        if dtype not in RS_DTYPES:
+            raise TypeError(f"{what}: dtype {dtype} is not supported; use torch.bfloat16, "
+                            "torch.float16 or torch.float32")
+        try:
+            shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list, torch.Size))
+                                           else (shape,)))
+        except (TypeError, ValueError):
+            raise TypeError(f"{what}: shape must be a tuple of ints, got {shape!r}") from None
+        W = self.world_size
+        if len(shape) == 0 or shape[0] % W or any(d < 0 for d in shape):
+            raise ValueError(f"{what}: shape must be [world * m, ...] with world = {W}, got "
+                             f"{list(shape)}")
+        esize = torch.empty((), dtype=dtype).element_size()
+        nbytes = esize
+        for d in shape:
+            nbytes *= d
+        chunk = nbytes // W
+        if chunk == 0 or chunk % ALIGN or chunk > self._max_slice:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with self._lock:
+            self._check_alive(what)
+            self._ensure_rs()
+            parity = self._seq % RS_SLOTS
+            base = parity * self._rs_send_stride
+            t = self._dp.rs_send[base:base + nbytes].view(dtype).view(shape)
+            self._handout = (t.data_ptr(), nbytes, parity, self._rs_count)
+        return t
+
+    # ---- lifetime --------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release the communicator. Call it on every rank (or use ``with``): it waits (up to
+        the timeout) until every rank has closed, so that no rank's exit looks like a crash
+        to a peer still finishing its last collective. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with _live_lock:
+            _live.discard(self)
+        self._teardown(barrier=True)
+
+    def _teardown(self, barrier: bool) -> None:
+        nat = self._nat if hasattr(self, "_nat") else None
+        ctl = getattr(self, "_ctl_addr", None)
+        if barrier and self._proxy is not None and nat is not None and ctl is not None:
+            def check():
+                if nat.abort_code(ctl):
+                    raise CollectiveError("aborted")
+            try:
+                if not nat.abort_code(ctl):
+                    self._rv.barrier("closed", "close the communicator", check)
+            except CollectiveError as e:
+                log.warning("sparkccl: rank %d: close() did not hear from every rank (%s); "
+                            "closing anyway", self.rank, e)
+            except Exception as e:  # store gone etc.
+                log.warning("sparkccl: rank %d: close() barrier failed: %s", self.rank, e)
+        if self._proxy is not None:
+            self._proxy.stop()
+            self._proxy = None
+        for n in self._names:
+            shm.unlink_name(n)
+        self._dp = None
+        for seg in list(self._peer_segs.values()) + self._segments:
+            seg.close()
+        self._peer_segs.clear()
+        self._segments.clear()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self._closed = True
+                self._teardown(barrier=False)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<sparkccl.Communicator rank {self.rank}/{self.world_size} {self.topology}/"
+                f"{getattr(self, 'transport', '?')} {state}>")
+
+
+def _close_all_at_exit() -> None:
+    with _live_lock:
+        comms = list(_live)
+    for c in comms:
+        try:
+            c._closed = True
+            c._teardown(barrier=False)
+        except Exception:
+            pass
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_all_at_exit)

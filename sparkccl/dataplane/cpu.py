@@ -1,0 +1,215 @@
+"""The CPU data plane: the same steps as the GPU kernels, on CPU tensors.
+
+One collective (one sequence number ``seq``, one slice of ``S`` bytes, S a multiple of 16):
+
+1. for each piece c (``plan.geometry.piece_bounds(S, c)``): copy piece c of the input into
+   this rank's send region (all-gather: own block of AG slot ``seq % 3``; reduce-scatter:
+   chunk j's piece c into block j of RS send slot ``seq % 2``), then ``publish`` it; for
+   all-gather also copy the own piece into the output;
+2. for each piece c, for each source rank in rank order: wait until the source's flag
+   words (``plan.waits[op][source]``) reach ``seq * 16 + c + 1``, then copy piece c of the
+   source's block out (all-gather) or add it into an fp32 accumulator (reduce-scatter:
+   sum in rank order 0..world-1 starting from rank 0's value, own chunk read from the own
+   send slot), and round the sum once to the output dtype (round-to-nearest-even).
+
+Slices whose size is not a multiple of 16 are padded: the bytes past the real length go
+over the wire but are never copied out.
+
+Every wait has the communicator's timeout (for the whole collective) and watches the
+abort word; a timeout records a message naming rank, peer and connection in the abort
+record (so the proxy tells the peers) and raises :class:`CollectiveError`.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .. import layout
+from ..errors import CollectiveError
+from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
+from ..plan.model import PREV, Op, RankPlan, decode_flag_word
+
+OP_NAMES = {Op.AG: "all_gather", Op.RS: "reduce_scatter"}
+
+
+class CpuDataPlane:
+    def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
+                 ag: torch.Tensor, ag_stride: int, timeout_s: float,
+                 peer_rings: list | None = None):
+        self.nat = native
+        self.plan = plan
+        self.rank = plan.rank
+        self.world = plan.world
+        self.ctl = ctl_addr
+        self.flags = flags_addr
+        self.ag = ag
+        self.ag_stride = ag_stride
+        self.timeout_s = timeout_s
+        # peer_rings[p]: uint64 [256, 8] view of peer p's publish ring (size check), or None.
+        self.peer_rings = peer_rings
+        self.rs_send = self.rs_recv = None
+        self.rs_send_stride = self.rs_recv_stride = 0
+        self.waits = {op: [list(w) for w in plan.waits[op]] for op in Op}
+
+    def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
+                  recv_stride: int) -> None:
+        self.rs_send, self.rs_send_stride = send, send_stride
+        self.rs_recv, self.rs_recv_stride = recv, recv_stride
+
+    # ---- failure -------------------------------------------------------------------
+    def check_abort(self) -> None:
+        code = self.nat.abort_code(self.ctl)
+        if code:
+            self._raise_recorded(code)
+
+    def _raise_recorded(self, code: int, context: str = "") -> None:
+        text = self.nat.error_text(self.ctl) or f"aborted (code {code})"
+        msg = f"rank {self.rank}: communicator aborted: {text}"
+        if context:
+            msg = f"rank {self.rank}: {context} failed: communicator aborted: {text}"
+        raise CollectiveError(msg, rank=self.rank, cause=text)
+
+    def fail(self, message: str, code: int, *, peer=None, connection=None) -> None:
+        """Record ``message`` as the abort cause (unless something failed first) and raise."""
+        first = self.nat.set_abort(self.ctl, code, message)
+        cause = message if first else (self.nat.error_text(self.ctl) or message)
+        if not first:
+            message = f"{message} (the communicator had already failed: {cause})"
+        raise CollectiveError(message, rank=self.rank, peer=peer, connection=connection,
+                              cause=cause)
+
+    def _sender(self, channel: int, origin: int) -> int:
+        """The rank the data arrived from on ``channel`` (differs from origin for relays)."""
+        if self.plan.topology != "ring":
+            return origin
+        return (self.rank - 1) % self.world if channel == PREV else (self.rank + 1) % self.world
+
+    # ---- steps ---------------------------------------------------------------------
+    def _publish(self, op: Op, seq: int, piece: int, slice_bytes: int, deadline: float) -> None:
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        code = self.nat.publish(self.ctl, int(op), seq, piece, -1, slice_bytes, ALIGN, remaining)
+        if code == 0:
+            return
+        if self.nat.abort_code(self.ctl):
+            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
+        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
+                  f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
+                  "not consuming it)", layout.ABORT_TIMEOUT)
+
+    def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
+              slice_bytes: int) -> None:
+        words = self.waits[op][source]
+        if not words:
+            return
+        value = flag_value(seq, piece)
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        code, idx = self.nat.wait_flags(self.ctl, self.flags, words, value, remaining)
+        if code == 0:
+            if piece == 0 and self.peer_rings is not None:
+                self._check_size(op, seq, source, slice_bytes)
+            return
+        if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
+            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
+        word = words[idx if 0 <= idx < len(words) else 0]
+        _, origin, channel, root = decode_flag_word(self.world, word)
+        sender = self._sender(channel, origin)
+        conn = f"channel {channel} root {root}"
+        via = "" if sender == origin else f", relayed by rank {sender}"
+        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
+                  f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {origin} "
+                  f"(connection: channel {channel} root {root}{via})",
+                  layout.ABORT_TIMEOUT, peer=origin, connection=conn)
+
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> None:
+        """Every rank must pass the same sizes: compare with the source's own publish entry."""
+        ring = self.peer_rings[source]
+        if ring is None:
+            return
+        rows = ring[(ring[:, 1] == seq) & (ring[:, 0] != 0)]
+        if len(rows) == 0:
+            return
+        theirs = int(rows[0, 2])
+        if theirs != slice_bytes:
+            self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {source} passed a "
+                      f"different size than this rank ({theirs} vs {slice_bytes} bytes per "
+                      "rank, padded to 16); every rank must pass the same shape",
+                      layout.ABORT_USER, peer=source)
+
+    # ---- collectives ---------------------------------------------------------------
+    def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor, dst_off: int,
+                   dst_stride: int) -> None:
+        """Gather ``src`` (uint8, L bytes) of every rank: rank i's bytes land at
+        ``dst[i * dst_stride + dst_off : ... + L]``."""
+        L = src.numel()
+        S = round_up(L, ALIGN)
+        deadline = time.monotonic() + self.timeout_s
+        base = (seq % 3) * self.ag_stride
+        slot = self.ag[base:base + self.world * S]
+        me = self.rank
+        bounds = [piece_bounds(S, c) for c in range(PIECES)]
+        for c, (lo, hi) in enumerate(bounds):
+            a, b = min(lo, L), min(hi, L)
+            if b > a:
+                slot[me * S + a:me * S + b].copy_(src[a:b])
+            self._publish(Op.AG, seq, c, S, deadline)
+            if b > a:
+                o = me * dst_stride + dst_off
+                dst[o + a:o + b].copy_(src[a:b])
+        for c, (lo, hi) in enumerate(bounds):
+            a, b = min(lo, L), min(hi, L)
+            for i in range(self.world):
+                if i == me:
+                    continue
+                self._wait(Op.AG, seq, c, i, deadline, S)
+                if b > a:
+                    o = i * dst_stride + dst_off
+                    dst[o + a:o + b].copy_(slot[i * S + a:i * S + b])
+
+    def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
+        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (uint8) is
+        ``src[j * src_stride + src_off : ... + L]``; this rank's sum lands at
+        ``dst[dst_off : dst_off + L]``. ``src=None``: the chunks are already in the send slot
+        (zero-copy input) at ``j * L``, L a multiple of 16."""
+        S = round_up(L, ALIGN)
+        deadline = time.monotonic() + self.timeout_s
+        sbase = (seq % 2) * self.rs_send_stride
+        rbase = (seq % 2) * self.rs_recv_stride
+        send = self.rs_send[sbase:sbase + self.world * S]
+        recv = self.rs_recv[rbase:rbase + self.world * S]
+        me, W = self.rank, self.world
+        bounds = [piece_bounds(S, c) for c in range(PIECES)]
+        for c, (lo, hi) in enumerate(bounds):
+            a, b = min(lo, L), min(hi, L)
+            if src is not None and b > a:
+                for j in range(W):
+                    o = j * src_stride + src_off
+                    send[j * S + a:j * S + b].copy_(src[o + a:o + b])
+            self._publish(Op.RS, seq, c, S, deadline)
+        esize = torch.empty((), dtype=dtype).element_size()
+        acc = torch.empty(max(b - a for a, b in ((min(lo, L), min(hi, L)) for lo, hi in bounds))
+                          // esize, dtype=torch.float32)
+        for c, (lo, hi) in enumerate(bounds):
+            a, b = min(lo, L), min(hi, L)
+            n = (b - a) // esize
+            for i in range(W):
+                if i != me:
+                    self._wait(Op.RS, seq, c, i, deadline, S)
+                if n == 0:
+                    continue
+                part = (send if i == me else recv)[i * S + a:i * S + b].view(dtype)
+                if i == 0:
+                    acc[:n].copy_(part)
+                else:
+                    acc[:n].add_(part)
+            if n:
+                dst[dst_off + a:dst_off + b].view(dtype).copy_(acc[:n])
+
+
+def ring_view(ctl: torch.Tensor) -> np.ndarray:
+    """uint64 [RING_ENTRIES, 8] view of the publish ring inside a control segment tensor."""
+    n = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES
+    raw = ctl[layout.RING_OFFSET:layout.RING_OFFSET + n].numpy()
+    return raw.view(np.uint64).reshape(layout.RING_ENTRIES, layout.RING_ENTRY_BYTES // 8)
