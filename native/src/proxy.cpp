@@ -11,6 +11,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -30,6 +31,25 @@ void need(bool ok, const std::string& what) {
 
 constexpr uint64_t WATCH_NS = 100000000ull;  // peer liveness / abort check period
 constexpr size_t MAX_SAMPLES = 4096;
+
+// Whether a process still runs. kill(pid, 0) also succeeds for a zombie (exited, not yet
+// reaped by its parent, e.g. a launcher that polls its children slowly), so check the
+// state letter in /proc as well where there is one.
+bool pid_alive(uint64_t pid) {
+  if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%llu/stat", static_cast<unsigned long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');
+  if (!paren || paren[1] != ' ') return true;
+  char state = paren[2];
+  return state != 'Z' && state != 'X';
+}
 
 }  // namespace
 
@@ -110,10 +130,9 @@ void Proxy::set_peer_region(int peer, int region, uint64_t base, uint64_t size) 
 }
 
 void Proxy::start() {
-  if (started_) {
-    if (stop_.load()) throw std::runtime_error("Proxy: cannot restart a stopped proxy");
-    return;
-  }
+  std::lock_guard<std::mutex> lk(life_mu_);
+  if (stop_.load()) throw std::runtime_error("Proxy: cannot start a stopped proxy");
+  if (started_) return;
   started_ = true;
   tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
   transport_->start();
@@ -127,6 +146,7 @@ void Proxy::start() {
 }
 
 void Proxy::stop() {
+  std::lock_guard<std::mutex> lk(life_mu_);
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
   if (transport_) transport_->stop();
@@ -336,7 +356,7 @@ void Proxy::watch() {
     if (p == rank_) continue;
     auto& peer = reg_.peers[p];
     uint64_t pid = peer.pid.load(std::memory_order_acquire);
-    if (pid && kill(pid_t(pid), 0) != 0 && errno == ESRCH) {
+    if (pid && !pid_alive(pid)) {
       fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
                            " (pid " + std::to_string(pid) + ") exited");
       break;

@@ -89,6 +89,7 @@ class Proxy {
   std::unique_ptr<Transport> transport_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::mutex life_mu_;  // start/stop from several Python threads
   bool started_ = false;
   bool aborted_ = false;
   uint64_t tail_ = 0;
