@@ -182,3 +182,82 @@ def shm_leftovers(token: str) -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and tag in n)
     except FileNotFoundError:
         return []
+
+
+# ---- deterministic inputs and independent references (numpy, not the data plane) -------
+
+def make_input(seed: int, rank: int, shape, dtype, *, zeros: bool = True):
+    """The tensor rank ``rank`` contributes to test ``seed``: any rank can rebuild any
+    other rank's input. Floats are normal(0, 1) scaled by 2**(rank % 5 - 2) so that sums
+    round; with ``zeros`` every 7th element is -0.0 on every rank (checks that the sum
+    starts from rank 0's value, not from +0)."""
+    import torch
+    g = torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919) & 0x7FFFFFFFFFFF)
+    shape = tuple(shape)
+    if dtype.is_floating_point:
+        x = torch.randn(shape, generator=g, dtype=torch.float32) * float(2.0 ** (rank % 5 - 2))
+        x = x.to(dtype)
+        if zeros and x.numel():
+            x.view(-1)[::7] = -0.0
+        return x
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    info = torch.iinfo(dtype)
+    if info.bits <= 8:  # draw the dtype directly (big uint8 buffers stay cheap)
+        return torch.randint(info.min, info.max + 1, shape, generator=g, dtype=dtype)
+    lo, hi = max(info.min, -(1 << 30)), min(info.max, 1 << 30)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def bits(t):
+    """The raw bytes of a tensor as a numpy uint8 array (for bit-exact comparison)."""
+    return t.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
+
+
+def _to_f32(t):
+    import numpy as np
+    import torch
+    if t.dtype == torch.bfloat16:
+        u = t.contiguous().view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+        return u.view(np.float32)
+    if t.dtype == torch.float16:
+        return t.contiguous().view(torch.int16).numpy().view(np.float16).astype(np.float32)
+    return t.contiguous().numpy().astype(np.float32)
+
+
+def _round_f32(a, dtype):
+    """fp32 numpy array -> raw uint8 bytes of ``dtype``, round to nearest even."""
+    import numpy as np
+    import torch
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == torch.float32:
+        return a.view(np.uint8)
+    if dtype == torch.float16:
+        return a.astype(np.float16).view(np.uint8)
+    if dtype == torch.bfloat16:
+        u = a.view(np.uint32).astype(np.uint64)
+        nan = np.isnan(a)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+        return r.view(np.uint8)
+    raise TypeError(dtype)
+
+
+def reduce_scatter_reference(inputs, rank: int):
+    """Raw bytes of chunk ``rank`` of the sum of ``inputs`` (one per rank, in rank order):
+    fp32 sum in rank order starting from rank 0's value, rounded once (numpy)."""
+    world = len(inputs)
+    m = inputs[0].shape[0] // world
+    acc = None
+    for x in inputs:
+        part = _to_f32(x[rank * m:(rank + 1) * m].reshape(-1))
+        acc = part.copy() if acc is None else acc + part
+    return _round_f32(acc, inputs[0].dtype)
+
+
+def all_gather_reference(inputs):
+    """Raw bytes of the gathered tensor."""
+    import numpy as np
+    return np.concatenate([bits(x) for x in inputs]) if inputs else np.zeros(0, np.uint8)
