@@ -1,0 +1,543 @@
+// sparkccl GPU data plane: the CUDA twin of sparkccl/dataplane/cpu.py.
+//
+// Compiled at run time with NVRTC (sparkccl/dataplane/nvrtc.py) for the device's own
+// architecture (sm_80 and up). No headers: NVRTC needs nothing but this file.
+//
+// Two kernels per collective, launched on the caller's stream:
+//
+//   *_publish: copy piece c of the input into the send region (all-gather: own block of AG
+//      slot seq%3, and the own slice of the device result; reduce-scatter: chunk j's piece
+//      c into block j of RS send slot seq%2). The last block to finish piece c writes ring
+//      entry first_index + c (fields, system fence, then tag = index + 1). The host
+//      reserved the collective's 8 ring indices before the launch (it waited for space),
+//      so this kernel never waits.
+//
+//   *_wait: block 0 is the poller: one thread polls the pinned flag words with
+//      ld.acquire.sys in (piece, source) order, watching the abort word and a timeout on
+//      %globaltimer, and relays progress through a device-memory word. Blocks 1.. poll
+//      that word and consume each piece as it arrives: all-gather copies it out into the
+//      device result; reduce-scatter sums the sources in rank order 0..W-1 in fp32 and
+//      rounds once (round to nearest even).
+//
+// Progress word (device memory, monotonic across launches of one data plane):
+//   seq * PROG_STRIDE + k       k = c * W + i + 1 once sources 0..i of piece c are ready
+//   seq * PROG_STRIDE + FAILED  the wait failed (abort or timeout): every block exits
+// Device state: state[0] = progress word, state[1] = dead (1 once any wait failed; later
+// waits fail at once, so a failed communicator cannot hang a stream).
+//
+// Failure record (mapped host memory in the control block, see cuda.py GPU_* offsets):
+//   status[0] code (ABORT_*; written last), status[1] detail = source << 32 | word << 8 |
+//   piece (word = flag word index, 0xFFFF if none), status[2] seq.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define PIECES 8
+#define ALIGN 16
+#define RING_ENTRIES 256
+#define RING_ENTRY_BYTES 64
+#define ENT_TAG 0
+#define ENT_SEQ 8
+#define ENT_SLICE 16
+#define ENT_LO 24
+#define ENT_HI 32
+#define ENT_OP 40
+#define ENT_PIECE 44
+#define ENT_CHUNK 48
+#define ENT_GRANULE 52
+#define FLAG_STRIDE 16
+#define PROG_STRIDE 1024ull
+#define FAILED 1023ull
+#define ABORT_TIMEOUT 1ull
+#define ABORT_PEER 3ull
+#define NO_WORD 0xFFFFull
+#define UNROLL 4
+
+// ---------------------------------------------------------------- geometry (geometry.py)
+
+__device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
+
+__device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
+  u64 step = round_up((S + PIECES - 1) / PIECES, ALIGN);
+  u64 l = c * step;
+  *lo = l < S ? l : S;
+  u64 h = (u64)(c + 1) * step;
+  *hi = (c == PIECES - 1) ? S : (h < S ? h : S);
+}
+
+// ---------------------------------------------------------------- memory operations
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_volatile_u64(u64* p, u64 v) { *(volatile u64*)p = v; }
+__device__ __forceinline__ void st_volatile_u32(u32* p, u32 v) { *(volatile u32*)p = v; }
+
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+
+struct V16 {
+  u32 x, y, z, w;
+};
+
+// 16-byte load from pinned (system) memory that a CPU thread or NIC wrote while this
+// kernel ran: ld.cv treats cached system-memory lines as stale.
+__device__ __forceinline__ V16 ld_sys16(const u8* p) {
+  V16 v;
+  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ V16 ld_dev16(const u8* p) {
+  V16 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st16(u8* p, V16 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w) : "memory");
+}
+__device__ __forceinline__ u8 ld_sys8(const u8* p) {
+  u32 v;
+  asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return (u8)v;
+}
+
+// Unaligned 16-byte access (device memory only; pinned addresses are always 16-aligned).
+__device__ __forceinline__ V16 ld_any16(const u8* p, bool sys) {
+  if ((((u64)p) & 15) == 0) return sys ? ld_sys16(p) : ld_dev16(p);
+  u32 w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    u32 b0, b1, b2, b3;
+    if (sys) {
+      b0 = ld_sys8(p + 4 * k); b1 = ld_sys8(p + 4 * k + 1);
+      b2 = ld_sys8(p + 4 * k + 2); b3 = ld_sys8(p + 4 * k + 3);
+    } else {
+      b0 = p[4 * k]; b1 = p[4 * k + 1]; b2 = p[4 * k + 2]; b3 = p[4 * k + 3];
+    }
+    w[k] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+  }
+  V16 v = {w[0], w[1], w[2], w[3]};
+  return v;
+}
+__device__ __forceinline__ void st_any16(u8* p, V16 v) {
+  if ((((u64)p) & 15) == 0) {
+    st16(p, v);
+    return;
+  }
+  u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    p[4 * k] = (u8)w[k];
+    p[4 * k + 1] = (u8)(w[k] >> 8);
+    p[4 * k + 2] = (u8)(w[k] >> 16);
+    p[4 * k + 3] = (u8)(w[k] >> 24);
+  }
+}
+
+// Copy n bytes src -> dst (and dst2 if not null), shared by a team of `nblocks` blocks
+// (this block is number `b` of them). Full 16-byte units first (UNROLL loads in flight
+// per thread), then the tail bytes.
+template <bool SRC_SYS>
+__device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 n, u32 b,
+                                          u32 nblocks) {
+  const u64 units = n / 16;
+  const u64 tid = (u64)b * blockDim.x + threadIdx.x;
+  const u64 nthreads = (u64)nblocks * blockDim.x;
+  const bool aligned = ((((u64)dst) | ((u64)src) | ((u64)dst2)) & 15) == 0;
+  if (aligned) {
+    u64 u = tid;
+    for (; u + (UNROLL - 1) * nthreads < units; u += UNROLL * nthreads) {
+      V16 v[UNROLL];
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k)
+        v[k] = SRC_SYS ? ld_sys16(src + 16 * (u + k * nthreads)) : ld_dev16(src + 16 * (u + k * nthreads));
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k) {
+        st16(dst + 16 * (u + k * nthreads), v[k]);
+        if (dst2) st16(dst2 + 16 * (u + k * nthreads), v[k]);
+      }
+    }
+    for (; u < units; u += nthreads) {
+      V16 v = SRC_SYS ? ld_sys16(src + 16 * u) : ld_dev16(src + 16 * u);
+      st16(dst + 16 * u, v);
+      if (dst2) st16(dst2 + 16 * u, v);
+    }
+  } else {
+    for (u64 u = tid; u < units; u += nthreads) {
+      V16 v = ld_any16(src + 16 * u, SRC_SYS);
+      st_any16(dst + 16 * u, v);
+      if (dst2) st_any16(dst2 + 16 * u, v);
+    }
+  }
+  for (u64 k = units * 16 + tid; k < n; k += nthreads) {
+    u8 v = SRC_SYS ? ld_sys8(src + k) : src[k];
+    dst[k] = v;
+    if (dst2) dst2[k] = v;
+  }
+}
+
+// ---------------------------------------------------------------- publish
+
+// Called by every thread of a block after its share of piece c is written. The last of
+// `bpp` blocks to get here writes ring entry `index`.
+__device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64 index, u64 seq,
+                                             u64 S, u32 op, int c) {
+  __threadfence_system();  // this thread's data writes before the count (and the tag)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 old = atomicAdd(counter, 1u);
+    if (old == bpp - 1) {
+      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
+      *counter = 0;     // ready for the launch that reuses this counter
+      u64 lo, hi;
+      piece_bounds(S, c, &lo, &hi);
+      u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
+      st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
+      st_volatile_u64((u64*)(ent + ENT_SLICE), S);
+      st_volatile_u64((u64*)(ent + ENT_LO), lo);
+      st_volatile_u64((u64*)(ent + ENT_HI), hi);
+      st_volatile_u32((u32*)(ent + ENT_OP), op);
+      st_volatile_u32((u32*)(ent + ENT_PIECE), (u32)c);
+      st_volatile_u32((u32*)(ent + ENT_CHUNK), 0xFFFFFFFFu);  // -1: every chunk of the piece
+      st_volatile_u32((u32*)(ent + ENT_GRANULE), ALIGN);
+      __threadfence_system();
+      st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+    }
+  }
+}
+
+// Copy + publish. Chunk j (j < nchunks) of the input is src + j * src_stride (L bytes);
+// it goes to dst + j * dst_stride (and, if dst2, also to dst2: all-gather's own slice of
+// the result). Grid: PIECES * bpp blocks, piece c served by blocks [c * bpp, (c+1) * bpp).
+// nchunks == 0: nothing to copy (zero-copy reduce-scatter input), publish only.
+extern "C" __global__ void __launch_bounds__(512) sccl_publish(
+    const u8* src, u64 src_stride, u8* dst, u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
+    u8* ring, u64 first_index, u64 seq, u64 op, u32* counters, u64 bpp) {
+  const int c = blockIdx.x / (u32)bpp;
+  const u32 b = blockIdx.x % (u32)bpp;
+  if (c >= PIECES) return;
+  u64 lo, hi;
+  piece_bounds(S, c, &lo, &hi);
+  const u64 a = lo < L ? lo : L;
+  const u64 e = hi < L ? hi : L;
+  if (e > a) {
+    for (u64 j = 0; j < nchunks; ++j)
+      team_copy<false>(dst + j * dst_stride + a, j == 0 && dst2 ? dst2 + a : (u8*)0,
+                       src + j * src_stride + a, e - a, b, (u32)bpp);
+  }
+  finish_piece(counters + c, (u32)bpp, ring, first_index + c, seq, S, (u32)op, c);
+}
+
+// ---------------------------------------------------------------- waits
+
+struct WaitArgs {
+  const u64* flags;     // this rank's flag words (mapped)
+  const u64* abort_w;   // this rank's abort word (mapped)
+  u64* status;          // failure record (mapped): code, detail, seq
+  const int* waits;     // [W][maxw]: flag words per source, -1 padded
+  u64* state;           // device: progress, dead
+  u64 seq;
+  int rank, world, maxw;
+  u64 timeout_ns;
+};
+
+__device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word, u64 piece) {
+  if (ld_relaxed_sys(w.status) == 0) {
+    st_volatile_u64(w.status + 1, (source << 32) | ((word & 0xFFFF) << 8) | (piece & 0xFF));
+    st_volatile_u64(w.status + 2, w.seq);
+    __threadfence_system();
+    st_volatile_u64(w.status, code);
+    __threadfence_system();
+  }
+  st_volatile_u64(w.state + 1, 1);
+  st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
+}
+
+// Block 0, thread 0: wait for every (piece, source) in order and relay progress.
+__device__ void poller(const WaitArgs& w) {
+  const u64 base = w.seq * PROG_STRIDE;
+  if (*(volatile u64*)(w.state + 1)) {  // an earlier wait failed: fail at once
+    record_failure(w, ABORT_PEER, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return;
+  }
+  const u64 t0 = globaltimer();
+  for (int c = 0; c < PIECES; ++c) {
+    const u64 value = w.seq * FLAG_STRIDE + c + 1;
+    for (int i = 0; i < w.world; ++i) {
+      if (i == w.rank) continue;
+      for (int k = 0; k < w.maxw; ++k) {
+        const int word = w.waits[i * w.maxw + k];
+        if (word < 0) break;
+        u32 spins = 0;
+        while (ld_acquire_sys(w.flags + word) < value) {
+          const u64 code = ld_relaxed_sys(w.abort_w);
+          if (code) {
+            record_failure(w, code, (u64)i, (u64)word, (u64)c);
+            return;
+          }
+          if (globaltimer() - t0 > w.timeout_ns) {
+            record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
+            return;
+          }
+          if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
+        }
+      }
+      st_release_gpu(w.state, base + (u64)(c * w.world + i + 1));
+    }
+  }
+}
+
+// Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
+// proceeds. Returns false if the wait failed (every consumer then exits).
+__device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* seen, u64 t0) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    const u64 base = w.seq * PROG_STRIDE;
+    u64 p = *seen;
+    int r = 1;
+    u32 spins = 0;
+    while (p < base + need || p >= base + FAILED) {
+      if (p >= base + FAILED) { r = 0; break; }
+      if (++spins > 16) {
+        nanosleep(200);
+        // Backstop: the poller records the timeout; if it cannot (never scheduled), give
+        // up a little later on our own.
+        if ((spins & 1023) == 0 && globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
+          record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+          r = 0;
+          break;
+        }
+      }
+      p = ld_acquire_gpu(w.state);
+    }
+    *seen = p;
+    ok = r;
+  }
+  __syncthreads();
+  const bool r = ok;
+  __syncthreads();
+  return r;
+}
+
+// Last source index != rank: piece c is complete once progress >= c * W + last + 1.
+__device__ __forceinline__ int last_source(const WaitArgs& w) {
+  return w.rank == w.world - 1 ? w.world - 2 : w.world - 1;
+}
+
+#define WAIT_PARAMS                                                                        \
+  const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, u64 maxw, u64 *state, \
+      u64 seq, u64 rank, u64 world, u64 timeout_ns
+#define WAIT_ARGS_INIT                                                                      \
+  WaitArgs w;                                                                               \
+  w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
+  w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world; w.maxw = (int)maxw; \
+  w.timeout_ns = timeout_ns;
+
+// All-gather wait + copy-out. slot: AG slot of this seq (block i = rank i's slice, S bytes
+// apart). dst: result + dst_off (rank i's bytes at dst + i * dst_stride), or null
+// (zero-copy: only wait). Grid: 1 poller block + consumer blocks.
+extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
+    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) poller(w);
+    return;
+  }
+  if (w.world < 2) return;
+  const u32 b = blockIdx.x - 1, nb = gridDim.x - 1;
+  u64 seen = 0;
+  const u64 t0 = globaltimer();
+  if (!dst) {  // zero-copy: the launch completes once every piece arrived
+    wait_progress(w, (u64)(PIECES - 1) * w.world + last_source(w) + 1, &seen, t0);
+    return;
+  }
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(S, c, &lo, &hi);
+    const u64 a = lo < L ? lo : L;
+    const u64 e = hi < L ? hi : L;
+    for (int i = 0; i < w.world; ++i) {
+      if (i == w.rank) continue;
+      if (!wait_progress(w, (u64)(c * w.world + i + 1), &seen, t0)) return;
+      if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- reduce-scatter
+
+// Element types: load as fp32, store rounded once (round to nearest even).
+struct BF16 {
+  typedef u16 T;
+  static __device__ __forceinline__ float load(u16 v) { return __uint_as_float(((u32)v) << 16); }
+  static __device__ __forceinline__ u16 store(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40);  // NaN stays NaN
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+struct F16 {
+  typedef u16 T;
+  static __device__ __forceinline__ float load(u16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+  }
+  static __device__ __forceinline__ u16 store(float f) {
+    u16 v;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
+    return v;
+  }
+};
+struct F32 {
+  typedef u32 T;
+  static __device__ __forceinline__ float load(u32 v) { return __uint_as_float(v); }
+  static __device__ __forceinline__ u32 store(float f) { return __float_as_uint(f); }
+};
+
+template <class E>
+__device__ __forceinline__ void unpack(V16 v, float* f) {
+  if (sizeof(typename E::T) == 2) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = E::load((typename E::T)(w[k] & 0xFFFF));
+      f[2 * k + 1] = E::load((typename E::T)(w[k] >> 16));
+    }
+  } else {
+    f[0] = E::load(v.x); f[1] = E::load(v.y); f[2] = E::load(v.z); f[3] = E::load(v.w);
+  }
+}
+template <class E>
+__device__ __forceinline__ V16 pack(const float* f) {
+  V16 v;
+  if (sizeof(typename E::T) == 2) {
+    u32 w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      w[k] = (u32)E::store(f[2 * k]) | ((u32)E::store(f[2 * k + 1]) << 16);
+    v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+  } else {
+    v.x = E::store(f[0]); v.y = E::store(f[1]); v.z = E::store(f[2]); v.w = E::store(f[3]);
+  }
+  return v;
+}
+
+// Sum bytes [a, e) of the piece over sources in rank order: source i's bytes are at
+// recv + i * S (pinned, 16-aligned), except the own source at own (device input or own
+// send slot; own_sys says which). Writes dst[a, e).
+template <class E>
+__device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys, u64 S, u64 a,
+                            u64 e, int rank, int world, u32 b, u32 nb) {
+  const int VEC = 16 / sizeof(typename E::T);
+  const u64 n = e - a;
+  const u64 units = n / 16;
+  const u64 tid = (u64)b * blockDim.x + threadIdx.x;
+  const u64 nthreads = (u64)nb * blockDim.x;
+  for (u64 u = tid; u < units; u += nthreads) {
+    const u64 off = a + 16 * u;
+    float acc[VEC];
+    {
+      const u8* p = rank == 0 ? own + off : recv + off;
+      V16 v = rank == 0 ? ld_any16(p, own_sys) : ld_sys16(p);
+      unpack<E>(v, acc);
+    }
+    for (int i = 1; i < world; ++i) {
+      float t[VEC];
+      V16 v = i == rank ? ld_any16(own + off, own_sys) : ld_sys16(recv + i * S + off);
+      unpack<E>(v, t);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+    }
+    st_any16(dst + off, pack<E>(acc));
+  }
+  // Tail: the last elements of the last piece (L not a multiple of 16).
+  typedef typename E::T T;
+  const u64 tail_elems = (n - units * 16) / sizeof(T);
+  for (u64 k = tid; k < tail_elems; k += nthreads) {
+    const u64 off = a + units * 16 + k * sizeof(T);
+    float acc = 0.f;
+    for (int i = 0; i < world; ++i) {
+      const u8* p = i == rank ? own + off : recv + i * S + off;
+      T raw = 0;
+      const bool sys = i == rank ? own_sys : true;
+      for (int q = 0; q < (int)sizeof(T); ++q)
+        raw |= (T)((T)(sys ? ld_sys8(p + q) : p[q]) << (8 * q));
+      float f = E::load(raw);
+      acc = i == 0 ? f : __fadd_rn(acc, f);
+    }
+    T r = E::store(acc);
+    for (int q = 0; q < (int)sizeof(T); ++q) dst[off + q] = (u8)(r >> (8 * q));
+  }
+}
+
+// Reduce-scatter wait + rank-order sum. recv: RS recv slot of this seq (source i's chunk
+// at recv + i * S); own: this rank's own chunk (device input chunk `rank`, or the own block
+// of the send slot when own_sys); dst: output (L bytes). Grid: 1 poller + consumers.
+template <class E>
+__device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S,
+                        WaitArgs& w) {
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) poller(w);
+    return;
+  }
+  const u32 b = blockIdx.x - 1, nb = gridDim.x - 1;
+  u64 seen = 0;
+  const u64 t0 = globaltimer();
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(S, c, &lo, &hi);
+    const u64 a = lo < L ? lo : L;
+    const u64 e = hi < L ? hi : L;
+    if (w.world > 1 && !wait_progress(w, (u64)(c * w.world + last_source(w) + 1), &seen, t0))
+      return;
+    if (e > a) team_reduce<E>(dst, recv, own, own_sys != 0, S, a, e, w.rank, w.world, b, nb);
+  }
+}
+
+#define RS_KERNEL(NAME, E)                                                                   \
+  extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
+      const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S, WAIT_PARAMS) {      \
+    WAIT_ARGS_INIT                                                                           \
+    rs_wait<E>(recv, own, own_sys, dst, L, S, w);                                            \
+  }
+
+RS_KERNEL(sccl_rs_wait_bf16, BF16)
+RS_KERNEL(sccl_rs_wait_f16, F16)
+RS_KERNEL(sccl_rs_wait_f32, F32)
+
+// ---------------------------------------------------------------- self-test helpers
+
+// piece_bounds of the kernels, for the drift test against plan/geometry.py.
+extern "C" __global__ void sccl_piece_bounds(const u64* sizes, u64 n, u64* out) {
+  for (u64 k = blockIdx.x * (u64)blockDim.x + threadIdx.x; k < n; k += (u64)gridDim.x * blockDim.x)
+    for (int c = 0; c < PIECES; ++c) piece_bounds(sizes[k], c, out + (k * PIECES + c) * 2, out + (k * PIECES + c) * 2 + 1);
+}

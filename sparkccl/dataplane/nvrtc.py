@@ -1,0 +1,147 @@
+"""Run-time compilation of the data-plane kernels with NVRTC (through ``cuda.core``), and an
+on-disk cache of the results.
+
+The cache key is (source hash, options, architecture, NVRTC version); entries live under
+``$SPARKCCL_CACHE_DIR`` or ``~/.cache/sparkccl`` as ``kernels-<key>.cubin`` and are written
+atomically (temp file + rename), so concurrent ranks compiling the same kernels at once is
+harmless.
+
+Nothing here touches a GPU: :func:`compile_cubin` works on machines without one (CI uses it
+to prove the kernels build for sm_80, sm_90 and sm_121). ``cuda.core`` is imported lazily:
+CPU users never need cuda-python.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+KERNELS_CU = Path(__file__).with_name("kernels.cu")
+KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wait_f16",
+                "sccl_rs_wait_f32", "sccl_piece_bounds")
+MIN_ARCH = 80
+INSTALL_HINT = ("pip install 'sparkccl[cuda]' (or: pip install cuda-core cuda-bindings "
+                "nvidia-cuda-nvrtc, matching your CUDA major version)")
+
+
+class CudaUnavailable(RuntimeError):
+    """cuda-python (cuda.core / cuda.bindings) or NVRTC is missing or unusable."""
+
+
+def import_cuda_core():
+    try:
+        import cuda.core as cc
+    except ImportError as e:
+        try:  # cuda.core < 0.4 kept the API under cuda.core.experimental
+            import cuda.core.experimental as cc  # type: ignore[no-redef]
+        except ImportError:
+            raise CudaUnavailable(f"the CUDA data plane needs cuda-python's cuda.core: {e}; "
+                                  f"install it with {INSTALL_HINT}") from e
+    return cc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # type: ignore[no-redef]  (cuda-python < 12.6)
+        except ImportError as e:
+            raise CudaUnavailable(f"cuda.bindings is missing: {e}; install it with "
+                                  f"{INSTALL_HINT}") from e
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # the shared library could not be found / loaded
+        raise CudaUnavailable(f"NVRTC could not be loaded: {e}; install it with "
+                              f"{INSTALL_HINT}") from e
+    if int(err) != 0:
+        raise CudaUnavailable(f"nvrtcVersion failed with {err}")
+    return int(major), int(minor)
+
+
+def source() -> str:
+    return KERNELS_CU.read_text()
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("SPARKCCL_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "sparkccl"
+
+
+def arch_of(cc: int | str | tuple) -> str:
+    """``90`` / ``"sm_90"`` / ``(9, 0)`` -> ``"sm_90"``; rejects anything below sm_80."""
+    if isinstance(cc, tuple):
+        n = cc[0] * 10 + cc[1]
+    elif isinstance(cc, str):
+        n = int(cc.lower().removeprefix("sm_").removeprefix("compute_").rstrip("af"))
+    else:
+        n = int(cc)
+    if n < MIN_ARCH:
+        raise CudaUnavailable(f"sparkccl's CUDA data plane needs compute capability 8.0 or "
+                              f"newer (sm_80+), this GPU is sm_{n}")
+    return f"sm_{n}"
+
+
+def _options(arch: str, cc):
+    return cc.ProgramOptions(arch=arch, std="c++17", name="sparkccl_kernels", ftz=False,
+                             prec_div=True, prec_sqrt=True, fma=False, lineinfo=True)
+
+
+def cache_key(arch: str, src: str | None = None) -> str:
+    src = source() if src is None else src
+    major, minor = nvrtc_version()
+    h = hashlib.sha256()
+    for part in (src, arch, f"nvrtc {major}.{minor}", "std=c++17 ftz=0 fma=0 lineinfo cubin v1"):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def compile_cubin(arch, *, use_cache: bool = True, src: str | None = None) -> bytes:
+    """The kernels compiled for ``arch`` (e.g. ``"sm_90"``) as cubin bytes, from the cache
+    when present. Raises :class:`CudaUnavailable` if cuda.core / NVRTC is missing and
+    ``RuntimeError`` with NVRTC's log if compilation fails."""
+    arch = arch_of(arch)
+    cc = import_cuda_core()
+    src = source() if src is None else src
+    key = cache_key(arch, src)
+    path = cache_dir() / f"kernels-{arch}-{key}.cubin"
+    if use_cache:
+        try:
+            data = path.read_bytes()
+            if data:
+                return data
+        except OSError:
+            pass
+    prog = cc.Program(src, code_type="c++", options=_options(arch, cc))
+    try:
+        obj = prog.compile("cubin")
+    except Exception as e:
+        raise RuntimeError(f"sparkccl: NVRTC failed to compile the data-plane kernels for {arch}: "
+                           f"{e}") from e
+    finally:
+        try:
+            prog.close()
+        except Exception:
+            pass
+    data = bytes(obj.code)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home is fine: compile again next time
+    return data
+
+
+def load_kernels(arch) -> dict:
+    """{name: cuda.core Kernel} for the current device (call ``Device(i).set_current()``
+    first)."""
+    cc = import_cuda_core()
+    data = compile_cubin(arch)
+    obj = cc.ObjectCode.from_cubin(data, name="sparkccl_kernels")
+    return {n: obj.get_kernel(n) for n in KERNEL_NAMES}
