@@ -1,0 +1,257 @@
+"""``sparkccl doctor``: what RDMA hardware this host has and what sparkccl would use.
+
+Exit status: 0 when what was asked for can work (or, on a host without RDMA devices, when
+nothing RDMA-specific was asked for); 1 with the reasons otherwise. Without RDMA devices
+that is not a failure: the shm transport still serves ranks on one host.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import resource
+import sys
+from typing import Callable, Mapping, TextIO
+
+from . import config
+from .fabric import (
+    FabricError, Fabric, Port, Selection, discover, evaluate, resolve_gid_index,
+    select_mesh, select_ring,
+)
+from .fabric.discovery import Ipv4Lookup
+
+# Variables that ask for specific RDMA devices or GIDs: failing them is an error even on a
+# host without RDMA devices. (NCCL_* are often exported for NCCL alone, so they only hint.)
+_RDMA_REQUESTS = ("SPARKCCL_IB_HCA", "SPARKCCL_RING_PREV_HCA", "SPARKCCL_RING_NEXT_HCA",
+                  "SPARKCCL_IB_GID_INDEX")
+# Pinned memory per rank (config: about 7-8 x slot_bytes), all of it registered as MRs.
+_PINNED_SLOTS = 8
+_CAP_IPC_LOCK = 14
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "doctor", help="show the RDMA devices found and what sparkccl would use",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", choices=["mesh", "ring"],
+                   help="check only this topology (default: show both; fail only if "
+                        "neither can work)")
+    p.add_argument("--devices", help="mesh devices, NCCL_IB_HCA syntax "
+                                     "(overrides SPARKCCL_IB_HCA / NCCL_IB_HCA)")
+    p.add_argument("--prev-devices", help="ring: the two devices of the port facing prev")
+    p.add_argument("--next-devices", help="ring: the two devices of the port facing next")
+    p.add_argument("--gid-index", type=int, help="force this GID index on every device")
+    p.add_argument("--roots", type=int, choices=[1, 2],
+                   help="devices (roots) per port to use (default: SPARKCCL_ROOTS or 2)")
+    p.add_argument("--sysfs-root", help="read sysfs here (default: $SPARKCCL_SYSFS_ROOT or /sys)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return doctor(topology=args.topology, devices=args.devices,
+                  prev_devices=args.prev_devices, next_devices=args.next_devices,
+                  gid_index=args.gid_index, roots=args.roots, sysfs_root=args.sysfs_root)
+
+
+# -- host checks -------------------------------------------------------------------------
+
+def verbs_status() -> tuple[bool, str, list[str] | None]:
+    """(loadable, description, device names libibverbs lists or None)."""
+    lib, name, errors = None, None, []
+    for candidate in ("libibverbs.so.1", "find_library"):
+        if candidate == "find_library":
+            candidate = ctypes.util.find_library("ibverbs")
+            if candidate is None:
+                break
+        try:
+            lib, name = ctypes.CDLL(candidate, use_errno=True), candidate
+            break
+        except OSError as e:
+            errors.append(str(e))
+    if lib is None:
+        return False, (f"libibverbs cannot be loaded ({'; '.join(errors) or 'not found'}); "
+                       "install rdma-core: apt install libibverbs1 ibverbs-providers"), None
+    lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
+    lib.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.ibv_get_device_name.restype = ctypes.c_char_p
+    lib.ibv_get_device_name.argtypes = [ctypes.c_void_p]
+    lib.ibv_free_device_list.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    count = ctypes.c_int(0)
+    devs = lib.ibv_get_device_list(ctypes.byref(count))
+    if not devs:  # NULL: e.g. ENOSYS without the kernel's uverbs support
+        err = ctypes.get_errno()
+        return True, f"{name} loaded; ibv_get_device_list failed: {os.strerror(err)}", []
+    names = [lib.ibv_get_device_name(devs[i]).decode() for i in range(count.value)]
+    lib.ibv_free_device_list(devs)
+    return True, f"{name} loaded; it lists {len(names)} device(s)", names
+
+
+def _can_lock_memory() -> bool:
+    # RLIMIT_MEMLOCK does not bind a process with CAP_IPC_LOCK (root, usually).
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def memlock_status(need: int) -> tuple[bool, str]:
+    """(enough, description) for pinning ``need`` bytes of registered memory."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return True, "unlimited"
+    text = f"{_mib(soft)} (sparkccl pins about {_mib(need)} per rank)"
+    if _can_lock_memory():
+        return True, text + "; not binding: this process has CAP_IPC_LOCK"
+    if soft < need:
+        return False, (text + ": too small, memory registration will fail; raise it "
+                       "(ulimit -l unlimited, docker --ulimit memlock=-1, or "
+                       "/etc/security/limits.conf)")
+    return True, text + "; warning: not unlimited"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
+
+
+# -- report ------------------------------------------------------------------------------
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _port_row(fabric: Fabric, dev, port: Port, gid: tuple[int | None, str]) -> list[str]:
+    try:
+        c = evaluate(dev, port, *gid)
+        gid_col, why = str(c.gid_index), c.why
+    except FabricError as e:
+        gid_col, why = "-", f"unusable: {e}"
+    mtu = (str(port.active_mtu) if port.active_mtu else "?") + \
+        (f" ({port.netdev_mtu})" if port.netdev_mtu else "")
+    return [dev.name, f"{dev.group}/{dev.root}", str(port.port),
+            f"{port.state}/{port.phys_state}", port.rate.replace("Gb/sec", "Gb/s"),
+            port.link_layer, port.netdev or "-", str(port.ipv4) if port.ipv4 else "-",
+            mtu, gid_col, why]
+
+
+def _lanes(choices) -> str:
+    return " + ".join(f"{c.device}:{c.port} (GID {c.gid_index}, {c.ipv4 or 'no IPv4'}, "
+                      f"MTU {c.mtu or '?'})" for c in choices)
+
+
+def _describe(sel: Selection, out: TextIO) -> None:
+    head = f"{sel.topology}" + (f" [{sel.source}]" if sel.source else "")
+    if sel.ok and sel.topology == "mesh":
+        print(f"{head}: {_lanes(sel.mesh)}", file=out)
+    elif sel.ok:
+        print(f"{head}:\n  prev: {_lanes(sel.prev)}\n  next: {_lanes(sel.next)}", file=out)
+    else:
+        print(f"{head}: cannot work", file=out)
+    for e in sel.errors:
+        print(f"  error: {e}", file=out)
+    for n in sel.notes:
+        print(f"  note: {n}", file=out)
+
+
+def doctor(*, topology: str | None = None, devices: str | None = None,
+           prev_devices: str | None = None, next_devices: str | None = None,
+           gid_index: int | None = None, roots: int | None = None,
+           sysfs_root: str | None = None, env: Mapping[str, str] | None = None,
+           ipv4_of: Ipv4Lookup | None = None, out: TextIO | None = None,
+           verbs: Callable[[], tuple[bool, str, list[str] | None]] = verbs_status,
+           memlock: Callable[[int], tuple[bool, str]] = memlock_status) -> int:
+    """Print the report; return the exit status. Tests inject sysfs/env/ipv4/checks."""
+    out = out if out is not None else sys.stdout
+    env = os.environ if env is None else env
+    problems: list[str] = []
+
+    try:
+        settings = config.resolve()
+        slot_bytes, default_roots = settings.slot_bytes, settings.roots
+    except ValueError as e:
+        problems.append(str(e))
+        slot_bytes, default_roots = config.DEFAULT_SLOT_BYTES, config.DEFAULT_ROOTS
+    roots = roots if roots is not None else default_roots
+
+    fabric = discover(sysfs_root, ipv4_of=ipv4_of)
+    asked = [f"--{n.replace('_', '-')}" for n, v in
+             (("devices", devices), ("prev_devices", prev_devices),
+              ("next_devices", next_devices), ("gid_index", gid_index)) if v is not None]
+    asked += [v for v in _RDMA_REQUESTS if env.get(v, "").strip()]
+
+    if not fabric.devices:
+        print(f"no RDMA devices found ({fabric.ib_class_dir} "
+              f"{'is empty' if os.path.isdir(fabric.ib_class_dir) else 'does not exist'}); "
+              "the shm transport (one host) remains available (tcp: planned)", file=out)
+        # For information only: neither matters without an RDMA device.
+        print(f"memlock: {memlock(_PINNED_SLOTS * slot_bytes)[1]}", file=out)
+        print(f"libibverbs: {verbs()[1]}", file=out)
+        for v in ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX"):
+            if env.get(v, "").strip():
+                print(f"note: {v} is set but there is nothing for it to select", file=out)
+        if asked:
+            print(f"FAIL: {', '.join(asked)} asks for RDMA devices, and there are none",
+                  file=out)
+            return 1
+        return 0
+
+    print(f"RDMA devices under {fabric.ib_class_dir}:\n", file=out)
+    try:
+        gid = resolve_gid_index(gid_index, env)
+    except FabricError:  # the selections below report it
+        gid = (None, "")
+    rows = [["device", "QSFP/root", "port", "state", "speed", "link", "netdev", "IPv4",
+             "MTU (netdev)", "GID", "why"]]
+    rows += [_port_row(fabric, d, p, gid) for d, p in fabric.ports()]
+    print(_table(rows) + "\n", file=out)
+
+    ok, text = memlock(_PINNED_SLOTS * slot_bytes)
+    print(f"memlock: {text}", file=out)
+    if not ok:
+        problems.append(f"memlock limit: {text}")
+    ok, text, listed = verbs()
+    print(f"libibverbs: {text}", file=out)
+    if not ok:
+        problems.append(text)
+    elif listed is not None:
+        unseen = [d.name for d in fabric.devices if d.name not in listed]
+        if len(unseen) == len(fabric.devices):
+            problems.append("libibverbs lists none of the devices in sysfs (is the mlx5 "
+                            "provider, package ibverbs-providers, installed?)")
+        elif unseen:
+            print(f"  note: libibverbs does not list {', '.join(unseen)}", file=out)
+    print(f"settings: {roots} root(s) per port, slot {_mib(slot_bytes)}\n", file=out)
+
+    mesh_asked = devices is not None or bool(env.get("SPARKCCL_IB_HCA", "").strip())
+    ring_asked = (prev_devices, next_devices) != (None, None) or any(
+        env.get(v, "").strip() for v in ("SPARKCCL_RING_PREV_HCA", "SPARKCCL_RING_NEXT_HCA"))
+    sels = []
+    if topology in (None, "mesh"):
+        sels.append(select_mesh(fabric, devices=devices, gid_index=gid_index, roots=roots,
+                                env=env))
+    if topology in (None, "ring"):
+        sels.append(select_ring(fabric, prev_devices=prev_devices, next_devices=next_devices,
+                                gid_index=gid_index, roots=roots, env=env))
+    for sel in sels:
+        _describe(sel, out)
+    failed = [s for s in sels if not s.ok]
+    # A failing topology counts when it was asked for; otherwise only if nothing works
+    # (a box on a switch has no ring, a ring box may have no switch port).
+    must = [s for s in failed if topology is not None
+            or (s.topology == "mesh" and mesh_asked) or (s.topology == "ring" and ring_asked)]
+    if failed and len(failed) == len(sels):
+        must = failed
+    problems += [f"{s.topology}: {'; '.join(s.errors)}" for s in must]
+
+    if problems:
+        print("\nFAIL: " + "\n      ".join(problems), file=out)
+        return 1
+    usable = ", ".join(s.topology for s in sels if s.ok)
+    print(f"\nOK: sparkccl can use RDMA here ({usable})", file=out)
+    return 0
