@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--no-baseline", action="store_true", help="skip torch.distributed (gloo)")
     b.set_defaults(func=_cmd_bench)
+
+    from . import doctor
+    doctor.add_parser(sub)
     return ap
 
 
