@@ -83,27 +83,29 @@ class Rendezvous:
     def key(self, *parts) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
-    def _wait_all(self, name: str, what: str, abort_check=None) -> None:
+    def _wait_all(self, name: str, what: str, abort_check=None, timeout_s=None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         keys = [self.key(name, r) for r in range(self.world)]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         if _poll(lambda: self.store.check(keys), deadline, abort_check):
             return
         missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
         raise CollectiveError(
-            f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for rank(s) "
+            f"rank {self.rank}: timed out after {timeout_s:g} s waiting for rank(s) "
             f"{', '.join(map(str, missing))} to {what} (did they crash, or not create the "
             "communicator / call the same collectives?)",
             rank=self.rank, peer=missing[0] if missing else None)
 
-    def exchange(self, name: str, value: Any, what: str = "join", abort_check=None) -> list:
+    def exchange(self, name: str, value: Any, what: str = "join", abort_check=None,
+                 timeout_s=None) -> list:
         """Publish ``value`` (JSON) and return every rank's value, in rank order."""
         self.store.set(self.key(name, self.rank), json.dumps(value))
-        self._wait_all(name, what, abort_check)
+        self._wait_all(name, what, abort_check, timeout_s)
         return [json.loads(self.store.get(self.key(name, r))) for r in range(self.world)]
 
-    def barrier(self, name: str, what: str, abort_check=None) -> None:
+    def barrier(self, name: str, what: str, abort_check=None, timeout_s=None) -> None:
         self.store.set(self.key(name, self.rank), "1")
-        self._wait_all(name, what, abort_check)
+        self._wait_all(name, what, abort_check, timeout_s)
 
 
 def new_token(store, rank: int, world: int, timeout_s: float) -> str:

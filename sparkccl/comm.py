@@ -112,13 +112,14 @@ class Communicator:
         self.topology = topology
         self._nat = _native()
 
-        token = bootstrap.new_token(st, r, w, s.timeout_s)
+        token = bootstrap.new_token(st, r, w, s.bootstrap_timeout_s)
         self.token = token
         self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, s.timeout_s)
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                     host=socket.gethostname(), uid=os.getuid(), pid=os.getpid())
-        infos = rv.exchange("info", info, "join the communicator")
+        infos = rv.exchange("info", info, "join the communicator",
+                            timeout_s=s.bootstrap_timeout_s)
         bootstrap.validate(infos, ("version", "world", "topology", "transport", "slot_bytes",
                                    "roots", "rs_up_front"))
         if topology not in TOPOLOGIES:
@@ -208,8 +209,10 @@ class Communicator:
         if s.rs_up_front:
             self._attach_peers("rs", self._rs_bytes)
         rv.barrier("mapped", "map the shared memory of its peers")
-        for seg in self._segments:
-            seg.unlink()
+        # Every segment is mapped by every rank: remove all names now (each rank removes
+        # all of them, so none is left once any rank has returned from here).
+        for n in self._names:
+            shm.unlink_name(n)
 
         t = self.plan.to_tables()
         slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
@@ -269,7 +272,8 @@ class Communicator:
             self._attach_peers("rs", self._rs_bytes)
             self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
                              self._dp.check_abort)
-            self._rs.unlink()
+            for n in self._names:
+                shm.unlink_name(n)
         except CollectiveError as e:
             for n in self._names:
                 shm.unlink_name(n)
@@ -474,7 +478,8 @@ class Communicator:
                     raise CollectiveError("aborted")
             try:
                 if not nat.abort_code(ctl):
-                    self._rv.barrier("closed", "close the communicator", check)
+                    self._rv.barrier("closed", "close the communicator", check,
+                                     self._settings.bootstrap_timeout_s)
             except CollectiveError as e:
                 log.warning("sparkccl: rank %d: close() did not hear from every rank (%s); "
                             "closing anyway", self.rank, e)

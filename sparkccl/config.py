@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | ``SPARKCCL_SLOT_BYTES`` | 64 MiB | capacity of one slot: the whole gathered / reduce-scattered tensor of one collective (world x slice). Accepts ``67108864``, ``64M``, ``64MiB``, ``1G``. |
 | ``SPARKCCL_TIMEOUT_S`` | 120 | seconds a collective (or the bootstrap) may wait for peers before it fails with ``CollectiveError`` |
+| ``SPARKCCL_BOOTSTRAP_TIMEOUT_S`` | max(timeout, 120) | seconds the ranks may take to all join (construction) and to all reach ``close()`` |
 | ``SPARKCCL_ROOTS`` | 2 | PCIe functions ("roots") per port that traffic is split over (1 or 2) |
 | ``SPARKCCL_RS_UP_FRONT`` | 0 | 1: create the reduce-scatter buffers at construction instead of on first use |
 | ``SPARKCCL_PROXY_SPIN_US`` | 200000 (50 when oversubscribed) | proxy keeps spinning this long after its last work |
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 120.0
 DEFAULT_ROOTS = 2
 DEFAULT_SPIN_US = 200_000
 DEFAULT_NAP_US = 200
@@ -94,6 +96,7 @@ def usable_cpus() -> int:
 class Settings:
     slot_bytes: int
     timeout_s: float
+    bootstrap_timeout_s: float
     roots: int
     rs_up_front: bool
     spin_us: int
@@ -125,6 +128,10 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     if not timeout > 0:
         raise ValueError(f"{t_src}={timeout}: must be > 0 seconds")
 
+    boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(timeout, DEFAULT_BOOTSTRAP_TIMEOUT_S))
+    if not boot > 0:
+        raise ValueError(f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={boot}: must be > 0 seconds")
+
     roots = _env_int("SPARKCCL_ROOTS", DEFAULT_ROOTS)
     if roots not in (1, 2):
         raise ValueError(f"SPARKCCL_ROOTS={roots}: must be 1 or 2")
@@ -134,7 +141,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     nap = _env_int("SPARKCCL_PROXY_NAP_US", OVERSUBSCRIBED_NAP_US if oversub else DEFAULT_NAP_US)
     if spin < 0 or nap < 0:
         raise ValueError("SPARKCCL_PROXY_SPIN_US / SPARKCCL_PROXY_NAP_US must be >= 0")
-    return Settings(slot_bytes=slot, timeout_s=timeout, roots=roots,
+    return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot, roots=roots,
                     rs_up_front=_env_bool("SPARKCCL_RS_UP_FRONT", False),
                     spin_us=spin, nap_us=nap,
                     check_sizes=_env_bool("SPARKCCL_CHECK_SIZES", True),

@@ -1,0 +1,231 @@
+"""Failure behaviour (SPEC §9): no hang, clear errors, nothing left in /dev/shm, recovery
+by building a new communicator in the same processes."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import sparkccl
+from sparkccl.testing import (KILLED, bits, check, make_input, reduce_scatter_reference,
+                              run_ranks, shm_leftovers)
+
+TIMEOUT = 3.0
+
+
+def _comm(store, prefix, rank, world, **kw):
+    kw.setdefault("timeout_s", TIMEOUT)
+    kw.setdefault("slot_bytes", 1 << 20)
+    return sparkccl.Communicator(store=dist.PrefixStore(prefix, store), rank=rank,
+                                 world_size=world, **kw)
+
+
+def _healthy(comm, seed):
+    """One all-gather and one reduce-scatter, checked; returns None or a problem."""
+    w, r = comm.world_size, comm.rank
+    x = torch.full((5,), r, dtype=torch.int32)
+    y = comm.all_gather(x)
+    if y.tolist() != [i for i in range(w) for _ in range(5)]:
+        return f"all_gather wrong: {y.tolist()}"
+    xs = [make_input(seed, i, (w * 3, 7), torch.bfloat16) for i in range(w)]
+    z = comm.reduce_scatter(xs[r])
+    if not (bits(z) == reduce_scatter_reference(xs, r)).all():
+        return "reduce_scatter wrong"
+    return None
+
+
+def stall_job(rank, world, store):
+    out = {}
+    for phase, (topo, stalled, op) in enumerate([("mesh", 3, "ag"), ("ring", 2, "rs")]):
+        comm = _comm(store, f"stall{phase}", rank, world, topology=topo)
+        rec = out[topo] = {"token": comm.token}
+        assert _healthy(comm, 1) is None
+        x = torch.ones((world * 64, 32), dtype=torch.bfloat16)
+        call = (lambda: comm.all_gather(x)) if op == "ag" else (lambda: comm.reduce_scatter(x))
+        if rank == stalled:
+            time.sleep(TIMEOUT + 1.5)  # stops calling; meanwhile the others give up
+        t0 = time.monotonic()
+        try:
+            call()
+            rec["error"] = None
+        except sparkccl.CollectiveError as e:
+            rec["error"] = str(e)
+            rec["attrs"] = (e.rank, e.peer, e.connection, e.cause)
+        rec["elapsed"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        try:  # every later call fails at once, with the recorded cause
+            comm.all_gather(torch.zeros(3))
+            rec["later"] = None
+        except sparkccl.CollectiveError as e:
+            rec["later"] = str(e)
+        rec["later_elapsed"] = time.monotonic() - t0
+        comm.close()
+        rec["leftovers"] = shm_leftovers(comm.token)
+    # Recovery: a new communicator in the same processes works.
+    with _comm(store, "after", rank, world) as comm:
+        out["recovered"] = _healthy(comm, 2)
+    return out
+
+
+def test_stalled_rank_makes_others_raise_within_timeout():
+    world = 4
+    values = check(run_ranks(stall_job, world, timeout_s=120))
+    for topo, stalled, op in [("mesh", 3, "all_gather"), ("ring", 2, "reduce_scatter")]:
+        for r, v in enumerate(values):
+            rec = v[topo]
+            assert rec["error"], (topo, r, "no error")
+            assert rec["later"] and rec["later_elapsed"] < 0.5, (topo, r, rec)
+            assert not rec["leftovers"], rec["leftovers"]
+            if r == stalled:
+                # It comes back after the others gave up: its call fails fast.
+                assert rec["elapsed"] < 1.0, (topo, r, rec)
+                continue
+            assert TIMEOUT - 0.5 <= rec["elapsed"] <= TIMEOUT + 1.0, (topo, r, rec["elapsed"])
+            # The data missing is the stalled rank's, or another's that it should relay.
+            names = (f"from rank {stalled}", f"relayed by rank {stalled}")
+            assert any(n in rec["error"] for n in names), rec["error"]
+            assert "timed out after 3 s" in rec["error"] and op in rec["error"], rec["error"]
+            e_rank, e_peer, e_conn, e_cause = rec["attrs"]
+            assert e_rank == r and any(n in e_cause for n in names), rec["attrs"]
+            if e_peer is not None:  # this rank's own wait timed out (not told by a peer)
+                assert e_conn.startswith("channel "), rec["attrs"]
+                assert e_peer == stalled or names[1] in rec["error"], rec["attrs"]
+    assert all(v["recovered"] is None for v in values), [v["recovered"] for v in values]
+
+
+def kill_job(rank, world, store, topo, victim):
+    comm = _comm(store, f"kill-{topo}", rank, world, topology=topo, timeout_s=TIMEOUT)
+    assert _healthy(comm, 3) is None  # reduce-scatter buffers exist from here on
+    token = comm.token
+    if rank == victim:
+        def die():
+            store.set(f"killed-{topo}", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.5, die).start()
+    xs = [torch.full((256, 64), float(rank), dtype=torch.float32), torch.ones(world * 32, 64)]
+    n = 0
+    try:
+        while True:  # a burst, until the failure
+            if n % 2 == 0:
+                comm.all_gather(xs[0])
+            else:
+                comm.reduce_scatter(xs[1])
+            n += 1
+    except sparkccl.CollectiveError as e:
+        t_err = time.time()
+        err = str(e)
+    t_kill = float(store.get(f"killed-{topo}").decode())
+    comm.close()
+    # The survivors build a new, smaller communicator and carry on.
+    survivors = [r for r in range(world) if r != victim]
+    with _comm(store, f"after-kill-{topo}", survivors.index(rank), len(survivors)) as c2:
+        recovered = _healthy(c2, 4)
+    return dict(delay=t_err - t_kill, error=err, n=n, token=token, recovered=recovered)
+
+
+def _check_kill(topo, world, victim):
+    res = run_ranks(kill_job, world, args=(topo, victim), timeout_s=120)
+    assert res[victim].error_type == KILLED, (res[victim].error_type, res[victim].message)
+    others = [r for r in res if r.rank != victim]
+    values = check(others)
+    for r, v in zip(others, values):
+        assert v["n"] > 0
+        assert v["delay"] <= TIMEOUT + 1.0, (r.rank, v)
+        assert "peer" in v["error"] or "rank" in v["error"], v["error"]
+        assert v["recovered"] is None, v["recovered"]
+    token = values[0]["token"]
+    assert shm_leftovers(token) == [], shm_leftovers(token)
+    return values
+
+
+def test_killed_rank_mesh():
+    values = _check_kill("mesh", 4, 1)
+    print([round(v["delay"], 3) for v in values])
+
+
+def test_killed_rank_ring():
+    values = _check_kill("ring", 4, 2)
+    print([round(v["delay"], 3) for v in values])
+
+
+def mismatch_job(rank, world, store):
+    import sparkccl.comm as cm
+    out = {}
+    cases = {
+        "topology": dict(topology="ring" if rank == 1 else "mesh"),
+        "slot": dict(slot_bytes=(1 << 20) if rank != 2 else (2 << 20)),
+        "both": dict(topology="ring" if rank == 0 else "mesh",
+                     slot_bytes=(1 << 20) if rank != 2 else (4 << 20)),
+        "transport": dict(transport="tcp"),
+        "topology-name": dict(topology="star"),
+    }
+    for name, kw in cases.items():
+        try:
+            _comm(store, f"mm-{name}", rank, world, **kw).close()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    real = cm.socket.gethostname
+    if rank == 2:
+        cm.socket.gethostname = lambda: "some-other-host"
+    try:
+        _comm(store, "mm-host", rank, world).close()
+        out["host"] = None
+    except ValueError as e:
+        out["host"] = str(e)
+    finally:
+        cm.socket.gethostname = real
+    # Sizes that differ across ranks: detected on the first piece, after sending.
+    for k, op in enumerate(("ag", "rs")):
+        comm = _comm(store, f"mm-size{k}", rank, world)
+        try:
+            if op == "ag":
+                comm.all_gather(torch.zeros(100 + 100 * rank, dtype=torch.uint8))
+            else:
+                comm.reduce_scatter(torch.zeros(world * (8 + rank), 4))
+            out[f"size-{op}"] = None
+        except sparkccl.CollectiveError as e:
+            out[f"size-{op}"] = str(e)
+        comm.close()
+    with _comm(store, "mm-ok", rank, world) as comm:
+        out["recovered"] = _healthy(comm, 5)
+    return out
+
+
+def test_cross_rank_validation():
+    values = check(run_ranks(mismatch_job, 3, timeout_s=120))
+    for v in values:  # every rank raises, with the same message
+        assert "topology: 'mesh' on ranks 0, 2; 'ring' on rank 1" in v["topology"], v
+        assert "slot_bytes: 1048576 on ranks 0, 1; 2097152 on rank 2" in v["slot"], v
+        assert "topology:" in v["both"] and "slot_bytes:" in v["both"], v
+        assert "tcp and verbs are not implemented" in v["transport"], v
+        assert "must be one of" in v["topology-name"], v
+        assert "different hosts" in v["host"] and "rank 2" in v["host"], v
+        assert "different size" in v["size-ag"], v
+        assert "different size" in v["size-rs"], v
+        assert v["recovered"] is None
+    assert values[0]["topology"] == values[1]["topology"] == values[2]["topology"]
+
+
+def lifecycle_job(rank, world, store):
+    comm = _comm(store, "life", rank, world)
+    after_init = shm_leftovers(comm.token)  # unlinked once every peer mapped them
+    _healthy(comm, 6)
+    after_rs = shm_leftovers(comm.token)
+    pinned = comm.pinned_bytes
+    comm.close()
+    comm.close()  # idempotent
+    return dict(after_init=after_init, after_rs=after_rs, pinned=pinned, token=comm.token)
+
+
+def test_segments_unlinked_early_and_pinned_bytes():
+    values = check(run_ranks(lifecycle_job, 2, timeout_s=60,
+                             env={"SPARKCCL_RS_UP_FRONT": "0"}))
+    for v in values:
+        assert v["after_init"] == [] and v["after_rs"] == [], v
+        assert v["pinned"] > 3 * (1 << 20), v  # 3 AG slots at least
+    assert shm_leftovers(values[0]["token"]) == []
