@@ -31,6 +31,7 @@ void need(bool ok, const std::string& what) {
 
 constexpr uint64_t WATCH_NS = 100000000ull;  // peer liveness / abort check period
 constexpr size_t MAX_SAMPLES = 4096;
+constexpr size_t MAX_PENDING = 1024;  // collectives per op the proxy keeps track of
 
 // Whether a process still runs. kill(pid, 0) also succeeds for a zombie (exited, not yet
 // reaped by its parent, e.g. a launcher that polls its children slowly), so check the
@@ -248,6 +249,11 @@ bool Proxy::consume_ring() {
     if (!c) {
       if (o.any && seq <= o.last_seq) {  // a collective every stream is done with
         n_stale_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      if (o.hist.size() >= MAX_PENDING) {
+        bad("more than " + std::to_string(MAX_PENDING) + " collectives of this op are pending "
+            "(a stream is stuck at collective seq " + std::to_string(o.hist.front().seq) + ")");
         continue;
       }
       Coll fresh{};
