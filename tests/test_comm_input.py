@@ -186,3 +186,30 @@ def test_collective_error_pickles():
     assert isinstance(e2, RuntimeError) and str(e2) == "boom"
     assert (e2.rank, e2.peer, e2.connection, e2.cause) == (1, 2, "channel 0 root 1", "why")
     assert sparkccl.__version__
+
+
+def process_group_job(rank, world, store):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        out = {}
+        with sparkccl.Communicator() as comm:  # the default group
+            out["default"] = comm.all_gather(torch.tensor([rank])).tolist()
+        sub = dist.new_group([1, 2])
+        if rank in (1, 2):
+            with sparkccl.Communicator(sub, topology="ring") as comm:
+                out["sub"] = (comm.rank, comm.world_size,
+                              comm.all_gather(torch.tensor([rank])).tolist())
+        with sparkccl.Communicator(dist.group.WORLD, topology="ring") as comm:
+            out["again"] = comm.reduce_scatter(torch.ones(world, 2)).tolist()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bootstrap_over_process_groups():
+    values = check(run_ranks(process_group_job, 3, timeout_s=120))
+    for r, v in enumerate(values):
+        assert v["default"] == [0, 1, 2]
+        assert v["again"] == [[3.0, 3.0]]
+        if r in (1, 2):
+            assert v["sub"] == (r - 1, 2, [1, 2])
