@@ -639,3 +639,38 @@ def test_separate_processes_peer_exits():
         code, text = out[r]
         assert code == L.ABORT_PEER, out
         assert "peer 2" in text and ("exited" in text or "aborted" in text), text
+
+
+def test_relay_waits_for_own_entry():
+    """Ring 4: rank 1 relays rank 0's data to rank 2, but only once rank 1 itself has seen
+    the collective in its own ring (it takes the piece bounds from there)."""
+    from sparkccl.plan.model import PREV, flag_word
+    W, slice_ = 4, 4096
+    w = World("ring", W, 2, slice_)
+    w.start()
+    try:
+        seq = 0
+        for r in range(W):
+            w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
+        for c in range(G.PIECES):
+            assert N.publish(w.ctl[0].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        # Rank 1 gets rank 0's data (arriving on its port facing prev)...
+        words1 = [flag_word(W, Op.AG, 0, PREV, k) for k in range(2)]
+        assert N.wait_flags(w.ctl[1].addr, w.ctl[1].flags_addr, words1, G.flag_value(seq, 7), 5.0) == (0, -1)
+        # ... but must not relay it to rank 2 before its own first entry of seq.
+        words2 = [flag_word(W, Op.AG, 0, PREV, k) for k in range(2)]
+        time.sleep(0.1)
+        assert [int(w.ctl[2].flags[x]) for x in words2] == [0, 0]
+        for r in (1, 2, 3):
+            for c in range(G.PIECES):
+                assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        w.wait_all(Op.AG, seq)
+        assert [int(w.ctl[2].flags[x]) for x in words2] == [G.flag_value(seq, 7)] * 2
+        for r in range(W):
+            for b in range(W):
+                assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+        w.check_healthy()
+        st = w.proxies[1].stats()
+        assert st["delay_samples"] > 0 and st["delay_p99_ns"] >= st["delay_p50_ns"] > 0
+    finally:
+        w.stop()
