@@ -72,3 +72,14 @@ def test_kernel_constants_match_layout_and_geometry():
     assert defines["ALIGN"] == G.ALIGN
     assert defines["FLAG_STRIDE"] == G.FLAG_STRIDE
 
+
+
+def test_cuda_dataplane_imports_without_cuda_python():
+    """CPU users must not need cuda-python: importing the module is free of it."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.core'] = None; "
+            "import sparkccl, sparkccl.dataplane.cuda as c; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr

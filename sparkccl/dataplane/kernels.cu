@@ -69,7 +69,14 @@ __device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
 }
 
 // ---------------------------------------------------------------- memory operations
+//
+// SCCL_EMU: tests/cuda_emu.py compiles this file as host C++ (one thread per block) to run
+// the kernels' logic against the real proxy on machines without a GPU; the definitions
+// below then map each operation to its C++ atomic twin.
 
+#ifdef SCCL_EMU
+#include "sccl_emu.h"
+#else
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
   u64 v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -128,6 +135,17 @@ __device__ __forceinline__ u8 ld_sys8(const u8* p) {
   asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return (u8)v;
 }
+__device__ __forceinline__ float f16_to_f32(u16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
+  u16 v;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
+  return v;
+}
+#endif  // SCCL_EMU
 
 // Unaligned 16-byte access (device memory only; pinned addresses are always 16-aligned).
 __device__ __forceinline__ V16 ld_any16(const u8* p, bool sys) {
@@ -406,16 +424,8 @@ struct BF16 {
 };
 struct F16 {
   typedef u16 T;
-  static __device__ __forceinline__ float load(u16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-    return f;
-  }
-  static __device__ __forceinline__ u16 store(float f) {
-    u16 v;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
-    return v;
-  }
+  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float f) { return f32_to_f16_rn(f); }
 };
 struct F32 {
   typedef u32 T;

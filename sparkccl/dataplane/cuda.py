@@ -1,0 +1,485 @@
+"""The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels.
+
+Kernels live in ``kernels.cu``, compiled at run time with NVRTC (``nvrtc.py``, cached on
+disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
+
+1. the host reserves the collective's 8 publish-ring indices (``reserve_ring``: waits while
+   the ring is full; the GPU cannot do a system-scope fetch-add on host memory over PCIe);
+2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
+   to finish piece c writes ring entry ``first + c`` (fields, system fence, tag);
+3. ``sccl_ag_wait`` / ``sccl_rs_wait_*``: one block polls the pinned flag words (acquire,
+   system scope) and relays progress through a device word; the other blocks copy each
+   arrived piece into the device result (all-gather) or sum the sources in rank order in
+   fp32 and round once (reduce-scatter).
+
+Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
+clock; it then records what it waited for in the control block's GPU status record
+(``GPU_STATUS`` / ``GPU_DETAIL`` / ``GPU_SEQ``) and every block exits. The host turns the
+record into :class:`CollectiveError` (naming rank, seq, piece, peer and connection) at the
+next call or at :meth:`CudaDataPlane.synchronize`, and sets the abort word so the proxy
+tells the peers.
+
+The regions are the same shared-memory segments the CPU path and the proxy use, pinned
+with ``cudaHostRegister(..., Mapped | Portable)``: :func:`register_host` /
+:func:`unregister_host`.
+
+Collectives are asynchronous like NCCL's: they return once launched. All collectives of
+one communicator must run on one stream (or streams ordered with events): a collective's
+buffers are reused three (all-gather) or two (reduce-scatter) collectives later on the
+assumption that the previous ones finished in order.
+
+cuda-python is imported only when a :class:`CudaDataPlane` is created: CPU users never
+need it.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import layout
+from ..errors import CollectiveError
+from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
+from ..plan.model import Op, RankPlan, decode_flag_word
+from . import nvrtc
+from .cpu import OP_NAMES, CpuDataPlane
+
+# GPU failure record in the control block (proposed for layout.py / layout.h; the names
+# there win once they exist).
+GPU_STATUS = getattr(layout, "CTL_GPU_STATUS", 40)  # u64: 0, or the ABORT_* code (written last)
+GPU_DETAIL = getattr(layout, "CTL_GPU_DETAIL", 48)  # u64: source << 32 | flag word << 8 | piece
+GPU_SEQ = getattr(layout, "CTL_GPU_SEQ", 56)  # u64: seq of the failed wait
+assert GPU_DETAIL == GPU_STATUS + 8 and GPU_SEQ == GPU_STATUS + 16  # kernels write status[0..2]
+NO_SOURCE = 0xFFFFFFFF
+NO_WORD = 0xFFFF
+
+PROG_STRIDE = 1024  # progress word = seq * PROG_STRIDE + k (kernels.cu)
+MAX_WORLD = 64
+COUNTER_SETS = 4  # publish counters are indexed by seq % COUNTER_SETS
+
+PUBLISH_THREADS = 512
+WAIT_THREADS = 256
+PUBLISH_BYTES_PER_BLOCK = 64 << 10
+WAIT_BYTES_PER_BLOCK = 32 << 10
+
+_RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
+               torch.float32: "sccl_rs_wait_f32"}
+
+_lock = threading.Lock()
+_kernels: dict[int, dict] = {}  # device index -> {name: Kernel}
+_tls = threading.local()
+
+
+# ---------------------------------------------------------------- cuda-python access
+
+def _runtime():
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        try:
+            from cuda import cudart as rt  # type: ignore[no-redef]  (cuda-python < 12.6)
+        except ImportError as e:
+            raise nvrtc.CudaUnavailable(f"the CUDA data plane needs cuda-python's cuda.bindings: "
+                                        f"{e}; install it with {nvrtc.INSTALL_HINT}") from e
+    return rt
+
+
+def _check(what: str, result):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        rt = _runtime()
+        try:
+            name = rt.cudaGetErrorName(err)[1].decode()
+            text = rt.cudaGetErrorString(err)[1].decode()
+        except Exception:
+            name, text = str(err), ""
+        raise RuntimeError(f"sparkccl: {what} failed: {name} ({text})")
+    return result[1:] if isinstance(result, tuple) else ()
+
+
+def _set_current(device_index: int) -> None:
+    """Make the device's primary context (torch's) current for cuda.core on this thread."""
+    cur = getattr(_tls, "devices", None)
+    if cur is None:
+        cur = _tls.devices = set()
+    if device_index not in cur:
+        cc = nvrtc.import_cuda_core()
+        cc.Device(device_index).set_current()
+        cur.add(device_index)
+
+
+def kernels_for(device_index: int) -> dict:
+    """The compiled kernels for a device (compiled or read from the cache once per process)."""
+    with _lock:
+        k = _kernels.get(device_index)
+        if k is None:
+            _set_current(device_index)
+            cap = torch.cuda.get_device_capability(device_index)
+            k = _kernels[device_index] = nvrtc.load_kernels(nvrtc.arch_of(cap))
+        return k
+
+
+def check_available(device=None) -> None:
+    """Raise a clear error if the CUDA data plane cannot run here (no GPU, no cuda-python,
+    no NVRTC, GPU older than sm_80)."""
+    if not torch.cuda.is_available():
+        raise nvrtc.CudaUnavailable("device='cuda' needs a CUDA build of torch and a visible GPU "
+                                    "(torch.cuda.is_available() is False)")
+    nvrtc.import_cuda_core()
+    _runtime()
+    nvrtc.nvrtc_version()
+    idx = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    nvrtc.arch_of(torch.cuda.get_device_capability(idx))
+
+
+def register_host(addr: int, size: int) -> int:
+    """Pin ``[addr, addr + size)`` (a shared-memory mapping) for the current device, mapped
+    into the GPU's address space; returns the device pointer."""
+    rt = _runtime()
+    flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable
+    _check(f"cudaHostRegister({addr:#x}, {size})", rt.cudaHostRegister(addr, size, flags))
+    (dev,) = _check("cudaHostGetDevicePointer", rt.cudaHostGetDevicePointer(addr, 0))
+    return int(dev)
+
+
+def unregister_host(addr: int) -> None:
+    rt = _runtime()
+    _check(f"cudaHostUnregister({addr:#x})", rt.cudaHostUnregister(addr))
+
+
+class _CudaArray:
+    """Just enough ``__cuda_array_interface__`` for ``torch.as_tensor`` to wrap a device
+    pointer (no copy, no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3, "strides": None,
+                                         "stream": None}
+
+
+def device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A CUDA uint8 tensor over ``nbytes`` at device pointer ``ptr`` (mapped pinned memory)."""
+    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+
+
+def _u64(addr: int) -> ctypes.c_uint64:
+    return ctypes.c_uint64.from_address(addr)
+
+
+# ---------------------------------------------------------------- the data plane
+
+class CudaDataPlane(CpuDataPlane):
+    """The CUDA twin of :class:`CpuDataPlane` (same constructor and collective methods;
+    tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
+    over the shared segments; ``self.ag`` / ``self.rs_send`` / ``self.rs_recv`` become CUDA
+    views of the same memory."""
+
+    def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
+                 ag: torch.Tensor, ag_stride: int, timeout_s: float,
+                 peer_rings: list | None = None, device=None):
+        super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
+                         ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
+        if self.world > MAX_WORLD:
+            raise ValueError(f"the CUDA data plane supports world sizes up to {MAX_WORLD}")
+        self._registered: list[int] = []
+        self._closed = False
+        self._last_event = None
+        self._streams: dict[int, object] = {}
+        self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
+        self._setup_backend(device)
+        # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
+        # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
+        self.max_publish_blocks = 2 * self.sms
+        self.max_wait_blocks = self.sms
+        self.ag_host = ag
+        try:
+            ctl_bytes = layout.control_bytes(plan.num_flag_words)
+            self.ctl_dev = self._register(ctl_addr, ctl_bytes)
+            self.flags_dev = self.ctl_dev + (flags_addr - ctl_addr)
+            self.ag_dev = self._register(ag.data_ptr(), ag.numel())
+        except BaseException:
+            self.close()
+            raise
+        self.ag = self._view(self.ag_dev, ag.numel())
+        # Device state: [0] progress word, [1] dead; publish counters per (seq % 4, piece).
+        self.state = self._to_device(torch.zeros(2, dtype=torch.int64))
+        self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.maxw = max(1, max(len(w) for op in Op for w in plan.waits[op]))
+        table = torch.full((len(Op), self.world, self.maxw), -1, dtype=torch.int32)
+        for op in Op:
+            for i, words in enumerate(plan.waits[op]):
+                for k, word in enumerate(words):
+                    table[int(op), i, k] = int(word)
+        self.wait_table = self._to_device(table)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._reserve = getattr(native, "reserve_ring", None)
+        self._device_synchronize()
+
+    # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
+    def _setup_backend(self, device) -> None:
+        check_available(device)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.kernels = kernels_for(dev.index)
+        self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+
+    def _register(self, addr: int, size: int) -> int:
+        with torch.cuda.device(self.device):
+            dev = register_host(addr, size)
+        self._registered.append(addr)
+        return dev
+
+    def _unregister(self, addr: int) -> None:
+        with torch.cuda.device(self.device):
+            unregister_host(addr)
+
+    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
+        return device_view(ptr, nbytes, self.device)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def _device_synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _stream(self):
+        """(torch stream, cuda.core stream) of the caller's current stream."""
+        _set_current(self.device.index)
+        ts = torch.cuda.current_stream(self.device)
+        h = int(ts.cuda_stream)
+        s = self._streams.get(h)
+        if s is None:
+            cc = nvrtc.import_cuda_core()
+            s = self._streams[h] = cc.Stream.from_handle(h)
+        return ts, s
+
+    def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
+        cc = nvrtc.import_cuda_core()
+        cfg = cc.LaunchConfig(grid=grid, block=block)
+        with torch.cuda.device(self.device):  # this device's primary context is current
+            cc.launch(stream, cfg, self.kernels[name], *args)
+
+    def _end(self, ts) -> None:
+        ev = torch.cuda.Event()
+        ev.record(ts)
+        self._last_event = ev
+
+    def _wait_last(self) -> None:
+        if self._last_event is not None:
+            self._last_event.synchronize()
+
+    # ---- regions -------------------------------------------------------------------
+    def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
+                  recv_stride: int) -> None:
+        s, n = send.data_ptr(), send.numel()
+        r, m = recv.data_ptr(), recv.numel()
+        if r == s + n:  # one segment: register once
+            base = self._register(s, n + m)
+            send_dev, recv_dev = base, base + n
+        else:
+            send_dev = self._register(s, n)
+            recv_dev = self._register(r, m)
+        self.rs_send_host, self.rs_recv_host = send, recv
+        self.rs_send_dev, self.rs_recv_dev = send_dev, recv_dev
+        self.rs_send = self._view(send_dev, n)
+        self.rs_recv = self._view(recv_dev, m)
+        self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
+
+    def close(self) -> None:
+        """Wait for this data plane's kernels, then unpin the regions. Call before the
+        segments are unmapped."""
+        if getattr(self, "_closed", True) and not getattr(self, "_registered", None):
+            return
+        self._closed = True
+        try:
+            self._wait_last()
+        except Exception:
+            pass
+        regs, self._registered = self._registered, []
+        for addr in regs:
+            try:
+                self._unregister(addr)
+            except Exception:
+                pass
+
+    # ---- launch helpers --------------------------------------------------------------
+    def _reserve_ring(self, op: Op, seq: int) -> int:
+        """Claim ring indices for the collective's 8 pieces; wait until they are free."""
+        if self._reserve is not None:
+            code, first = self._reserve(self.ctl, PIECES, self.timeout_s)
+            if code == 0:
+                return int(first)
+            if self.nat.abort_code(self.ctl):
+                self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
+            self._ring_timeout(op, seq)
+        # Fallback (no native helper): this host thread is the ring's only producer for a
+        # CUDA communicator, so a plain store of head is enough (tail is the proxy's).
+        head = _u64(self.ctl + layout.CTL_RING_HEAD)
+        tail = _u64(self.ctl + layout.CTL_RING_TAIL)
+        first = int(head.value)
+        last = first + PIECES - 1
+        if last - int(tail.value) >= layout.RING_ENTRIES:
+            deadline = time.monotonic() + self.timeout_s
+            spins = 0
+            while last - int(tail.value) >= layout.RING_ENTRIES:
+                self.check_abort()
+                if time.monotonic() > deadline:
+                    self._ring_timeout(op, seq)
+                spins += 1
+                time.sleep(0 if spins < 100 else 50e-6)
+        head.value = first + PIECES
+        return first
+
+    def _ring_timeout(self, op: Op, seq: int) -> None:
+        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
+                  f"the publish ring for {OP_NAMES[op]} seq {seq} (the proxy is not consuming "
+                  "it, or the GPU is not running this rank's earlier collectives)",
+                  layout.ABORT_TIMEOUT)
+
+    def _wait_args(self, op: Op, seq: int) -> tuple:
+        table = self.wait_table[int(op)]
+        return (self.flags_dev, self.ctl_dev + layout.CTL_ABORT, self.ctl_dev + GPU_STATUS,
+                table.data_ptr(), _n(self.maxw), self.state.data_ptr(), _n(seq), _n(self.rank),
+                _n(self.world), _n(self.timeout_ns))
+
+    def _publish_blocks(self, work: int) -> int:
+        cap = max(1, self.max_publish_blocks // PIECES)
+        return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+
+    def _wait_blocks(self, work: int) -> int:
+        return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
+
+    def _begin(self, op: Op, seq: int) -> int:
+        if self._closed:
+            raise ValueError("this CUDA data plane is closed")
+        self.check_status()
+        self.check_abort()
+        self._ops[seq] = op
+        self._ops.pop(seq - 512, None)
+        return self._reserve_ring(op, seq)
+
+    # ---- collectives -----------------------------------------------------------------
+    def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
+                   dst_stride: int) -> None:
+        """Gather ``src`` (CUDA uint8, L bytes) of every rank: rank i's bytes land at
+        ``dst[i * dst_stride + dst_off : ... + L]``. ``dst=None``: zero-copy, the result
+        stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
+        :meth:`ag_slot`); the launch then only waits for the pieces."""
+        L = src.numel()
+        S = round_up(L, ALIGN)
+        first = self._begin(Op.AG, seq)
+        ts, stream = self._stream()
+        slot = self.ag_dev + (seq % 3) * self.ag_stride
+        me = self.rank
+        res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
+        piece = piece_bounds(S, 0)[1]
+        bpp = self._publish_blocks(piece)
+        self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
+                     src.data_ptr(), _n(0), slot + me * S, _n(S), res_me, _n(1), _n(L), _n(S),
+                     self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.AG)),
+                     self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+        nb = 1 if dst is None else self._wait_blocks(piece)
+        self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
+                     slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
+                     _n(L), _n(S), *self._wait_args(Op.AG, seq))
+        self._end(ts)
+
+    def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
+        valid until three more all-gathers have been issued)."""
+        base = (seq % 3) * self.ag_stride
+        return self.ag[base:base + nbytes]
+
+    def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
+        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (CUDA uint8) is
+        ``src[j * src_stride + src_off : ... + L]``; this rank's sum lands at
+        ``dst[dst_off : dst_off + L]``. ``src=None``: the chunks are already in the send slot
+        (zero-copy input) at ``j * L``, L a multiple of 16."""
+        if dtype not in _RS_KERNELS:
+            raise TypeError(f"reduce_scatter: dtype {dtype} is not supported")
+        if self.rs_send is None:
+            raise RuntimeError("reduce_scatter: attach_rs() was not called")
+        S = round_up(L, ALIGN)
+        if src is None and S != L:
+            raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
+                             "bytes")
+        first = self._begin(Op.RS, seq)
+        ts, stream = self._stream()
+        W, me = self.world, self.rank
+        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
+        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
+        piece = piece_bounds(S, 0)[1]
+        if src is not None:
+            base = src.data_ptr() + src_off
+            bpp = self._publish_blocks(W * piece)
+            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
+                         base, _n(src_stride), send, _n(S), 0, _n(W), _n(L), _n(S),
+                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
+                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+            own, own_sys = base + me * src_stride, 0
+        else:
+            self._launch(stream, "sccl_publish", PIECES, 32,
+                         0, _n(0), send, _n(S), 0, _n(0), _n(L), _n(S),
+                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
+                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(1))
+            own, own_sys = send + me * S, 1
+        nb = self._wait_blocks(piece)
+        self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
+                     recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
+                     *self._wait_args(Op.RS, seq))
+        self._end(ts)
+
+    # ---- completion and failure ------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every collective launched so far, then raise :class:`CollectiveError`
+        if one of them failed (timeout or abort)."""
+        self._wait_last()
+        self.check_status()
+        self.check_abort()
+
+    def gpu_status(self) -> tuple[int, int, int, int, int]:
+        """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
+        code = _u64(self.ctl + GPU_STATUS).value
+        if not code:
+            return 0, 0, 0, 0, 0
+        detail = _u64(self.ctl + GPU_DETAIL).value
+        seq = _u64(self.ctl + GPU_SEQ).value
+        return int(code), detail >> 32, (detail >> 8) & 0xFFFF, detail & 0xFF, int(seq)
+
+    def check_status(self) -> None:
+        """Raise if a kernel recorded a failure (no synchronization: reads the record)."""
+        code, source, word, piece, seq = self.gpu_status()
+        if not code:
+            return
+        op = self._ops.get(seq)
+        what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
+        if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
+            if self.nat.abort_code(self.ctl):
+                self._raise_recorded(self.nat.abort_code(self.ctl), what)
+            if source == NO_SOURCE:
+                self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
+                          "already failed, or the wait ran past its timeout)", int(code))
+            self.fail(f"rank {self.rank}: {what} piece {piece}: the GPU wait saw abort code "
+                      f"{code}", int(code))
+        if word == NO_WORD or op is None:
+            self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
+                      f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
+        _, origin, channel, root = decode_flag_word(self.world, word)
+        sender = self._sender(channel, origin)
+        conn = f"channel {channel} root {root}"
+        via = "" if sender == origin else f", relayed by rank {sender}"
+        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
+                  f"{what} piece {piece} from rank {origin} "
+                  f"(connection: {conn}{via}; GPU wait)", layout.ABORT_TIMEOUT,
+                  peer=origin, connection=conn)
+
+
+def _n(v: int):
+    """A 64-bit unsigned kernel argument."""
+    return np.uint64(v)

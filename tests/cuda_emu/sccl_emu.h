@@ -1,0 +1,52 @@
+// Host-C++ twins of the CUDA built-ins and memory operations kernels.cu uses, so that the
+// kernels' logic runs on a CPU (one thread per block; see emu.cpp). Test-only.
+#pragma once
+#include <atomic>
+#include <cstring>
+#include <ctime>
+#include <sched.h>
+
+struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
+extern thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static thread_local
+
+inline void __syncthreads() {}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+
+inline u64 ld_acquire_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline u64 ld_relaxed_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline u64 ld_acquire_gpu(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st_release_gpu(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void st_release_sys(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void st_volatile_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void st_volatile_u32(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline u64 globaltimer() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return u64(ts.tv_sec) * 1000000000ull + u64(ts.tv_nsec);
+}
+inline void nanosleep(u32) { sched_yield(); }
+
+struct V16 { u32 x, y, z, w; };
+inline V16 ld_sys16(const u8* p) {
+  if ((u64)p & 15) __builtin_trap();  // the kernels only do 16-byte accesses when aligned
+  V16 v; std::memcpy(&v, p, 16); return v;
+}
+inline V16 ld_dev16(const u8* p) { return ld_sys16(p); }
+inline void st16(u8* p, V16 v) {
+  if ((u64)p & 15) __builtin_trap();
+  std::memcpy(p, &v, 16);
+}
+inline u8 ld_sys8(const u8* p) { return *(volatile const u8*)p; }
+inline float f16_to_f32(u16 v) { _Float16 h; std::memcpy(&h, &v, 2); return (float)h; }
+inline u16 f32_to_f16_rn(float f) { _Float16 h = (_Float16)f; u16 v; std::memcpy(&v, &h, 2); return v; }

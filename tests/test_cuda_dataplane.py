@@ -1,0 +1,604 @@
+"""The GPU data plane (sparkccl/dataplane/cuda.py + kernels.cu), in process: every rank of a
+world lives in this process with its own control block, regions, native Proxy (shm
+transport) and CudaDataPlane, each rank launching on its own stream. Results are checked
+bit for bit against the numpy references in sparkccl.testing.
+
+Every test runs on two backends:
+
+* ``cuda``: the real kernels on a GPU (marked ``cuda``; skipped with the reason shown when
+  ``torch.cuda.is_available()`` is false);
+* ``emu``: the same kernels.cu compiled as host C++ (tests/cuda_emu/: one thread per
+  block, all blocks concurrent) and driven by the same CudaDataPlane code with the device
+  operations replaced by CPU ones, so that the kernels' logic and the host plumbing are
+  checked on machines without a GPU (needs g++).
+
+The end-to-end tests through the Communicator (several processes sharing a GPU) are at the
+bottom (``cuda`` only).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sparkccl import layout as L
+from sparkccl.errors import CollectiveError
+from sparkccl.plan import geometry as G
+from sparkccl.plan.build import build_plan
+from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
+from sparkccl.testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+
+N = pytest.importorskip("sparkccl._native")
+from sparkccl.dataplane import cuda as C  # noqa: E402
+
+SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
+PID = os.getpid()
+HAVE_GPU = torch.cuda.is_available()
+EMU_DIR = Path(__file__).parent / "cuda_emu"
+CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+cuda_only = [pytest.mark.cuda,
+             pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "
+                                                     "is False")]
+BACKENDS = [pytest.param("cuda", marks=cuda_only),
+            pytest.param("emu", marks=pytest.mark.skipif(CXX is None, reason="needs g++ to "
+                                                         "build the CPU emulation of the kernels"))]
+
+
+# ---------------------------------------------------------------- the CPU emulation backend
+
+_emu_lib = None
+_emu_lock = threading.Lock()
+
+
+def emu_lib():
+    """tests/cuda_emu/emu.cpp + kernels.cu built as a shared library (once per session)."""
+    global _emu_lib
+    with _emu_lock:
+        if _emu_lib is None:
+            kernels = Path(C.nvrtc.KERNELS_CU).resolve()
+            srcs = [kernels, EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
+            h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
+            out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sparkccl-emu-{os.getuid()}-{h}.so"
+            if not out.exists():
+                tmp = out.with_suffix(f".{os.getpid()}.tmp")
+                cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
+                       "-Wno-unknown-pragmas", f"-I{EMU_DIR}", f'-DKERNELS_CU="{kernels}"',
+                       str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                assert r.returncode == 0, f"building the kernel emulation failed:\n{r.stderr}"
+                os.replace(tmp, out)
+            lib = ctypes.CDLL(str(out))
+            lib.sccl_emu_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)]
+            lib.sccl_emu_run.restype = ctypes.c_int
+            _emu_lib = lib
+        return _emu_lib
+
+
+class EmuStream:
+    """A stream: launches run in order on a worker thread (ctypes drops the GIL)."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.errors: list[str] = []
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        lib = emu_lib()
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            name, grid, args = item
+            if lib.sccl_emu_run(name.encode(), grid, args) != 0:
+                self.errors.append(f"unknown kernel {name}")
+
+    def submit(self, name, grid, args):
+        arr = (ctypes.c_uint64 * len(args))(*[int(a) for a in args])
+        self.q.put((name, grid, arr))
+
+    def record(self) -> threading.Event:
+        ev = threading.Event()
+        self.q.put(ev)
+        return ev
+
+    def synchronize(self, timeout=120.0):
+        assert self.record().wait(timeout), "emulated stream did not drain"
+        assert not self.errors, self.errors
+
+    def close(self):
+        self.q.put(None)
+        self.t.join(10)
+
+
+_emu_current = threading.local()
+
+
+class EmuDataPlane(C.CudaDataPlane):
+    """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
+    addresses, launches go to the emulated kernels."""
+
+    def _setup_backend(self, device):
+        self.device = torch.device("cpu")
+        self.kernels = {}
+        self.sms = 4
+
+    def _register(self, addr, size):
+        self._registered.append(addr)
+        return addr
+
+    def _unregister(self, addr):
+        pass
+
+    def _view(self, ptr, nbytes):
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+    def _to_device(self, t):
+        return t.clone()
+
+    def _device_synchronize(self):
+        pass
+
+    def _stream(self):
+        s = _emu_current.stream
+        return s, s
+
+    def _launch(self, stream, name, grid, block, *args):
+        stream.submit(name, grid, args)
+
+    def _end(self, ts):
+        self._last_event = ts.record()
+
+    def _wait_last(self):
+        if self._last_event is not None:
+            assert self._last_event.wait(120), "emulated kernels did not finish"
+
+
+class Backend:
+    def __init__(self, name: str, world: int):
+        self.name = name
+        if name == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(world)]
+        else:
+            self.device = torch.device("cpu")
+            self.streams = [EmuStream() for _ in range(world)]
+
+    def make_dp(self, **kw):
+        if self.name == "cuda":
+            return C.CudaDataPlane(N, device=self.device, **kw)
+        return EmuDataPlane(N, **kw)
+
+    @contextmanager
+    def on(self, r: int):
+        if self.name == "cuda":
+            with torch.cuda.stream(self.streams[r]):
+                yield
+        else:
+            _emu_current.stream = self.streams[r]
+            try:
+                yield
+            finally:
+                _emu_current.stream = None
+
+    def to_dev(self, t):
+        return t.to(self.device) if self.name == "cuda" else t.clone()
+
+    def sync(self):
+        for s in self.streams:
+            s.synchronize()
+
+    def close(self):
+        if self.name == "emu":
+            for s in self.streams:
+                s.close()
+
+
+# ---------------------------------------------------------------- in-process world
+
+class Buf:
+    def __init__(self, nbytes: int):
+        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        self.a = np.frombuffer(self.mm, dtype=np.uint8)
+        self.addr = self.a.ctypes.data
+        self.t = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+
+class World:
+    """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane."""
+
+    def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
+                 max_slice: int = 1 << 16, timeout_s: float = 30.0):
+        self.world = world
+        self.be = Backend(backend, world)
+        self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
+        nfw = num_flag_words(world)
+        self.ctl = [Buf(L.control_bytes(nfw)) for _ in range(world)]
+        for c in self.ctl:
+            N.init_control(c.addr, PID)
+        self.max_slice = max_slice
+        self.ag_stride = L.slot_stride(world * max_slice)
+        self.send_stride = L.slot_stride(world * max_slice)
+        self.recv_stride = L.slot_stride(self.plans[0].rs_recv_blocks * max_slice)
+        self.send_bytes = SLOTS[1] * self.send_stride
+        self.ag = [Buf(SLOTS[0] * self.ag_stride) for _ in range(world)]
+        self.rs = [Buf(self.send_bytes + SLOTS[2] * self.recv_stride) for _ in range(world)]
+        self.proxies, self.dps = [], []
+        self._keep = []
+        try:
+            for r, plan in enumerate(self.plans):
+                t = plan.to_tables()
+                p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].addr + L.FLAGS_OFFSET,
+                            t["connections"], t["streams"], t["items"], SLOTS, 2000, 50)
+                self._regions(p.set_region, r)
+                for q in range(world):
+                    if q != r:
+                        p.set_peer(q, self.ctl[q].addr, self.ctl[q].addr + L.FLAGS_OFFSET, PID)
+                        self._regions(lambda g, a, s, q=q, p=p: p.set_peer_region(q, g, a), q)
+                self.proxies.append(p)
+            for r, plan in enumerate(self.plans):
+                dp = self.be.make_dp(plan=plan, ctl_addr=self.ctl[r].addr,
+                                     flags_addr=self.ctl[r].addr + L.FLAGS_OFFSET,
+                                     ag=self.ag[r].t, ag_stride=self.ag_stride,
+                                     timeout_s=timeout_s)
+                rs = self.rs[r].t
+                dp.attach_rs(rs[:self.send_bytes], self.send_stride, rs[self.send_bytes:],
+                             self.recv_stride)
+                # Several ranks share one GPU here: keep every rank's spinning wait kernel
+                # small enough to fit beside the others' kernels.
+                if backend == "cuda":
+                    dp.max_wait_blocks = max(1, dp.sms // (2 * world))
+                else:
+                    dp.max_wait_blocks, dp.max_publish_blocks = 2, 16
+                self.dps.append(dp)
+        except BaseException:
+            self.close()
+            raise
+        for p in self.proxies:
+            p.start()
+        self.seq = 0
+
+    def _regions(self, set_region, r):
+        set_region(int(Region.AG), self.ag[r].addr, self.ag_stride)
+        set_region(int(Region.RS_SEND), self.rs[r].addr, self.send_stride)
+        set_region(int(Region.RS_RECV), self.rs[r].addr + self.send_bytes, self.recv_stride)
+
+    def close(self):
+        for dp in self.dps:
+            try:
+                dp.close()
+            except Exception:
+                pass
+        for p in self.proxies:
+            p.stop()
+        self.be.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def keep(self, t):
+        """Tensors the queued kernels use stay alive until the next sync (and are made on
+        the rank's stream, so the caching allocator does not hand them out early)."""
+        self._keep.append(t)
+        return t
+
+    def sync(self):
+        self.be.sync()
+        for dp in self.dps:
+            dp.synchronize()
+        self._keep.clear()
+
+    def healthy(self):
+        for r in range(self.world):
+            assert N.abort_code(self.ctl[r].addr) == 0, N.error_text(self.ctl[r].addr)
+
+    # ---- collectives (inputs: CPU tensors, one per rank) -----------------------------
+    def all_gather(self, xs, *, out_offset: int = 0, zero_copy: bool = False):
+        W = self.world
+        n = xs[0].numel() * xs[0].element_size()
+        assert n <= self.max_slice
+        seq = self.seq
+        self.seq += 1
+        outs = []
+        for r in range(W):
+            with self.be.on(r):
+                src = self.keep(self.be.to_dev(xs[r]).reshape(-1).view(torch.uint8))
+                if zero_copy:
+                    self.dps[r].all_gather(seq, src, None, 0, 0)
+                    outs.append((seq, n))
+                else:
+                    buf = self.keep(self.be.to_dev(torch.full((out_offset + W * n + 5,), 0xAB,
+                                                              dtype=torch.uint8)))
+                    self.dps[r].all_gather(seq, src, buf, out_offset, n)
+                    outs.append(buf)
+        return outs
+
+    def reduce_scatter(self, xs, *, zero_copy: bool = False, out_offset: int = 0):
+        W = self.world
+        chunk = xs[0].numel() * xs[0].element_size() // W
+        assert chunk <= self.max_slice
+        seq = self.seq
+        self.seq += 1
+        outs = []
+        for r in range(W):
+            with self.be.on(r):
+                buf = self.keep(self.be.to_dev(torch.full((out_offset + chunk + 5,), 0xAB,
+                                                          dtype=torch.uint8)))
+                dp = self.dps[r]
+                if zero_copy:
+                    assert chunk % 16 == 0
+                    base = (seq % 2) * dp.rs_send_stride
+                    dst = dp.rs_send[base:base + W * chunk]
+                    dst.copy_(self.be.to_dev(xs[r]).reshape(-1).view(torch.uint8))
+                    dp.reduce_scatter(seq, None, 0, chunk, chunk, buf, out_offset, xs[r].dtype)
+                else:
+                    src = self.keep(self.be.to_dev(xs[r]).reshape(-1).view(torch.uint8))
+                    dp.reduce_scatter(seq, src, 0, chunk, chunk, buf, out_offset, xs[r].dtype)
+            outs.append(buf)
+        return outs
+
+
+def check_ag(w: World, xs, outs, out_offset=0):
+    n = xs[0].numel() * xs[0].element_size()
+    ref = all_gather_reference(xs)
+    for r, buf in enumerate(outs):
+        got = buf.cpu().numpy()
+        assert np.array_equal(got[out_offset:out_offset + w.world * n], ref), f"all_gather rank {r}"
+        assert (got[:out_offset] == 0xAB).all() and (got[out_offset + w.world * n:] == 0xAB).all(), \
+            f"all_gather rank {r} wrote outside its output"
+
+
+def check_rs(w: World, xs, outs, out_offset=0):
+    chunk = xs[0].numel() * xs[0].element_size() // w.world
+    for r, buf in enumerate(outs):
+        got = buf.cpu().numpy()
+        ref = reduce_scatter_reference(xs, r)
+        assert np.array_equal(got[out_offset:out_offset + chunk], ref), \
+            f"reduce_scatter rank {r} {xs[0].dtype} {list(xs[0].shape)}: " \
+            f"{np.flatnonzero(got[out_offset:out_offset + chunk] != ref)[:10]}"
+        assert (got[:out_offset] == 0xAB).all() and (got[out_offset + chunk:] == 0xAB).all()
+
+
+def inputs(seed, world, shape, dtype):
+    return [make_input(seed, r, shape, dtype) for r in range(world)]
+
+
+# ---------------------------------------------------------------- tests
+
+CONFIGS = [("mesh", 2, 2), ("mesh", 3, 1), ("mesh", 4, 2), ("ring", 2, 2), ("ring", 3, 2),
+           ("ring", 4, 2), ("ring", 4, 1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots", CONFIGS)
+def test_all_gather_exact(backend, topology, world, roots):
+    sizes = [1, 15, 16, 17, 100, 1000, 4096 * 3 + 5, 40000]
+    if backend == "cuda":
+        sizes += [1 << 20, (3 << 20) + 6]
+    with World(backend, topology, world, roots, max_slice=max(sizes)) as w:
+        for k, n in enumerate(sizes):
+            for dtype, shape in ((torch.uint8, (n,)), (torch.bfloat16, (max(1, n // 2),))):
+                xs = inputs(k, world, shape, dtype)
+                outs = w.all_gather(xs)
+                w.sync()
+                check_ag(w, xs, outs)
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots", CONFIGS)
+def test_reduce_scatter_exact(backend, topology, world, roots):
+    cases = [(torch.bfloat16, (world * 3, 5)), (torch.float16, (world * 8,)),
+             (torch.float32, (world * 7, 3)), (torch.bfloat16, (world * 1000, 8)),
+             (torch.float16, (world * 333, 4)), (torch.float32, (world * 4096,)),
+             (torch.bfloat16, (world,))]
+    if backend == "cuda":
+        cases += [(torch.bfloat16, (world * 4096, 128)), (torch.float32, (world * 1000, 257))]
+    max_slice = max(np.prod(s) * torch.empty((), dtype=d).element_size() // world for d, s in cases)
+    with World(backend, topology, world, roots, max_slice=int(max_slice)) as w:
+        for k, (dtype, shape) in enumerate(cases):
+            xs = inputs(100 + k, world, shape, dtype)
+            outs = w.reduce_scatter(xs)
+            w.sync()
+            check_rs(w, xs, outs)
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unaligned_outputs_and_inputs(backend):
+    """Device pointers off 16-byte alignment take the unaligned paths; bytes are the same."""
+    world = 3
+    with World(backend, "mesh", world, max_slice=1 << 14) as w:
+        for n in (37, 1000, 4099):
+            xs = inputs(7, world, (n,), torch.uint8)
+            outs = w.all_gather(xs, out_offset=3)
+            w.sync()
+            check_ag(w, xs, outs, out_offset=3)
+        # Inputs at an odd element offset (bf16: 2 bytes off 16-byte alignment).
+        for dtype, rows in ((torch.bfloat16, 37), (torch.float32, 101)):
+            xs = inputs(8, world, (world * rows,), dtype)
+            seq = w.seq
+            w.seq += 1
+            chunk = rows * xs[0].element_size()
+            outs = []
+            for r in range(world):
+                with w.be.on(r):
+                    big = w.keep(w.be.to_dev(torch.cat([torch.zeros(1, dtype=dtype), xs[r]])))
+                    src = big[1:].view(torch.uint8)
+                    out = w.keep(w.be.to_dev(torch.full((chunk + 2 + 5,), 0xAB, dtype=torch.uint8)))
+                    w.dps[r].reduce_scatter(seq, src, 0, chunk, chunk, out, 2, dtype)
+                outs.append(out)
+            w.sync()
+            check_rs(w, xs, outs, out_offset=2)
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_copy(backend):
+    world = 4
+    with World(backend, "ring", world, max_slice=1 << 14) as w:
+        xs = inputs(3, world, (world * 512,), torch.bfloat16)  # chunk 1024 bytes
+        outs = w.reduce_scatter(xs, zero_copy=True)
+        w.sync()
+        check_rs(w, xs, outs)
+        ys = inputs(4, world, (640,), torch.float32)
+        res = w.all_gather(ys, zero_copy=True)
+        w.sync()
+        ref = all_gather_reference(ys)
+        for r, (seq, n) in enumerate(res):
+            got = w.dps[r].ag_slot(seq, world * n).cpu().numpy()
+            assert np.array_equal(got, ref), r
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_back_to_back_without_sync(backend):
+    """Many collectives queued before any synchronization: slots rotate, the publish ring
+    wraps (more than 256 entries), the per-seq counters and progress words are reused."""
+    world = 3
+    count = 40 if backend == "cuda" else 36
+    with World(backend, "mesh", world, max_slice=1 << 12) as w:
+        pending = []
+        for k in range(count):
+            if k % 3 == 2:
+                xs = inputs(200 + k, world, (world * 40,), torch.bfloat16)
+                pending.append(("rs", xs, w.reduce_scatter(xs)))
+            else:
+                xs = inputs(200 + k, world, (300 + k,), torch.uint8)
+                pending.append(("ag", xs, w.all_gather(xs)))
+        w.sync()
+        for kind, xs, outs in pending:
+            (check_rs if kind == "rs" else check_ag)(w, xs, outs)
+        w.healthy()
+        assert w.proxies[0].stats()["entries"] == 8 * count
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeout_raises_and_names_the_peer(backend):
+    world = 2
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5) as w:
+        xs = inputs(1, world, (100,), torch.uint8)
+        seq = w.seq
+        w.seq += 3
+        t0 = time.monotonic()
+        with w.be.on(0):  # only rank 0 calls: rank 1 never sends
+            for k in range(3):
+                src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
+                out = w.keep(w.be.to_dev(torch.zeros(200, dtype=torch.uint8)))
+                w.dps[0].all_gather(seq + k, src, out, 0, 100)
+        with pytest.raises(CollectiveError) as ei:
+            w.dps[0].synchronize()
+        elapsed = time.monotonic() - t0
+        msg = str(ei.value)
+        assert "timed out" in msg and f"seq {seq} piece 0 from rank 1" in msg, msg
+        assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        # The later waits failed at once (the first failure marks the data plane dead).
+        assert elapsed < 0.5 + 5.0, elapsed
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
+        assert "timed out" in N.error_text(w.ctl[0].addr)
+        with pytest.raises(CollectiveError):
+            with w.be.on(0):
+                w.dps[0].all_gather(seq + 3, src, out, 0, 100)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_stops_a_waiting_kernel(backend):
+    world = 2
+    with World(backend, "ring", world, max_slice=4096, timeout_s=60) as w:
+        xs = inputs(2, world, (world * 64,), torch.float32)
+        with w.be.on(0):
+            src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
+            out = w.keep(w.be.to_dev(torch.zeros(256, dtype=torch.uint8)))
+            w.dps[0].reduce_scatter(0, src, 0, 256, 256, out, 0, torch.float32)
+        time.sleep(0.3)
+        assert N.set_abort(w.ctl[0].addr, L.ABORT_USER, "closed by the test")
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match="closed by the test"):
+            w.dps[0].synchronize()
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_piece_bounds_kernel_matches_geometry(backend):
+    sizes = list(range(0, 2000, 7)) + [2**31 + 5, 2**40 + 12345, 123456789]
+    be = Backend(backend, 1)
+    try:
+        host = torch.tensor(sizes, dtype=torch.int64)
+        dev_in = be.to_dev(host)
+        dev_out = be.to_dev(torch.zeros(len(sizes) * G.PIECES * 2, dtype=torch.int64))
+        with be.on(0):
+            if backend == "cuda":
+                k = C.kernels_for(be.device.index)["sccl_piece_bounds"]
+                cc = C.nvrtc.import_cuda_core()
+                s = cc.Stream.from_handle(int(torch.cuda.current_stream().cuda_stream))
+                with torch.cuda.device(be.device):
+                    cc.launch(s, cc.LaunchConfig(grid=4, block=128), k, dev_in.data_ptr(),
+                              np.uint64(len(sizes)), dev_out.data_ptr())
+            else:
+                be.streams[0].submit("sccl_piece_bounds", 2,
+                                     [dev_in.data_ptr(), len(sizes), dev_out.data_ptr()])
+        be.sync()
+        got = dev_out.cpu().view(-1, G.PIECES, 2).tolist()
+        for i, S in enumerate(sizes):
+            assert [tuple(b) for b in got[i]] == [G.piece_bounds(S, c) for c in range(G.PIECES)], S
+    finally:
+        be.close()
+
+
+# ---------------------------------------------------------------- through the Communicator
+
+def _comm_job(rank, world, store, topology, device):
+    import torch as T
+
+    import sparkccl
+    from sparkccl.testing import all_gather_reference as agr
+    from sparkccl.testing import make_input as mk
+    from sparkccl.testing import reduce_scatter_reference as rsr
+    ndev = T.cuda.device_count()
+    T.cuda.set_device(rank % ndev)
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, device=device,
+                               topology=topology, timeout_s=60) as comm:
+        for k, (shape, dtype) in enumerate([((1000,), T.uint8), ((world * 64, 33), T.bfloat16),
+                                            ((777,), T.float16), ((world * 1024, 64), T.bfloat16)]):
+            xs = [mk(k, r, shape, dtype) for r in range(world)]
+            y = comm.all_gather(xs[rank].cuda())
+            if shape[0] % world == 0 and dtype != T.uint8:
+                z = comm.reduce_scatter(xs[rank].cuda())
+                T.cuda.synchronize()
+                assert (bits(z.cpu()) == rsr(xs, rank)).all(), ("rs", k)
+            T.cuda.synchronize()
+            assert (bits(y.cpu()) == agr(xs)).all(), ("ag", k)
+        comm.synchronize()
+    return "ok"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 2), ("mesh", 4), ("ring", 4)])
+def test_communicator_cuda(topology, world):
+    from sparkccl import comm as comm_mod
+    if "cuda" not in (comm_mod.Communicator.__init__.__doc__ or "") and \
+            not hasattr(comm_mod, "CudaDataPlane"):
+        pytest.skip("the Communicator does not pick the CUDA data plane yet")
+    from sparkccl.testing import check, run_ranks
+    res = run_ranks(_comm_job, world, args=(topology, "cuda"), timeout=300)
+    assert check(res) == ["ok"] * world
