@@ -194,6 +194,7 @@ class CudaDataPlane(CpuDataPlane):
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
         self.max_wait_blocks = self.sms
+        self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
         self.ag_host = ag
         try:
             ctl_bytes = layout.control_bytes(plan.num_flag_words)
@@ -379,14 +380,16 @@ class CudaDataPlane(CpuDataPlane):
         res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
         piece = piece_bounds(S, 0)[1]
         bpp = self._publish_blocks(piece)
-        self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                     src.data_ptr(), _n(0), slot + me * S, _n(S), res_me, _n(1), _n(L), _n(S),
-                     self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.AG)),
-                     self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+        if "publish" in self.phases:
+            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
+                         src.data_ptr(), _n(0), slot + me * S, _n(S), res_me, _n(1), _n(L), _n(S),
+                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.AG)),
+                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
         nb = 1 if dst is None else self._wait_blocks(piece)
-        self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                     slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
-                     _n(L), _n(S), *self._wait_args(Op.AG, seq))
+        if "wait" in self.phases:
+            self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
+                         slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
+                         _n(L), _n(S), *self._wait_args(Op.AG, seq))
         self._end(ts)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
@@ -418,21 +421,25 @@ class CudaDataPlane(CpuDataPlane):
         if src is not None:
             base = src.data_ptr() + src_off
             bpp = self._publish_blocks(W * piece)
+            own, own_sys = base + me * src_stride, 0
+        else:
+            bpp = 1
+            own, own_sys = send + me * S, 1
+        if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
                          base, _n(src_stride), send, _n(S), 0, _n(W), _n(L), _n(S),
                          self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
                          self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
-            own, own_sys = base + me * src_stride, 0
-        else:
+        elif "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES, 32,
                          0, _n(0), send, _n(S), 0, _n(0), _n(L), _n(S),
                          self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
                          self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(1))
-            own, own_sys = send + me * S, 1
         nb = self._wait_blocks(piece)
-        self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
-                     recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
-                     *self._wait_args(Op.RS, seq))
+        if "wait" in self.phases:
+            self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
+                         recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
+                         *self._wait_args(Op.RS, seq))
         self._end(ts)
 
     # ---- completion and failure ------------------------------------------------------
