@@ -129,8 +129,11 @@ def test_constructor_argument_errors(monkeypatch):
         C(object(), store=_store(), rank=0, world_size=2)
     with pytest.raises(ValueError, match="init_process_group"):
         C()
-    with pytest.raises(ValueError, match="only CPU tensors"):
-        C(store=_store(), rank=0, world_size=2, device="cuda")
+    with pytest.raises(ValueError, match="device='meta'"):
+        C(store=_store(), rank=0, world_size=2, device="meta")
+    if not torch.cuda.is_available():  # a clear error, before any bootstrap
+        with pytest.raises((ValueError, RuntimeError), match="(?i)cuda"):
+            C(store=_store(), rank=0, world_size=2, device="cuda")
     with pytest.raises(TypeError, match="topology must be a str"):
         C(store=_store(), rank=0, world_size=2, topology=3)
     with pytest.raises(TypeError, match="timeout_s"):

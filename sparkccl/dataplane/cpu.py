@@ -31,6 +31,9 @@ from ..errors import CollectiveError
 from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
 from ..plan.model import PREV, Op, RankPlan, decode_flag_word
 
+SMALL_SLICE = 64 << 10
+"""Slices up to this size are copied and waited for as a whole (see ``groups``)."""
+
 OP_NAMES = {Op.AG: "all_gather", Op.RS: "reduce_scatter"}
 
 
@@ -99,7 +102,7 @@ class CpuDataPlane:
                   "not consuming it)", layout.ABORT_TIMEOUT)
 
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
-              slice_bytes: int) -> None:
+              slice_bytes: int, first: bool = False) -> None:
         words = self.waits[op][source]
         if not words:
             return
@@ -107,7 +110,7 @@ class CpuDataPlane:
         remaining = max(deadline - time.monotonic(), 1e-3)
         code, idx = self.nat.wait_flags(self.ctl, self.flags, words, value, remaining)
         if code == 0:
-            if piece == 0 and self.peer_rings is not None:
+            if first and self.peer_rings is not None:
                 self._check_size(op, seq, source, slice_bytes)
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
@@ -138,6 +141,23 @@ class CpuDataPlane:
                       layout.ABORT_USER, peer=source)
 
     # ---- collectives ---------------------------------------------------------------
+    @staticmethod
+    def groups(S: int, L: int) -> list[tuple[int, int, int, int]]:
+        """Pieces handled together: (first piece, last piece, data lo, data hi).
+
+        Large slices go piece by piece (copy-out overlaps the network). Small ones are
+        copied in one go and published as 8 entries at once, and each source is waited on
+        for its last piece only: a flag word has one writer that writes pieces in order, so
+        piece 7's value covers pieces 0-6 (the wire protocol is the same either way).
+        """
+        if S <= SMALL_SLICE:
+            return [(0, PIECES - 1, 0, L)]
+        out = []
+        for c in range(PIECES):
+            lo, hi = piece_bounds(S, c)
+            out.append((c, c, min(lo, L), min(hi, L)))
+        return out
+
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor, dst_off: int,
                    dst_stride: int) -> None:
         """Gather ``src`` (uint8, L bytes) of every rank: rank i's bytes land at
@@ -148,21 +168,20 @@ class CpuDataPlane:
         base = (seq % 3) * self.ag_stride
         slot = self.ag[base:base + self.world * S]
         me = self.rank
-        bounds = [piece_bounds(S, c) for c in range(PIECES)]
-        for c, (lo, hi) in enumerate(bounds):
-            a, b = min(lo, L), min(hi, L)
+        groups = self.groups(S, L)
+        for c0, c1, a, b in groups:
             if b > a:
                 slot[me * S + a:me * S + b].copy_(src[a:b])
-            self._publish(Op.AG, seq, c, S, deadline)
+            for c in range(c0, c1 + 1):
+                self._publish(Op.AG, seq, c, S, deadline)
             if b > a:
                 o = me * dst_stride + dst_off
                 dst[o + a:o + b].copy_(src[a:b])
-        for c, (lo, hi) in enumerate(bounds):
-            a, b = min(lo, L), min(hi, L)
+        for g, (c0, c1, a, b) in enumerate(groups):
             for i in range(self.world):
                 if i == me:
                     continue
-                self._wait(Op.AG, seq, c, i, deadline, S)
+                self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0)
                 if b > a:
                     o = i * dst_stride + dst_off
                     dst[o + a:o + b].copy_(slot[i * S + a:i * S + b])
@@ -180,23 +199,21 @@ class CpuDataPlane:
         send = self.rs_send[sbase:sbase + self.world * S]
         recv = self.rs_recv[rbase:rbase + self.world * S]
         me, W = self.rank, self.world
-        bounds = [piece_bounds(S, c) for c in range(PIECES)]
-        for c, (lo, hi) in enumerate(bounds):
-            a, b = min(lo, L), min(hi, L)
+        groups = self.groups(S, L)
+        for c0, c1, a, b in groups:
             if src is not None and b > a:
                 for j in range(W):
                     o = j * src_stride + src_off
                     send[j * S + a:j * S + b].copy_(src[o + a:o + b])
-            self._publish(Op.RS, seq, c, S, deadline)
+            for c in range(c0, c1 + 1):
+                self._publish(Op.RS, seq, c, S, deadline)
         esize = torch.empty((), dtype=dtype).element_size()
-        acc = torch.empty(max(b - a for a, b in ((min(lo, L), min(hi, L)) for lo, hi in bounds))
-                          // esize, dtype=torch.float32)
-        for c, (lo, hi) in enumerate(bounds):
-            a, b = min(lo, L), min(hi, L)
+        acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
+        for g, (c0, c1, a, b) in enumerate(groups):
             n = (b - a) // esize
             for i in range(W):
                 if i != me:
-                    self._wait(Op.RS, seq, c, i, deadline, S)
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0)
                 if n == 0:
                     continue
                 part = (send if i == me else recv)[i * S + a:i * S + b].view(dtype)
