@@ -9,6 +9,16 @@
 
 All ranks must create the communicator together and call the same collectives in the same
 order with the same shapes (SPEC §3). See ``sparkccl/config.py`` for settings.
+
+Sequence numbers: one counter per communicator, +1 per collective on the wire. An input
+larger than the slot is split into several collectives (several numbers). An empty input
+returns an empty result at once and uses no number: every rank sees the same empty shape,
+so the counters stay in step, and slot reuse stays safe (the reuse argument of SPEC §4
+needs every numbered collective to exchange data with every rank).
+
+Lifetime: segments are unlinked from /dev/shm as soon as every rank has mapped them, so a
+killed process leaves nothing behind; ``close()`` waits for every rank to close (bounded,
+abort-aware) so that an early exit does not look like a crash to a peer's proxy.
 """
 from __future__ import annotations
 
