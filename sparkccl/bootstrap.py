@@ -96,6 +96,10 @@ class Rendezvous:
             "communicator / call the same collectives?)",
             rank=self.rank, peer=missing[0] if missing else None)
 
+    def post(self, name: str, value: Any) -> None:
+        """Publish this rank's ``value`` without waiting for the others."""
+        self.store.set(self.key(name, self.rank), json.dumps(value))
+
     def exchange(self, name: str, value: Any, what: str = "join", abort_check=None,
                  timeout_s=None) -> list:
         """Publish ``value`` (JSON) and return every rank's value, in rank order."""

@@ -115,21 +115,33 @@ class Communicator:
 
         st, r, w, how = bootstrap.resolve_group(group, store, rank, world_size)
         self.rank, self.world_size = r, w
-        self._settings = s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s,
-                                            local_ranks=w)
+        # Join first: a rank whose local settings are bad still takes its turn (so later
+        # communicators on this store stay in step) and tells the others, who fail at once.
+        token = bootstrap.new_token(st, r, w, config.bootstrap_timeout(timeout_s))
+        self.token = token
+        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w,
+                                             config.bootstrap_timeout(timeout_s))
+        try:
+            self._settings = s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s,
+                                                local_ranks=w)
+            self._nat = _native()
+        except (ValueError, TypeError, ImportError) as e:
+            rv.post("info", {"error": f"{type(e).__name__}: {e}"})
+            raise
+        rv.timeout_s = s.timeout_s
         self.slot_bytes = s.slot_bytes
         self.timeout_s = s.timeout_s
         self.topology = topology
-        self._nat = _native()
 
-        token = bootstrap.new_token(st, r, w, s.bootstrap_timeout_s)
-        self.token = token
-        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, s.timeout_s)
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                     host=socket.gethostname(), uid=os.getuid(), pid=os.getpid())
         infos = rv.exchange("info", info, "join the communicator",
                             timeout_s=s.bootstrap_timeout_s)
+        failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
+        if failed:
+            raise ValueError("sparkccl.Communicator: could not be created because of settings on "
+                             + "; ".join(f"rank {i}: {e}" for i, e in failed))
         bootstrap.validate(infos, ("version", "world", "topology", "transport", "slot_bytes",
                                    "roots", "rs_up_front"))
         if topology not in TOPOLOGIES:

@@ -105,6 +105,17 @@ class Settings:
     oversubscribed: bool
 
 
+def bootstrap_timeout(timeout_s: float | None = None) -> float:
+    """The bootstrap timeout, never raising (bad values are reported by :func:`resolve`)."""
+    try:
+        t = float(timeout_s) if timeout_s is not None else _env_float("SPARKCCL_TIMEOUT_S",
+                                                                        DEFAULT_TIMEOUT_S)
+        boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(t, DEFAULT_BOOTSTRAP_TIMEOUT_S))
+        return boot if boot > 0 else DEFAULT_BOOTSTRAP_TIMEOUT_S
+    except (TypeError, ValueError):
+        return DEFAULT_BOOTSTRAP_TIMEOUT_S
+
+
 def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = None,
             local_ranks: int = 1) -> Settings:
     """Settings for one communicator; raises ValueError naming the bad argument or variable."""

@@ -169,6 +169,20 @@ def mismatch_job(rank, world, store):
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    # A local settings error on one rank: every rank fails at once, and the next
+    # communicator still lines up (the failing rank took its turn).
+    if rank == 1:
+        os.environ["SPARKCCL_SLOT_BYTES"] = "lots"
+    t0 = time.monotonic()
+    try:
+        sparkccl.Communicator(store=dist.PrefixStore("mm-env", store), rank=rank,
+                              world_size=world, timeout_s=TIMEOUT).close()
+        out["env"] = None
+    except ValueError as e:
+        out["env"] = str(e)
+    finally:
+        os.environ.pop("SPARKCCL_SLOT_BYTES", None)
+    out["env_elapsed"] = time.monotonic() - t0
     real = cm.socket.gethostname
     if rank == 2:
         cm.socket.gethostname = lambda: "some-other-host"
@@ -207,6 +221,7 @@ def test_cross_rank_validation():
         assert "different hosts" in v["host"] and "rank 2" in v["host"], v
         assert "different size" in v["size-ag"], v
         assert "different size" in v["size-rs"], v
+        assert "SPARKCCL_SLOT_BYTES" in v["env"] and v["env_elapsed"] < 2.0, v
         assert v["recovered"] is None
     assert values[0]["topology"] == values[1]["topology"] == values[2]["topology"]
 
