@@ -169,6 +169,9 @@ class EmuDataPlane(C.CudaDataPlane):
         if self._last_event is not None:
             assert self._last_event.wait(120), "emulated kernels did not finish"
 
+    def _busy(self):
+        return self._last_event is not None and not self._last_event.is_set()
+
 
 class Backend:
     def __init__(self, name: str, world: int):
@@ -538,6 +541,22 @@ def test_abort_stops_a_waiting_kernel(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_close_while_waiting_aborts_promptly(backend):
+    world = 2
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60) as w:
+        with w.be.on(1):
+            src = w.keep(w.be.to_dev(torch.zeros(64, dtype=torch.uint8)))
+            out = w.keep(w.be.to_dev(torch.zeros(128, dtype=torch.uint8)))
+            w.dps[1].all_gather(0, src, out, 0, 64)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        w.dps[1].close()
+        assert time.monotonic() - t0 < 10
+        assert N.abort_code(w.ctl[1].addr) == L.ABORT_USER
+        assert "closed while collectives were still running" in N.error_text(w.ctl[1].addr)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_piece_bounds_kernel_matches_geometry(backend):
     sizes = list(range(0, 2000, 7)) + [2**31 + 5, 2**40 + 12345, 123456789]
     be = Backend(backend, 1)
@@ -566,39 +585,89 @@ def test_piece_bounds_kernel_matches_geometry(backend):
 
 # ---------------------------------------------------------------- through the Communicator
 
-def _comm_job(rank, world, store, topology, device):
+def _comm_job(rank, world, store, topology, slot_bytes):
+    """The same collectives on a CUDA and a CPU communicator of the same ranks: both must
+    equal the numpy reference (so the GPU results equal the CPU data plane's)."""
     import torch as T
+    import torch.distributed as dist
 
     import sparkccl
     from sparkccl.testing import all_gather_reference as agr
+    from sparkccl.testing import bits as B
     from sparkccl.testing import make_input as mk
     from sparkccl.testing import reduce_scatter_reference as rsr
-    ndev = T.cuda.device_count()
-    T.cuda.set_device(rank % ndev)
-    with sparkccl.Communicator(store=store, rank=rank, world_size=world, device=device,
-                               topology=topology, timeout_s=60) as comm:
-        for k, (shape, dtype) in enumerate([((1000,), T.uint8), ((world * 64, 33), T.bfloat16),
-                                            ((777,), T.float16), ((world * 1024, 64), T.bfloat16)]):
-            xs = [mk(k, r, shape, dtype) for r in range(world)]
-            y = comm.all_gather(xs[rank].cuda())
-            if shape[0] % world == 0 and dtype != T.uint8:
-                z = comm.reduce_scatter(xs[rank].cuda())
-                T.cuda.synchronize()
-                assert (bits(z.cpu()) == rsr(xs, rank)).all(), ("rs", k)
-            T.cuda.synchronize()
-            assert (bits(y.cpu()) == agr(xs)).all(), ("ag", k)
-        comm.synchronize()
-    return "ok"
+    T.cuda.set_device(rank % T.cuda.device_count())
+    W = world
+    ag_cases = [((1,), T.uint8), ((1000,), T.uint8), ((W * 64, 33), T.bfloat16),
+                ((777,), T.float16), ((4096, 64), T.bfloat16), ((3, 5), T.int64),
+                ((3 << 19,), T.uint8), ((5,), T.float32)]
+    rs_cases = [((W * 3, 5), T.bfloat16), ((W * 333, 4), T.float16),
+                ((W * 1000, 65), T.float32), ((W * 1024, 64), T.bfloat16), ((W,), T.bfloat16)]
+    bad = []
+    kw = dict(rank=rank, world_size=W, topology=topology, slot_bytes=slot_bytes, timeout_s=60)
+    with sparkccl.Communicator(store=dist.PrefixStore("gpu", store), device="cuda", **kw) as g, \
+            sparkccl.Communicator(store=dist.PrefixStore("cpu", store), device="cpu", **kw) as c:
+        seed = 0
+        for shape, dtype in ag_cases:
+            seed += 1
+            xs = [mk(seed, r, shape, dtype) for r in range(W)]
+            y = g.all_gather(xs[rank].cuda())
+            assert y.is_cuda and y.shape == (W * shape[0], *shape[1:])
+            yc = c.all_gather(xs[rank])
+            got = B(y.cpu())
+            if not (got == agr(xs)).all():
+                bad.append(f"all_gather {list(shape)} {dtype}: differs from the reference")
+            if not (got == B(yc)).all():
+                bad.append(f"all_gather {list(shape)} {dtype}: GPU != CPU data plane")
+        for shape, dtype in rs_cases:
+            seed += 1
+            xs = [mk(seed, r, shape, dtype) for r in range(W)]
+            z = g.reduce_scatter(xs[rank].cuda())
+            zc = c.reduce_scatter(xs[rank])
+            got = B(z.cpu())
+            if not (got == rsr(xs, rank)).all():
+                bad.append(f"reduce_scatter {list(shape)} {dtype}: differs from the reference")
+            if not (got == B(zc)).all():
+                bad.append(f"reduce_scatter {list(shape)} {dtype}: GPU != CPU data plane")
+        # Zero-copy input (the send slot itself, written on the GPU) and zero-copy output.
+        seed += 1
+        xs = [mk(seed, r, (W * 16, 64), T.bfloat16) for r in range(W)]
+        buf = g.reduce_scatter_input((W * 16, 64), T.bfloat16)
+        assert buf.is_cuda
+        buf.copy_(xs[rank].cuda())
+        if not (B(g.reduce_scatter(buf).cpu()) == rsr(xs, rank)).all():
+            bad.append("zero-copy reduce_scatter input differs")
+        seed += 1
+        xs = [mk(seed, r, (256, 8), T.float32) for r in range(W)]
+        v = g.all_gather(xs[rank].cuda(), zero_copy=True)
+        g.synchronize()
+        if not (B(v.cpu()) == agr(xs)).all():
+            bad.append("zero-copy all_gather differs")
+        g.synchronize()
+    return bad
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
-@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 2), ("mesh", 4), ("ring", 4)])
-def test_communicator_cuda(topology, world):
-    from sparkccl import comm as comm_mod
-    if "cuda" not in (comm_mod.Communicator.__init__.__doc__ or "") and \
-            not hasattr(comm_mod, "CudaDataPlane"):
-        pytest.skip("the Communicator does not pick the CUDA data plane yet")
+@pytest.mark.parametrize("topology,world,slot_bytes", [
+    ("mesh", 2, 8 << 20), ("ring", 2, 8 << 20), ("mesh", 4, 8 << 20), ("ring", 4, 8 << 20),
+    ("ring", 4, 256 << 10),  # a small slot: inputs are split into several collectives
+    ("ring", 3, 8 << 20)])
+def test_communicator_cuda(topology, world, slot_bytes):
     from sparkccl.testing import check, run_ranks
-    res = run_ranks(_comm_job, world, args=(topology, "cuda"), timeout=300)
-    assert check(res) == ["ok"] * world
+    values = check(run_ranks(_comm_job, world, args=(topology, slot_bytes), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+def test_cpu_communicator_rejects_unknown_device():
+    import sparkccl
+    with pytest.raises(ValueError, match="cpu"):
+        sparkccl.Communicator(store=None, rank=0, world_size=1, device="meta")
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the error on machines without a GPU")
+def test_cuda_communicator_without_gpu_is_a_clear_error():
+    import sparkccl
+    with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+        sparkccl.Communicator(store=None, rank=0, world_size=1, device="cuda")

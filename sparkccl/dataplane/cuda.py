@@ -274,6 +274,9 @@ class CudaDataPlane(CpuDataPlane):
         if self._last_event is not None:
             self._last_event.synchronize()
 
+    def _busy(self) -> bool:
+        return self._last_event is not None and not self._last_event.query()
+
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
                   recv_stride: int) -> None:
@@ -291,17 +294,23 @@ class CudaDataPlane(CpuDataPlane):
         self.rs_recv = self._view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
 
-    def close(self) -> None:
-        """Wait for this data plane's kernels, then unpin the regions. Call before the
-        segments are unmapped."""
-        if getattr(self, "_closed", True) and not getattr(self, "_registered", None):
-            return
+    def close(self, *, abort_if_busy: bool = True) -> None:
+        """Wait for this data plane's kernels, then unpin the regions (call before the
+        segments are unmapped). Kernels still running are first told to stop through the
+        abort word (``abort_if_busy``), so closing never waits for a whole timeout."""
         self._closed = True
+        regs = getattr(self, "_registered", None)
+        if not regs:
+            return
         try:
+            if abort_if_busy and self._busy():
+                self.nat.set_abort(self.ctl, layout.ABORT_USER,
+                                   f"rank {self.rank}: communicator closed while collectives "
+                                   "were still running on the GPU")
             self._wait_last()
         except Exception:
             pass
-        regs, self._registered = self._registered, []
+        self._registered = []
         for addr in regs:
             try:
                 self._unregister(addr)
