@@ -72,7 +72,12 @@ class Communicator:
             default: the default group). Mutually exclusive with ``store``.
         store: a ``torch.distributed.Store`` shared by the ranks, with ``rank`` and
             ``world_size``.
-        device: where collective inputs live; only ``"cpu"`` for now (the default).
+        device: where collective inputs live: ``"cpu"`` (the default) or a CUDA device
+            (``"cuda"``, ``"cuda:1"``; needs the ``[cuda]`` extra: cuda-python and NVRTC).
+            On CUDA, collectives are asynchronous like NCCL's: they are queued on the
+            caller's current stream and return; a failure (timeout, abort) raises
+            ``CollectiveError`` at the next call or at :meth:`synchronize`. All collectives
+            of one communicator must be issued on one stream (or streams ordered by events).
         topology: ``"mesh"`` (every rank reaches every other) or ``"ring"`` (neighbours only,
             relays for the rest); results are bit-identical.
         transport: ``"auto"`` (``"shm"`` when all ranks are on one host) or ``"shm"``.
@@ -108,9 +113,14 @@ class Communicator:
                                       or not isinstance(timeout_s, (int, float))):
             raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
         dev = torch.device("cpu" if device is None else device)
-        if dev.type != "cpu":
-            raise ValueError(f"device={str(dev)!r}: only CPU tensors are supported so far "
-                             "(device='cpu'); the GPU data plane is not available yet")
+        if dev.type == "cuda":
+            from .dataplane import cuda as _cuda
+            _cuda.check_available(dev)  # a clear error on every rank, before the bootstrap
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device={str(dev)!r}: sparkccl works on CPU tensors "
+                             "(device='cpu') or CUDA tensors (device='cuda')")
         self.device = dev
 
         st, r, w, how = bootstrap.resolve_group(group, store, rank, world_size)
@@ -254,10 +264,17 @@ class Communicator:
         if s.check_sizes:
             rings = [None if p == r else ring_view(self._peer_segs[(p, "ctl")].tensor)
                      for p in range(w)]
-        self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
-                                flags_addr=self._flags_addr, ag=ag.tensor,
-                                ag_stride=self._ag_stride, timeout_s=s.timeout_s,
-                                peer_rings=rings)
+        if self.device.type == "cuda":
+            from .dataplane.cuda import CudaDataPlane
+            self._dp = CudaDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
+                                     flags_addr=self._flags_addr, ag=ag.tensor,
+                                     ag_stride=self._ag_stride, timeout_s=s.timeout_s,
+                                     peer_rings=rings, device=self.device)
+        else:
+            self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
+                                    flags_addr=self._flags_addr, ag=ag.tensor,
+                                    ag_stride=self._ag_stride, timeout_s=s.timeout_s,
+                                    peer_rings=rings)
         if self._rs_ready:
             self._attach_rs_dataplane()
         px.start()
@@ -353,20 +370,34 @@ class Communicator:
         return s
 
     # ---- collectives -----------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
+                   zero_copy: bool = False) -> torch.Tensor:
         """Gather every rank's ``x`` (any dtype and shape, contiguous, same on every rank).
 
         Returns ``[world * x.shape[0], *x.shape[1:]]`` (a 0-dim ``x`` counts as shape
         ``[1]``, giving ``[world]``) with rank i's ``x`` at position i: a fresh tensor, or
         ``out``. Slices above the slot capacity are split into several collectives.
+
+        ``zero_copy=True`` (CUDA only; ignored on CPU): return a view of the pinned receive
+        slot instead of copying into device memory, valid until three more all-gathers
+        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot
+        (otherwise a fresh tensor as usual).
         """
         what = "all_gather"
         self._check_open(what)
         self._check_tensor(x, what)
         shape = tuple(x.shape) if x.dim() > 0 else (1,)
         out_shape = (self.world_size * shape[0], *shape[1:])
-        out = self._check_out(out, what, out_shape, x.dtype)
         n = x.numel() * x.element_size()
+        if (zero_copy and out is None and self.device.type == "cuda" and n
+                and n % ALIGN == 0 and n <= self._max_slice):
+            with self._lock:
+                self._check_alive(what)
+                seq = self._next_seq()
+                self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0)
+                view = self._dp.ag_slot(seq, self.world_size * n)
+            return view.view(x.dtype).view(out_shape)
+        out = self._check_out(out, what, out_shape, x.dtype)
         if n == 0:
             return out
         with self._lock:
@@ -475,6 +506,16 @@ class Communicator:
             self._handout = (t.data_ptr(), nbytes, parity, self._rs_count)
         return t
 
+    def synchronize(self) -> None:
+        """Wait until this communicator's queued collectives have finished (CUDA; on CPU
+        they already have) and raise ``CollectiveError`` if any of them failed."""
+        self._check_open("synchronize")
+        with self._lock:
+            sync = getattr(self._dp, "synchronize", None)
+            if sync is not None:
+                sync()
+            self._check_alive("synchronize")
+
     # ---- lifetime --------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -494,6 +535,16 @@ class Communicator:
     def _teardown(self, barrier: bool) -> None:
         nat = self._nat if hasattr(self, "_nat") else None
         ctl = getattr(self, "_ctl_addr", None)
+        dp = getattr(self, "_dp", None)
+        if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
+            try:
+                dp.synchronize()
+            except CollectiveError as e:
+                log.warning("sparkccl: rank %d: close(): a queued collective failed: %s",
+                            self.rank, e)
+            except Exception as e:
+                log.warning("sparkccl: rank %d: close(): waiting for the GPU failed: %s",
+                            self.rank, e)
         if barrier and self._proxy is not None and nat is not None and ctl is not None:
             def check():
                 if nat.abort_code(ctl):
@@ -507,6 +558,8 @@ class Communicator:
                             "closing anyway", self.rank, e)
             except Exception as e:  # store gone etc.
                 log.warning("sparkccl: rank %d: close() barrier failed: %s", self.rank, e)
+        if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
+            dp.close()
         if self._proxy is not None:
             self._proxy.stop()
             self._proxy = None
