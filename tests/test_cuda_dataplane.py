@@ -541,6 +541,24 @@ def test_abort_stops_a_waiting_kernel(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_size_mismatch_is_reported(backend):
+    from sparkccl.dataplane.cpu import ring_view
+    world = 2
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20) as w:
+        for r in range(world):
+            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+        for r, n in enumerate((100, 200)):  # rank 1 passes a bigger slice
+            with w.be.on(r):
+                src = w.keep(w.be.to_dev(torch.zeros(n, dtype=torch.uint8)))
+                out = w.keep(w.be.to_dev(torch.zeros(2 * n, dtype=torch.uint8)))
+                w.dps[r].all_gather(0, src, out, 0, n)
+        w.be.sync()
+        with pytest.raises(CollectiveError, match="rank 1 passed a different size"):
+            w.dps[0].synchronize()
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_USER
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_close_while_waiting_aborts_promptly(backend):
     world = 2
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60) as w:

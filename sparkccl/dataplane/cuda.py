@@ -189,6 +189,7 @@ class CudaDataPlane(CpuDataPlane):
         self._last_event = None
         self._streams: dict[int, object] = {}
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
+        self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
         self._setup_backend(device)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
@@ -364,14 +365,46 @@ class CudaDataPlane(CpuDataPlane):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _begin(self, op: Op, seq: int) -> int:
+    def _begin(self, op: Op, seq: int, S: int) -> int:
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
         self.check_status()
         self.check_abort()
+        self.check_sizes()
         self._ops[seq] = op
         self._ops.pop(seq - 512, None)
+        if self.peer_rings is not None:
+            self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
+            del self._unchecked[:-64]
         return self._reserve_ring(op, seq)
+
+    def check_sizes(self) -> None:
+        """Every rank must pass the same sizes: compare the sizes of recent collectives with
+        the peers' own publish entries once those appear (the GPU cannot do it before it
+        waits, so a mismatch is reported at the next call or at synchronize())."""
+        if self.peer_rings is None or not self._unchecked:
+            return
+        keep = []
+        for op, seq, S, peers in self._unchecked:
+            for p in sorted(peers):
+                ring = self.peer_rings[p]
+                if ring is None:
+                    peers.discard(p)
+                    continue
+                rows = ring[(ring[:, 1] == seq) & (ring[:, 0] != 0)]
+                if len(rows) == 0:
+                    continue
+                peers.discard(p)
+                theirs = int(rows[0, 2])
+                if theirs != S:
+                    self._unchecked = []
+                    self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {p} passed a "
+                              f"different size than this rank ({theirs} vs {S} bytes per rank, "
+                              "padded to 16); every rank must pass the same shape",
+                              layout.ABORT_USER, peer=p)
+            if peers:
+                keep.append((op, seq, S, peers))
+        self._unchecked = keep
 
     # ---- collectives -----------------------------------------------------------------
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
@@ -382,7 +415,7 @@ class CudaDataPlane(CpuDataPlane):
         :meth:`ag_slot`); the launch then only waits for the pieces."""
         L = src.numel()
         S = round_up(L, ALIGN)
-        first = self._begin(Op.AG, seq)
+        first = self._begin(Op.AG, seq, S)
         ts, stream = self._stream()
         slot = self.ag_dev + (seq % 3) * self.ag_stride
         me = self.rank
@@ -421,7 +454,7 @@ class CudaDataPlane(CpuDataPlane):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        first = self._begin(Op.RS, seq)
+        first = self._begin(Op.RS, seq, S)
         ts, stream = self._stream()
         W, me = self.world, self.rank
         send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
@@ -458,6 +491,7 @@ class CudaDataPlane(CpuDataPlane):
         self._wait_last()
         self.check_status()
         self.check_abort()
+        self.check_sizes()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""

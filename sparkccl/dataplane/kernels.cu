@@ -55,6 +55,7 @@ typedef unsigned char u8;
 #define ABORT_PEER 3ull
 #define NO_WORD 0xFFFFull
 #define UNROLL 4
+#define BATCH 8  // reduce-scatter: sources loaded together when world <= BATCH
 
 // ---------------------------------------------------------------- geometry (geometry.py)
 
@@ -114,10 +115,12 @@ struct V16 {
 
 // 16-byte load from pinned (system) memory that a CPU thread or NIC wrote while this
 // kernel ran: ld.cv treats cached system-memory lines as stale.
+// (No "memory" clobber: independent loads may be issued back to back; they follow the
+// acquire that made the data visible through __syncthreads, which the compiler keeps.)
 __device__ __forceinline__ V16 ld_sys16(const u8* p) {
   V16 v;
   asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ V16 ld_dev16(const u8* p) {
@@ -132,7 +135,7 @@ __device__ __forceinline__ void st16(u8* p, V16 v) {
 }
 __device__ __forceinline__ u8 ld_sys8(const u8* p) {
   u32 v;
-  asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p));
   return (u8)v;
 }
 __device__ __forceinline__ float f16_to_f32(u16 v) {
@@ -475,17 +478,35 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
   for (u64 u = tid; u < units; u += nthreads) {
     const u64 off = a + 16 * u;
     float acc[VEC];
-    {
-      const u8* p = rank == 0 ? own + off : recv + off;
-      V16 v = rank == 0 ? ld_any16(p, own_sys) : ld_sys16(p);
-      unpack<E>(v, acc);
-    }
-    for (int i = 1; i < world; ++i) {
-      float t[VEC];
-      V16 v = i == rank ? ld_any16(own + off, own_sys) : ld_sys16(recv + i * S + off);
-      unpack<E>(v, t);
+    if (world <= BATCH) {
+      // Every source's load in flight at once, then the sum in rank order.
+      V16 v[BATCH];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+      for (int i = 0; i < BATCH; ++i)
+        if (i < world) v[i] = i == rank ? ld_any16(own + off, own_sys) : ld_sys16(recv + i * S + off);
+      unpack<E>(v[0], acc);
+#pragma unroll
+      for (int i = 1; i < BATCH; ++i) {
+        if (i < world) {
+          float t[VEC];
+          unpack<E>(v[i], t);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+        }
+      }
+    } else {
+      {
+        const u8* p = rank == 0 ? own + off : recv + off;
+        V16 v = rank == 0 ? ld_any16(p, own_sys) : ld_sys16(p);
+        unpack<E>(v, acc);
+      }
+      for (int i = 1; i < world; ++i) {
+        float t[VEC];
+        V16 v = i == rank ? ld_any16(own + off, own_sys) : ld_sys16(recv + i * S + off);
+        unpack<E>(v, t);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+      }
     }
     st_any16(dst + off, pack<E>(acc));
   }
