@@ -388,7 +388,9 @@ def inputs(seed, world, shape, dtype):
 # ---------------------------------------------------------------- tests
 
 CONFIGS = [("mesh", 2, 2), ("mesh", 3, 1), ("mesh", 4, 2), ("ring", 2, 2), ("ring", 3, 2),
-           ("ring", 4, 2), ("ring", 4, 1)]
+           ("ring", 4, 2), ("ring", 4, 1),
+           # multi-hop relays and the largest worlds
+           ("ring", 5, 2), ("ring", 6, 2), ("mesh", 8, 2), ("ring", 8, 2)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
