@@ -38,7 +38,7 @@ from sparkccl.errors import CollectiveError
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
-from sparkccl.testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+from sparkccl.testing import all_gather_reference, make_input, reduce_scatter_reference
 
 N = pytest.importorskip("sparkccl._native")
 from sparkccl.dataplane import cuda as C  # noqa: E402

@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from .. import layout
-from ..errors import CollectiveError
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import Op, RankPlan, decode_flag_word
 from . import nvrtc
