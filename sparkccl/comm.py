@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from . import bootstrap, config, layout, shm
+from . import tcp as tcp_setup
 from .dataplane.cpu import CpuDataPlane, ring_view
 from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
@@ -40,7 +41,7 @@ from .plan.model import REGION_SLOTS, Region
 
 log = logging.getLogger("sparkccl")
 
-TRANSPORTS = ("auto", "shm")
+TRANSPORTS = ("auto", "shm", "tcp")
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 AG_SLOTS = REGION_SLOTS[Region.AG]
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
@@ -80,7 +81,10 @@ class Communicator:
             of one communicator must be issued on one stream (or streams ordered by events).
         topology: ``"mesh"`` (every rank reaches every other) or ``"ring"`` (neighbours only,
             relays for the rest); results are bit-identical.
-        transport: ``"auto"`` (``"shm"`` when all ranks are on one host) or ``"shm"``.
+        transport: ``"auto"`` (``"shm"`` when all ranks are on one host, else ``"tcp"``),
+            ``"shm"`` or ``"tcp"`` (any IP network; addresses per root from
+            ``SPARKCCL_TCP_ADDRS`` / ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS``,
+            see ``sparkccl/tcp.py``).
         slot_bytes: capacity of one slot = the whole gathered / reduce-scattered tensor of
             one collective (world x slice bytes); larger inputs are split into several
             collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB.
@@ -145,7 +149,8 @@ class Communicator:
 
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
-                    host=socket.gethostname(), uid=os.getuid(), pid=os.getpid())
+                    host=socket.gethostname(), boot_id=_boot_id(), uid=os.getuid(),
+                    pid=os.getpid())
         infos = rv.exchange("info", info, "join the communicator",
                             timeout_s=s.bootstrap_timeout_s)
         failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
@@ -157,16 +162,19 @@ class Communicator:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}: only 'shm' (ranks on one host) or "
-                             "'auto' are available; tcp and verbs are not implemented yet")
-        hosts = [i["host"] for i in infos]
-        if len(set(hosts)) != 1:
-            p = bootstrap.describe_disagreement("host", hosts)
-            raise ValueError("sparkccl.Communicator: ranks run on different hosts, and only the "
-                             f"'shm' transport (one host) is available yet; tcp and verbs are "
-                             f"not implemented ({p})")
-        bootstrap.validate(infos, ("uid",))
-        self.transport = "shm"
+            raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)} "
+                             "(verbs is not implemented yet)")
+        hosts = [(i["host"], i.get("boot_id")) for i in infos]
+        if transport == "auto":
+            transport = "shm" if len(set(hosts)) == 1 else "tcp"
+        elif transport == "shm" and len(set(hosts)) != 1:
+            p = bootstrap.describe_disagreement("host", [h[0] for h in hosts])
+            raise ValueError("sparkccl.Communicator: transport='shm' needs every rank on one "
+                             f"host, but they run on different hosts ({p or 'different boot ids'}); "
+                             "use transport='tcp' or 'auto'")
+        if transport == "shm":
+            bootstrap.validate(infos, ("uid",))
+        self.transport = transport
         self._pids = [int(i["pid"]) for i in infos]
         self.plan = build_plan(topology, w, r, s.roots)
 
@@ -235,24 +243,42 @@ class Communicator:
         self._ag = ag
         if s.rs_up_front:
             self._rs = self._create("rs", self._rs_bytes)
-        rv.barrier("created", "create its shared memory")
-        self._attach_peers("ctl", self._ctl_bytes)
-        self._attach_peers("ag", self._ag_bytes)
-        if s.rs_up_front:
-            self._attach_peers("rs", self._rs_bytes)
-        rv.barrier("mapped", "map the shared memory of its peers")
-        # Every segment is mapped by every rank: remove all names now (each rank removes
-        # all of them, so none is left once any rank has returned from here).
-        for n in self._names:
-            shm.unlink_name(n)
+        tcp = self.transport == "tcp"
+        links = None
+        if tcp:
+            # Only this process maps its segments; peers are reached through sockets.
+            for n in self._names:
+                shm.unlink_name(n)
+            plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
+            links = tcp_setup.connect(rv, plans, r, self.topology, s.roots,
+                                      s.bootstrap_timeout_s, s.timeout_s)
+        else:
+            rv.barrier("created", "create its shared memory")
+            self._attach_peers("ctl", self._ctl_bytes)
+            self._attach_peers("ag", self._ag_bytes)
+            if s.rs_up_front:
+                self._attach_peers("rs", self._rs_bytes)
+            rv.barrier("mapped", "map the shared memory of its peers")
+            # Every segment is mapped by every rank: remove all names now (each rank removes
+            # all of them, so none is left once any rank has returned from here).
+            for n in self._names:
+                shm.unlink_name(n)
 
         t = self.plan.to_tables()
         slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
-        self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr, t["connections"],
-                                     t["streams"], t["items"], slots, s.spin_us, s.nap_us)
+        try:
+            self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
+                                         t["connections"], t["streams"], t["items"], slots,
+                                         s.spin_us, s.nap_us, transport=self.transport)
+        except BaseException:
+            if links is not None:
+                links.close()
+            raise
         px.set_region(int(Region.AG), ag.addr, self._ag_stride, self._ag_bytes)
+        if tcp:
+            px.set_tcp_fds(*links.detach())  # the proxy owns the sockets from here on
         for p in range(w):
-            if p == r:
+            if p == r or tcp:
                 continue
             pc = self._peer_segs[(p, "ctl")]
             px.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self._pids[p])
@@ -261,7 +287,7 @@ class Communicator:
         if s.rs_up_front:
             self._wire_rs()
         rings = None
-        if s.check_sizes:
+        if s.check_sizes and not tcp:  # needs the peers' publish rings mapped here
             rings = [None if p == r else ring_view(self._peer_segs[(p, "ctl")].tensor)
                      for p in range(w)]
         if self.device.type == "cuda":
@@ -286,7 +312,7 @@ class Communicator:
         px.set_region(int(Region.RS_SEND), rs.addr, self._rs_send_stride, send_bytes)
         px.set_region(int(Region.RS_RECV), rs.addr + send_bytes, self._rs_recv_stride, recv_bytes)
         for p in range(self.world_size):
-            if p == self.rank:
+            if p == self.rank or self.transport == "tcp":
                 continue
             pr = self._peer_segs[(p, "rs")]
             px.set_peer_region(p, int(Region.RS_SEND), pr.addr, send_bytes)
@@ -306,11 +332,17 @@ class Communicator:
             return
         try:
             self._rs = self._create("rs", self._rs_bytes)
+            if self.transport == "tcp":
+                # Registered with the proxy before any peer can send reduce-scatter data.
+                for n in self._names:
+                    shm.unlink_name(n)
+                self._wire_rs()
             self._rv.barrier("rs-created", "create its reduce-scatter buffers",
                              self._dp.check_abort)
-            self._attach_peers("rs", self._rs_bytes)
-            self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
-                             self._dp.check_abort)
+            if self.transport != "tcp":
+                self._attach_peers("rs", self._rs_bytes)
+                self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
+                                 self._dp.check_abort)
             for n in self._names:
                 shm.unlink_name(n)
         except CollectiveError as e:
@@ -323,7 +355,8 @@ class Communicator:
             msg = f"rank {self.rank}: could not set up reduce-scatter buffers: {e}"
             self._nat.set_abort(self._ctl_addr, layout.ABORT_TRANSPORT, msg)
             raise CollectiveError(msg, rank=self.rank) from e
-        self._wire_rs()
+        if not self._rs_ready:
+            self._wire_rs()
         self._attach_rs_dataplane()
         log.info("sparkccl: rank %d: reduce-scatter buffers created (+%s, now %s)",
                  self.rank, _mib(self._rs_bytes), _mib(self.pinned_bytes))
@@ -545,6 +578,7 @@ class Communicator:
             except Exception as e:
                 log.warning("sparkccl: rank %d: close(): waiting for the GPU failed: %s",
                             self.rank, e)
+        clean = False
         if barrier and self._proxy is not None and nat is not None and ctl is not None:
             def check():
                 if nat.abort_code(ctl):
@@ -553,6 +587,7 @@ class Communicator:
                 if not nat.abort_code(ctl):
                     self._rv.barrier("closed", "close the communicator", check,
                                      self._settings.bootstrap_timeout_s)
+                    clean = True
             except CollectiveError as e:
                 log.warning("sparkccl: rank %d: close() did not hear from every rank (%s); "
                             "closing anyway", self.rank, e)
@@ -561,7 +596,7 @@ class Communicator:
         if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
             dp.close()
         if self._proxy is not None:
-            self._proxy.stop()
+            self._proxy.stop(graceful=clean)  # tcp: a goodbye, so peers see no crash
             self._proxy = None
         for n in self._names:
             shm.unlink_name(n)
@@ -589,6 +624,16 @@ class Communicator:
         state = "closed" if self._closed else "open"
         return (f"<sparkccl.Communicator rank {self.rank}/{self.world_size} {self.topology}/"
                 f"{getattr(self, 'transport', '?')} {state}>")
+
+
+def _boot_id() -> str | None:
+    """Same value for every process of one running host (tells hosts apart even when they
+    share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _close_all_at_exit() -> None:

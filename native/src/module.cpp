@@ -143,17 +143,20 @@ NB_MODULE(_native, m) {
       .def(nb::init<int, int, uint64_t, uint64_t, const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&, const std::vector<int>&, uint64_t,
-                    uint64_t>(),
+                    uint64_t, const std::string&>(),
            "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
            "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
-           "nap_us"_a = 200)
+           "nap_us"_a = 200, "transport"_a = "shm")
       .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
            "Local region base address and slot stride; size 0 means slots * stride.")
       .def("set_peer", &Proxy::set_peer, "peer"_a, "ctl_addr"_a, "flags_addr"_a, "pid"_a)
       .def("set_peer_region", &Proxy::set_peer_region, "peer"_a, "region"_a, "base"_a,
            "size"_a = 0, "Peer's region base mapped here; size 0 means slots * our stride.")
+      .def("set_tcp_fds", &Proxy::set_tcp_fds, "send_fds"_a, "recv"_a,
+           "tcp: connected sockets, send_fds[i] for connection i, recv rows [fd, peer, channel, "
+           "root]; the proxy owns (and closes) them from here on.")
       .def("start", &Proxy::start, nb::call_guard<nb::gil_scoped_release>())
-      .def("stop", &Proxy::stop, nb::call_guard<nb::gil_scoped_release>())
+      .def("stop", &Proxy::stop, "graceful"_a = false, nb::call_guard<nb::gil_scoped_release>())
       .def("outstanding", &Proxy::outstanding)
       .def_prop_ro("running", &Proxy::running)
       .def("stats", [](Proxy& p) {

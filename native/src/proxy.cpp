@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <sched.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -58,7 +59,7 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
              const std::vector<std::vector<int64_t>>& connections,
              const std::vector<std::vector<int64_t>>& streams,
              const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
-             uint64_t spin_us, uint64_t nap_us)
+             uint64_t spin_us, uint64_t nap_us, const std::string& transport)
     : rank_(rank), world_(world), ctl_(ctl), flags_(flags), spin_ns_(spin_us * 1000),
       nap_ns_(nap_us * 1000),
       reg_((need(world >= 1 && world <= 1024, "world out of range"),
@@ -102,8 +103,43 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
     ops_[row.op].streams.push_back(streams_.size());
     streams_.push_back(row);
   }
-  transport_ = make_shm_transport(&reg_, conns_);
+  need(transport == "shm" || transport == "tcp", "transport must be 'shm' or 'tcp'");
+  transport_kind_ = transport;
+  if (transport == "shm") transport_ = make_shm_transport(&reg_, conns_);  // tcp: set_tcp_fds
   samples_.reserve(MAX_SAMPLES);
+}
+
+void Proxy::set_tcp_fds(const std::vector<int>& send_fds,
+                        const std::vector<std::vector<int64_t>>& recv) {
+  auto close_all = [&] {
+    for (int fd : send_fds)
+      if (fd >= 0) ::close(fd);
+    for (auto& r : recv)
+      if (!r.empty() && r[0] >= 0) ::close(int(r[0]));
+  };
+  std::lock_guard<std::mutex> lk(life_mu_);
+  std::string bad;
+  std::vector<TcpRecvConn> in;
+  if (transport_kind_ != "tcp") bad = "set_tcp_fds needs transport='tcp'";
+  else if (transport_ || started_ || stop_.load()) bad = "set_tcp_fds: already set, started or stopped";
+  else if (send_fds.size() != conns_.size())
+    bad = "set_tcp_fds: " + std::to_string(send_fds.size()) + " send fds for " +
+          std::to_string(conns_.size()) + " connections";
+  for (int fd : send_fds)
+    if (bad.empty() && fd < 0) bad = "set_tcp_fds: negative send fd";
+  for (auto& r : recv) {
+    if (!bad.empty()) break;
+    if (r.size() != 4 || r[0] < 0 || r[1] < 0 || r[1] >= world_ || r[1] == rank_ || r[2] < 0 ||
+        r[2] >= CHANNELS || r[3] < 0 || r[3] >= MAX_ROOTS)
+      bad = "set_tcp_fds: incoming rows are [fd >= 0, peer, channel, root] in range";
+    else
+      in.push_back(TcpRecvConn{int(r[0]), int(r[1]), int(r[2]), int(r[3])});
+  }
+  if (!bad.empty()) {
+    close_all();
+    throw std::invalid_argument("Proxy: " + bad);
+  }
+  transport_ = make_tcp_transport(&reg_, conns_, ctl_, flags_, send_fds, in);
 }
 
 Proxy::~Proxy() { stop(); }
@@ -134,6 +170,7 @@ void Proxy::start() {
   std::lock_guard<std::mutex> lk(life_mu_);
   if (stop_.load()) throw std::runtime_error("Proxy: cannot start a stopped proxy");
   if (started_) return;
+  if (!transport_) throw std::runtime_error("Proxy: tcp transport needs set_tcp_fds() before start()");
   started_ = true;
   tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
   transport_->start();
@@ -146,14 +183,17 @@ void Proxy::start() {
   }
 }
 
-void Proxy::stop() {
+void Proxy::stop(bool graceful) {
   std::lock_guard<std::mutex> lk(life_mu_);
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
-  if (transport_) transport_->stop();
+  if (transport_) {
+    if (graceful && started_ && abort_code(ctl_) == ABORT_NONE) transport_->finish();
+    transport_->stop();
+  }
 }
 
-uint64_t Proxy::outstanding() const { return transport_->outstanding(); }
+uint64_t Proxy::outstanding() const { return transport_ ? transport_->outstanding() : 0; }
 
 void Proxy::fail(uint64_t code, const std::string& message) {
   set_abort(ctl_, code, message);
@@ -168,6 +208,10 @@ void Proxy::run() {
     while (!stop_.load(std::memory_order_relaxed)) {
       n_turns_.fetch_add(1, std::memory_order_relaxed);
       if (!aborted_ && abort_code(ctl_) != ABORT_NONE) aborted_ = true;
+      if (aborted_ && !abort_told_) {
+        abort_told_ = true;
+        transport_->on_abort(error_text(ctl_));
+      }
       bool progress = consume_ring();
       if (!aborted_) progress |= advance_streams();
       if (!aborted_) {

@@ -27,7 +27,7 @@ class Proxy {
         const std::vector<std::vector<int64_t>>& connections,
         const std::vector<std::vector<int64_t>>& streams,
         const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
-        uint64_t spin_us, uint64_t nap_us);
+        uint64_t spin_us, uint64_t nap_us, const std::string& transport = "shm");
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -35,8 +35,15 @@ class Proxy {
   void set_region(int region, uint64_t base, uint64_t stride, uint64_t size);
   void set_peer(int peer, uint64_t ctl, uint64_t flags, uint64_t pid);
   void set_peer_region(int peer, int region, uint64_t base, uint64_t size);
+  // tcp: the sockets of every connection (send_fds[i] = connections[i]) and the incoming
+  // ones as [fd, peer, channel, root]; before start(). The proxy owns them from here on
+  // (closed on stop, also if this call throws).
+  void set_tcp_fds(const std::vector<int>& send_fds,
+                   const std::vector<std::vector<int64_t>>& recv);
   void start();
-  void stop();
+  // graceful: every rank is done (close() after its barrier): the transport flushes and
+  // says goodbye, so that peers do not take the close for a failure.
+  void stop(bool graceful = false);
   bool running() const { return thread_.joinable() && !stop_.load(); }
   ProxyStats stats();
   uint64_t outstanding() const;
@@ -92,6 +99,8 @@ class Proxy {
   std::mutex life_mu_;  // start/stop from several Python threads
   bool started_ = false;
   bool aborted_ = false;
+  bool abort_told_ = false;  // transport_->on_abort() called
+  std::string transport_kind_;
   uint64_t tail_ = 0;
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},

@@ -64,9 +64,28 @@ class Transport {
   virtual bool poll(int* conn, std::string* cause) = 0;
   // Operations posted and not yet completed (all connections).
   virtual uint64_t outstanding() const = 0;
+  // The communicator has failed (local or peer abort; text = the abort record): tell the
+  // peers where the transport can (tcp sends an abort frame on every connection). Called
+  // once, from the proxy thread.
+  virtual void on_abort(const std::string& text) { (void)text; }
+  // Clean close (every rank is done with every collective): flush what was posted and tell
+  // the peers that nothing more will come, so that the close is not taken for a crash.
+  // Called before stop().
+  virtual void finish() {}
 };
 
 // shm: peers' segments are mapped in this process; one ordered copy worker per connection.
 std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInfo> conns);
+
+// tcp: connected, authenticated sockets from Python (sparkccl/tcp.py); the transport owns
+// (and closes) the descriptors. send_fds[i] carries connection i; each incoming socket is
+// described by the peer that sends on it and the local channel / root it arrives on.
+struct TcpRecvConn {
+  int fd, peer, channel, root;
+};
+std::unique_ptr<Transport> make_tcp_transport(Registry* reg, std::vector<ConnInfo> conns,
+                                              uint64_t ctl, uint64_t flags,
+                                              const std::vector<int>& send_fds,
+                                              const std::vector<TcpRecvConn>& recv);
 
 }  // namespace sparkccl
