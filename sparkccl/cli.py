@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--world", type=int, default=4)
     common.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
-    common.add_argument("--transport", choices=["auto", "shm"], default="shm")
+    common.add_argument("--transport", choices=["auto", "shm", "tcp"], default="shm")
     common.add_argument("--device", choices=["cpu"], default="cpu")
 
     d = sub.add_parser("demo", parents=[common],
