@@ -609,8 +609,23 @@ class Communicator:
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None or self._closed:
+            self.close()
+            return
+        # Leaving because of an exception: the peers may be waiting for this rank's data.
+        # Record why, so their proxies fail them now (with this cause) instead of at their
+        # timeout, and close without waiting for them.
+        self._closed = True
+        with _live_lock:
+            _live.discard(self)
+        try:
+            if not issubclass(exc_type, CollectiveError) and self._proxy is not None:
+                self._nat.set_abort(self._ctl_addr, layout.ABORT_USER,
+                                    f"rank {self.rank}: left the communicator because of an "
+                                    f"exception: {exc_type.__name__}: {exc}")
+        finally:
+            self._teardown(barrier=False)
 
     def __del__(self):
         try:

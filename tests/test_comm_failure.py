@@ -244,3 +244,28 @@ def test_segments_unlinked_early_and_pinned_bytes():
         assert v["after_init"] == [] and v["after_rs"] == [], v
         assert v["pinned"] > 3 * (1 << 20), v  # 3 AG slots at least
     assert shm_leftovers(values[0]["token"]) == []
+
+
+def exception_job(rank, world, store):
+    t0 = None
+    try:
+        with _comm(store, "exc", rank, world, timeout_s=30) as comm:
+            assert _healthy(comm, 7) is None
+            if rank == 1:
+                raise KeyError("user code failed")
+            t0 = time.monotonic()
+            comm.all_gather(torch.zeros(10))
+        return dict(error=None)
+    except sparkccl.CollectiveError as e:
+        return dict(error=str(e), elapsed=time.monotonic() - t0)
+    except KeyError as e:
+        return dict(error=f"own {e!r}")
+
+
+def test_exception_in_with_block_fails_peers_fast():
+    values = check(run_ranks(exception_job, 3, timeout_s=120))
+    assert values[1]["error"] == "own KeyError('user code failed')"
+    for r in (0, 2):
+        v = values[r]
+        assert v["error"] and "KeyError: 'user code failed'" in v["error"], v
+        assert v["elapsed"] < 2.0, v  # not the 30 s timeout
