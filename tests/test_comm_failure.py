@@ -160,7 +160,7 @@ def mismatch_job(rank, world, store):
         "slot": dict(slot_bytes=(1 << 20) if rank != 2 else (2 << 20)),
         "both": dict(topology="ring" if rank == 0 else "mesh",
                      slot_bytes=(1 << 20) if rank != 2 else (4 << 20)),
-        "transport": dict(transport="tcp"),
+        "transport": dict(transport="verbs"),
         "topology-name": dict(topology="star"),
     }
     for name, kw in cases.items():
@@ -187,7 +187,7 @@ def mismatch_job(rank, world, store):
     if rank == 2:
         cm.socket.gethostname = lambda: "some-other-host"
     try:
-        _comm(store, "mm-host", rank, world).close()
+        _comm(store, "mm-host", rank, world, transport="shm").close()
         out["host"] = None
     except ValueError as e:
         out["host"] = str(e)
@@ -216,9 +216,10 @@ def test_cross_rank_validation():
         assert "topology: 'mesh' on ranks 0, 2; 'ring' on rank 1" in v["topology"], v
         assert "slot_bytes: 1048576 on ranks 0, 1; 2097152 on rank 2" in v["slot"], v
         assert "topology:" in v["both"] and "slot_bytes:" in v["both"], v
-        assert "tcp and verbs are not implemented" in v["transport"], v
+        assert "transport='verbs'" in v["transport"], v
         assert "must be one of" in v["topology-name"], v
         assert "different hosts" in v["host"] and "rank 2" in v["host"], v
+        assert "transport='tcp' or 'auto'" in v["host"], v
         assert "different size" in v["size-ag"], v
         assert "different size" in v["size-rs"], v
         assert "SPARKCCL_SLOT_BYTES" in v["env"] and v["env_elapsed"] < 2.0, v
