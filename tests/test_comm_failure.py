@@ -251,10 +251,11 @@ def exception_job(rank, world, store):
     t0 = None
     try:
         with _comm(store, "exc", rank, world, timeout_s=30) as comm:
+            # (rank 1's abort may catch the others still inside this first exchange)
+            t0 = time.monotonic()
             assert _healthy(comm, 7) is None
             if rank == 1:
                 raise KeyError("user code failed")
-            t0 = time.monotonic()
             comm.all_gather(torch.zeros(10))
         return dict(error=None)
     except sparkccl.CollectiveError as e:
