@@ -504,12 +504,14 @@ def test_timeout_raises_and_names_the_peer(backend):
         xs = inputs(1, world, (100,), torch.uint8)
         seq = w.seq
         w.seq += 3
+        with w.be.on(0):
+            src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
+            outs = [w.keep(w.be.to_dev(torch.zeros(200, dtype=torch.uint8))) for _ in range(3)]
+        w.be.sync()
         t0 = time.monotonic()
         with w.be.on(0):  # only rank 0 calls: rank 1 never sends
             for k in range(3):
-                src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
-                out = w.keep(w.be.to_dev(torch.zeros(200, dtype=torch.uint8)))
-                w.dps[0].all_gather(seq + k, src, out, 0, 100)
+                w.dps[0].all_gather(seq + k, src, outs[k], 0, 100)
         with pytest.raises(CollectiveError) as ei:
             w.dps[0].synchronize()
         elapsed = time.monotonic() - t0
@@ -522,7 +524,7 @@ def test_timeout_raises_and_names_the_peer(backend):
         assert "timed out" in N.error_text(w.ctl[0].addr)
         with pytest.raises(CollectiveError):
             with w.be.on(0):
-                w.dps[0].all_gather(seq + 3, src, out, 0, 100)
+                w.dps[0].all_gather(seq + 3, src, outs[0], 0, 100)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -138,15 +138,17 @@ __device__ __forceinline__ u8 ld_sys8(const u8* p) {
   asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p));
   return (u8)v;
 }
+// fp16 conversions through 32-bit registers only (a 16-bit "h" asm operand later stored
+// byte by byte came out wrong on sm_90 with NVRTC 13.0).
 __device__ __forceinline__ float f16_to_f32(u16 v) {
   float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"((u32)v));
   return f;
 }
 __device__ __forceinline__ u16 f32_to_f16_rn(float f) {
-  u16 v;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
-  return v;
+  u32 d;  // cvt.rn.f16x2.f32 d, a, b: a -> upper half, b -> lower half
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(0.0f), "f"(f));
+  return (u16)(d & 0xFFFFu);
 }
 #endif  // SCCL_EMU
 
@@ -525,7 +527,7 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
       float f = E::load(raw);
       acc = i == 0 ? f : __fadd_rn(acc, f);
     }
-    T r = E::store(acc);
+    const u32 r = (u32)E::store(acc);
     for (int q = 0; q < (int)sizeof(T); ++q) dst[off + q] = (u8)(r >> (8 * q));
   }
 }
