@@ -230,7 +230,38 @@ class Communicator:
                 continue
             name = self._name(p, kind)
             self._names.append(name)
-            self._peer_segs[(p, kind)] = shm.Segment.attach(name, size)
+            try:
+                self._peer_segs[(p, kind)] = shm.Segment.attach(name, size)
+            except FileNotFoundError:
+                raise CollectiveError(
+                    f"rank {self.rank}: the shared memory of rank {p} ({shm.path_of(name)}) is "
+                    f"gone: rank {p} or another rank gave up on this communicator or exited",
+                    rank=self.rank, peer=p) from None
+
+    def _check_peers_alive(self) -> None:
+        """Bootstrap barriers (before the proxy watches the peers): fail fast on a dead peer."""
+        for p, pid in enumerate(self._pids):
+            if p == self.rank:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise CollectiveError(f"rank {self.rank}: rank {p} (pid {pid}) exited while the "
+                                      "communicator was being set up", rank=self.rank,
+                                      peer=p) from None
+            except PermissionError:
+                pass
+
+    def _unlink_all(self) -> None:
+        """Remove every name this communicator may have in /dev/shm, every rank's (a rank
+        killed before its peers mapped its segments leaves them to the survivors)."""
+        for n in self._names:
+            shm.unlink_name(n)
+        token = getattr(self, "token", None)
+        if token is not None and getattr(self, "transport", None) != "tcp":
+            for p in range(self.world_size):
+                for kind in ("ctl", "ag", "rs"):
+                    shm.unlink_name(self._name(p, kind))
 
     def _setup(self, s: config.Settings) -> None:
         nat, rv, r, w = self._nat, self._rv, self.rank, self.world_size
@@ -253,12 +284,12 @@ class Communicator:
             links = tcp_setup.connect(rv, plans, r, self.topology, s.roots,
                                       s.bootstrap_timeout_s, s.timeout_s)
         else:
-            rv.barrier("created", "create its shared memory")
+            rv.barrier("created", "create its shared memory", self._check_peers_alive)
             self._attach_peers("ctl", self._ctl_bytes)
             self._attach_peers("ag", self._ag_bytes)
             if s.rs_up_front:
                 self._attach_peers("rs", self._rs_bytes)
-            rv.barrier("mapped", "map the shared memory of its peers")
+            rv.barrier("mapped", "map the shared memory of its peers", self._check_peers_alive)
             # Every segment is mapped by every rank: remove all names now (each rank removes
             # all of them, so none is left once any rank has returned from here).
             for n in self._names:
@@ -346,8 +377,7 @@ class Communicator:
             for n in self._names:
                 shm.unlink_name(n)
         except CollectiveError as e:
-            for n in self._names:
-                shm.unlink_name(n)
+            self._unlink_all()
             if not self._nat.abort_code(self._ctl_addr):
                 self._nat.set_abort(self._ctl_addr, layout.ABORT_TIMEOUT, str(e))
             raise
@@ -598,8 +628,7 @@ class Communicator:
         if self._proxy is not None:
             self._proxy.stop(graceful=clean)  # tcp: a goodbye, so peers see no crash
             self._proxy = None
-        for n in self._names:
-            shm.unlink_name(n)
+        self._unlink_all()
         self._dp = None
         for seg in list(self._peer_segs.values()) + self._segments:
             seg.close()

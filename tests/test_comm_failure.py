@@ -271,3 +271,28 @@ def test_exception_in_with_block_fails_peers_fast():
         v = values[r]
         assert v["error"] and "KeyError: 'user code failed'" in v["error"], v
         assert v["elapsed"] < 2.0, v  # not the 30 s timeout
+
+
+def bootstrap_kill_job(rank, world, store):
+    from sparkccl.comm import Communicator
+    if rank == 1:  # dies after creating its segments, before the peers finish mapping them
+        def die(self, kind, size):
+            os.kill(os.getpid(), signal.SIGKILL)
+        Communicator._attach_peers = die
+    t0 = time.monotonic()
+    try:
+        _comm(store, "bootkill", rank, world, timeout_s=30)
+        return dict(error=None)
+    except sparkccl.CollectiveError as e:
+        token = dist.PrefixStore("bootkill", store).get("sparkccl/token/1").decode()
+        return dict(error=str(e), elapsed=time.monotonic() - t0, token=token)
+
+
+def test_rank_killed_during_setup_leaves_no_segments():
+    res = run_ranks(bootstrap_kill_job, 3, timeout_s=120)
+    assert res[1].error_type == KILLED
+    for r in (0, 2):
+        v = res[r].value
+        assert v and v["error"] and "rank 1" in v["error"] and v["elapsed"] < 5, res[r]
+    token = res[0].value["token"]
+    assert shm_leftovers(token) == [], shm_leftovers(token)
