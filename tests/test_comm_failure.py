@@ -84,7 +84,8 @@ def test_stalled_rank_makes_others_raise_within_timeout():
                 # It comes back after the others gave up: its call fails fast.
                 assert rec["elapsed"] < 1.0, (topo, r, rec)
                 continue
-            assert TIMEOUT - 0.5 <= rec["elapsed"] <= TIMEOUT + 1.0, (topo, r, rec["elapsed"])
+            # (a peer that timed out a moment earlier may tell this rank first)
+            assert TIMEOUT - 1.0 <= rec["elapsed"] <= TIMEOUT + 1.5, (topo, r, rec["elapsed"])
             # The data missing is the stalled rank's, or another's that it should relay.
             names = (f"from rank {stalled}", f"relayed by rank {stalled}")
             assert any(n in rec["error"] for n in names), rec["error"]
