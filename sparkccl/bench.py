@@ -2,13 +2,25 @@
 
 Columns follow nccl-tests: size is the whole buffer (the gathered output of an
 all-gather, the input of a reduce-scatter), algbw = size / time, busbw = algbw x
-(world - 1) / world. The baseline is torch.distributed's gloo backend on the same ranks,
-the same sizes and dtypes, in the same processes; the ratio column is baseline time /
-sparkccl time (above 1: sparkccl is faster).
+(world - 1) / world. Baselines run on the same ranks, sizes and dtype in the same
+invocation: gloo on CPU; on CUDA, NCCL three ways (default, P2P off = through host
+shared memory, P2P and SHM off = sockets), each in fresh processes because NCCL reads
+its environment once. The ratio column is baseline time / sparkccl time (above 1:
+sparkccl is faster).
 """
 from __future__ import annotations
 
 import time
+
+CUDA_BASELINES = (
+    ("nccl", {}),
+    ("nccl-p2p-off", {"NCCL_P2P_DISABLE": "1"}),
+    ("nccl-sockets", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+)
+CPU_BASELINES = (("gloo", {}),)
+# NVLink multicast stays off on shared GPU hosts.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -19,97 +31,156 @@ def _sizes(lo: int, hi: int) -> list[int]:
     return out
 
 
-def _time_calls(fn, iters: int, barrier) -> float:
-    fn()  # warm-up: first-use allocations, page faults
+def _setup_device(device: str, rank: int):
+    import torch
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timer(device):
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return sync
+
+
+def _time_calls(fn, iters: int, barrier, sync) -> float:
+    fn()  # warm-up: first-use allocations, page faults, kernel compilation
+    sync()
     barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    sync()
     return (time.perf_counter() - t0) / iters
 
 
-def _bench_rank(rank, world, store, topology, transport, sizes, iters, baseline):
+def _buffers(size: int, world: int, device):
+    import torch
+    dtype = torch.bfloat16
+    n = size // 2 // world
+    return (torch.ones(n, dtype=dtype, device=device),
+            torch.empty(n * world, dtype=dtype, device=device),
+            torch.ones(n * world, dtype=dtype, device=device),
+            torch.empty(n, dtype=dtype, device=device))
+
+
+def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters):
+    import sparkccl
+
+    dev = _setup_device(device, rank)
+    sync = _timer(dev)
+    rows = []
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
+                               transport=transport, device=dev,
+                               slot_bytes=max(sizes)) as comm:
+        def barrier():
+            comm.all_gather(barrier_token)
+            comm.synchronize() if dev.type == "cuda" else None
+        import torch
+        barrier_token = torch.zeros(16, dtype=torch.uint8, device=dev)
+        for size in sizes:
+            x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
+            rows.append((size, {
+                "ag": _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync),
+                "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
+                                  sync)}))
+        stats = comm._proxy.stats() if getattr(comm, "_proxy", None) is not None else {}
+    return {"rows": rows, "proxy": stats}
+
+
+def _baseline_rank(rank, world, store, backend, device, sizes, iters):
     import warnings
 
-    import torch
     import torch.distributed as dist
-
-    import sparkccl
 
     # torch 2.13 renames these; the old names keep working on older torch too.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-
+    dev = _setup_device(device, rank)
+    sync = _timer(dev)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            device_id=dev if dev.type == "cuda" else None)
     rows = []
-    pg = None
-    if baseline:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        pg = dist.group.WORLD
-    barrier = (lambda: dist.barrier(pg)) if pg is not None else (lambda: None)
-    dtype = torch.bfloat16
-    esize = torch.finfo(dtype).bits // 8
-    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
-                               transport=transport, slot_bytes=max(sizes)) as comm:
+    try:
+        def barrier():
+            dist.barrier()
         for size in sizes:
-            n = size // esize
-            x_ag = torch.ones(n // world, dtype=dtype)
-            out = torch.empty(n // world * world, dtype=dtype)
-            x_rs = torch.ones(n // world * world, dtype=dtype)
-            out_rs = torch.empty(n // world, dtype=dtype)
-            t = {"ag": _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier),
-                 "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier)}
-            if pg is not None:
-                t["ag_base"] = _time_calls(
-                    lambda: dist.all_gather_into_tensor(out, x_ag, group=pg), iters, barrier)
-                try:
-                    t["rs_base"] = _time_calls(
-                        lambda: dist.reduce_scatter_tensor(out_rs, x_rs, group=pg), iters, barrier)
-                except (RuntimeError, ValueError, NotImplementedError) as e:
-                    t["rs_base"] = None
-                    t["rs_base_why"] = str(e).splitlines()[0][:80]
+            x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
+            t = {"ag": _time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
+                                   barrier, sync)}
+            try:
+                t["rs"] = _time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
+                                      barrier, sync)
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                t["rs"] = None
+                t["rs_why"] = str(e).splitlines()[0][:60]
             rows.append((size, t))
-    if pg is not None:
+    finally:
         dist.destroy_process_group()
-    return rows
+    return {"rows": rows}
+
+
+def _slowest(per_rank: list, i: int, key: str):
+    """A call ends when its slowest rank has its result."""
+    vals = [v["rows"][i][1].get(key) for v in per_rank]
+    return None if any(v is None for v in vals) else max(vals)
+
+
+def _run(fn, world, args, env, what):
+    from .testing import run_ranks
+    results = run_ranks(fn, world, args=args, timeout_s=1800, env=env)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        for r in failed:
+            print(f"{what}: rank {r.rank} failed: {r.error_type}: {r.message}")
+        return None
+    return [r.value for r in results]
 
 
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
               baseline: bool = True) -> int:
-    from .testing import run_ranks
-
-    if device != "cpu":
-        print(f"bench: device {device!r} is not available yet (only cpu)")
-        return 2
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
+    baselines = (CUDA_BASELINES if device == "cuda" else CPU_BASELINES) if baseline else ()
     print(f"sparkccl bench: world {world}, topology {topology}, transport {transport}, "
-          f"device {device}, bf16, {iters} iterations per size"
-          + (", baseline: torch.distributed gloo (same run)" if baseline else ""))
-    results = run_ranks(_bench_rank, world, args=(topology, transport, sizes, iters, baseline),
-                        timeout_s=1800)
-    failed = [r for r in results if not r.ok]
-    if failed:
-        for r in failed:
-            print(f"rank {r.rank} failed: {r.error_type}: {r.message}")
+          f"device {device}, bf16, {iters} iterations per size; baselines in the same run: "
+          f"{', '.join(b for b, _ in baselines) or 'none'}")
+    env = dict(SAFE_ENV) if device == "cuda" else {}
+    ours = _run(_sparkccl_rank, world, (topology, transport, device, sizes, iters), env,
+                "sparkccl")
+    if ours is None:
         return 1
-    per_rank = [r.value for r in results]
+    base = {}
+    for name, extra in baselines:
+        backend = "nccl" if name.startswith("nccl") else "gloo"
+        got = _run(_baseline_rank, world, (backend, device, sizes, iters), {**env, **extra}, name)
+        if got is not None:
+            base[name] = got
     factor = (world - 1) / world
-    for key, name in (("ag", "all_gather"), ("rs", "reduce_scatter")):
-        print(f"\n{name}")
-        cols = f"{'time(us)':>10} {'algbw':>8} {'busbw':>8}"
-        print(f"{'size':>12} {cols}" + (f"   | {cols} {'ratio':>7}  (gloo)" if baseline else ""))
-        for i, (size, _) in enumerate(per_rank[0]):
-            # A call ends when its slowest rank has its result.
-            t = max(v[i][1][key] for v in per_rank)
+    for key, title in (("ag", "all_gather"), ("rs", "reduce_scatter")):
+        print(f"\n{title}")
+        head = f"{'size':>12} {'time(us)':>10} {'algbw':>8} {'busbw':>8}"
+        for name in base:
+            head += f" | {name + ' busbw':>18} {'ratio':>6}"
+        print(head)
+        for i, size in enumerate(sizes):
+            t = _slowest(ours, i, key)
             line = f"{size:>12} {t * 1e6:>10.1f} {size / t / 1e9:>8.3f} {size / t / 1e9 * factor:>8.3f}"
-            if baseline:
-                bts = [v[i][1].get(key + "_base") for v in per_rank]
-                if any(b is None for b in bts):
-                    why = per_rank[0][i][1].get(key + "_base_why", "unsupported")
-                    line += f"   | gloo n/a ({why})"
+            for name, per_rank in base.items():
+                b = _slowest(per_rank, i, key)
+                if b is None:
+                    line += f" | {'n/a':>18} {'':>6}"
                 else:
-                    b = max(bts)
-                    line += (f"   | {b * 1e6:>10.1f} {size / b / 1e9:>8.3f} "
-                             f"{size / b / 1e9 * factor:>8.3f} {b / t:>6.2f}x")
+                    line += f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x"
             print(line)
+    stats = ours[0]["proxy"]
+    if stats.get("delay_samples"):
+        print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "
+              f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "
+              f"over {stats['delay_samples']} entries")
     return 0

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--world", type=int, default=4)
     common.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
     common.add_argument("--transport", choices=["auto", "shm", "tcp"], default="shm")
-    common.add_argument("--device", choices=["cpu"], default="cpu")
+    common.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 
     d = sub.add_parser("demo", parents=[common],
                        help="run every collective on local ranks and check every bit")

@@ -26,6 +26,18 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
+def _on(comm, x):
+    """Inputs are made on the CPU (the reference needs them there); the call gets them on
+    the communicator's device."""
+    return x if comm.device.type == "cpu" else x.to(comm.device)
+
+
+def _done(comm) -> None:
+    """GPU collectives are asynchronous: wait (and surface errors) before reading a clock."""
+    if comm.device.type == "cuda":
+        comm.synchronize()
+
+
 def _sweep(comm, world: int, rank: int, quick: bool):
     from .testing import all_gather_reference, bits, make_input, reduce_scatter_reference
 
@@ -48,11 +60,15 @@ def _sweep(comm, world: int, rank: int, quick: bool):
                 run = comm.reduce_scatter
                 nbytes = inputs[rank].nbytes
             times, ok = [], True
+            x = _on(comm, inputs[rank])
             for _ in range(ITERS):
+                _done(comm)
                 t0 = time.perf_counter()
-                y = run(inputs[rank])
+                y = run(x)
+                _done(comm)
                 times.append(time.perf_counter() - t0)
-                ok = ok and bool((bits(y) == want).all()) and bits(y).size == want.size
+                got = bits(y.cpu())
+                ok = ok and got.size == want.size and bool((got == want).all())
             rows.append((kind, dname, nbytes, statistics.median(times), ok))
     return rows
 
@@ -83,15 +99,16 @@ def _bursts(comm, world: int, rank: int, bursts: int, per_burst: int):
             dtype = _dtype(dname)
             seed = 10_000 * (b + 1) + i
             if kind == "all_gather":
-                outs.append(comm.all_gather(make_input(seed, rank, (elems,), dtype)))
+                outs.append(comm.all_gather(_on(comm, make_input(seed, rank, (elems,), dtype))))
             else:
-                x = make_input(seed, rank, (world * elems,), dtype)
+                x = _on(comm, make_input(seed, rank, (world * elems,), dtype))
                 if kind == "reduce_scatter_input":
                     buf = comm.reduce_scatter_input(x.shape, dtype)
                     buf.copy_(x)
                     x = buf
                 outs.append(comm.reduce_scatter(x))
         # Only now, after the whole burst, check every result.
+        _done(comm)
         for i, ((kind, elems, dname), y) in enumerate(zip(ops, outs)):
             dtype = _dtype(dname)
             seed = 10_000 * (b + 1) + i
@@ -101,18 +118,22 @@ def _bursts(comm, world: int, rank: int, bursts: int, per_burst: int):
             else:
                 want = reduce_scatter_reference(
                     [make_input(seed, r, (world * elems,), dtype) for r in range(world)], rank)
-            got = bits(y)
+            got = bits(y.cpu())
             total += 1
             if got.size != want.size or not (got == want).all():
                 bad.append(f"burst {b} call {i} ({kind} {elems} x {dname})")
     return total, bad
 
 
-def _demo_rank(rank, world, store, topology, transport, quick):
+def _demo_rank(rank, world, store, topology, transport, device, quick):
     import sparkccl
 
+    if device == "cuda":
+        import torch
+        # One process per GPU, or several sharing one when world > GPUs.
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
-                               transport=transport) as comm:
+                               transport=transport, device=device) as comm:
         rows = _sweep(comm, world, rank, quick)
         total, bad = _bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100)
         return {"rows": rows, "burst_total": total, "burst_bad": bad,
@@ -130,13 +151,11 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
              device: str = "cpu", quick: bool = False) -> int:
     from .testing import run_ranks
 
-    if device != "cpu":
-        print(f"demo: device {device!r} is not available yet (only cpu)")
-        return 2
     print(f"sparkccl demo: world {world}, topology {topology}, transport {transport}, "
           f"device {device}")
     t0 = time.monotonic()
-    results = run_ranks(_demo_rank, world, args=(topology, transport, quick), timeout_s=600)
+    results = run_ranks(_demo_rank, world, args=(topology, transport, device, quick),
+                        timeout_s=600)
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed:
