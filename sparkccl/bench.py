@@ -130,9 +130,12 @@ def _slowest(per_rank: list, i: int, key: str):
     return None if any(v is None for v in vals) else max(vals)
 
 
-def _run(fn, world, args, env, what):
+def _run(fn, world, args, env, what, runner=None):
     from .testing import run_ranks
-    results = run_ranks(fn, world, args=args, timeout_s=1800, env=env)
+    if runner is not None:  # e.g. ranks in network namespaces (benchmarks/netns_bench.py)
+        results = runner(fn, args, env)
+    else:
+        results = run_ranks(fn, world, args=args, timeout_s=1800, env=env)
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed:
@@ -143,7 +146,9 @@ def _run(fn, world, args, env, what):
 
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
-              baseline: bool = True) -> int:
+              baseline: bool = True, runner=None) -> int:
+    """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
+    through sparkccl.testing.run_ranks)."""
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
     baselines = (CUDA_BASELINES if device == "cuda" else CPU_BASELINES) if baseline else ()
@@ -152,13 +157,14 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
           f"{', '.join(b for b, _ in baselines) or 'none'}")
     env = dict(SAFE_ENV) if device == "cuda" else {}
     ours = _run(_sparkccl_rank, world, (topology, transport, device, sizes, iters), env,
-                "sparkccl")
+                "sparkccl", runner)
     if ours is None:
         return 1
     base = {}
     for name, extra in baselines:
         backend = "nccl" if name.startswith("nccl") else "gloo"
-        got = _run(_baseline_rank, world, (backend, device, sizes, iters), {**env, **extra}, name)
+        got = _run(_baseline_rank, world, (backend, device, sizes, iters), {**env, **extra}, name,
+                   runner)
         if got is not None:
             base[name] = got
     factor = (world - 1) / world

@@ -1,0 +1,65 @@
+"""`sparkccl bench` on the network-namespace harness: ranks in separate "boxes".
+
+Builds a switch or ring fabric (tests/netns.py), optionally shaped with ``tc`` (``--rate``
+per link and root, e.g. 1gbit: a scaled-down pair of ~100 Gb/s roots), and runs the
+same table as ``sparkccl bench --transport tcp`` with every rank in its own box. The gloo
+baseline runs in the same invocation on the same boxes: on a switch over root 0's links
+(``rt0``: gloo uses one interface, sparkccl both roots); on a ring over the management
+bridge (``mg``: gloo needs every pair of ranks connected, which a ring fabric has not).
+
+Needs root and iproute2. From the repository root::
+
+    python benchmarks/netns_bench.py --fabric switch --world 4 --rate 1gbit
+    python benchmarks/netns_bench.py --fabric ring --world 4 --max-bytes 16M
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import netns  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from sparkccl.bench import run_bench
+    from sparkccl.cli import _size
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fabric", choices=["switch", "ring"], default="switch")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--roots", type=int, choices=[1, 2], default=2)
+    ap.add_argument("--rate", default=None, help="tc rate per link, e.g. 1gbit")
+    ap.add_argument("--delay", default=None, help="tc netem delay per link, e.g. 100us")
+    ap.add_argument("--min-bytes", type=_size, default=1 << 20)
+    ap.add_argument("--max-bytes", type=_size, default=16 << 20)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-baseline", action="store_true")
+    a = ap.parse_args(argv)
+    why = netns.unavailable_reason()
+    if why:
+        print(f"netns_bench: {why}")
+        return 2
+    topology = "mesh" if a.fabric == "switch" else "ring"
+    gloo_if = "rt0" if a.fabric == "switch" else "mg"
+    with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, delay=a.delay) as fab:
+        print(f"netns harness: {a.fabric} fabric of {a.world} boxes, {a.roots} root link(s) per "
+              f"port" + (f", {a.rate} per link" if a.rate else ", unshaped")
+              + (f", {a.delay} delay" if a.delay else "")
+              + f"; gloo over {gloo_if}")
+
+        def runner(fn, args, env):
+            e = dict(env or {})
+            e.setdefault("GLOO_SOCKET_IFNAME", gloo_if)
+            e.setdefault("SPARKCCL_ROOTS", str(a.roots))
+            return fab.run(fn, args, env=e, timeout_s=1800)
+
+        return run_bench(world=a.world, topology=topology, transport="tcp", device="cpu",
+                         min_bytes=a.min_bytes, max_bytes=a.max_bytes, iters=a.iters,
+                         baseline=not a.no_baseline, runner=runner)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
