@@ -24,7 +24,7 @@ comma-separated (one address alone is used for every root):
 | ``SPARKCCL_TCP_PREV_ADDRS`` | ring: the port facing prev (channel 0), per root |
 | ``SPARKCCL_TCP_NEXT_ADDRS`` | ring: the port facing next (channel 1), per root |
 | ``SPARKCCL_TCP_CONNECT_TIMEOUT_S`` | one connection attempt (default 10 s) |
-| ``SPARKCCL_TCP_BUF_BYTES`` | SO_SNDBUF / SO_RCVBUF request (default 4 MiB; 0 = kernel autotuning) |
+| ``SPARKCCL_TCP_BUF_BYTES`` | SO_SNDBUF / SO_RCVBUF (default 4 MiB where ``net.core.[rw]mem_max`` allows it, else kernel autotuning; 0 = always autotuning) |
 
 Default address: ``127.0.0.1`` (a ring without PREV/NEXT falls back to
 ``SPARKCCL_TCP_ADDRS``). A ring only connects to its neighbours, so it works on a cabled
@@ -120,10 +120,24 @@ def _port_name(topology: str, ch: int) -> str:
     return CHANNEL_NAMES.get((topology, ch), f"channel {ch}")
 
 
+def _sysctl_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _tune(sock: socket.socket, buf_bytes: int, user_timeout_s: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buf_bytes > 0:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        # A fixed size turns the kernel's autotuning off and is capped at net.core.*mem_max:
+        # ask only where the cap allows the whole request (else autotuning does better).
+        for opt, cap in ((socket.SO_SNDBUF, "/proc/sys/net/core/wmem_max"),
+                         (socket.SO_RCVBUF, "/proc/sys/net/core/rmem_max")):
+            limit = _sysctl_int(cap)
+            if limit is not None and limit < buf_bytes:
+                continue
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, buf_bytes)
             except OSError:
