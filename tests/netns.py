@@ -117,13 +117,15 @@ def ring_link_ifname(role: str, root: int) -> str:
 
 class Fabric:
     def __init__(self, kind: str, world: int, roots: int = 2, *, mtu: int = 9000,
-                 rate: str | None = None, delay: str | None = None):
+                 rate: str | None = None, delay: str | None = None, hostnames: bool = False):
         if kind not in ("switch", "ring"):
             raise ValueError(f"kind must be 'switch' or 'ring', got {kind!r}")
         if not 2 <= world <= 16:
             raise ValueError("world must be 2..16")
         self.kind, self.world, self.roots = kind, world, roots
         self.mtu, self.rate, self.delay = mtu, rate, delay
+        # Ranks in their own UTS namespace with host name "box<r>" (look like separate hosts).
+        self.hostnames = hostnames
         self.tag = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self.sw = f"{self.tag}-sw"
         self.boxes = [f"{self.tag}-b{r}" for r in range(world)]
@@ -280,8 +282,10 @@ class Fabric:
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
             log = open(os.path.join(run_dir, f"rank{r}.log"), "wb")
-            p = subprocess.Popen(["ip", "netns", "exec", self.boxes[r], sys.executable,
-                                  os.path.abspath(__file__), "rank", spec_path, str(r)],
+            cmd = [sys.executable, os.path.abspath(__file__), "rank", spec_path, str(r)]
+            if self.hostnames:
+                cmd = ["unshare", "--uts", "sh", "-c", f'hostname box{r} && exec "$@"', "sh", *cmd]
+            p = subprocess.Popen(["ip", "netns", "exec", self.boxes[r], *cmd],
                                  stdout=log, stderr=subprocess.STDOUT, env=e,
                                  start_new_session=True)
             log.close()

@@ -133,6 +133,29 @@ def test_ring_small_slot_splits_inputs():
     _run_exact("ring", "ring", 4, n=40, big=True, slot_bytes=256 << 10)
 
 
+def auto_job(rank, world, store):
+    import socket
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world,
+                               transport="auto") as comm:
+        y = comm.all_gather(torch.full((5,), rank))
+        return comm.transport, socket.gethostname(), y.tolist()
+
+
+@pytest.mark.parametrize("hostnames", [False, True])
+def test_auto_picks_tcp_across_hosts(hostnames):
+    """'auto': shm among processes of one host; tcp once the host names differ (boxes in
+    their own UTS namespaces), even though they share a boot id."""
+    with netns.Fabric("switch", 2, hostnames=hostnames) as fab:
+        results = fab.run(auto_job, (), timeout_s=120)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
+        transport, host, y = r.value
+        assert transport == ("tcp" if hostnames else "shm"), (r.rank, r.value)
+        assert y == [0.0] * 5 + [1.0] * 5
+        if hostnames:
+            assert host == f"box{r.rank}"
+
+
 # ---------------------------------------------------------------- failures
 
 def mesh_on_ring_job(rank, world, store):
