@@ -156,6 +156,17 @@ def test_auto_picks_tcp_across_hosts(hostnames):
             assert host == f"box{r.rank}"
 
 
+def test_shaped_links_exact():
+    """Links shaped with tc (tbf rate per link end): slower, same bits."""
+    with netns.Fabric("ring", 3, rate="400mbit") as fab:
+        results = fab.run(exact_job, ("ring", 30, False, None), timeout_s=300)
+        qdisc = netns.in_ns(fab.boxes[0], "tc", "qdisc", "show", "dev", "nx0")
+    assert "tbf" in qdisc and "400Mbit" in qdisc, qdisc
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
+        assert not r.value[0], r.value[0][:20]
+
+
 # ---------------------------------------------------------------- failures
 
 def mesh_on_ring_job(rank, world, store):
