@@ -74,12 +74,12 @@ def burst_job(rank, nprocs, store, configs, n):
     return report
 
 
-def _run(nprocs, configs, n=N_PER_TOPOLOGY):
+def _run(nprocs, configs, n=N_PER_TOPOLOGY, min_collectives=1000):
     values = check(run_ranks(burst_job, nprocs, args=(configs, n), timeout_s=600))
     for r, rep in enumerate(values):
         for name, d in rep.items():
             assert not d["bad"], f"rank {r} {name}: {d['bad'][:10]}"
-            assert d["collectives"] >= 1000, d
+            assert d["collectives"] >= min_collectives, d
     print({name: round(d["elapsed"], 2) for name, d in values[0].items()})
 
 
@@ -89,4 +89,6 @@ def test_burst_world4_mesh_and_ring():
 
 
 def test_burst_worlds_2_3_5():
-    _run(5, [(3, "ring", 1 << 20), (5, "ring", 256 << 10), (2, "mesh", 64 << 10)])
+    # Shorter bursts: the >= 1000 per topology are above; these add worlds 2, 3, 5.
+    _run(5, [(3, "ring", 1 << 20), (5, "ring", 256 << 10), (2, "mesh", 64 << 10)], n=400,
+         min_collectives=300)
