@@ -33,6 +33,8 @@ import torch
 
 from . import bootstrap, config, layout, shm
 from . import tcp as tcp_setup
+from .transport import check as lane_check
+from .transport import verbs as verbs_setup
 from .dataplane.cpu import CpuDataPlane, ring_view
 from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
@@ -41,7 +43,7 @@ from .plan.model import REGION_SLOTS, Region
 
 log = logging.getLogger("sparkccl")
 
-TRANSPORTS = ("auto", "shm", "tcp")
+TRANSPORTS = ("auto", "shm", "tcp", "verbs")
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 AG_SLOTS = REGION_SLOTS[Region.AG]
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
@@ -150,7 +152,7 @@ class Communicator:
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                     host=socket.gethostname(), boot_id=_boot_id(), uid=os.getuid(),
-                    pid=os.getpid())
+                    pid=os.getpid(), verbs=verbs_setup.probe_quietly(transport, topology, s.roots))
         infos = rv.exchange("info", info, "join the communicator",
                             timeout_s=s.bootstrap_timeout_s)
         failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
@@ -162,11 +164,13 @@ class Communicator:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)} "
-                             "(verbs is not implemented yet)")
+            raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)}")
         hosts = [(i["host"], i.get("boot_id")) for i in infos]
         if transport == "auto":
-            transport = "shm" if len(set(hosts)) == 1 else "tcp"
+            # One host: shm; else verbs where every rank has RDMA lanes, else tcp.
+            transport = ("shm" if len(set(hosts)) == 1 else
+                         "verbs" if all(i.get("verbs") is None and "verbs" in i for i in infos)
+                         else "tcp")
         elif transport == "shm" and len(set(hosts)) != 1:
             p = bootstrap.describe_disagreement("host", [h[0] for h in hosts])
             raise ValueError("sparkccl.Communicator: transport='shm' needs every rank on one "
@@ -275,15 +279,17 @@ class Communicator:
         if s.rs_up_front:
             self._rs = self._create("rs", self._rs_bytes)
         tcp = self.transport == "tcp"
+        remote = self.transport != "shm"  # tcp, verbs: peers' memory is not mapped here
         links = None
-        if tcp:
-            # Only this process maps its segments; peers are reached through sockets.
+        plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
+        if remote:
+            # Only this process maps its segments; peers are reached through the network.
             for n in self._names:
                 shm.unlink_name(n)
-            plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
+        if tcp:
             links = tcp_setup.connect(rv, plans, r, self.topology, s.roots,
                                       s.bootstrap_timeout_s, s.timeout_s)
-        else:
+        elif not remote:
             rv.barrier("created", "create its shared memory", self._check_peers_alive)
             self._attach_peers("ctl", self._ctl_bytes)
             self._attach_peers("ag", self._ag_bytes)
@@ -309,7 +315,7 @@ class Communicator:
         if tcp:
             px.set_tcp_fds(*links.detach())  # the proxy owns the sockets from here on
         for p in range(w):
-            if p == r or tcp:
+            if p == r or remote:
                 continue
             pc = self._peer_segs[(p, "ctl")]
             px.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self._pids[p])
@@ -317,8 +323,10 @@ class Communicator:
             px.set_peer_region(p, int(Region.AG), pa.addr, self._ag_bytes)
         if s.rs_up_front:
             self._wire_rs()
+        if self.transport == "verbs":  # QPs up, memory registered, peers' keys learned
+            self._verbs = verbs_setup.connect_communicator(self, px, plans)
         rings = None
-        if s.check_sizes and not tcp:  # needs the peers' publish rings mapped here
+        if s.check_sizes and not remote:  # needs the peers' publish rings mapped here
             rings = [None if p == r else ring_view(self._peer_segs[(p, "ctl")].tensor)
                      for p in range(w)]
         if self.device.type == "cuda":
@@ -334,6 +342,10 @@ class Communicator:
                                     peer_rings=rings)
         if self._rs_ready:
             self._attach_rs_dataplane()
+        if lane_check.enabled():  # one small write and flag over every connection
+            lane_check.lane_check(nat, px, plans, r, self.topology, self.transport, ag.tensor,
+                                  self._ag_stride, self._flags_addr, rv,
+                                  lane_check.timeout_for(s.timeout_s))
         px.start()
 
     def _wire_rs(self) -> None:
@@ -343,7 +355,7 @@ class Communicator:
         px.set_region(int(Region.RS_SEND), rs.addr, self._rs_send_stride, send_bytes)
         px.set_region(int(Region.RS_RECV), rs.addr + send_bytes, self._rs_recv_stride, recv_bytes)
         for p in range(self.world_size):
-            if p == self.rank or self.transport == "tcp":
+            if p == self.rank or self.transport != "shm":
                 continue
             pr = self._peer_segs[(p, "rs")]
             px.set_peer_region(p, int(Region.RS_SEND), pr.addr, send_bytes)
@@ -363,14 +375,16 @@ class Communicator:
             return
         try:
             self._rs = self._create("rs", self._rs_bytes)
-            if self.transport == "tcp":
+            if self.transport != "shm":
                 # Registered with the proxy before any peer can send reduce-scatter data.
                 for n in self._names:
                     shm.unlink_name(n)
                 self._wire_rs()
+                if self.transport == "verbs":  # register, learn the peers' addresses and keys
+                    verbs_setup.add_rs_memory(self)
             self._rv.barrier("rs-created", "create its reduce-scatter buffers",
                              self._dp.check_abort)
-            if self.transport != "tcp":
+            if self.transport == "shm":
                 self._attach_peers("rs", self._rs_bytes)
                 self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
                                  self._dp.check_abort)
@@ -628,6 +642,9 @@ class Communicator:
         if self._proxy is not None:
             self._proxy.stop(graceful=clean)  # tcp: a goodbye, so peers see no crash
             self._proxy = None
+        if getattr(self, "_verbs", None) is not None:  # QPs and MRs, after the proxy stopped
+            self._verbs.close()
+            self._verbs = None
         self._unlink_all()
         self._dp = None
         for seg in list(self._peer_segs.values()) + self._segments:

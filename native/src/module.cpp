@@ -61,6 +61,10 @@ void check_addr(uint64_t addr, const char* what) {
 
 }  // namespace
 
+namespace sparkccl {
+void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane check, fake verbs
+}
+
 NB_MODULE(_native, m) {
   m.doc() = "sparkccl native layer: control block, publish/wait helpers, proxy, shm transport";
   m.attr("ABI_VERSION") = 2;
@@ -174,4 +178,6 @@ NB_MODULE(_native, m) {
         d["delay_p99_ns"] = s.delay_p99_ns;
         return d;
       });
+
+  sparkccl::bind_verbs(m);
 }

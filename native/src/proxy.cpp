@@ -103,9 +103,11 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
     ops_[row.op].streams.push_back(streams_.size());
     streams_.push_back(row);
   }
-  need(transport == "shm" || transport == "tcp", "transport must be 'shm' or 'tcp'");
+  need(transport == "shm" || transport == "tcp" || transport == "verbs",
+       "transport must be 'shm', 'tcp' or 'verbs'");
   transport_kind_ = transport;
-  if (transport == "shm") transport_ = make_shm_transport(&reg_, conns_);  // tcp: set_tcp_fds
+  // tcp: set_tcp_fds; verbs: set_transport (verbs_attach)
+  if (transport == "shm") transport_ = make_shm_transport(&reg_, conns_);
   samples_.reserve(MAX_SAMPLES);
 }
 
@@ -142,6 +144,14 @@ void Proxy::set_tcp_fds(const std::vector<int>& send_fds,
   transport_ = make_tcp_transport(&reg_, conns_, ctl_, flags_, send_fds, in);
 }
 
+void Proxy::set_transport(std::unique_ptr<Transport> t) {
+  std::lock_guard<std::mutex> lk(life_mu_);
+  if (transport_kind_ != "verbs") throw std::invalid_argument("Proxy: set_transport needs transport='verbs'");
+  if (transport_ || started_ || stop_.load())
+    throw std::invalid_argument("Proxy: set_transport: already set, started or stopped");
+  transport_ = std::move(t);
+}
+
 Proxy::~Proxy() { stop(); }
 
 void Proxy::set_region(int region, uint64_t base, uint64_t stride, uint64_t size) {
@@ -170,7 +180,9 @@ void Proxy::start() {
   std::lock_guard<std::mutex> lk(life_mu_);
   if (stop_.load()) throw std::runtime_error("Proxy: cannot start a stopped proxy");
   if (started_) return;
-  if (!transport_) throw std::runtime_error("Proxy: tcp transport needs set_tcp_fds() before start()");
+  if (!transport_)
+    throw std::runtime_error("Proxy: the " + transport_kind_ + " transport is not set up before "
+                             "start() (tcp: set_tcp_fds; verbs: verbs_attach)");
   started_ = true;
   tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
   transport_->start();

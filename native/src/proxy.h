@@ -40,6 +40,11 @@ class Proxy {
   // (closed on stop, also if this call throws).
   void set_tcp_fds(const std::vector<int>& send_fds,
                    const std::vector<std::vector<int64_t>>& recv);
+  // verbs: the transport built on this proxy's registry() (verbs_attach); before start().
+  void set_transport(std::unique_ptr<Transport> t);
+  Registry* registry() { return &reg_; }
+  Transport* transport() { return transport_.get(); }  // null until set up
+  bool started() const { return started_; }
   void start();
   // graceful: every rank is done (close() after its barrier): the transport flushes and
   // says goodbye, so that peers do not take the close for a failure.

@@ -1,0 +1,88 @@
+// verbs transport (SPEC §7): RDMA RC queue pairs over libibverbs (loaded at run time).
+//
+// One RC QP per plan connection (peer, channel, root), on the device ("lane") Python chose
+// for that (channel, root). Data = RDMA WRITE, unsignaled; flag = the 8-byte value as an
+// inline RDMA WRITE on the same QP, signaled (ordering mode "inline"), or ("strict") a
+// zero-length RDMA WRITE_WITH_IMM whose immediate carries the flag word and the value's low
+// bits: the receiving proxy sees it as a receive completion, i.e. after the NIC reported
+// every earlier write of that QP as placed, and only then stores the flag itself.
+//
+// Setup is driven from Python (sparkccl/transport/verbs.py: Python computes, native
+// executes): open the lanes and create the QPs (RESET -> INIT), register memory, exchange
+// connection records through the store, then connect() each QP (INIT -> RTR -> RTS) with
+// the peer's record. make_transport() gives the proxy its Transport; the proxy thread is
+// then the only one posting and polling.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+#include "verbs_api.h"
+
+namespace sparkccl {
+
+struct VerbsSettings {
+  int timeout = 18;         // QP local ACK timeout: 4.096 us * 2^timeout per attempt
+  int retry_cnt = 7;        // transport retries before IBV_WC_RETRY_EXC_ERR
+  int rnr_retry = 7;        // receiver-not-ready retries (7 = forever); strict mode only
+  int min_rnr_timer = 12;   // 0.64 ms
+  int traffic_class = 0;    // RoCE: the IP header's DSCP/ECN byte
+  int service_level = 0;
+  bool strict = false;      // ordering mode: false = inline flag, true = WRITE_WITH_IMM
+  int send_depth = 512;     // send queue entries per QP
+  int recv_depth = 256;     // receives kept posted per QP (strict mode)
+  double stall_s = 120.0;   // a full send queue without any completion for this long fails
+};
+
+struct VerbsLane {
+  std::string device;
+  int port = 1;
+  int gid_index = 0;
+};
+
+// What this side reports to its peers (and Python) for one lane / one connection.
+struct VerbsLaneInfo {
+  std::string device;
+  int port, gid_index, state, active_mtu, link_layer, lid;
+  std::string gid;  // 16 raw bytes
+};
+struct VerbsConnInfo {
+  uint32_t qpn, psn;
+  int lane;
+};
+
+constexpr int VERBS_KEY_FLAGS = layout::NUM_REGIONS;  // memory keys: regions 0..2, then flags
+constexpr int VERBS_KEYS = layout::NUM_REGIONS + 1;
+
+class VerbsCore;
+
+// The endpoint object Python holds (shared with the proxy's transport).
+class VerbsEndpoint {
+ public:
+  VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& lanes,
+                const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
+                const VerbsSettings& settings);
+  ~VerbsEndpoint();
+  std::vector<VerbsLaneInfo> lanes() const;
+  std::vector<VerbsConnInfo> connections() const;
+  // Register [addr, addr + size) on every lane's device: (lkey, rkey) per lane.
+  std::vector<std::pair<uint32_t, uint32_t>> register_memory(int key, uint64_t addr,
+                                                             uint64_t size);
+  void set_remote_key(int conn, int key, uint32_t rkey);
+  // INIT -> RTR -> RTS against the peer's QP. path_mtu: enum ibv_mtu (1..5).
+  void connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& gid,
+               int path_mtu, bool global_route);
+  // QP states as this side believes them (RESET/INIT/RTR/RTS/ERR per connection).
+  std::vector<int> qp_states() const;
+  std::unique_ptr<Transport> make_transport(Registry* reg);
+  void close();  // destroy QPs, MRs, CQs, PDs, contexts; idempotent
+  const std::string& library() const;
+
+ private:
+  std::shared_ptr<VerbsCore> core_;
+};
+
+}  // namespace sparkccl
