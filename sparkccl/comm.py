@@ -697,6 +697,23 @@ def _boot_id() -> str | None:
         return None
 
 
+def _forget_in_forked_child() -> None:
+    """After fork(): the proxy threads and the segments belong to the parent. The child's
+    copies are marked closed and never torn down (stopping a proxy would join a thread that
+    does not exist here, and unlinking names is the parent's business)."""
+    import ctypes
+    global _live_lock
+    _live_lock = threading.Lock()  # another thread may have held it at fork time
+    comms = list(_live)
+    _live.clear()
+    for c in comms:
+        px, c._proxy = c._proxy, None
+        if px is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(px))  # never destroyed in the child
+        c._names = []
+        c._closed = True
+
+
 def _close_all_at_exit() -> None:
     with _live_lock:
         comms = list(_live)
@@ -711,3 +728,4 @@ def _close_all_at_exit() -> None:
 import atexit  # noqa: E402
 
 atexit.register(_close_all_at_exit)
+os.register_at_fork(after_in_child=_forget_in_forked_child)

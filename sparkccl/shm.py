@@ -49,6 +49,15 @@ def unlink_name(name: str) -> bool:
         return False
 
 
+def _forget_in_forked_child() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()  # another thread may have held it at fork time
+    _live.clear()  # the parent's names: not the child's to remove
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 @atexit.register
 def _unlink_all_at_exit() -> None:
     with _live_lock:

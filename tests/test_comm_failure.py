@@ -297,3 +297,31 @@ def test_rank_killed_during_setup_leaves_no_segments():
         assert v and v["error"] and "rank 1" in v["error"] and v["elapsed"] < 5, res[r]
     token = res[0].value["token"]
     assert shm_leftovers(token) == [], shm_leftovers(token)
+
+
+def fork_job(rank, world, store):
+    import atexit
+    import gc
+    comm = _comm(store, "fork", rank, world)
+    assert _healthy(comm, 8) is None
+    pid = os.fork()
+    if pid == 0:  # the child's copy is closed and never torn down (no hang, no unlink)
+        code = 0
+        try:
+            comm.all_gather(torch.zeros(4))
+            code = 3
+        except ValueError:
+            pass
+        del comm
+        gc.collect()
+        atexit._run_exitfuncs()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    problem = _healthy(comm, 9)  # the parent's communicator is untouched
+    comm.close()
+    return dict(status=status, problem=problem)
+
+
+def test_forked_child_leaves_parent_communicator_working():
+    values = check(run_ranks(fork_job, 2, timeout_s=60))
+    assert all(v == dict(status=0, problem=None) for v in values), values
