@@ -161,7 +161,7 @@ def mismatch_job(rank, world, store):
         "slot": dict(slot_bytes=(1 << 20) if rank != 2 else (2 << 20)),
         "both": dict(topology="ring" if rank == 0 else "mesh",
                      slot_bytes=(1 << 20) if rank != 2 else (4 << 20)),
-        "transport": dict(transport="verbs"),
+        "transport": dict(transport="carrier-pigeon"),
         "topology-name": dict(topology="star"),
     }
     for name, kw in cases.items():
@@ -217,7 +217,7 @@ def test_cross_rank_validation():
         assert "topology: 'mesh' on ranks 0, 2; 'ring' on rank 1" in v["topology"], v
         assert "slot_bytes: 1048576 on ranks 0, 1; 2097152 on rank 2" in v["slot"], v
         assert "topology:" in v["both"] and "slot_bytes:" in v["both"], v
-        assert "transport='verbs'" in v["transport"], v
+        assert "transport='carrier-pigeon': must be one of" in v["transport"], v
         assert "must be one of" in v["topology-name"], v
         assert "different hosts" in v["host"] and "rank 2" in v["host"], v
         assert "transport='tcp' or 'auto'" in v["host"], v
