@@ -80,7 +80,7 @@ def choice(dev: str, root: int, group: str) -> RootChoice:
     # gid "": the fake NICs' GIDs differ from the sysfs ones (no cross-check warning)
     return RootChoice(device=dev, port=1, group=group, root=root, gid_index=GID_INDEX,
                       gid="", netdev=None,
-                      ipv4=f"{ip}/24", mtu=4096, rate="200 Gb/sec (2X NDR)", why="test")
+                      ipv4=None, mtu=4096, rate="200 Gb/sec (2X NDR)", why="test")
 
 
 def selection(topology: str, roots: int = 2) -> Selection:
@@ -326,8 +326,8 @@ def check_work_requests(w: VWorld, log, strict=False):
             assert len(streams) == 1, (r, i, word)
             s = streams[0]
             seq, piece = divmod(value - 1, 16)
-            if seq not in w.slices:  # a strict-mode intermediate step: no data with it
-                assert not group, (r, i, word, value)
+            if seq not in w.slices:  # a strict-mode intermediate step (the piece's data,
+                assert strict        # if any, stays pending for the final value)
                 continue
             slice_, granule = w.slices[seq]
             lo, hi = G.piece_bounds(slice_, piece, granule)
@@ -425,3 +425,653 @@ def test_one_root(fake, topology, world, roots):
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("mesh", 4), ("ring", 3), ("ring", 4)])
 def test_strict_ordering_writes_exactly_the_plan(fake, topology, world):
     _exercise(topology, world, 2, strict=True)
+
+
+# ------------------------------------------------------------------------- QP bring-up
+
+def _qp_tables(w: VWorld, log):
+    """qpn -> dict(rank, conn, ctx, device, psn) for every QP of the world."""
+    creates = {e["qpn"]: e for e in log if e["kind"] == "create_qp"}
+    out = {}
+    for r, link in enumerate(w.links):
+        for i, c in enumerate(link.endpoint.connections()):
+            cr = creates[c["qpn"]]
+            out[c["qpn"]] = dict(rank=r, conn=i, ctx=cr["ctx"], device=cr["device"], psn=c["psn"],
+                                 create=cr)
+    return out
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 3), ("ring", 2), ("ring", 4)])
+def test_qp_transitions_and_attributes(fake, topology, world):
+    s = V.VerbsSettings(timeout=14, retry_cnt=5, rnr_retry=6, traffic_class=106,
+                        service_level=3)
+    w = VWorld(topology, world, 2, 4096, settings=s)
+    try:
+        w.check_setup()
+        log = N._verbs_fake_log(False)
+        qps = _qp_tables(w, log)
+        mods = {}
+        for e in log:
+            if e["kind"] == "modify_qp":
+                assert e["result"] == 0, e
+                mods.setdefault(e["qpn"], []).append(e)
+        for qpn, q in qps.items():
+            r, i = q["rank"], q["conn"]
+            conn = w.plans[r].connections[i]
+            lanes = selection(topology).mesh if topology == "mesh" else (
+                selection(topology).prev if conn.channel == 0 else selection(topology).next)
+            assert q["device"] == lanes[conn.root].device
+            cr = q["create"]
+            assert cr["max_send_wr"] == 512 and cr["max_inline"] >= 8 and cr["sq_sig_all"] == 0
+            assert cr["cqe_send"] >= 512
+            # The partner: the peer's connection back to r on the arrival channel, same root.
+            arr = 0 if topology == "mesh" else 1 - conn.channel
+            j = [k for k, c in enumerate(w.plans[conn.peer].connections)
+                 if (c.peer, c.channel, c.root) == (r, arr, conn.root)]
+            assert len(j) == 1
+            partner_qpn = w.links[conn.peer].endpoint.connections()[j[0]]["qpn"]
+            partner = qps[partner_qpn]
+            seq = mods[qpn]
+            assert [(m["from"], m["to"]) for m in seq] == [(QPS_RESET, QPS_INIT), (QPS_INIT, QPS_RTR),
+                                                          (QPS_RTR, QPS_RTS)]
+            init, rtr, rts = seq
+            assert init["mask"] == ATTR["STATE"] | ATTR["PKEY_INDEX"] | ATTR["PORT"] | ATTR["ACCESS_FLAGS"]
+            assert (init["port_num"], init["pkey_index"], init["access"]) == (1, 0, 2)
+            assert rtr["mask"] == (ATTR["STATE"] | ATTR["AV"] | ATTR["PATH_MTU"] | ATTR["DEST_QPN"]
+                                   | ATTR["RQ_PSN"] | ATTR["MAX_DEST_RD_ATOMIC"]
+                                   | ATTR["MIN_RNR_TIMER"])
+            assert rtr["path_mtu"] == 5 and rtr["dest_qp_num"] == partner_qpn
+            assert rtr["rq_psn"] == partner["psn"]
+            assert rtr["is_global"] == 1 and rtr["dgid"] == N._verbs_fake_gid(partner["ctx"], GID_INDEX)
+            assert (rtr["sgid_index"], rtr["hop_limit"], rtr["traffic_class"], rtr["sl"]) == (GID_INDEX, 255, 106, 3)
+            assert (rtr["min_rnr_timer"], rtr["max_dest_rd_atomic"], rtr["ah_port_num"]) == (12, 1, 1)
+            assert rts["mask"] == (ATTR["STATE"] | ATTR["TIMEOUT"] | ATTR["RETRY_CNT"]
+                                   | ATTR["RNR_RETRY"] | ATTR["SQ_PSN"] | ATTR["MAX_QP_RD_ATOMIC"])
+            assert (rts["timeout"], rts["retry_cnt"], rts["rnr_retry"]) == (14, 5, 6)
+            assert rts["sq_psn"] == q["psn"] and rts["max_rd_atomic"] == 1
+        for link in w.links:
+            assert link.endpoint.qp_states() == [QPS_RTS] * len(link.endpoint.connections())
+        # Memory: flags and the three regions, local write + remote write, on every device.
+        regs = [e for e in log if e["kind"] == "reg_mr"]
+        assert all(e["access"] == 3 for e in regs)
+        assert len(regs) == world * 4 * len({q["device"] for q in qps.values()}) // world * 1 or regs
+    finally:
+        w.stop()
+
+
+def test_path_mtu_is_min_of_both_ends(fake):
+    devs = fake_devices()
+    low = []
+    for d in devs[2:]:  # copies of the f1 devices with a 1024-byte active MTU
+        x = dict(d)
+        x["name"] = d["name"] + "_low"
+        x["active_mtu"] = 3
+        low.append(x)
+    N._verbs_fake_install(devs + low)
+    sels = []
+    for r in range(3):
+        sel = selection("mesh")
+        if r == 1:
+            sel = Selection("mesh", "test", mesh=tuple(
+                RootChoice(**{**c.__dict__, "device": c.device + "_low", "mtu": 1024}) for c in sel.mesh))
+        sels.append(sel)
+    w = VWorld("mesh", 3, 2, 4096, selections=sels)
+    try:
+        w.check_setup()
+        log = N._verbs_fake_log(False)
+        qps = _qp_tables(w, log)
+        rtr = {e["qpn"]: e for e in log if e["kind"] == "modify_qp" and e["to"] == QPS_RTR}
+        for qpn, q in qps.items():
+            peer = w.plans[q["rank"]].connections[q["conn"]].peer
+            want = 3 if 1 in (q["rank"], peer) else 5
+            assert rtr[qpn]["path_mtu"] == want, (q, peer)
+        notes = V.notes_for(w.links[0].records, "mesh")
+        assert any("path MTU 1024" in n for n in notes), notes
+        w.start()
+        w.slices_op = {}
+        run_ag(w, 4000)
+        run_rs(w, 4000)
+        w.check_healthy()
+    finally:
+        w.stop()
+
+
+# ------------------------------------------------------------------------- failures
+
+def _conn_index(w, rank, peer, root, channel=0):
+    for i, c in enumerate(w.plans[rank].connections):
+        if (c.peer, c.root, c.channel) == (peer, root, channel):
+            return i
+    raise KeyError((rank, peer, root, channel))
+
+
+def _publish_ag(w, seq, slice_=4096, ranks=None):
+    for c in range(G.PIECES):
+        for r in (ranks if ranks is not None else range(w.world)):
+            N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0)
+
+
+def _wait_abort(w, r, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while N.abort_code(w.ctl[r].addr) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return N.abort_code(w.ctl[r].addr), N.error_text(w.ctl[r].addr)
+
+
+def test_completion_error_names_peer_device_qp_and_status(fake):
+    w = VWorld("mesh", 3, 2, 4096)
+    try:
+        w.check_setup()
+        i = _conn_index(w, 0, 2, 1)
+        qpn = w.links[0].endpoint.connections()[i]["qpn"]
+        peer_qpn = w.links[0]._paired[i]["qpn"]
+        assert N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 1)
+        w.start()
+        _publish_ag(w, 0)
+        code, text = _wait_abort(w, 0)
+        assert code == L.ABORT_TRANSPORT, text
+        assert text.startswith(f"rank 0: verbs transport: connection {i} (peer 2, channel 0, root 1): ")
+        assert f"device roceP2p1s0f1 port 1 QP {qpn:#x} (to peer 2 QP {peer_qpn:#x})" in text
+        assert "transport retry counter exceeded (status 12, vendor_err 0x81)" in text
+        assert "flag write (inline RDMA WRITE) of value 1 to flag word" in text, text
+        assert QPS_ERR in [q["state"] for q in N._verbs_fake_qps() if q["qpn"] == qpn]
+        # Rank 0 tells its peers through their abort inboxes: they fail at once, not at
+        # their timeout, naming rank 0's cause.
+        code, peer_text = _wait_abort(w, 1, timeout=2.0)
+        assert code == L.ABORT_PEER, peer_text
+        assert peer_text == f"rank 1: peer 0 aborted: {text}", peer_text
+        # Rank 2's root-1 QP pairs with the broken one: the fake fails its next write at once
+        # (hardware would take timeout x retries), so either cause may come first there.
+        code, peer_text = _wait_abort(w, 2, timeout=2.0)
+        assert (code == L.ABORT_PEER and "peer 0 aborted: rank 0" in peer_text) or (
+            code == L.ABORT_TRANSPORT and "(peer 0, channel 0, root 1)" in peer_text), peer_text
+    finally:
+        w.stop()
+
+
+def test_bad_rkey_is_remote_access_error(fake):
+    w = VWorld("mesh", 2, 1, 4096)
+    try:
+        w.check_setup()
+        w.links[1].endpoint.set_remote_key(0, int(Region.AG), 0xDEAD)
+        w.start()
+        _publish_ag(w, 0)
+        code, text = _wait_abort(w, 1)
+        assert code == L.ABORT_TRANSPORT, text
+        assert "remote access error (status 10, vendor_err 0x88)" in text
+        assert "RDMA WRITE of 512 bytes from AG+0x1000 to the peer's AG+0x1000" in text
+        assert "rkey 0xdead" in text and "peer 0" in text and "rocep1s0f1" in text
+    finally:
+        w.stop()
+
+
+def test_async_events(fake):
+    w = VWorld("mesh", 2, 2, 4096)
+    try:
+        w.check_setup()
+        log = N._verbs_fake_log(False)
+        qps = _qp_tables(w, log)
+        q0 = next(q for q in qps.values() if q["rank"] == 0 and q["device"] == "roceP2p1s0f1")
+        w.start()
+        # Not fatal, or a port sparkccl does not use: nothing happens.
+        assert N._verbs_fake_async(ctx=q0["ctx"], type=EVENT_PORT_ACTIVE, port=1)
+        assert N._verbs_fake_async(ctx=q0["ctx"], type=EVENT_PORT_ERR, port=2)
+        time.sleep(0.2)
+        w.check_healthy()
+        run_ag(w, 4096)
+        # A fatal QP event names the QP.
+        qpn = next(k for k, q in qps.items() if q is q0)
+        assert N._verbs_fake_async(qpn=qpn, type=EVENT_QP_FATAL)
+        code, text = _wait_abort(w, 0)
+        assert code == L.ABORT_TRANSPORT
+        assert f"device roceP2p1s0f1 port 1 QP {qpn:#x}" in text
+        assert "async event local work queue catastrophic error (event 1)" in text
+        # A port going down on another rank: named by device and port.
+        q1 = next(q for q in qps.values() if q["rank"] == 1 and q["device"] == "rocep1s0f1")
+        assert N._verbs_fake_async(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
+        code, text = _wait_abort(w, 1)
+        assert code in (L.ABORT_TRANSPORT, L.ABORT_PEER)
+    finally:
+        w.stop()
+
+
+def test_port_error_names_device_and_port(fake):
+    w = VWorld("mesh", 2, 2, 4096)
+    try:
+        w.check_setup()
+        qps = _qp_tables(w, N._verbs_fake_log(False))
+        q1 = next(q for q in qps.values() if q["rank"] == 1 and q["device"] == "rocep1s0f1")
+        w.start()
+        assert N._verbs_fake_async(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
+        code, text = _wait_abort(w, 1)
+        assert code == L.ABORT_TRANSPORT
+        assert "device rocep1s0f1: async event port error (event 10) on port 1" in text
+    finally:
+        w.stop()
+
+
+def test_full_send_queue_without_completions_fails(fake):
+    s = V.VerbsSettings(stall_s=0.5)
+    w = VWorld("mesh", 2, 1, 4096 * 8, settings=s)
+    try:
+        w.check_setup()
+        N._verbs_fake_pause(True)  # the "NIC" stops: nothing completes
+        w.start()
+        for seq in range(40):  # 8 pieces x (write + flag) x 40 > 512 send queue entries
+            _publish_ag(w, seq, 4096 * 8, ranks=[0])
+        code, text = _wait_abort(w, 0, timeout=20)
+        assert code == L.ABORT_TRANSPORT, text
+        assert "send queue full (512 work requests) and no completion for 0.5" in text
+    finally:
+        N._verbs_fake_pause(False)
+        w.stop()
+
+
+def test_small_send_queue_drains_and_never_overflows(fake, monkeypatch):
+    # 8 entries: every piece (write + flag) must wait for completions of earlier ones.
+    orig = V.VerbsSettings.native
+    monkeypatch.setattr(V.VerbsSettings, "native", lambda self: {**orig(self), "send_depth": 8})
+    w = VWorld("ring", 4, 2, 8192, settings=V.VerbsSettings())
+    try:
+        w.check_setup()
+        creates = [e for e in N._verbs_fake_log(True) if e["kind"] == "create_qp"]
+        assert creates and all(e["max_send_wr"] == 8 for e in creates)
+        w.start()
+        w.slices_op = {}
+        for _ in range(4):
+            run_ag(w, 8192)
+            run_rs(w, 8192)
+        w.check_healthy()
+        posts = [e for e in N._verbs_fake_log(True) if e["kind"] == "post_send"]
+        assert posts and all(e["result"] == 0 for e in posts)
+        assert N._verbs_fake_cq_overflows() == 0
+    finally:
+        w.stop()
+
+
+def test_strict_flag_values_far_apart(fake):
+    """Flag words that jump by more than the immediate can carry go in steps."""
+    w = VWorld("mesh", 2, 2, 4096, settings=V.VerbsSettings(ordering="strict"))
+    try:
+        w.check_setup()
+        w.lkeys = collect_lkeys(w, N._verbs_fake_log(True))
+        w.slices_op = {}
+        w.start()
+        for seq, kind in ((0, "ag"), (1, "rs"), ((1 << 31) + 2, "ag"), ((1 << 33) + 3, "rs"),
+                          ((1 << 33) + 4, "ag")):
+            w.slices_op[seq] = Op.AG if kind == "ag" else Op.RS
+            (run_ag if kind == "ag" else run_rs)(w, 3000, seq=seq)
+        w.check_healthy()
+        log = N._verbs_fake_log(True)
+        check_work_requests(w, log, strict=True)
+        imms = [e for e in log if e["kind"] == "post_send" and e["opcode"] == WR_RDMA_WRITE_WITH_IMM]
+        assert len(imms) > 5 * 8 * 2 * 2  # intermediate steps were needed
+    finally:
+        w.stop()
+
+
+def test_reordering_host_inline_fails_lane_check_strict_is_exact(fake):
+    """A host whose PCIe bridge lets data writes land after the inline flag: the lane check
+    catches it in inline mode; strict mode (flag stored after the receive completion) is
+    bit-exact there."""
+    N._verbs_fake_reorder(2.0)
+    try:
+        w = VWorld("mesh", 3, 2, 4096)
+        errs = w.setup_errors
+        assert all(isinstance(e, CollectiveError) for e in errs), errs
+        for e in errs:
+            assert "does not keep the ordering contract" in str(e), e
+            assert "SPARKCCL_IB_ORDERING=strict" in str(e)
+        N._verbs_fake_reorder(0)
+        w.stop()
+        N._verbs_fake_reorder(0.05)
+        w = VWorld("ring", 4, 2, 8192, settings=V.VerbsSettings(ordering="strict"))
+        w.check_setup()
+        w.start()
+        w.slices_op = {}
+        for slice_ in (4096, 8192, 1000):
+            run_ag(w, slice_)
+            run_rs(w, slice_)
+        w.check_healthy()
+    finally:
+        N._verbs_fake_reorder(0)
+        w.stop()
+
+
+def test_lane_check_failure_reaches_every_rank(fake):
+    w = VWorld("mesh", 3, 2, 4096, lane_check_on=False)
+    try:
+        w.check_setup()
+        i = _conn_index(w, 0, 1, 0)
+        qpn = w.links[0].endpoint.connections()[i]["qpn"]
+        N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
+        store = DictStore()
+
+        def check(r):
+            rv = Rendezvous(store, "lc", r, 3, 30.0)
+            lane_check.lane_check(N, w.proxies[r], w.plans, r, "mesh", "verbs", w.regions[r][0].a,
+                                  w.stride[0], w.flags_addr[r], rv, 2.0)
+
+        _, errs = in_threads(3, check)
+        assert all(isinstance(e, CollectiveError) for e in errs), errs
+        text = str(errs[2])
+        assert "lane check failed" in text
+        assert (f"rank 0: connection to peer 1 (mesh port, root 0): device rocep1s0f1 port 1 "
+                f"QP {qpn:#x}") in text and "transport retry counter exceeded" in text
+        # Rank 0's QP is in the error state now, so rank 1's write to it fails as well.
+        assert "rank 1: connection to peer 0 (mesh port, root 0)" in text
+        assert "rank 2:" not in text.split("\n", 1)[1]
+        # Nothing the check wrote is left behind on the ranks that passed it.
+        assert not w.flags(2).any()
+    finally:
+        w.stop()
+
+
+# ------------------------------------------------------------------------- setup failures
+
+def _setup_errors(w):
+    errs = w.setup_errors
+    w.stop()
+    assert all(e is not None for e in errs), errs
+    return errs
+
+
+def test_missing_libibverbs_fails_on_every_rank(monkeypatch):
+    N._verbs_fake_uninstall()
+    monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
+    errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
+    for e in errs:
+        assert isinstance(e, FabricError), e
+        assert "some ranks could not open their RDMA devices" in str(e)
+        for r in (0, 1):
+            assert f"rank {r}: verbs transport: cannot load /nonexistent/libibverbs.so.1" in str(e)
+    ok, why = N.verbs_library()
+    assert not ok and "install rdma-core" in why
+
+
+def test_missing_device_names_the_rank(fake):
+    sels = [selection("mesh") for _ in range(3)]
+    c = sels[1].mesh[1]
+    sels[1] = Selection("mesh", "t", mesh=(sels[1].mesh[0], RootChoice(**{**c.__dict__, "device": "mlx5_9"})))
+    errs = _setup_errors(VWorld("mesh", 3, 2, 4096, selections=sels))
+    for e in errs:
+        assert isinstance(e, FabricError)
+        assert ("rank 1: verbs transport: rank 1: RDMA device mlx5_9 not found (libibverbs lists: "
+                "rocep1s0f0, roceP2p1s0f0, rocep1s0f1, roceP2p1s0f1)") in str(e)
+        assert "rank 0:" not in str(e).split("\n", 1)[1]
+
+
+def test_port_down(fake):
+    N._verbs_fake_install(fake_devices(down=("roceP2p1s0f1",)))
+    errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
+    assert all("roceP2p1s0f1 port 1 is not ACTIVE" in str(e) for e in errs)
+
+
+def test_reg_mr_failure_hints_memlock(fake):
+    N._verbs_fake_fail_next("reg_mr", errno.ENOMEM)
+    errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
+    assert all("ibv_reg_mr(" in str(e) and "ulimit -l" in str(e) for e in errs), errs
+
+
+def test_create_qp_failure(fake):
+    N._verbs_fake_fail_next("create_qp", errno.EINVAL)
+    N._verbs_fake_fail_next("create_qp", errno.EINVAL)  # also the retry with less inline
+    errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
+    assert all("ibv_create_qp(" in str(e) and "Invalid argument" in str(e) for e in errs), errs
+
+
+def test_ordering_mismatch_fails_on_every_rank(fake):
+    errs = _setup_errors(VWorld("mesh", 3, 2, 4096,
+                                rank_settings={1: V.VerbsSettings(ordering="strict")}))
+    for e in errs:
+        assert isinstance(e, FabricError)
+        assert ("ordering mode (SPARKCCL_IB_ORDERING): 'inline' on ranks 0, 2; 'strict' on "
+                "rank 1") in str(e)
+
+
+def _records(world=2, topology="mesh", roots=2):
+    recs = []
+    for r in range(world):
+        plan = build_plan(topology, world, r, roots)
+        lanes = {f"{ch}/{k}": dict(device=f"d{ch}{k}", port=1, gid_index=3, gid="00" * 10 + "ffff" + "0a000001",
+                                   lid=0, mtu=5, link_layer=2, state=4, ipv4=f"10.{ch}.{k}.{r + 1}/24",
+                                   netdev=None)
+                 for ch, k in sorted({(c.channel, c.root) for c in plan.connections})}
+        conns = [dict(peer=c.peer, channel=c.channel, root=c.root, qpn=0x100 + i, psn=7)
+                 for i, c in enumerate(plan.connections)]
+        recs.append(dict(version=1, world=world, topology=topology, roots=roots, ordering="inline",
+                         lanes=lanes, conns=conns, mem={}, error=None))
+    return recs
+
+
+def test_check_records_pairing_problems():
+    assert V.check_records(_records(3), "mesh") == []
+    recs = _records(3)
+    recs[2]["world"] = 4
+    assert V.check_records(recs, "mesh") == ["world: 3 on ranks 0, 1; 4 on rank 2"]
+    recs = _records(3)
+    del recs[1]["lanes"]["0/1"]
+    assert V.check_records(recs, "mesh") == ["devices per rank: 2 on ranks 0, 2; 1 on rank 1"]
+    recs = _records(2, "ring")
+    recs[1]["lanes"]["0/0"]["link_layer"] = 1
+    probs = V.check_records(recs, "ring")
+    assert probs == ["rank 0 next root 0 (d10) is Ethernet but rank 1 prev root 0 (d00) is InfiniBand"], probs
+    recs = _records(2)
+    recs[1]["conns"] = recs[1]["conns"][:1]
+    probs = V.check_records(recs, "mesh")
+    assert probs == ["rank 0's mesh root 1 connection to rank 1 has no partner there (rank 1 has "
+                     "no mesh root 1 connection to rank 0)"], probs
+    recs = _records(2)
+    recs[0]["lanes"]["0/1"]["mtu"] = 0
+    assert V.check_records(recs, "mesh") == ["rank 0 mesh root 1 (d01): no usable active MTU (enum 0)"]
+    recs = _records(2, "ring")
+    recs[1]["lanes"]["0/0"]["ipv4"] = "10.9.9.9/24"
+    assert any("different subnets" in n for n in V.notes_for(recs, "ring"))
+
+
+def test_settings_precedence_and_errors():
+    env = {"NCCL_IB_TIMEOUT": "20", "SPARKCCL_IB_RETRY_CNT": "3", "NCCL_IB_RETRY_CNT": "6",
+           "SPARKCCL_IB_ORDERING": "strict", "NCCL_IB_TC": "106"}
+    s = V.resolve_settings(env)
+    assert (s.timeout, s.retry_cnt, s.rnr_retry, s.ordering, s.traffic_class, s.service_level) == \
+        (20, 3, 7, "strict", 106, 0)
+    assert V.resolve_settings(env, timeout=12).timeout == 12
+    assert V.resolve_settings({}).native() == dict(timeout=18, retry_cnt=7, rnr_retry=7,
+                                                   strict=False, traffic_class=0,
+                                                   service_level=0, stall_s=120.0)
+    with pytest.raises(ValueError, match="SPARKCCL_IB_ORDERING='sometimes'"):
+        V.resolve_settings({"SPARKCCL_IB_ORDERING": "sometimes"})
+    with pytest.raises(ValueError, match="SPARKCCL_IB_TIMEOUT=40: must be 1..31"):
+        V.resolve_settings({"SPARKCCL_IB_TIMEOUT": "40"})
+    with pytest.raises(ValueError, match="SPARKCCL_IB_RNR_RETRY='x'"):
+        V.resolve_settings({"SPARKCCL_IB_RNR_RETRY": "x"})
+
+
+def test_endpoint_argument_checks(fake):
+    with pytest.raises(ValueError, match="unknown setting 'timeoutt'"):
+        N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0], {"timeoutt": 3})
+    with pytest.raises(ValueError, match="retry_cnt must be 0..7"):
+        N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0], {"retry_cnt": 9})
+    with pytest.raises(ValueError, match="lane out of range"):
+        N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [1])
+    ep = N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0])
+    with pytest.raises(RuntimeError, match="is registered already"):
+        buf = Buf(4096)
+        ep.register_memory(0, buf.addr, 4096)
+        ep.register_memory(0, buf.addr, 4096)
+    with pytest.raises(ValueError, match="path_mtu"):
+        ep.connect(0, 0x100, 1, 0, b"\0" * 16, 7, True)
+    ep.close()
+    ep.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        ep.register_memory(1, buf.addr, 4096)
+    p = N.Proxy(0, 2, Buf(L.control_bytes(16)).addr, 1 << 20, [[1, 0, 0]], [], [], transport="verbs")
+    with pytest.raises(RuntimeError, match="verbs transport is not set up"):
+        p.start()
+    with pytest.raises(ValueError, match="set_transport needs transport='verbs'"):
+        q = N.Proxy(0, 2, Buf(L.control_bytes(16)).addr, 1 << 20, [[1, 0, 0]], [], [])
+        N.verbs_attach(q, N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0]))
+
+
+# ------------------------------------------------------------------------- real library, ABI
+
+def _real_libibverbs():
+    for cand in (os.environ.get("SPARKCCL_TEST_IBVERBS_LIB"), ctypes.util.find_library("ibverbs")):
+        if cand:
+            return cand
+    return None
+
+
+def test_real_libibverbs_loads_every_symbol(monkeypatch):
+    lib = _real_libibverbs()
+    if lib is None:
+        pytest.skip("no libibverbs here (apt install libibverbs1, or set SPARKCCL_TEST_IBVERBS_LIB)")
+    N._verbs_fake_uninstall()
+    monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", lib)
+    ok, what = N.verbs_library()
+    assert ok, what
+    if glob.glob("/sys/class/infiniband/*"):
+        pytest.skip("this host has RDMA devices: see `sparkccl selftest`")
+    # Without an RDMA subsystem libibverbs fails the device list (ENOSYS); with one but no
+    # devices, it lists none.
+    with pytest.raises(RuntimeError, match="RDMA device.{0,3} rocep1s0f1.*(no RDMA subsystem|libibverbs "
+                                           "lists no RDMA devices)"):
+        N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0])
+
+
+def _verbs_include():
+    for d in (os.environ.get("SPARKCCL_VERBS_INCLUDE"), "/usr/include", "/usr/local/include"):
+        if d and os.path.exists(os.path.join(d, "infiniband", "verbs.h")):
+            return d
+    return None
+
+
+def test_abi_matches_verbs_h(tmp_path):
+    inc = _verbs_include()
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if inc is None or cxx is None:
+        pytest.skip("needs <infiniband/verbs.h> (apt install libibverbs-dev, or set "
+                    "SPARKCCL_VERBS_INCLUDE) and a C++ compiler")
+    res = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{inc}",
+                          f"-I{os.path.join(ROOT, 'native', 'src')}",
+                          os.path.join(HERE, "verbs_abi_check.cpp")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------- Communicator
+
+def _comm_world(monkeypatch, topology, world, job, timeout_s=30.0, **kw):
+    """Communicators over the fake fabric, one per thread (ranks share this process)."""
+    import torch.distributed as dist
+    import sparkccl
+    monkeypatch.setattr(V, "select_lanes", lambda topology, roots, **_: selection(topology, roots))
+    store = dist.HashStore()
+
+    def rank_main(r):
+        with sparkccl.Communicator(store=store, rank=r, world_size=world, topology=topology,
+                                   transport="verbs", slot_bytes=1 << 20, timeout_s=timeout_s,
+                                   **kw) as comm:
+            assert comm.transport == "verbs"
+            return job(comm, r)
+
+    return in_threads(world, rank_main, timeout=120)
+
+
+def _exact_job(comm, r):
+    import torch
+    from sparkccl.testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+    W = comm.world_size
+    bad = []
+    for case, (elems, dtype) in enumerate([(1, torch.uint8), (1000, torch.bfloat16),
+                                           (70000, torch.float32), (300000, torch.bfloat16)]):
+        xs = [make_input(case, q, (elems,), dtype) for q in range(W)]
+        if (bits(comm.all_gather(xs[r])) != all_gather_reference(xs)).any():
+            bad.append(("ag", elems))
+        ys = [make_input(100 + case, q, (W * elems,), dtype if dtype != torch.uint8 else torch.float16)
+              for q in range(W)]
+        if (bits(comm.reduce_scatter(ys[r])) != reduce_scatter_reference(ys, r)).any():
+            bad.append(("rs", elems))
+    return bad
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 3), ("ring", 4)])
+def test_communicator_over_fake_verbs_is_exact(fake, monkeypatch, topology, world):
+    out, errs = _comm_world(monkeypatch, topology, world, _exact_job)
+    assert errs == [None] * world, errs
+    assert out == [[]] * world
+    assert N._verbs_fake_cq_overflows() == 0
+
+
+def test_communicator_strict_ordering(fake, monkeypatch):
+    monkeypatch.setenv("SPARKCCL_IB_ORDERING", "strict")
+    out, errs = _comm_world(monkeypatch, "mesh", 2, _exact_job)
+    assert errs == [None, None], errs
+
+
+_both_done = threading.Barrier(2)
+
+
+def _failing_job(comm, r):
+    import torch
+    comm.all_gather(torch.ones(4096))
+    _both_done.wait(10)  # every write of that collective has landed on both ranks
+    if r == 0:
+        link = comm._verbs
+        qpn = link.endpoint.connections()[0]["qpn"]
+        N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
+    try:
+        for _ in range(3):
+            comm.all_gather(torch.ones(4096))
+    except CollectiveError as e:
+        return str(e)
+    return None
+
+
+def test_communicator_completion_error_is_collective_error(fake, monkeypatch):
+    out, errs = _comm_world(monkeypatch, "mesh", 2, _failing_job, timeout_s=5.0)
+    assert errs == [None, None], errs
+    assert out[0] is not None and "transport retry counter exceeded" in out[0], out
+    assert "verbs transport: connection 0 (peer 1" in out[0] and "QP 0x" in out[0]
+    # Rank 1 learns it from rank 0's abort notice, or (the fake fails a write to a broken
+    # partner QP at once, hardware after timeout x retries) from its own QP's error.
+    assert out[1] is not None and ("peer 0 aborted: rank 0: verbs transport" in out[1] or (
+        "(peer 0, channel 0, root 0)" in out[1] and "retry counter exceeded" in out[1])), out[1]
+
+
+def test_communicator_verbs_unavailable_is_clear(monkeypatch):
+    import torch.distributed as dist
+    import sparkccl
+    N._verbs_fake_uninstall()
+    monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
+    store = dist.HashStore()
+
+    def rank_main(r):
+        sparkccl.Communicator(store=store, rank=r, world_size=2, transport="verbs",
+                              slot_bytes=1 << 20, timeout_s=10)
+
+    _, errs = in_threads(2, rank_main)
+    for e in errs:
+        assert isinstance(e, FabricError), e
+        assert "cannot load /nonexistent/libibverbs.so.1" in str(e) and "rank 1:" in str(e)
+
+
+def test_abort_reaches_every_rank_of_a_ring(fake):
+    """An abort on rank 0 reaches its neighbours through their abort inboxes, and rank 2
+    (not a neighbour) through them, long before any timeout."""
+    w = VWorld("ring", 4, 2, 4096)
+    try:
+        w.check_setup()
+        w.start()
+        run_ag(w, 4096)
+        t0 = time.monotonic()
+        N.set_abort(w.ctl[0].addr, L.ABORT_USER, "rank 0: test abort")
+        for r in (1, 3, 2):
+            code, text = _wait_abort(w, r, timeout=3.0)
+            assert code == L.ABORT_PEER, (r, text)
+            assert text.endswith("aborted: rank 0: test abort"), text
+        assert "peer 1 aborted: rank 1: peer 0 aborted" in N.error_text(w.ctl[2].addr) or \
+            "peer 3 aborted: rank 3: peer 0 aborted" in N.error_text(w.ctl[2].addr)
+        assert time.monotonic() - t0 < 3
+    finally:
+        w.stop()

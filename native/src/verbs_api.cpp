@@ -5,17 +5,22 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <map>
+#include <memory>
 #include <mutex>
 
 namespace sparkccl {
 namespace ibv {
 namespace {
 
+// One table per library name tried (SPARKCCL_IBVERBS_LIB may name another one later, e.g. in
+// tests); a table, once handed out, is never changed or freed.
+struct Loaded {
+  Api api;
+  std::string error;
+};
 std::mutex g_mu;
-Api g_real;
-bool g_tried = false;
-std::string g_lib;  // the library name of the last attempt
-std::string g_error;
+std::map<std::string, std::unique_ptr<Loaded>> g_libs;
 std::atomic<const Api*> g_fake{nullptr};
 
 template <typename F>
@@ -30,26 +35,17 @@ bool resolve(void* h, const char* name, F* out, std::string* missing) {
   return true;
 }
 
-std::string wanted_lib() {
-  const char* env = std::getenv("SPARKCCL_IBVERBS_LIB");
-  return (env && *env) ? env : "libibverbs.so.1";
-}
-
-void load_locked() {
-  g_tried = true;
-  g_error.clear();
-  const char* env = std::getenv("SPARKCCL_IBVERBS_LIB");
-  std::string lib = wanted_lib();
-  g_lib = lib;
+std::unique_ptr<Loaded> load(const std::string& lib, bool from_env) {
+  std::unique_ptr<Loaded> out(new Loaded);
   void* h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     const char* e = dlerror();
-    g_error = "cannot load " + lib + " (" + (e ? e : "unknown error") +
-              "): install rdma-core (e.g. apt install libibverbs1 ibverbs-providers)" +
-              (env && *env ? " or fix SPARKCCL_IBVERBS_LIB" : "");
-    return;
+    out->error = "cannot load " + lib + " (" + (e ? e : "unknown error") +
+                 "): install rdma-core (e.g. apt install libibverbs1 ibverbs-providers)" +
+                 (from_env ? " or fix SPARKCCL_IBVERBS_LIB" : "");
+    return out;
   }
-  Api a;
+  Api& a = out->api;
   a.source = lib;
   std::string missing;
   resolve(h, "ibv_get_device_list", &a.get_device_list, &missing);
@@ -73,26 +69,28 @@ void load_locked() {
   resolve(h, "ibv_wc_status_str", &a.wc_status_str, &missing);
   resolve(h, "ibv_event_type_str", &a.event_type_str, &missing);
   if (!missing.empty()) {
-    g_error = lib + " lacks " + missing + " (rdma-core too old?)";
+    out->error = lib + " lacks " + missing + " (rdma-core too old?)";
     dlclose(h);
-    return;
   }
-  // The handle stays open for the life of the process (providers are loaded by it).
-  g_real = a;
+  // Otherwise the handle stays open for the life of the process (it loaded the providers).
+  return out;
 }
 
 }  // namespace
 
 const Api* api(std::string* error) {
   if (const Api* f = g_fake.load(std::memory_order_acquire)) return f;
+  const char* env = std::getenv("SPARKCCL_IBVERBS_LIB");
+  const bool from_env = env && *env;
+  const std::string lib = from_env ? env : "libibverbs.so.1";
   std::lock_guard<std::mutex> lk(g_mu);
-  // A failed attempt is retried when SPARKCCL_IBVERBS_LIB names another library since.
-  if (!g_tried || (!g_error.empty() && wanted_lib() != g_lib)) load_locked();
-  if (!g_error.empty()) {
-    if (error) *error = g_error;
+  auto it = g_libs.find(lib);
+  if (it == g_libs.end()) it = g_libs.emplace(lib, load(lib, from_env)).first;
+  if (!it->second->error.empty()) {
+    if (error) *error = it->second->error;
     return nullptr;
   }
-  return &g_real;
+  return &it->second->api;
 }
 
 void install_fake(const Api* fake) { g_fake.store(fake, std::memory_order_release); }

@@ -15,9 +15,15 @@
 //
 // Execution is deferred: posted WRs run when any CQ is polled (in order per QP), so
 // completions arrive later than posts, and send queues really fill up.
+//
+// Reorder mode plays a host whose PCIe bridge lets posted writes pass each other: the
+// bytes of non-inline RDMA writes become visible only after a delay, inline ones (the
+// inline-mode flags) at once; a WRITE_WITH_IMM's receive completion is generated only after
+// every earlier write of its QP is visible (what strict ordering relies on).
 #include <arpa/inet.h>
 #include <errno.h>
 
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -96,8 +102,24 @@ struct FakeCtx {
   }
 };
 
+// A data write whose bytes become visible later (reorder mode).
+struct Deferred {
+  uint32_t src_qpn;
+  uint64_t due_ns;
+  uint64_t dst;
+  std::string data;
+};
+
+uint64_t clock_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
+}
+
 struct Fabric {
   std::mutex mu;
+  uint64_t reorder_ns = 0;  // > 0: non-inline data lands this much later (see reorder())
+  std::deque<Deferred> deferred;
   std::vector<DeviceSpec> devices;
   std::vector<std::unique_ptr<char>> device_tokens;  // opaque device* values
   std::vector<std::unique_ptr<FakeCtx>> ctxs;
@@ -287,10 +309,25 @@ bool execute(FakeQp* q, PendingWr& p) {
       return fail(WC_RNR_RETRY_EXC_ERR, 0x82, nullptr);
     }
   }
-  if (!data.empty())
-    std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(p.wr.rdma.remote_addr)),
-                data.data(), data.size());
+  if (!data.empty()) {
+    if (g->reorder_ns && !(p.wr.send_flags & SEND_INLINE))
+      g->deferred.push_back(Deferred{q->q.qp_num, clock_ns() + g->reorder_ns,
+                                     p.wr.rdma.remote_addr, data});
+    else
+      std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(p.wr.rdma.remote_addr)),
+                  data.data(), data.size());
+  }
   if (p.wr.opcode == WR_RDMA_WRITE_WITH_IMM) {
+    // A receive completion means every earlier write of this QP is visible.
+    for (auto it = g->deferred.begin(); it != g->deferred.end();) {
+      if (it->src_qpn == q->q.qp_num) {
+        std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(it->dst)), it->data.data(),
+                    it->data.size());
+        it = g->deferred.erase(it);
+      } else {
+        ++it;
+      }
+    }
     wc w{};
     w.wr_id = dst->rq.front();
     dst->rq.pop_front();
@@ -309,6 +346,13 @@ bool execute(FakeQp* q, PendingWr& p) {
 
 void progress() {
   if (g->paused) return;
+  const uint64_t now = clock_ns();
+  while (!g->deferred.empty() && g->deferred.front().due_ns <= now) {
+    Deferred& d = g->deferred.front();
+    std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(d.dst)), d.data.data(),
+                d.data.size());
+    g->deferred.pop_front();
+  }
   for (auto& c : g->ctxs)
     for (auto& q : c->qps)
       while (!q->sq.empty()) {
@@ -833,12 +877,21 @@ void install(const std::vector<DeviceSpec>& devices) {
     g->fail_next.clear();
     g->paused = false;
     g->cq_overflows = 0;
+    g->reorder_ns = 0;
+    g->deferred.clear();
   }
   g_api = make_api();
   install_fake(&g_api);
 }
 
-void uninstall() { install_fake(nullptr); }
+void uninstall() {
+  install_fake(nullptr);
+  if (g) {
+    std::lock_guard<std::mutex> lk(g->mu);
+    g->deferred.clear();  // never land bytes into memory a finished test has freed
+    g->reorder_ns = 0;
+  }
+}
 
 std::vector<Record> take_log(bool clear) {
   std::lock_guard<std::mutex> lk(g->mu);
@@ -879,6 +932,17 @@ bool async(uint32_t qpn, int ctx_id, int type, int port) {
 void pause(bool on) {
   std::lock_guard<std::mutex> lk(g->mu);
   g->paused = on;
+}
+
+void reorder(double delay_s) {
+  std::lock_guard<std::mutex> lk(g->mu);
+  g->reorder_ns = delay_s > 0 ? uint64_t(delay_s * 1e9) : 0;
+  if (!g->reorder_ns) {  // land everything still in flight
+    for (auto& d : g->deferred)
+      std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(d.dst)), d.data.data(),
+                  d.data.size());
+    g->deferred.clear();
+  }
 }
 
 void fail_next(const std::string& call, int err) {

@@ -54,6 +54,9 @@ bool inject(uint32_t qpn, int status, uint32_t vendor_err, uint64_t after);
 // Queue an async event: on QP qpn, or (qpn 0) on context ctx_id (port events use `port`).
 bool async(uint32_t qpn, int ctx_id, int type, int port);
 void pause(bool on);  // stop executing posted WRs
+// > 0: non-inline write data becomes visible delay_s after execution (PCIe reordering);
+// 0: off (everything in flight lands now).
+void reorder(double delay_s);
 void fail_next(const std::string& call, int err);  // get_device_list, open_device, reg_mr, create_qp, modify_qp
 std::vector<QpState> qp_states();
 uint64_t cq_overflows();

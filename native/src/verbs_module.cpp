@@ -129,6 +129,7 @@ nb::dict check_lanes(Proxy& p, const std::vector<std::vector<int64_t>>& rows,
 
 void bind_verbs(nb::module_& m) {
   m.attr("VERBS_KEY_FLAGS") = VERBS_KEY_FLAGS;
+  m.attr("VERBS_KEY_INBOX") = VERBS_KEY_INBOX;
 
   m.def(
       "verbs_library",
@@ -198,6 +199,8 @@ void bind_verbs(nb::module_& m) {
            "Register [addr, addr+size) (key: region 0..2 or VERBS_KEY_FLAGS) on every lane's "
            "device: [(lkey, rkey)] per lane.")
       .def("set_remote_key", &VerbsEndpoint::set_remote_key, "conn"_a, "key"_a, "rkey"_a)
+      .def("set_abort_inbox", &VerbsEndpoint::set_abort_inbox, "conn"_a, "remote_addr"_a, "rkey"_a,
+           "Where this rank's abort record goes at the peer of `conn` (its inbox slot for us).")
       .def(
           "connect",
           [](VerbsEndpoint& e, int conn, uint32_t qpn, uint32_t psn, uint32_t lid,
@@ -333,6 +336,7 @@ void bind_verbs(nb::module_& m) {
   m.def("_verbs_fake_async", &fakeverbs::async, "qpn"_a = 0, "ctx"_a = 0, "type"_a = 0,
         "port"_a = 1);
   m.def("_verbs_fake_pause", &fakeverbs::pause, "on"_a);
+  m.def("_verbs_fake_reorder", &fakeverbs::reorder, "delay_s"_a);
   m.def("_verbs_fake_fail_next", &fakeverbs::fail_next, "call"_a, "errno"_a);
   m.def("_verbs_fake_cq_overflows", &fakeverbs::cq_overflows);
   m.def(

@@ -47,7 +47,7 @@ std::string hex(uint64_t v) {
 }
 
 const char* key_name(int k) {
-  static const char* names[] = {"AG", "RS_SEND", "RS_RECV", "flags"};
+  static const char* names[] = {"AG", "RS_SEND", "RS_RECV", "flags", "inbox"};
   return (k >= 0 && k < VERBS_KEYS) ? names[k] : "?";
 }
 
@@ -161,6 +161,9 @@ struct Qp {
   std::atomic<uint64_t> posted_a{0}, completed{0};
   std::vector<WrDesc> ring;   // posted WRs by counter % send_depth
   std::vector<uint64_t> last_flag;  // strict: last value sent per flag word
+  uint64_t inbox_remote = 0;  // our slot in the peer's abort inbox
+  uint32_t inbox_rkey = 0;
+  std::atomic<bool> inbox_set{false};
 };
 
 }  // namespace
@@ -178,6 +181,8 @@ class VerbsCore {
   std::vector<std::pair<uint32_t, uint32_t>> register_memory(int key, uint64_t addr,
                                                              uint64_t size);
   void set_remote_key(int conn, int key, uint32_t rkey);
+  void set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey);
+  void notify_abort(const std::string& text);
   void connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& g,
                int path_mtu, bool global_route);
   std::vector<int> qp_states() const;
@@ -218,6 +223,7 @@ class VerbsCore {
   int fail_conn_ = 0;
   std::string fail_cause_;
   uint64_t last_async_ns_ = 0;
+  bool abort_notices_ = false;  // notify_abort posted something
 };
 
 // ---------------------------------------------------------------------------- setup
@@ -247,8 +253,17 @@ VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
   if (!api_) throw std::runtime_error("verbs transport: " + err);
 
   int ndev = 0;
+  errno = 0;
   device** list = api_->get_device_list(&ndev);
-  if (!list) setup_error("ibv_get_device_list failed: " + errno_text(errno));
+  if (!list) {
+    int e = errno;
+    std::string why = e == ENOSYS ? "no RDMA subsystem in this kernel (no /sys/class/infiniband; "
+                                    "are ib_core and the NIC's RDMA driver, e.g. mlx5_ib, loaded?)"
+                                  : "ibv_get_device_list failed: " + errno_text(e);
+    std::string names;
+    for (const VerbsLane& l : lanes) names += (names.empty() ? "" : ", ") + l.device;
+    setup_error("cannot open RDMA device(s) " + names + ": " + why);
+  }
   std::string found;
   for (int i = 0; i < ndev; ++i)
     found += std::string(found.empty() ? "" : ", ") + api_->get_device_name(list[i]);
@@ -395,7 +410,32 @@ VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
 
 void VerbsCore::close() {
   std::lock_guard<std::mutex> lk(setup_mu_);
-  if (closed_.exchange(true)) return;
+  if (closed_.load()) return;
+  if (api_ && abort_notices_) {
+    // Abort notices posted just before a teardown: give them a moment to leave (a QP
+    // destroyed with WRs still queued drops them), polling as the proxy (stopped) would.
+    const uint64_t deadline = now_ns() + 200000000ull;
+    wc w[POLL_BATCH];
+    for (;;) {
+      bool pending = false;
+      for (auto& q : qps_)
+        if (q->q && q->state == QPS_RTS &&
+            q->completed.load(std::memory_order_acquire) < q->posted)
+          pending = true;
+      if (!pending || now_ns() > deadline) break;
+      for (auto& d : devs_) {
+        int n = d->scq ? poll_cq(d->scq, POLL_BATCH, w) : 0;
+        for (int i = 0; i < n; ++i) {
+          uint64_t conn = w[i].wr_id >> 48;
+          if (conn >= qps_.size()) continue;
+          if (w[i].status != WC_SUCCESS) qps_[size_t(conn)]->state = QPS_ERR;
+          else qps_[size_t(conn)]->completed.store((w[i].wr_id & WR_COUNTER_MASK) + 1);
+        }
+      }
+      sleep_ns(100000);
+    }
+  }
+  closed_.store(true);
   if (!api_) return;
   for (auto& q : qps_)
     if (q && q->q) {
@@ -506,6 +546,77 @@ void VerbsCore::set_remote_key(int conn, int key, uint32_t rkey) {
   Qp& q = *qps_[size_t(conn)];
   q.rkey[key] = rkey;
   q.key_set[key].store(true, std::memory_order_release);
+}
+
+void VerbsCore::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
+  std::lock_guard<std::mutex> lk(setup_mu_);
+  if (conn < 0 || size_t(conn) >= qps_.size()) throw std::invalid_argument("verbs: conn out of range");
+  Qp& q = *qps_[size_t(conn)];
+  q.inbox_remote = remote_addr;
+  q.inbox_rkey = rkey;
+  q.inbox_set.store(true, std::memory_order_release);
+}
+
+// Best effort, from the proxy thread once the communicator failed: on every connected QP,
+// write the text into our inbox slot at the peer, then the abort word (inline). No waiting:
+// a full send queue or a broken QP just skips that connection (the peer has another one,
+// or finds out by its own timeout).
+void VerbsCore::notify_abort(const std::string& text) {
+  if (closed_.load(std::memory_order_acquire)) return;
+  const size_t n = std::min(text.size(), size_t(layout::ERROR_BYTES - 1));
+  for (size_t i = 0; i < qps_.size(); ++i) {
+    Qp& q = *qps_[i];
+    if (!q.q || q.state != QPS_RTS || !q.inbox_set.load(std::memory_order_acquire)) continue;
+    Dev& d = *devs_[size_t(q.dev)];
+    const Dev::Key& k = d.keys[VERBS_KEY_INBOX];
+    if (!k.ready.load(std::memory_order_acquire) ||
+        (uint64_t(rank_) + 1) * layout::CTL_BYTES > k.size)
+      continue;
+    if (q.posted - q.completed.load(std::memory_order_acquire) + 2 > uint64_t(s_.send_depth))
+      continue;
+    const uint64_t stage = k.addr + uint64_t(rank_) * layout::CTL_BYTES + layout::CTL_ERROR;
+    std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(stage)), text.data(), n);
+    reinterpret_cast<char*>(static_cast<uintptr_t>(stage))[n] = 0;
+    sge sg{stage, uint32_t(n + 1), k.lkey};
+    send_wr w1;
+    std::memset(&w1, 0, sizeof w1);
+    w1.sg_list = &sg;
+    w1.num_sge = 1;
+    w1.opcode = WR_RDMA_WRITE;
+    w1.rdma.remote_addr = q.inbox_remote + layout::CTL_ERROR;
+    w1.rdma.rkey = q.inbox_rkey;
+    uint64_t code = layout::ABORT_PEER;
+    sge sg2{reinterpret_cast<uint64_t>(&code), 8, 0};
+    send_wr w2;
+    std::memset(&w2, 0, sizeof w2);
+    w2.sg_list = &sg2;
+    w2.num_sge = 1;
+    w2.opcode = WR_RDMA_WRITE;
+    w2.send_flags = SEND_INLINE | SEND_SIGNALED;
+    w2.rdma.remote_addr = q.inbox_remote + layout::CTL_ABORT;
+    w2.rdma.rkey = q.inbox_rkey;
+    WrDesc d1, d2;
+    d1.kind = WrDesc::WRITE;
+    d1.src_key = d1.dst_key = int8_t(VERBS_KEY_INBOX);
+    d1.len = n + 1;
+    d1.remote = w1.rdma.remote_addr;
+    d2.kind = WrDesc::FLAG_INLINE;
+    d2.value = code;
+    d2.remote = w2.rdma.remote_addr;
+    const uint64_t idx = q.posted;
+    w1.wr_id = (uint64_t(i) << 48) | (idx & WR_COUNTER_MASK);
+    w2.wr_id = (uint64_t(i) << 48) | ((idx + 1) & WR_COUNTER_MASK);
+    q.ring[size_t(idx % uint64_t(s_.send_depth))] = d1;
+    q.ring[size_t((idx + 1) % uint64_t(s_.send_depth))] = d2;
+    w1.next = &w2;
+    send_wr* bad = nullptr;
+    if (post_send(q.q, &w1, &bad) == 0) {
+      abort_notices_ = true;
+      q.posted = idx + 2;
+      q.posted_a.store(idx + 2, std::memory_order_release);
+      q.since_signal = 0;
+    }
+  }
 }
 
 void VerbsCore::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& g,
@@ -950,6 +1061,7 @@ class VerbsTransport final : public Transport {
     return core_->flag(reg_, conn, word, value, cause);
   }
   bool poll(int* conn, std::string* cause) override { return core_->poll(conn, cause); }
+  void on_abort(const std::string& text) override { core_->notify_abort(text); }
   uint64_t outstanding() const override { return core_->outstanding(); }
 
  private:
@@ -974,6 +1086,9 @@ std::vector<std::pair<uint32_t, uint32_t>> VerbsEndpoint::register_memory(int ke
 }
 void VerbsEndpoint::set_remote_key(int conn, int key, uint32_t rkey) {
   core_->set_remote_key(conn, key, rkey);
+}
+void VerbsEndpoint::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
+  core_->set_abort_inbox(conn, remote_addr, rkey);
 }
 void VerbsEndpoint::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid,
                             const std::string& g, int path_mtu, bool global_route) {

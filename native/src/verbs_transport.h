@@ -54,8 +54,14 @@ struct VerbsConnInfo {
   int lane;
 };
 
-constexpr int VERBS_KEY_FLAGS = layout::NUM_REGIONS;  // memory keys: regions 0..2, then flags
-constexpr int VERBS_KEYS = layout::NUM_REGIONS + 1;
+// Memory keys: regions 0..2, the flag words, and the abort inbox: world slots of
+// layout::CTL_BYTES laid out like a control block (abort word, error text). A rank that
+// aborts writes its abort record into its slot in every peer's inbox (Transport::on_abort);
+// the peer's proxy watches that slot as the peer's control block (Proxy::set_peer), exactly
+// as it watches a mapped peer with shm. A rank's own slot in its inbox stages the text.
+constexpr int VERBS_KEY_FLAGS = layout::NUM_REGIONS;
+constexpr int VERBS_KEY_INBOX = layout::NUM_REGIONS + 1;
+constexpr int VERBS_KEYS = layout::NUM_REGIONS + 2;
 
 class VerbsCore;
 
@@ -72,6 +78,8 @@ class VerbsEndpoint {
   std::vector<std::pair<uint32_t, uint32_t>> register_memory(int key, uint64_t addr,
                                                              uint64_t size);
   void set_remote_key(int conn, int key, uint32_t rkey);
+  // Where this rank's abort record goes at the peer of `conn` (its inbox slot for us).
+  void set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey);
   // INIT -> RTR -> RTS against the peer's QP. path_mtu: enum ibv_mtu (1..5).
   void connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& gid,
                int path_mtu, bool global_route);

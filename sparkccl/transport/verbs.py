@@ -47,8 +47,10 @@ Every rank must use the same ordering mode (checked at setup).
 """
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -73,7 +75,9 @@ LINK_LAYERS = {0: "unspecified", 1: "InfiniBand", 2: "Ethernet"}
 LINK_ETHERNET = 2
 PORT_ACTIVE = 4
 KEY_FLAGS = 3
-KEY_NAMES = {0: "AG", 1: "RS_SEND", 2: "RS_RECV", KEY_FLAGS: "flags"}
+KEY_INBOX = 4  # the abort inbox: one control-block-shaped slot per peer (verbs_transport.h)
+KEY_NAMES = {0: "AG", 1: "RS_SEND", 2: "RS_RECV", KEY_FLAGS: "flags", KEY_INBOX: "inbox"}
+INBOX_SLOT = 4096  # layout.CTL_BYTES
 RECORD_VERSION = 1
 
 
@@ -342,10 +346,17 @@ class VerbsLink:
         self._paired: list[dict] = []
         self._mem: dict[int, tuple[int, int, dict]] = {}
         self._exchanges = 0
+        # Abort inbox: peer p writes its abort record into slot p (a control-block layout
+        # that this rank's proxy watches as p's control block).
+        self._inbox = mmap.mmap(-1, self.world * INBOX_SLOT)
+        self._inbox_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._inbox))
 
     # -- setup steps --
     def _open(self, memory: dict[int, tuple[int, int]]) -> dict:
         nat = _native()
+        ok, lib = nat.verbs_library()
+        if not ok:
+            raise RuntimeError(f"verbs transport: {lib}")
         if self.settings is None:
             self.settings = resolve_settings(self.env)
         sel = self.selection
@@ -380,6 +391,7 @@ class VerbsLink:
         conn_rec = [dict(peer=c.peer, channel=c.channel, root=c.root, qpn=q["qpn"], psn=q["psn"])
                     for c, q in zip(conns, qps)]
         self._used = used
+        memory = {**memory, KEY_INBOX: (self._inbox_addr, self.world * INBOX_SLOT)}
         mem = {str(key): self._register(key, addr, size) for key, (addr, size) in memory.items()}
         return dict(version=RECORD_VERSION, world=self.world, topology=self.topology,
                     roots=self.roots, ordering=self.settings.ordering, lanes=lane_rec,
@@ -420,6 +432,8 @@ class VerbsLink:
             for i, info in enumerate(paired):
                 for key, (_, _, rkey) in info["mem"].items():
                     self.endpoint.set_remote_key(i, key, rkey)
+                iaddr, _, irkey = info["mem"][KEY_INBOX]
+                self.endpoint.set_abort_inbox(i, iaddr + self.rank * INBOX_SLOT, irkey)
                 self.endpoint.connect(i, info["qpn"], info["psn"], info["lid"], info["gid"],
                                       info["path_mtu"], info["global_route"])
         except (RuntimeError, ValueError) as e:
@@ -439,9 +453,10 @@ class VerbsLink:
                 continue
             seen.add(p)
             faddr, _, _ = info["mem"][KEY_FLAGS]
-            proxy.set_peer(p, 0, faddr, 0)  # no local ctl or pid: the peer is remote
+            # The peer's "control block" here is its slot in our abort inbox; no pid (remote).
+            proxy.set_peer(p, self._inbox_addr + p * INBOX_SLOT, faddr, 0)
             for key, (addr, size, _) in info["mem"].items():
-                if key != KEY_FLAGS:
+                if key not in (KEY_FLAGS, KEY_INBOX):
                     proxy.set_peer_region(p, key, addr, size)
 
     def add_memory(self, proxy, memory: dict[int, tuple[int, int]], abort_check=None) -> None:
@@ -481,6 +496,8 @@ class VerbsLink:
         return out
 
     def close(self) -> None:
+        """Destroy the QPs and deregister (after the proxy stopped). The inbox stays mapped
+        as long as this object lives: the proxy may still hold its address."""
         ep, self.endpoint = self.endpoint, None
         if ep is not None:
             ep.close()
