@@ -674,3 +674,113 @@ def test_relay_waits_for_own_entry():
         assert st["delay_samples"] > 0 and st["delay_p99_ns"] >= st["delay_p50_ns"] > 0
     finally:
         w.stop()
+
+
+# ---------------------------------------------------------------- GPU-direct streams
+
+def _put_entry(c: Ctl, op: int, seq: int, piece: int, chunk: int, slice_: int) -> None:
+    """Append a ring entry as the GPU-direct kernel does (fields, then the tag)."""
+    head = c.word(L.CTL_RING_HEAD)
+    off = L.RING_OFFSET + (head % L.RING_ENTRIES) * L.RING_ENTRY_BYTES
+    e = c.buf.a[off:off + L.RING_ENTRY_BYTES]
+    lo, hi = G.piece_bounds(slice_, piece)
+    for o, v in ((L.ENT_SEQ, seq), (L.ENT_SLICE, slice_), (L.ENT_LO, lo), (L.ENT_HI, hi)):
+        e[o:o + 8].view(np.uint64)[0] = v
+    e[L.ENT_OP:L.ENT_OP + 4].view(np.uint32)[0] = op
+    e[L.ENT_PIECE:L.ENT_PIECE + 4].view(np.uint32)[0] = piece
+    e[L.ENT_CHUNK:L.ENT_CHUNK + 4].view(np.int32)[0] = chunk
+    e[L.ENT_GRANULE:L.ENT_GRANULE + 4].view(np.uint32)[0] = 16
+    e[L.ENT_TAG:L.ENT_TAG + 8].view(np.uint64)[0] = head + 1
+    c.buf.a[L.CTL_RING_HEAD:L.CTL_RING_HEAD + 8].view(np.uint64)[0] = head + 1
+
+
+def _publish_streams(plan):
+    return [k for k, s in enumerate(plan.streams) if s.trigger.__class__.__name__ == "OnPublish"]
+
+
+def test_set_gpu_streams_arguments():
+    plan = build_plan("ring", 4, 0, 2)
+    t = plan.to_tables()
+    c = Ctl(4)
+    p = N.Proxy(0, 4, c.addr, c.flags_addr, t["connections"], t["streams"], t["items"], SLOTS)
+    relay = next(k for k, row in enumerate(t["streams"]) if row[3] == 1)
+    with pytest.raises(ValueError, match="relay-triggered"):
+        p.set_gpu_streams([relay])
+    with pytest.raises(ValueError, match="out of range"):
+        p.set_gpu_streams([len(t["streams"])])
+    p.set_gpu_streams(_publish_streams(plan))
+    p.start()
+    with pytest.raises(ValueError, match="before start"):
+        p.set_gpu_streams([])
+    p.stop()
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 4)])
+def test_gpu_streams_skipped_for_direct_collectives_only(topology, world):
+    """Collectives published with chunk -2 (the data plane wrote its publish streams' data
+    and flags itself) are skipped on those streams; relays and chunk -1 collectives still go
+    out. Here the test plays the GPU: it writes every rank's publish-stream data straight
+    into the peers and the flags after it."""
+    w = World(topology, world, 2, max_slice=4096)
+    for r, p in enumerate(w.proxies):
+        p.set_gpu_streams(_publish_streams(w.plans[r]))
+    w.start()
+    try:
+        run_ag(w, 1000)  # chunk -1: the proxies send
+        writes = [p.stats()["writes"] for p in w.proxies]
+        seq, S = w.seq, 2000
+        for r in range(world):
+            w.block(r, Region.AG, seq, r, S)[:] = pattern(seq, r, 0, S)
+        for c in range(G.PIECES):
+            for r, plan in enumerate(w.plans):
+                for k in _publish_streams(plan):
+                    st = plan.streams[k]
+                    if st.op != Op.AG:
+                        continue
+                    peer = plan.connections[st.conn].peer
+                    lo, hi = G.piece_bounds(S, c)
+                    for it in st.items:
+                        a, b = G.sub_range(lo, hi, it.part)
+                        w.block(peer, Region.AG, seq, it.dst_block, S)[a:b] = \
+                            w.block(r, Region.AG, seq, it.src_block, S)[a:b]
+                    w.ctl[peer].flags[st.dst_flag] = G.flag_value(seq, c)
+                _put_entry(w.ctl[r], int(Op.AG), seq, c, -2, S)
+        w.wait_all(Op.AG, seq)
+        for r in range(world):
+            for b in range(world):
+                assert np.array_equal(w.block(r, Region.AG, seq, b, S), pattern(seq, b, 0, S))
+        w.seq += 1
+        w.check_healthy()
+        for r, p in enumerate(w.proxies):
+            n_pub = len([k for k in _publish_streams(w.plans[r])
+                         if w.plans[r].streams[k].op == Op.AG])
+            deadline = time.monotonic() + 5
+            while p.stats()["gpu_pieces"] < 8 * n_pub and time.monotonic() < deadline:
+                time.sleep(0.01)
+            st = p.stats()
+            assert st["gpu_pieces"] == 8 * n_pub
+            relays = len(w.plans[r].streams) - len(_publish_streams(w.plans[r]))
+            assert (st["writes"] > writes[r]) == (relays > 0 and topology == "ring"), st
+        run_ag(w, 48)  # and chunk -1 again: the proxies send again
+        w.check_healthy()
+    finally:
+        w.stop()
+
+
+def test_direct_entry_needs_set_gpu_streams():
+    plan = build_plan("mesh", 2, 0, 2)
+    t = plan.to_tables()
+    c0, c1 = Ctl(2), Ctl(2)
+    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"], SLOTS,
+                2000, 50)
+    p.set_peer(1, c1.addr, c1.flags_addr, PID)
+    p.start()
+    try:
+        _put_entry(c0, int(Op.AG), 0, 0, -2, 64)
+        deadline = time.monotonic() + 5
+        while not N.abort_code(c0.addr) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.abort_code(c0.addr) == L.ABORT_TRANSPORT
+        assert "GPU-direct" in N.error_text(c0.addr) and "set_gpu_streams" in N.error_text(c0.addr)
+    finally:
+        p.stop()

@@ -159,6 +159,10 @@ NB_MODULE(_native, m) {
       .def("set_tcp_fds", &Proxy::set_tcp_fds, "send_fds"_a, "recv"_a,
            "tcp: connected sockets, send_fds[i] for connection i, recv rows [fd, peer, channel, "
            "root]; the proxy owns (and closes) them from here on.")
+      .def("set_gpu_streams", &Proxy::set_gpu_streams, "streams"_a,
+           "Publish-triggered streams (indices into the stream table) the data plane may "
+           "execute itself (GPU-direct); skipped for collectives published with chunk -2. "
+           "Before start().")
       .def("start", &Proxy::start, nb::call_guard<nb::gil_scoped_release>())
       .def("stop", &Proxy::stop, "graceful"_a = false, nb::call_guard<nb::gil_scoped_release>())
       .def("outstanding", &Proxy::outstanding)
@@ -176,6 +180,7 @@ NB_MODULE(_native, m) {
         d["delay_samples"] = s.delay_samples;
         d["delay_p50_ns"] = s.delay_p50_ns;
         d["delay_p99_ns"] = s.delay_p99_ns;
+        d["gpu_pieces"] = s.gpu_pieces;
         return d;
       });
 

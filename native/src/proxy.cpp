@@ -152,6 +152,24 @@ void Proxy::set_transport(std::unique_ptr<Transport> t) {
   transport_ = std::move(t);
 }
 
+void Proxy::set_gpu_streams(const std::vector<int64_t>& streams) {
+  std::lock_guard<std::mutex> lk(life_mu_);
+  need(!started_ && !stop_.load(), "set_gpu_streams: before start()");
+  for (int64_t k : streams) {
+    need(k >= 0 && size_t(k) < streams_.size(), "set_gpu_streams: stream index out of range");
+    need(streams_[size_t(k)].kind == 0,
+         "set_gpu_streams: stream " + std::to_string(k) + " is relay-triggered (only publish-"
+         "triggered streams can be executed by the data plane)");
+  }
+  for (auto& s : streams_) s.gpu = false;
+  for (int64_t k : streams) streams_[size_t(k)].gpu = true;
+  for (auto& o : ops_) {
+    o.publish_on_gpu = true;
+    for (size_t k : o.streams)
+      if (streams_[k].kind == 0 && !streams_[k].gpu) o.publish_on_gpu = false;
+  }
+}
+
 Proxy::~Proxy() { stop(); }
 
 void Proxy::set_region(int region, uint64_t base, uint64_t stride, uint64_t size) {
@@ -201,6 +219,11 @@ void Proxy::stop(bool graceful) {
   if (thread_.joinable()) thread_.join();
   if (transport_) {
     if (graceful && started_ && abort_code(ctl_) == ABORT_NONE) transport_->finish();
+    // Failed, and the proxy thread ended before it saw it: tell the peers now.
+    if (started_ && !abort_told_ && abort_code(ctl_) != ABORT_NONE) {
+      abort_told_ = true;
+      transport_->on_abort(error_text(ctl_));
+    }
     transport_->stop();
   }
 }
@@ -295,7 +318,7 @@ bool Proxy::consume_ring() {
     };
     if (op >= uint32_t(NUM_OPS)) { bad("op out of range"); continue; }
     if (piece >= uint32_t(geom::PIECES)) { bad("piece out of range"); continue; }
-    if (chunk < -1 || chunk >= 32) { bad("chunk out of range"); continue; }
+    if (chunk < -2 || chunk >= 32) { bad("chunk out of range"); continue; }
     if (granule == 0) { bad("granule is 0"); continue; }
 
     OpState& o = ops_[op];
@@ -325,7 +348,14 @@ bool Proxy::consume_ring() {
           std::to_string(c->slice) + "/" + std::to_string(c->granule) + ")");
       continue;
     }
+    if (chunk == -2 && !o.publish_on_gpu) {
+      bad("the data plane sent this piece itself (GPU-direct), but not every publish-triggered "
+          "stream of the op was given to set_gpu_streams: their flag words would have two "
+          "writers");
+      continue;
+    }
     if (!c->seen_ns[piece]) c->seen_ns[piece] = now_ns();
+    if (chunk == -2) c->direct |= uint8_t(1u << piece);
     if (chunk < 0)
       c->all |= uint8_t(1u << piece);
     else
@@ -351,6 +381,16 @@ bool Proxy::advance_streams() {
       ready = load_acquire(word_at(flags_, s.arg * FLAG_BYTES)) >= geom::flag_value(c.seq, p);
     }
     if (!ready) continue;
+    if (s.kind == 0 && s.gpu && ((c.direct >> p) & 1u)) {
+      // The data plane wrote this piece's data and flag itself: nothing to post.
+      n_gpu_pieces_.fetch_add(1, std::memory_order_relaxed);
+      progress = true;
+      if (++s.piece == geom::PIECES) {
+        s.piece = 0;
+        ++s.coll;
+      }
+      continue;
+    }
     if (!post_piece(s, c, p)) return progress;
     if (s.kind == 0 && !((c.posted >> p) & 1u)) {
       c.posted |= uint8_t(1u << p);
@@ -450,6 +490,7 @@ ProxyStats Proxy::stats() {
   st.flags = n_flags_.load();
   st.turns = n_turns_.load();
   st.naps = n_naps_.load();
+  st.gpu_pieces = n_gpu_pieces_.load();
   std::vector<uint64_t> s;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);

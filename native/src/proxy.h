@@ -19,6 +19,7 @@ namespace sparkccl {
 struct ProxyStats {
   uint64_t entries, stale_entries, writes, bytes, flags, turns, naps;
   uint64_t delay_samples, delay_p50_ns, delay_p99_ns;
+  uint64_t gpu_pieces;  // stream pieces skipped: the data plane sent them (GPU-direct)
 };
 
 class Proxy {
@@ -45,6 +46,11 @@ class Proxy {
   Registry* registry() { return &reg_; }
   Transport* transport() { return transport_.get(); }  // null until set up
   bool started() const { return started_; }
+  // Publish-triggered streams the data plane may execute itself (GPU-direct: it writes the
+  // peers' mapped regions and flag words); before start(). For a collective whose ring
+  // entries carry chunk -2 (CHUNK_DIRECT) the proxy skips these streams (still consuming
+  // the entries, which relays need); other collectives go out as usual.
+  void set_gpu_streams(const std::vector<int64_t>& streams);
   void start();
   // graceful: every rank is done (close() after its barrier): the transport flushes and
   // says goodbye, so that peers do not take the close for a failure.
@@ -62,6 +68,7 @@ class Proxy {
     size_t first, n;
     uint64_t coll = 0;  // cursor: collective index within its op
     int piece = 0;
+    bool gpu = false;   // set_gpu_streams: skipped for GPU-direct collectives
   };
   struct ItemRow {
     int src_region, src_block, dst_region, dst_block, root, roots, half, halves;
@@ -69,7 +76,8 @@ class Proxy {
   struct Coll {
     uint64_t seq, slice, granule;
     uint32_t chunks[geom::PIECES];      // chunks published per piece
-    uint8_t all = 0;                    // pieces published for every chunk (chunk -1)
+    uint8_t all = 0;                    // pieces published for every chunk (chunk -1, -2)
+    uint8_t direct = 0;                 // pieces the data plane sent itself (chunk -2)
     uint8_t posted = 0;                 // pieces that went out on some publish stream
     uint64_t seen_ns[geom::PIECES];     // when the piece's first entry was consumed
   };
@@ -79,6 +87,7 @@ class Proxy {
     bool any = false;
     uint64_t last_seq = 0;
     std::vector<size_t> streams;
+    bool publish_on_gpu = false;  // set_gpu_streams covers every publish-triggered stream
   };
 
   void run();
@@ -109,7 +118,7 @@ class Proxy {
   uint64_t tail_ = 0;
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
-      n_turns_{0}, n_naps_{0};
+      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0};
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;
