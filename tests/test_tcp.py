@@ -385,6 +385,9 @@ def abort_job(rank, world, store):
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="ring",
                                transport="tcp", timeout_s=60) as comm:
         comm.all_gather(torch.ones(1000))
+        store.add("first-done", 1)  # every rank has its first result (relays included)
+        while store.add("first-done", 0) < world:
+            time.sleep(0.01)
         if rank == 0:
             comm._nat.set_abort(comm._ctl_addr, L.ABORT_USER, "rank 0: test abort")
             time.sleep(0.5)
@@ -412,6 +415,9 @@ def killed_job(rank, world, store):
                                transport="tcp", timeout_s=60) as comm:
         x = torch.ones(1 << 16)
         comm.all_gather(x)
+        store.add("first-done", 1)  # every rank has its first result
+        while store.add("first-done", 0) < world:
+            time.sleep(0.01)
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()

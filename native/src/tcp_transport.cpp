@@ -44,6 +44,7 @@ constexpr uint32_t KIND_ABORT = 0x54524241;
 constexpr uint32_t KIND_BYE = 0x20455942;
 constexpr uint64_t MAX_ABORT_TEXT = 4096;
 constexpr uint64_t FINISH_WAIT_NS = 5000000000ull;  // clean close: drain at most this long
+constexpr uint64_t ABORT_FLUSH_NS = 1000000000ull;  // stop: let abort frames out first
 
 struct Header {
   uint32_t kind, region;
@@ -125,6 +126,7 @@ struct Sender {
   std::thread thread;
   std::atomic<uint64_t> posted{0}, done{0};
   std::atomic<bool> exited{false};
+  std::atomic<bool> abort_requested{false}, abort_sent{false};
   std::atomic<bool> failed{false};
   std::string cause;  // written before `failed` is set
 
@@ -167,6 +169,7 @@ struct Sender {
         Header h{KIND_ABORT, 0, 0, text.size()};
         struct iovec iov[2] = {{&h, sizeof h}, {const_cast<char*>(text.data()), text.size()}};
         send_all(fd, iov, text.empty() ? 1 : 2, &err);
+        abort_sent.store(true, std::memory_order_release);
         continue;
       }
       if (bye) {
@@ -266,6 +269,14 @@ class TcpTransport final : public Transport {
     std::lock_guard<std::mutex> lk(life_mu_);
     if (stopped_) return;
     stopped_ = true;
+    // A failed communicator closing right away: its abort frames go out before the sockets
+    // close, so that peers learn the cause rather than only see the connection drop.
+    uint64_t t0 = now_ns();
+    for (auto& s : senders_)
+      while (started_ && s->abort_requested.load(std::memory_order_acquire) &&
+             !s->abort_sent.load(std::memory_order_acquire) &&
+             !s->exited.load(std::memory_order_acquire) && now_ns() - t0 < ABORT_FLUSH_NS)
+        sleep_ns(200000);
     stopping_.store(true, std::memory_order_release);
     for (auto& s : senders_) {
       {
@@ -294,6 +305,7 @@ class TcpTransport final : public Transport {
         s->abort_text = text.substr(0, MAX_ABORT_TEXT);
         s->abort_pending = true;
       }
+      s->abort_requested.store(true, std::memory_order_release);
       s->cv.notify_all();
     }
   }
