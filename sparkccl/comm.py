@@ -335,6 +335,8 @@ class Communicator:
                                      flags_addr=self._flags_addr, ag=ag.tensor,
                                      ag_stride=self._ag_stride, timeout_s=s.timeout_s,
                                      peer_rings=rings, device=self.device)
+            if self.transport == "shm" and s.gpu_direct:
+                self._setup_gpu_direct(px)
         else:
             self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
                                     flags_addr=self._flags_addr, ag=ag.tensor,
@@ -362,11 +364,29 @@ class Communicator:
             px.set_peer_region(p, int(Region.RS_RECV), pr.addr + send_bytes, recv_bytes)
         self._rs_ready = True
 
+    def _setup_gpu_direct(self, px) -> None:
+        """CUDA + shm: every peer's segments are mapped here, so the GPU writes this rank's
+        data straight into them and writes their flag words (the publish-triggered streams
+        of the plan, executed by the data plane instead of the proxy's copy workers; the
+        proxy keeps the relays). ``SPARKCCL_GPU_DIRECT=0``: the proxy sends everything."""
+        from .dataplane.cuda import gpu_streams
+        px.set_gpu_streams(gpu_streams(self.plan))
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._dp.map_peers(ctl={p: (self._peer_segs[(p, "ctl")].addr, self._ctl_bytes)
+                                for p in peers},
+                           ag={p: (self._peer_segs[(p, "ag")].addr, self._ag_bytes)
+                               for p in peers})
+        self._gpu_direct = True
+
     def _attach_rs_dataplane(self) -> None:
         send_bytes = RS_SLOTS * self._rs_send_stride
         t = self._rs.tensor
         self._dp.attach_rs(t[:send_bytes], self._rs_send_stride, t[send_bytes:],
                            self._rs_recv_stride)
+        if getattr(self, "_gpu_direct", False):
+            self._dp.map_peers_rs({p: (self._peer_segs[(p, "rs")].addr, self._rs_bytes)
+                                   for p in range(self.world_size) if p != self.rank},
+                                  send_bytes)
 
     def _ensure_rs(self) -> None:
         """Create the reduce-scatter buffers on first use (every rank reaches this at the

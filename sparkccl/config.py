@@ -10,6 +10,7 @@
 | ``SPARKCCL_PROXY_SPIN_US`` | 200000 (50 when oversubscribed) | proxy keeps spinning this long after its last work |
 | ``SPARKCCL_PROXY_NAP_US`` | 200 (50 when oversubscribed) | then naps this long per idle turn |
 | ``SPARKCCL_CHECK_SIZES`` | 1 | 0: skip the cross-rank size check done on each collective's first piece |
+| ``SPARKCCL_GPU_DIRECT`` | 1 | CUDA tensors on one host (shm transport): the GPU writes its data straight into the peers' mapped regions and flags (docs/PROTOCOL.md "GPU-direct"); 0: the proxy's copy workers send it |
 | ``SPARKCCL_TCP_ADDRS`` | 127.0.0.1 | tcp transport, mesh: this rank's address per root (``10.0.0.1,10.0.1.1``); see ``sparkccl/tcp.py`` |
 | ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS`` | ``SPARKCCL_TCP_ADDRS`` | tcp transport, ring: addresses per root of the port facing prev / next |
 
@@ -105,6 +106,7 @@ class Settings:
     nap_us: int
     check_sizes: bool
     oversubscribed: bool
+    gpu_direct: bool = True
 
 
 def bootstrap_timeout(timeout_s: float | None = None) -> float:
@@ -158,4 +160,5 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     rs_up_front=_env_bool("SPARKCCL_RS_UP_FRONT", False),
                     spin_us=spin, nap_us=nap,
                     check_sizes=_env_bool("SPARKCCL_CHECK_SIZES", True),
-                    oversubscribed=oversub)
+                    oversubscribed=oversub,
+                    gpu_direct=_env_bool("SPARKCCL_GPU_DIRECT", True))

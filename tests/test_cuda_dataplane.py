@@ -224,10 +224,12 @@ class Buf:
 
 
 class World:
-    """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane."""
+    """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
+    ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
+    and the proxies keep only the relays, as a CUDA + shm Communicator does)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
-                 max_slice: int = 1 << 16, timeout_s: float = 30.0):
+                 max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -270,6 +272,15 @@ class World:
                 else:
                     dp.max_wait_blocks, dp.max_publish_blocks = 2, 16
                 self.dps.append(dp)
+            if direct:
+                nfb = L.control_bytes(nfw)
+                for r, (p, dp) in enumerate(zip(self.proxies, self.dps)):
+                    p.set_gpu_streams(C.gpu_streams(self.plans[r]))
+                    peers = [q for q in range(world) if q != r]
+                    dp.map_peers(ctl={q: (self.ctl[q].addr, nfb) for q in peers},
+                                 ag={q: (self.ag[q].addr, len(self.ag[q].mm)) for q in peers})
+                    dp.map_peers_rs({q: (self.rs[q].addr, len(self.rs[q].mm)) for q in peers},
+                                    self.send_bytes)
         except BaseException:
             self.close()
             raise
@@ -603,6 +614,137 @@ def test_piece_bounds_kernel_matches_geometry(backend):
             assert [tuple(b) for b in got[i]] == [G.piece_bounds(S, c) for c in range(G.PIECES)], S
     finally:
         be.close()
+
+
+# ---------------------------------------------------------------- GPU-direct
+
+DIRECT_CONFIGS = [("mesh", 2, 2), ("mesh", 3, 2), ("mesh", 4, 2), ("mesh", 4, 1),
+                  ("ring", 2, 2), ("ring", 3, 2), ("ring", 4, 2), ("ring", 5, 2), ("ring", 6, 2),
+                  ("ring", 6, 1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
+def test_direct_exact(backend, topology, world, roots):
+    """The data planes execute the publish-triggered streams themselves (writes into the
+    peers' regions, flags into the peers' flag words); the proxies only relay (rings of 4
+    and more). Same bits as the references, for all-gather and reduce-scatter, aligned and
+    not, zero-copy both ways, many collectives queued back to back."""
+    ag_sizes = [1, 16, 17, 1000, 4096 * 3 + 5, 40000]
+    rs_cases = [(torch.bfloat16, (world * 3, 5)), (torch.float16, (world * 333, 4)),
+                (torch.float32, (world * 4096,)), (torch.bfloat16, (world * 1000, 8))]
+    if backend == "cuda":
+        ag_sizes += [1 << 20, (3 << 20) + 6]
+        rs_cases += [(torch.bfloat16, (world * 4096, 128))]
+    max_slice = max(max(ag_sizes), max(int(np.prod(s)) * torch.empty((), dtype=d).element_size()
+                                       // world for d, s in rs_cases))
+    with World(backend, topology, world, roots, max_slice=max_slice, direct=True) as w:
+        pending = []
+        for k, n in enumerate(ag_sizes):
+            xs = inputs(300 + k, world, (n,), torch.uint8)
+            pending.append((check_ag, xs, w.all_gather(xs)))
+            if k % 2:
+                w.sync()
+        for k, (dtype, shape) in enumerate(rs_cases):
+            xs = inputs(400 + k, world, shape, dtype)
+            pending.append((check_rs, xs, w.reduce_scatter(xs)))
+        w.sync()
+        for check, xs, outs in pending:
+            check(w, xs, outs)
+        xs = inputs(500, world, (world * 512,), torch.bfloat16)  # zero-copy input, chunk 1 KiB
+        outs = w.reduce_scatter(xs, zero_copy=True)
+        ys = inputs(501, world, (640,), torch.float32)  # zero-copy result
+        res = w.all_gather(ys, zero_copy=True)
+        w.sync()
+        check_rs(w, xs, outs)
+        ref = all_gather_reference(ys)
+        for r, (seq, n) in enumerate(res):
+            assert np.array_equal(w.dps[r].ag_slot(seq, world * n).cpu().numpy(), ref), r
+        w.healthy()
+        n_coll = len(ag_sizes) + len(rs_cases) + 2
+        for r in range(world):
+            assert w.dps[r].direct_launches == n_coll
+            # Every publish-triggered stream piece went from the GPU, none from the proxy
+            # (which consumes the last entries on its own time: the GPU no longer waits for it).
+            n_pub = [len([s for s in C.gpu_streams(w.plans[r]) if w.plans[r].streams[s].op == op])
+                     for op in (0, 1)]
+            want = 8 * ((len(ag_sizes) + 1) * n_pub[0] + (len(rs_cases) + 1) * n_pub[1])
+            deadline = time.monotonic() + 10
+            while True:
+                st = w.proxies[r].stats()
+                if (st["entries"], st["gpu_pieces"]) == (8 * n_coll, want) or \
+                        time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            assert (st["entries"], st["gpu_pieces"]) == (8 * n_coll, want), st
+            relays = len(w.plans[r].streams) - sum(n_pub)
+            assert (st["flags"] > 0) == (relays > 0), st  # the proxy writes relay flags only
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_direct_and_proxy_ranks_mix(backend):
+    """GPU-direct is each rank's own choice: a rank that sends through its proxy and ranks
+    whose GPUs write directly interoperate (the same flag words, the same bytes)."""
+    world = 3
+    with World(backend, "ring", world, max_slice=1 << 14, direct=True) as w:
+        w.dps[1]._dtab.clear()  # rank 1: back to the proxy (its entries say chunk -1)
+        xs = inputs(9, world, (3000,), torch.uint8)
+        outs = w.all_gather(xs)
+        zs = inputs(10, world, (world * 100, 3), torch.float32)
+        rs = w.reduce_scatter(zs)
+        w.sync()
+        check_ag(w, xs, outs)
+        check_rs(w, zs, rs)
+        w.healthy()
+        assert w.dps[1].direct_launches == 0 and w.proxies[1].stats()["gpu_pieces"] == 0
+        assert w.proxies[1].stats()["writes"] > 0  # its data went through the proxy
+        assert w.dps[0].direct_launches == 2 and w.proxies[0].stats()["writes"] == 0
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_direct_entry_without_gpu_streams_fails_clearly():
+    """A ring entry that says the data plane sent the piece itself (chunk -2) reaching a
+    proxy that was not told which streams the data plane runs is an error, not a second
+    writer of the same flag words."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=5) as w:
+        nfw = num_flag_words(world)
+        w.dps[0].map_peers(ctl={1: (w.ctl[1].addr, L.control_bytes(nfw))},
+                           ag={1: (w.ag[1].addr, len(w.ag[1].mm))})
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            out = w.keep(torch.zeros(128, dtype=torch.uint8))
+            w.dps[0].all_gather(0, src, out, 0, 64)
+        with pytest.raises(CollectiveError, match="GPU-direct"):
+            w.dps[0].synchronize()
+
+
+def test_wait_parts_cover_every_piece_once():
+    """wait_parts: each source's words carry disjoint parts that tile a piece, for every
+    topology and world; the reduce-scatter split covers the piece once too."""
+    for topology in ("mesh", "ring"):
+        for world in range(2, 9):
+            for roots in (1, 2):
+                for r in range(world):
+                    plan = build_plan(topology, world, r, roots)
+                    maxw = max(len(x) for op in (0, 1) for x in plan.waits[op])
+                    t = C.wait_parts(plan, maxw)
+                    for op in (0, 1):
+                        for S in (0, 16, 48, 1000 * 16 + 32, 123456 * 16):
+                            for c in range(G.PIECES):
+                                lo, hi = G.piece_bounds(S, c)
+                                rows = [i for i in range(world) if i != r] + [world]
+                                for i in rows:
+                                    got = []
+                                    for code in t[op, i].tolist():
+                                        if code:
+                                            part = G.Part(code & 3, (code >> 2) & 3,
+                                                          (code >> 4) & 3, (code >> 6) & 3)
+                                            got.append(G.sub_range(lo, hi, part))
+                                    got = sorted(x for x in got if x[1] > x[0])
+                                    cover = [lo] + [b for a, b in got]
+                                    assert [a for a, b in got] == cover[:-1] and cover[-1] == hi \
+                                        or (lo == hi and not got), (topology, world, r, op, i)
 
 
 # ---------------------------------------------------------------- through the Communicator

@@ -217,6 +217,10 @@ void Proxy::stop(bool graceful) {
   std::lock_guard<std::mutex> lk(life_mu_);
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+  // Once: a later stop() (the destructor's) must not touch the control block, which the
+  // owner may have unmapped after the first stop().
+  if (stopped_) return;
+  stopped_ = true;
   if (transport_) {
     if (graceful && started_ && abort_code(ctl_) == ABORT_NONE) transport_->finish();
     // Failed, and the proxy thread ended before it saw it: tell the peers now.

@@ -114,6 +114,7 @@ class Proxy {
   bool started_ = false;
   bool aborted_ = false;
   bool abort_told_ = false;  // transport_->on_abort() called
+  bool stopped_ = false;     // stop() has run (once is enough)
   std::string transport_kind_;
   uint64_t tail_ = 0;
 

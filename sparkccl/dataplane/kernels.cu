@@ -19,9 +19,24 @@
 //      device result; reduce-scatter sums the sources in rank order 0..W-1 in fp32 and
 //      rounds once (round to nearest even).
 //
-// Progress word (device memory, monotonic across launches of one data plane):
-//   seq * PROG_STRIDE + k       k = c * W + i + 1 once sources 0..i of piece c are ready
+//   sccl_*_direct (GPU-direct publish, same-host peers mapped here; docs/PROTOCOL.md):
+//      one launch, two roles. Blocks [0, npub) execute this rank's publish-triggered
+//      streams themselves, piece by piece in order: each item's sub-range goes from the
+//      input straight into the peer's mapped region, and the last block to finish a
+//      (stream, piece) writes the peer's flag word (system fence, then a system-scope
+//      release store); then the own copies and the ring entry, as *_publish does. Blocks
+//      npub.. are the wait kernel (poller + consumers), so the wire's two directions
+//      overlap: this rank reads piece c of its peers while it still writes piece c + 1.
+//
+// Progress word (device memory, monotonic across launches of one data plane). The poller
+// walks units u(c, k, i) = (c * maxw + k) * W + i + 1 in order (piece c, wait-word index k,
+// source i): once it passed u, flag word k of every source <= i is satisfied for piece c.
+//   seq * PROG_STRIDE + u       units up to u are ready
 //   seq * PROG_STRIDE + FAILED  the wait failed (abort or timeout): every block exits
+// Each wait word carries one part of the piece (root share, direction half: the `parts`
+// table, PART_* codes), so the all-gather copies source i's part k out as soon as it came,
+// and the reduce-scatter reduces part k once every source's word k came (when every source
+// splits its pieces the same way; else piece by piece).
 // Device state: state[0] = progress word, state[1] = dead (1 once any wait failed; later
 // waits fail at once, so a failed communicator cannot hang a stream).
 //
@@ -49,13 +64,16 @@ typedef unsigned char u8;
 #define ENT_CHUNK 48
 #define ENT_GRANULE 52
 #define FLAG_STRIDE 16
-#define PROG_STRIDE 1024ull
-#define FAILED 1023ull
+#define PROG_STRIDE 65536ull
+#define FAILED 65535ull
 #define ABORT_TIMEOUT 1ull
 #define ABORT_PEER 3ull
 #define NO_WORD 0xFFFFull
 #define UNROLL 4
 #define BATCH 8  // reduce-scatter: sources loaded together when world <= BATCH
+#define MAX_DIRECT 32  // GPU-executed streams per op (direct table)
+#define DT_STREAM 4    // u64 per stream row of the direct table
+#define DT_ITEM 6      // u64 per item row of the direct table
 
 // ---------------------------------------------------------------- geometry (geometry.py)
 
@@ -67,6 +85,26 @@ __device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
   *lo = l < S ? l : S;
   u64 h = (u64)(c + 1) * step;
   *hi = (c == PIECES - 1) ? S : (h < S ? h : S);
+}
+
+// Parts (geometry.py Part), packed: root | roots << 2 | half << 4 | halves << 6; 0 = none.
+#define PART_NONE 0u
+__device__ __forceinline__ u64 part_split(u64 lo, u64 hi) {
+  const u64 n = hi - lo;
+  const u64 h = round_up((n + 1) / 2, ALIGN);
+  return lo + (n < h ? n : h);
+}
+__device__ __forceinline__ void part_range(u32 part, u64* lo, u64* hi) {
+  const u32 root = part & 3u, roots = (part >> 2) & 3u, half = (part >> 4) & 3u,
+            halves = (part >> 6) & 3u;
+  if (roots == 2) {
+    const u64 h = part_split(*lo, *hi);
+    if (root == 0) *hi = h; else *lo = h;
+  }
+  if (halves == 2) {
+    const u64 h = part_split(*lo, *hi);
+    if (half == 0) *hi = h; else *lo = h;
+  }
 }
 
 // ---------------------------------------------------------------- memory operations
@@ -231,8 +269,12 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
 
 // Called by every thread of a block after its share of piece c is written. The last of
 // `bpp` blocks to get here writes ring entry `index`.
+// chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
+// every chunk, and this data plane already executed its publish-triggered streams).
+#define CHUNK_ALL 0xFFFFFFFFu
+#define CHUNK_DIRECT 0xFFFFFFFEu
 __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64 index, u64 seq,
-                                             u64 S, u32 op, int c) {
+                                             u64 S, u32 op, int c, u32 chunk = CHUNK_ALL) {
   __threadfence_system();  // this thread's data writes before the count (and the tag)
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -249,7 +291,7 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
       st_volatile_u64((u64*)(ent + ENT_HI), hi);
       st_volatile_u32((u32*)(ent + ENT_OP), op);
       st_volatile_u32((u32*)(ent + ENT_PIECE), (u32)c);
-      st_volatile_u32((u32*)(ent + ENT_CHUNK), 0xFFFFFFFFu);  // -1: every chunk of the piece
+      st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
       st_volatile_u32((u32*)(ent + ENT_GRANULE), ALIGN);
       __threadfence_system();
       st_release_sys((u64*)(ent + ENT_TAG), index + 1);
@@ -286,11 +328,18 @@ struct WaitArgs {
   const u64* abort_w;   // this rank's abort word (mapped)
   u64* status;          // failure record (mapped): code, detail, seq
   const int* waits;     // [W][maxw]: flag words per source, -1 padded
+  const int* parts;     // [W + 1][maxw]: part of the piece word k of source i carries (row i);
+                        // row W: the parts the reduce-scatter reduces after word k (PART_*)
   u64* state;           // device: progress, dead
   u64 seq;
   int rank, world, maxw;
   u64 timeout_ns;
 };
+
+// Progress unit of (piece c, wait-word index k, source i).
+__device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
+  return (u64)((c * w.maxw + k) * w.world + i + 1);
+}
 
 __device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word, u64 piece) {
   if (ld_relaxed_sys(w.status) == 0) {
@@ -304,7 +353,7 @@ __device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word
   st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
 }
 
-// Block 0, thread 0: wait for every (piece, source) in order and relay progress.
+// One thread: wait for every (piece, word index, source) in order and relay progress.
 __device__ void poller(const WaitArgs& w) {
   const u64 base = w.seq * PROG_STRIDE;
   if (*(volatile u64*)(w.state + 1)) {  // an earlier wait failed: fail at once
@@ -314,26 +363,26 @@ __device__ void poller(const WaitArgs& w) {
   const u64 t0 = globaltimer();
   for (int c = 0; c < PIECES; ++c) {
     const u64 value = w.seq * FLAG_STRIDE + c + 1;
-    for (int i = 0; i < w.world; ++i) {
-      if (i == w.rank) continue;
-      for (int k = 0; k < w.maxw; ++k) {
-        const int word = w.waits[i * w.maxw + k];
-        if (word < 0) break;
-        u32 spins = 0;
-        while (ld_acquire_sys(w.flags + word) < value) {
-          const u64 code = ld_relaxed_sys(w.abort_w);
-          if (code) {
-            record_failure(w, code, (u64)i, (u64)word, (u64)c);
-            return;
+    for (int k = 0; k < w.maxw; ++k) {
+      for (int i = 0; i < w.world; ++i) {
+        const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+        if (word >= 0) {
+          u32 spins = 0;
+          while (ld_acquire_sys(w.flags + word) < value) {
+            const u64 code = ld_relaxed_sys(w.abort_w);
+            if (code) {
+              record_failure(w, code, (u64)i, (u64)word, (u64)c);
+              return;
+            }
+            if (globaltimer() - t0 > w.timeout_ns) {
+              record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
+              return;
+            }
+            if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
           }
-          if (globaltimer() - t0 > w.timeout_ns) {
-            record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
-            return;
-          }
-          if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
         }
+        if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
       }
-      st_release_gpu(w.state, base + (u64)(c * w.world + i + 1));
     }
   }
 }
@@ -370,49 +419,55 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   return r;
 }
 
-// Last source index != rank: piece c is complete once progress >= c * W + last + 1.
-__device__ __forceinline__ int last_source(const WaitArgs& w) {
-  return w.rank == w.world - 1 ? w.world - 2 : w.world - 1;
-}
-
 #define WAIT_PARAMS                                                                        \
-  const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, u64 maxw, u64 *state, \
-      u64 seq, u64 rank, u64 world, u64 timeout_ns
+  const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
+      u64 maxw, u64 *state, u64 seq, u64 rank, u64 world, u64 timeout_ns
 #define WAIT_ARGS_INIT                                                                      \
   WaitArgs w;                                                                               \
   w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
-  w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world; w.maxw = (int)maxw; \
-  w.timeout_ns = timeout_ns;
+  w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
+  w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
 
-// All-gather wait + copy-out. slot: AG slot of this seq (block i = rank i's slice, S bytes
-// apart). dst: result + dst_off (rank i's bytes at dst + i * dst_stride), or null
-// (zero-copy: only wait). Grid: 1 poller block + consumer blocks.
-extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
-    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
-  WAIT_ARGS_INIT
-  if (blockIdx.x == 0) {
+// All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
+// slot: AG slot of this seq (block i = rank i's slice, S bytes apart). dst: result + dst_off
+// (rank i's bytes at dst + i * dst_stride), or null (zero-copy: only wait).
+__device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, const WaitArgs& w,
+                        u32 blk, u32 nblk) {
+  if (blk == 0) {
     if (threadIdx.x == 0) poller(w);
     return;
   }
   if (w.world < 2) return;
-  const u32 b = blockIdx.x - 1, nb = gridDim.x - 1;
+  const u32 b = blk - 1, nb = nblk - 1;
   u64 seen = 0;
   const u64 t0 = globaltimer();
   if (!dst) {  // zero-copy: the launch completes once every piece arrived
-    wait_progress(w, (u64)(PIECES - 1) * w.world + last_source(w) + 1, &seen, t0);
+    wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0);
     return;
   }
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    const u64 a = lo < L ? lo : L;
-    const u64 e = hi < L ? hi : L;
-    for (int i = 0; i < w.world; ++i) {
-      if (i == w.rank) continue;
-      if (!wait_progress(w, (u64)(c * w.world + i + 1), &seen, t0)) return;
-      if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
+    for (int k = 0; k < w.maxw; ++k) {
+      for (int i = 0; i < w.world; ++i) {
+        const u32 part = i == w.rank ? PART_NONE : (u32)w.parts[i * w.maxw + k];
+        if (part == PART_NONE) continue;
+        if (!wait_progress(w, unit(w, c, k, i), &seen, t0)) return;
+        u64 a = lo, e = hi;
+        part_range(part, &a, &e);
+        if (a > L) a = L;
+        if (e > L) e = L;
+        if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
+      }
     }
   }
+}
+
+// Grid: 1 poller block + consumer blocks.
+extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
+    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
 }
 
 // ---------------------------------------------------------------- reduce-scatter
@@ -532,27 +587,34 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
   }
 }
 
-// Reduce-scatter wait + rank-order sum. recv: RS recv slot of this seq (source i's chunk
-// at recv + i * S); own: this rank's own chunk (device input chunk `rank`, or the own block
-// of the send slot when own_sys); dst: output (L bytes). Grid: 1 poller + consumers.
+// Reduce-scatter wait + rank-order sum, run by blocks blk = 0..nblk-1 (blk 0 polls).
+// recv: RS recv slot of this seq (source i's chunk at recv + i * S); own: this rank's own
+// chunk (device input chunk `rank`, or the own block of the send slot when own_sys); dst:
+// output (L bytes). Part k of each piece (parts row W) is reduced once every source's
+// wait word k arrived.
 template <class E>
 __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S,
-                        WaitArgs& w) {
-  if (blockIdx.x == 0) {
+                        const WaitArgs& w, u32 blk, u32 nblk) {
+  if (blk == 0) {
     if (threadIdx.x == 0) poller(w);
     return;
   }
-  const u32 b = blockIdx.x - 1, nb = gridDim.x - 1;
+  const u32 b = blk - 1, nb = nblk - 1;
   u64 seen = 0;
   const u64 t0 = globaltimer();
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    const u64 a = lo < L ? lo : L;
-    const u64 e = hi < L ? hi : L;
-    if (w.world > 1 && !wait_progress(w, (u64)(c * w.world + last_source(w) + 1), &seen, t0))
-      return;
-    if (e > a) team_reduce<E>(dst, recv, own, own_sys != 0, S, a, e, w.rank, w.world, b, nb);
+    for (int k = 0; k < w.maxw; ++k) {
+      const u32 part = (u32)w.parts[w.world * w.maxw + k];
+      if (part == PART_NONE) continue;
+      if (w.world > 1 && !wait_progress(w, unit(w, c, k, w.world - 1), &seen, t0)) return;
+      u64 a = lo, e = hi;
+      part_range(part, &a, &e);
+      if (a > L) a = L;
+      if (e > L) e = L;
+      if (e > a) team_reduce<E>(dst, recv, own, own_sys != 0, S, a, e, w.rank, w.world, b, nb);
+    }
   }
 }
 
@@ -560,7 +622,7 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
   extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
       const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S, WAIT_PARAMS) {      \
     WAIT_ARGS_INIT                                                                           \
-    rs_wait<E>(recv, own, own_sys, dst, L, S, w);                                            \
+    rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x, gridDim.x);                     \
   }
 
 RS_KERNEL(sccl_rs_wait_bf16, BF16)
@@ -574,3 +636,124 @@ extern "C" __global__ void sccl_piece_bounds(const u64* sizes, u64 n, u64* out) 
   for (u64 k = blockIdx.x * (u64)blockDim.x + threadIdx.x; k < n; k += (u64)gridDim.x * blockDim.x)
     for (int c = 0; c < PIECES; ++c) piece_bounds(sizes[k], c, out + (k * PIECES + c) * 2, out + (k * PIECES + c) * 2 + 1);
 }
+
+// ---------------------------------------------------------------- GPU-direct publish
+//
+// Same-host peers whose regions are mapped into this process (shm transport): this data
+// plane executes its own publish-triggered streams (docs/PROTOCOL.md "GPU-direct") instead
+// of the proxy's copy workers. The stream table (device memory, built by cuda.py from the
+// plan, static per op) in u64 words:
+//   [0]                                     number of streams ns (<= MAX_DIRECT)
+//   [1 + s * DT_STREAM + 0, 1, 2]           peer's flag word (device pointer), first item, items
+//   [1 + ns * DT_STREAM + t * DT_ITEM + ..]  item t: source chunk, peer region base (device
+//                                           pointer), slot stride, slots, block, part (PART_*)
+// Item t of stream s, piece c: bytes part_range(piece_bounds(S, c), part), cut at L, go from
+// src + chunk * src_stride to base + (seq % slots) * stride + block * S (+ the same offset).
+// Streams go in table order within a piece, pieces in order; every block takes a share of
+// every item. The last block to finish (stream s, piece c) writes the stream's flag
+// (seq * 16 + c + 1) after a system fence, with a system-scope release store: one writer
+// per flag word, as with the proxy. Then piece c's own copies (all-gather: own slice of the
+// device result, and the own AG block when the result stays there) and the ring entry
+// (chunk CHUNK_DIRECT: the proxy skips these streams for this collective and runs the rest).
+//
+// counters: [MAX_DIRECT][PIECES] per (stream, piece), then [PIECES] for the ring entries.
+
+struct PubArgs {
+  const u8* src;
+  u64 src_stride, src_sys, L, S;
+  const u64* dtab;
+  u8* own_dst;  // own AG block of the slot (or null)
+  u8* dst2;     // own slice of the device result (or null)
+  u8* ring;
+  u64 first_index, seq, op;
+  u32* counters;
+};
+
+__device__ __forceinline__ void arrive_flag(u32* counter, u32 n, u64* flag, u64 value) {
+  __threadfence_system();  // this thread's data writes before the count (and the flag)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 old = atomicAdd(counter, 1u);
+    if (old == n - 1) {
+      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
+      *counter = 0;     // ready for the launch that reuses this counter
+      __threadfence_system();
+      st_release_sys(flag, value);
+    }
+  }
+}
+
+__device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,
+                                         u32 nb) {
+  if (sys) team_copy<true>(dst, dst2, src, n, b, nb);
+  else team_copy<false>(dst, dst2, src, n, b, nb);
+}
+
+__device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
+  const u64 ns = p.dtab[0];
+  const u64* items = p.dtab + 1 + ns * DT_STREAM;
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(p.S, c, &lo, &hi);
+    for (u64 s = 0; s < ns; ++s) {
+      const u64* row = p.dtab + 1 + s * DT_STREAM;
+      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+        const u64* m = items + t * DT_ITEM;
+        u64 a = lo, e = hi;
+        part_range((u32)m[5], &a, &e);
+        if (a > p.L) a = p.L;
+        if (e > p.L) e = p.L;
+        if (e > a) {
+          u8* d = (u8*)m[1] + (p.seq % m[3]) * m[2] + m[4] * p.S + a;
+          copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
+        }
+      }
+      arrive_flag(p.counters + s * PIECES + c, nb, (u64*)row[0], p.seq * FLAG_STRIDE + c + 1);
+    }
+    const u64 a = lo < p.L ? lo : p.L;
+    const u64 e = hi < p.L ? hi : p.L;
+    if ((p.own_dst || p.dst2) && e > a)
+      copy_any(p.own_dst ? p.own_dst + a : p.dst2 + a, p.own_dst && p.dst2 ? p.dst2 + a : (u8*)0,
+               p.src + a, e - a, p.src_sys != 0, b, nb);
+    finish_piece(p.counters + MAX_DIRECT * PIECES + c, nb, p.ring, p.first_index + c, p.seq, p.S,
+                 (u32)p.op, c, CHUNK_DIRECT);
+  }
+}
+
+#define DIRECT_PARAMS                                                                       \
+  const u8 *src, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab, u8 *own_dst,   \
+      u8 *dst2, u8 *ring, u64 first_index, u64 op, u32 *counters, u64 npub
+#define PUB_ARGS_INIT                                                                       \
+  PubArgs p;                                                                                \
+  p.src = src; p.src_stride = src_stride; p.src_sys = src_sys; p.L = L; p.S = S;            \
+  p.dtab = dtab; p.own_dst = own_dst; p.dst2 = dst2; p.ring = ring;                         \
+  p.first_index = first_index; p.seq = seq; p.op = op; p.counters = counters;
+
+// Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.
+extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
+    DIRECT_PARAMS, const u8* slot, u8* dst, u64 dst_stride, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x < npub) {
+    PUB_ARGS_INIT
+    direct_publish(p, blockIdx.x, (u32)npub);
+  } else {
+    ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);
+  }
+}
+
+#define RS_DIRECT_KERNEL(NAME, E)                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                 \
+      DIRECT_PARAMS, const u8* recv, const u8* own, u64 own_sys, u8* dst, WAIT_PARAMS) {     \
+    WAIT_ARGS_INIT                                                                           \
+    if (blockIdx.x < npub) {                                                                 \
+      PUB_ARGS_INIT                                                                          \
+      direct_publish(p, blockIdx.x, (u32)npub);                                              \
+    } else {                                                                                 \
+      rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x - (u32)npub,                   \
+                 gridDim.x - (u32)npub);                                                     \
+    }                                                                                        \
+  }
+
+RS_DIRECT_KERNEL(sccl_rs_direct_bf16, BF16)
+RS_DIRECT_KERNEL(sccl_rs_direct_f16, F16)
+RS_DIRECT_KERNEL(sccl_rs_direct_f32, F32)

@@ -30,6 +30,14 @@ static void run_grid(unsigned grid, F f) {
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
+// WAIT_PARAMS of kernels.cu from argument i on (11 arguments).
+#define WAIT_ARGS(i)                                                                          \
+  P(i, const u64*), P(i + 1, const u64*), P(i + 2, u64*), P(i + 3, const int*),               \
+      P(i + 4, const int*), a[i + 5], P(i + 6, u64*), a[i + 7], a[i + 8], a[i + 9], a[i + 10]
+// DIRECT_PARAMS of kernels.cu (13 arguments, from 0).
+#define DIRECT_ARGS                                                                           \
+  P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const u64*), P(6, u8*), P(7, u8*), P(8, u8*), \
+      a[9], a[10], P(11, u32*), a[12]
 
 extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   std::string n(name);
@@ -40,20 +48,28 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });
   } else if (n == "sccl_ag_wait") {
     run_grid(grid, [=] {
-      sccl_ag_wait(P(0, const u8*), P(1, u8*), a[2], a[3], a[4], P(5, const u64*),
-                   P(6, const u64*), P(7, u64*), P(8, const int*), a[9], P(10, u64*), a[11], a[12],
-                   a[13], a[14]);
+      sccl_ag_wait(P(0, const u8*), P(1, u8*), a[2], a[3], a[4], WAIT_ARGS(5));
     });
   }
 #define RS(K)                                                                               \
   else if (n == #K) {                                                                       \
     run_grid(grid, [=] {                                                                    \
-      K(P(0, const u8*), P(1, const u8*), a[2], P(3, u8*), a[4], a[5], P(6, const u64*),    \
-        P(7, const u64*), P(8, u64*), P(9, const int*), a[10], P(11, u64*), a[12], a[13],   \
-        a[14], a[15]);                                                                      \
+      K(P(0, const u8*), P(1, const u8*), a[2], P(3, u8*), a[4], a[5], WAIT_ARGS(6));       \
     });                                                                                     \
   }
   RS(sccl_rs_wait_bf16) RS(sccl_rs_wait_f16) RS(sccl_rs_wait_f32)
+  else if (n == "sccl_ag_direct") {
+    run_grid(grid, [=] {
+      sccl_ag_direct(DIRECT_ARGS, P(13, const u8*), P(14, u8*), a[15], WAIT_ARGS(16));
+    });
+  }
+#define RSD(K)                                                                              \
+  else if (n == #K) {                                                                       \
+    run_grid(grid, [=] {                                                                    \
+      K(DIRECT_ARGS, P(13, const u8*), P(14, const u8*), a[15], P(16, u8*), WAIT_ARGS(17)); \
+    });                                                                                     \
+  }
+  RSD(sccl_rs_direct_bf16) RSD(sccl_rs_direct_f16) RSD(sccl_rs_direct_f32)
   else if (n == "sccl_piece_bounds") {
     run_grid(grid, [=] { sccl_piece_bounds(P(0, const u64*), a[1], P(2, u64*)); });
   } else {

@@ -12,7 +12,7 @@ extern thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static thread_local
 
 inline void __syncthreads() {}
