@@ -188,7 +188,8 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
     if not fabric.devices:
         print(f"no RDMA devices found ({fabric.ib_class_dir} "
               f"{'is empty' if os.path.isdir(fabric.ib_class_dir) else 'does not exist'}); "
-              "the shm transport (one host) remains available (tcp: planned)", file=out)
+              "the shm transport (one host) remains available, and tcp between hosts",
+              file=out)
         # For information only: neither matters without an RDMA device.
         print(f"memlock: {memlock(_PINNED_SLOTS * slot_bytes)[1]}", file=out)
         print(f"libibverbs: {verbs()[1]}", file=out)
@@ -226,7 +227,18 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
                             "provider, package ibverbs-providers, installed?)")
         elif unseen:
             print(f"  note: libibverbs does not list {', '.join(unseen)}", file=out)
-    print(f"settings: {roots} root(s) per port, slot {_mib(slot_bytes)}\n", file=out)
+    print(f"settings: {roots} root(s) per port, slot {_mib(slot_bytes)}", file=out)
+    try:
+        from .transport.verbs import resolve_settings
+        vs = resolve_settings(env)
+        per_try = 4.096e-6 * (1 << vs.timeout)
+        print(f"verbs: ordering {vs.ordering} (SPARKCCL_IB_ORDERING), QP timeout {vs.timeout} "
+              f"({per_try:.3g} s per attempt, {vs.retry_cnt + 1} attempts), RNR retry "
+              f"{vs.rnr_retry}, traffic class {vs.traffic_class}, SL {vs.service_level}\n",
+              file=out)
+    except ValueError as e:
+        problems.append(str(e))
+        print(f"verbs: {e}\n", file=out)
 
     mesh_asked = devices is not None or bool(env.get("SPARKCCL_IB_HCA", "").strip())
     ring_asked = (prev_devices, next_devices) != (None, None) or any(

@@ -1100,3 +1100,19 @@ def test_infiniband_lanes_use_lids_not_grh(fake):
         w.check_healthy()
     finally:
         w.stop()
+
+
+def test_doctor_shows_verbs_settings(tmp_path):
+    import io
+    from fakesysfs import gb10
+    from sparkccl import doctor
+    fs = gb10(tmp_path)
+    out = io.StringIO()
+    doctor.doctor(sysfs_root=str(tmp_path), ipv4_of=fs.ipv4_of, out=out,
+                  env={"SPARKCCL_IB_ORDERING": "strict", "NCCL_IB_TIMEOUT": "20"})
+    assert ("verbs: ordering strict (SPARKCCL_IB_ORDERING), QP timeout 20 (4.29 s per attempt, "
+            "8 attempts), RNR retry 7, traffic class 0, SL 0") in out.getvalue()
+    out = io.StringIO()
+    assert doctor.doctor(sysfs_root=str(tmp_path), ipv4_of=fs.ipv4_of, out=out,
+                         env={"SPARKCCL_IB_ORDERING": "loose"}) == 1
+    assert "SPARKCCL_IB_ORDERING='loose': must be 'inline' or 'strict'" in out.getvalue()
