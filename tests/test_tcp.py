@@ -371,9 +371,9 @@ def same_as_shm_job(rank, world, store, topology, slot_bytes):
     return bad, same
 
 
+# (Every world and fabric again, between namespaces: test_tcp_netns.py.)
 @pytest.mark.parametrize("topology,world,slot", [
-    ("mesh", 2, None), ("ring", 2, None), ("mesh", 3, None), ("ring", 3, 64 << 10),
-    ("mesh", 4, None), ("ring", 4, None), ("ring", 5, 1 << 20)])
+    ("mesh", 2, None), ("ring", 3, 64 << 10), ("mesh", 4, None), ("ring", 4, None)])
 def test_loopback_exact_and_same_as_shm(topology, world, slot):
     values = check(run_ranks(same_as_shm_job, world, args=(topology, slot), timeout_s=300))
     for r, (bad, same) in enumerate(values):
