@@ -151,8 +151,11 @@ class Fabric:
         ip("netns", "add", ns)
         self.created.append(ns)
         ip("-n", ns, "link", "set", "lo", "up")
-        in_ns(ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-              "net.ipv6.conf.default.disable_ipv6=1", check=False)
+        # No IPv6 (router solicitations etc. would show in the link counters); /proc/sys/net
+        # is this namespace's view. Kernels without IPv6 have nothing to turn off.
+        in_ns(ns, "sh", "-c", "for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 "
+              "/proc/sys/net/ipv6/conf/default/disable_ipv6; do [ -e $f ] && echo 1 > $f; "
+              "done; true")
 
     def build(self) -> None:
         cleanup_stale()
