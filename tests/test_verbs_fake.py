@@ -32,7 +32,7 @@ from sparkccl.errors import CollectiveError
 from sparkccl.fabric import FabricError, RootChoice, Selection
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import REGION_SLOTS, Op, Region, decode_flag_word, num_flag_words
+from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
 
@@ -76,7 +76,6 @@ def fake_devices(mtu=5, down=(), link_layer=2):
 
 
 def choice(dev: str, root: int, group: str) -> RootChoice:
-    ip = dict(GB10)[dev]
     # gid "": the fake NICs' GIDs differ from the sysfs ones (no cross-check warning)
     return RootChoice(device=dev, port=1, group=group, root=root, gid_index=GID_INDEX,
                       gid="", netdev=None,
@@ -298,7 +297,7 @@ def check_work_requests(w: VWorld, log, strict=False):
     for (r, i), wrs in by_conn.items():
         plan = w.plans[r]
         conn = plan.connections[i]
-        link, peer_link = w.links[r], w.links[conn.peer]
+        link = w.links[r]
         paired = link._paired[i]
         group = []
         for e in wrs:
