@@ -57,7 +57,7 @@ from ..plan.build import build_plan
 from ..plan.geometry import ALIGN, PIECES, Part, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, OnPublish, Op, RankPlan, Region, decode_flag_word
 from . import nvrtc
-from .cpu import OP_NAMES, CpuDataPlane, fin_slice
+from .cpu import OP_NAMES, CpuDataPlane
 
 # GPU failure record in the control block (proposed for layout.py / layout.h; the names
 # there win once they exist).
@@ -79,9 +79,6 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 MAX_DIRECT = 32  # GPU-executed streams per op (kernels.cu)
 CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish streams itself
-
-FIN_THREADS = 512
-FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
               torch.float32: "sccl_rs_direct_f32"}
