@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-baseline", action="store_true", help="skip torch.distributed (gloo)")
     b.set_defaults(func=_cmd_bench)
 
-    from . import doctor
+    from . import doctor, selftest
     doctor.add_parser(sub)
+    selftest.add_parser(sub)
     return ap
 
 
