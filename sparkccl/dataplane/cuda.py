@@ -46,8 +46,10 @@ need it.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -136,7 +138,32 @@ def kernels_for(device_index: int) -> dict:
             _set_current(device_index)
             cap = torch.cuda.get_device_capability(device_index)
             k = _kernels[device_index] = nvrtc.load_kernels(nvrtc.arch_of(cap))
+            _load_now(k)
         return k
+
+
+def _load_now(kernels: dict) -> None:
+    """Load every kernel into the current context now, not at its first launch. Under CUDA's
+    lazy loading (the default) a first launch may need a context synchronization; if a
+    kernel of this context is then spinning on a flag whose writer is the kernel being
+    launched (another rank's wait on this process's GPU), it deadlocks until the timeout.
+    Seen on H200 with several ranks in one process: the first proxy-path publish kernel,
+    launched while another rank's direct kernel waited for its data. Best effort: without
+    cuFuncLoad (CUDA < 12.4) kernels still load on first use."""
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:
+        return
+    for kern in kernels.values():
+        try:
+            h = kern.handle
+            if isinstance(h, drv.CUkernel):
+                err, h = drv.cuKernelGetFunction(h)
+                if int(err) != 0:
+                    continue
+            drv.cuFuncLoad(h)
+        except Exception:
+            pass
 
 
 def check_available(device=None) -> None:
@@ -298,7 +325,17 @@ class CudaDataPlane(CpuDataPlane):
         self.parts_table = self._to_device(wait_parts(plan, self.maxw))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # counters per (seq % 4, stream, piece) plus per (seq % 4, piece) for the ring.
-        self.max_direct_blocks = self.sms  # publish blocks of sccl_*_direct
+        # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
+        # for measurements: SPARKCCL_DIRECT_BLOCKS="publish,wait" (e.g. "132,131").
+        self.max_direct_blocks, self.max_direct_wait_blocks = self.sms, max(1, self.sms - 1)
+        tune = os.environ.get("SPARKCCL_DIRECT_BLOCKS", "").strip()
+        if tune:
+            try:
+                a, b = (int(v) for v in tune.split(","))
+                self.max_direct_blocks, self.max_direct_wait_blocks = max(1, a), max(1, b)
+            except ValueError:
+                warnings.warn(f"SPARKCCL_DIRECT_BLOCKS={tune!r} ignored: expected two integers "
+                              "'publish,wait'")
         self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * (MAX_DIRECT + 1) * PIECES,
                                                      dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
@@ -598,8 +635,7 @@ class CudaDataPlane(CpuDataPlane):
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: publish streams and wait in one launch
             npub = self._direct_blocks(piece * max(1, self.world - 1))
-            nb = 1 if dst is None else min(self._wait_blocks(piece),
-                                           max(1, 2 * self.sms - 1 - npub))
+            nb = 1 if dst is None else min(self._wait_blocks(piece), self.max_direct_wait_blocks)
             grid = npub + (1 + nb if "wait" in self.phases else 0)
             # The own block of the slot is only read when the result stays there (zero-copy):
             # relays forward other origins' blocks, and no proxy reads it any more.
@@ -663,7 +699,7 @@ class CudaDataPlane(CpuDataPlane):
         if dtab is not None:  # GPU-direct: chunks straight to the peers, wait in one launch
             sbase, sstride, ssys = (base, src_stride, 0) if src is not None else (send, S, 1)
             npub = self._direct_blocks(piece * max(1, W - 1))
-            nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
+            nb = min(self._wait_blocks(piece), self.max_direct_wait_blocks)
             grid = npub + (1 + nb if "wait" in self.phases else 0)
             self._launch(stream, _RS_DIRECT[dtype], grid, DIRECT_THREADS,
                          sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0,
