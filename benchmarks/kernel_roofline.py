@@ -45,9 +45,9 @@ class BenchPlane(C.CudaDataPlane):
 
     _next = 0
 
-    def _reserve_ring(self, op, seq):
+    def _reserve_ring(self, op, seq, n=8):
         first = self._next
-        self._next += 8
+        self._next += n
         return first
 
 

@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from . import bootstrap, config, layout, shm
+from . import finalize as _finalize
 from . import tcp as tcp_setup
 from .transport import check as lane_check
 from .transport import verbs as verbs_setup
@@ -602,6 +603,60 @@ class Communicator:
             t = self._dp.rs_send[base:base + nbytes].view(dtype).view(shape)
             self._handout = (t.data_ptr(), nbytes, parity, self._rs_count)
         return t
+
+    def moe_finalize_reduce_scatter(self, y: torch.Tensor, pos: torch.Tensor,
+                                    weights: torch.Tensor, shared: torch.Tensor, *,
+                                    num_tokens: int, padded_tokens: int,
+                                    y_scales: torch.Tensor | None = None,
+                                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE finalize fused into a reduce-scatter (SPEC §6). Returns this rank's
+        ``[padded_tokens / world, H]`` bf16 rows (token rows ``rank * Tpad/world ...``) of
+        the sum over ranks of every rank's
+
+            row[t] = shared[t] + sum_k weights[t, k] * y[pos[t * topk + k]]    (t < num_tokens)
+            row[t] = 0                                                       (num_tokens <= t < Tpad)
+
+        computed as an fp32 FMA chain in k order (``acc = float(shared[t])``, then
+        ``acc = fma(weights[t, k], yv, acc)`` for k = 0..topk-1) and rounded once to bf16;
+        the sum over ranks is taken in fp32 in rank order and rounded once, like
+        :meth:`reduce_scatter`. Rows go straight into the send slot and are sent per
+        (row piece, destination) as they are done, so the network runs under the finalize.
+
+        Args:
+            y: ``[R, H]`` bf16 expert outputs, or e4m3 values (``torch.float8_e4m3fn``, or
+                their bytes as ``torch.uint8``) with ``y_scales``: then
+                ``yv = float(e4m3) * y_scales[p, col // 128]`` (one fp32 multiply).
+            pos: int32 ``[T * topk]`` (or ``[T, topk]``): the row of ``y`` for (token, k).
+            weights: fp32 ``[T, topk]`` routing weights (scale folded in), topk <= 16.
+            shared: bf16 ``[T, H]`` shared-expert output.
+            num_tokens: T; rows of ``shared`` / ``weights`` / ``pos`` past T are ignored.
+            padded_tokens: Tpad >= T, a multiple of the world size with Tpad / world >= 8.
+            y_scales: fp32 ``[R, H / 128]`` for e4m3 ``y`` (H a multiple of 128).
+            out: optional bf16 ``[Tpad / world, H]`` result tensor.
+
+        Everything is checked before anything is sent (``TypeError`` / ``ValueError``),
+        including ``0 <= pos < R`` on CPU. On CUDA the range check happens in the kernel
+        (checking first would synchronize the stream): an out-of-range index is never read,
+        its term is NaN, and :meth:`synchronize` raises ``ValueError`` naming it. Results
+        larger than the slot are split into several collectives (row ranges of every chunk).
+        """
+        what = "moe_finalize_reduce_scatter"
+        self._check_open(what)
+        f = _finalize.check_inputs(self, what, y, pos, weights, shared, num_tokens,
+                                   padded_tokens, y_scales)
+        Rr, RB = f.rows_per_rank, f.row_bytes
+        out = self._check_out(out, what, (Rr, f.H), torch.bfloat16)
+        per = self._max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
+        with self._lock:
+            self._check_alive(what)
+            self._ensure_rs()
+            dst = out.detach().reshape(-1).view(torch.uint8)
+            for a in range(0, Rr, per):
+                rows = min(per, Rr - a)
+                self._dp.moe_finalize_reduce_scatter(self._next_seq(), f, a, rows, dst, a * RB)
+            self._rs_count += 1
+            self._handout = None
+        return out
 
     def synchronize(self) -> None:
         """Wait until this communicator's queued collectives have finished (CUDA; on CPU

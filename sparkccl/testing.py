@@ -261,3 +261,147 @@ def all_gather_reference(inputs):
     """Raw bytes of the gathered tensor."""
     import numpy as np
     return np.concatenate([bits(x) for x in inputs]) if inputs else np.zeros(0, np.uint8)
+
+
+# ---- MoE finalize (SPEC §6): inputs and an independent numpy reference --------------------
+
+def fma_f32(a, b, c):
+    """fp32 fused multiply-add ``round_f32(a * b + c)`` (one rounding, nearest even) in numpy,
+    elementwise with broadcasting: the product of two fp32 values is exact in float64; the
+    float64 sum is made round-to-odd (TwoSum error term, then one ulp toward it when the
+    rounded sum is inexact and even), and rounding a round-to-odd value with 53 >= 24 + 2 bits
+    to fp32 gives the correctly rounded result (Boldo & Melquiond), so this equals C's
+    ``fmaf`` / CUDA's ``__fmaf_rn`` bit for bit (NaN payloads aside)."""
+    import numpy as np
+    a = np.asarray(a, np.float32).astype(np.float64)
+    b = np.asarray(b, np.float32).astype(np.float64)
+    c = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a * b  # exact: 24 + 24 significant bits
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)  # s + err == p + c exactly
+        fix = np.isfinite(s) & (err != 0) & ((s.view(np.int64) & 1) == 0)
+        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def make_finalize_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
+                        experts_rows: int, fp8: bool = False, pow2_weights: bool = True):
+    """One rank's finalize inputs for test ``seed`` (any rank can rebuild any other's):
+    dict(y, pos, weights, shared, y_scales). ``y`` is bf16 ``[R, H]`` or float8_e4m3fn with
+    fp32 ``y_scales`` ``[R, H / 128]``; ``pos`` int32 ``[T * topk]`` in ``[0, R)``; weights fp32
+    ``[T, topk]``: powers of two (then FMA equals multiply-add) or general values, with some
+    zeros; shared bf16 ``[T, H]`` with some -0.0."""
+    import torch
+    g = torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919 + 17) & 0x7FFFFFFFFFFF)
+    T, H, R = tokens, hidden, experts_rows
+    scale = float(2.0 ** (rank % 3 - 1))
+    if fp8:
+        # Clamped: torch versions differ on out-of-range e4m3 conversion (NaN or saturate).
+        y = (torch.randn((R, H), generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        e = torch.randint(-8, 3, (R, H // 128), generator=g).to(torch.float32)
+        y_scales = torch.exp2(e) * (1 + torch.rand((R, H // 128), generator=g)) * scale
+    else:
+        y = (torch.randn((R, H), generator=g) * scale).to(torch.bfloat16)
+        y_scales = None
+    pos = torch.randint(0, max(R, 1), (T * topk,), generator=g, dtype=torch.int32)
+    if pow2_weights:
+        ex = torch.randint(-6, 2, (T, topk), generator=g).to(torch.float32)
+        sign = torch.where(torch.rand((T, topk), generator=g) < 0.25, -1.0, 1.0)
+        weights = sign * torch.exp2(ex)
+    else:
+        weights = torch.rand((T, topk), generator=g, dtype=torch.float32) * 2 - 0.5
+    if weights.numel():
+        weights.view(-1)[::11] = 0.0
+    shared = (torch.randn((T, H), generator=g) * scale).to(torch.bfloat16)
+    if shared.numel():
+        shared.view(-1)[::7] = -0.0
+    return dict(y=y, pos=pos, weights=weights, shared=shared, y_scales=y_scales)
+
+
+def finalize_rows_reference(inp: dict, num_tokens: int, padded_tokens: int):
+    """One rank's finalize rows, ``[Tpad, H]`` fp32 values of the bf16-rounded rows (numpy):
+    the fp32 FMA chain in k order by :func:`fma_f32`, e4m3 decoded by torch's own
+    float8_e4m3fn conversion, times the scale in fp32."""
+    import numpy as np
+    import torch
+    y, pos, w, shared, scales = (inp["y"], inp["pos"], inp["weights"], inp["shared"],
+                                 inp.get("y_scales"))
+    T, Tpad = num_tokens, padded_tokens
+    H = shared.shape[1]
+    topk = w.shape[1]
+    if scales is not None:
+        yv = y.view(torch.float8_e4m3fn) if y.dtype == torch.uint8 else y
+        yf = yv.to(torch.float32).numpy()
+        yf = (yf * np.repeat(scales.numpy().astype(np.float32), 128, axis=1)).astype(np.float32)
+    else:
+        yf = _to_f32(y.reshape(-1)).reshape(y.shape[0], H) if y.numel() else \
+            np.zeros((y.shape[0], H), np.float32)
+    acc = _to_f32(shared[:T].reshape(-1)).reshape(T, H)
+    p = pos.reshape(-1)[:T * topk].numpy().reshape(T, topk).astype(np.int64)
+    wn = w[:T].numpy().astype(np.float32)
+    for k in range(topk):
+        acc = fma_f32(wn[:, k:k + 1], yf[p[:, k]], acc)
+    rows = np.zeros((Tpad, H), np.float32)
+    rows[:T] = acc
+    raw = _round_f32(rows.reshape(-1), torch.bfloat16).view(np.uint16)
+    raw[np.isnan(rows.reshape(-1))] = 0x7FFF  # a NaN row element is the canonical NaN
+    return _to_f32_from_bf16_bits(raw.view(np.uint8)).reshape(Tpad, H)
+
+
+def _to_f32_from_bf16_bits(raw):
+    import numpy as np
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def moe_finalize_reference(inputs: list, rank: int, num_tokens: int, padded_tokens: int):
+    """Raw bytes of rank ``rank``'s result of ``moe_finalize_reduce_scatter`` given every
+    rank's inputs (in rank order): each rank's rows rounded to bf16, this rank's chunk
+    summed over ranks in rank order in fp32 (starting from rank 0's value), rounded once."""
+    import torch
+    world = len(inputs)
+    m = padded_tokens // world
+    acc = None
+    for inp in inputs:
+        part = finalize_rows_reference(inp, num_tokens, padded_tokens)[rank * m:(rank + 1) * m]
+        acc = part.copy() if acc is None else acc + part
+    return _round_f32(acc.reshape(-1), torch.bfloat16)
+
+
+FINALIZE_DEMO_CASES = (
+    # (num_tokens, padded tokens per rank, hidden, topk, fp8, pow2 weights)
+    (37, 8, 256, 8, False, True),
+    (100, 16, 512, 4, True, True),
+    (61, 16, 384, 2, True, False),
+)
+
+
+def finalize_demo_case(comm, world: int, rank: int, seed: int) -> bool:
+    """The fused MoE finalize on ``comm`` (CPU or CUDA), every result bit checked against
+    :func:`moe_finalize_reference`: bf16 and e4m3 inputs, T < Tpad, powers of two and general
+    routing weights. Every rank must call it with the same ``seed``; True when all agree."""
+    import torch
+    ok = True
+    for k, (T, per_rank, H, topk, fp8, pow2) in enumerate(FINALIZE_DEMO_CASES):
+        Tpad = per_rank * world
+        T = min(T, Tpad - 1)
+        s = seed * 100 + k
+        inputs = [make_finalize_input(s, r, tokens=T, hidden=H, topk=topk, experts_rows=2 * T + 3,
+                                      fp8=fp8, pow2_weights=pow2) for r in range(world)]
+        mine = inputs[rank]
+        dev = comm.device
+
+        def on(t):
+            return None if t is None else t.to(dev)
+
+        z = comm.moe_finalize_reduce_scatter(on(mine["y"]), on(mine["pos"]), on(mine["weights"]),
+                                             on(mine["shared"]), num_tokens=T,
+                                             padded_tokens=Tpad, y_scales=on(mine["y_scales"]))
+        if dev.type == "cuda":
+            comm.synchronize()
+        want = moe_finalize_reference(inputs, rank, T, Tpad)
+        got = bits(z.cpu())
+        ok = ok and tuple(z.shape) == (Tpad // world, H) and z.dtype == torch.bfloat16 \
+            and got.size == want.size and bool((got == want).all())
+    return ok

@@ -65,6 +65,10 @@ namespace sparkccl {
 void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane check, fake verbs
 }
 
+namespace sparkccl {
+void bind_finalize(nb::module_& m);  // finalize_cpu.cpp: the CPU twin of the finalize rows
+}
+
 NB_MODULE(_native, m) {
   m.doc() = "sparkccl native layer: control block, publish/wait helpers, proxy, shm transport";
   m.attr("ABI_VERSION") = 2;
@@ -185,4 +189,5 @@ NB_MODULE(_native, m) {
       });
 
   sparkccl::bind_verbs(m);
+  sparkccl::bind_finalize(m);
 }

@@ -90,9 +90,11 @@ class CpuDataPlane:
         return (self.rank - 1) % self.world if channel == PREV else (self.rank + 1) % self.world
 
     # ---- steps ---------------------------------------------------------------------
-    def _publish(self, op: Op, seq: int, piece: int, slice_bytes: int, deadline: float) -> None:
+    def _publish(self, op: Op, seq: int, piece: int, slice_bytes: int, deadline: float,
+                 chunk: int = -1, granule: int = ALIGN) -> None:
         remaining = max(deadline - time.monotonic(), 1e-3)
-        code = self.nat.publish(self.ctl, int(op), seq, piece, -1, slice_bytes, ALIGN, remaining)
+        code = self.nat.publish(self.ctl, int(op), seq, piece, chunk, slice_bytes, granule,
+                                remaining)
         if code == 0:
             return
         if self.nat.abort_code(self.ctl):
@@ -195,18 +197,28 @@ class CpuDataPlane:
         S = round_up(L, ALIGN)
         deadline = time.monotonic() + self.timeout_s
         sbase = (seq % 2) * self.rs_send_stride
-        rbase = (seq % 2) * self.rs_recv_stride
         send = self.rs_send[sbase:sbase + self.world * S]
-        recv = self.rs_recv[rbase:rbase + self.world * S]
-        me, W = self.rank, self.world
-        groups = self.groups(S, L)
-        for c0, c1, a, b in groups:
+        W = self.world
+        for c0, c1, a, b in self.groups(S, L):
             if src is not None and b > a:
                 for j in range(W):
                     o = j * src_stride + src_off
                     send[j * S + a:j * S + b].copy_(src[o + a:o + b])
             for c in range(c0, c1 + 1):
                 self._publish(Op.RS, seq, c, S, deadline)
+        self._rs_finish(seq, S, L, dst, dst_off, dtype, deadline)
+
+    def _rs_finish(self, seq: int, S: int, L: int, dst: torch.Tensor, dst_off: int,
+                   dtype: torch.dtype, deadline: float) -> None:
+        """The reduce-scatter's second step: for each piece, wait for every source, sum this
+        rank's chunk over ranks in rank order (own chunk from the own send slot block) in
+        fp32 and round once into ``dst[dst_off:dst_off + L]``."""
+        rbase = (seq % 2) * self.rs_recv_stride
+        sbase = (seq % 2) * self.rs_send_stride
+        send = self.rs_send[sbase:sbase + self.world * S]
+        recv = self.rs_recv[rbase:rbase + self.world * S]
+        me, W = self.rank, self.world
+        groups = self.groups(S, L)
         esize = torch.empty((), dtype=dtype).element_size()
         acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
         for g, (c0, c1, a, b) in enumerate(groups):
@@ -223,6 +235,59 @@ class CpuDataPlane:
                     acc[:n].add_(part)
             if n:
                 dst[dst_off + a:dst_off + b].view(dtype).copy_(acc[:n])
+
+    # ---- MoE finalize + reduce-scatter (SPEC §6) --------------------------------------
+    fin_order = None
+    """Test hook: ``"reverse"`` publishes the (piece, destination) items in reverse order
+    (the proxy must still send each destination's pieces in piece order)."""
+
+    def finalize_items(self) -> list[tuple[int, int]]:
+        """(row piece, destination) in compute order: piece-major, peers in mesh order
+        (rank+1, rank+2, ...); this rank's own chunk is not sent and comes after."""
+        W, me = self.world, self.rank
+        items = [(c, (me + 1 + k) % W) for c in range(PIECES) for k in range(W - 1)]
+        if self.fin_order == "reverse":
+            items.reverse()
+        return items
+
+    def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
+                                    dst: torch.Tensor, dst_off: int) -> None:
+        """One finalize collective (``f``: :class:`sparkccl.finalize.FinalizeInputs`): rows
+        ``[row_lo, row_lo + rows)`` of every destination's chunk of ``f.rows_per_rank`` rows
+        are computed into RS send slot ``seq % 2`` (chunk j at ``j * S``, S = ``rows``
+        rounded up to a multiple of 8, times 2H: see :func:`fin_slice`) and published per
+        (row piece, destination) with granule = one row; then this rank's rows are summed
+        over ranks as in :meth:`reduce_scatter` into ``dst[dst_off : dst_off + rows * 2H]``
+        (bf16 bytes)."""
+        RB = 2 * f.H
+        S, L = fin_slice(rows, RB)
+        deadline = time.monotonic() + self.timeout_s
+        sbase = (seq % 2) * self.rs_send_stride
+        send = self.rs_send[sbase:sbase + self.world * S]
+        base = send.data_ptr()
+
+        def compute(j: int, lo: int, hi: int) -> None:
+            e = min(hi, L)  # rows past `rows` are padding: zero
+            if e > lo:
+                self.nat.finalize_rows(*f.native_args(), j * f.rows_per_rank + row_lo + lo // RB,
+                                       (e - lo) // RB, base + j * S + lo)
+            if hi > max(lo, L):
+                send[j * S + max(lo, L):j * S + hi].zero_()
+
+        for c, j in self.finalize_items():
+            lo, hi = piece_bounds(S, c, RB)
+            compute(j, lo, hi)
+            self._publish(Op.RS, seq, c, S, deadline, chunk=j, granule=RB)
+        compute(self.rank, 0, L)
+        self._rs_finish(seq, S, L, dst, dst_off, torch.bfloat16, deadline)
+
+
+def fin_slice(rows: int, row_bytes: int) -> tuple[int, int]:
+    """(S, L) of a finalize collective of ``rows`` rows per destination: the slice S holds
+    ``rows`` rounded up to a multiple of 8 (zero rows at the end, never copied out), so that
+    its row pieces (granule = one row) are exactly the 16-byte-granule pieces of S that the
+    waits and the reduction use; L = rows * row_bytes is what lands in the result."""
+    return round_up(rows, PIECES) * row_bytes, rows * row_bytes
 
 
 def ring_view(ctl: torch.Tensor) -> np.ndarray:

@@ -59,7 +59,7 @@ from ..plan.build import build_plan
 from ..plan.geometry import ALIGN, PIECES, Part, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, OnPublish, Op, RankPlan, Region, decode_flag_word
 from . import nvrtc
-from .cpu import OP_NAMES, CpuDataPlane
+from .cpu import OP_NAMES, CpuDataPlane, fin_slice
 
 # GPU failure record in the control block (proposed for layout.py / layout.h; the names
 # there win once they exist).
@@ -81,6 +81,9 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 MAX_DIRECT = 32  # GPU-executed streams per op (kernels.cu)
 CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish streams itself
+
+FIN_THREADS = 512
+FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
               torch.float32: "sccl_rs_direct_f32"}
@@ -315,6 +318,16 @@ class CudaDataPlane(CpuDataPlane):
         # Device state: [0] progress word, [1] dead; publish counters per (seq % 4, piece).
         self.state = self._to_device(torch.zeros(2, dtype=torch.int64))
         self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
+        self.fin_counters = self._to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
+        self.fin_bad = self._to_device(torch.zeros(4, dtype=torch.int32))
+        # GPU-direct finalize: own-rows gate per piece (monotonic; _fin_gate_base counts the
+        # bumps of every launch so far: each publish block bumps each piece once).
+        self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
+        self._fin_gate_base = 0
+        self._fin_used = False
+        self._fin_own = None
+        self._fin_retired: list[torch.Tensor] = []
         self.maxw = max(1, max(len(w) for op in Op for w in plan.waits[op]))
         table = torch.full((len(Op), self.world, self.maxw), -1, dtype=torch.int32)
         for op in Op:
@@ -529,10 +542,11 @@ class CudaDataPlane(CpuDataPlane):
         return self.dcounters.data_ptr() + 4 * (MAX_DIRECT + 1) * PIECES * (seq % COUNTER_SETS)
 
     # ---- launch helpers --------------------------------------------------------------
-    def _reserve_ring(self, op: Op, seq: int) -> int:
-        """Claim ring indices for the collective's 8 pieces; wait until they are free."""
+    def _reserve_ring(self, op: Op, seq: int, n: int = PIECES) -> int:
+        """Claim ring indices for the collective's n entries (8 pieces, or 8 per destination
+        for the finalize); wait until they are free."""
         if self._reserve is not None:
-            code, first = self._reserve(self.ctl, PIECES, self.timeout_s)
+            code, first = self._reserve(self.ctl, n, self.timeout_s)
             if code == 0:
                 return int(first)
             if self.nat.abort_code(self.ctl):
@@ -543,7 +557,7 @@ class CudaDataPlane(CpuDataPlane):
         head = _u64(self.ctl + layout.CTL_RING_HEAD)
         tail = _u64(self.ctl + layout.CTL_RING_TAIL)
         first = int(head.value)
-        last = first + PIECES - 1
+        last = first + n - 1
         if last - int(tail.value) >= layout.RING_ENTRIES:
             deadline = time.monotonic() + self.timeout_s
             spins = 0
@@ -553,7 +567,7 @@ class CudaDataPlane(CpuDataPlane):
                     self._ring_timeout(op, seq)
                 spins += 1
                 time.sleep(0 if spins < 100 else 50e-6)
-        head.value = first + PIECES
+        head.value = first + n
         return first
 
     def _ring_timeout(self, op: Op, seq: int) -> None:
@@ -576,7 +590,7 @@ class CudaDataPlane(CpuDataPlane):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _begin(self, op: Op, seq: int, S: int) -> int:
+    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES) -> int:
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
         self.check_status()
@@ -587,7 +601,7 @@ class CudaDataPlane(CpuDataPlane):
         if self.peer_rings is not None:
             self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
             del self._unchecked[:-64]
-        return self._reserve_ring(op, seq)
+        return self._reserve_ring(op, seq, entries)
 
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
@@ -727,14 +741,119 @@ class CudaDataPlane(CpuDataPlane):
                          *self._wait_args(Op.RS, seq))
         self._end(ts)
 
+    # ---- MoE finalize + reduce-scatter -----------------------------------------------
+    def _own_buffer(self, nbytes: int) -> torch.Tensor:
+        """Device buffer for this rank's own chunk of a finalize (read by the wait kernel
+        that follows on the same stream, so one buffer serves every call; a smaller one is
+        kept alive until synchronize(), for kernels still queued)."""
+        buf = self._fin_own
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self._fin_retired.append(buf)
+            buf = self._fin_own = torch.empty(max(nbytes, 16), dtype=torch.uint8,
+                                              device=self.device)
+        return buf
+
+    def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
+                                    dst: torch.Tensor, dst_off: int) -> None:
+        """The CUDA twin of :meth:`CpuDataPlane.moe_finalize_reduce_scatter`: the host
+        reserves (W - 1) * 8 ring entries; ``sccl_finalize`` computes the rows piece-major
+        into the send slot (own chunk into device memory) and publishes each (row piece,
+        destination) as it completes; the bf16 reduce-scatter wait kernel then sums this
+        rank's rows over ranks in rank order into ``dst``."""
+        if self.rs_send is None:
+            raise RuntimeError("moe_finalize_reduce_scatter: attach_rs() was not called")
+        W, me = self.world, self.rank
+        RB = 2 * f.H
+        S, L = fin_slice(rows, RB)
+        if all(p in self.phases for p in ("publish", "wait")):
+            dtab = self._direct(Op.RS, S)
+            if dtab is not None:
+                self._finalize_direct(seq, f, row_lo, rows, dst, dst_off, dtab)
+                return
+        first = self._begin(Op.RS, seq, S, entries=PIECES * (W - 1))
+        ts, stream = self._stream()
+        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
+        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
+        own = self._own_buffer(L).data_ptr()
+        self._fin_used = True
+        if "publish" in self.phases:
+            units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
+            nb = max(1, min(self.sms, self.max_publish_blocks, -(-units // FIN_THREADS)))
+            scales = f.scales.data_ptr() if f.scales is not None else 0
+            self._launch(stream, "sccl_finalize", nb, FIN_THREADS,
+                         f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
+                         f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens),
+                         _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
+                         _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
+                         send, own,
+                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
+                         self.fin_counters.data_ptr() + 4 * FIN_SET * (seq % COUNTER_SETS))
+        if "wait" in self.phases:
+            nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
+            self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
+                         recv, own, _n(0), dst.data_ptr() + dst_off, _n(L), _n(S),
+                         *self._wait_args(Op.RS, seq))
+        self._end(ts)
+
+    def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
+                         dst_off: int, dtab) -> None:
+        """GPU-direct (this rank's reduce-scatter streams run on the GPU): one launch of
+        ``sccl_finalize_direct`` computes the rows straight into the peers' mapped receive
+        regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
+        other blocks sum this rank's rows over ranks as they arrive. Every collective of
+        the op then has the same writer (the GPU) for each flag word."""
+        W = self.world
+        RB = 2 * f.H
+        S, L = fin_slice(rows, RB)
+        first = self._begin(Op.RS, seq, S)
+        ts, stream = self._stream()
+        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
+        own = self._own_buffer(L).data_ptr()
+        self._fin_used = True
+        piece = piece_bounds(S, 0)[1]
+        units = -(-piece * W // 16)  # 16-byte row units of one piece, every destination
+        npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
+        nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
+        target = (self._fin_gate_base + npub) & 0xFFFFFFFF
+        scales = f.scales.data_ptr() if f.scales is not None else 0
+        self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
+                     f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
+                     f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens), _n(f.topk),
+                     _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
+                     _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
+                     _n(first), _n(int(Op.RS)), self._dcounters(seq), _n(npub),
+                     self.fin_gate.data_ptr(), _n(target), recv, own,
+                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, seq))
+        self._fin_gate_base = target
+        self.direct_launches += 1
+        self._end(ts)
+
+    def check_finalize_inputs(self) -> None:
+        """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
+        was NaN; nothing was read out of bounds). Reads device memory: call after the
+        kernels finished."""
+        if not self._fin_used:
+            return
+        bad = self.fin_bad.cpu().tolist()
+        if bad[0]:
+            self.fin_bad.zero_()
+            t, k, p = bad[1], bad[2], bad[3]
+            raise ValueError(f"rank {self.rank}: moe_finalize_reduce_scatter: pos for token {t}, "
+                             f"k {k} was {p}, not a row of y "
+                             f"(0 <= pos < R); {bad[0]} such terms were NaN in the result")
+
     # ---- completion and failure ------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every collective launched so far, then raise :class:`CollectiveError`
-        if one of them failed (timeout or abort)."""
+        if one of them failed (timeout or abort), or ``ValueError`` if a finalize met a bad
+        ``pos`` value."""
         self._wait_last()
+        self._fin_retired.clear()
         self.check_status()
         self.check_abort()
         self.check_sizes()
+        self.check_finalize_inputs()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""

@@ -58,6 +58,23 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });                                                                                     \
   }
   RS(sccl_rs_wait_bf16) RS(sccl_rs_wait_f16) RS(sccl_rs_wait_f32)
+  else if (n == "sccl_finalize") {
+    run_grid(grid, [=] {
+      sccl_finalize(P(0, const u8*), P(1, const float*), P(2, const int*), P(3, const float*),
+                    P(4, const u8*), P(5, u32*), a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                    a[13], a[14], a[15], a[16], P(17, u8*), P(18, u8*), P(19, u8*), a[20], a[21],
+                    a[22], P(23, u32*));
+    });
+  }
+  else if (n == "sccl_finalize_direct") {
+    run_grid(grid, [=] {
+      sccl_finalize_direct(P(0, const u8*), P(1, const float*), P(2, const int*),
+                           P(3, const float*), P(4, const u8*), P(5, u32*), a[6], a[7], a[8],
+                           a[9], a[10], a[11], a[12], a[13], a[14], P(15, const u64*),
+                           P(16, u8*), a[17], a[18], P(19, u32*), a[20], P(21, u32*), a[22],
+                           P(23, const u8*), P(24, u8*), P(25, u8*), WAIT_ARGS(26));
+    });
+  }
   else if (n == "sccl_ag_direct") {
     run_grid(grid, [=] {
       sccl_ag_direct(DIRECT_ARGS, P(13, const u8*), P(14, u8*), a[15], WAIT_ARGS(16));

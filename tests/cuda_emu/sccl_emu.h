@@ -2,6 +2,7 @@
 // kernels' logic runs on a CPU (one thread per block; see emu.cpp). Test-only.
 #pragma once
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <sched.h>
@@ -22,6 +23,8 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 
 inline u64 ld_acquire_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline u64 ld_relaxed_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
