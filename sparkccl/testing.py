@@ -355,16 +355,20 @@ def _to_f32_from_bf16_bits(raw):
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def moe_finalize_reference(inputs: list, rank: int, num_tokens: int, padded_tokens: int):
+def moe_finalize_reference(inputs: list, rank: int, num_tokens: int, padded_tokens: int,
+                           rows: list | None = None):
     """Raw bytes of rank ``rank``'s result of ``moe_finalize_reduce_scatter`` given every
     rank's inputs (in rank order): each rank's rows rounded to bf16, this rank's chunk
-    summed over ranks in rank order in fp32 (starting from rank 0's value), rounded once."""
+    summed over ranks in rank order in fp32 (starting from rank 0's value), rounded once.
+    ``rows``: every rank's :func:`finalize_rows_reference`, if already computed."""
     import torch
     world = len(inputs)
     m = padded_tokens // world
+    if rows is None:
+        rows = [finalize_rows_reference(inp, num_tokens, padded_tokens) for inp in inputs]
     acc = None
-    for inp in inputs:
-        part = finalize_rows_reference(inp, num_tokens, padded_tokens)[rank * m:(rank + 1) * m]
+    for full in rows:
+        part = full[rank * m:(rank + 1) * m]
         acc = part.copy() if acc is None else acc + part
     return _round_f32(acc.reshape(-1), torch.bfloat16)
 

@@ -209,9 +209,10 @@ def run_finalize(w, inputs, T, Tpad, rows_per_call=None):
 
 def check_finalize(w, inputs, T, Tpad, outs):
     n = (Tpad // w.world) * 2 * inputs[0]["shared"].shape[1]
+    rows = [finalize_rows_reference(inp, T, Tpad) for inp in inputs]
     for r, buf in enumerate(outs):
         got = buf.cpu().numpy()
-        want = moe_finalize_reference(inputs, r, T, Tpad)
+        want = moe_finalize_reference(inputs, r, T, Tpad, rows)
         assert np.array_equal(got[:n], want), \
             f"finalize rank {r}: bytes {np.flatnonzero(got[:n] != want)[:10]} differ"
         assert (got[n:] == 0xAB).all(), f"finalize rank {r} wrote past its output"
