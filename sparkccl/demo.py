@@ -1,7 +1,8 @@
 """`sparkccl demo`: every collective on N local ranks, every bit checked on every rank.
 
 Part 1 sweeps sizes and dtypes, timing each call; part 2 issues bursts of mixed
-collectives back to back (slot reuse at full speed) and checks them only afterwards.
+collectives back to back (slot reuse at full speed) and checks them only afterwards;
+part 3 runs the fused MoE finalize + reduce-scatter.
 Each rank rebuilds every other rank's input from a seed, so it checks its own results
 against an independent rank-order reference (numpy, fp32, rounded once) without
 communicating.
@@ -136,8 +137,11 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
                                transport=transport, device=device) as comm:
         rows = _sweep(comm, world, rank, quick)
         total, bad = _bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100)
-        return {"rows": rows, "burst_total": total, "burst_bad": bad,
-                "pinned_bytes": comm.pinned_bytes}
+        from .testing import finalize_demo_case
+        t0 = time.perf_counter()
+        fin_ok = finalize_demo_case(comm, world, rank, seed=1)
+        return {"rows": rows, "burst_total": total, "burst_bad": bad, "finalize_ok": fin_ok,
+                "finalize_s": time.perf_counter() - t0, "pinned_bytes": comm.pinned_bytes}
 
 
 def _fmt_size(n: int) -> str:
@@ -182,7 +186,10 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
     print(f"\nbursts: {total} mixed collectives issued back to back, checked afterwards: "
           + ("all bit-exact on every rank" if not burst_bad else
              f"{len(burst_bad)} MISMATCHES, first: rank {burst_bad[0][0]} {burst_bad[0][1]}"))
+    fin_bad = [r for r, v in enumerate(vals) if not v["finalize_ok"]]
+    print("moe_finalize_reduce_scatter (bf16 and e4m3 experts, T < Tpad): "
+          + ("bit-exact on every rank" if not fin_bad else f"MISMATCH on ranks {fin_bad}"))
     print(f"shared memory per rank: {_fmt_size(vals[0]['pinned_bytes'])}")
-    ok = not mismatches and not burst_bad
+    ok = not mismatches and not burst_bad and not fin_bad
     print(f"demo: {'passed' if ok else 'FAILED'} in {time.monotonic() - t0:.1f} s")
     return 0 if ok else 1

@@ -147,7 +147,9 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
             results[r].error_type = "Timeout"
             results[r].message = f"no result after {timeout_s:g} s"
         for r, p in enumerate(procs):
-            p.join(timeout=10 if r not in pending else 0.1)
+            # A rank that already answered may still be closing (close() waits for every
+            # rank); on an oversubscribed host that can take a while.
+            p.join(timeout=60 if r not in pending else 0.1)
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
