@@ -33,7 +33,7 @@ import torch
 
 from . import bootstrap, config, layout, shm
 from . import finalize as _finalize
-from . import tcp as tcp_setup
+from .transport import tcp as tcp_setup
 from .transport import check as lane_check
 from .transport import verbs as verbs_setup
 from .dataplane.cpu import CpuDataPlane, ring_view
@@ -87,7 +87,7 @@ class Communicator:
         transport: ``"auto"`` (``"shm"`` when all ranks are on one host, else ``"tcp"``),
             ``"shm"`` or ``"tcp"`` (any IP network; addresses per root from
             ``SPARKCCL_TCP_ADDRS`` / ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS``,
-            see ``sparkccl/tcp.py``).
+            see ``sparkccl/transport/tcp.py``).
         slot_bytes: capacity of one slot = the whole gathered / reduce-scattered tensor of
             one collective (world x slice bytes); larger inputs are split into several
             collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB.

@@ -19,7 +19,7 @@ import torch
 
 import sparkccl
 from sparkccl import layout as L
-from sparkccl import tcp as T
+from sparkccl.transport import tcp as T
 from sparkccl.errors import CollectiveError
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words

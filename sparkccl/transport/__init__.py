@@ -1,5 +1,7 @@
-"""Transport setup that is not specific to one module of the communicator.
+"""Transport setup in Python: what is done once per communicator; the data paths are native.
 
+* :mod:`sparkccl.transport.tcp`: the tcp transport's setup: listen, publish addresses,
+  connect, authenticate, hand the sockets to the native proxy.
 * :mod:`sparkccl.transport.verbs`: the RDMA (RoCE / InfiniBand) transport's setup: device
   selection, connection records exchanged through the store, pairing checks, QP bring-up.
 * :mod:`sparkccl.transport.check`: the lane check every communicator runs before its first

@@ -45,8 +45,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import config
-from .errors import CollectiveError
+from .. import config
+from ..errors import CollectiveError
 
 log = logging.getLogger("sparkccl")
 
