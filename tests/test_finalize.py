@@ -31,7 +31,7 @@ from sparkccl.testing import (all_gather_reference, bits, check, finalize_rows_r
                               fma_f32, make_finalize_input, make_input, moe_finalize_reference,
                               reduce_scatter_reference, run_ranks)
 
-N = pytest.importorskip("sparkccl._native")
+import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 HAVE_GPU = torch.cuda.is_available()
 cuda_only = [pytest.mark.cuda,
              pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "

@@ -18,6 +18,7 @@ from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
+from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -59,15 +60,6 @@ def test_bad_arguments_raise():
 
 
 # ---------------------------------------------------------------- memory helpers
-
-class Buf:
-    """Anonymous shared mapping with a numpy view and its address."""
-
-    def __init__(self, nbytes: int):
-        self.mm = mmap.mmap(-1, max(nbytes, 1))
-        self.a = np.frombuffer(self.mm, dtype=np.uint8)
-        self.addr = self.a.ctypes.data
-
 
 class Ctl:
     def __init__(self, world: int):

@@ -16,7 +16,6 @@ import ctypes.util
 import errno
 import glob
 import ipaddress
-import mmap
 import os
 import shutil
 import subprocess
@@ -35,8 +34,9 @@ from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
+from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
 
-N = pytest.importorskip("sparkccl._native")
+import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -132,13 +132,6 @@ def in_threads(world, fn, timeout=60):
     [t.join(timeout) for t in ts]
     assert not any(t.is_alive() for t in ts), "a rank hung"
     return out, errs
-
-
-class Buf:
-    def __init__(self, nbytes: int):
-        self.mm = mmap.mmap(-1, max(nbytes, 1))
-        self.a = np.frombuffer(self.mm, dtype=np.uint8)
-        self.addr = self.a.ctypes.data
 
 
 class VWorld:
