@@ -5,8 +5,9 @@ wait is satisfied at once, and the publish ring is overwritten freely (nothing c
 it). So each kernel runs at its own speed, and what is timed is the kernel alone.
 
 Roofs, measured in the same run on the same buffers:
-  * ``sm d2p`` / ``sm p2d``: torch's own copy kernel between device memory and the mapped
-    pinned region (SMs doing loads/stores over PCIe / C2C: the roof of our kernels);
+  * ``sm d2p`` / ``sm p2d``: torch's ``copy_`` between device memory and a device view of
+    the mapped pinned region (despite the label, torch turns that copy into a
+    ``cudaMemcpyAsync``, i.e. a copy engine; ``benchmarks/pcie_duplex.py`` times SM copies);
   * ``dma d2h`` / ``dma h2d``: cudaMemcpyAsync to/from a pinned CPU tensor (copy engines).
 
 Kernels and the bytes counted against the roof (L = per-rank slice):

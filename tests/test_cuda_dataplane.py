@@ -105,6 +105,9 @@ class EmuStream:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            if callable(item):  # a stream operation other than a launch
+                item()
+                continue
             name, grid, args = item
             if lib.sccl_emu_run(name.encode(), grid, args) != 0:
                 self.errors.append(f"unknown kernel {name}")
@@ -117,6 +120,12 @@ class EmuStream:
         ev = threading.Event()
         self.q.put(ev)
         return ev
+
+    def put(self, fn):
+        self.q.put(fn)
+
+    def wait_event(self, ev: threading.Event, timeout=120.0):
+        self.q.put(lambda: ev.wait(timeout) or self.errors.append("cross-stream wait timed out"))
 
     def synchronize(self, timeout=120.0):
         assert self.record().wait(timeout), "emulated stream did not drain"
@@ -171,6 +180,35 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
+
+    def _fork(self, ts, name="publish"):
+        side = self._sides.get(name)
+        if side is None:
+            side = self._sides[name] = EmuStream()
+        side.wait_event(ts.record())
+        return side, side
+
+    def _join(self, ts, side_ts):
+        ts.wait_event(side_ts.record())
+
+    def _issue(self, ops, waits):
+        for kind, stream, a, b, c in ops:
+            if kind == C.OP_COPY:
+                stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
+            elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
+                stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
+            else:
+                assert kind == C.OP_WAIT_PIECE, kind
+                stream.submit("sccl_wait_piece", 1, [a, *waits])
+
+    def _can_write_values(self):
+        return True
+
+    def close(self, **kw):
+        super().close(**kw)
+        for side in self._sides.values():
+            side.close()
+        self._sides.clear()
 
 
 class Backend:
@@ -229,7 +267,8 @@ class World:
     and the proxies keep only the relays, as a CUDA + shm Communicator does)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
-                 max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False):
+                 max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
+                 mode: str | None = None):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -265,6 +304,8 @@ class World:
                 rs = self.rs[r].t
                 dp.attach_rs(rs[:self.send_bytes], self.send_stride, rs[self.send_bytes:],
                              self.recv_stride)
+                if mode is not None:
+                    dp.direct_mode = mode
                 # Several ranks share one GPU here: keep every rank's spinning wait kernel
                 # small enough to fit beside the others' kernels.
                 if backend == "cuda":
@@ -508,10 +549,16 @@ def test_back_to_back_without_sync(backend):
         assert w.proxies[0].stats()["entries"] == 8 * count
 
 
+# The proxy path (None) and every GPU-direct mode.
+WAIT_MODES = [None, *C.DIRECT_MODES]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_timeout_raises_and_names_the_peer(backend):
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_timeout_raises_and_names_the_peer(backend, mode):
     world = 2
-    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5) as w:
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5,
+               direct=mode is not None, mode=mode) as w:
         xs = inputs(1, world, (100,), torch.uint8)
         seq = w.seq
         w.seq += 3
@@ -539,9 +586,11 @@ def test_timeout_raises_and_names_the_peer(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_abort_stops_a_waiting_kernel(backend):
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_abort_stops_a_waiting_kernel(backend, mode):
     world = 2
-    with World(backend, "ring", world, max_slice=4096, timeout_s=60) as w:
+    with World(backend, "ring", world, max_slice=4096, timeout_s=60, direct=mode is not None,
+               mode=mode) as w:
         xs = inputs(2, world, (world * 64,), torch.float32)
         with w.be.on(0):
             src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
@@ -624,8 +673,9 @@ DIRECT_CONFIGS = [("mesh", 2, 2), ("mesh", 3, 2), ("mesh", 4, 2), ("mesh", 4, 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", C.DIRECT_MODES)
 @pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
-def test_direct_exact(backend, topology, world, roots):
+def test_direct_exact(backend, topology, world, roots, mode):
     """The data planes execute the publish-triggered streams themselves (writes into the
     peers' regions, flags into the peers' flag words); the proxies only relay (rings of 4
     and more). Same bits as the references, for all-gather and reduce-scatter, aligned and
@@ -638,7 +688,8 @@ def test_direct_exact(backend, topology, world, roots):
         rs_cases += [(torch.bfloat16, (world * 4096, 128))]
     max_slice = max(max(ag_sizes), max(int(np.prod(s)) * torch.empty((), dtype=d).element_size()
                                        // world for d, s in rs_cases))
-    with World(backend, topology, world, roots, max_slice=max_slice, direct=True) as w:
+    with World(backend, topology, world, roots, max_slice=max_slice, direct=True,
+               mode=mode) as w:
         pending = []
         for k, n in enumerate(ag_sizes):
             xs = inputs(300 + k, world, (n,), torch.uint8)

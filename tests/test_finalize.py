@@ -279,15 +279,7 @@ def test_finalize_kernel_exact(backend, topology, world, roots, direct):
                 assert (w.proxies[r].stats()["writes"] > 0) == (relays > 0)
 
 
-MIX_BACKENDS = [pytest.param(
-    "cuda", marks=pytest.mark.skip(reason="flaky on H200 in process, also without the finalize: a "
-                                         "proxy-mode rank's first reduce-scatter to GPU-direct "
-                                         "ranks sometimes times out (two plain reduce-scatters "
-                                         "reproduce it); passes in the emulation"))] + \
-    [p for p in BACKENDS if p.values[0] == "emu"]
-
-
-@pytest.mark.parametrize("backend", MIX_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_finalize_direct_and_proxy_ranks_mix(backend):
     """A rank whose finalize goes through its proxy and ranks whose GPUs write directly
     interoperate (same flag words, same bytes), mixed with plain reduce-scatters."""

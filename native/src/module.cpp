@@ -67,6 +67,7 @@ void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane che
 
 namespace sparkccl {
 void bind_finalize(nb::module_& m);  // finalize_cpu.cpp: the CPU twin of the finalize rows
+void bind_cuda_ops(nb::module_& m);  // cuda_ops.cpp: the copy-engine data plane's stream ops
 }
 
 NB_MODULE(_native, m) {
@@ -190,4 +191,5 @@ NB_MODULE(_native, m) {
 
   sparkccl::bind_verbs(m);
   sparkccl::bind_finalize(m);
+  sparkccl::bind_cuda_ops(m);
 }

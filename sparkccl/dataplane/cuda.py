@@ -18,7 +18,10 @@ turns it off): the peers' regions and flag words are mapped into this process to
 collective (``sccl_ag_direct`` / ``sccl_rs_direct_*``) executes this rank's publish-triggered
 streams itself: it writes each item straight from the input into the peer's region and then
 the stream's flag word, piece by piece, while its other blocks already wait for and consume
-the peers' pieces (the two directions of the PCIe link overlap). The ring entries say
+the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; from 32 MiB per rank the default is
+mode "ce", where the copy engines move the bytes both ways and kernels only wait and sum,
+because SM reads of pinned memory lose half their rate while the link also carries writes;
+see ``_run_direct`` and docs/PROTOCOL.md "GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
 connection on the H200 test machine), the data crosses the link once each way at the
@@ -56,7 +59,7 @@ import torch
 
 from .. import layout
 from ..plan.build import build_plan
-from ..plan.geometry import ALIGN, PIECES, Part, piece_bounds, round_up
+from ..plan.geometry import ALIGN, PIECES, Part, flag_value, piece_bounds, round_up, sub_range
 from ..plan.model import REGION_SLOTS, OnPublish, Op, RankPlan, Region, decode_flag_word
 from . import nvrtc
 from .cpu import OP_NAMES, CpuDataPlane, fin_slice
@@ -81,6 +84,18 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 MAX_DIRECT = 32  # GPU-executed streams per op (kernels.cu)
 CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish streams itself
+# How a GPU-direct collective runs its two roles (SPARKCCL_DIRECT_MODE):
+#   fused: one kernel, publish blocks and wait blocks side by side;
+#   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
+#   ce:    the copy engines publish (cudaMemcpyAsync per item piece, then the flag and the
+#          ring tag by cuStreamWriteValue64) on a side stream, the wait kernel as in split.
+# SPARKCCL_DIRECT_MODE=auto (the default) takes "ce" from CE_MIN_SLICE bytes per rank
+# (SPARKCCL_CE_MIN_BYTES) and "fused" below: there one launch beats ~40 stream operations
+# (H200, world 2 on one GPU: ce wins from 16 MiB for all-gather, from 32-64 MiB for
+# reduce-scatter; benchmarks/direct_one_gpu_h200.txt).
+DIRECT_MODES = ("fused", "split", "ce")
+CE_MIN_SLICE = 32 << 20
+OP_COPY, OP_WRITE64, OP_WAIT_PIECE = 0, 1, 2  # mode "ce" stream operations (cuda_ops.cpp)
 
 FIN_THREADS = 512
 FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
@@ -349,10 +364,30 @@ class CudaDataPlane(CpuDataPlane):
             except ValueError:
                 warnings.warn(f"SPARKCCL_DIRECT_BLOCKS={tune!r} ignored: expected two integers "
                               "'publish,wait'")
+        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "auto"
+        if self.direct_mode not in ("auto", *DIRECT_MODES):
+            warnings.warn(f"SPARKCCL_DIRECT_MODE={self.direct_mode!r} ignored: expected auto or "
+                          f"one of {', '.join(DIRECT_MODES)}")
+            self.direct_mode = "auto"
+        try:
+            self.ce_min_slice = int(os.environ.get("SPARKCCL_CE_MIN_BYTES", "") or CE_MIN_SLICE)
+        except ValueError:
+            warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
+            self.ce_min_slice = CE_MIN_SLICE
+        self._sides: dict[str, object] = {}  # side streams of the split / ce modes
+        self._stage = None  # mode "ce": device staging of the reduce-scatter's received chunks
+        self._shadow = None  # mode "ce": device shadow of the flag words (_shadow_flags)
+        self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
+        self._wait_fn = None  # CUfunction of sccl_wait_piece (mode "ce")
+        ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
+            ctl_addr + layout.RING_OFFSET)
+        self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * (MAX_DIRECT + 1) * PIECES,
                                                      dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
         self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
+        self._dhost: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
+        #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
         self._reserve = getattr(native, "reserve_ring", None)
@@ -400,12 +435,15 @@ class CudaDataPlane(CpuDataPlane):
         """(torch stream, cuda.core stream) of the caller's current stream."""
         _set_current(self.device.index)
         ts = torch.cuda.current_stream(self.device)
+        return ts, self._cc_stream(ts)
+
+    def _cc_stream(self, ts):
         h = int(ts.cuda_stream)
         s = self._streams.get(h)
         if s is None:
             cc = nvrtc.import_cuda_core()
             s = self._streams[h] = cc.Stream.from_handle(h)
-        return ts, s
+        return s
 
     def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
         cc = nvrtc.import_cuda_core()
@@ -496,7 +534,7 @@ class CudaDataPlane(CpuDataPlane):
             return
         stride = self.ag_stride if op == Op.AG else self.rs_recv_stride
         slots = REGION_SLOTS[Region.AG] if op == Op.AG else REGION_SLOTS[Region.RS_RECV]
-        rows, items, blocks, room = [], [], 1, None
+        rows, items, blocks, room, host = [], [], 1, None, []
         for k in gpu_streams(plan):
             st = plan.streams[k]
             if st.op != op:
@@ -508,6 +546,7 @@ class CudaDataPlane(CpuDataPlane):
             base, nbytes = self._peer_dev[(peer, kind)]
             room = nbytes if room is None else min(room, nbytes)
             rows.append([flags + layout.FLAG_BYTES * st.dst_flag, len(items), len(st.items), 0])
+            host.append((rows[-1][0], []))
             for it in st.items:
                 if op == Op.AG:
                     ok = it.src_region == Region.AG and it.src_block == me and it.dst_region == Region.AG
@@ -518,6 +557,7 @@ class CudaDataPlane(CpuDataPlane):
                 if not ok:
                     raise ValueError(f"GPU-direct: unexpected item {it} in {OP_NAMES[op]} stream {k}")
                 items.append([chunk, base, stride, slots, it.dst_block, part_code(it.part)])
+                host[-1][1].append((chunk, base, stride, slots, it.dst_block, it.part))
                 blocks = max(blocks, it.dst_block + 1)
         if len(rows) > MAX_DIRECT:
             raise ValueError(f"GPU-direct: {len(rows)} streams, at most {MAX_DIRECT}")
@@ -526,6 +566,7 @@ class CudaDataPlane(CpuDataPlane):
         # every destination region (the proxy's transport checks the same per write).
         self._dtab[op] = (self._to_device(torch.tensor(flat, dtype=torch.int64)),
                           (slots - 1) * stride, blocks, room or 0)
+        self._dhost[op] = host
 
     def _direct(self, op: Op, S: int):
         """The direct table for a collective of slice S, or None (then the proxy sends)."""
@@ -534,6 +575,188 @@ class CudaDataPlane(CpuDataPlane):
             return None
         table, reach, blocks, room = t
         return table if reach + blocks * S <= room else None
+
+    def _run_direct(self, op: Op, seq: int, ts, stream, *, S: int, L: int, first: int,
+                    kernel: str, publish: tuple, consume: tuple, wait_kernel: str, nb: int,
+                    npub: int, ce_src: tuple | None, own: list) -> None:
+        """Launch a GPU-direct collective in ``self.direct_mode`` (see DIRECT_MODES).
+        publish: the direct kernel's publish arguments up to ``own_dst, dst2``; consume: the
+        wait role's arguments before ``L, S`` (sccl_*_wait) or the wait parameters (direct
+        kernel). ce_src: (input pointer, chunk stride) for the copy engines, or None (a
+        zero-copy input, already pinned: the publish kernel sends it); own: (dst, src,
+        bytes) copies of the own slice."""
+        ring = (self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(op)), self._dcounters(seq))
+        waits = self._wait_args(op, seq)
+        mode = self.direct_mode
+        if mode == "auto":
+            mode = "ce" if S >= self.ce_min_slice else "fused"
+        if mode == "ce" and not self._can_write_values():
+            mode = "split"
+        if mode == "fused" or "wait" not in self.phases:
+            grid = npub + (1 + nb if "wait" in self.phases else 0)
+            self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
+                         *consume, *waits)
+            self.direct_launches += 1
+            self._end(ts)
+            return
+        # The two roles on two streams: the publish side starts after everything queued
+        # before on the caller's stream, and the caller's stream joins it at the end, so
+        # collectives stay in order and every region is reused as with one launch.
+        side_ts, side = self._fork(ts)
+        ce_pub = mode == "ce" and ce_src is not None  # (a zero-copy input is already pinned)
+        ce_wait = mode == "ce" and (op == Op.RS or int(consume[1]) != 0)  # (zero-copy AG: waits)
+        if not ce_pub:
+            self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
+                         *consume, *waits)
+        joins = [side_ts]
+        if ce_pub or ce_wait:
+            stage = 0
+            if op == Op.RS and ce_wait:
+                # The sum runs beside the copies, on a third stream: its waits read the shadow
+                # flag words, which the receiving stream writes once a piece is staged.
+                stage = self._stage_buffer(self.world * S).data_ptr()
+                red_ts, red = self._fork(ts, "reduce")
+                joins.append(red_ts)
+                self._launch(red, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
+                             _n(L), _n(S), *self._wait_args(op, seq, flags=self._shadow_flags()))
+            # The own slice first, on the receiving stream (idle until the first piece lands).
+            ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
+            if ce_pub:
+                self._ring_fields(first, seq, S, op)
+            for c in range(PIECES):  # both sides piece by piece: each stream starts at once
+                if ce_pub:
+                    self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
+                if ce_wait:
+                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume, stage=stage)
+            self._issue(ops, waits)
+        if not ce_wait:
+            self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
+                         *waits)
+        for j in joins:
+            self._join(ts, j)
+        self.direct_launches += 1
+        self._end(ts)
+
+    def _ce_publish(self, ops: list, op: Op, seq: int, side_ts, c: int, *, S: int, L: int,
+                    first: int, src: tuple) -> None:
+        """Mode "ce", piece c of the sending side: the same writes as direct_publish in
+        kernels.cu, as copy-engine operations: each item's bytes straight into the peer's
+        mapped region, then the stream's flag word; then the tag of ring entry first + c
+        (its other fields are written by :meth:`_ring_fields` before anything is issued).
+        A written value carries a system-wide fence (cuStreamWriteValue64 without
+        NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store."""
+        base, stride = src
+        lo, hi = piece_bounds(S, c)
+        for flag, items in self._dhost[op]:
+            for chunk, dbase, dstride, slots, block, part in items:
+                a, e = sub_range(lo, hi, part)
+                a, e = min(a, L), min(e, L)
+                if e > a:
+                    ops.append((OP_COPY, side_ts, dbase + (seq % slots) * dstride + block * S + a,
+                                base + chunk * stride + a, e - a))
+            ops.append((OP_WRITE64, side_ts, flag, flag_value(seq, c), 0))
+        index = first + c
+        ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
+                    + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
+
+    def _ce_receive(self, ops: list, op: Op, seq: int, ts, c: int, *, S: int, L: int,
+                    consume: tuple, stage: int) -> None:
+        """Mode "ce", piece c of the receiving side: ``sccl_wait_piece`` (one thread waits for
+        every source's flag words of the piece, watching the abort word and the timeout),
+        then the copy engines move each source's piece off the link: into the all-gather
+        result, or into the device staging slot of the reduce-scatter, whose shadow flag
+        words then release the piece to the summing kernel. SMs reading pinned memory lose
+        about half their rate while the link also carries the publish writes; copy engines
+        do not (benchmarks/pcie_duplex.py)."""
+        if op == Op.AG:
+            src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
+        else:
+            src, dst, dst_stride = int(consume[0]), stage, S
+        ops.append((OP_WAIT_PIECE, ts, c, 0, 0))
+        lo, hi = piece_bounds(S, c)
+        a, e = min(lo, L), min(hi, L)
+        if e > a:
+            for i in range(self.world):
+                if i != self.rank:
+                    ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
+        if op == Op.RS:
+            shadow = self._shadow_flags()
+            for i, words in enumerate(self.plan.waits[op]):
+                if i != self.rank:
+                    ops += [(OP_WRITE64, ts, shadow + layout.FLAG_BYTES * w, flag_value(seq, c), 0)
+                            for w in words]
+
+    def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
+        """Every field but the tag of the collective's ring entries first .. first + 7 (the
+        GPU stream writes each tag once its piece is sent; the host wrote these before it
+        issued that write, so the proxy, which reads the fields after the tag, finds them)."""
+        idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
+        rows = []
+        for c in range(PIECES):
+            lo, hi = piece_bounds(S, c)
+            rows.append([seq, S, lo, hi, int(op) | c << 32, (CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
+        self._ring_host[idx, 1:7] = np.array(rows, dtype=np.uint64)
+
+    def _shadow_flags(self) -> int:
+        """Device copy of this rank's flag words for mode "ce": the receiving stream writes
+        word w once the piece it announces is staged in device memory (only that stream
+        writes them, and only ever larger values)."""
+        if self._shadow is None:
+            self._shadow = self._to_device(torch.zeros(self.plan.num_flag_words, dtype=torch.int64))
+        return self._shadow.data_ptr()
+
+    def _stage_buffer(self, nbytes: int) -> torch.Tensor:
+        """Device staging slot of mode "ce" for the reduce-scatter's received chunks (one
+        per data plane: the copies into it and the kernel reading it are on one stream; a
+        smaller one is kept until synchronize(), for work still queued)."""
+        buf = self._stage
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self._fin_retired.append(buf)
+            buf = self._stage = torch.empty(max(nbytes, 16), dtype=torch.uint8,
+                                            device=self.device)
+        return buf
+
+    # ---- streams and stream operations (overridden by the CPU emulation) -----------------
+    def _fork(self, ts, name: str = "publish"):
+        """(torch stream, cuda.core stream) of this data plane's side stream ``name``,
+        ordered after everything queued on ``ts`` so far."""
+        side = self._sides.get(name)
+        if side is None:
+            side = self._sides[name] = torch.cuda.Stream(self.device)
+        side.wait_stream(ts)
+        return side, self._cc_stream(side)
+
+    def _join(self, ts, side_ts) -> None:
+        ts.wait_stream(side_ts)
+
+    def _issue(self, ops: list, waits: tuple) -> None:
+        """Issue mode "ce" operations (kind, torch stream, a, b, c) in order, in one native
+        call (native/src/cuda_ops.cpp); waits: the wait parameters of sccl_wait_piece."""
+        flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
+        with torch.cuda.device(self.device):
+            self.nat.cuda_issue(self._wait_piece_fn(), [int(v) for v in waits], flat)
+
+    def _wait_piece_fn(self) -> int:
+        """CUfunction handle of sccl_wait_piece in this device's context."""
+        if self._wait_fn is None:
+            from cuda.bindings import driver as drv
+            h = self.kernels["sccl_wait_piece"].handle
+            if isinstance(h, drv.CUkernel):
+                h = _check("cuKernelGetFunction", drv.cuKernelGetFunction(h))[0]
+            self._wait_fn = int(h)
+        return self._wait_fn
+
+    def _can_write_values(self) -> bool:
+        if self._write_values is None:
+            try:
+                from cuda.bindings import driver as drv
+                attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+                err, v = drv.cuDeviceGetAttribute(attr, self.device.index)
+                self._write_values = int(err) == 0 and bool(v)
+            except Exception:
+                self._write_values = False
+        return self._write_values
 
     def _direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
@@ -576,9 +799,10 @@ class CudaDataPlane(CpuDataPlane):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, seq: int) -> tuple:
+    def _wait_args(self, op: Op, seq: int, flags: int | None = None) -> tuple:
         table = self.wait_table[int(op)]
-        return (self.flags_dev, self.ctl_dev + layout.CTL_ABORT, self.ctl_dev + GPU_STATUS,
+        return (self.flags_dev if flags is None else flags, self.ctl_dev + layout.CTL_ABORT,
+                self.ctl_dev + GPU_STATUS,
                 table.data_ptr(), self.parts_table[int(op)].data_ptr(), _n(self.maxw),
                 self.state.data_ptr(), _n(seq), _n(self.rank), _n(self.world),
                 _n(self.timeout_ns))
@@ -647,21 +871,18 @@ class CudaDataPlane(CpuDataPlane):
         res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
-        if dtab is not None:  # GPU-direct: publish streams and wait in one launch
-            npub = self._direct_blocks(piece * max(1, self.world - 1))
+        if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
             nb = 1 if dst is None else min(self._wait_blocks(piece), self.max_direct_wait_blocks)
-            grid = npub + (1 + nb if "wait" in self.phases else 0)
-            # The own block of the slot is only read when the result stays there (zero-copy):
-            # relays forward other origins' blocks, and no proxy reads it any more.
-            self._launch(stream, "sccl_ag_direct", grid, DIRECT_THREADS,
-                         src.data_ptr(), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                         slot + me * S if dst is None else 0, res_me,
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(Op.AG)),
-                         self._dcounters(seq), _n(npub),
-                         slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
-                         *self._wait_args(Op.AG, seq))
-            self.direct_launches += 1
-            self._end(ts)
+            # The own block of the slot is only written when the result stays there
+            # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
+            own_dst = slot + me * S if dst is None else 0
+            self._run_direct(
+                Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
+                publish=(src.data_ptr(), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(), own_dst,
+                         res_me),
+                consume=(slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride)),
+                wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
+                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d])
             return
         bpp = self._publish_blocks(piece)
         if "publish" in self.phases:
@@ -710,19 +931,17 @@ class CudaDataPlane(CpuDataPlane):
             bpp = 1
             own, own_sys = send + me * S, 1
         dtab = self._direct(Op.RS, S)
-        if dtab is not None:  # GPU-direct: chunks straight to the peers, wait in one launch
+        if dtab is not None:  # GPU-direct: chunks straight to the peers
             sbase, sstride, ssys = (base, src_stride, 0) if src is not None else (send, S, 1)
-            npub = self._direct_blocks(piece * max(1, W - 1))
-            nb = min(self._wait_blocks(piece), self.max_direct_wait_blocks)
-            grid = npub + (1 + nb if "wait" in self.phases else 0)
-            self._launch(stream, _RS_DIRECT[dtype], grid, DIRECT_THREADS,
-                         sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0,
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(Op.RS)),
-                         self._dcounters(seq), _n(npub),
-                         recv, own, _n(own_sys), dst.data_ptr() + dst_off,
-                         *self._wait_args(Op.RS, seq))
-            self.direct_launches += 1
-            self._end(ts)
+            self._run_direct(
+                Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
+                publish=(sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0),
+                consume=(recv, own, _n(own_sys), dst.data_ptr() + dst_off),
+                wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(piece),
+                                                      self.max_direct_wait_blocks),
+                npub=self._direct_blocks(piece * (W - 1)),
+                # A zero-copy input already lies in pinned memory: no copy engine for it.
+                ce_src=(base, src_stride) if src is not None else None, own=[])
             return
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,

@@ -353,34 +353,46 @@ __device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word
   st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
 }
 
+// One thread: wait until source i's wait word k carries piece c (nothing to wait for when
+// the source is this rank or has no word k). False: the abort word was set or the timeout
+// (from t0) passed; the failure is recorded.
+__device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
+  const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+  if (word < 0) return true;
+  const u64 value = w.seq * FLAG_STRIDE + c + 1;
+  u32 spins = 0;
+  while (ld_acquire_sys(w.flags + word) < value) {
+    const u64 code = ld_relaxed_sys(w.abort_w);
+    if (code) {
+      record_failure(w, code, (u64)i, (u64)word, (u64)c);
+      return false;
+    }
+    if (globaltimer() - t0 > w.timeout_ns) {
+      record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
+      return false;
+    }
+    if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
+  }
+  return true;
+}
+
+// One thread: fail at once if an earlier wait of this data plane failed.
+__device__ bool earlier_wait_failed(const WaitArgs& w) {
+  if (!*(volatile u64*)(w.state + 1)) return false;
+  record_failure(w, ABORT_PEER, 0xFFFFFFFFull, NO_WORD, 0xFF);
+  return true;
+}
+
 // One thread: wait for every (piece, word index, source) in order and relay progress.
 __device__ void poller(const WaitArgs& w) {
   const u64 base = w.seq * PROG_STRIDE;
-  if (*(volatile u64*)(w.state + 1)) {  // an earlier wait failed: fail at once
-    record_failure(w, ABORT_PEER, 0xFFFFFFFFull, NO_WORD, 0xFF);
-    return;
-  }
+  if (earlier_wait_failed(w)) return;
   const u64 t0 = globaltimer();
   for (int c = 0; c < PIECES; ++c) {
-    const u64 value = w.seq * FLAG_STRIDE + c + 1;
     for (int k = 0; k < w.maxw; ++k) {
       for (int i = 0; i < w.world; ++i) {
+        if (!wait_word(w, c, k, i, t0)) return;
         const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
-        if (word >= 0) {
-          u32 spins = 0;
-          while (ld_acquire_sys(w.flags + word) < value) {
-            const u64 code = ld_relaxed_sys(w.abort_w);
-            if (code) {
-              record_failure(w, code, (u64)i, (u64)word, (u64)c);
-              return;
-            }
-            if (globaltimer() - t0 > w.timeout_ns) {
-              record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
-              return;
-            }
-            if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
-          }
-        }
         if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
       }
     }
@@ -427,6 +439,19 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
   w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+
+// sccl_wait_piece: one thread waits until piece c of every source arrived (every wait word),
+// then the launch ends: the copy-engine data plane ("ce" mode) orders its copies of the
+// piece after this kernel on the same stream. A failure is recorded as in the poller (the
+// copies that follow then move stale bytes, and the host raises at the next call).
+extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
+  const u64 t0 = globaltimer();
+  for (int k = 0; k < w.maxw; ++k)
+    for (int i = 0; i < w.world; ++i)
+      if (!wait_word(w, (int)piece, k, i, t0)) return;
+}
 
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
 // slot: AG slot of this seq (block i = rank i's slice, S bytes apart). dst: result + dst_off
