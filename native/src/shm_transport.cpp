@@ -26,15 +26,10 @@ struct CopyOp {
   uint64_t value;
 };
 
-struct Worker {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<CopyOp> queue;
-  bool waiting = false;
+struct Worker : OrderedQueue<CopyOp> {
   bool stopping = false;
   std::atomic<bool> quit{false};
   std::thread thread;
-  std::atomic<uint64_t> posted{0}, done{0};
 
   void run() {
     std::vector<CopyOp> batch;
@@ -61,17 +56,6 @@ struct Worker {
       }
       batch.clear();
     }
-  }
-
-  void push(const CopyOp& op) {
-    bool wake;
-    posted.fetch_add(1, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      queue.push_back(op);
-      wake = waiting;
-    }
-    if (wake) cv.notify_one();
   }
 };
 

@@ -115,16 +115,12 @@ struct SendOp {
   const uint8_t* src;  // write payload (local region), else nullptr
 };
 
-struct Sender {
+struct Sender : OrderedQueue<SendOp> {
   int fd = -1;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<SendOp> queue;
-  bool waiting = false, stopping = false, finishing = false;
+  bool stopping = false, finishing = false;
   std::string abort_text;   // set once by on_abort
   bool abort_pending = false;
   std::thread thread;
-  std::atomic<uint64_t> posted{0}, done{0};
   std::atomic<bool> exited{false};
   std::atomic<bool> abort_requested{false}, abort_sent{false};
   std::atomic<bool> failed{false};
@@ -196,17 +192,6 @@ struct Sender {
       batch.clear();
     }
     exited.store(true, std::memory_order_release);
-  }
-
-  void push(const SendOp& op) {
-    bool wake;
-    posted.fetch_add(1, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      queue.push_back(op);
-      wake = waiting;
-    }
-    if (wake) cv.notify_one();
   }
 };
 

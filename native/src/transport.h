@@ -4,8 +4,10 @@
 // asynchronous completion errors. The proxy is the only caller (one thread).
 #pragma once
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -87,5 +89,29 @@ std::unique_ptr<Transport> make_tcp_transport(Registry* reg, std::vector<ConnInf
                                               uint64_t ctl, uint64_t flags,
                                               const std::vector<int>& send_fds,
                                               const std::vector<TcpRecvConn>& recv);
+
+// The queue in front of one connection's worker thread (shm copy worker, tcp sender): the
+// proxy pushes operations in stream order, the worker takes them in batches under `mu`
+// and sleeps on `cv` while `waiting` (its own wait predicate: each transport adds states).
+// posted / done count operations, so the proxy can tell when a connection is drained.
+template <class Op>
+struct OrderedQueue {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Op> queue;
+  bool waiting = false;
+  std::atomic<uint64_t> posted{0}, done{0};
+
+  void push(const Op& op) {
+    bool wake;
+    posted.fetch_add(1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      queue.push_back(op);
+      wake = waiting;
+    }
+    if (wake) cv.notify_one();
+  }
+};
 
 }  // namespace sparkccl

@@ -20,7 +20,7 @@ streams itself: it writes each item straight from the input into the peer's regi
 the stream's flag word, piece by piece, while its other blocks already wait for and consume
 the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; from 32 MiB per rank the default is
 mode "ce", where the copy engines move the bytes both ways and kernels only wait and sum,
-because SM reads of pinned memory lose half their rate while the link also carries writes;
+because SM copies lose a quarter to half of their rate when the link is busy both ways;
 see ``_run_direct`` and docs/PROTOCOL.md "GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
@@ -341,8 +341,8 @@ class CudaDataPlane(CpuDataPlane):
         self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
         self._fin_gate_base = 0
         self._fin_used = False
-        self._fin_own = None
-        self._fin_retired: list[torch.Tensor] = []
+        self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
+        self._retired: list[torch.Tensor] = []
         self.maxw = max(1, max(len(w) for op in Op for w in plan.waits[op]))
         table = torch.full((len(Op), self.world, self.maxw), -1, dtype=torch.int32)
         for op in Op:
@@ -375,7 +375,6 @@ class CudaDataPlane(CpuDataPlane):
             warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
             self.ce_min_slice = CE_MIN_SLICE
         self._sides: dict[str, object] = {}  # side streams of the split / ce modes
-        self._stage = None  # mode "ce": device staging of the reduce-scatter's received chunks
         self._shadow = None  # mode "ce": device shadow of the flag words (_shadow_flags)
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
         self._wait_fn = None  # CUfunction of sccl_wait_piece (mode "ce")
@@ -614,7 +613,7 @@ class CudaDataPlane(CpuDataPlane):
             if op == Op.RS and ce_wait:
                 # The sum runs beside the copies, on a third stream: its waits read the shadow
                 # flag words, which the receiving stream writes once a piece is staged.
-                stage = self._stage_buffer(self.world * S).data_ptr()
+                stage = self._scratch("ce stage", self.world * S).data_ptr()
                 red_ts, red = self._fork(ts, "reduce")
                 joins.append(red_ts)
                 self._launch(red, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
@@ -666,8 +665,8 @@ class CudaDataPlane(CpuDataPlane):
         then the copy engines move each source's piece off the link: into the all-gather
         result, or into the device staging slot of the reduce-scatter, whose shadow flag
         words then release the piece to the summing kernel. SMs reading pinned memory lose
-        about half their rate while the link also carries the publish writes; copy engines
-        do not (benchmarks/pcie_duplex.py)."""
+        a quarter to half of their rate while the link also carries the publish writes;
+        copy engines keep 48 of 55 GB/s each way (benchmarks/pcie_duplex_h200.txt)."""
         if op == Op.AG:
             src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
         else:
@@ -705,16 +704,19 @@ class CudaDataPlane(CpuDataPlane):
             self._shadow = self._to_device(torch.zeros(self.plan.num_flag_words, dtype=torch.int64))
         return self._shadow.data_ptr()
 
-    def _stage_buffer(self, nbytes: int) -> torch.Tensor:
-        """Device staging slot of mode "ce" for the reduce-scatter's received chunks (one
-        per data plane: the copies into it and the kernel reading it are on one stream; a
-        smaller one is kept until synchronize(), for work still queued)."""
-        buf = self._stage
+    def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
+        """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
+        reused by every call: each use is written and read on the collectives' one stream,
+        so a later call's writes come after the earlier reads. Outgrown buffers are kept
+        until synchronize(), for kernels and copies still queued. Names: "finalize own"
+        (this rank's own rows of a finalize, read by the wait kernel that follows) and
+        "ce stage" (mode "ce": the reduce-scatter's received chunks)."""
+        buf = self._scratch_bufs.get(name)
         if buf is None or buf.numel() < nbytes:
             if buf is not None:
-                self._fin_retired.append(buf)
-            buf = self._stage = torch.empty(max(nbytes, 16), dtype=torch.uint8,
-                                            device=self.device)
+                self._retired.append(buf)
+            buf = self._scratch_bufs[name] = torch.empty(max(nbytes, 16), dtype=torch.uint8,
+                                                         device=self.device)
         return buf
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
@@ -961,18 +963,6 @@ class CudaDataPlane(CpuDataPlane):
         self._end(ts)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
-    def _own_buffer(self, nbytes: int) -> torch.Tensor:
-        """Device buffer for this rank's own chunk of a finalize (read by the wait kernel
-        that follows on the same stream, so one buffer serves every call; a smaller one is
-        kept alive until synchronize(), for kernels still queued)."""
-        buf = self._fin_own
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None:
-                self._fin_retired.append(buf)
-            buf = self._fin_own = torch.empty(max(nbytes, 16), dtype=torch.uint8,
-                                              device=self.device)
-        return buf
-
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:
         """The CUDA twin of :meth:`CpuDataPlane.moe_finalize_reduce_scatter`: the host
@@ -994,7 +984,7 @@ class CudaDataPlane(CpuDataPlane):
         ts, stream = self._stream()
         send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
         recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
-        own = self._own_buffer(L).data_ptr()
+        own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         if "publish" in self.phases:
             units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
@@ -1028,7 +1018,7 @@ class CudaDataPlane(CpuDataPlane):
         first = self._begin(Op.RS, seq, S)
         ts, stream = self._stream()
         recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
-        own = self._own_buffer(L).data_ptr()
+        own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * W // 16)  # 16-byte row units of one piece, every destination
@@ -1068,7 +1058,7 @@ class CudaDataPlane(CpuDataPlane):
         if one of them failed (timeout or abort), or ``ValueError`` if a finalize met a bad
         ``pos`` value."""
         self._wait_last()
-        self._fin_retired.clear()
+        self._retired.clear()
         self.check_status()
         self.check_abort()
         self.check_sizes()

@@ -267,6 +267,23 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
 
 // ---------------------------------------------------------------- publish
 
+// One thread: write publish-ring entry `index` (every field, a system fence, then the tag
+// that hands it to the proxy).
+__device__ __forceinline__ void write_entry(u8* ring, u64 index, u64 seq, u64 S, u64 lo, u64 hi,
+                                            u32 op, u32 piece, u32 chunk, u32 granule) {
+  u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
+  st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
+  st_volatile_u64((u64*)(ent + ENT_SLICE), S);
+  st_volatile_u64((u64*)(ent + ENT_LO), lo);
+  st_volatile_u64((u64*)(ent + ENT_HI), hi);
+  st_volatile_u32((u32*)(ent + ENT_OP), op);
+  st_volatile_u32((u32*)(ent + ENT_PIECE), piece);
+  st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
+  st_volatile_u32((u32*)(ent + ENT_GRANULE), granule);
+  __threadfence_system();
+  st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+}
+
 // Called by every thread of a block after its share of piece c is written. The last of
 // `bpp` blocks to get here writes ring entry `index`.
 // chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
@@ -284,17 +301,7 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
       *counter = 0;     // ready for the launch that reuses this counter
       u64 lo, hi;
       piece_bounds(S, c, &lo, &hi);
-      u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
-      st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
-      st_volatile_u64((u64*)(ent + ENT_SLICE), S);
-      st_volatile_u64((u64*)(ent + ENT_LO), lo);
-      st_volatile_u64((u64*)(ent + ENT_HI), hi);
-      st_volatile_u32((u32*)(ent + ENT_OP), op);
-      st_volatile_u32((u32*)(ent + ENT_PIECE), (u32)c);
-      st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
-      st_volatile_u32((u32*)(ent + ENT_GRANULE), ALIGN);
-      __threadfence_system();
-      st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+      write_entry(ring, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
     }
   }
 }
@@ -861,17 +868,7 @@ __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8*
       const u64 index = first_index + k;
       u64 lo, hi;
       piece_bounds_g(S, c, RB, &lo, &hi);
-      u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
-      st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
-      st_volatile_u64((u64*)(ent + ENT_SLICE), S);
-      st_volatile_u64((u64*)(ent + ENT_LO), lo);
-      st_volatile_u64((u64*)(ent + ENT_HI), hi);
-      st_volatile_u32((u32*)(ent + ENT_OP), op);
-      st_volatile_u32((u32*)(ent + ENT_PIECE), (u32)c);
-      st_volatile_u32((u32*)(ent + ENT_CHUNK), (u32)j);
-      st_volatile_u32((u32*)(ent + ENT_GRANULE), (u32)RB);
-      __threadfence_system();
-      st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+      write_entry(ring, index, seq, S, lo, hi, op, (u32)c, (u32)j, (u32)RB);
     }
   }
 }
