@@ -16,7 +16,11 @@ import statistics
 import sys
 import time
 
-import torch
+# Both ranks' streams live in this one process: give each its own hardware queue (as the
+# tests do, tests/conftest.py), or a spinning wait of one rank can hold back the other's work.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparkccl.dataplane.cuda import DIRECT_MODES  # noqa: E402

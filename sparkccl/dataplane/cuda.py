@@ -611,13 +611,9 @@ class CudaDataPlane(CpuDataPlane):
         if ce_pub or ce_wait:
             stage = 0
             if op == Op.RS and ce_wait:
-                # The sum runs beside the copies, on a third stream: its waits read the shadow
-                # flag words, which the receiving stream writes once a piece is staged.
                 stage = self._scratch("ce stage", self.world * S).data_ptr()
-                red_ts, red = self._fork(ts, "reduce")
+                red_ts, red = self._fork(ts, "reduce")  # after ts's earlier work only
                 joins.append(red_ts)
-                self._launch(red, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
-                             _n(L), _n(S), *self._wait_args(op, seq, flags=self._shadow_flags()))
             # The own slice first, on the receiving stream (idle until the first piece lands).
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
@@ -628,6 +624,13 @@ class CudaDataPlane(CpuDataPlane):
                 if ce_wait:
                     self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume, stage=stage)
             self._issue(ops, waits)
+            if op == Op.RS and ce_wait:
+                # The sum runs beside the copies, on a third stream: its waits read the shadow
+                # flag words, which the receiving stream writes once a piece is staged. It is
+                # queued after those writes: streams of a process may share a hardware queue,
+                # and a kernel queued before the work it waits for could then never see it.
+                self._launch(red, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
+                             _n(L), _n(S), *self._wait_args(op, seq, flags=self._shadow_flags()))
         if not ce_wait:
             self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
