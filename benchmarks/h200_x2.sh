@@ -26,10 +26,10 @@ timeout 300 python3 benchmarks/finalize_bench.py --out "$OUT/finalize_bench.txt"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stage "link duplex (GPU 0)"
   timeout 120 python3 benchmarks/pcie_duplex.py 2>&1 | tee "$OUT/pcie_duplex.txt"
-  stage "bench (default engines: SPARKCCL_DIRECT_MODE=auto)"
+  stage "bench (default engine: SPARKCCL_DIRECT_MODE=fused)"
   timeout 300 sparkccl bench --device cuda --world 2 --min-bytes 1M --max-bytes 256M --iters 5 \
     2>&1 | tee "$OUT/bench_cuda_x2.txt"
-  stage "bench, SM kernels only (SPARKCCL_DIRECT_MODE=fused), for the same-run comparison"
-  SPARKCCL_DIRECT_MODE=fused timeout 120 sparkccl bench --device cuda --world 2 \
-    --min-bytes 64M --max-bytes 256M --iters 5 --no-baseline 2>&1 | tee "$OUT/bench_cuda_x2_fused.txt"
+  stage "bench, copy engines from 32 MiB per rank (SPARKCCL_DIRECT_MODE=auto), same machine"
+  SPARKCCL_DIRECT_MODE=auto SPARKCCL_TIMEOUT_S=30 timeout 150 sparkccl bench --device cuda \
+    --world 2 --min-bytes 64M --max-bytes 256M --iters 5 --no-baseline 2>&1 | tee "$OUT/bench_cuda_x2_auto.txt"
 fi

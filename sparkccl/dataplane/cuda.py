@@ -18,8 +18,8 @@ turns it off): the peers' regions and flag words are mapped into this process to
 collective (``sccl_ag_direct`` / ``sccl_rs_direct_*``) executes this rank's publish-triggered
 streams itself: it writes each item straight from the input into the peer's region and then
 the stream's flag word, piece by piece, while its other blocks already wait for and consume
-the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; from 32 MiB per rank the default is
-mode "ce", where the copy engines move the bytes both ways and kernels only wait and sum,
+the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused", the default; mode "ce",
+opt-in, has the copy engines move the bytes both ways while kernels only wait and sum,
 because SM copies lose a quarter to half of their rate when the link is busy both ways;
 see ``_run_direct`` and docs/PROTOCOL.md "GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
@@ -89,10 +89,12 @@ CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish s
 #   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
 #   ce:    the copy engines publish (cudaMemcpyAsync per item piece, then the flag and the
 #          ring tag by cuStreamWriteValue64) on a side stream, the wait kernel as in split.
-# SPARKCCL_DIRECT_MODE=auto (the default) takes "ce" from CE_MIN_SLICE bytes per rank
-# (SPARKCCL_CE_MIN_BYTES) and "fused" below: there one launch beats ~40 stream operations
-# (H200, world 2 on one GPU: ce wins from 16 MiB for all-gather, from 32-64 MiB for
-# reduce-scatter; benchmarks/direct_one_gpu_h200.txt).
+# SPARKCCL_DIRECT_MODE: "fused" is the default, the one engine proven on two GPUs so far.
+# "auto" takes "ce" from CE_MIN_SLICE bytes per rank (SPARKCCL_CE_MIN_BYTES) and "fused"
+# below, where one launch beats ~40 stream operations (H200, world 2 on one GPU: ce wins
+# from 16 MiB for all-gather, from 32-64 MiB for reduce-scatter;
+# benchmarks/direct_one_gpu_h200.txt). Not the default yet: on two H200s (one process per
+# GPU) a reduce-scatter in mode ce hung at 64 MiB per rank (see the issue notes).
 DIRECT_MODES = ("fused", "split", "ce")
 CE_MIN_SLICE = 32 << 20
 OP_COPY, OP_WRITE64, OP_WAIT_PIECE = 0, 1, 2  # mode "ce" stream operations (cuda_ops.cpp)
@@ -364,11 +366,11 @@ class CudaDataPlane(CpuDataPlane):
             except ValueError:
                 warnings.warn(f"SPARKCCL_DIRECT_BLOCKS={tune!r} ignored: expected two integers "
                               "'publish,wait'")
-        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "auto"
+        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "fused"
         if self.direct_mode not in ("auto", *DIRECT_MODES):
             warnings.warn(f"SPARKCCL_DIRECT_MODE={self.direct_mode!r} ignored: expected auto or "
                           f"one of {', '.join(DIRECT_MODES)}")
-            self.direct_mode = "auto"
+            self.direct_mode = "fused"
         try:
             self.ce_min_slice = int(os.environ.get("SPARKCCL_CE_MIN_BYTES", "") or CE_MIN_SLICE)
         except ValueError:
