@@ -181,12 +181,11 @@ class EmuDataPlane(C.CudaDataPlane):
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
 
-    def _fork(self, ts, name="publish"):
-        side = self._sides.get(name)
-        if side is None:
-            side = self._sides[name] = EmuStream()
-        side.wait_event(ts.record())
-        return side, side
+    def _fork(self, ts):
+        if self._side is None:
+            self._side = EmuStream()
+        self._side.wait_event(ts.record())
+        return self._side, self._side
 
     def _join(self, ts, side_ts):
         ts.wait_event(side_ts.record())
@@ -206,9 +205,9 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def close(self, **kw):
         super().close(**kw)
-        for side in self._sides.values():
-            side.close()
-        self._sides.clear()
+        if self._side is not None:
+            self._side.close()
+            self._side = None
 
 
 class Backend:

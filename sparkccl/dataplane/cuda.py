@@ -376,8 +376,7 @@ class CudaDataPlane(CpuDataPlane):
         except ValueError:
             warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
             self.ce_min_slice = CE_MIN_SLICE
-        self._sides: dict[str, object] = {}  # side streams of the split / ce modes
-        self._shadow = None  # mode "ce": device shadow of the flag words (_shadow_flags)
+        self._side = None  # side stream of the split / ce modes (made on first use)
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
         self._wait_fn = None  # CUfunction of sccl_wait_piece (mode "ce")
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
@@ -609,13 +608,10 @@ class CudaDataPlane(CpuDataPlane):
         if not ce_pub:
             self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
                          *consume, *waits)
-        joins = [side_ts]
         if ce_pub or ce_wait:
             stage = 0
             if op == Op.RS and ce_wait:
                 stage = self._scratch("ce stage", self.world * S).data_ptr()
-                red_ts, red = self._fork(ts, "reduce")  # after ts's earlier work only
-                joins.append(red_ts)
             # The own slice first, on the receiving stream (idle until the first piece lands).
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
@@ -624,20 +620,19 @@ class CudaDataPlane(CpuDataPlane):
                 if ce_pub:
                     self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
                 if ce_wait:
-                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume, stage=stage)
+                    self._ce_receive(ops, op, ts, c, S=S, L=L, consume=consume, stage=stage)
             self._issue(ops, waits)
             if op == Op.RS and ce_wait:
-                # The sum runs beside the copies, on a third stream: its waits read the shadow
-                # flag words, which the receiving stream writes once a piece is staged. It is
-                # queued after those writes: streams of a process may share a hardware queue,
-                # and a kernel queued before the work it waits for could then never see it.
-                self._launch(red, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
-                             _n(L), _n(S), *self._wait_args(op, seq, flags=self._shadow_flags()))
+                # The sum, once every piece is staged (its waits are over by then). No kernel of
+                # this rank spins beside the copies: an earlier version summed each piece as
+                # it landed, in a kernel on a third stream that waited for device flags the
+                # copying stream wrote; on two H200s it hung at 64 MiB per rank.
+                self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
+                             _n(L), _n(S), *waits)
         if not ce_wait:
             self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
-        for j in joins:
-            self._join(ts, j)
+        self._join(ts, side_ts)
         self.direct_launches += 1
         self._end(ts)
 
@@ -663,15 +658,15 @@ class CudaDataPlane(CpuDataPlane):
         ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
                     + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
 
-    def _ce_receive(self, ops: list, op: Op, seq: int, ts, c: int, *, S: int, L: int,
-                    consume: tuple, stage: int) -> None:
+    def _ce_receive(self, ops: list, op: Op, ts, c: int, *, S: int, L: int, consume: tuple,
+                    stage: int) -> None:
         """Mode "ce", piece c of the receiving side: ``sccl_wait_piece`` (one thread waits for
         every source's flag words of the piece, watching the abort word and the timeout),
         then the copy engines move each source's piece off the link: into the all-gather
-        result, or into the device staging slot of the reduce-scatter, whose shadow flag
-        words then release the piece to the summing kernel. SMs reading pinned memory lose
-        a quarter to half of their rate while the link also carries the publish writes;
-        copy engines keep 48 of 55 GB/s each way (benchmarks/pcie_duplex_h200.txt)."""
+        result, or into the device staging slot of the reduce-scatter (summed in rank order
+        once every piece is there). SMs reading pinned memory lose a quarter to half of
+        their rate while the link also carries the publish writes; copy engines keep 48 of
+        55 GB/s each way (benchmarks/pcie_duplex_h200.txt)."""
         if op == Op.AG:
             src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
         else:
@@ -683,12 +678,6 @@ class CudaDataPlane(CpuDataPlane):
             for i in range(self.world):
                 if i != self.rank:
                     ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
-        if op == Op.RS:
-            shadow = self._shadow_flags()
-            for i, words in enumerate(self.plan.waits[op]):
-                if i != self.rank:
-                    ops += [(OP_WRITE64, ts, shadow + layout.FLAG_BYTES * w, flag_value(seq, c), 0)
-                            for w in words]
 
     def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
         """Every field but the tag of the collective's ring entries first .. first + 7 (the
@@ -700,14 +689,6 @@ class CudaDataPlane(CpuDataPlane):
             lo, hi = piece_bounds(S, c)
             rows.append([seq, S, lo, hi, int(op) | c << 32, (CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
         self._ring_host[idx, 1:7] = np.array(rows, dtype=np.uint64)
-
-    def _shadow_flags(self) -> int:
-        """Device copy of this rank's flag words for mode "ce": the receiving stream writes
-        word w once the piece it announces is staged in device memory (only that stream
-        writes them, and only ever larger values)."""
-        if self._shadow is None:
-            self._shadow = self._to_device(torch.zeros(self.plan.num_flag_words, dtype=torch.int64))
-        return self._shadow.data_ptr()
 
     def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
@@ -725,14 +706,13 @@ class CudaDataPlane(CpuDataPlane):
         return buf
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
-    def _fork(self, ts, name: str = "publish"):
-        """(torch stream, cuda.core stream) of this data plane's side stream ``name``,
-        ordered after everything queued on ``ts`` so far."""
-        side = self._sides.get(name)
-        if side is None:
-            side = self._sides[name] = torch.cuda.Stream(self.device)
-        side.wait_stream(ts)
-        return side, self._cc_stream(side)
+    def _fork(self, ts):
+        """(torch stream, cuda.core stream) of this data plane's side stream, ordered after
+        everything queued on ``ts`` so far."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(ts)
+        return self._side, self._cc_stream(self._side)
 
     def _join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
@@ -806,10 +786,9 @@ class CudaDataPlane(CpuDataPlane):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, seq: int, flags: int | None = None) -> tuple:
+    def _wait_args(self, op: Op, seq: int) -> tuple:
         table = self.wait_table[int(op)]
-        return (self.flags_dev if flags is None else flags, self.ctl_dev + layout.CTL_ABORT,
-                self.ctl_dev + GPU_STATUS,
+        return (self.flags_dev, self.ctl_dev + layout.CTL_ABORT, self.ctl_dev + GPU_STATUS,
                 table.data_ptr(), self.parts_table[int(op)].data_ptr(), _n(self.maxw),
                 self.state.data_ptr(), _n(seq), _n(self.rank), _n(self.world),
                 _n(self.timeout_ns))
