@@ -87,14 +87,17 @@ CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish s
 # How a GPU-direct collective runs its two roles (SPARKCCL_DIRECT_MODE):
 #   fused: one kernel, publish blocks and wait blocks side by side;
 #   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
-#   ce:    the copy engines publish (cudaMemcpyAsync per item piece, then the flag and the
-#          ring tag by cuStreamWriteValue64) on a side stream, the wait kernel as in split.
+#   ce:    copy engines both ways: on a side stream cuMemcpyAsync per item piece, then the
+#          flag and the ring tag by cuStreamWriteValue64; on the caller's stream per piece
+#          sccl_wait_piece, then copies out of the own region (reduce-scatter: into device
+#          staging, summed by the wait kernel at the end). See _run_direct.
 # SPARKCCL_DIRECT_MODE: "fused" is the default, the one engine proven on two GPUs so far.
 # "auto" takes "ce" from CE_MIN_SLICE bytes per rank (SPARKCCL_CE_MIN_BYTES) and "fused"
 # below, where one launch beats ~40 stream operations (H200, world 2 on one GPU: ce wins
 # from 16 MiB for all-gather, from 32-64 MiB for reduce-scatter;
 # benchmarks/direct_one_gpu_h200.txt). Not the default yet: on two H200s (one process per
-# GPU) a reduce-scatter in mode ce hung at 64 MiB per rank (see the issue notes).
+# GPU) a reduce-scatter in an earlier form of mode ce hung at 64 MiB per rank, and the
+# present form has not run there yet (benchmarks/bench_h200_x2_engines.txt).
 DIRECT_MODES = ("fused", "split", "ce")
 CE_MIN_SLICE = 32 << 20
 OP_COPY, OP_WRITE64, OP_WAIT_PIECE = 0, 1, 2  # mode "ce" stream operations (cuda_ops.cpp)
