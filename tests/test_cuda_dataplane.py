@@ -731,6 +731,41 @@ def test_direct_exact(backend, topology, world, roots, mode):
             assert (st["flags"] > 0) == (relays > 0), st  # the proxy writes relay flags only
 
 
+def test_auto_mode_picks_the_engine_by_slice():
+    """SPARKCCL_DIRECT_MODE=auto: copy engines from ce_min_slice bytes per rank, the fused
+    kernel below; and "ce" falls back to "split" where streams cannot write values. The
+    results are the same bits either way."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=1 << 16, direct=True, mode="auto") as w:
+        issued, launched = [], []
+        for dp in w.dps:
+            dp.ce_min_slice = 4096
+            issue, launch = dp._issue, dp._launch
+            dp._issue = lambda ops, waits, f=issue: (issued.append(len(ops)), f(ops, waits))
+            dp._launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
+        small = inputs(20, world, (4000,), torch.uint8)
+        outs = w.all_gather(small)
+        w.sync()
+        check_ag(w, small, outs)
+        assert issued == [] and set(launched) == {"sccl_ag_direct"}
+        launched.clear()
+        big = inputs(21, world, (5000,), torch.uint8)  # S = 5008 >= 4096
+        outs = w.all_gather(big)
+        w.sync()
+        check_ag(w, big, outs)
+        assert len(issued) == world and launched == []  # copies and piece waits, no kernel
+        issued.clear()
+        launched.clear()
+        for dp in w.dps:
+            dp.direct_mode = "ce"
+            dp._can_write_values = lambda: False
+        outs = w.all_gather(big)
+        w.sync()
+        check_ag(w, big, outs)
+        assert issued == [] and sorted(set(launched)) == ["sccl_ag_direct", "sccl_ag_wait"]
+        w.healthy()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_direct_and_proxy_ranks_mix(backend):
     """GPU-direct is each rank's own choice: a rank that sends through its proxy and ranks

@@ -776,3 +776,19 @@ def test_direct_entry_needs_set_gpu_streams():
         assert "GPU-direct" in N.error_text(c0.addr) and "set_gpu_streams" in N.error_text(c0.addr)
     finally:
         p.stop()
+
+
+def test_cuda_issue_refuses_bad_operations():
+    """The copy-engine data plane's native issuer checks its operation list before it
+    touches CUDA, and names what is missing where there is no driver."""
+    import ctypes
+    with pytest.raises(ValueError, match="5-word operations"):
+        N.cuda_issue(0, [], [0, 0, 0])
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver here (CI): refused with the reason, nothing issued
+        with pytest.raises(RuntimeError, match="libcuda.so.1"):
+            N.cuda_issue(0, [], [9, 0, 0, 0, 0])
+    else:
+        with pytest.raises(ValueError, match="unknown operation kind 9"):
+            N.cuda_issue(0, [], [9, 0, 0, 0, 0])
