@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 from .errors import CollectiveError
@@ -150,7 +149,3 @@ def validate(infos: list[dict], fields: tuple[str, ...]) -> None:
     if problems:
         raise ValueError("sparkccl.Communicator: ranks disagree on its settings; pass the same "
                          "values on every rank:\n  " + "\n  ".join(problems))
-
-
-def timedelta_s(s: float) -> timedelta:
-    return timedelta(seconds=s)

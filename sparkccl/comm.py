@@ -26,7 +26,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import weakref
 
 import torch
@@ -130,14 +129,14 @@ class Communicator:
                              "(device='cpu') or CUDA tensors (device='cuda')")
         self.device = dev
 
-        st, r, w, how = bootstrap.resolve_group(group, store, rank, world_size)
+        st, r, w, _ = bootstrap.resolve_group(group, store, rank, world_size)
         self.rank, self.world_size = r, w
         # Join first: a rank whose local settings are bad still takes its turn (so later
         # communicators on this store stay in step) and tells the others, who fail at once.
-        token = bootstrap.new_token(st, r, w, config.bootstrap_timeout(timeout_s))
+        boot_timeout = config.bootstrap_timeout(timeout_s)
+        token = bootstrap.new_token(st, r, w, boot_timeout)
         self.token = token
-        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w,
-                                             config.bootstrap_timeout(timeout_s))
+        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot_timeout)
         try:
             self._settings = s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s,
                                                 local_ranks=w)
@@ -370,8 +369,7 @@ class Communicator:
         data straight into them and writes their flag words (the publish-triggered streams
         of the plan, executed by the data plane instead of the proxy's copy workers; the
         proxy keeps the relays). ``SPARKCCL_GPU_DIRECT=0``: the proxy sends everything."""
-        from .dataplane.cuda import gpu_streams
-        px.set_gpu_streams(gpu_streams(self.plan))
+        px.set_gpu_streams(self.plan.publish_streams())
         peers = [p for p in range(self.world_size) if p != self.rank]
         self._dp.map_peers(ctl={p: (self._peer_segs[(p, "ctl")].addr, self._ctl_bytes)
                                 for p in peers},

@@ -6,7 +6,6 @@ once (round-to-nearest-even) for reduce-scatter. Mesh and ring run in the same p
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import sparkccl

@@ -3,7 +3,6 @@ what to change; construction errors; the small pure-Python pieces (config, valid
 from __future__ import annotations
 
 import pickle
-from datetime import timedelta
 
 import pytest
 import torch

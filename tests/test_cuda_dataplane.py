@@ -315,7 +315,7 @@ class World:
             if direct:
                 nfb = L.control_bytes(nfw)
                 for r, (p, dp) in enumerate(zip(self.proxies, self.dps)):
-                    p.set_gpu_streams(C.gpu_streams(self.plans[r]))
+                    p.set_gpu_streams(self.plans[r].publish_streams())
                     peers = [q for q in range(world) if q != r]
                     dp.map_peers(ctl={q: (self.ctl[q].addr, nfb) for q in peers},
                                  ag={q: (self.ag[q].addr, len(self.ag[q].mm)) for q in peers})
@@ -716,7 +716,7 @@ def test_direct_exact(backend, topology, world, roots, mode):
             assert w.dps[r].direct_launches == n_coll
             # Every publish-triggered stream piece went from the GPU, none from the proxy
             # (which consumes the last entries on its own time: the GPU no longer waits for it).
-            n_pub = [len([s for s in C.gpu_streams(w.plans[r]) if w.plans[r].streams[s].op == op])
+            n_pub = [len([s for s in w.plans[r].publish_streams() if w.plans[r].streams[s].op == op])
                      for op in (0, 1)]
             want = 8 * ((len(ag_sizes) + 1) * n_pub[0] + (len(rs_cases) + 1) * n_pub[1])
             deadline = time.monotonic() + 10

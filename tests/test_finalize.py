@@ -33,9 +33,6 @@ from sparkccl.testing import (all_gather_reference, bits, check, finalize_rows_r
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 HAVE_GPU = torch.cuda.is_available()
-cuda_only = [pytest.mark.cuda,
-             pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "
-                                                     "is False")]
 
 
 # ---------------------------------------------------------------- the reference's FMA
@@ -177,7 +174,6 @@ try:
     from test_cuda_dataplane import BACKENDS, World  # noqa: E402  (tests/ is on sys.path)
 except Exception as e:  # pragma: no cover - e.g. another import mode
     BACKENDS, World = [pytest.param("emu", marks=pytest.mark.skip(reason=f"no World: {e}"))], None
-from sparkccl.dataplane import cuda as C  # noqa: E402
 
 
 def run_finalize(w, inputs, T, Tpad, rows_per_call=None):
@@ -275,7 +271,7 @@ def test_finalize_kernel_exact(backend, topology, world, roots, direct):
         for r in range(W):
             assert w.dps[r].direct_launches == (n_fin + 3 if direct else 0)
             if direct:  # every data write went from the GPUs: the proxies only relay
-                relays = len(w.plans[r].streams) - len(C.gpu_streams(w.plans[r]))
+                relays = len(w.plans[r].streams) - len(w.plans[r].publish_streams())
                 assert (w.proxies[r].stats()["writes"] > 0) == (relays > 0)
 
 

@@ -686,10 +686,6 @@ def _put_entry(c: Ctl, op: int, seq: int, piece: int, chunk: int, slice_: int) -
     c.buf.a[L.CTL_RING_HEAD:L.CTL_RING_HEAD + 8].view(np.uint64)[0] = head + 1
 
 
-def _publish_streams(plan):
-    return [k for k, s in enumerate(plan.streams) if s.trigger.__class__.__name__ == "OnPublish"]
-
-
 def test_set_gpu_streams_arguments():
     plan = build_plan("ring", 4, 0, 2)
     t = plan.to_tables()
@@ -700,7 +696,7 @@ def test_set_gpu_streams_arguments():
         p.set_gpu_streams([relay])
     with pytest.raises(ValueError, match="out of range"):
         p.set_gpu_streams([len(t["streams"])])
-    p.set_gpu_streams(_publish_streams(plan))
+    p.set_gpu_streams(plan.publish_streams())
     p.start()
     with pytest.raises(ValueError, match="before start"):
         p.set_gpu_streams([])
@@ -715,7 +711,7 @@ def test_gpu_streams_skipped_for_direct_collectives_only(topology, world):
     into the peers and the flags after it."""
     w = World(topology, world, 2, max_slice=4096)
     for r, p in enumerate(w.proxies):
-        p.set_gpu_streams(_publish_streams(w.plans[r]))
+        p.set_gpu_streams(w.plans[r].publish_streams())
     w.start()
     try:
         run_ag(w, 1000)  # chunk -1: the proxies send
@@ -725,7 +721,7 @@ def test_gpu_streams_skipped_for_direct_collectives_only(topology, world):
             w.block(r, Region.AG, seq, r, S)[:] = pattern(seq, r, 0, S)
         for c in range(G.PIECES):
             for r, plan in enumerate(w.plans):
-                for k in _publish_streams(plan):
+                for k in plan.publish_streams():
                     st = plan.streams[k]
                     if st.op != Op.AG:
                         continue
@@ -744,14 +740,14 @@ def test_gpu_streams_skipped_for_direct_collectives_only(topology, world):
         w.seq += 1
         w.check_healthy()
         for r, p in enumerate(w.proxies):
-            n_pub = len([k for k in _publish_streams(w.plans[r])
+            n_pub = len([k for k in w.plans[r].publish_streams()
                          if w.plans[r].streams[k].op == Op.AG])
             deadline = time.monotonic() + 5
             while p.stats()["gpu_pieces"] < 8 * n_pub and time.monotonic() < deadline:
                 time.sleep(0.01)
             st = p.stats()
             assert st["gpu_pieces"] == 8 * n_pub
-            relays = len(w.plans[r].streams) - len(_publish_streams(w.plans[r]))
+            relays = len(w.plans[r].streams) - len(w.plans[r].publish_streams())
             assert (st["writes"] > writes[r]) == (relays > 0 and topology == "ring"), st
         run_ag(w, 48)  # and chunk -1 again: the proxies send again
         w.check_healthy()

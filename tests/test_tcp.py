@@ -5,7 +5,6 @@ propagation, a killed peer. The multi-host fabrics (switch, ring) are in test_tc
 """
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from sparkccl.testing import (all_gather_reference, bits, check, make_input,
                               reduce_scatter_reference, run_ranks)
 
 import sparkccl._native as N  # noqa: E402
+from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 HDR = struct.Struct("<IIQQ")
@@ -34,13 +34,6 @@ K_WRITE, K_FLAG, K_ABORT, K_BYE = 0x57524954, 0x47414C46, 0x54524241, 0x20455942
 
 
 # ---------------------------------------------------------------- native frames
-
-class Buf:
-    def __init__(self, nbytes: int):
-        self.mm = mmap.mmap(-1, max(nbytes, 1))
-        self.a = np.frombuffer(self.mm, dtype=np.uint8)
-        self.addr = self.a.ctypes.data
-
 
 class OneRank:
     """Rank 0 of a world-2 mesh with one root, over socket pairs whose far ends we hold."""

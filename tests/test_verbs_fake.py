@@ -264,9 +264,6 @@ def run_rs(w: VWorld, slice_: int, seq=None):
 
 # ------------------------------------------------------------------------- WR analysis
 
-def lane_of_conn(topology, conn):
-    return (conn.channel, conn.root)
-
 
 def check_work_requests(w: VWorld, log, strict=False):
     """Every post_send of the run against the plan: per connection, groups of data writes
@@ -483,10 +480,11 @@ def test_qp_transitions_and_attributes(fake, topology, world):
             assert rts["sq_psn"] == q["psn"] and rts["max_rd_atomic"] == 1
         for link in w.links:
             assert link.endpoint.qp_states() == [QPS_RTS] * len(link.endpoint.connections())
-        # Memory: flags and the three regions, local write + remote write, on every device.
+        # Memory: flags, the abort inbox and the three regions, local write + remote write,
+        # registered once on every device each rank uses.
         regs = [e for e in log if e["kind"] == "reg_mr"]
         assert all(e["access"] == 3 for e in regs)
-        assert len(regs) == world * 4 * len({q["device"] for q in qps.values()}) // world * 1 or regs
+        assert len(regs) == 5 * len({(q["rank"], q["device"]) for q in qps.values()}), len(regs)
     finally:
         w.stop()
 

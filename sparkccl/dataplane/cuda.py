@@ -60,7 +60,7 @@ import torch
 from .. import layout
 from ..plan.build import build_plan
 from ..plan.geometry import ALIGN, PIECES, Part, flag_value, piece_bounds, round_up, sub_range
-from ..plan.model import REGION_SLOTS, OnPublish, Op, RankPlan, Region, decode_flag_word
+from ..plan.model import REGION_SLOTS, Op, RankPlan, Region, decode_flag_word
 from . import nvrtc
 from .cpu import OP_NAMES, CpuDataPlane, fin_slice
 
@@ -266,12 +266,6 @@ def wait_parts(plan: RankPlan, maxw: int) -> torch.Tensor:
         for k, code in enumerate(split):
             out[int(op), W, k] = code
     return out
-
-
-def gpu_streams(plan: RankPlan) -> list[int]:
-    """Indices (into ``plan.streams`` / the proxy's table) of the publish-triggered streams:
-    the ones a GPU-direct data plane executes itself."""
-    return [k for k, s in enumerate(plan.streams) if isinstance(s.trigger, OnPublish)]
 
 
 def unregister_host(addr: int) -> None:
@@ -538,7 +532,7 @@ class CudaDataPlane(CpuDataPlane):
         stride = self.ag_stride if op == Op.AG else self.rs_recv_stride
         slots = REGION_SLOTS[Region.AG] if op == Op.AG else REGION_SLOTS[Region.RS_RECV]
         rows, items, blocks, room, host = [], [], 1, None, []
-        for k in gpu_streams(plan):
+        for k in plan.publish_streams():
             st = plan.streams[k]
             if st.op != op:
                 continue

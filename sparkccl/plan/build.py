@@ -13,7 +13,7 @@ from functools import lru_cache
 from .geometry import Part
 from .model import (
     MESH_CHANNEL, NEXT, PREV, Connection, Item, OnFlag, OnPublish, Op, RankPlan, Region,
-    Stream, flag_word,
+    Stream, arrival, flag_word,
 )
 
 TOPOLOGIES = ("mesh", "ring")
@@ -137,10 +137,6 @@ def check_config(topology: str, world: int, roots: int) -> None:
         raise ValueError(f"roots must be 1 or 2, got {roots}")
 
 
-def _arrival(topology: str, out_channel: int) -> int:
-    return MESH_CHANNEL if topology == "mesh" else 1 - out_channel
-
-
 @lru_cache(maxsize=None)
 def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan:
     """The plan rank ``rank`` executes for every collective of ``topology`` at ``world``."""
@@ -148,7 +144,6 @@ def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan
     if not 0 <= rank < world:
         raise ValueError(f"rank must be 0..{world - 1}, got {rank}")
     conns = _connections(topology, world, rank, roots)
-    conn_index = {(c.peer, c.channel, c.root): i for i, c in enumerate(conns)}
 
     # (op, origin, out channel, peer, root) -> items, kept in first-seen order so that
     # stream order follows connection order (mesh: r+1, r+2, ...).
@@ -162,7 +157,7 @@ def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan
                 for leg in routes(topology, world, origin, target):
                     last = len(leg.path) - 2
                     if target == rank:
-                        arr = _arrival(topology, leg.channels[last])
+                        arr = arrival(topology, leg.channels[last])
                         waits[op][origin].update(
                             flag_word(world, op, origin, arr, k) for k in range(roots))
                     for hop in range(len(leg.path) - 1):
@@ -183,7 +178,7 @@ def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan
         for (op, origin, ch, peer, k), items in groups.items():
             if (peer, ch, k) != (conn.peer, conn.channel, conn.root):
                 continue
-            arr = _arrival(topology, ch)
+            arr = arrival(topology, ch)
             if origin == rank:
                 chunks = frozenset(it.src_block for it in items)
                 trigger = OnPublish(chunks)
@@ -194,8 +189,6 @@ def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan
             streams.append(Stream(op, origin, conn_id, flag_word(world, op, origin, arr, k),
                                   trigger, tuple(items)))
     assert len({(s.conn, s.dst_flag) for s in streams}) == len(streams)
-    assert all(conn_index[(conns[s.conn].peer, conns[s.conn].channel, conns[s.conn].root)]
-               == s.conn for s in streams)
 
     n_stage = len(_staging_blocks(topology, world))
     return RankPlan(

@@ -16,7 +16,7 @@ collective, in order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Union
 
@@ -39,11 +39,17 @@ class Region(IntEnum):
 
 
 REGION_SLOTS = {Region.AG: 3, Region.RS_SEND: 2, Region.RS_RECV: 2}
-OP_REGIONS = {Op.AG: (Region.AG,), Op.RS: (Region.RS_SEND, Region.RS_RECV)}
 
 MESH_CHANNEL = 0
 PREV, NEXT = 0, 1
 """Ring channels: 0 is the port facing prev, 1 the port facing next (SPEC §5)."""
+
+
+def arrival(topology: str, channel: int) -> int:
+    """The channel at the peer on which a connection leaving by ``channel`` arrives: the
+    mesh has one, a ring cable joins one rank's next-facing port to the other's prev."""
+    return MESH_CHANNEL if topology == "mesh" else 1 - channel
+
 
 CHANNELS = 2
 MAX_ROOTS = 2
@@ -127,7 +133,6 @@ class RankPlan:
     """waits[op][source]: local flag words the data plane waits on for source's data."""
     rs_recv_blocks: int
     """Slice-sized blocks per RS recv slot: world, plus staging blocks of multi-hop relays."""
-    notes: dict = field(default_factory=dict)
 
     @property
     def num_flag_words(self) -> int:
@@ -135,6 +140,11 @@ class RankPlan:
 
     def streams_of(self, op: Op) -> tuple[Stream, ...]:
         return tuple(s for s in self.streams if s.op == op)
+
+    def publish_streams(self) -> list[int]:
+        """Indices (into ``streams`` / the proxy's table) of the publish-triggered streams:
+        the ones a GPU-direct data plane may execute itself (``Proxy.set_gpu_streams``)."""
+        return [k for k, s in enumerate(self.streams) if isinstance(s.trigger, OnPublish)]
 
     def to_tables(self) -> dict[str, list[list[int]]]:
         """Flat integer tables for the native proxy (layout documented in docs/PROTOCOL.md)."""

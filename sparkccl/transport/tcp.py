@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from .. import config
 from ..errors import CollectiveError
+from ..plan.model import arrival
 
 log = logging.getLogger("sparkccl")
 
@@ -110,10 +111,6 @@ def local_endpoints(topology: str, roots: int, env=None) -> dict[tuple[int, int]
 
 def _family(addr: str) -> int:
     return socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-
-def _arrival(topology: str, out_channel: int) -> int:
-    return 0 if topology == "mesh" else 1 - out_channel
 
 
 def _port_name(topology: str, ch: int) -> str:
@@ -344,7 +341,7 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
             continue
         for c in plans[s].connections:
             if c.peer == rank:
-                expected[(s, c.channel, c.root)] = (_arrival(topology, c.channel), c.root)
+                expected[(s, c.channel, c.root)] = (arrival(topology, c.channel), c.root)
 
     listeners: dict[tuple[int, int], socket.socket] = {}
     error = None
@@ -382,7 +379,7 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
 
         error = None
         for c in plans[rank].connections:
-            arr = _arrival(topology, c.channel)
+            arr = arrival(topology, c.channel)
             dst = infos[c.peer]["listen"].get(f"{arr}/{c.root}")
             try:
                 if dst is None:

@@ -58,6 +58,7 @@ from typing import Mapping
 from ..bootstrap import describe_disagreement
 from ..errors import CollectiveError
 from ..fabric import FabricError, RootChoice, Selection, select_mesh, select_ring
+from ..plan.model import arrival
 
 log = logging.getLogger("sparkccl")
 
@@ -73,10 +74,8 @@ MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 MTU_BYTES = {v: k for k, v in MTU_ENUM.items()}
 LINK_LAYERS = {0: "unspecified", 1: "InfiniBand", 2: "Ethernet"}
 LINK_ETHERNET = 2
-PORT_ACTIVE = 4
 KEY_FLAGS = 3
 KEY_INBOX = 4  # the abort inbox: one control-block-shaped slot per peer (verbs_transport.h)
-KEY_NAMES = {0: "AG", 1: "RS_SEND", 2: "RS_RECV", KEY_FLAGS: "flags", KEY_INBOX: "inbox"}
 INBOX_SLOT = 4096  # layout.CTL_BYTES
 RECORD_VERSION = 1
 
@@ -153,11 +152,6 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout=None, retr
 
 def channel_name(topology: str, channel: int) -> str:
     return "mesh" if topology == "mesh" else ("prev", "next")[channel]
-
-
-def arrival(topology: str, channel: int) -> int:
-    """The channel at the peer that my connection on ``channel`` arrives on."""
-    return 0 if topology == "mesh" else 1 - channel
 
 
 def select_lanes(topology: str, roots: int, *, rank: int = 0, env: Mapping[str, str] | None = None,
