@@ -775,16 +775,19 @@ def test_direct_entry_needs_set_gpu_streams():
 
 
 def test_cuda_issue_refuses_bad_operations():
-    """The copy-engine data plane's native issuer checks its operation list before it
-    touches CUDA, and names what is missing where there is no driver."""
+    """The copy-engine data plane's native issuer checks its whole operation list before it
+    issues anything (a copy before a bad entry is not issued either), and names what is
+    missing where there is no driver."""
     import ctypes
     with pytest.raises(ValueError, match="5-word operations"):
         N.cuda_issue(0, [], [0, 0, 0])
+    copy = [0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="unknown operation kind 9"):
+        N.cuda_issue(0, [], copy + [9, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="a piece wait without a kernel"):
+        N.cuda_issue(0, [], copy + [2, 0, 0, 0, 0])
     try:
         ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no driver here (CI): refused with the reason, nothing issued
+    except OSError:  # no driver here (CI): refused with the reason
         with pytest.raises(RuntimeError, match="libcuda.so.1"):
-            N.cuda_issue(0, [], [9, 0, 0, 0, 0])
-    else:
-        with pytest.raises(ValueError, match="unknown operation kind 9"):
-            N.cuda_issue(0, [], [9, 0, 0, 0, 0])
+            N.cuda_issue(0, [], copy)

@@ -81,6 +81,13 @@ std::string describe(uint64_t kind) {
 void issue(uint64_t wait_fn, const std::vector<uint64_t>& wait_params,
            const std::vector<uint64_t>& ops) {
   if (ops.size() % OP_WORDS) throw std::invalid_argument("cuda_issue: ops is not a list of 5-word operations");
+  // Refuse a bad list before anything is issued (a half-issued collective would hang peers).
+  for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
+    if (ops[k] > OP_WAIT_PIECE)
+      throw std::invalid_argument("cuda_issue: unknown operation kind " + std::to_string(ops[k]));
+    if (ops[k] == OP_WAIT_PIECE && !wait_fn)
+      throw std::invalid_argument("cuda_issue: a piece wait without a kernel");
+  }
   const CudaApi& cu = api();
   std::vector<uint64_t> args(1 + wait_params.size());
   std::vector<void*> params(args.size());
@@ -96,13 +103,10 @@ void issue(uint64_t wait_fn, const std::vector<uint64_t>& wait_params,
       r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
     } else if (kind == OP_WRITE64) {
       r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
-    } else if (kind == OP_WAIT_PIECE) {
-      if (!wait_fn) throw std::invalid_argument("cuda_issue: a piece wait without a kernel");
+    } else {  // OP_WAIT_PIECE (kinds were checked above)
       args[0] = a;
       r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(wait_fn)), 1, 1, 1, 32,
                     1, 1, 0, s, params.data(), nullptr);
-    } else {
-      throw std::invalid_argument("cuda_issue: unknown operation kind " + std::to_string(kind));
     }
     if (r != 0) {
       const char* text = nullptr;

@@ -117,30 +117,36 @@ class CpuDataPlane:
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
             self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
-        word = words[idx if 0 <= idx < len(words) else 0]
+        self._timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
+                        words[idx if 0 <= idx < len(words) else 0])
+
+    def _timed_out(self, what: str, piece: int, word: int, note: str = "") -> None:
+        """Fail with the timeout of a wait for flag ``word``: its origin, and the connection
+        (and relaying neighbour) the data was to come through."""
         _, origin, channel, root = decode_flag_word(self.world, word)
         sender = self._sender(channel, origin)
         conn = f"channel {channel} root {root}"
         via = "" if sender == origin else f", relayed by rank {sender}"
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
-                  f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {origin} "
-                  f"(connection: channel {channel} root {root}{via})",
+                  f"{what} piece {piece} from rank {origin} (connection: {conn}{via}{note})",
                   layout.ABORT_TIMEOUT, peer=origin, connection=conn)
 
-    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> None:
-        """Every rank must pass the same sizes: compare with the source's own publish entry."""
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
+        """Every rank must pass the same sizes: compare with the source's own publish entry.
+        False while that entry has not appeared yet (nothing compared)."""
         ring = self.peer_rings[source]
         if ring is None:
-            return
+            return True
         rows = ring[(ring[:, 1] == seq) & (ring[:, 0] != 0)]
         if len(rows) == 0:
-            return
+            return False
         theirs = int(rows[0, 2])
         if theirs != slice_bytes:
             self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {source} passed a "
                       f"different size than this rank ({theirs} vs {slice_bytes} bytes per "
                       "rank, padded to 16); every rank must pass the same shape",
                       layout.ABORT_USER, peer=source)
+        return True
 
     # ---- collectives ---------------------------------------------------------------
     @staticmethod

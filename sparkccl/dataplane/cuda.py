@@ -3,7 +3,7 @@
 Kernels live in ``kernels.cu``, compiled at run time with NVRTC (``nvrtc.py``, cached on
 disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
 
-1. the host reserves the collective's 8 publish-ring indices (``reserve_ring``: waits while
+1. the host reserves the collective's 8 publish-ring indices (``_reserve_ring``: waits while
    the ring is full; the GPU cannot do a system-scope fetch-add on host memory over PCIe);
 2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
    to finish piece c writes ring entry ``first + c`` (fields, system fence, tag);
@@ -58,9 +58,10 @@ import numpy as np
 import torch
 
 from .. import layout
+from ..errors import CollectiveError
 from ..plan.build import build_plan
 from ..plan.geometry import ALIGN, PIECES, Part, flag_value, piece_bounds, round_up, sub_range
-from ..plan.model import REGION_SLOTS, Op, RankPlan, Region, decode_flag_word
+from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from . import nvrtc
 from .cpu import OP_NAMES, CpuDataPlane, fin_slice
 
@@ -319,7 +320,6 @@ class CudaDataPlane(CpuDataPlane):
         self.max_publish_blocks = 2 * self.sms
         self.max_wait_blocks = self.sms
         self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
-        self.ag_host = ag
         try:
             ctl_bytes = layout.control_bytes(plan.num_flag_words)
             self.ctl_dev = self._register(ctl_addr, ctl_bytes)
@@ -387,7 +387,6 @@ class CudaDataPlane(CpuDataPlane):
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
-        self._reserve = getattr(native, "reserve_ring", None)
         self._device_synchronize()
 
     # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
@@ -471,7 +470,6 @@ class CudaDataPlane(CpuDataPlane):
         else:
             send_dev = self._register(s, n)
             recv_dev = self._register(r, m)
-        self.rs_send_host, self.rs_recv_host = send, recv
         self.rs_send_dev, self.rs_recv_dev = send_dev, recv_dev
         self.rs_send = self._view(send_dev, n)
         self.rs_recv = self._view(recv_dev, m)
@@ -527,7 +525,7 @@ class CudaDataPlane(CpuDataPlane):
         peer it writes to is not mapped."""
         plan, me = self.plan, self.rank
         kind = "ag" if op == Op.AG else "rs_recv"
-        if op == Op.RS and getattr(self, "rs_recv_stride", None) is None:
+        if op == Op.RS and self.rs_send is None:  # attach_rs() not called yet
             return
         stride = self.ag_stride if op == Op.AG else self.rs_recv_stride
         slots = REGION_SLOTS[Region.AG] if op == Op.AG else REGION_SLOTS[Region.RS_RECV]
@@ -752,15 +750,8 @@ class CudaDataPlane(CpuDataPlane):
     def _reserve_ring(self, op: Op, seq: int, n: int = PIECES) -> int:
         """Claim ring indices for the collective's n entries (8 pieces, or 8 per destination
         for the finalize); wait until they are free."""
-        if self._reserve is not None:
-            code, first = self._reserve(self.ctl, n, self.timeout_s)
-            if code == 0:
-                return int(first)
-            if self.nat.abort_code(self.ctl):
-                self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
-            self._ring_timeout(op, seq)
-        # Fallback (no native helper): this host thread is the ring's only producer for a
-        # CUDA communicator, so a plain store of head is enough (tail is the proxy's).
+        # This host thread is the ring's only producer for a CUDA communicator, so a plain
+        # store of head is enough (tail is the proxy's).
         head = _u64(self.ctl + layout.CTL_RING_HEAD)
         tail = _u64(self.ctl + layout.CTL_RING_TAIL)
         first = int(head.value)
@@ -819,21 +810,12 @@ class CudaDataPlane(CpuDataPlane):
         keep = []
         for op, seq, S, peers in self._unchecked:
             for p in sorted(peers):
-                ring = self.peer_rings[p]
-                if ring is None:
-                    peers.discard(p)
-                    continue
-                rows = ring[(ring[:, 1] == seq) & (ring[:, 0] != 0)]
-                if len(rows) == 0:
-                    continue
-                peers.discard(p)
-                theirs = int(rows[0, 2])
-                if theirs != S:
+                try:
+                    if self._check_size(op, seq, p, S):
+                        peers.discard(p)
+                except CollectiveError:
                     self._unchecked = []
-                    self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {p} passed a "
-                              f"different size than this rank ({theirs} vs {S} bytes per rank, "
-                              "padded to 16); every rank must pass the same shape",
-                              layout.ABORT_USER, peer=p)
+                    raise
             if peers:
                 keep.append((op, seq, S, peers))
         self._unchecked = keep
@@ -1072,14 +1054,7 @@ class CudaDataPlane(CpuDataPlane):
         if word == NO_WORD or op is None:
             self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
                       f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
-        _, origin, channel, root = decode_flag_word(self.world, word)
-        sender = self._sender(channel, origin)
-        conn = f"channel {channel} root {root}"
-        via = "" if sender == origin else f", relayed by rank {sender}"
-        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
-                  f"{what} piece {piece} from rank {origin} "
-                  f"(connection: {conn}{via}; GPU wait)", layout.ABORT_TIMEOUT,
-                  peer=origin, connection=conn)
+        self._timed_out(what, piece, word, "; GPU wait")
 
 
 def _n(v: int):

@@ -79,12 +79,16 @@ typedef unsigned char u8;
 
 __device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 
-__device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
-  u64 step = round_up((S + PIECES - 1) / PIECES, ALIGN);
+// Piece c of a slice of S bytes, steps a multiple of granule g (finalize: a row).
+__device__ __forceinline__ void piece_bounds_g(u64 S, int c, u64 g, u64* lo, u64* hi) {
+  u64 step = round_up((S + PIECES - 1) / PIECES, g);
   u64 l = c * step;
   *lo = l < S ? l : S;
   u64 h = (u64)(c + 1) * step;
   *hi = (c == PIECES - 1) ? S : (h < S ? h : S);
+}
+__device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
+  piece_bounds_g(S, c, ALIGN, lo, hi);
 }
 
 // Parts (geometry.py Part), packed: root | roots << 2 | half << 4 | halves << 6; 0 = none.
@@ -724,14 +728,6 @@ RS_KERNEL(sccl_rs_wait_f32, F32)
 // such a term is NaN (never read out of bounds); the host raises at synchronize().
 
 #define FIN_CLAIM 256  // counters per set before the claim counter (items <= 7 * 8 here)
-
-__device__ __forceinline__ void piece_bounds_g(u64 S, int c, u64 g, u64* lo, u64* hi) {
-  u64 step = round_up((S + PIECES - 1) / PIECES, g);
-  u64 l = c * step;
-  *lo = l < S ? l : S;
-  u64 h = (u64)(c + 1) * step;
-  *hi = (c == PIECES - 1) ? S : (h < S ? h : S);
-}
 
 // float8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, NaN = S.1111.111.
 __device__ __forceinline__ float e4m3_to_f32(u32 b) {
