@@ -69,13 +69,7 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
   need(ctl != 0 && flags != 0, "null control or flags address");
   for (int s : slots) need(s >= 1, "slots must be >= 1");
   const uint64_t nflags = reg_.num_flags;
-  for (auto& c : connections) {
-    need(c.size() == 3, "connection rows are [peer, channel, root]");
-    need(c[0] >= 0 && c[0] < world && c[0] != rank, "connection peer out of range");
-    need(c[1] >= 0 && c[1] < CHANNELS && c[2] >= 0 && c[2] < MAX_ROOTS,
-         "connection channel/root out of range");
-    conns_.push_back(ConnInfo{int(c[0]), int(c[1]), int(c[2])});
-  }
+  for (auto& c : connections) conns_.push_back(conn_from_row(c, rank, world, "Proxy"));
   for (auto& it : items) {
     need(it.size() == 8, "item rows have 8 fields");
     need(it[0] >= 0 && it[0] < NUM_REGIONS && it[2] >= 0 && it[2] < NUM_REGIONS,
@@ -141,7 +135,7 @@ void Proxy::set_tcp_fds(const std::vector<int>& send_fds,
     close_all();
     throw std::invalid_argument("Proxy: " + bad);
   }
-  transport_ = make_tcp_transport(&reg_, conns_, ctl_, flags_, send_fds, in);
+  transport_ = make_tcp_transport(&reg_, ctl_, flags_, send_fds, in);
 }
 
 void Proxy::set_transport(std::unique_ptr<Transport> t) {

@@ -13,11 +13,6 @@
 namespace sparkccl {
 namespace {
 
-const char* region_name(int r) {
-  static const char* names[] = {"AG", "RS_SEND", "RS_RECV"};
-  return (r >= 0 && r < layout::NUM_REGIONS) ? names[r] : "?";
-}
-
 struct CopyOp {
   uint8_t* dst;        // write: destination bytes; flag: nullptr
   const uint8_t* src;
@@ -94,30 +89,10 @@ class ShmTransport final : public Transport {
   bool write(int conn, int src_region, uint64_t src_off, int dst_region, uint64_t dst_off,
              uint64_t len, std::string* cause) override {
     const ConnInfo& c = conns_[size_t(conn)];
-    uint64_t src_base = reg_->base[src_region].load(std::memory_order_acquire);
-    uint64_t dst_base = reg_->peers[c.peer].base[dst_region].load(std::memory_order_acquire);
-    if (!src_base) {
-      *cause = std::string("local region ") + region_name(src_region) + " is not registered";
-      return false;
-    }
-    if (!dst_base) {
-      *cause = std::string("peer's region ") + region_name(dst_region) + " is not mapped";
-      return false;
-    }
-    uint64_t src_size = reg_->local_size(src_region);
-    uint64_t dst_size = reg_->peer_size(c.peer, dst_region);
-    if (src_off > src_size || len > src_size - src_off) {
-      *cause = std::string("write reads [") + std::to_string(src_off) + ", " +
-               std::to_string(src_off + len) + ") past the end of local region " +
-               region_name(src_region) + " (" + std::to_string(src_size) + " bytes)";
-      return false;
-    }
-    if (dst_off > dst_size || len > dst_size - dst_off) {
-      *cause = std::string("write to [") + std::to_string(dst_off) + ", " +
-               std::to_string(dst_off + len) + ") past the end of the peer's region " +
-               region_name(dst_region) + " (" + std::to_string(dst_size) + " bytes)";
-      return false;
-    }
+    const uint64_t src_base = reg_->local_span(src_region, src_off, len, cause);
+    if (!src_base) return false;
+    const uint64_t dst_base = reg_->peer_span(c.peer, dst_region, dst_off, len, cause);
+    if (!dst_base) return false;
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
               nullptr, 0};

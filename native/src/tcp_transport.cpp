@@ -52,11 +52,6 @@ struct Header {
 };
 static_assert(sizeof(Header) == 24, "frame header is 24 bytes");
 
-const char* region_name(int r) {
-  static const char* names[] = {"AG", "RS_SEND", "RS_RECV"};
-  return (r >= 0 && r < layout::NUM_REGIONS) ? names[r] : "?";
-}
-
 std::string errno_text(int e) {
   char buf[128];
   return std::string(strerror_r(e, buf, sizeof buf));
@@ -202,9 +197,9 @@ struct Receiver {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(Registry* reg, std::vector<ConnInfo> conns, uint64_t ctl, uint64_t flags,
-               const std::vector<int>& send_fds, const std::vector<TcpRecvConn>& recv)
-      : reg_(reg), conns_(std::move(conns)), ctl_(ctl), flags_(flags) {
+  TcpTransport(Registry* reg, uint64_t ctl, uint64_t flags, const std::vector<int>& send_fds,
+               const std::vector<TcpRecvConn>& recv)
+      : reg_(reg), ctl_(ctl), flags_(flags) {
     for (int fd : send_fds) {
       senders_.emplace_back(new Sender);
       senders_.back()->fd = fd;
@@ -297,18 +292,8 @@ class TcpTransport final : public Transport {
 
   bool write(int conn, int src_region, uint64_t src_off, int dst_region, uint64_t dst_off,
              uint64_t len, std::string* cause) override {
-    uint64_t src_base = reg_->base[src_region].load(std::memory_order_acquire);
-    if (!src_base) {
-      *cause = std::string("local region ") + region_name(src_region) + " is not registered";
-      return false;
-    }
-    uint64_t src_size = reg_->local_size(src_region);
-    if (src_off > src_size || len > src_size - src_off) {
-      *cause = std::string("write reads [") + std::to_string(src_off) + ", " +
-               std::to_string(src_off + len) + ") past the end of local region " +
-               region_name(src_region) + " (" + std::to_string(src_size) + " bytes)";
-      return false;
-    }
+    const uint64_t src_base = reg_->local_span(src_region, src_off, len, cause);
+    if (!src_base) return false;
     // The destination is checked by the receiver (against its own registered region).
     SendOp op{Header{KIND_WRITE, uint32_t(dst_region), dst_off, len},
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off))};
@@ -446,7 +431,6 @@ class TcpTransport final : public Transport {
   }
 
   Registry* reg_;
-  std::vector<ConnInfo> conns_;
   const uint64_t ctl_, flags_;
   std::vector<std::unique_ptr<Sender>> senders_;
   std::vector<std::unique_ptr<Receiver>> receivers_;
@@ -457,12 +441,10 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_tcp_transport(Registry* reg, std::vector<ConnInfo> conns,
-                                              uint64_t ctl, uint64_t flags,
+std::unique_ptr<Transport> make_tcp_transport(Registry* reg, uint64_t ctl, uint64_t flags,
                                               const std::vector<int>& send_fds,
                                               const std::vector<TcpRecvConn>& recv) {
-  return std::unique_ptr<Transport>(
-      new TcpTransport(reg, std::move(conns), ctl, flags, send_fds, recv));
+  return std::unique_ptr<Transport>(new TcpTransport(reg, ctl, flags, send_fds, recv));
 }
 
 }  // namespace sparkccl

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,11 @@ namespace sparkccl {
 // What a proxy knows about memory: local regions and each peer's segments as mapped in
 // this process. Python threads write it (set_region / set_peer*), the proxy thread reads
 // it when posting, hence atomics. Region sizes default to slots * stride.
+inline const char* region_name(int r) {
+  static const char* names[] = {"AG", "RS_SEND", "RS_RECV"};
+  return (r >= 0 && r < layout::NUM_REGIONS) ? names[r] : "?";
+}
+
 struct Registry {
   struct Peer {
     std::atomic<uint64_t> ctl{0}, flags{0}, pid{0};
@@ -39,6 +45,40 @@ struct Registry {
     return s ? s : slots[r] * stride[r].load(std::memory_order_acquire);
   }
 
+  // A transport write's source: the base of local region r when [off, off + len) lies in
+  // it, else 0 and *cause says why.
+  uint64_t local_span(int r, uint64_t off, uint64_t len, std::string* cause) const {
+    const uint64_t b = base[r].load(std::memory_order_acquire);
+    if (!b) {
+      *cause = std::string("local region ") + region_name(r) + " is not registered";
+      return 0;
+    }
+    const uint64_t s = local_size(r);
+    if (off > s || len > s - off) {
+      *cause = "write reads [" + std::to_string(off) + ", " + std::to_string(off + len) +
+               ") past the end of local region " + region_name(r) + " (" + std::to_string(s) +
+               " bytes)";
+      return 0;
+    }
+    return b;
+  }
+  // The same for a destination in peer p's region r (mapped here).
+  uint64_t peer_span(int p, int r, uint64_t off, uint64_t len, std::string* cause) const {
+    const uint64_t b = peers[p].base[r].load(std::memory_order_acquire);
+    if (!b) {
+      *cause = std::string("peer's region ") + region_name(r) + " is not mapped";
+      return 0;
+    }
+    const uint64_t s = peer_size(p, r);
+    if (off > s || len > s - off) {
+      *cause = "write to [" + std::to_string(off) + ", " + std::to_string(off + len) +
+               ") past the end of the peer's region " + region_name(r) + " (" +
+               std::to_string(s) + " bytes)";
+      return 0;
+    }
+    return b;
+  }
+
   const int rank, world;
   const uint64_t num_flags;
   uint64_t slots[layout::NUM_REGIONS];
@@ -50,6 +90,18 @@ struct Registry {
 struct ConnInfo {
   int peer, channel, root;
 };
+
+// One row [peer, channel, root] of a plan's connection table (sparkccl.plan.model), checked:
+// what: the caller, for the message.
+inline ConnInfo conn_from_row(const std::vector<int64_t>& c, int rank, int world,
+                              const char* what) {
+  auto bad = [&](const char* why) { throw std::invalid_argument(std::string(what) + ": " + why); };
+  if (c.size() != 3) bad("connection rows are [peer, channel, root]");
+  if (c[0] < 0 || c[0] >= world || c[0] == rank) bad("connection peer out of range");
+  if (c[1] < 0 || c[1] >= layout::CHANNELS || c[2] < 0 || c[2] >= layout::MAX_ROOTS)
+    bad("connection channel/root out of range");
+  return ConnInfo{int(c[0]), int(c[1]), int(c[2])};
+}
 
 class Transport {
  public:
@@ -85,8 +137,7 @@ std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInf
 struct TcpRecvConn {
   int fd, peer, channel, root;
 };
-std::unique_ptr<Transport> make_tcp_transport(Registry* reg, std::vector<ConnInfo> conns,
-                                              uint64_t ctl, uint64_t flags,
+std::unique_ptr<Transport> make_tcp_transport(Registry* reg, uint64_t ctl, uint64_t flags,
                                               const std::vector<int>& send_fds,
                                               const std::vector<TcpRecvConn>& recv);
 

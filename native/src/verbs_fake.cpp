@@ -23,7 +23,6 @@
 #include <arpa/inet.h>
 #include <errno.h>
 
-#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -32,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "control.h"
 #include "verbs_api.h"
 #include "verbs_fake.h"
 
@@ -62,7 +62,6 @@ struct PendingWr {
   send_wr wr{};
   std::vector<sge> sges;
   std::string inline_data;
-  uint64_t counter = 0;
 };
 
 struct FakeQp {
@@ -72,9 +71,8 @@ struct FakeQp {
   qp_attr attr{};  // accumulated modify_qp attributes
   int state = QPS_RESET;
   std::deque<PendingWr> sq;         // posted, not executed
-  std::deque<std::pair<uint64_t, bool>> unretired;  // (counter, signaled) until its CQE is polled
+  std::deque<uint64_t> unretired;  // wr_ids posted, until a CQE at or after them is polled
   std::deque<uint64_t> rq;          // posted receive wr_ids
-  uint64_t counter = 0;
   bool first_packet = true;
   struct Inject {
     uint64_t after;
@@ -110,12 +108,6 @@ struct Deferred {
   std::string data;
 };
 
-uint64_t clock_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
-}
-
 struct Fabric {
   std::mutex mu;
   uint64_t reorder_ns = 0;  // > 0: non-inline data lands this much later (see reorder())
@@ -139,16 +131,6 @@ bool take_failure(const char* call, int* e) {
   *e = it->second.front();
   it->second.pop_front();
   return true;
-}
-
-std::string gid_hex(const uint8_t* raw) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < 16; ++i) {
-    s += d[raw[i] >> 4];
-    s += d[raw[i] & 15];
-  }
-  return s;
 }
 
 Record rec(const char* kind) {
@@ -311,7 +293,7 @@ bool execute(FakeQp* q, PendingWr& p) {
   }
   if (!data.empty()) {
     if (g->reorder_ns && !(p.wr.send_flags & SEND_INLINE))
-      g->deferred.push_back(Deferred{q->q.qp_num, clock_ns() + g->reorder_ns,
+      g->deferred.push_back(Deferred{q->q.qp_num, now_ns() + g->reorder_ns,
                                      p.wr.rdma.remote_addr, data});
     else
       std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(p.wr.rdma.remote_addr)),
@@ -346,7 +328,7 @@ bool execute(FakeQp* q, PendingWr& p) {
 
 void progress() {
   if (g->paused) return;
-  const uint64_t now = clock_ns();
+  const uint64_t now = now_ns();
   while (!g->deferred.empty() && g->deferred.front().due_ns <= now) {
     Deferred& d = g->deferred.front();
     std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(d.dst)), d.data.data(),
@@ -417,8 +399,7 @@ int f_post_send(qp* x, send_wr* wr, send_wr** bad) {
       *bad = wr;
       return e;
     }
-    p.counter = q->counter++;
-    q->unretired.emplace_back(p.wr.wr_id, (wr->send_flags & SEND_SIGNALED) || q->init.sq_sig_all);
+    q->unretired.push_back(p.wr.wr_id);
     q->sq.push_back(std::move(p));
   }
   return 0;
@@ -461,7 +442,7 @@ int f_poll_cq(cq* x, int n, wc* out) {
         for (auto& q : ctx->qps)
           if (q->q.qp_num == out[k].qp_num && q->owner == c->owner)
             while (!q->unretired.empty()) {
-              bool last = q->unretired.front().first == out[k].wr_id;
+              bool last = q->unretired.front() == out[k].wr_id;
               q->unretired.pop_front();
               if (last) break;
             }

@@ -150,12 +150,7 @@ void bind_verbs(nb::module_& m) {
             std::vector<VerbsLane> ls;
             for (auto& l : lanes) ls.push_back(VerbsLane{std::get<0>(l), std::get<1>(l), std::get<2>(l)});
             std::vector<ConnInfo> cs;
-            for (auto& c : connections) {
-              if (c.size() != 3) throw std::invalid_argument("connections rows are [peer, channel, root]");
-              if (c[0] < 0 || c[0] >= world || c[0] == rank || c[1] < 0 || c[1] > 1 || c[2] < 0 || c[2] > 1)
-                throw std::invalid_argument("connection out of range");
-              cs.push_back(ConnInfo{int(c[0]), int(c[1]), int(c[2])});
-            }
+            for (auto& c : connections) cs.push_back(conn_from_row(c, rank, world, "VerbsEndpoint"));
             VerbsSettings s = settings_from(settings);
             nb::gil_scoped_release nogil;
             new (self) VerbsEndpoint(rank, world, ls, cs, conn_lane, s);

@@ -69,35 +69,19 @@ int bit_width(uint64_t v) {
   return n;
 }
 
-bool fatal_event(int t) {
-  switch (t) {
-    case EVENT_CQ_ERR: case EVENT_QP_FATAL: case EVENT_QP_REQ_ERR: case EVENT_QP_ACCESS_ERR:
-    case EVENT_PATH_MIG_ERR: case EVENT_DEVICE_FATAL: case EVENT_PORT_ERR: case EVENT_SRQ_ERR:
-    case EVENT_WQ_FATAL:
-      return true;
-    default:
-      return false;
-  }
-}
+// What a fatal async event hits; NONE for the informational ones (COMM_EST, PORT_ACTIVE, ...).
+enum class EventScope { NONE, QP, PORT, DEVICE };
 
-bool qp_event(int t) {
+EventScope fatal_scope(int t) {
   switch (t) {
-    case EVENT_QP_FATAL: case EVENT_QP_REQ_ERR: case EVENT_QP_ACCESS_ERR: case EVENT_COMM_EST:
-    case EVENT_SQ_DRAINED: case EVENT_PATH_MIG: case EVENT_PATH_MIG_ERR:
-    case EVENT_QP_LAST_WQE_REACHED:
-      return true;
+    case EVENT_QP_FATAL: case EVENT_QP_REQ_ERR: case EVENT_QP_ACCESS_ERR: case EVENT_PATH_MIG_ERR:
+      return EventScope::QP;
+    case EVENT_PORT_ERR:
+      return EventScope::PORT;
+    case EVENT_CQ_ERR: case EVENT_DEVICE_FATAL: case EVENT_SRQ_ERR: case EVENT_WQ_FATAL:
+      return EventScope::DEVICE;
     default:
-      return false;
-  }
-}
-
-bool port_event(int t) {
-  switch (t) {
-    case EVENT_PORT_ACTIVE: case EVENT_PORT_ERR: case EVENT_LID_CHANGE: case EVENT_PKEY_CHANGE:
-    case EVENT_SM_CHANGE: case EVENT_CLIENT_REREGISTER: case EVENT_GID_CHANGE:
-      return true;
-    default:
-      return false;
+      return EventScope::NONE;
   }
 }
 
@@ -209,7 +193,7 @@ class VerbsCore {
   int first_conn_on(int dev, int port) const;
 
   const Api* api_ = nullptr;
-  const int rank_, world_;
+  const int rank_;
   const VerbsSettings s_;
   const uint64_t num_flags_;
   int value_bits_ = 32;
@@ -236,7 +220,7 @@ void VerbsCore::setup_error(const std::string& what) {
 VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
                      const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
                      const VerbsSettings& s)
-    : rank_(rank), world_(world), s_(s), num_flags_(layout::num_flag_words(world)),
+    : rank_(rank), s_(s), num_flags_(layout::num_flag_words(world)),
       conns_(conns) {
   if (world < 1 || rank < 0 || rank >= world) throw std::invalid_argument("verbs: bad rank/world");
   if (conn_lane.size() != conns.size())
@@ -993,25 +977,24 @@ void VerbsCore::check_async() {
       std::memset(&ev, 0, sizeof ev);
       if (api_->get_async_event(d.ctx, &ev) != 0) break;
       const int t = ev.event_type;
-      if (fatal_event(t)) {
+      const EventScope scope = fatal_scope(t);
+      if (scope != EventScope::NONE) {
         const char* name = api_->event_type_str(t);
         std::string what = std::string("async event ") + (name ? name : "?") + " (event " +
                            std::to_string(t) + ")";
         int conn = -1;
-        if (qp_event(t)) {
+        if (scope == EventScope::QP) {
           conn = conn_of_qp(ev.element.q);
           if (conn >= 0) qps_[size_t(conn)]->state = QPS_ERR;
-        } else if (port_event(t)) {
+        } else if (scope == EventScope::PORT) {
           conn = first_conn_on(int(di), ev.element.port_num);
           what += " on port " + std::to_string(ev.element.port_num);
         } else {
           conn = first_conn_on(int(di), -1);
         }
-        if (conn >= 0) {
-          fail(conn, (qp_event(t) ? where(conn) : "device " + d.name) + ": " + what);
-        } else if (!qp_event(t) || ev.element.q) {
-          // A port we do not use, or a QP that is not ours: not our failure.
-        }
+        // conn < 0: a port we do not use, or a QP that is not ours: not our failure.
+        if (conn >= 0)
+          fail(conn, (scope == EventScope::QP ? where(conn) : "device " + d.name) + ": " + what);
       }
       api_->ack_async_event(&ev);
     }
