@@ -9,7 +9,6 @@ communicating.
 """
 from __future__ import annotations
 
-import random
 import statistics
 import time
 
@@ -74,58 +73,6 @@ def _sweep(comm, world: int, rank: int, quick: bool):
     return rows
 
 
-def _burst_ops(seed: int, world: int, count: int):
-    """The same random mix on every rank: (kind, elems, dtype name)."""
-    rnd = random.Random(seed)
-    ops = []
-    for _ in range(count):
-        kind = rnd.choice(["all_gather", "reduce_scatter", "reduce_scatter_input"])
-        elems = rnd.choice([1, 7, 64, 1000, 4099, 1 << 14, 1 << 16])
-        if kind == "all_gather":
-            dname = rnd.choice(["uint8", "bfloat16", "float32", "int32"])
-        else:
-            dname = rnd.choice(["bfloat16", "float16", "float32"])
-        ops.append((kind, elems, dname))
-    return ops
-
-
-def _bursts(comm, world: int, rank: int, bursts: int, per_burst: int):
-    from .testing import all_gather_reference, bits, make_input, reduce_scatter_reference
-
-    bad, total = [], 0
-    for b in range(bursts):
-        ops = _burst_ops(1000 + b, world, per_burst)
-        outs = []
-        for i, (kind, elems, dname) in enumerate(ops):
-            dtype = _dtype(dname)
-            seed = 10_000 * (b + 1) + i
-            if kind == "all_gather":
-                outs.append(comm.all_gather(_on(comm, make_input(seed, rank, (elems,), dtype))))
-            else:
-                x = _on(comm, make_input(seed, rank, (world * elems,), dtype))
-                if kind == "reduce_scatter_input":
-                    buf = comm.reduce_scatter_input(x.shape, dtype)
-                    buf.copy_(x)
-                    x = buf
-                outs.append(comm.reduce_scatter(x))
-        # Only now, after the whole burst, check every result.
-        _done(comm)
-        for i, ((kind, elems, dname), y) in enumerate(zip(ops, outs)):
-            dtype = _dtype(dname)
-            seed = 10_000 * (b + 1) + i
-            if kind == "all_gather":
-                want = all_gather_reference([make_input(seed, r, (elems,), dtype)
-                                             for r in range(world)])
-            else:
-                want = reduce_scatter_reference(
-                    [make_input(seed, r, (world * elems,), dtype) for r in range(world)], rank)
-            got = bits(y.cpu())
-            total += 1
-            if got.size != want.size or not (got == want).all():
-                bad.append(f"burst {b} call {i} ({kind} {elems} x {dname})")
-    return total, bad
-
-
 def _demo_rank(rank, world, store, topology, transport, device, quick):
     import sparkccl
 
@@ -133,10 +80,13 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
         import torch
         # One process per GPU, or several sharing one when world > GPUs.
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    from .testing import run_bursts
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport=transport, device=device) as comm:
         rows = _sweep(comm, world, rank, quick)
-        total, bad = _bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100)
+        total, bad = run_bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100,
+                                op_seed=1000, input_seed=10_000, to=lambda x: _on(comm, x),
+                                sync=lambda: _done(comm))
         from .testing import finalize_demo_case
         t0 = time.perf_counter()
         fin_ok = finalize_demo_case(comm, world, rank, seed=1)
@@ -144,16 +94,9 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
                 "finalize_s": time.perf_counter() - t0, "pinned_bytes": comm.pinned_bytes}
 
 
-def _fmt_size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.4g} {unit}"
-    return f"{n} B"
-
-
 def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
              device: str = "cpu", quick: bool = False) -> int:
-    from .testing import run_ranks
+    from .testing import fmt_size, run_ranks
 
     print(f"sparkccl demo: world {world}, topology {topology}, transport {transport}, "
           f"device {device}")
@@ -179,7 +122,7 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
         algbw = nbytes / t / 1e9
         busbw = algbw * (world - 1) / world
         check = "ok" if not bad else f"MISMATCH on ranks {bad}"
-        print(f"{kind:<15} {dname:<9} {_fmt_size(nbytes):>10} {t * 1e6:>10.1f} "
+        print(f"{kind:<15} {dname:<9} {fmt_size(nbytes):>10} {t * 1e6:>10.1f} "
               f"{algbw:>10.3f} {busbw:>10.3f}  {check}")
     total = sum(v["burst_total"] for v in vals) // world
     burst_bad = [(r, b) for r, v in enumerate(vals) for b in v["burst_bad"]]
@@ -189,7 +132,7 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
     fin_bad = [r for r, v in enumerate(vals) if not v["finalize_ok"]]
     print("moe_finalize_reduce_scatter (bf16 and e4m3 experts, T < Tpad): "
           + ("bit-exact on every rank" if not fin_bad else f"MISMATCH on ranks {fin_bad}"))
-    print(f"shared memory per rank: {_fmt_size(vals[0]['pinned_bytes'])}")
+    print(f"shared memory per rank: {fmt_size(vals[0]['pinned_bytes'])}")
     ok = not mismatches and not burst_bad and not fin_bad
     print(f"demo: {'passed' if ok else 'FAILED'} in {time.monotonic() - t0:.1f} s")
     return 0 if ok else 1

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import re
 import sys
 import time
 import traceback
 
-MiB = 1 << 20
+from .fabric.discovery import rate_gbps
+from .testing import fmt_size
+
 # (per-rank elements, dtype): 1 byte up, odd sizes, 16-byte multiples, a few MiB.
 AG_CASES = [(1, "uint8"), (15, "uint8"), (16, "uint8"), (17, "uint8"), (1000, "uint8"),
             (2051, "bfloat16"), (4099, "float32"), (65536, "int32"), (1 << 19, "bfloat16"),
@@ -76,18 +76,6 @@ def run(args: argparse.Namespace) -> int:
 def _dtype(name):
     import torch
     return getattr(torch, name)
-
-
-def _fmt_size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.4g} {unit}"
-    return f"{n} B"
-
-
-def _port_gbps(rate: str | None) -> float | None:
-    m = re.match(r"\s*([\d.]+)\s*Gb/sec", rate or "")
-    return float(m.group(1)) if m else None
 
 
 class _Ctx:
@@ -141,56 +129,18 @@ def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
         n += 1
         if not (bits(y.cpu()) == want).all():
             bad.append(f"reduce_scatter (zero-copy input) {W} x {elems} x {dname}")
-    if hasattr(c.comm, "moe_finalize_reduce_scatter"):
-        from . import testing
-        case = getattr(testing, "finalize_demo_case", None)
-        if case is not None:
-            n += 1
-            if not case(c.comm, W, r, 7):
-                bad.append("moe_finalize_reduce_scatter (bf16 and e4m3 cases)")
+    from .testing import finalize_demo_case
+    n += 1
+    if not finalize_demo_case(c.comm, W, r, 7):
+        bad.append("moe_finalize_reduce_scatter (bf16 and e4m3 cases)")
     return n, bad
 
 
 def _bursts(c: _Ctx, bursts: int, per_burst: int = 100) -> tuple[int, list[str]]:
-    from .testing import all_gather_reference, bits, make_input, reduce_scatter_reference
-    W, r = c.world, c.rank
-    bad, total = [], 0
-    for b in range(bursts):
-        rnd = random.Random(5000 + b)
-        ops = []
-        for _ in range(per_burst):
-            kind = rnd.choice(["all_gather", "reduce_scatter", "reduce_scatter_input"])
-            elems = rnd.choice([1, 7, 64, 1000, 4099, 1 << 14, 1 << 16, 1 << 18])
-            dname = (rnd.choice(["uint8", "bfloat16", "float32", "int32"]) if kind == "all_gather"
-                     else rnd.choice(["bfloat16", "float16", "float32"]))
-            ops.append((kind, elems, dname))
-        outs = []
-        for i, (kind, elems, dname) in enumerate(ops):
-            seed = 100_000 * (b + 1) + i
-            dtype = _dtype(dname)
-            if kind == "all_gather":
-                outs.append(c.comm.all_gather(c.to(make_input(seed, r, (elems,), dtype))))
-            else:
-                x = c.to(make_input(seed, r, (W * elems,), dtype))
-                if kind == "reduce_scatter_input":
-                    buf = c.comm.reduce_scatter_input(x.shape, dtype)
-                    buf.copy_(x)
-                    x = buf
-                outs.append(c.comm.reduce_scatter(x))
-        c.sync()
-        for i, ((kind, elems, dname), y) in enumerate(zip(ops, outs)):
-            seed = 100_000 * (b + 1) + i
-            dtype = _dtype(dname)
-            if kind == "all_gather":
-                want = all_gather_reference([make_input(seed, q, (elems,), dtype) for q in range(W)])
-            else:
-                want = reduce_scatter_reference(
-                    [make_input(seed, q, (W * elems,), dtype) for q in range(W)], r)
-            got = bits(y.cpu())
-            total += 1
-            if got.size != want.size or not (got == want).all():
-                bad.append(f"burst {b} call {i} ({kind} {elems} x {dname})")
-    return total, bad
+    from .testing import BURST_SIZES, run_bursts
+    return run_bursts(c.comm, c.world, c.rank, bursts=bursts, per_burst=per_burst,
+                      op_seed=5000, input_seed=100_000, to=c.to, sync=c.sync,
+                      sizes=(*BURST_SIZES, 1 << 18))
 
 
 # ---- phase 2: bandwidth ----------------------------------------------------------------
@@ -249,7 +199,7 @@ def _port_rate(comm) -> float | None:
         return None
     ports = {}
     for (ch, _), choice in link.lanes.items():
-        g = _port_gbps(choice.rate)
+        g = rate_gbps(choice.rate)
         if g is not None:
             ports[ch] = max(ports.get(ch, 0.0), g)
     return sum(ports.values()) if ports else None
@@ -348,10 +298,10 @@ def _print(reports: list[dict], topology: str, transport: str, device: str, out)
           f"slowest rank){'; link ' + format(port, 'g') + ' Gb/s' if port else ''}")
         p(f"{'collective':<15} {'slice':>10} {'time (us)':>11} {'Gb/s':>8}")
         for name, size, t, gbps in rows:
-            p(f"{name:<15} {_fmt_size(size):>10} {t * 1e6:>11.1f} {gbps:>8.1f}")
+            p(f"{name:<15} {fmt_size(size):>10} {t * 1e6:>11.1f} {gbps:>8.1f}")
             if gbps > best.get(name, (0, 0))[0]:
                 best[name] = (gbps, size)
-    summary = ", ".join(f"{k} {v[0]:.1f} Gb/s ({_fmt_size(v[1])} per rank)" for k, v in best.items())
+    summary = ", ".join(f"{k} {v[0]:.1f} Gb/s ({fmt_size(v[1])} per rank)" for k, v in best.items())
     if problems:
         p("\nproblems:\n  " + "\n  ".join(problems[:20]))
         if len(problems) > 20:

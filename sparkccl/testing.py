@@ -265,6 +265,74 @@ def all_gather_reference(inputs):
     return np.concatenate([bits(x) for x in inputs]) if inputs else np.zeros(0, np.uint8)
 
 
+# ---- bursts of mixed collectives (demo, selftest) ------------------------------------------
+
+BURST_SIZES = (1, 7, 64, 1000, 4099, 1 << 14, 1 << 16)
+
+
+def burst_ops(seed: int, count: int, sizes=BURST_SIZES) -> list[tuple[str, int, str]]:
+    """The same random mix of collectives on every rank: (kind, elements, dtype name);
+    kind "reduce_scatter_input" goes through the zero-copy input buffer."""
+    import random
+    rnd = random.Random(seed)
+    ops = []
+    for _ in range(count):
+        kind = rnd.choice(["all_gather", "reduce_scatter", "reduce_scatter_input"])
+        elems = rnd.choice(sizes)
+        if kind == "all_gather":
+            dname = rnd.choice(["uint8", "bfloat16", "float32", "int32"])
+        else:
+            dname = rnd.choice(["bfloat16", "float16", "float32"])
+        ops.append((kind, elems, dname))
+    return ops
+
+
+def run_bursts(comm, world: int, rank: int, *, bursts: int, per_burst: int, op_seed: int,
+               input_seed: int, to: Callable, sync: Callable,
+               sizes=BURST_SIZES) -> tuple[int, list[str]]:
+    """Issue bursts of ``per_burst`` mixed collectives back to back (burst b: ops from seed
+    ``op_seed + b``, call i's inputs from seed ``input_seed * (b + 1) + i``), check every
+    result bit for bit only after the whole burst; ``to`` puts an input on the
+    communicator's device, ``sync`` waits for its work. Returns (calls, failures)."""
+    import torch
+    bad, total = [], 0
+    for b in range(bursts):
+        ops = burst_ops(op_seed + b, per_burst, sizes)
+        outs = []
+        for i, (kind, elems, dname) in enumerate(ops):
+            dtype, seed = getattr(torch, dname), input_seed * (b + 1) + i
+            if kind == "all_gather":
+                outs.append(comm.all_gather(to(make_input(seed, rank, (elems,), dtype))))
+            else:
+                x = to(make_input(seed, rank, (world * elems,), dtype))
+                if kind == "reduce_scatter_input":
+                    buf = comm.reduce_scatter_input(x.shape, dtype)
+                    buf.copy_(x)
+                    x = buf
+                outs.append(comm.reduce_scatter(x))
+        sync()
+        for i, ((kind, elems, dname), y) in enumerate(zip(ops, outs)):
+            dtype, seed = getattr(torch, dname), input_seed * (b + 1) + i
+            if kind == "all_gather":
+                want = all_gather_reference([make_input(seed, q, (elems,), dtype)
+                                             for q in range(world)])
+            else:
+                want = reduce_scatter_reference(
+                    [make_input(seed, q, (world * elems,), dtype) for q in range(world)], rank)
+            got = bits(y.cpu())
+            total += 1
+            if got.size != want.size or not (got == want).all():
+                bad.append(f"burst {b} call {i} ({kind} {elems} x {dname})")
+    return total, bad
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n} B"
+
+
 # ---- MoE finalize (SPEC §6): inputs and an independent numpy reference --------------------
 
 def fma_f32(a, b, c):

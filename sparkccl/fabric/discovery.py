@@ -49,6 +49,11 @@ SIOCGIFNETMASK = 0x891B
 Ipv4Lookup = Callable[[str], Optional[ipaddress.IPv4Interface]]
 
 
+def rate_gbps(rate: str | None) -> float | None:
+    """Gb/s of a sysfs port rate ("200 Gb/sec (2X NDR)"), or None."""
+    m = re.match(r"\s*([\d.]+)\s*Gb/sec", rate or "")
+    return float(m.group(1)) if m else None
+
 @dataclass(frozen=True)
 class GidEntry:
     index: int
@@ -83,8 +88,7 @@ class Port:
 
     @property
     def rate_gbps(self) -> float | None:
-        m = re.match(r"\s*([\d.]+)\s*Gb/sec", self.rate)
-        return float(m.group(1)) if m else None
+        return rate_gbps(self.rate)
 
     @property
     def is_active(self) -> bool:
