@@ -23,6 +23,7 @@ abort-aware) so that an early exit does not look like a crash to a peer's proxy.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -191,7 +192,10 @@ class Communicator:
         self._rs_recv_stride = layout.slot_stride(self.plan.rs_recv_blocks * self._max_slice)
         self._ctl_bytes = layout.control_bytes(self.plan.num_flag_words)
         self._ag_bytes = AG_SLOTS * self._ag_stride
-        self._rs_bytes = RS_SLOTS * (self._rs_send_stride + self._rs_recv_stride)
+        # The reduce-scatter segment: the send slots, then the receive slots.
+        self._rs_send_bytes = RS_SLOTS * self._rs_send_stride
+        self._rs_recv_bytes = RS_SLOTS * self._rs_recv_stride
+        self._rs_bytes = self._rs_send_bytes + self._rs_recv_bytes
 
         self._seq = 0
         self._rs_count = 0
@@ -256,11 +260,15 @@ class Communicator:
             except PermissionError:
                 pass
 
+    def _unlink_own(self) -> None:
+        """Remove this rank's names from /dev/shm (the mappings stay)."""
+        for n in self._names:
+            shm.unlink_name(n)
+
     def _unlink_all(self) -> None:
         """Remove every name this communicator may have in /dev/shm, every rank's (a rank
         killed before its peers mapped its segments leaves them to the survivors)."""
-        for n in self._names:
-            shm.unlink_name(n)
+        self._unlink_own()
         token = getattr(self, "token", None)
         if token is not None and getattr(self, "transport", None) != "tcp":
             for p in range(self.world_size):
@@ -284,8 +292,7 @@ class Communicator:
         plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
         if remote:
             # Only this process maps its segments; peers are reached through the network.
-            for n in self._names:
-                shm.unlink_name(n)
+            self._unlink_own()
         if tcp:
             links = tcp_setup.connect(rv, plans, r, self.topology, s.roots,
                                       s.bootstrap_timeout_s, s.timeout_s)
@@ -298,8 +305,7 @@ class Communicator:
             rv.barrier("mapped", "map the shared memory of its peers", self._check_peers_alive)
             # Every segment is mapped by every rank: remove all names now (each rank removes
             # all of them, so none is left once any rank has returned from here).
-            for n in self._names:
-                shm.unlink_name(n)
+            self._unlink_own()
 
         t = self.plan.to_tables()
         slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
@@ -352,8 +358,7 @@ class Communicator:
 
     def _wire_rs(self) -> None:
         px, rs = self._proxy, self._rs
-        send_bytes = RS_SLOTS * self._rs_send_stride
-        recv_bytes = RS_SLOTS * self._rs_recv_stride
+        send_bytes, recv_bytes = self._rs_send_bytes, self._rs_recv_bytes
         px.set_region(int(Region.RS_SEND), rs.addr, self._rs_send_stride, send_bytes)
         px.set_region(int(Region.RS_RECV), rs.addr + send_bytes, self._rs_recv_stride, recv_bytes)
         for p in range(self.world_size):
@@ -378,7 +383,7 @@ class Communicator:
         self._gpu_direct = True
 
     def _attach_rs_dataplane(self) -> None:
-        send_bytes = RS_SLOTS * self._rs_send_stride
+        send_bytes = self._rs_send_bytes
         t = self._rs.tensor
         self._dp.attach_rs(t[:send_bytes], self._rs_send_stride, t[send_bytes:],
                            self._rs_recv_stride)
@@ -395,9 +400,9 @@ class Communicator:
         try:
             self._rs = self._create("rs", self._rs_bytes)
             if self.transport != "shm":
-                # Registered with the proxy before any peer can send reduce-scatter data.
-                for n in self._names:
-                    shm.unlink_name(n)
+                # Only this process maps it (as in _setup); registered with the proxy before
+                # any peer can send reduce-scatter data.
+                self._unlink_own()
                 self._wire_rs()
                 if self.transport == "verbs":  # register, learn the peers' addresses and keys
                     verbs_setup.add_rs_memory(self)
@@ -407,8 +412,7 @@ class Communicator:
                 self._attach_peers("rs", self._rs_bytes)
                 self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
                                  self._dp.check_abort)
-            for n in self._names:
-                shm.unlink_name(n)
+                self._unlink_own()
         except CollectiveError as e:
             self._unlink_all()
             if not self._nat.abort_code(self._ctl_addr):
@@ -586,10 +590,7 @@ class Communicator:
         if len(shape) == 0 or shape[0] % W or any(d < 0 for d in shape):
             raise ValueError(f"{what}: shape must be [world * m, ...] with world = {W}, got "
                              f"{list(shape)}")
-        esize = torch.empty((), dtype=dtype).element_size()
-        nbytes = esize
-        for d in shape:
-            nbytes *= d
+        nbytes = dtype.itemsize * math.prod(shape)
         chunk = nbytes // W
         if chunk == 0 or chunk % ALIGN or chunk > self._max_slice:
             return torch.empty(shape, dtype=dtype, device=self.device)

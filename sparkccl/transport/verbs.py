@@ -527,11 +527,10 @@ def probe_quietly(transport: str, topology: str, roots: int) -> str | None:
 
 
 def rs_memory(comm) -> dict[int, tuple[int, int]]:
-    from ..plan.model import REGION_SLOTS, Region
-    send = REGION_SLOTS[Region.RS_SEND] * comm._rs_send_stride
-    recv = REGION_SLOTS[Region.RS_RECV] * comm._rs_recv_stride
+    from ..plan.model import Region
+    send = comm._rs_send_bytes
     return {int(Region.RS_SEND): (comm._rs.addr, send),
-            int(Region.RS_RECV): (comm._rs.addr + send, recv)}
+            int(Region.RS_RECV): (comm._rs.addr + send, comm._rs_recv_bytes)}
 
 
 def connect_communicator(comm, proxy, plans) -> VerbsLink:
