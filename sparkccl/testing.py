@@ -417,10 +417,12 @@ def finalize_rows_reference(inp: dict, num_tokens: int, padded_tokens: int):
     rows[:T] = acc
     raw = _round_f32(rows.reshape(-1), torch.bfloat16).view(np.uint16)
     raw[np.isnan(rows.reshape(-1))] = 0x7FFF  # a NaN row element is the canonical NaN
-    return _to_f32_from_bf16_bits(raw.view(np.uint8)).reshape(Tpad, H)
+    return bf16_bits_to_f32(raw.view(np.uint8)).reshape(Tpad, H)
 
 
-def _to_f32_from_bf16_bits(raw):
+def bf16_bits_to_f32(raw):
+    """fp32 values of bfloat16 bits (a uint8 or uint16 numpy array, same shape in 16-bit
+    units), exactly."""
     import numpy as np
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 

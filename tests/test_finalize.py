@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from sparkccl import finalize as F
-from sparkccl.testing import (all_gather_reference, bits, check, finalize_rows_reference,
-                              fma_f32, make_finalize_input, make_input, moe_finalize_reference,
-                              reduce_scatter_reference, run_ranks)
+from sparkccl.testing import (all_gather_reference, bf16_bits_to_f32, bits, check,
+                              finalize_rows_reference, fma_f32, make_finalize_input, make_input,
+                              moe_finalize_reference, reduce_scatter_reference, run_ranks)
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 HAVE_GPU = torch.cuda.is_available()
@@ -104,10 +104,6 @@ def _native_rows(inp, T, Tpad, t0=0, n=None):
     return out, bad
 
 
-def _f32(t):
-    return (bits(t).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def fma_witness(tokens: int = 3, padded: int = 8):
     """Inputs whose every real row is 2^33 with a fused multiply-add and 0 without:
     shared = 2^56, k=0: 641 * (e4m3 1.0 * 6700417), k=1: -1 * (e4m3 1.0 * 2^56)."""
@@ -130,7 +126,7 @@ def test_native_rows_match_reference(T, Tpad, H, topk, fp8, pow2):
     want = finalize_rows_reference(inp, T, Tpad)
     out, bad = _native_rows(inp, T, Tpad)
     assert bad == 0
-    assert np.array_equal(_f32(out).view(np.uint32), want.reshape(-1).view(np.uint32))
+    assert np.array_equal(bf16_bits_to_f32(bits(out)).view(np.uint32), want.reshape(-1).view(np.uint32))
     assert not bits(out[T:]).any(), "rows T <= t < Tpad must be +0"
     # A window of rows (how the data planes call it: one row piece of one destination).
     if Tpad > 4:
@@ -142,7 +138,7 @@ def test_native_rows_fma_witness():
     inp, T, Tpad = fma_witness()
     out, _ = _native_rows(inp, T, Tpad)
     assert (out[:T].float() == 2.0 ** 33).all() and (out[T:].float() == 0).all()
-    assert np.array_equal(_f32(out), finalize_rows_reference(inp, T, Tpad).reshape(-1))
+    assert np.array_equal(bf16_bits_to_f32(bits(out)), finalize_rows_reference(inp, T, Tpad).reshape(-1))
 
 
 def test_e4m3_decoding_matches_torch():
@@ -313,12 +309,8 @@ def test_finalize_kernel_bad_pos_is_reported(backend):
         w.dps[1].synchronize()  # reported once
         w.healthy()  # a bad input does not break the communicator
         # Rank 0 holds token rows 0..7: token 3 has rank 1's NaN term summed in, no other.
-        rows = _f32_rows(outs[0].cpu().numpy()[:8 * 128].view(np.uint16).reshape(8, 64))
+        rows = bf16_bits_to_f32(outs[0].cpu().numpy()[:8 * 128].view(np.uint16).reshape(8, 64))
         assert np.isnan(rows[3]).all() and not np.isnan(np.delete(rows, 3, axis=0)).any()
-
-
-def _f32_rows(u16):
-    return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
 # ---------------------------------------------------------------- through the Communicator

@@ -18,7 +18,7 @@ from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
-from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
+from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -411,9 +411,7 @@ def test_dead_peer_sets_abort_peer():
     p.set_peer(1, c1.addr, c1.flags_addr, dead)
     p.start()
     try:
-        deadline = time.monotonic() + 2
-        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_abort(c0.addr, 2)
         assert N.abort_code(c0.addr) == L.ABORT_PEER
         assert N.error_text(c0.addr) == f"rank 0: peer 1 (pid {dead}) exited"
         # A blocked data-plane wait sees it.
@@ -433,9 +431,7 @@ def test_peer_abort_propagates():
         time.sleep(0.15)
         assert N.abort_code(c0.addr) == 0
         N.set_abort(c1.addr, L.ABORT_TIMEOUT, "rank 1: wait for rank 0 timed out")
-        deadline = time.monotonic() + 2
-        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_abort(c0.addr, 2)
         assert N.abort_code(c0.addr) == L.ABORT_PEER
         assert N.error_text(c0.addr) == "rank 0: peer 1 aborted: rank 1: wait for rank 0 timed out"
     finally:
@@ -453,9 +449,7 @@ def test_out_of_bounds_write_is_transport_error():
             for c in range(G.PIECES):
                 # Rank 0 may have failed already, and ranks 1 and 2 seen it: publish returns the code.
                 assert N.publish(w.ctl[r].addr, int(Op.RS), 1, c, -1, slice_, 16, 5.0) in (0, L.ABORT_TRANSPORT, L.ABORT_PEER)
-        deadline = time.monotonic() + 5
-        while N.abort_code(w.ctl[0].addr) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_abort(w.ctl[0].addr, 5)
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_TRANSPORT
         text = N.error_text(w.ctl[0].addr)
         assert text.startswith("rank 0: shm transport: connection") and "peer 2" in text
@@ -473,9 +467,7 @@ def test_unregistered_region_is_transport_error():
     p.start()
     try:
         assert N.publish(c0.addr, 0, 0, 0, -1, 64, 16, 5.0) == 0
-        deadline = time.monotonic() + 5
-        while N.abort_code(c0.addr) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_abort(c0.addr, 5)
         assert N.abort_code(c0.addr) == L.ABORT_TRANSPORT
         assert "not registered" in N.error_text(c0.addr)
     finally:
@@ -765,9 +757,7 @@ def test_direct_entry_needs_set_gpu_streams():
     p.start()
     try:
         _put_entry(c0, int(Op.AG), 0, 0, -2, 64)
-        deadline = time.monotonic() + 5
-        while not N.abort_code(c0.addr) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_abort(c0.addr, 5)
         assert N.abort_code(c0.addr) == L.ABORT_TRANSPORT
         assert "GPU-direct" in N.error_text(c0.addr) and "set_gpu_streams" in N.error_text(c0.addr)
     finally:

@@ -26,7 +26,7 @@ from sparkccl.testing import (all_gather_reference, bits, check, make_input,
                               reduce_scatter_reference, run_ranks)
 
 import sparkccl._native as N  # noqa: E402
-from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
+from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 HDR = struct.Struct("<IIQQ")
@@ -58,10 +58,7 @@ class OneRank:
         self.in_far.sendall(HDR.pack(kind, region, a, b) + payload)
 
     def wait_abort(self, timeout=5.0):
-        t0 = time.monotonic()
-        while not N.abort_code(self.ctl.addr) and time.monotonic() - t0 < timeout:
-            time.sleep(0.01)
-        return N.abort_code(self.ctl.addr), N.error_text(self.ctl.addr)
+        return wait_abort(self.ctl.addr, timeout)
 
     def close(self):
         self.p.stop()

@@ -27,7 +27,7 @@ import netns  # noqa: E402
 
 import sparkccl  # noqa: E402
 from sparkccl.errors import CollectiveError  # noqa: E402
-from sparkccl.testing import (all_gather_reference, bits, make_input,  # noqa: E402
+from sparkccl.testing import (all_gather_reference, bits, check, make_input,  # noqa: E402
                               reduce_scatter_reference)
 
 _WHY = netns.unavailable_reason()
@@ -106,8 +106,8 @@ def exact_job(rank, world, store, topology, n, big, slot_bytes):
 def _run_exact(kind, topology, world, n, big, slot_bytes=None):
     with netns.Fabric(kind, world) as fab:
         results = fab.run(exact_job, (topology, n, big, slot_bytes), timeout_s=300)
+    check(results)  # every rank succeeded, else RanksFailed names each
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
         bad, count, _ = r.value
         assert not bad, f"rank {r.rank}: " + "\n".join(bad[:20])
         assert count > n
@@ -147,8 +147,8 @@ def test_auto_picks_tcp_across_hosts(hostnames):
     their own UTS namespaces), even though they share a boot id."""
     with netns.Fabric("switch", 2, hostnames=hostnames) as fab:
         results = fab.run(auto_job, (), timeout_s=120)
+    check(results)  # every rank succeeded, else RanksFailed names each
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
         transport, host, y = r.value
         assert transport == ("tcp" if hostnames else "shm"), (r.rank, r.value)
         assert y == [0.0] * 5 + [1.0] * 5
@@ -162,8 +162,8 @@ def test_shaped_links_exact():
         results = fab.run(exact_job, ("ring", 30, False, None), timeout_s=300)
         qdisc = netns.in_ns(fab.boxes[0], "tc", "qdisc", "show", "dev", "nx0")
     assert "tbf" in qdisc and "400Mbit" in qdisc, qdisc
+    check(results)  # every rank succeeded, else RanksFailed names each
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
         assert not r.value[0], r.value[0][:20]
 
 
@@ -189,8 +189,8 @@ def test_mesh_on_ring_fabric_fails_clearly():
         results = fab.run(mesh_on_ring_job, (), rank_env=env, timeout_s=120)
         dt = time.monotonic() - t0
     msgs = []
+    check(results)  # every rank succeeded, else RanksFailed names each
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
         assert r.value is not None, f"rank {r.rank}: mesh on a ring fabric did not fail"
         msgs.append(r.value)
     for m in msgs:
@@ -245,8 +245,8 @@ def test_link_down_mid_burst_fails_every_rank_without_hang():
         t_down = time.time()
         fab.set_link(1, "nx0", up=False)  # root 0 of the link between box 1 and box 2
         results = run.wait(timeout_s=120)
+    check(results)  # every rank succeeded, else RanksFailed names each
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}\n{r.traceback or ''}"
         v = r.value
         assert v["error"] is not None, f"rank {r.rank} never failed ({v['n']} iterations)"
         assert v["n"] >= 20

@@ -34,7 +34,7 @@ from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
-from membuf import Buf  # noqa: E402 - tests/ is on sys.path under pytest
+from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 
@@ -542,10 +542,7 @@ def _publish_ag(w, seq, slice_=4096, ranks=None):
 
 
 def _wait_abort(w, r, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while N.abort_code(w.ctl[r].addr) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return N.abort_code(w.ctl[r].addr), N.error_text(w.ctl[r].addr)
+    return wait_abort(w.ctl[r].addr, timeout)
 
 
 def test_completion_error_names_peer_device_qp_and_status(fake):
