@@ -265,6 +265,52 @@ def all_gather_reference(inputs):
     return np.concatenate([bits(x) for x in inputs]) if inputs else np.zeros(0, np.uint8)
 
 
+# ---- op lists (kind, seed, shape, dtype) of the burst tests -------------------------------
+
+def issue_ops(comm, ops, inputs) -> list:
+    """Issue ``ops`` back to back on ``comm`` with this rank's ``inputs``: kind "ag" an
+    all-gather, "rs" a reduce-scatter, anything else a reduce-scatter through the zero-copy
+    input buffer. Returns the outputs, unchecked."""
+    out = []
+    for (kind, _, shape, dt), x in zip(ops, inputs):
+        if kind == "ag":
+            out.append(comm.all_gather(x))
+        elif kind == "rs":
+            out.append(comm.reduce_scatter(x))
+        else:
+            buf = comm.reduce_scatter_input(shape, dt)
+            buf.copy_(x)
+            out.append(comm.reduce_scatter(buf))
+    return out
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+def expect_errors(comm, cases) -> dict[str, Any]:
+    """Run bad-input cases (name, fn, exception type, text in the message) on a rank:
+    {name: None if fn raised that, else what happened}, then whether the sequence number
+    stayed at 0 (nothing was sent)."""
+    out: dict[str, Any] = {}
+    for name, fn, etype, text in cases:
+        try:
+            fn()
+            out[name] = "no exception"
+        except Exception as e:  # noqa: BLE001
+            ok = isinstance(e, etype) and text in str(e)
+            out[name] = None if ok else f"{type(e).__name__}: {e}"
+    out["seq after bad calls"] = None if comm._seq == 0 else f"seq moved to {comm._seq}"
+    return out
+
+
+def assert_no_problems(values: list[dict], at_least: int) -> None:
+    """Every rank's {check: None or problem} came back clean, with at least ``at_least``
+    checks."""
+    for r, v in enumerate(values):
+        bad = {k: e for k, e in v.items() if e is not None}
+        assert not bad, f"rank {r}: {bad}"
+    assert len(values[0]) >= at_least
+
+
 # ---- bursts of mixed collectives (demo, selftest) ------------------------------------------
 
 BURST_SIZES = (1, 7, 64, 1000, 4099, 1 << 14, 1 << 16)

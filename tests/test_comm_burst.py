@@ -12,7 +12,7 @@ import time
 import torch
 
 import sparkccl
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,
+from sparkccl.testing import (all_gather_reference, bits, check, issue_ops, make_input,
                               reduce_scatter_reference, run_ranks)
 
 N_PER_TOPOLOGY = 1200
@@ -47,20 +47,11 @@ def burst_job(rank, nprocs, store, configs, n):
             continue
         ops = make_ops(17 + k, world, n)
         inputs = [make_input(s, rank, shape, dt) for _, s, shape, dt in ops]
-        results = []
         with sparkccl.Communicator(store=dist.PrefixStore(f"burst{k}", store), rank=rank,
                                    world_size=world, topology=topo, slot_bytes=slot_bytes,
                                    timeout_s=60) as comm:
             t0 = time.perf_counter()
-            for (kind, _, shape, dt), x in zip(ops, inputs):
-                if kind == "ag":
-                    results.append(comm.all_gather(x))
-                elif kind == "rs":
-                    results.append(comm.reduce_scatter(x))
-                else:
-                    buf = comm.reduce_scatter_input(shape, dt)
-                    buf.copy_(x)
-                    results.append(comm.reduce_scatter(buf))
+            results = issue_ops(comm, ops, inputs)
             elapsed = time.perf_counter() - t0
             seqs = comm._seq
         bad = []

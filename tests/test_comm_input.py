@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 import sparkccl
 from sparkccl import bootstrap, config
-from sparkccl.testing import bits, check, make_input, reduce_scatter_reference, run_ranks
+from sparkccl.testing import (assert_no_problems, bits, check, expect_errors, make_input,
+                              reduce_scatter_reference, run_ranks)
 
 
 def _bad_cases(comm):
@@ -63,17 +64,9 @@ def _bad_cases(comm):
 
 
 def bad_input_job(rank, world, store):
-    out = {}
     comm = sparkccl.Communicator(store=store, rank=rank, world_size=world, timeout_s=20,
                                  slot_bytes=1 << 20)
-    for name, fn, etype, text in _bad_cases(comm):
-        try:
-            fn()
-            out[name] = "no exception"
-        except Exception as e:  # noqa: BLE001
-            ok = isinstance(e, etype) and text in str(e)
-            out[name] = None if ok else f"{type(e).__name__}: {e}"
-    out["seq after bad calls"] = None if comm._seq == 0 else f"seq moved to {comm._seq}"
+    out = expect_errors(comm, _bad_cases(comm))
     # Nothing was sent: the next collectives line up and are exact.
     xs = [make_input(9, r, (world * 5, 3), torch.float16) for r in range(world)]
     ok = (bits(comm.reduce_scatter(xs[rank])) == reduce_scatter_reference(xs, rank)).all()
@@ -102,10 +95,7 @@ def bad_input_job(rank, world, store):
 
 def test_bad_inputs_raise_before_sending():
     values = check(run_ranks(bad_input_job, 2, timeout_s=120))
-    for r, v in enumerate(values):
-        bad = {k: e for k, e in v.items() if e is not None}
-        assert not bad, f"rank {r}: {bad}"
-    assert len(values[0]) >= 25
+    assert_no_problems(values, at_least=25)
 
 
 # ---- construction errors, in this process (fail before touching a store) ---------------

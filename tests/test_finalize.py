@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from sparkccl import finalize as F
-from sparkccl.testing import (all_gather_reference, bf16_bits_to_f32, bits, check,
-                              finalize_rows_reference, fma_f32, make_finalize_input, make_input,
-                              moe_finalize_reference, reduce_scatter_reference, run_ranks)
+from sparkccl.testing import (all_gather_reference, assert_no_problems, bf16_bits_to_f32, bits,
+                              check, expect_errors, finalize_rows_reference, fma_f32,
+                              make_finalize_input, make_input, moe_finalize_reference,
+                              reduce_scatter_reference, run_ranks)
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 HAVE_GPU = torch.cuda.is_available()
@@ -559,17 +560,9 @@ def _bad_finalize_cases(comm):
 
 def finalize_bad_input_job(rank, world, store):
     import sparkccl
-    out = {}
     comm = sparkccl.Communicator(store=store, rank=rank, world_size=world, timeout_s=20,
                                  slot_bytes=1 << 20)
-    for name, fn, etype, text in _bad_finalize_cases(comm):
-        try:
-            fn()
-            out[name] = "no exception"
-        except Exception as e:  # noqa: BLE001
-            ok = isinstance(e, etype) and text in str(e)
-            out[name] = None if ok else f"{type(e).__name__}: {e}"
-    out["seq after bad calls"] = None if comm._seq == 0 else f"seq moved to {comm._seq}"
+    out = expect_errors(comm, _bad_finalize_cases(comm))
     # Nothing was sent: the next collectives line up and are exact.
     T, Tpad = 8 * world - 1, 8 * world
     inputs = [make_finalize_input(1, r, tokens=T, hidden=128, topk=2, experts_rows=5)
@@ -586,7 +579,4 @@ def finalize_bad_input_job(rank, world, store):
 
 def test_bad_finalize_inputs_raise_before_sending():
     values = check(run_ranks(finalize_bad_input_job, 2, timeout_s=300))
-    for r, v in enumerate(values):
-        bad = {k: e for k, e in v.items() if e is not None}
-        assert not bad, f"rank {r}: {bad}"
-    assert len(values[0]) >= 30
+    assert_no_problems(values, at_least=30)

@@ -27,8 +27,8 @@ import netns  # noqa: E402
 
 import sparkccl  # noqa: E402
 from sparkccl.errors import CollectiveError  # noqa: E402
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,  # noqa: E402
-                              reduce_scatter_reference)
+from sparkccl.testing import (all_gather_reference, bits, check, issue_ops,  # noqa: E402
+                              make_input, reduce_scatter_reference)
 
 _WHY = netns.unavailable_reason()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"namespace testbed: {_WHY}")
@@ -63,20 +63,6 @@ def make_ops(seed: int, world: int, n: int, big: bool):
     return ops
 
 
-def _issue(comm, ops, inputs):
-    out = []
-    for (kind, _, shape, dt), x in zip(ops, inputs):
-        if kind == "ag":
-            out.append(comm.all_gather(x))
-        elif kind == "rs":
-            out.append(comm.reduce_scatter(x))
-        else:
-            buf = comm.reduce_scatter_input(shape, dt)
-            buf.copy_(x)
-            out.append(comm.reduce_scatter(buf))
-    return out
-
-
 def exact_job(rank, world, store, topology, n, big, slot_bytes):
     """Burst over tcp, then the same over shm (these boxes share /dev/shm); every result
     against the numpy reference and tcp against shm, bit for bit."""
@@ -90,7 +76,7 @@ def exact_job(rank, world, store, topology, n, big, slot_bytes):
                                    slot_bytes=slot_bytes, timeout_s=60) as comm:
             assert comm.transport == transport
             t0 = time.perf_counter()
-            got[transport] = [bits(y) for y in _issue(comm, ops, inputs)]
+            got[transport] = [bits(y) for y in issue_ops(comm, ops, inputs)]
             secs[transport] = time.perf_counter() - t0
     bad = []
     for i, ((kind, s, shape, dt), a, b) in enumerate(zip(ops, got["tcp"], got["shm"])):
