@@ -15,14 +15,12 @@ import pytest
 from sparkccl import layout as L
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
+from sparkccl.plan.model import Op, Region, num_flag_words
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
-from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
-
-SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
-PID = os.getpid()
-
+# (tests/ is on sys.path under pytest)
+from inproc import PID, SLOTS, Ctl, ProxyWorld, pattern, run_ag, run_rs  # noqa: E402
+from membuf import wait_abort  # noqa: E402
 
 # ---------------------------------------------------------------- layout and geometry
 
@@ -60,19 +58,6 @@ def test_bad_arguments_raise():
 
 
 # ---------------------------------------------------------------- memory helpers
-
-class Ctl:
-    def __init__(self, world: int):
-        nfw = num_flag_words(world)
-        self.buf = Buf(L.control_bytes(nfw))
-        self.addr = self.buf.addr
-        self.flags_addr = self.addr + L.FLAGS_OFFSET
-        self.flags = self.buf.a[L.FLAGS_OFFSET:L.FLAGS_OFFSET + 8 * nfw].view(np.uint64)
-        N.init_control(self.addr, PID)
-
-    def word(self, off: int) -> int:
-        return int(self.buf.a[off:off + 8].view(np.uint64)[0])
-
 
 def test_init_control():
     c = Ctl(2)
@@ -214,105 +199,19 @@ def test_wait_flags():
 
 # ---------------------------------------------------------------- end to end (shm, in-process)
 
-class World:
-    """W ranks in this process: control/flags and regions per rank, one Proxy each."""
+class World(ProxyWorld):
+    """W ranks in this process over shm: every rank's Proxy maps every other's memory."""
 
     def __init__(self, topology: str, world: int, roots: int, max_slice: int,
                  spin_us: int = 2000, nap_us: int = 50):
-        self.world = world
-        self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
-        self.ctl = [Ctl(world) for _ in range(world)]
-        blocks = [world, world, self.plans[0].rs_recv_blocks]
-        self.stride = [L.slot_stride(b * max_slice) for b in blocks]
-        self.regions = [[Buf(SLOTS[g] * self.stride[g]) for g in range(3)] for _ in range(world)]
-        self.proxies = []
-        for r, plan in enumerate(self.plans):
-            t = plan.to_tables()
-            p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].flags_addr, t["connections"],
-                        t["streams"], t["items"], SLOTS, spin_us, nap_us)
-            for g in range(3):
-                p.set_region(g, self.regions[r][g].addr, self.stride[g])
+        super().__init__(topology, world, roots, max_slice, spin_us, nap_us)
+        for r, p in enumerate(self.proxies):
             for q in range(world):
                 if q == r:
                     continue
                 p.set_peer(q, self.ctl[q].addr, self.ctl[q].flags_addr, PID)
                 for g in range(3):
                     p.set_peer_region(q, g, self.regions[q][g].addr)
-            self.proxies.append(p)
-        self.seq = 0
-
-    def start(self):
-        for p in self.proxies:
-            p.start()
-
-    def stop(self):
-        for p in self.proxies:
-            p.stop()
-
-    def block(self, r, region, seq, b, slice_):
-        off = (seq % SLOTS[region]) * self.stride[region] + b * slice_
-        return self.regions[r][region].a[off:off + slice_]
-
-    def wait_all(self, op, seq, timeout=20.0):
-        for r, plan in enumerate(self.plans):
-            for src in range(self.world):
-                for c in range(G.PIECES):
-                    words = list(plan.waits[op][src])
-                    got = N.wait_flags(self.ctl[r].addr, self.ctl[r].flags_addr, words,
-                                       G.flag_value(seq, c), timeout)
-                    assert got == (0, -1), (r, src, c, got, N.error_text(self.ctl[r].addr))
-
-    def check_healthy(self):
-        for r in range(self.world):
-            assert N.abort_code(self.ctl[r].addr) == 0, N.error_text(self.ctl[r].addr)
-
-
-def pattern(seq, origin, chunk, n):
-    return np.random.default_rng([seq, origin, chunk, n]).integers(0, 256, n, dtype=np.uint8)
-
-
-def run_ag(w: World, slice_: int):
-    seq, W = w.seq, w.world
-    for r in range(W):
-        for b in range(W):
-            w.block(r, Region.AG, seq, b, slice_)[:] = pattern(seq, r, 0, slice_) if b == r else 0xEE
-    for c in range(G.PIECES):
-        for r in range(W):
-            assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
-    w.wait_all(Op.AG, seq)
-    for r in range(W):
-        for b in range(W):
-            got = w.block(r, Region.AG, seq, b, slice_)
-            assert np.array_equal(got, pattern(seq, b, 0, slice_)), ("AG", r, b, slice_, seq)
-    w.seq += 1
-
-
-def run_rs(w: World, slice_: int, finalize: bool = False, granule: int = 16, rng=None):
-    seq, W = w.seq, w.world
-    for r in range(W):
-        for j in range(W):
-            w.block(r, Region.RS_SEND, seq, j, slice_)[:] = pattern(seq, r, j, slice_)
-        for b in range(w.plans[r].rs_recv_blocks):
-            w.block(r, Region.RS_RECV, seq, b, slice_)[:] = 0xEE
-    if not finalize:
-        for c in range(G.PIECES):
-            for r in range(W):
-                assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, -1, slice_, granule, 5.0) == 0
-    else:
-        # Finalize-style: one entry per (piece, destination chunk), in a scrambled order.
-        for r in range(W):
-            order = [(c, j) for c in range(G.PIECES) for j in range(W)]
-            rng.shuffle(order)
-            for c, j in order:
-                assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, j, slice_, granule, 5.0) == 0
-    w.wait_all(Op.RS, seq)
-    for r in range(W):
-        for i in range(W):
-            if i == r:
-                continue
-            got = w.block(r, Region.RS_RECV, seq, i, slice_)
-            assert np.array_equal(got, pattern(seq, i, r, slice_)), ("RS", r, i, slice_, seq)
-    w.seq += 1
 
 
 SLICES = [1, 15, 16, 17, 1000, 4096 * 3 + 5]

@@ -22,7 +22,6 @@ import subprocess
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from sparkccl import layout as L
@@ -31,15 +30,15 @@ from sparkccl.errors import CollectiveError
 from sparkccl.fabric import FabricError, RootChoice, Selection
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
+from sparkccl.plan.model import Op, Region, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
-from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
+# (tests/ is on sys.path under pytest)
+from inproc import SLOTS, ProxyWorld, run_ag, run_rs  # noqa: E402
+from membuf import Buf, wait_abort  # noqa: E402
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 
-SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
-PID = os.getpid()
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -134,31 +133,15 @@ def in_threads(world, fn, timeout=60):
     return out, errs
 
 
-class VWorld:
+class VWorld(ProxyWorld):
     """W ranks in this process over the fake verbs fabric: control block, flags, regions,
     one Proxy(transport='verbs') and one VerbsLink each, brought up in threads through a
     store like a communicator does."""
 
     def __init__(self, topology, world, roots, max_slice, *, settings=None, selections=None,
                  rank_settings=None, lane_check_on=True, spin_us=2000, nap_us=50):
-        self.topology, self.world, self.roots = topology, world, roots
-        self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
+        super().__init__(topology, world, roots, max_slice, spin_us, nap_us, transport="verbs")
         nfw = num_flag_words(world)
-        self.ctl = [Buf(L.control_bytes(nfw)) for _ in range(world)]
-        for c in self.ctl:
-            N.init_control(c.addr, PID)
-        self.flags_addr = [c.addr + L.FLAGS_OFFSET for c in self.ctl]
-        blocks = [world, world, self.plans[0].rs_recv_blocks]
-        self.stride = [L.slot_stride(b * max_slice) for b in blocks]
-        self.regions = [[Buf(SLOTS[g] * self.stride[g]) for g in range(3)] for _ in range(world)]
-        self.proxies = []
-        for r, plan in enumerate(self.plans):
-            t = plan.to_tables()
-            p = N.Proxy(r, world, self.ctl[r].addr, self.flags_addr[r], t["connections"],
-                        t["streams"], t["items"], SLOTS, spin_us, nap_us, transport="verbs")
-            for g in range(3):
-                p.set_region(g, self.regions[r][g].addr, self.stride[g])
-            self.proxies.append(p)
         store = DictStore()
         self.links = [None] * world
 
@@ -166,100 +149,29 @@ class VWorld:
             rv = Rendezvous(store, "t", r, world, 30.0)
             s = (rank_settings or {}).get(r, settings) or V.VerbsSettings()
             sel = selections[r] if selections else selection(topology, roots)
-            memory = {V.KEY_FLAGS: (self.flags_addr[r], nfw * 8)}
+            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, nfw * 8)}
             for g in range(3):
                 memory[g] = (self.regions[r][g].addr, SLOTS[g] * self.stride[g])
             self.links[r] = V.connect(rv, self.plans, r, topology, roots, self.proxies[r],
                                       memory, timeout_s=30.0, selection=sel, settings=s)
             if lane_check_on:
                 lane_check.lane_check(N, self.proxies[r], self.plans, r, topology, "verbs",
-                                      self.regions[r][0].a, self.stride[0], self.flags_addr[r],
-                                      rv, 10.0)
+                                      self.regions[r][0].a, self.stride[0],
+                                      self.ctl[r].flags_addr, rv, 10.0)
 
         _, errs = in_threads(world, up)
         self.setup_errors = errs
-        self.seq = 0
-        self.slices = {}  # seq -> (slice, granule)
 
     def check_setup(self):
         for e in self.setup_errors:
             if e is not None:
                 raise e
 
-    def start(self):
-        for p in self.proxies:
-            p.start()
-
     def stop(self):
-        for p in self.proxies:
-            p.stop()
+        super().stop()
         for link in self.links:
             if link is not None:
                 link.close()
-
-    def block(self, r, region, seq, b, slice_):
-        off = (seq % SLOTS[region]) * self.stride[region] + b * slice_
-        return self.regions[r][region].a[off:off + slice_]
-
-    def flags(self, r):
-        return np.frombuffer(self.ctl[r].mm, dtype=np.uint64,
-                             count=num_flag_words(self.world), offset=L.FLAGS_OFFSET)
-
-    def wait_all(self, op, seq, timeout=20.0):
-        for r, plan in enumerate(self.plans):
-            for src in range(self.world):
-                for c in range(G.PIECES):
-                    got = N.wait_flags(self.ctl[r].addr, self.flags_addr[r],
-                                       list(plan.waits[op][src]), G.flag_value(seq, c), timeout)
-                    assert got == (0, -1), (r, src, c, got, N.error_text(self.ctl[r].addr))
-
-    def check_healthy(self):
-        for r in range(self.world):
-            assert N.abort_code(self.ctl[r].addr) == 0, N.error_text(self.ctl[r].addr)
-
-
-def pattern(seq, origin, chunk, n):
-    return np.random.default_rng([seq, origin, chunk, n]).integers(0, 256, n, dtype=np.uint8)
-
-
-def run_ag(w: VWorld, slice_: int, seq=None):
-    seq = w.seq if seq is None else seq
-    W = w.world
-    for r in range(W):
-        for b in range(W):
-            w.block(r, Region.AG, seq, b, slice_)[:] = pattern(seq, r, 0, slice_) if b == r else 0xEE
-    w.slices[seq] = (slice_, 16)
-    for c in range(G.PIECES):
-        for r in range(W):
-            assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
-    w.wait_all(Op.AG, seq)
-    for r in range(W):
-        for b in range(W):
-            got = w.block(r, Region.AG, seq, b, slice_)
-            assert np.array_equal(got, pattern(seq, b, 0, slice_)), ("AG", r, b, slice_, seq)
-    w.seq = seq + 1
-
-
-def run_rs(w: VWorld, slice_: int, seq=None):
-    seq = w.seq if seq is None else seq
-    W = w.world
-    for r in range(W):
-        for j in range(W):
-            w.block(r, Region.RS_SEND, seq, j, slice_)[:] = pattern(seq, r, j, slice_)
-        for b in range(w.plans[r].rs_recv_blocks):
-            w.block(r, Region.RS_RECV, seq, b, slice_)[:] = 0xEE
-    w.slices[seq] = (slice_, 16)
-    for c in range(G.PIECES):
-        for r in range(W):
-            assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, -1, slice_, 16, 5.0) == 0
-    w.wait_all(Op.RS, seq)
-    for r in range(W):
-        for i in range(W):
-            if i == r:
-                continue
-            got = w.block(r, Region.RS_RECV, seq, i, slice_)
-            assert np.array_equal(got, pattern(seq, i, r, slice_)), ("RS", r, i, slice_, seq)
-    w.seq = seq + 1
 
 
 # ------------------------------------------------------------------------- WR analysis
@@ -304,10 +216,10 @@ def check_work_requests(w: VWorld, log, strict=False):
                 value = prev + ((low - prev) % (1 << value_bits))
                 last_value[(r, i, word)] = value
                 assert e["num_sge"] == 0 and not e["inline"]
-                assert e["remote_addr"] == w.flags_addr[conn.peer] + 8 * word
+                assert e["remote_addr"] == w.ctl[conn.peer].flags_addr + 8 * word
             else:
                 assert e["opcode"] == WR_RDMA_WRITE and e["length"] == 8 and e["num_sge"] == 1
-                off = e["remote_addr"] - w.flags_addr[conn.peer]
+                off = e["remote_addr"] - w.ctl[conn.peer].flags_addr
                 assert off % 8 == 0 and 0 <= off < 8 * nflags, e
                 word, value = off // 8, e["inline_value"]
             assert e["rkey"] == paired["mem"][V.KEY_FLAGS][2]
@@ -737,7 +649,7 @@ def test_lane_check_failure_reaches_every_rank(fake):
         def check(r):
             rv = Rendezvous(store, "lc", r, 3, 30.0)
             lane_check.lane_check(N, w.proxies[r], w.plans, r, "mesh", "verbs", w.regions[r][0].a,
-                                  w.stride[0], w.flags_addr[r], rv, 2.0)
+                                  w.stride[0], w.ctl[r].flags_addr, rv, 2.0)
 
         _, errs = in_threads(3, check)
         assert all(isinstance(e, CollectiveError) for e in errs), errs
@@ -751,7 +663,7 @@ def test_lane_check_failure_reaches_every_rank(fake):
                 or "rank 1: connection to peer 0 (mesh port, root 0)" in text), text
         assert "rank 2:" not in text.split("\n", 1)[1]
         # Nothing the check wrote is left behind on the ranks that passed it.
-        assert not w.flags(2).any()
+        assert not w.ctl[2].flags.any()
     finally:
         w.stop()
 
