@@ -35,7 +35,13 @@ using namespace ibv;
 
 namespace {
 
+// A send WR's wr_id: its connection in the top 16 bits, its post counter below.
 constexpr uint64_t WR_COUNTER_MASK = (uint64_t(1) << 48) - 1;
+uint64_t wr_id_of(int conn, uint64_t counter) {
+  return (uint64_t(conn) << 48) | (counter & WR_COUNTER_MASK);
+}
+uint64_t wr_conn(uint64_t wr_id) { return wr_id >> 48; }
+uint64_t wr_counter(uint64_t wr_id) { return wr_id & WR_COUNTER_MASK; }
 constexpr uint64_t MAX_MESSAGE = uint64_t(1) << 30;  // split writes above 1 GiB
 constexpr int POLL_BATCH = 32;
 constexpr uint64_t ASYNC_CHECK_NS = 1000000;  // look at async events every ~1 ms
@@ -410,10 +416,10 @@ void VerbsCore::close() {
       for (auto& d : devs_) {
         int n = d->scq ? poll_cq(d->scq, POLL_BATCH, w) : 0;
         for (int i = 0; i < n; ++i) {
-          uint64_t conn = w[i].wr_id >> 48;
+          uint64_t conn = wr_conn(w[i].wr_id);
           if (conn >= qps_.size()) continue;
           if (w[i].status != WC_SUCCESS) qps_[size_t(conn)]->state = QPS_ERR;
-          else qps_[size_t(conn)]->completed.store((w[i].wr_id & WR_COUNTER_MASK) + 1);
+          else qps_[size_t(conn)]->completed.store(wr_counter(w[i].wr_id) + 1);
         }
       }
       sleep_ns(100000);
@@ -588,8 +594,8 @@ void VerbsCore::notify_abort(const std::string& text) {
     d2.value = code;
     d2.remote = w2.rdma.remote_addr;
     const uint64_t idx = q.posted;
-    w1.wr_id = (uint64_t(i) << 48) | (idx & WR_COUNTER_MASK);
-    w2.wr_id = (uint64_t(i) << 48) | ((idx + 1) & WR_COUNTER_MASK);
+    w1.wr_id = wr_id_of(int(i), idx);
+    w2.wr_id = wr_id_of(int(i), idx + 1);
     q.ring[size_t(idx % uint64_t(s_.send_depth))] = d1;
     q.ring[size_t((idx + 1) % uint64_t(s_.send_depth))] = d2;
     w1.next = &w2;
@@ -718,7 +724,7 @@ bool VerbsCore::post(int conn, send_wr* wr, const WrDesc& d, uint64_t reserve_af
     wr->send_flags |= SEND_SIGNALED;
     sig = true;
   }
-  wr->wr_id = (uint64_t(conn) << 48) | (idx & WR_COUNTER_MASK);
+  wr->wr_id = wr_id_of(conn, idx);
   wr->next = nullptr;
   q.ring[size_t(idx % uint64_t(s_.send_depth))] = d;
   send_wr* bad = nullptr;
@@ -887,7 +893,7 @@ bool VerbsCore::drain() {
         return fail(first_conn_on(int(di), -1),
                     "device " + d.name + ": ibv_poll_cq failed (" + std::to_string(n) + ")");
       for (int i = 0; i < n; ++i) {
-        uint64_t conn = w[i].wr_id >> 48, idx = w[i].wr_id & WR_COUNTER_MASK;
+        uint64_t conn = wr_conn(w[i].wr_id), idx = wr_counter(w[i].wr_id);
         if (conn >= qps_.size())
           return fail(first_conn_on(int(di), -1), "device " + d.name +
                                                       ": completion with unknown wr_id " +
