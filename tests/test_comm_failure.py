@@ -95,6 +95,8 @@ def test_stalled_rank_makes_others_raise_within_timeout():
             if e_peer is not None:  # this rank's own wait timed out (not told by a peer)
                 assert e_conn.startswith("channel "), rec["attrs"]
                 assert e_peer == stalled or names[1] in rec["error"], rec["attrs"]
+                # ... and what the flag word held: the stalled rank's last piece before.
+                assert "flag word" in rec["error"] and "arrived" in rec["error"], rec["error"]
     assert all(v["recovered"] is None for v in values), [v["recovered"] for v in values]
 
 

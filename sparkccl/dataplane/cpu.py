@@ -21,6 +21,7 @@ record (so the proxy tells the peers) and raises :class:`CollectiveError`.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from .. import layout
 from ..errors import CollectiveError
-from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
+from ..plan.geometry import ALIGN, FLAG_STRIDE, PIECES, flag_value, piece_bounds, round_up
 from ..plan.model import PREV, Op, RankPlan, decode_flag_word
 
 SMALL_SLICE = 64 << 10
@@ -127,8 +128,14 @@ class CpuDataPlane:
         sender = self._sender(channel, origin)
         conn = f"channel {channel} root {root}"
         via = "" if sender == origin else f", relayed by rank {sender}"
+        # What the flag word holds tells a sender that never started from one that stalled
+        # part-way (value = seq * FLAG_STRIDE + piece + 1 of the last piece it published).
+        seen = ctypes.c_uint64.from_address(self.flags + 8 * word).value
+        last = (f"seq {seen // FLAG_STRIDE} piece {seen % FLAG_STRIDE - 1}" if seen % FLAG_STRIDE
+                else "nothing")
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
-                  f"{what} piece {piece} from rank {origin} (connection: {conn}{via}{note})",
+                  f"{what} piece {piece} from rank {origin} (connection: {conn}{via}{note}; "
+                  f"flag word {word} shows {last} arrived)",
                   layout.ABORT_TIMEOUT, peer=origin, connection=conn)
 
     def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
