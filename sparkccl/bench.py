@@ -144,14 +144,27 @@ def _run(fn, world, args, env, what, runner=None):
     return [r.value for r in results]
 
 
+def baselines_for(device: str, baseline: bool = True, only: list[str] | None = None) -> tuple:
+    """The (name, extra environment) baselines to run; ``only`` picks some by name."""
+    have = (CUDA_BASELINES if device == "cuda" else CPU_BASELINES) if baseline else ()
+    if not only:
+        return have
+    unknown = set(only) - {b for b, _ in have}
+    if unknown:
+        raise ValueError(f"unknown baseline {', '.join(sorted(unknown))} for device {device} "
+                         f"(have: {', '.join(b for b, _ in have) or 'none'})")
+    return tuple(b for b in have if b[0] in only)
+
+
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
-              baseline: bool = True, runner=None) -> int:
+              baseline: bool = True, runner=None, only: list[str] | None = None) -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
-    through sparkccl.testing.run_ranks)."""
+    through sparkccl.testing.run_ranks). ``only``: the names of the baselines to run (default:
+    all of the device's)."""
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
-    baselines = (CUDA_BASELINES if device == "cuda" else CPU_BASELINES) if baseline else ()
+    baselines = baselines_for(device, baseline, only)
     print(f"sparkccl bench: world {world}, topology {topology}, transport {transport}, "
           f"device {device}, bf16, {iters} iterations per size; baselines in the same run: "
           f"{', '.join(b for b, _ in baselines) or 'none'}")

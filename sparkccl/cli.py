@@ -21,11 +21,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .bench import baselines_for, run_bench
 
+    try:
+        baselines_for(args.device, not args.no_baseline, args.baseline)
+    except ValueError as e:
+        print(f"sparkccl bench: {e}", file=sys.stderr)
+        return 2
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
-                     iters=args.iters, baseline=not args.no_baseline)
+                     iters=args.iters, baseline=not args.no_baseline,
+                     only=args.baseline or None)
 
 
 def _size(text: str) -> int:
@@ -63,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--min-bytes", type=_size, default=1 << 20)
     b.add_argument("--max-bytes", type=_size, default=64 << 20)
     b.add_argument("--iters", type=int, default=5)
-    b.add_argument("--no-baseline", action="store_true", help="skip torch.distributed (gloo)")
+    b.add_argument("--no-baseline", action="store_true",
+                   help="skip torch.distributed (gloo on CPU, NCCL three ways on CUDA)")
+    b.add_argument("--baseline", action="append", metavar="NAME",
+                   help="only this baseline (repeatable): gloo, nccl, nccl-p2p-off, nccl-sockets")
     b.set_defaults(func=_cmd_bench)
 
     from . import doctor, selftest
