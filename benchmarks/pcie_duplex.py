@@ -17,7 +17,11 @@ traffic of that all-gather), alone and together, with each engine per direction:
 Directions that run "together" are on two streams, started by one event. ``ce8``: the copy
 engine in 8 pieces with a ``cuStreamWriteValue64`` flag after each.
 
-    python benchmarks/pcie_duplex.py [--mib 128] [--iters 5]
+With ``--gpus 0`` every GPU of the machine runs each case at the same time (do the GPUs
+share the way to host memory?).
+
+    python benchmarks/pcie_duplex.py [--mib 128] [--iters 5] [--gpus 1] [--backing anon]
+                                     [--cases ce/ce,sm/sm]
 """
 from __future__ import annotations
 
@@ -30,134 +34,196 @@ import torch
 from sparkccl.dataplane import cuda as C
 
 
-def host_buffer(nbytes: int):
-    mm = mmap.mmap(-1, nbytes)
+def host_buffer(nbytes: int, backing: str = "anon"):
+    """Host memory to pin: ``anon`` (private, small pages), ``thp`` (private, transparent
+    huge pages asked for), ``shm`` (a /dev/shm file, as the communicator's regions are),
+    ``shmthp`` (the same, huge pages asked for: needs shmem_enabled = advise or always)."""
+    if backing.startswith("shm"):
+        import os
+        import tempfile
+        fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="sparkccl-duplex-")
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        if backing == "shmthp":
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    else:
+        mm = mmap.mmap(-1, nbytes)
+        mm.madvise(mmap.MADV_HUGEPAGE if backing == "thp" else mmap.MADV_NOHUGEPAGE)
     t = torch.frombuffer(mm, dtype=torch.uint8)
     t.fill_(1)  # fault the pages in before pinning
     return mm, t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=5)
-    args = ap.parse_args()
-    from cuda.bindings import driver as drv
-    from cuda.bindings import runtime as rt
+def huge_kib() -> str:
+    """This process's transparent-huge-page memory (anonymous, shared) from smaps_rollup."""
+    try:
+        lines = open("/proc/self/smaps_rollup").read().splitlines()
+    except OSError:
+        return "?"
+    got = {ln.split(":")[0]: ln.split()[1] for ln in lines if "HugePages" in ln or "PmdMapped" in ln}
+    return ", ".join(f"{k} {v} kB" for k, v in got.items())
 
-    n = args.mib << 20
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    keep = []
-    views, hosts = {}, {}
-    for name in ("w", "r"):  # w: written by the GPU, r: read by the GPU
-        mm, t = host_buffer(n + 4096)
-        keep.append(mm)
-        d = C.register_host(t.data_ptr(), n + 4096)
-        hosts[name] = t.data_ptr()
-        views[name] = C.device_view(d, n, dev)
-    flag_dev = C.device_view(C.host_device_pointer(hosts["w"]) + n, 8, dev)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
-    dst = torch.empty(n, dtype=torch.uint8, device=dev)
-    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
 
-    def ce(dst_ptr, src_ptr, nbytes, stream):
+KERNELS = r"""
+struct V { unsigned x, y, z, w; };
+template <bool CV> __device__ void copy(V* d, const V* s, unsigned long long n) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+       i < n; i += (unsigned long long)gridDim.x * blockDim.x * 4) {
+    V v[4];
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      unsigned long long j = i + k * (unsigned long long)gridDim.x * blockDim.x;
+      if (j < n) {
+        if (CV) asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                             : "l"(s + j));
+        else asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                          : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                          : "l"(s + j));
+      }
+    }
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      unsigned long long j = i + k * (unsigned long long)gridDim.x * blockDim.x;
+      if (j < n) asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(d + j),
+                              "r"(v[k].x), "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
+    }
+  }
+}
+extern "C" __global__ void copy_plain(V* d, const V* s, unsigned long long n) { copy<false>(d, s, n); }
+extern "C" __global__ void copy_cv(V* d, const V* s, unsigned long long n) { copy<true>(d, s, n); }
+"""
+
+
+class Rig:
+    """One GPU's buffers: 'w' pinned host memory the GPU writes, 'r' pinned host memory it
+    reads, a device source and destination, and two streams (one per direction)."""
+
+    def __init__(self, index: int, n: int, backing: str = "anon"):
+        import cupy
+        self.dev = dev = torch.device("cuda", index)
+        self.n = n
+        self.keep, self.views, self.hosts = [], {}, {}
+        with torch.cuda.device(dev):
+            for name in ("w", "r"):  # w: written by the GPU, r: read by the GPU
+                mm, t = host_buffer(n + (2 << 20), backing)
+                self.keep.append(mm)
+                d = C.register_host(t.data_ptr(), n + (2 << 20))
+                self.hosts[name] = t.data_ptr()
+                self.views[name] = C.device_view(d, n, dev)
+            self.flag = C.device_view(C.host_device_pointer(self.hosts["w"]) + n, 8, dev)
+            self.src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+            self.dst = torch.empty(n, dtype=torch.uint8, device=dev)
+            self.s1, self.s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+            with cupy.cuda.Device(index):
+                self.kern = {"sm": cupy.RawKernel(KERNELS, "copy_plain"),
+                             "smcv": cupy.RawKernel(KERNELS, "copy_cv")}
+        self.grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def _ce(self, dst_ptr, src_ptr, nbytes, stream):
+        from cuda.bindings import runtime as rt
         (err,) = rt.cudaMemcpyAsync(dst_ptr, src_ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault,
                                     stream.cuda_stream)
         assert int(err) == 0, err
 
-    import cupy
-    import numpy as np
-    code = r"""
-    struct V { unsigned x, y, z, w; };
-    template <bool CV> __device__ void copy(V* d, const V* s, unsigned long long n) {
-      for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-           i < n; i += (unsigned long long)gridDim.x * blockDim.x * 4) {
-        V v[4];
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          unsigned long long j = i + k * (unsigned long long)gridDim.x * blockDim.x;
-          if (j < n) {
-            if (CV) asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
-                                 : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                                 : "l"(s + j));
-            else asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                              : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                              : "l"(s + j));
-          }
-        }
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          unsigned long long j = i + k * (unsigned long long)gridDim.x * blockDim.x;
-          if (j < n) asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(d + j),
-                                  "r"(v[k].x), "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
-        }
-      }
-    }
-    extern "C" __global__ void copy_plain(V* d, const V* s, unsigned long long n) { copy<false>(d, s, n); }
-    extern "C" __global__ void copy_cv(V* d, const V* s, unsigned long long n) { copy<true>(d, s, n); }
-    """
-    kern = {"sm": cupy.RawKernel(code, "copy_plain"), "smcv": cupy.RawKernel(code, "copy_cv")}
-    grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+    def _sm(self, engine, dst_ptr, src_ptr, stream):
+        import cupy
+        import numpy as np
+        with cupy.cuda.Device(self.dev.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+            self.kern[engine]((self.grid,), (256,),
+                              (np.uint64(dst_ptr), np.uint64(src_ptr), np.uint64(self.n // 16)))
 
-    def sm(engine, dst_ptr, src_ptr, stream):
-        with cupy.cuda.ExternalStream(stream.cuda_stream):  # (cupy 13: Stream.from_external)
-            kern[engine]((grid,), (256,), (np.uint64(dst_ptr), np.uint64(src_ptr), np.uint64(n // 16)))
+    def _write(self, engine, stream):
+        from cuda.bindings import driver as drv
+        if engine in self.kern:
+            self._sm(engine, self.views["w"].data_ptr(), self.src.data_ptr(), stream)
+        elif engine == "ce":
+            self._ce(self.hosts["w"], self.src.data_ptr(), self.n, stream)
+        elif engine == "ce8":  # 8 pieces, a flag after each (a copy-engine publish)
+            piece = self.n // 8
+            for c in range(8):
+                self._ce(self.hosts["w"] + c * piece, self.src.data_ptr() + c * piece, piece,
+                         stream)
+                (err,) = drv.cuStreamWriteValue64(stream.cuda_stream, self.flag.data_ptr(),
+                                                  c + 1, 0)
+                assert int(err) == 0, err
 
-    def write(engine, stream):
-        with torch.cuda.stream(stream):
-            if engine in kern:
-                sm(engine, views["w"].data_ptr(), src.data_ptr(), stream)
-            elif engine == "ce":
-                ce(hosts["w"], src.data_ptr(), n, stream)
-            elif engine == "ce8":  # 8 pieces, a flag after each (a copy-engine publish)
-                piece = n // 8
-                for c in range(8):
-                    ce(hosts["w"] + c * piece, src.data_ptr() + c * piece, piece, stream)
-                    (err,) = drv.cuStreamWriteValue64(stream.cuda_stream, flag_dev.data_ptr(),
-                                                      c + 1, 0)
-                    assert int(err) == 0, err
+    def _read(self, engine, stream):
+        if engine in self.kern:
+            self._sm(engine, self.dst.data_ptr(), self.views["r"].data_ptr(), stream)
+        elif engine == "ce":
+            self._ce(self.dst.data_ptr(), self.hosts["r"], self.n, stream)
 
-    def read(engine, stream):
-        with torch.cuda.stream(stream):
-            if engine in kern:
-                sm(engine, dst.data_ptr(), views["r"].data_ptr(), stream)
-            elif engine == "ce":
-                ce(dst.data_ptr(), hosts["r"], n, stream)
+    def launch(self, w, r):
+        """Queue one run of the case; returns its (start, end) events."""
+        with torch.cuda.device(self.dev):
+            main = torch.cuda.current_stream(self.dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(main)
+            self.s1.wait_event(start)
+            self.s2.wait_event(start)
+            if w:
+                with torch.cuda.stream(self.s1):
+                    self._write(w, self.s1)
+            if r:
+                with torch.cuda.stream(self.s2):
+                    self._read(r, self.s2)
+            main.wait_stream(self.s1)
+            main.wait_stream(self.s2)
+            end.record(main)
+        return start, end
 
-    def run(w, r) -> float:
-        main = torch.cuda.current_stream(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        main.synchronize()
-        start.record(main)
-        s1.wait_event(start)
-        s2.wait_event(start)
-        if w:
-            write(w, s1)
-        if r:
-            read(r, s2)
-        main.wait_stream(s1)
-        main.wait_stream(s2)
-        end.record(main)
+    def close(self):
+        torch.cuda.synchronize(self.dev)
+        for h in self.hosts.values():
+            C.unregister_host(h)
+
+
+def run(rigs, w, r) -> float:
+    """Seconds of the slowest GPU, every GPU running the case at once."""
+    for rig in rigs:
+        torch.cuda.synchronize(rig.dev)
+    events = [rig.launch(w, r) for rig in rigs]
+    for _, end in events:
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+    return max(s.elapsed_time(e) for s, e in events) / 1e3
 
+
+def main() -> None:
+    import warnings
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # cupy's ExternalStream
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="run every case on this many GPUs at once (0: all of them)")
+    ap.add_argument("--backing", choices=["anon", "thp", "shm", "shmthp"], default="anon",
+                    help="host memory: small pages, transparent huge pages, or /dev/shm")
+    ap.add_argument("--cases", default="all", help="'all' or e.g. 'ce/ce,sm/sm' (write/read)")
+    args = ap.parse_args()
+    n = args.mib << 20
+    count = args.gpus or torch.cuda.device_count()
+    rigs = [Rig(i, n, args.backing) for i in range(count)]
     cases = [("ce", None), (None, "ce"), ("sm", None), (None, "sm"), (None, "smcv"),
              ("ce", "ce"), ("ce8", "ce"), ("sm", "sm"), ("sm", "smcv"), ("ce", "sm"),
              ("ce", "smcv"), ("sm", "ce")]
-    props = torch.cuda.get_device_properties(dev)
-    print(f"# {props.name}: {args.mib} MiB per direction, median of {args.iters}; "
-          "GB/s = bytes moved (both directions) / time")
+    if args.cases != "all":
+        cases = [tuple(None if e == "-" else e for e in c.split("/")) for c in args.cases.split(",")]
+    props = torch.cuda.get_device_properties(rigs[0].dev)
+    print(f"# {props.name} x {count} at once: {args.mib} MiB per direction per GPU, median of "
+          f"{args.iters}, time of the slowest GPU; GB/s = bytes one GPU moved (both "
+          f"directions) / time; host memory {args.backing} ({huge_kib()})")
     print(f"{'write':>6} {'read':>6} {'ms':>8} {'GB/s':>8}   per direction")
     for w, r in cases:
-        run(w, r)  # warm-up
-        t = statistics.median(run(w, r) for _ in range(args.iters))
+        run(rigs, w, r)  # warm-up
+        t = statistics.median(run(rigs, w, r) for _ in range(args.iters))
         moved = n * ((w is not None) + (r is not None))
         print(f"{w or '-':>6} {r or '-':>6} {t * 1e3:8.3f} {moved / t / 1e9:8.1f}   "
               f"{n / t / 1e9:8.1f}")
-    torch.cuda.synchronize()
-    for name in hosts:
-        C.unregister_host(hosts[name])
+    for rig in rigs:
+        rig.close()
 
 
 if __name__ == "__main__":
