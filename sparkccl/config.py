@@ -11,8 +11,8 @@
 | ``SPARKCCL_PROXY_NAP_US`` | 200 (50 when oversubscribed) | then naps this long per idle turn |
 | ``SPARKCCL_CHECK_SIZES`` | 1 | 0: skip the cross-rank size check done on each collective's first piece |
 | ``SPARKCCL_GPU_DIRECT`` | 1 | CUDA tensors on one host (shm transport): the GPU writes its data straight into the peers' mapped regions and flags (docs/PROTOCOL.md "GPU-direct"); 0: the proxy's copy workers send it |
-| ``SPARKCCL_DIRECT_MODE`` | fused | GPU-direct engines: ``fused`` (one kernel: publish and wait blocks), ``split`` (the two roles as kernels on two streams), ``ce`` (copy engines move the bytes both ways; kernels only wait and sum; faster from 32-64 MiB per rank on one H200, not yet proven on two GPUs), ``auto`` (``ce`` from ``SPARKCCL_CE_MIN_BYTES`` per rank, else ``fused``); see ``sparkccl/dataplane/cuda.py`` |
-| ``SPARKCCL_CE_MIN_BYTES`` | 32 MiB | ``auto``: the smallest per-rank slice that uses the copy engines |
+| ``SPARKCCL_DIRECT_MODE`` | auto | GPU-direct engines: ``fused`` (one kernel: publish and wait blocks), ``split`` (the two roles as kernels on two streams), ``ce`` (copy engines move the bytes both ways; kernels only wait and sum), ``auto`` (``ce`` from ``SPARKCCL_CE_MIN_BYTES`` per rank, else ``fused``); see ``sparkccl/dataplane/cuda.py`` |
+| ``SPARKCCL_CE_MIN_BYTES`` | 16 MiB | ``auto``: the smallest per-rank slice that uses the copy engines |
 | ``SPARKCCL_TCP_ADDRS`` | 127.0.0.1 | tcp transport, mesh: this rank's address per root (``10.0.0.1,10.0.1.1``); see ``sparkccl/transport/tcp.py`` |
 | ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS`` | ``SPARKCCL_TCP_ADDRS`` | tcp transport, ring: addresses per root of the port facing prev / next |
 

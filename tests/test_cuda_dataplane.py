@@ -190,15 +190,31 @@ class EmuDataPlane(C.CudaDataPlane):
     def _join(self, ts, side_ts):
         ts.wait_event(side_ts.record())
 
-    def _issue(self, ops, waits):
+    def _issue(self, ops, kernels):
         for kind, stream, a, b, c in ops:
             if kind == C.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
             elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
+            elif kind == C.OP_RECORD:
+                self._emu_events[a] = stream.record()
+            elif kind == C.OP_WAIT_EVENT:
+                stream.wait_event(self._emu_events[a])
             else:
-                assert kind == C.OP_WAIT_PIECE, kind
-                stream.submit("sccl_wait_piece", 1, [a, *waits])
+                assert kind == C.OP_LAUNCH, kind
+                name, _, params = kernels[a]
+                stream.submit(name, c, [b, *(int(v) for v in params[1:])])
+
+    def _sum_stream(self):
+        if self._sums is None:
+            self._sums = (EmuStream(), list(range(1, C.PIECES * self.maxw + 1)))
+            self._emu_events = {}
+        return self._sums
+
+    def _free_events(self):
+        if self._sums is not None:
+            self._sums[0].close()
+            self._sums = None
 
     def _can_write_values(self):
         return True
@@ -741,7 +757,7 @@ def test_auto_mode_picks_the_engine_by_slice():
         for dp in w.dps:
             dp.ce_min_slice = 4096
             issue, launch = dp._issue, dp._launch
-            dp._issue = lambda ops, waits, f=issue: (issued.append(len(ops)), f(ops, waits))
+            dp._issue = lambda ops, kernels, f=issue: (issued.append(len(ops)), f(ops, kernels))
             dp._launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)

@@ -669,14 +669,21 @@ def test_cuda_issue_refuses_bad_operations():
     missing where there is no driver."""
     import ctypes
     with pytest.raises(ValueError, match="5-word operations"):
-        N.cuda_issue(0, [], [0, 0, 0])
+        N.cuda_issue([], [0, 0, 0])
     copy = [0, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="unknown operation kind 9"):
-        N.cuda_issue(0, [], copy + [9, 0, 0, 0, 0])
-    with pytest.raises(ValueError, match="a piece wait without a kernel"):
-        N.cuda_issue(0, [], copy + [2, 0, 0, 0, 0])
+        N.cuda_issue([], copy + [9, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="names no kernel of the call"):
+        N.cuda_issue([], copy + [2, 0, 0, 0, 1])  # a launch, but no kernel table
+    kernel = (0x1234, 32, [0, 7])
+    with pytest.raises(ValueError, match="names no kernel of the call or no blocks"):
+        N.cuda_issue([kernel], copy + [2, 0, 0, 0, 0])  # kernel 0, no blocks
+    with pytest.raises(ValueError, match="needs a function, a block size"):
+        N.cuda_issue([(0, 32, [0])], copy)
+    with pytest.raises(ValueError, match="names no event"):
+        N.cuda_issue([kernel], copy + [4, 0, 0, 0, 0])  # a stream waits for event 0
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:  # no driver here (CI): refused with the reason
         with pytest.raises(RuntimeError, match="libcuda.so.1"):
-            N.cuda_issue(0, [], copy)
+            N.cuda_issue([kernel], copy + [2, 0, 0, 3, 1])

@@ -1,19 +1,22 @@
 // Copy-engine data plane ("ce" mode of sparkccl/dataplane/cuda.py): issues one collective's
-// stream operations (copies, 64-bit value writes, piece-wait kernel launches; ~40 of them per
-// collective at world 2) in one call, without the GIL. From Python each costs 5-20 us, which
-// for collectives under ~64 MiB is longer than the copies take; here each is one driver call.
+// stream operations (copies, 64-bit value writes, launches of the unit-wait and unit-sum
+// kernels, event records and waits; ~60 of them per collective at world 2) in one call,
+// without the GIL. From Python each costs 5-20 us, which for collectives under ~64 MiB is
+// longer than the copies take; here each is one driver call.
 //
 // libcuda is loaded with dlopen on first use (the module is never linked to CUDA: CPU users
 // need no driver). The caller's thread must have the device's context current (the Python
 // side makes torch's primary context current before it calls).
 #include <dlfcn.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace nb = nanobind;
@@ -24,6 +27,7 @@ namespace {
 using CUresult = int;
 using CUstream = void*;
 using CUfunction = void*;
+using CUevent = void*;
 
 struct CudaApi {
   CUresult (*memcpy_async)(uint64_t dst, uint64_t src, size_t n, CUstream s) = nullptr;
@@ -31,6 +35,8 @@ struct CudaApi {
   CUresult (*launch)(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                      unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params,
                      void** extra) = nullptr;
+  CUresult (*event_record)(CUevent e, CUstream s) = nullptr;
+  CUresult (*wait_event)(CUstream s, CUevent e, unsigned flags) = nullptr;
   CUresult (*error_string)(CUresult e, const char** s) = nullptr;
   std::string error;
 };
@@ -56,43 +62,67 @@ const CudaApi& api() {
     bool ok = find(lib, &a.memcpy_async, "cuMemcpyAsync") &&
               find(lib, &a.write_value64, "cuStreamWriteValue64_v2", "cuStreamWriteValue64") &&
               find(lib, &a.launch, "cuLaunchKernel") &&
+              find(lib, &a.event_record, "cuEventRecord") &&
+              find(lib, &a.wait_event, "cuStreamWaitEvent") &&
               find(lib, &a.error_string, "cuGetErrorString");
-    if (!ok) a.error = "libcuda.so.1 lacks cuMemcpyAsync, cuStreamWriteValue64 or cuLaunchKernel";
+    if (!ok)
+      a.error = "libcuda.so.1 lacks one of cuMemcpyAsync, cuStreamWriteValue64, cuLaunchKernel, "
+                "cuEventRecord, cuStreamWaitEvent";
   });
   if (!a.error.empty()) throw std::runtime_error("sparkccl: " + a.error);
   return a;
 }
 
 // Operation kinds of the flat op list: 5 words per op (kind, stream, a, b, c).
-enum : uint64_t { OP_COPY = 0, OP_WRITE64 = 1, OP_WAIT_PIECE = 2 };
+enum : uint64_t { OP_COPY = 0, OP_WRITE64 = 1, OP_LAUNCH = 2, OP_RECORD = 3, OP_WAIT_EVENT = 4 };
 constexpr size_t OP_WORDS = 5;
 
 std::string describe(uint64_t kind) {
   switch (kind) {
     case OP_COPY: return "cuMemcpyAsync";
     case OP_WRITE64: return "cuStreamWriteValue64";
-    case OP_WAIT_PIECE: return "cuLaunchKernel(sccl_wait_piece)";
+    case OP_LAUNCH: return "cuLaunchKernel";
+    case OP_RECORD: return "cuEventRecord";
+    case OP_WAIT_EVENT: return "cuStreamWaitEvent";
     default: return "operation " + std::to_string(kind);
   }
 }
 
-// ops: OP_COPY (dst a, src b, bytes c), OP_WRITE64 (address a, value b), OP_WAIT_PIECE
-// (piece a: sccl_wait_piece(piece, wait_params...) as 1 block of 32 threads).
-void issue(uint64_t wait_fn, const std::vector<uint64_t>& wait_params,
+// A kernel of the call: CUfunction, threads per block, and its 64-bit parameters; a launch
+// sets the first of them (the unit) and keeps the rest.
+struct Kernel {
+  uint64_t fn;
+  unsigned block;
+  std::vector<uint64_t> params;
+};
+
+// ops: OP_COPY (dst a, src b, bytes c), OP_WRITE64 (address a, value b), OP_LAUNCH (kernel
+// a of `kernels`, first parameter b, c blocks), OP_RECORD (event a recorded on the stream),
+// OP_WAIT_EVENT (the stream waits for event a).
+void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t>>>& kernels,
            const std::vector<uint64_t>& ops) {
   if (ops.size() % OP_WORDS) throw std::invalid_argument("cuda_issue: ops is not a list of 5-word operations");
+  std::vector<Kernel> ks;
+  for (const auto& [fn, block, params] : kernels) {
+    if (!fn || !block || params.empty())
+      throw std::invalid_argument("cuda_issue: a kernel needs a function, a block size and at least one parameter");
+    ks.push_back({fn, block, params});
+  }
   // Refuse a bad list before anything is issued (a half-issued collective would hang peers).
   for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
-    if (ops[k] > OP_WAIT_PIECE)
+    if (ops[k] > OP_WAIT_EVENT)
       throw std::invalid_argument("cuda_issue: unknown operation kind " + std::to_string(ops[k]));
-    if (ops[k] == OP_WAIT_PIECE && !wait_fn)
-      throw std::invalid_argument("cuda_issue: a piece wait without a kernel");
+    if (ops[k] == OP_LAUNCH && (ops[k + 2] >= ks.size() || ops[k + 4] == 0 || ops[k + 4] > 0x7FFFFFFFu))
+      throw std::invalid_argument("cuda_issue: launch " + std::to_string(k / OP_WORDS) +
+                                  " names no kernel of the call or no blocks");
+    if ((ops[k] == OP_RECORD || ops[k] == OP_WAIT_EVENT) && !ops[k + 2])
+      throw std::invalid_argument("cuda_issue: operation " + std::to_string(k / OP_WORDS) +
+                                  " names no event");
   }
   const CudaApi& cu = api();
-  std::vector<uint64_t> args(1 + wait_params.size());
-  std::vector<void*> params(args.size());
-  for (size_t i = 1; i < args.size(); ++i) args[i] = wait_params[i - 1];
-  for (size_t i = 0; i < args.size(); ++i) params[i] = &args[i];
+  std::vector<std::vector<void*>> ptrs(ks.size());
+  for (size_t i = 0; i < ks.size(); ++i)
+    for (auto& v : ks[i].params) ptrs[i].push_back(&v);
   nb::gil_scoped_release nogil;
   for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
     const uint64_t kind = ops[k];
@@ -103,10 +133,16 @@ void issue(uint64_t wait_fn, const std::vector<uint64_t>& wait_params,
       r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
     } else if (kind == OP_WRITE64) {
       r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
-    } else {  // OP_WAIT_PIECE (kinds were checked above)
-      args[0] = a;
-      r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(wait_fn)), 1, 1, 1, 32,
-                    1, 1, 0, s, params.data(), nullptr);
+    } else if (kind == OP_RECORD) {
+      r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
+    } else if (kind == OP_WAIT_EVENT) {
+      r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
+    } else {  // OP_LAUNCH (checked above); the driver copies the parameters at launch
+      Kernel& kern = ks[a];
+      kern.params[0] = b;
+      r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kern.fn)),
+                    static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, ptrs[a].data(),
+                    nullptr);
     }
     if (r != 0) {
       const char* text = nullptr;
@@ -122,7 +158,7 @@ void issue(uint64_t wait_fn, const std::vector<uint64_t>& wait_params,
 
 namespace sparkccl {
 void bind_cuda_ops(nb::module_& m) {
-  m.def("cuda_issue", &issue, "wait_fn"_a, "wait_params"_a, "ops"_a,
+  m.def("cuda_issue", &issue, "kernels"_a, "ops"_a,
         "Issue copy-engine data-plane stream operations (see native/src/cuda_ops.cpp).");
 }
 }  // namespace sparkccl

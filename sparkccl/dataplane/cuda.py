@@ -18,10 +18,11 @@ turns it off): the peers' regions and flag words are mapped into this process to
 collective (``sccl_ag_direct`` / ``sccl_rs_direct_*``) executes this rank's publish-triggered
 streams itself: it writes each item straight from the input into the peer's region and then
 the stream's flag word, piece by piece, while its other blocks already wait for and consume
-the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused", the default; mode "ce",
-opt-in, has the copy engines move the bytes both ways while kernels only wait and sum,
-because SM copies lose a quarter to half of their rate when the link is busy both ways;
-see ``_run_direct`` and docs/PROTOCOL.md "GPU-direct"). The ring entries say
+the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
+engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
+quarter to half of their rate when the link is busy both ways; the default, "auto", takes
+"ce" from 16 MiB per rank and "fused" below; see ``_run_direct`` and docs/PROTOCOL.md
+"GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
 connection on the H200 test machine), the data crosses the link once each way at the
@@ -90,18 +91,17 @@ CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish s
 #   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
 #   ce:    copy engines both ways: on a side stream cuMemcpyAsync per item piece, then the
 #          flag and the ring tag by cuStreamWriteValue64; on the caller's stream per piece
-#          sccl_wait_piece, then copies out of the own region (reduce-scatter: into device
-#          staging, summed by the wait kernel at the end). See _run_direct.
-# SPARKCCL_DIRECT_MODE: "fused" is the default, the one engine proven on two GPUs so far.
-# "auto" takes "ce" from CE_MIN_SLICE bytes per rank (SPARKCCL_CE_MIN_BYTES) and "fused"
-# below, where one launch beats ~40 stream operations (H200, world 2 on one GPU: ce wins
-# from 16 MiB for all-gather, from 32-64 MiB for reduce-scatter;
-# benchmarks/direct_one_gpu_h200.txt). Not the default yet: on two H200s (one process per
-# GPU) a reduce-scatter in an earlier form of mode ce hung at 64 MiB per rank, and the
-# present form has not run there yet (benchmarks/bench_h200_x2_engines.txt).
+#          and wait word sccl_wait_unit, then copies of that part out of the own region
+#          (reduce-scatter: into device staging, then sccl_rs_sum_unit_*). See _run_direct.
+# SPARKCCL_DIRECT_MODE: "auto" (the default) takes "ce" from CE_MIN_SLICE bytes per rank
+# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats ~60 stream operations
+# and a chain of 16 unit waits (two H200s, one process each: ce's all-gather ahead from
+# 16 MiB per rank, its reduce-scatter even there, both behind at 8 MiB;
+# benchmarks/bench_h200_x2.txt).
 DIRECT_MODES = ("fused", "split", "ce")
-CE_MIN_SLICE = 32 << 20
-OP_COPY, OP_WRITE64, OP_WAIT_PIECE = 0, 1, 2  # mode "ce" stream operations (cuda_ops.cpp)
+CE_MIN_SLICE = 16 << 20
+# mode "ce" stream operations (cuda_ops.cpp)
+OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT = 0, 1, 2, 3, 4
 
 FIN_THREADS = 512
 FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
@@ -110,6 +110,8 @@ _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_dir
               torch.float32: "sccl_rs_direct_f32"}
 _RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
                torch.float32: "sccl_rs_wait_f32"}
+_RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
+                torch.float32: "sccl_rs_sum_unit_f32"}
 
 _lock = threading.Lock()
 _kernels: dict[int, dict] = {}  # device index -> {name: Kernel}
@@ -237,6 +239,11 @@ PART_NONE = 0
 PART_WHOLE = part_code(Part(0, 1, 0, 1))
 
 
+def _part_of(code: int) -> Part:
+    """The inverse of :func:`part_code`."""
+    return Part(code & 3, code >> 2 & 3, code >> 4 & 3, code >> 6 & 3)
+
+
 def wait_parts(plan: RankPlan, maxw: int) -> torch.Tensor:
     """``[op][world + 1][maxw]`` int32: row i < world gives the part of each piece that wait
     word k of source i carries (from the writer's items, in the senders' plans), row world
@@ -348,8 +355,10 @@ class CudaDataPlane(CpuDataPlane):
             for i, words in enumerate(plan.waits[op]):
                 for k, word in enumerate(words):
                     table[int(op), i, k] = int(word)
+        parts = wait_parts(plan, self.maxw)
+        self._waits_host, self._parts_host = table.tolist(), parts.tolist()  # (mode "ce")
         self.wait_table = self._to_device(table)
-        self.parts_table = self._to_device(wait_parts(plan, self.maxw))
+        self.parts_table = self._to_device(parts)
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # counters per (seq % 4, stream, piece) plus per (seq % 4, piece) for the ring.
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -363,19 +372,20 @@ class CudaDataPlane(CpuDataPlane):
             except ValueError:
                 warnings.warn(f"SPARKCCL_DIRECT_BLOCKS={tune!r} ignored: expected two integers "
                               "'publish,wait'")
-        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "fused"
+        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "auto"
         if self.direct_mode not in ("auto", *DIRECT_MODES):
             warnings.warn(f"SPARKCCL_DIRECT_MODE={self.direct_mode!r} ignored: expected auto or "
                           f"one of {', '.join(DIRECT_MODES)}")
-            self.direct_mode = "fused"
+            self.direct_mode = "auto"
         try:
             self.ce_min_slice = int(os.environ.get("SPARKCCL_CE_MIN_BYTES", "") or CE_MIN_SLICE)
         except ValueError:
             warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
             self.ce_min_slice = CE_MIN_SLICE
         self._side = None  # side stream of the split / ce modes (made on first use)
+        self._sums = None  # mode "ce": (stream, events) of the reduce-scatter sums
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
-        self._wait_fn = None  # CUfunction of sccl_wait_piece (mode "ce")
+        self._functions: dict[str, int] = {}  # CUfunction per kernel name (mode "ce")
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
             ctl_addr + layout.RING_OFFSET)
         self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
@@ -497,6 +507,10 @@ class CudaDataPlane(CpuDataPlane):
                 self._unregister(addr)
             except Exception:
                 pass
+        try:
+            self._free_events()
+        except Exception:
+            pass
 
     # ---- GPU-direct: peers' regions mapped here -----------------------------------------
     def map_peers(self, ctl: dict[int, tuple[int, int]], ag: dict[int, tuple[int, int]]) -> None:
@@ -573,13 +587,15 @@ class CudaDataPlane(CpuDataPlane):
 
     def _run_direct(self, op: Op, seq: int, ts, stream, *, S: int, L: int, first: int,
                     kernel: str, publish: tuple, consume: tuple, wait_kernel: str, nb: int,
-                    npub: int, ce_src: tuple | None, own: list) -> None:
+                    npub: int, ce_src: tuple | None, own: list,
+                    sum_kernel: str | None = None) -> None:
         """Launch a GPU-direct collective in ``self.direct_mode`` (see DIRECT_MODES).
         publish: the direct kernel's publish arguments up to ``own_dst, dst2``; consume: the
         wait role's arguments before ``L, S`` (sccl_*_wait) or the wait parameters (direct
         kernel). ce_src: (input pointer, chunk stride) for the copy engines, or None (a
         zero-copy input, already pinned: the publish kernel sends it); own: (dst, src,
-        bytes) copies of the own slice."""
+        bytes) copies of the own slice; sum_kernel: the reduce-scatter's sum per unit (piece,
+        wait word) in mode "ce" (sccl_rs_sum_unit_*)."""
         ring = (self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(op)), self._dcounters(seq))
         waits = self._wait_args(op, seq)
         mode = self.direct_mode
@@ -596,7 +612,9 @@ class CudaDataPlane(CpuDataPlane):
             return
         # The two roles on two streams: the publish side starts after everything queued
         # before on the caller's stream, and the caller's stream joins it at the end, so
-        # collectives stay in order and every region is reused as with one launch.
+        # collectives stay in order and every region is reused as with one launch. (Mode ce
+        # with two sending and two receiving streams, words alternating between them, was
+        # slower on two H200s: ~0.9 ms per collective at any size, against ~0.45 ms.)
         side_ts, side = self._fork(ts)
         ce_pub = mode == "ce" and ce_src is not None  # (a zero-copy input is already pinned)
         ce_wait = mode == "ce" and (op == Op.RS or int(consume[1]) != 0)  # (zero-copy AG: waits)
@@ -604,9 +622,18 @@ class CudaDataPlane(CpuDataPlane):
             self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
                          *consume, *waits)
         if ce_pub or ce_wait:
-            stage = 0
+            # Kernels of the operation list: 0 waits for a unit (piece c, wait word k), 1 sums
+            # a reduce-scatter unit (the first parameter, unit = c * maxw + k, is set per
+            # launch).
+            kernels = [("sccl_wait_unit", 32, (0, *waits))]
+            stage, sums = 0, None
             if op == Op.RS and ce_wait:
+                sums = self._sum_stream()
                 stage = self._scratch("ce stage", self.world * S).data_ptr()
+                reduce_parts = self.parts_table[int(op)][self.world].data_ptr()
+                kernels.append((sum_kernel, WAIT_THREADS, (0, stage, *consume[1:], L, S,
+                                                           self.rank, self.world, reduce_parts,
+                                                           self.maxw)))
             # The own slice first, on the receiving stream (idle until the first piece lands).
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
@@ -615,15 +642,11 @@ class CudaDataPlane(CpuDataPlane):
                 if ce_pub:
                     self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
                 if ce_wait:
-                    self._ce_receive(ops, op, ts, c, S=S, L=L, consume=consume, stage=stage)
-            self._issue(ops, waits)
-            if op == Op.RS and ce_wait:
-                # The sum, once every piece is staged (its waits are over by then). No kernel of
-                # this rank spins beside the copies: an earlier version summed each piece as
-                # it landed, in a kernel on a third stream that waited for device flags the
-                # copying stream wrote; on two H200s it hung at 64 MiB per rank.
-                self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, _n(stage), *consume[1:],
-                             _n(L), _n(S), *waits)
+                    self._ce_receive(ops, op, ts, c, S=S, L=L, consume=consume, stage=stage,
+                                     nb=nb, sums=sums)
+            self._issue(ops, kernels)
+            if sums is not None:
+                self._join(ts, sums[0])
         if not ce_wait:
             self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
@@ -654,25 +677,51 @@ class CudaDataPlane(CpuDataPlane):
                     + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
 
     def _ce_receive(self, ops: list, op: Op, ts, c: int, *, S: int, L: int, consume: tuple,
-                    stage: int) -> None:
-        """Mode "ce", piece c of the receiving side: ``sccl_wait_piece`` (one thread waits for
-        every source's flag words of the piece, watching the abort word and the timeout),
-        then the copy engines move each source's piece off the link: into the all-gather
-        result, or into the device staging slot of the reduce-scatter (summed in rank order
-        once every piece is there). SMs reading pinned memory lose a quarter to half of
-        their rate while the link also carries the publish writes; copy engines keep 48 of
-        55 GB/s each way (benchmarks/pcie_duplex_h200.txt)."""
+                    stage: int, nb: int, sums: tuple | None) -> None:
+        """Mode "ce", piece c of the receiving side, one unit (wait word k) at a time:
+        ``sccl_wait_unit`` on the caller's stream (one thread waits for word k of the piece
+        from every source, watching the abort word and the timeout), then the copy engines
+        move the part of the piece that word carries off the link: into the all-gather
+        result, or into the device staging slot of the reduce-scatter. There nb blocks of
+        ``sccl_rs_sum_unit_*`` sum it in rank order on the sums' stream (``sums`` = (stream,
+        events)), which waits for an event recorded after the unit's copies, so the receiving
+        stream moves on to the next unit at once.
+
+        Why so: waiting per word rather than per piece halves the pipeline's fill and drain
+        where each source sends a piece in two parts (two roots per port); SMs reading
+        pinned memory lose a quarter to half of their rate while the link also carries the
+        publish writes, where copy engines keep 48 of 55 GB/s each way
+        (benchmarks/pcie_duplex_h200.txt). No kernel of this rank waits for anything its own
+        later stream operations write: the only spinning kernel waits for peers' flags (an
+        earlier version summed in a kernel that waited for device flags written by this
+        rank's own copying stream; it hung on two H200s)."""
         if op == Op.AG:
             src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
         else:
             src, dst, dst_stride = int(consume[0]), stage, S
-        ops.append((OP_WAIT_PIECE, ts, c, 0, 0))
         lo, hi = piece_bounds(S, c)
-        a, e = min(lo, L), min(hi, L)
-        if e > a:
-            for i in range(self.world):
-                if i != self.rank:
-                    ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
+        waits, parts = self._waits_host[int(op)], self._parts_host[int(op)]
+        W, me = self.world, self.rank
+        for k in range(self.maxw):
+            if all(waits[i][k] < 0 for i in range(W) if i != me):
+                continue
+            ops.append((OP_LAUNCH, ts, 0, c * self.maxw + k, 1))
+            for i in range(W):
+                if i != me and parts[i][k] != PART_NONE:
+                    a, e = sub_range(lo, hi, _part_of(parts[i][k]))
+                    a, e = min(a, L), min(e, L)
+                    if e > a:
+                        ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
+            if op == Op.RS:
+                # The sums' stream follows every unit's copies, also those without a sum of
+                # their own (a whole-piece sum after the last word, where sources split
+                # pieces differently, reads the parts of every word).
+                u = c * self.maxw + k
+                sum_ts, events = sums
+                ops.append((OP_RECORD, ts, events[u], 0, 0))
+                ops.append((OP_WAIT_EVENT, sum_ts, events[u], 0, 0))
+                if parts[W][k] != PART_NONE:
+                    ops.append((OP_LAUNCH, sum_ts, 1, u, nb))
 
     def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
         """Every field but the tag of the collective's ring entries first .. first + 7 (the
@@ -712,22 +761,49 @@ class CudaDataPlane(CpuDataPlane):
     def _join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
 
-    def _issue(self, ops: list, waits: tuple) -> None:
-        """Issue mode "ce" operations (kind, torch stream, a, b, c) in order, in one native
-        call (native/src/cuda_ops.cpp); waits: the wait parameters of sccl_wait_piece."""
-        flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
-        with torch.cuda.device(self.device):
-            self.nat.cuda_issue(self._wait_piece_fn(), [int(v) for v in waits], flat)
+    def _sum_stream(self) -> tuple:
+        """Mode "ce": the reduce-scatter sums' stream and one event per unit (piece, wait
+        word), made on first use. The sums of a collective follow the caller's stream's
+        earlier work through the first event, and the caller's stream joins the sums' stream
+        at the end of each collective (the staging slot is then free again)."""
+        if self._sums is None:
+            self._sums = (torch.cuda.Stream(self.device), self._new_events(PIECES * self.maxw))
+        return self._sums
 
-    def _wait_piece_fn(self) -> int:
-        """CUfunction handle of sccl_wait_piece in this device's context."""
-        if self._wait_fn is None:
+    def _new_events(self, n: int) -> list[int]:
+        from cuda.bindings import driver as drv
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        with torch.cuda.device(self.device):
+            return [int(_check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
+
+    def _free_events(self) -> None:
+        if self._sums is None:
+            return
+        from cuda.bindings import driver as drv
+        for e in self._sums[1]:
+            drv.cuEventDestroy(drv.CUevent(e))
+        self._sums = None
+
+    def _issue(self, ops: list, kernels: list) -> None:
+        """Issue mode "ce" operations (kind, torch stream, a, b, c) in order, in one native
+        call (native/src/cuda_ops.cpp). kernels: (name, threads per block, parameters) of
+        the OP_LAUNCH operations (a: index in this list, b: first parameter, c: blocks)."""
+        flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
+        table = [(self._function(name), block, [int(v) for v in params])
+                 for name, block, params in kernels]
+        with torch.cuda.device(self.device):
+            self.nat.cuda_issue(table, flat)
+
+    def _function(self, name: str) -> int:
+        """CUfunction handle of kernel ``name`` in this device's context."""
+        f = self._functions.get(name)
+        if f is None:
             from cuda.bindings import driver as drv
-            h = self.kernels["sccl_wait_piece"].handle
+            h = self.kernels[name].handle
             if isinstance(h, drv.CUkernel):
                 h = _check("cuKernelGetFunction", drv.cuKernelGetFunction(h))[0]
-            self._wait_fn = int(h)
-        return self._wait_fn
+            f = self._functions[name] = int(h)
+        return f
 
     def _can_write_values(self) -> bool:
         if self._write_values is None:
@@ -906,7 +982,8 @@ class CudaDataPlane(CpuDataPlane):
                                                       self.max_direct_wait_blocks),
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
-                ce_src=(base, src_stride) if src is not None else None, own=[])
+                ce_src=(base, src_stride) if src is not None else None, own=[],
+                sum_kernel=_RS_SUM_UNIT[dtype])
             return
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,

@@ -451,17 +451,18 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
 
-// sccl_wait_piece: one thread waits until piece c of every source arrived (every wait word),
-// then the launch ends: the copy-engine data plane ("ce" mode) orders its copies of the
-// piece after this kernel on the same stream. A failure is recorded as in the poller (the
-// copies that follow then move stale bytes, and the host raises at the next call).
-extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
+// sccl_wait_unit: one thread waits until wait word k of piece c (unit = c * maxw + k) of
+// every source arrived, then the launch ends: the copy-engine data plane ("ce" mode) orders
+// its copies of that part of the piece after this kernel on the same stream. A failure is
+// recorded as in the poller (the copies that follow then move stale bytes, and the host
+// raises at the next call).
+extern "C" __global__ void sccl_wait_unit(u64 unit, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
   const u64 t0 = globaltimer();
-  for (int k = 0; k < w.maxw; ++k)
-    for (int i = 0; i < w.world; ++i)
-      if (!wait_word(w, (int)piece, k, i, t0)) return;
+  const int c = (int)(unit / (u64)w.maxw), k = (int)(unit % (u64)w.maxw);
+  for (int i = 0; i < w.world; ++i)
+    if (!wait_word(w, c, k, i, t0)) return;
 }
 
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
@@ -699,6 +700,31 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
 RS_KERNEL(sccl_rs_wait_bf16, BF16)
 RS_KERNEL(sccl_rs_wait_f16, F16)
 RS_KERNEL(sccl_rs_wait_f32, F32)
+
+// Copy-engine data plane ("ce" mode): the rank-order sum of the part that wait word k of
+// piece c carries (unit = c * maxw + k; reduce parts: row `world` of the parts table, see
+// rs_wait), once the copy engines staged it (stage: source i's chunk at stage + i * S,
+// device memory; own as in rs_wait). Launched on the stream after the unit's sccl_wait_unit
+// and staging copies, so it waits for nothing itself and overlaps the next unit's arrival.
+#define RS_SUM_UNIT_KERNEL(NAME, E)                                                          \
+  extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
+      u64 unit, const u8* stage, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S,          \
+      u64 rank, u64 world, const int* reduce_parts, u64 maxw) {                              \
+    const u32 part = (u32)reduce_parts[unit % maxw];                                         \
+    if (part == PART_NONE) return;                                                           \
+    u64 a, e;                                                                                \
+    piece_bounds(S, (int)(unit / maxw), &a, &e);                                             \
+    part_range(part, &a, &e);                                                                \
+    if (a > L) a = L;                                                                        \
+    if (e > L) e = L;                                                                        \
+    if (e > a)                                                                               \
+      team_reduce<E>(dst, stage, own, own_sys != 0, S, a, e, (int)rank, (int)world,          \
+                     blockIdx.x, gridDim.x);                                                 \
+  }
+
+RS_SUM_UNIT_KERNEL(sccl_rs_sum_unit_bf16, BF16)
+RS_SUM_UNIT_KERNEL(sccl_rs_sum_unit_f16, F16)
+RS_SUM_UNIT_KERNEL(sccl_rs_sum_unit_f32, F32)
 
 // ---------------------------------------------------------------- MoE finalize (SPEC §6)
 //
