@@ -704,8 +704,9 @@ RS_KERNEL(sccl_rs_wait_f32, F32)
 // Copy-engine data plane ("ce" mode): the rank-order sum of the part that wait word k of
 // piece c carries (unit = c * maxw + k; reduce parts: row `world` of the parts table, see
 // rs_wait), once the copy engines staged it (stage: source i's chunk at stage + i * S,
-// device memory; own as in rs_wait). Launched on the stream after the unit's sccl_wait_unit
-// and staging copies, so it waits for nothing itself and overlaps the next unit's arrival.
+// device memory; own as in rs_wait). Launched on a stream of its own behind an event
+// recorded after the unit's staging copies, so it waits for nothing itself and runs while
+// the next unit travels.
 #define RS_SUM_UNIT_KERNEL(NAME, E)                                                          \
   extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
       u64 unit, const u8* stage, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S,          \
