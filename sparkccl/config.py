@@ -54,8 +54,8 @@ def parse_bytes(text: str | int, what: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
-def _env(name: str) -> str | None:
-    v = os.environ.get(name)
+def _env(name: str, env=None) -> str | None:
+    v = (os.environ if env is None else env).get(name)
     return None if v is None or v.strip() == "" else v.strip()
 
 
@@ -79,8 +79,9 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={v!r}: expected a number of seconds") from None
 
 
-def _env_bool(name: str, default: bool) -> bool:
-    v = _env(name)
+def env_bool(name: str, default: bool, env=None) -> bool:
+    """A 0/1 switch from the environment (or the mapping ``env``); unset or empty: default."""
+    v = _env(name, env)
     if v is None:
         return default
     if v.lower() in ("1", "true", "yes", "on"):
@@ -159,8 +160,8 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     if spin < 0 or nap < 0:
         raise ValueError("SPARKCCL_PROXY_SPIN_US / SPARKCCL_PROXY_NAP_US must be >= 0")
     return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot, roots=roots,
-                    rs_up_front=_env_bool("SPARKCCL_RS_UP_FRONT", False),
+                    rs_up_front=env_bool("SPARKCCL_RS_UP_FRONT", False),
                     spin_us=spin, nap_us=nap,
-                    check_sizes=_env_bool("SPARKCCL_CHECK_SIZES", True),
+                    check_sizes=env_bool("SPARKCCL_CHECK_SIZES", True),
                     oversubscribed=oversub,
-                    gpu_direct=_env_bool("SPARKCCL_GPU_DIRECT", True))
+                    gpu_direct=env_bool("SPARKCCL_GPU_DIRECT", True))

@@ -14,6 +14,8 @@ Each rank owns three shared segments:
 """
 from __future__ import annotations
 
+from .plan.geometry import round_up
+
 PAGE = 4096
 
 # Control block (offsets in bytes from the start of the control segment).
@@ -55,10 +57,6 @@ FLAG_BYTES = 8
 
 def control_bytes(num_flag_words: int) -> int:
     return round_up(FLAGS_OFFSET + num_flag_words * FLAG_BYTES, PAGE)
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def slot_stride(slot_bytes: int) -> int:

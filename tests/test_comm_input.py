@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import sparkccl
 from sparkccl import bootstrap, config
+from sparkccl.transport import check as lane_check
 from sparkccl.testing import (assert_no_problems, bits, check, expect_errors, make_input,
                               reduce_scatter_reference, run_ranks)
 
@@ -161,6 +162,13 @@ def test_config_parsing(monkeypatch):
     assert s.oversubscribed and s.spin_us == 7 and s.nap_us == config.OVERSUBSCRIBED_NAP_US
     assert s.timeout_s == 5 and s.bootstrap_timeout_s == 120
     assert config.resolve(timeout_s=2.5).timeout_s == 2.5  # argument beats environment
+    # 0/1 switches (also the lane check's, read through the same function)
+    assert config.env_bool("X", True, {"X": " off "}) is False
+    assert config.env_bool("X", False, {"X": "1"}) is True
+    assert config.env_bool("X", True, {"X": ""}) is True
+    with pytest.raises(ValueError, match="SPARKCCL_LANE_CHECK='maybe': expected 0 or 1"):
+        lane_check.enabled({"SPARKCCL_LANE_CHECK": "maybe"})
+    assert lane_check.enabled({}) and not lane_check.enabled({"SPARKCCL_LANE_CHECK": "0"})
 
 
 def test_disagreement_message():

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from ..config import env_bool
 from ..errors import CollectiveError
 from ..plan.model import Region
 
@@ -39,13 +40,7 @@ MAGIC = b"SCHK"
 
 
 def enabled(env=None) -> bool:
-    env = os.environ if env is None else env
-    v = (env.get(ENV_ENABLE) or "1").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_ENABLE}={v!r}: expected 0 or 1")
+    return env_bool(ENV_ENABLE, True, env)
 
 
 def timeout_for(timeout_s: float, env=None) -> float:
