@@ -397,6 +397,12 @@ class CudaDataPlane(CpuDataPlane):
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
+        # WAIT_PARAMS of kernels.cu per op, but for seq (each collective's): the rest is fixed.
+        self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
+                                self.ctl_dev + GPU_STATUS, self.wait_table[int(op)].data_ptr(),
+                                self.parts_table[int(op)].data_ptr(), _n(self.maxw),
+                                self.state.data_ptr()) for op in Op}
+        self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
         self._device_synchronize()
 
     # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
@@ -851,11 +857,7 @@ class CudaDataPlane(CpuDataPlane):
                   layout.ABORT_TIMEOUT)
 
     def _wait_args(self, op: Op, seq: int) -> tuple:
-        table = self.wait_table[int(op)]
-        return (self.flags_dev, self.ctl_dev + layout.CTL_ABORT, self.ctl_dev + GPU_STATUS,
-                table.data_ptr(), self.parts_table[int(op)].data_ptr(), _n(self.maxw),
-                self.state.data_ptr(), _n(seq), _n(self.rank), _n(self.world),
-                _n(self.timeout_ns))
+        return (*self._wait_head[op], _n(seq), *self._wait_tail)
 
     def _publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
