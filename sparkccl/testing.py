@@ -85,14 +85,20 @@ def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads)
         value = fn(rank, world, store, *args, **kwargs)
         q.put(("ok", rank, value, time.monotonic() - t0))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
-        tb = traceback.format_exc()
-        try:
-            import pickle
-            pickle.dumps(e)
-            err = e
-        except Exception:
-            err = None
-        q.put(("err", rank, (err, type(e).__name__, str(e), tb), time.monotonic() - t0))
+        q.put(("err", rank, failure_record(e), time.monotonic() - t0))
+
+
+def failure_record(e: BaseException) -> tuple:
+    """What a rank process reports of its exception (call it in the ``except`` block): the
+    exception itself if it pickles (else None), its type name, its text, the traceback."""
+    import pickle
+    tb = traceback.format_exc()
+    try:
+        pickle.dumps(e)
+        err = e
+    except Exception:
+        err = None
+    return err, type(e).__name__, str(e), tb
 
 
 def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None = None,

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 
 PREFIX = "sccl"
@@ -417,13 +416,8 @@ def _rank_main(spec_path: str, rank: int) -> int:
         value = fn(rank, world, store, *spec["args"])
         result = ("ok", value)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        tb = traceback.format_exc()
-        try:
-            pickle.dumps(e)
-            err = e
-        except Exception:
-            err = None
-        result = ("err", (err, type(e).__name__, str(e), tb))
+        from sparkccl.testing import failure_record
+        result = ("err", failure_record(e))
     with open(out + ".tmp", "wb") as f:
         pickle.dump((*result, time.monotonic() - t0), f)
     os.replace(out + ".tmp", out)
