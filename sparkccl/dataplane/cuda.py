@@ -94,7 +94,7 @@ CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish s
 #          and wait word sccl_wait_unit, then copies of that part out of the own region
 #          (reduce-scatter: into device staging, then sccl_rs_sum_unit_*). See _run_direct.
 # SPARKCCL_DIRECT_MODE: "auto" (the default) takes "ce" from CE_MIN_SLICE bytes per rank
-# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats ~60 stream operations
+# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats 70-120 stream operations
 # and a chain of 16 unit waits (two H200s, one process each: ce's all-gather ahead from
 # 16 MiB per rank, its reduce-scatter even there, both behind at 8 MiB;
 # benchmarks/bench_h200_x2.txt).
