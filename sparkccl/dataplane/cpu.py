@@ -130,7 +130,7 @@ class CpuDataPlane:
         via = "" if sender == origin else f", relayed by rank {sender}"
         # What the flag word holds tells a sender that never started from one that stalled
         # part-way (value = seq * FLAG_STRIDE + piece + 1 of the last piece it published).
-        seen = ctypes.c_uint64.from_address(self.flags + 8 * word).value
+        seen = ctypes.c_uint64.from_address(self.flags + layout.FLAG_BYTES * word).value
         last = (f"seq {seen // FLAG_STRIDE} piece {seen % FLAG_STRIDE - 1}" if seen % FLAG_STRIDE
                 else "nothing")
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
