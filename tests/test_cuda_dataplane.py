@@ -782,6 +782,29 @@ def test_auto_mode_picks_the_engine_by_slice():
         w.healthy()
 
 
+def test_ce_keeps_a_sum_whose_word_no_source_sends():
+    """Mode "ce" walks the wait words of a piece; a word that no source sends is skipped,
+    except where the reduce-scatter sums (the whole piece after the last word, for sources
+    that split pieces differently): that sum must still be launched."""
+    with World("emu", "mesh", 2, max_slice=1 << 14, direct=True, mode="ce") as w:
+        dp = w.dps[0]
+        W, maxw = dp.world, dp.maxw
+        waits = [[-1] * maxw for _ in range(W)]
+        waits[1][0] = 7  # source 1 sends word 0 only
+        parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
+        parts[1][0] = C.PART_WHOLE
+        parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
+        dp._waits_host = {int(C.Op.RS): waits}
+        dp._parts_host = {int(C.Op.RS): parts}
+        ops = []
+        dp._ce_receive(ops, C.Op.RS, "ts", 0, S=4096, L=4096, consume=(0, 0, 0, 0),
+                       stage=0, nb=1, sums=("sums", list(range(1, 8 * maxw + 1))))
+        launches = [(st, a, b) for kind, st, a, b, c in ops if kind == C.OP_LAUNCH]
+        assert ("ts", 0, 0) in launches  # the wait for word 0
+        assert ("sums", 1, maxw - 1) in launches, launches  # the sum at the last word
+        w.healthy()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_direct_and_proxy_ranks_mix(backend):
     """GPU-direct is each rank's own choice: a rank that sends through its proxy and ranks

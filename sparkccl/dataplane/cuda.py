@@ -709,7 +709,10 @@ class CudaDataPlane(CpuDataPlane):
         waits, parts = self._waits_host[int(op)], self._parts_host[int(op)]
         W, me = self.world, self.rank
         for k in range(self.maxw):
-            if all(waits[i][k] < 0 for i in range(W) if i != me):
+            # A word no source sends is skipped, unless the reduce-scatter sums there (the
+            # whole piece after the last word, where sources split pieces differently).
+            if all(waits[i][k] < 0 for i in range(W) if i != me) and not (
+                    op == Op.RS and parts[W][k] != PART_NONE):
                 continue
             ops.append((OP_LAUNCH, ts, 0, c * self.maxw + k, 1))
             for i in range(W):
@@ -743,7 +746,8 @@ class CudaDataPlane(CpuDataPlane):
     def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
         reused by every call: each use is written and read on the collectives' one stream,
-        so a later call's writes come after the earlier reads. Outgrown buffers are kept
+        or on streams that stream joins before the call ends (the "ce" sums), so a later
+        call's writes come after the earlier reads. Outgrown buffers are kept
         until synchronize(), for kernels and copies still queued. Names: "finalize own"
         (this rank's own rows of a finalize, read by the wait kernel that follows) and
         "ce stage" (mode "ce": the reduce-scatter's received chunks)."""
@@ -795,9 +799,9 @@ class CudaDataPlane(CpuDataPlane):
         call (native/src/cuda_ops.cpp). kernels: (name, threads per block, parameters) of
         the OP_LAUNCH operations (a: index in this list, b: first parameter, c: blocks)."""
         flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
-        table = [(self._function(name), block, [int(v) for v in params])
-                 for name, block, params in kernels]
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device):  # (the function handles are per context too)
+            table = [(self._function(name), block, [int(v) for v in params])
+                     for name, block, params in kernels]
             self.nat.cuda_issue(table, flat)
 
     def _function(self, name: str) -> int:
