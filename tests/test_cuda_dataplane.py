@@ -794,8 +794,7 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
         parts[1][0] = C.PART_WHOLE
         parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
-        dp._waits_host = {int(C.Op.RS): waits}
-        dp._parts_host = {int(C.Op.RS): parts}
+        dp._ce_words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
         ops = []
         dp._ce_receive(ops, C.Op.RS, "ts", 0, S=4096, L=4096, consume=(0, 0, 0, 0),
                        stage=0, nb=1, sums=("sums", list(range(1, 8 * maxw + 1))))

@@ -244,6 +244,28 @@ def _part_of(code: int) -> Part:
     return Part(code & 3, code >> 2 & 3, code >> 4 & 3, code >> 6 & 3)
 
 
+def _cut(lo: int, hi: int, part: Part, L: int) -> tuple[int, int]:
+    """The bytes of ``part`` of piece ``[lo, hi)`` that lie below L (the rest is padding)."""
+    a, e = sub_range(lo, hi, part)
+    return min(a, L), min(e, L)
+
+
+def ce_words(waits: list, parts: list, rank: int, reduce: bool) -> list:
+    """Mode "ce": the wait words in which this rank receives every piece, in order, as
+    (k, [(source, Part) copied once word k came], whether the reduce-scatter sums after word
+    k). waits / parts: one op's rows of the wait table and of :func:`wait_parts`. A word no
+    source sends is left out, unless the reduce-scatter sums there (the whole piece after
+    the last word, where sources split pieces differently)."""
+    W = len(waits)
+    out = []
+    for k in range(len(waits[0])):
+        sums = reduce and parts[W][k] != PART_NONE
+        if sums or any(waits[i][k] >= 0 for i in range(W) if i != rank):
+            out.append((k, [(i, _part_of(parts[i][k])) for i in range(W)
+                            if i != rank and parts[i][k] != PART_NONE], sums))
+    return out
+
+
 def wait_parts(plan: RankPlan, maxw: int) -> torch.Tensor:
     """``[op][world + 1][maxw]`` int32: row i < world gives the part of each piece that wait
     word k of source i carries (from the writer's items, in the senders' plans), row world
@@ -356,7 +378,8 @@ class CudaDataPlane(CpuDataPlane):
                 for k, word in enumerate(words):
                     table[int(op), i, k] = int(word)
         parts = wait_parts(plan, self.maxw)
-        self._waits_host, self._parts_host = table.tolist(), parts.tolist()  # (mode "ce")
+        self._ce_words = {op: ce_words(table[int(op)].tolist(), parts[int(op)].tolist(),
+                                       self.rank, op == Op.RS) for op in Op}
         self.wait_table = self._to_device(table)
         self.parts_table = self._to_device(parts)
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
@@ -672,8 +695,7 @@ class CudaDataPlane(CpuDataPlane):
         lo, hi = piece_bounds(S, c)
         for flag, items in self._dhost[op]:
             for chunk, dbase, dstride, slots, block, part in items:
-                a, e = sub_range(lo, hi, part)
-                a, e = min(a, L), min(e, L)
+                a, e = _cut(lo, hi, part, L)
                 if e > a:
                     ops.append((OP_COPY, side_ts, dbase + (seq % slots) * dstride + block * S + a,
                                 base + chunk * stride + a, e - a))
@@ -706,30 +728,21 @@ class CudaDataPlane(CpuDataPlane):
         else:
             src, dst, dst_stride = int(consume[0]), stage, S
         lo, hi = piece_bounds(S, c)
-        waits, parts = self._waits_host[int(op)], self._parts_host[int(op)]
-        W, me = self.world, self.rank
-        for k in range(self.maxw):
-            # A word no source sends is skipped, unless the reduce-scatter sums there (the
-            # whole piece after the last word, where sources split pieces differently).
-            if all(waits[i][k] < 0 for i in range(W) if i != me) and not (
-                    op == Op.RS and parts[W][k] != PART_NONE):
-                continue
-            ops.append((OP_LAUNCH, ts, 0, c * self.maxw + k, 1))
-            for i in range(W):
-                if i != me and parts[i][k] != PART_NONE:
-                    a, e = sub_range(lo, hi, _part_of(parts[i][k]))
-                    a, e = min(a, L), min(e, L)
-                    if e > a:
-                        ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
+        for k, copies, sum_here in self._ce_words[op]:
+            u = c * self.maxw + k
+            ops.append((OP_LAUNCH, ts, 0, u, 1))
+            for i, part in copies:
+                a, e = _cut(lo, hi, part, L)
+                if e > a:
+                    ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
             if op == Op.RS:
                 # The sums' stream follows every unit's copies, also those without a sum of
                 # their own (a whole-piece sum after the last word, where sources split
                 # pieces differently, reads the parts of every word).
-                u = c * self.maxw + k
                 sum_ts, events = sums
                 ops.append((OP_RECORD, ts, events[u], 0, 0))
                 ops.append((OP_WAIT_EVENT, sum_ts, events[u], 0, 0))
-                if parts[W][k] != PART_NONE:
+                if sum_here:
                     ops.append((OP_LAUNCH, sum_ts, 1, u, nb))
 
     def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
