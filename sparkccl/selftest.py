@@ -95,7 +95,8 @@ class _Ctx:
 
 def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
     import torch
-    from .testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+    from .testing import (all_gather_reference, bits, make_input, reduce_scatter_reference,
+                          reduce_scatter_via_input)
     W, r = c.world, c.rank
     bad, n = [], 0
     for case, (elems, dname) in enumerate(AG_CASES):
@@ -122,9 +123,7 @@ def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
         if not (bits(y.cpu()) == want).all():
             bad.append(f"reduce_scatter {W} x {elems} x {dname}")
         # The same through the zero-copy input buffer.
-        buf = c.comm.reduce_scatter_input(xs[r].shape, dtype)
-        buf.copy_(c.to(xs[r]))
-        y = c.comm.reduce_scatter(buf)
+        y = reduce_scatter_via_input(c.comm, c.to(xs[r]))
         c.sync()
         n += 1
         if not (bits(y.cpu()) == want).all():

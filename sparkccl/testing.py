@@ -284,10 +284,15 @@ def issue_ops(comm, ops, inputs) -> list:
         elif kind == "rs":
             out.append(comm.reduce_scatter(x))
         else:
-            buf = comm.reduce_scatter_input(shape, dt)
-            buf.copy_(x)
-            out.append(comm.reduce_scatter(buf))
+            out.append(reduce_scatter_via_input(comm, x))
     return out
+
+
+def reduce_scatter_via_input(comm, x):
+    """A reduce-scatter of ``x`` through the communicator's zero-copy input buffer."""
+    buf = comm.reduce_scatter_input(x.shape, x.dtype)
+    buf.copy_(x)
+    return comm.reduce_scatter(buf)
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -357,11 +362,8 @@ def run_bursts(comm, world: int, rank: int, *, bursts: int, per_burst: int, op_s
                 outs.append(comm.all_gather(to(make_input(seed, rank, (elems,), dtype))))
             else:
                 x = to(make_input(seed, rank, (world * elems,), dtype))
-                if kind == "reduce_scatter_input":
-                    buf = comm.reduce_scatter_input(x.shape, dtype)
-                    buf.copy_(x)
-                    x = buf
-                outs.append(comm.reduce_scatter(x))
+                outs.append(reduce_scatter_via_input(comm, x) if kind == "reduce_scatter_input"
+                            else comm.reduce_scatter(x))
         sync()
         for i, ((kind, elems, dname), y) in enumerate(zip(ops, outs)):
             dtype, seed = getattr(torch, dname), input_seed * (b + 1) + i

@@ -10,7 +10,7 @@ import torch
 
 import sparkccl
 from sparkccl.testing import (all_gather_reference, bits, check, make_input,
-                              reduce_scatter_reference, run_ranks)
+                              reduce_scatter_reference, reduce_scatter_via_input, run_ranks)
 
 MiB = 1 << 20
 
@@ -34,12 +34,8 @@ def _check_ag(comm, seed, x_shape, dtype, world, rank, out=None):
 
 def _check_rs(comm, seed, m, h, dtype, world, rank, zero_copy=False):
     xs = [make_input(seed, r, (world * m, h), dtype) for r in range(world)]
-    if zero_copy:
-        buf = comm.reduce_scatter_input((world * m, h), dtype)
-        buf.copy_(xs[rank])
-        y = comm.reduce_scatter(buf)
-    else:
-        y = comm.reduce_scatter(xs[rank])
+    y = (reduce_scatter_via_input(comm, xs[rank]) if zero_copy
+         else comm.reduce_scatter(xs[rank]))
     assert tuple(y.shape) == (m, h) and y.dtype == dtype
     ok = (bits(y) == reduce_scatter_reference(xs, rank)).all()
     return None if ok else (f"reduce_scatter {comm.topology} {dtype} chunk [{m}, {h}] "
