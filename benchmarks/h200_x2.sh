@@ -7,6 +7,13 @@
 #   backing  the same, both GPUs, copy engines and SM copies both ways, for each kind of host
 #            memory (small pages, transparent huge pages, /dev/shm without and with huge
 #            pages) at 64 and 128 MiB
+#   ring     the same, both GPUs, each reading the host ring its neighbour writes, for ring
+#            sizes RINGS (MiB; default 1 2 4 8 16 32 128): does cache-resident host memory
+#            (Intel DDIO) lift the both-ways limit?
+#   waits    the data movement of a world-2 ce collective at 64 and 256 MiB (each GPU writes
+#            its slice in 16 units, each published by a value write, while reading the peer's)
+#            with no waits, with cuStreamWaitValue64 and with a spin kernel per unit; and
+#            the same bytes as single cold copies
 #   cesmall  sparkccl bench 4-64 MiB, fused then ce forced (where ce starts to pay)
 #   ce       sparkccl bench 64-256 MiB, copy-engine engine forced (SPARKCCL_DIRECT_MODE=ce)
 #   ce32     the same with 32 hardware queues per process (CUDA_DEVICE_MAX_CONNECTIONS=32)
@@ -48,6 +55,23 @@ for s in $STAGES; do
         timeout 60 python3 benchmarks/pcie_duplex.py --gpus 0 --backing $b --mib $m \
           --cases ce/ce,sm/sm,ce/-,-/ce 2>&1 | tee -a "$OUT/backing.txt"
       done; done ;;
+    ring)
+      for r in ${RINGS:-1 2 4 8 16 32 128}; do
+        stage "link duplex, both GPUs, ring $r MiB"
+        timeout 60 python3 benchmarks/pcie_duplex.py --gpus 0 --ring "$r" --chunk-kib "${CHUNK_KIB:-1024}" \
+          --cases ce/ce,sm/smcv,ce/-,-/ce 2>&1 | tee -a "$OUT/ring.txt"
+      done ;;
+    waits)
+      for m in 32 128; do
+        for w in none value kernel; do
+          stage "ce collective's movement, $m MiB per direction, waits: $w"
+          timeout 60 python3 benchmarks/pcie_duplex.py --gpus 0 --mib $m --ring $m \
+            --chunk-kib $((m * 64)) --wait $w --cases ce/ce 2>&1 | tee -a "$OUT/waits.txt"
+        done
+        stage "cold single copies, $m MiB per direction"
+        timeout 60 python3 benchmarks/pcie_duplex.py --gpus 0 --mib $m --cases ce/ce,ce/-,-/ce \
+          2>&1 | tee -a "$OUT/waits.txt"
+      done ;;
     cesmall)
       for mode in fused ce; do
         stage "bench 4-64 MiB, SPARKCCL_DIRECT_MODE=$mode"

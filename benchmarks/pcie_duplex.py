@@ -20,12 +20,27 @@ engine in 8 pieces with a ``cuStreamWriteValue64`` flag after each.
 With ``--gpus 0`` every GPU of the machine runs each case at the same time (do the GPUs
 share the way to host memory?).
 
+With ``--ring MIB`` the host side is a ring of that size instead of the whole transfer: each
+direction moves the same bytes in ``--chunk-kib`` copies that cycle through the ring, and
+every GPU reads the ring its neighbour writes (GPU i reads GPU i+1's). Does host memory that
+was just written by a device, and stays in the CPU's last-level cache (Intel DDIO), let
+both directions run faster than the DRAM-backed case?
+
+``--wait`` (ring mode, ring = whole transfer) pipelines the two sides as a world-2 "ce"
+collective does: the writer publishes each chunk with ``cuStreamWriteValue64``, the reader
+waits for it before its copy, by ``value`` (``cuStreamWaitValue64``, the stream's front end
+waits) or ``kernel`` (a one-thread kernel spins on the word, as the ce engine's first form
+did on its copying stream). The difference between the two, and against ``none`` (no
+waits), is what waiting costs.
+
     python benchmarks/pcie_duplex.py [--mib 128] [--iters 5] [--gpus 1] [--backing anon]
-                                     [--cases ce/ce,sm/sm]
+                                     [--cases ce/ce,sm/sm] [--ring 4 --chunk-kib 1024]
+                                     [--wait none|value|kernel]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import statistics
 
@@ -93,7 +108,17 @@ template <bool CV> __device__ void copy(V* d, const V* s, unsigned long long n) 
   }
 }
 extern "C" __global__ void copy_plain(V* d, const V* s, unsigned long long n) { copy<false>(d, s, n); }
+
 extern "C" __global__ void copy_cv(V* d, const V* s, unsigned long long n) { copy<true>(d, s, n); }
+// Spin until *f >= v (at most ~2 s of GPU time, so a bug cannot hang the benchmark).
+extern "C" __global__ void spin(const volatile unsigned long long* f, unsigned long long v) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (*f < v) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > 2000000000ull) return;
+  }
+}
 """
 
 
@@ -101,25 +126,31 @@ class Rig:
     """One GPU's buffers: 'w' pinned host memory the GPU writes, 'r' pinned host memory it
     reads, a device source and destination, and two streams (one per direction)."""
 
-    def __init__(self, index: int, n: int, backing: str = "anon"):
+    def __init__(self, index: int, n: int, backing: str = "anon", ring: int = 0,
+                 chunk: int = 1 << 20):
         import cupy
         self.dev = dev = torch.device("cuda", index)
-        self.n = n
-        self.keep, self.views, self.hosts = [], {}, {}
+        self.n, self.ring, self.chunk = n, ring, chunk
+        host = ring or n
+        self.keep, self.views, self.hosts, self.pinned = [], {}, {}, []
         with torch.cuda.device(dev):
             for name in ("w", "r"):  # w: written by the GPU, r: read by the GPU
-                mm, t = host_buffer(n + (2 << 20), backing)
+                mm, t = host_buffer(host + (2 << 20), backing)
                 self.keep.append(mm)
-                d = C.register_host(t.data_ptr(), n + (2 << 20))
+                d = C.register_host(t.data_ptr(), host + (2 << 20))
                 self.hosts[name] = t.data_ptr()
-                self.views[name] = C.device_view(d, n, dev)
-            self.flag = C.device_view(C.host_device_pointer(self.hosts["w"]) + n, 8, dev)
+                self.pinned.append(t.data_ptr())
+                self.views[name] = C.device_view(d, host, dev)
+            self.flag = C.device_view(C.host_device_pointer(self.hosts["w"]) + host, 8, dev)
+            ctypes.c_uint64.from_address(self.hosts["w"] + host).value = 0  # (filled with 1s)
             self.src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
             self.dst = torch.empty(n, dtype=torch.uint8, device=dev)
             self.s1, self.s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
             with cupy.cuda.Device(index):
                 self.kern = {"sm": cupy.RawKernel(KERNELS, "copy_plain"),
                              "smcv": cupy.RawKernel(KERNELS, "copy_cv")}
+                self.spin = cupy.RawKernel(KERNELS, "spin")
+        self.wait, self.base = "none", 0  # --wait; flag values of this run are base + chunk + 1
         self.grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
 
     def _ce(self, dst_ptr, src_ptr, nbytes, stream):
@@ -128,16 +159,59 @@ class Rig:
                                     stream.cuda_stream)
         assert int(err) == 0, err
 
-    def _sm(self, engine, dst_ptr, src_ptr, stream):
+    def _sm(self, engine, dst_ptr, src_ptr, stream, nbytes=None):
         import cupy
         import numpy as np
+        count = (nbytes or self.n) // 16
         with cupy.cuda.Device(self.dev.index), cupy.cuda.ExternalStream(stream.cuda_stream):
             self.kern[engine]((self.grid,), (256,),
-                              (np.uint64(dst_ptr), np.uint64(src_ptr), np.uint64(self.n // 16)))
+                              (np.uint64(dst_ptr), np.uint64(src_ptr), np.uint64(count)))
+
+    def read_ring_of(self, peer: "Rig") -> None:
+        """Read the ring ``peer`` writes (ring mode: host memory a device just wrote)."""
+        self.hosts["r"], self.views["r"] = peer.hosts["w"], peer.views["w"]
+        self.peer = peer
+
+    def _wait_chunk(self, i: int, stream) -> None:
+        """Order the read of chunk i after the writer's publish of it (--wait)."""
+        from cuda.bindings import driver as drv
+        import cupy
+        import numpy as np
+        flag, value = self.peer.flag.data_ptr(), self.peer.base + i + 1
+        if self.wait == "value":
+            (err,) = drv.cuStreamWaitValue64(stream.cuda_stream, flag, value,
+                                             drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            assert int(err) == 0, err
+        elif self.wait == "kernel":
+            with cupy.cuda.Device(self.dev.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+                self.spin((1,), (32,), (np.uint64(flag), np.uint64(value)))
+
+    def _ring(self, engine, to_host: bool, stream):
+        """Move n bytes in chunk-sized copies, the host side cycling through the ring."""
+        host = self.hosts["w" if to_host else "r"]
+        hview = self.views["w" if to_host else "r"].data_ptr()
+        dev_buf = self.src if to_host else self.dst
+        from cuda.bindings import driver as drv
+        for i, off in enumerate(range(0, self.n, self.chunk)):
+            h = off % self.ring
+            d = dev_buf.data_ptr() + off
+            if not to_host and self.wait != "none":
+                self._wait_chunk(i, stream)
+            if engine == "ce":
+                self._ce(host + h if to_host else d, d if to_host else host + h, self.chunk, stream)
+            else:
+                self._sm(engine, hview + h if to_host else d, d if to_host else hview + h,
+                         stream, self.chunk)
+            if to_host and self.wait != "none":  # publish chunk i (a fenced value write)
+                (err,) = drv.cuStreamWriteValue64(stream.cuda_stream, self.flag.data_ptr(),
+                                                  self.base + i + 1, 0)
+                assert int(err) == 0, err
 
     def _write(self, engine, stream):
         from cuda.bindings import driver as drv
-        if engine in self.kern:
+        if self.ring and engine in ("ce", "sm"):
+            self._ring(engine, True, stream)
+        elif engine in self.kern:
             self._sm(engine, self.views["w"].data_ptr(), self.src.data_ptr(), stream)
         elif engine == "ce":
             self._ce(self.hosts["w"], self.src.data_ptr(), self.n, stream)
@@ -151,16 +225,24 @@ class Rig:
                 assert int(err) == 0, err
 
     def _read(self, engine, stream):
-        if engine in self.kern:
+        if self.ring and engine in ("ce", "sm", "smcv"):
+            self._ring(engine, False, stream)
+        elif engine in self.kern:
             self._sm(engine, self.dst.data_ptr(), self.views["r"].data_ptr(), stream)
         elif engine == "ce":
             self._ce(self.dst.data_ptr(), self.hosts["r"], self.n, stream)
 
-    def launch(self, w, r):
-        """Queue one run of the case; returns its (start, end) events."""
+    def launch(self, w, r, gate: int):
+        """Queue one run of the case behind the pinned word at device pointer ``gate`` (the
+        GPUs start together once the host sets it, however long queueing took); returns its
+        (start, end) events."""
+        from cuda.bindings import driver as drv
         with torch.cuda.device(self.dev):
             main = torch.cuda.current_stream(self.dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            (err,) = drv.cuStreamWaitValue32(main.cuda_stream, gate, 1,
+                                             drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            assert int(err) == 0, err
             start.record(main)
             self.s1.wait_event(start)
             self.s2.wait_event(start)
@@ -177,15 +259,22 @@ class Rig:
 
     def close(self):
         torch.cuda.synchronize(self.dev)
-        for h in self.hosts.values():
+        for h in self.pinned:
             C.unregister_host(h)
 
 
-def run(rigs, w, r) -> float:
-    """Seconds of the slowest GPU, every GPU running the case at once."""
+def run(rigs, w, r, gated: bool = True) -> float:
+    """Seconds of the slowest GPU, every GPU running the case at once (``gated``: queued
+    first, then started together; the warm-up runs ungated, since a first launch that loads
+    a module must not queue behind a closed gate)."""
     for rig in rigs:
         torch.cuda.synchronize(rig.dev)
-    events = [rig.launch(w, r) for rig in rigs]
+        rig.base += 1 << 20  # fresh flag values: every wait of this run waits for this run
+    gate_host = rigs[0].hosts["w"] + (rigs[0].ring or rigs[0].n) + 64
+    gate = ctypes.c_uint32.from_address(gate_host)
+    gate.value = 0 if gated else 1
+    events = [rig.launch(w, r, C.host_device_pointer(gate_host)) for rig in rigs]
+    gate.value = 1
     for _, end in events:
         end.synchronize()
     return max(s.elapsed_time(e) for s, e in events) / 1e3
@@ -202,10 +291,24 @@ def main() -> None:
     ap.add_argument("--backing", choices=["anon", "thp", "shm", "shmthp"], default="anon",
                     help="host memory: small pages, transparent huge pages, or /dev/shm")
     ap.add_argument("--cases", default="all", help="'all' or e.g. 'ce/ce,sm/sm' (write/read)")
+    ap.add_argument("--ring", type=float, default=0,
+                    help="host ring of this many MiB, read by the neighbour GPU (0: none)")
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="copy size in ring mode")
+    ap.add_argument("--wait", choices=["none", "value", "kernel"], default="none",
+                    help="ring mode: the reader waits for each chunk's publish, and how")
     args = ap.parse_args()
     n = args.mib << 20
+    ring, chunk = int(args.ring * (1 << 20)), args.chunk_kib << 10
+    if ring and (ring % chunk or n % chunk):
+        ap.error("--ring and --mib must be whole multiples of --chunk-kib")
+    if args.wait != "none" and ring != n:
+        ap.error("--wait needs --ring equal to --mib (each chunk written once)")
     count = args.gpus or torch.cuda.device_count()
-    rigs = [Rig(i, n, args.backing) for i in range(count)]
+    rigs = [Rig(i, n, args.backing, ring, chunk) for i in range(count)]
+    if ring:
+        for i, rig in enumerate(rigs):
+            rig.read_ring_of(rigs[(i + 1) % count])
+            rig.wait = args.wait
     cases = [("ce", None), (None, "ce"), ("sm", None), (None, "sm"), (None, "smcv"),
              ("ce", "ce"), ("ce8", "ce"), ("sm", "sm"), ("sm", "smcv"), ("ce", "sm"),
              ("ce", "smcv"), ("sm", "ce")]
@@ -214,10 +317,14 @@ def main() -> None:
     props = torch.cuda.get_device_properties(rigs[0].dev)
     print(f"# {props.name} x {count} at once: {args.mib} MiB per direction per GPU, median of "
           f"{args.iters}, time of the slowest GPU; GB/s = bytes one GPU moved (both "
-          f"directions) / time; host memory {args.backing} ({huge_kib()})")
+          f"directions) / time; host memory {args.backing} ({huge_kib()})"
+          + (f"; ring {args.ring:g} MiB in {args.chunk_kib} KiB copies, read by the neighbour"
+             f", waits: {args.wait}" if ring else ""))
     print(f"{'write':>6} {'read':>6} {'ms':>8} {'GB/s':>8}   per direction")
+    if args.wait != "none":  # a reader whose chunks nobody writes would wait forever
+        cases = [(w, r) for w, r in cases if w and r]
     for w, r in cases:
-        run(rigs, w, r)  # warm-up
+        run(rigs, w, r, gated=False)  # warm-up
         t = statistics.median(run(rigs, w, r) for _ in range(args.iters))
         moved = n * ((w is not None) + (r is not None))
         print(f"{w or '-':>6} {r or '-':>6} {t * 1e3:8.3f} {moved / t / 1e9:8.1f}   "
