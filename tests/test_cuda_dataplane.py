@@ -139,6 +139,15 @@ class EmuStream:
 _emu_current = threading.local()
 
 
+def emu_wait_value(addr: int, value: int, timeout: float = 120.0) -> bool:
+    """cuStreamWaitValue64 (GEQ) on the CPU: spin until (int64)(*addr - value) >= 0."""
+    word = ctypes.c_uint64.from_address(addr)
+    deadline = time.monotonic() + timeout
+    while ((word.value - value) & (1 << 63)) and time.monotonic() < deadline:
+        time.sleep(20e-6)
+    return not (word.value - value) & (1 << 63)
+
+
 class EmuDataPlane(C.CudaDataPlane):
     """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
     addresses, launches go to the emulated kernels."""
@@ -181,11 +190,12 @@ class EmuDataPlane(C.CudaDataPlane):
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
 
-    def _fork(self, ts):
-        if self._side is None:
-            self._side = EmuStream()
-        self._side.wait_event(ts.record())
-        return self._side, self._side
+    def _fork(self, ts, name="side"):
+        st = self._streams.get(name)
+        if st is None:
+            st = self._streams[name] = EmuStream()
+        st.wait_event(ts.record())
+        return st, st
 
     def _join(self, ts, side_ts):
         ts.wait_event(side_ts.record())
@@ -200,6 +210,9 @@ class EmuDataPlane(C.CudaDataPlane):
                 self._emu_events[a] = stream.record()
             elif kind == C.OP_WAIT_EVENT:
                 stream.wait_event(self._emu_events[a])
+            elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
+                stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
+                           or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
                 assert kind == C.OP_LAUNCH, kind
                 name, _, params = kernels[a]
@@ -221,9 +234,9 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def close(self, **kw):
         super().close(**kw)
-        if self._side is not None:
-            self._side.close()
-            self._side = None
+        for st in self._streams.values():
+            st.close()
+        self._streams.clear()
 
 
 class Backend:
@@ -796,11 +809,14 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
         dp._ce_words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
         ops = []
-        dp._ce_receive(ops, C.Op.RS, "ts", 0, S=4096, L=4096, consume=(0, 0, 0, 0),
+        seq = 5
+        dp._ce_receive(ops, C.Op.RS, seq, "ts", 0, S=4096, L=4096, consume=(0, 0, 0, 0),
                        stage=0, nb=1, sums=("sums", list(range(1, 8 * maxw + 1))))
+        waits = [b for kind, st, a, b, c in ops if kind == C.OP_WAIT_VALUE]
+        unit_done = [seq * C.PROG_STRIDE + (k + 1) * W for k in range(maxw)]
+        assert waits == [unit_done[0], unit_done[maxw - 1]], waits  # word 0, the summing word
         launches = [(st, a, b) for kind, st, a, b, c in ops if kind == C.OP_LAUNCH]
-        assert ("ts", 0, 0) in launches  # the wait for word 0
-        assert ("sums", 1, maxw - 1) in launches, launches  # the sum at the last word
+        assert launches == [("sums", 1, maxw - 1)], launches  # the sum at the last word
         w.healthy()
 
 

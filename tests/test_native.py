@@ -682,6 +682,8 @@ def test_cuda_issue_refuses_bad_operations():
         N.cuda_issue([(0, 32, [0])], copy)
     with pytest.raises(ValueError, match="names no event"):
         N.cuda_issue([kernel], copy + [4, 0, 0, 0, 0])  # a stream waits for event 0
+    with pytest.raises(ValueError, match="no aligned 64-bit word"):
+        N.cuda_issue([kernel], copy + [5, 0, 0x1004, 1, 0])  # a value wait, misaligned
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:  # no driver here (CI): refused with the reason

@@ -1,6 +1,6 @@
 // Copy-engine data plane ("ce" mode of sparkccl/dataplane/cuda.py): issues one collective's
-// stream operations (copies, 64-bit value writes, launches of the unit-wait and unit-sum
-// kernels, event records and waits; 70-120 of them per collective at world 2) in one call,
+// stream operations (copies, 64-bit value writes and waits, launches of the piece-wait and
+// unit-sum kernels, event records and waits; 80-130 of them per collective at world 2) in one call,
 // without the GIL. From Python each costs 5-20 us, which for collectives under ~64 MiB is
 // longer than the copies take; here each is one driver call.
 //
@@ -32,6 +32,7 @@ using CUevent = void*;
 struct CudaApi {
   CUresult (*memcpy_async)(uint64_t dst, uint64_t src, size_t n, CUstream s) = nullptr;
   CUresult (*write_value64)(CUstream s, uint64_t addr, uint64_t value, unsigned flags) = nullptr;
+  CUresult (*wait_value64)(CUstream s, uint64_t addr, uint64_t value, unsigned flags) = nullptr;
   CUresult (*launch)(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                      unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params,
                      void** extra) = nullptr;
@@ -61,20 +62,24 @@ const CudaApi& api() {
     // The _v2 / per-version names are what cuda.h maps the plain names to since CUDA 12.
     bool ok = find(lib, &a.memcpy_async, "cuMemcpyAsync") &&
               find(lib, &a.write_value64, "cuStreamWriteValue64_v2", "cuStreamWriteValue64") &&
+              find(lib, &a.wait_value64, "cuStreamWaitValue64_v2", "cuStreamWaitValue64") &&
               find(lib, &a.launch, "cuLaunchKernel") &&
               find(lib, &a.event_record, "cuEventRecord") &&
               find(lib, &a.wait_event, "cuStreamWaitEvent") &&
               find(lib, &a.error_string, "cuGetErrorString");
     if (!ok)
-      a.error = "libcuda.so.1 lacks one of cuMemcpyAsync, cuStreamWriteValue64, cuLaunchKernel, "
-                "cuEventRecord, cuStreamWaitEvent";
+      a.error = "libcuda.so.1 lacks one of cuMemcpyAsync, cuStreamWriteValue64, "
+                "cuStreamWaitValue64, cuLaunchKernel, cuEventRecord, cuStreamWaitEvent";
   });
   if (!a.error.empty()) throw std::runtime_error("sparkccl: " + a.error);
   return a;
 }
 
 // Operation kinds of the flat op list: 5 words per op (kind, stream, a, b, c).
-enum : uint64_t { OP_COPY = 0, OP_WRITE64 = 1, OP_LAUNCH = 2, OP_RECORD = 3, OP_WAIT_EVENT = 4 };
+enum : uint64_t {
+  OP_COPY = 0, OP_WRITE64 = 1, OP_LAUNCH = 2, OP_RECORD = 3, OP_WAIT_EVENT = 4, OP_WAIT_VALUE = 5
+};
+constexpr unsigned WAIT_VALUE_GEQ = 0;  // CU_STREAM_WAIT_VALUE_GEQ: (int64_t)(*addr - value) >= 0
 constexpr size_t OP_WORDS = 5;
 
 std::string describe(uint64_t kind) {
@@ -84,6 +89,7 @@ std::string describe(uint64_t kind) {
     case OP_LAUNCH: return "cuLaunchKernel";
     case OP_RECORD: return "cuEventRecord";
     case OP_WAIT_EVENT: return "cuStreamWaitEvent";
+    case OP_WAIT_VALUE: return "cuStreamWaitValue64";
     default: return "operation " + std::to_string(kind);
   }
 }
@@ -98,7 +104,8 @@ struct Kernel {
 
 // ops: OP_COPY (dst a, src b, bytes c), OP_WRITE64 (address a, value b), OP_LAUNCH (kernel
 // a of `kernels`, first parameter b, c blocks), OP_RECORD (event a recorded on the stream),
-// OP_WAIT_EVENT (the stream waits for event a).
+// OP_WAIT_EVENT (the stream waits for event a), OP_WAIT_VALUE (the stream waits until the
+// 64-bit word at address a reaches value b).
 void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t>>>& kernels,
            const std::vector<uint64_t>& ops) {
   if (ops.size() % OP_WORDS) throw std::invalid_argument("cuda_issue: ops is not a list of 5-word operations");
@@ -110,7 +117,7 @@ void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t
   }
   // Refuse a bad list before anything is issued (a half-issued collective would hang peers).
   for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
-    if (ops[k] > OP_WAIT_EVENT)
+    if (ops[k] > OP_WAIT_VALUE)
       throw std::invalid_argument("cuda_issue: unknown operation kind " + std::to_string(ops[k]));
     if (ops[k] == OP_LAUNCH && (ops[k + 2] >= ks.size() || ops[k + 4] == 0 || ops[k + 4] > 0x7FFFFFFFu))
       throw std::invalid_argument("cuda_issue: launch " + std::to_string(k / OP_WORDS) +
@@ -118,6 +125,9 @@ void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t
     if ((ops[k] == OP_RECORD || ops[k] == OP_WAIT_EVENT) && !ops[k + 2])
       throw std::invalid_argument("cuda_issue: operation " + std::to_string(k / OP_WORDS) +
                                   " names no event");
+    if (ops[k] == OP_WAIT_VALUE && (!ops[k + 2] || ops[k + 2] % 8))
+      throw std::invalid_argument("cuda_issue: value wait " + std::to_string(k / OP_WORDS) +
+                                  " names no aligned 64-bit word");
   }
   const CudaApi& cu = api();
   std::vector<std::vector<void*>> ptrs(ks.size());
@@ -137,6 +147,8 @@ void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t
       r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
     } else if (kind == OP_WAIT_EVENT) {
       r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
+    } else if (kind == OP_WAIT_VALUE) {
+      r = cu.wait_value64(s, a, b, WAIT_VALUE_GEQ);
     } else {  // OP_LAUNCH (checked above); the driver copies the parameters at launch
       Kernel& kern = ks[a];
       kern.params[0] = b;

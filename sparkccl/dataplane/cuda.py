@@ -90,18 +90,20 @@ CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish s
 #   fused: one kernel, publish blocks and wait blocks side by side;
 #   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
 #   ce:    copy engines both ways: on a side stream cuMemcpyAsync per item piece, then the
-#          flag and the ring tag by cuStreamWriteValue64; on the caller's stream per piece
-#          and wait word sccl_wait_unit, then copies of that part out of the own region
-#          (reduce-scatter: into device staging, then sccl_rs_sum_unit_*). See _run_direct.
+#          flag and the ring tag by cuStreamWriteValue64; on a watch stream sccl_wait_piece
+#          per piece (the waits, relayed to the progress word); on the caller's stream per
+#          piece and wait word cuStreamWaitValue64 on that word, then copies of that part out
+#          of the own region (reduce-scatter: into device staging, then sccl_rs_sum_unit_*).
+#          See _run_direct.
 # SPARKCCL_DIRECT_MODE: "auto" (the default) takes "ce" from CE_MIN_SLICE bytes per rank
-# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats 70-120 stream operations
-# and a chain of 16 unit waits (two H200s, one process each: ce's all-gather ahead from
-# 16 MiB per rank, its reduce-scatter even there, both behind at 8 MiB;
-# benchmarks/bench_h200_x2.txt).
+# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats 80-130 stream operations
+# and a chain of 16 unit waits (two H200s, one process each, the first ce form: ce's
+# all-gather ahead from 16 MiB per rank, its reduce-scatter even there, both behind at
+# 8 MiB; benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
 DIRECT_MODES = ("fused", "split", "ce")
 CE_MIN_SLICE = 16 << 20
 # mode "ce" stream operations (cuda_ops.cpp)
-OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT = 0, 1, 2, 3, 4
+OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
 
 FIN_THREADS = 512
 FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
@@ -405,7 +407,7 @@ class CudaDataPlane(CpuDataPlane):
         except ValueError:
             warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
             self.ce_min_slice = CE_MIN_SLICE
-        self._side = None  # side stream of the split / ce modes (made on first use)
+        self._streams: dict[str, torch.cuda.Stream] = {}  # the split / ce modes' (see _fork)
         self._sums = None  # mode "ce": (stream, events) of the reduce-scatter sums
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
         self._functions: dict[str, int] = {}  # CUfunction per kernel name (mode "ce")
@@ -651,10 +653,10 @@ class CudaDataPlane(CpuDataPlane):
             self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
                          *consume, *waits)
         if ce_pub or ce_wait:
-            # Kernels of the operation list: 0 waits for a unit (piece c, wait word k), 1 sums
-            # a reduce-scatter unit (the first parameter, unit = c * maxw + k, is set per
-            # launch).
-            kernels = [("sccl_wait_unit", 32, (0, *waits))]
+            # Kernels of the operation list: 0 waits for piece c (the first parameter), 1 sums
+            # a reduce-scatter unit (the first parameter, unit = c * maxw + k).
+            kernels = [("sccl_wait_piece", 32, (0, *waits))]
+            watch = self._fork(ts, "watch")[0] if ce_wait else None
             stage, sums = 0, None
             if op == Op.RS and ce_wait:
                 sums = self._sum_stream()
@@ -667,15 +669,21 @@ class CudaDataPlane(CpuDataPlane):
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
                 self._ring_fields(first, seq, S, op)
-            for c in range(PIECES):  # both sides piece by piece: each stream starts at once
+            # Both sides piece by piece, so each stream starts at once; and a piece's wait is
+            # queued after that piece's sends (a stream sharing a hardware queue with another
+            # of this rank then waits behind nothing a peer's wait needs: no cycle).
+            for c in range(PIECES):
                 if ce_pub:
                     self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
                 if ce_wait:
-                    self._ce_receive(ops, op, ts, c, S=S, L=L, consume=consume, stage=stage,
-                                     nb=nb, sums=sums)
+                    ops.append((OP_LAUNCH, watch, 0, c, 1))
+                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume,
+                                     stage=stage, nb=nb, sums=sums)
             self._issue(ops, kernels)
             if sums is not None:
                 self._join(ts, sums[0])
+            if watch is not None:
+                self._join(ts, watch)
         if not ce_wait:
             self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
@@ -704,13 +712,15 @@ class CudaDataPlane(CpuDataPlane):
         ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
                     + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
 
-    def _ce_receive(self, ops: list, op: Op, ts, c: int, *, S: int, L: int, consume: tuple,
-                    stage: int, nb: int, sums: tuple | None) -> None:
-        """Mode "ce", piece c of the receiving side, one unit (wait word k) at a time:
-        ``sccl_wait_unit`` on the caller's stream (one thread waits for word k of the piece
-        from every source, watching the abort word and the timeout), then the copy engines
-        move the part of the piece that word carries off the link: into the all-gather
-        result, or into the device staging slot of the reduce-scatter. There nb blocks of
+    def _ce_receive(self, ops: list, op: Op, seq: int, ts, c: int, *, S: int, L: int,
+                    consume: tuple, stage: int, nb: int, sums: tuple | None) -> None:
+        """Mode "ce", piece c of the receiving side, one unit (wait word k) at a time: the
+        caller's stream waits (``cuStreamWaitValue64``) until the progress word says word k
+        of the piece came from every source (``sccl_wait_piece`` on the watch stream relays
+        it there, watching the abort word and the GPU-clock timeout; a failure sets the word
+        past every unit of the collective), then the copy engines move the part of the piece
+        that word carries off the link: into the all-gather result, or into the device
+        staging slot of the reduce-scatter. There nb blocks of
         ``sccl_rs_sum_unit_*`` sum it in rank order on the sums' stream (``sums`` = (stream,
         events)), which waits for an event recorded after the unit's copies, so the receiving
         stream moves on to the next unit at once.
@@ -722,15 +732,21 @@ class CudaDataPlane(CpuDataPlane):
         (benchmarks/pcie_duplex_h200.txt). No kernel of this rank waits for anything its own
         later stream operations write: the only spinning kernel waits for peers' flags (an
         earlier version summed in a kernel that waited for device flags written by this
-        rank's own copying stream; it hung on two H200s)."""
+        rank's own copying stream; it hung on two H200s). Why a value wait rather than a
+        wait kernel on the copying stream (as before): the copies then never queue behind a
+        kernel; moving a world-2 collective's bytes in 16 units this way took 0.91-0.92 ms
+        for 32 MiB each way per GPU, against 0.95-1.09 ms with a spinning kernel per unit
+        (two H200s, benchmarks/pcie_duplex.py --wait)."""
         if op == Op.AG:
             src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
         else:
             src, dst, dst_stride = int(consume[0]), stage, S
         lo, hi = piece_bounds(S, c)
+        progress = self.state.data_ptr()
         for k, copies, sum_here in self._ce_words[op]:
             u = c * self.maxw + k
-            ops.append((OP_LAUNCH, ts, 0, u, 1))
+            # unit (c, k, last source) of kernels.cu: the relay's last step for word k
+            ops.append((OP_WAIT_VALUE, ts, progress, seq * PROG_STRIDE + (u + 1) * self.world, 0))
             for i, part in copies:
                 a, e = _cut(lo, hi, part, L)
                 if e > a:
@@ -773,13 +789,15 @@ class CudaDataPlane(CpuDataPlane):
         return buf
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
-    def _fork(self, ts):
-        """(torch stream, cuda.core stream) of this data plane's side stream, ordered after
-        everything queued on ``ts`` so far."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(ts)
-        return self._side, self._cc_stream(self._side)
+    def _fork(self, ts, name: str = "side"):
+        """(torch stream, cuda.core stream) of this data plane's stream ``name`` ("side":
+        the sending side of modes split and ce; "watch": mode ce's piece waits), made on
+        first use, ordered after everything queued on ``ts`` so far."""
+        st = self._streams.get(name)
+        if st is None:
+            st = self._streams[name] = torch.cuda.Stream(self.device)
+        st.wait_stream(ts)
+        return st, self._cc_stream(st)
 
     def _join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
@@ -829,6 +847,7 @@ class CudaDataPlane(CpuDataPlane):
         return f
 
     def _can_write_values(self) -> bool:
+        """Can this GPU's streams write and wait for 64-bit values (mode "ce")?"""
         if self._write_values is None:
             try:
                 from cuda.bindings import driver as drv

@@ -394,20 +394,27 @@ __device__ bool earlier_wait_failed(const WaitArgs& w) {
   return true;
 }
 
-// One thread: wait for every (piece, word index, source) in order and relay progress.
-__device__ void poller(const WaitArgs& w) {
+// One thread: wait for every (word index, source) of piece c in order and relay progress
+// to the device word: every unit (c, k, i) with a word, and (c, k, world - 1) for every k.
+// False: the wait failed (recorded; the progress word then says FAILED).
+__device__ bool relay_piece(const WaitArgs& w, int c, u64 t0) {
   const u64 base = w.seq * PROG_STRIDE;
-  if (earlier_wait_failed(w)) return;
-  const u64 t0 = globaltimer();
-  for (int c = 0; c < PIECES; ++c) {
-    for (int k = 0; k < w.maxw; ++k) {
-      for (int i = 0; i < w.world; ++i) {
-        if (!wait_word(w, c, k, i, t0)) return;
-        const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
-        if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
-      }
+  for (int k = 0; k < w.maxw; ++k) {
+    for (int i = 0; i < w.world; ++i) {
+      if (!wait_word(w, c, k, i, t0)) return false;
+      const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+      if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
     }
   }
+  return true;
+}
+
+// One thread: wait for every (piece, word index, source) in order and relay progress.
+__device__ void poller(const WaitArgs& w) {
+  if (earlier_wait_failed(w)) return;
+  const u64 t0 = globaltimer();
+  for (int c = 0; c < PIECES; ++c)
+    if (!relay_piece(w, c, t0)) return;
 }
 
 // Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
@@ -451,18 +458,16 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
 
-// sccl_wait_unit: one thread waits until wait word k of piece c (unit = c * maxw + k) of
-// every source arrived, then the launch ends: the copy-engine data plane ("ce" mode) orders
-// its copies of that part of the piece after this kernel on the same stream. A failure is
-// recorded as in the poller (the copies that follow then move stale bytes, and the host
-// raises at the next call).
-extern "C" __global__ void sccl_wait_unit(u64 unit, WAIT_PARAMS) {
+// sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
+// ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
+// (cuStreamWaitValue64) for the progress word to reach each unit it copies: the copies
+// never queue behind a kernel, and this kernel keeps the waits' abort and GPU-clock timeout.
+// A failure sets the progress word to FAILED, which releases every such stream wait of the
+// collective (its copies then move stale bytes, and the host raises at the next call).
+extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
-  const u64 t0 = globaltimer();
-  const int c = (int)(unit / (u64)w.maxw), k = (int)(unit % (u64)w.maxw);
-  for (int i = 0; i < w.world; ++i)
-    if (!wait_word(w, c, k, i, t0)) return;
+  relay_piece(w, (int)piece, globaltimer());
 }
 
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).

@@ -46,8 +46,8 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
       sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], P(4, u8*), a[5], a[6], a[7], P(8, u8*),
                    a[9], a[10], a[11], P(12, u32*), a[13]);
     });
-  } else if (n == "sccl_wait_unit") {
-    run_grid(grid, [=] { sccl_wait_unit(a[0], WAIT_ARGS(1)); });
+  } else if (n == "sccl_wait_piece") {
+    run_grid(grid, [=] { sccl_wait_piece(a[0], WAIT_ARGS(1)); });
   } else if (n == "sccl_ag_wait") {
     run_grid(grid, [=] {
       sccl_ag_wait(P(0, const u8*), P(1, u8*), a[2], a[3], a[4], WAIT_ARGS(5));
