@@ -110,6 +110,13 @@ __device__ __forceinline__ void part_range(u32 part, u64* lo, u64* hi) {
     if (half == 0) *hi = h; else *lo = h;
   }
 }
+// The bytes of `part` of piece [*lo, *hi) below L (the rest is padding, never moved): the
+// twin of _cut in cuda.py.
+__device__ __forceinline__ void part_cut(u32 part, u64 L, u64* lo, u64* hi) {
+  part_range(part, lo, hi);
+  if (*lo > L) *lo = L;
+  if (*hi > L) *hi = L;
+}
 
 // ---------------------------------------------------------------- memory operations
 //
@@ -496,9 +503,7 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
         if (part == PART_NONE) continue;
         if (!wait_progress(w, unit(w, c, k, i), &seen, t0)) return;
         u64 a = lo, e = hi;
-        part_range(part, &a, &e);
-        if (a > L) a = L;
-        if (e > L) e = L;
+        part_cut(part, L, &a, &e);
         if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
       }
     }
@@ -687,9 +692,7 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
       if (part == PART_NONE) continue;
       if (w.world > 1 && !wait_progress(w, unit(w, c, k, w.world - 1), &seen, t0)) return;
       u64 a = lo, e = hi;
-      part_range(part, &a, &e);
-      if (a > L) a = L;
-      if (e > L) e = L;
+      part_cut(part, L, &a, &e);
       if (e > a) team_reduce<E>(dst, recv, own, own_sys != 0, S, a, e, w.rank, w.world, b, nb);
     }
   }
@@ -720,9 +723,7 @@ RS_KERNEL(sccl_rs_wait_f32, F32)
     if (part == PART_NONE) return;                                                           \
     u64 a, e;                                                                                \
     piece_bounds(S, (int)(unit / maxw), &a, &e);                                             \
-    part_range(part, &a, &e);                                                                \
-    if (a > L) a = L;                                                                        \
-    if (e > L) e = L;                                                                        \
+    part_cut(part, L, &a, &e);                                                               \
     if (e > a)                                                                               \
       team_reduce<E>(dst, stage, own, own_sys != 0, S, a, e, (int)rank, (int)world,          \
                      blockIdx.x, gridDim.x);                                                 \
@@ -1024,9 +1025,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
       for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
         const u64* m = items + t * DT_ITEM;
         u64 a = lo, e = hi;
-        part_range((u32)m[5], &a, &e);
-        if (a > p.L) a = p.L;
-        if (e > p.L) e = p.L;
+        part_cut((u32)m[5], p.L, &a, &e);
         if (e > a) {
           u8* d = (u8*)m[1] + (p.seq % m[3]) * m[2] + m[4] * p.S + a;
           copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
