@@ -108,7 +108,6 @@ template <bool CV> __device__ void copy(V* d, const V* s, unsigned long long n) 
   }
 }
 extern "C" __global__ void copy_plain(V* d, const V* s, unsigned long long n) { copy<false>(d, s, n); }
-
 extern "C" __global__ void copy_cv(V* d, const V* s, unsigned long long n) { copy<true>(d, s, n); }
 // Spin until *f >= v (at most ~2 s of GPU time, so a bug cannot hang the benchmark).
 extern "C" __global__ void spin(const volatile unsigned long long* f, unsigned long long v) {
