@@ -272,7 +272,8 @@ def run(rigs, w, r, gated: bool = True) -> float:
     gate_host = rigs[0].hosts["w"] + (rigs[0].ring or rigs[0].n) + 64
     gate = ctypes.c_uint32.from_address(gate_host)
     gate.value = 0 if gated else 1
-    events = [rig.launch(w, r, C.host_device_pointer(gate_host)) for rig in rigs]
+    gate_dev = C.host_device_pointer(gate_host)
+    events = [rig.launch(w, r, gate_dev) for rig in rigs]
     gate.value = 1
     for _, end in events:
         end.synchronize()

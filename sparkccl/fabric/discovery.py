@@ -54,6 +54,7 @@ def rate_gbps(rate: str | None) -> float | None:
     m = re.match(r"\s*([\d.]+)\s*Gb/sec", rate or "")
     return float(m.group(1)) if m else None
 
+
 @dataclass(frozen=True)
 class GidEntry:
     index: int
