@@ -28,6 +28,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 120.0
@@ -47,11 +49,14 @@ def parse_bytes(text: str | int, what: str) -> int:
     """``"64M"`` / ``"64MiB"`` / ``"1g"`` / ``"4096"`` -> bytes (binary units)."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{what}: cannot parse {text!r} as a byte size "
-                         "(use e.g. 67108864, 64M, 64MiB, 1G)")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+                         "(use e.g. 67108864, 64M, 64MiB, 1.5G)")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n != int(n):
+        raise ValueError(f"{what}: {text!r} is not a whole number of bytes")
+    return int(n)
 
 
 def _env(name: str, env=None) -> str | None:
@@ -96,6 +101,164 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+# ---- one declaration per environment variable ------------------------------------------
+# Every SPARKCCL_* variable the package reads is declared here, once: its type, default,
+# meaning and the layer that uses it. Readers call get(NAME) (or lookup(NAME) for the
+# source as well); nothing else in the package parses os.environ for SPARKCCL_* names.
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    kind: str                 # "bytes", "int", "float", "bool", "str", "choice", "list"
+    default: object           # None: unset means "the caller decides" (default_text says how)
+    meaning: str
+    layer: str                # which part of sparkccl reads it
+    default_text: str = ""    # how a computed default is chosen, for tables and doctor
+    choices: tuple = ()       # kind "choice"
+    lo: float | None = None   # inclusive bounds for int / float / bytes
+    hi: float | None = None
+    nccl: tuple = ()          # NCCL variables consulted when the SPARKCCL_* one is unset
+
+
+def _parse(var: Variable, source: str, text: str):
+    t = text.strip()
+    bad = f"{source}={text!r}"
+    if var.kind == "bool":
+        if t.lower() in ("1", "true", "yes", "on"):
+            return True
+        if t.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{bad}: expected 0 or 1")
+    if var.kind in ("str", "list"):
+        return t if var.kind == "str" else tuple(p.strip() for p in t.split(",") if p.strip())
+    if var.kind == "choice":
+        if t.lower() not in var.choices:
+            raise ConfigError(f"{bad}: expected one of {', '.join(var.choices)}")
+        return t.lower()
+    try:
+        value = (parse_bytes(t, source) if var.kind == "bytes" else
+                 int(t) if var.kind == "int" else float(t))
+    except ValueError:
+        what = {"bytes": "a byte size (e.g. 67108864, 64M, 64MiB, 1.5G)",
+                "int": "an integer", "float": "a number"}[var.kind]
+        raise ConfigError(f"{bad}: expected {what}") from None
+    if (var.lo is not None and value < var.lo) or (var.hi is not None and value > var.hi):
+        lo = "" if var.lo is None else f"{var.lo:g}"
+        hi = "" if var.hi is None else f"{var.hi:g}"
+        raise ConfigError(f"{bad}: must be in [{lo}, {hi}]" if lo and hi else
+                          f"{bad}: must be >= {lo}" if lo else f"{bad}: must be <= {hi}")
+    return value
+
+
+def lookup(name: str, env=None):
+    """``(value, source)`` of a declared variable: the ``SPARKCCL_*`` value, else the first
+    NCCL variable it honours, else ``(default, "default")``. Raises :class:`ConfigError`
+    naming the variable and the value when the value does not parse."""
+    var = VARIABLES[name]
+    env = os.environ if env is None else env
+    for source in (name, *var.nccl):
+        text = env.get(source)
+        if text is not None and text.strip() != "":
+            return _parse(var, source, text), source
+    return var.default, "default"
+
+
+def get(name: str, env=None):
+    """The value of a declared variable (its default when unset); see :func:`lookup`."""
+    return lookup(name, env)[0]
+
+def _v(name, kind, default, layer, meaning, **kw) -> Variable:
+    return Variable(name, kind, default, meaning, layer, **kw)
+
+
+VARIABLES: dict[str, Variable] = {v.name: v for v in (
+    _v("SPARKCCL_SLOT_BYTES", "bytes", DEFAULT_SLOT_BYTES, "communicator",
+       "capacity of one slot: the whole gathered / reduce-scattered tensor of one collective "
+       "(world x slice); larger inputs are split", lo=MIN_SLOT_BYTES),
+    _v("SPARKCCL_TIMEOUT_S", "float", DEFAULT_TIMEOUT_S, "communicator",
+       "seconds a collective may wait for peers before it raises CollectiveError", lo=1e-3),
+    _v("SPARKCCL_BOOTSTRAP_TIMEOUT_S", "float", None, "communicator",
+       "seconds the ranks may take to all join (construction) and to all reach close()",
+       default_text="max(timeout, 120)", lo=1e-3),
+    _v("SPARKCCL_ROOTS", "int", DEFAULT_ROOTS, "plan",
+       "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
+    _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
+       "1: create the reduce-scatter buffers at construction instead of on first use"),
+    _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
+       "the proxy keeps spinning this long after its last work",
+       default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
+    _v("SPARKCCL_PROXY_NAP_US", "int", None, "proxy",
+       "then naps this long per idle turn",
+       default_text=f"{DEFAULT_NAP_US} ({OVERSUBSCRIBED_NAP_US} when oversubscribed)", lo=0),
+    _v("SPARKCCL_CHECK_SIZES", "bool", True, "data plane",
+       "0: skip the cross-rank size check done on each collective's first piece"),
+    _v("SPARKCCL_GPU_DIRECT", "bool", True, "data plane (CUDA)",
+       "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
+       "regions and flags; 0: the proxy's copy workers send it"),
+    _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
+       "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
+       choices=("auto", "fused", "split", "ce")),
+    _v("SPARKCCL_CE_MIN_BYTES", "bytes", 16 << 20, "data plane (CUDA)",
+       "auto: the smallest per-rank slice that uses the copy engines", lo=0),
+    _v("SPARKCCL_DIRECT_BLOCKS", "list", None, "data plane (CUDA)",
+       "for measurements: thread blocks of the GPU-direct kernels as 'publish,wait'",
+       default_text="SM count, SM count - 1"),
+    _v("SPARKCCL_CACHE_DIR", "str", None, "data plane (CUDA)",
+       "where compiled kernels are cached", default_text="~/.cache/sparkccl"),
+    _v("SPARKCCL_TCP_ADDRS", "list", None, "transport tcp",
+       "mesh: this rank's address per root (e.g. 10.0.0.1,10.0.1.1)", default_text="127.0.0.1"),
+    _v("SPARKCCL_TCP_PREV_ADDRS", "list", None, "transport tcp",
+       "ring: addresses per root of the port facing prev", default_text="SPARKCCL_TCP_ADDRS"),
+    _v("SPARKCCL_TCP_NEXT_ADDRS", "list", None, "transport tcp",
+       "ring: addresses per root of the port facing next", default_text="SPARKCCL_TCP_ADDRS"),
+    _v("SPARKCCL_TCP_CONNECT_TIMEOUT_S", "float", 10.0, "transport tcp",
+       "seconds one connection attempt may take", lo=1e-3),
+    _v("SPARKCCL_TCP_BUF_BYTES", "bytes", None, "transport tcp",
+       "SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning",
+       default_text="4 MiB where net.core.[rw]mem_max allows it, else autotuning", lo=0),
+    _v("SPARKCCL_IB_HCA", "str", None, "fabric",
+       "mesh: the devices (roots) to use, in NCCL_IB_HCA syntax", nccl=("NCCL_IB_HCA",),
+       default_text="discovered"),
+    _v("SPARKCCL_RING_PREV_HCA", "str", None, "fabric",
+       "ring: the two roots of the port facing prev", default_text="discovered"),
+    _v("SPARKCCL_RING_NEXT_HCA", "str", None, "fabric",
+       "ring: the two roots of the port facing next", default_text="discovered"),
+    _v("SPARKCCL_IB_GID_INDEX", "int", None, "fabric",
+       "RoCE GID index", nccl=("NCCL_IB_GID_INDEX",), lo=0,
+       default_text="the RoCE v2 GID of the root's IPv4 address"),
+    _v("SPARKCCL_SYSFS_ROOT", "str", None, "fabric",
+       "where RDMA devices are discovered (tests point it at a fake tree)",
+       default_text="/sys/class/infiniband"),
+    _v("SPARKCCL_IB_TIMEOUT", "int", 18, "transport verbs",
+       "QP local ACK timeout: 4.096 us x 2^t per attempt (18: ~1.07 s)", lo=1, hi=31,
+       nccl=("NCCL_IB_TIMEOUT",)),
+    _v("SPARKCCL_IB_RETRY_CNT", "int", 7, "transport verbs",
+       "retransmissions before a write fails with retry-exceeded", lo=0, hi=7,
+       nccl=("NCCL_IB_RETRY_CNT",)),
+    _v("SPARKCCL_IB_RNR_RETRY", "int", 7, "transport verbs",
+       "receiver-not-ready retries (7 = forever; only strict ordering posts receives)",
+       lo=0, hi=7),
+    _v("SPARKCCL_IB_ORDERING", "choice", "inline", "transport verbs",
+       "inline: the flag is an inline RDMA WRITE after the data; strict: WRITE_WITH_IMM, "
+       "stored after the receive completion (hosts whose PCIe may reorder posted writes)",
+       choices=("inline", "strict")),
+    _v("SPARKCCL_IB_TC", "int", 0, "transport verbs", "RoCE traffic class", lo=0, hi=255,
+       nccl=("NCCL_IB_TC",)),
+    _v("SPARKCCL_IB_SL", "int", 0, "transport verbs", "service level", lo=0, hi=15,
+       nccl=("NCCL_IB_SL",)),
+    _v("SPARKCCL_IBVERBS_LIB", "str", "libibverbs.so.1", "transport verbs",
+       "the libibverbs library to load"),
+    _v("SPARKCCL_LANE_CHECK", "bool", True, "transport",
+       "0: skip the one-write check of every connection at creation"),
+    _v("SPARKCCL_LANE_CHECK_TIMEOUT_S", "float", None, "transport",
+       "how long a rank waits for its lanes to check", default_text="min(timeout, 30)",
+       lo=1e-3),
+    _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
+       "1: print the traceback of a failed self-test"),
+)}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,16 @@ aborted peer, a transport failure, sizes that differ across ranks) raises
 from __future__ import annotations
 
 
-class CollectiveError(RuntimeError):
+class SparkcclError(Exception):
+    """Base of every exception sparkccl defines."""
+
+
+class ConfigError(SparkcclError, ValueError):
+    """A setting (argument or environment variable) has a value sparkccl cannot use; the
+    message names the setting and the value."""
+
+
+class CollectiveError(SparkcclError, RuntimeError):
     """A collective could not complete.
 
     Attributes:
