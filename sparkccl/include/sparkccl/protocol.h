@@ -9,8 +9,9 @@
 //     the header ships inside the package, so no build step and no native module is needed
 //     to know the layout, and `sparkccl plan` stays pure Python).
 //
-// Rules that keep the Python reader simple: one `constexpr <type> NAME = <expr>;` per line,
-// expressions of integer literals, earlier names, + - * << and parentheses. Everything is
+// Rules that keep the Python reader simple: one `constexpr int|pu64 NAME = <expr>;` per line
+// (upper-case names, unique across the namespaces below), expressions of integer literals,
+// earlier names, + - * << and parentheses; the reader refuses anything else. Everything is
 // plain C++17 without library headers, so NVRTC compiles it as it is.
 #pragma once
 
