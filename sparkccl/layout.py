@@ -1,7 +1,11 @@
 """Byte layout of the memory a rank shares with its proxy and its peers.
 
-The native proxy has the same constants in ``native/src/layout.h``; ``_native.layout()``
-returns them and a test checks both agree.
+The values are defined once, in ``sparkccl/include/sparkccl/protocol.h``: the native layer
+and the CUDA kernels compile that header, and this module reads its ``constexpr`` lines at
+import time (the header ships inside the package). Reading the text, rather than asking the
+native module, keeps the plan layer and ``sparkccl plan`` free of the native build;
+``tests/test_native.py`` checks that what ``_native.layout()`` was compiled with equals
+what is read here.
 
 Each rank owns three shared segments:
 
@@ -14,51 +18,90 @@ Each rank owns three shared segments:
 """
 from __future__ import annotations
 
-from .plan.geometry import round_up
+import ast
+import re
+from functools import lru_cache
+from pathlib import Path
 
-PAGE = 4096
+PROTOCOL_H = Path(__file__).with_name("include") / "sparkccl" / "protocol.h"
+
+_CONSTEXPR = re.compile(r"^\s*constexpr\s+(?:int|pu64)\s+([A-Z][A-Z0-9_]*)\s*=\s*([^;]+);",
+                        re.M)
+_SUFFIX = re.compile(r"\b(0[xX][0-9A-Fa-f]+|\d+)(?:ull|ULL|ll|LL|u|U)\b")
+_OPS = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Add,
+        ast.Sub, ast.Mult, ast.LShift, ast.USub)
+
+
+@lru_cache(maxsize=None)
+def protocol_constants() -> dict[str, int]:
+    """Every ``constexpr`` integer of protocol.h, by name (names are unique across its
+    namespaces)."""
+    text = PROTOCOL_H.read_text()
+    out: dict[str, int] = {}
+    for name, expr in _CONSTEXPR.findall(text):
+        expr = _SUFFIX.sub(r"\1", expr.strip())
+        tree = ast.parse(expr, mode="eval")
+        for node in ast.walk(tree):
+            if not isinstance(node, _OPS) or (isinstance(node, ast.Name) and node.id not in out):
+                raise ValueError(f"{PROTOCOL_H}: cannot read {name} = {expr}")
+        if name in out:
+            raise ValueError(f"{PROTOCOL_H}: {name} defined twice")
+        out[name] = int(eval(compile(tree, str(PROTOCOL_H), "eval"), {"__builtins__": {}}, out))
+    return out
+
+
+_P = protocol_constants()
+
+PAGE = _P["PAGE"]
 
 # Control block (offsets in bytes from the start of the control segment).
-CTL_MAGIC = 0  # u64: CTL_MAGIC_VALUE once initialised
-CTL_ABORT = 8  # u64: 0 while healthy; an ABORT_* code once anything failed
-CTL_RING_HEAD = 16  # u64: ring entries claimed by producers (next index)
-CTL_RING_TAIL = 24  # u64: ring entries consumed by the proxy
-CTL_PID = 32  # u64: owning process id (peers check it is alive)
-CTL_ERROR = 1024  # char[ERROR_BYTES]: NUL-terminated text of the first failure
-ERROR_BYTES = 1024
-CTL_BYTES = PAGE
-CTL_MAGIC_VALUE = 0x5350524B43434C31  # "SPRKCCL1"
+CTL_MAGIC = _P["CTL_MAGIC"]
+CTL_ABORT = _P["CTL_ABORT"]
+CTL_RING_HEAD = _P["CTL_RING_HEAD"]
+CTL_RING_TAIL = _P["CTL_RING_TAIL"]
+CTL_PID = _P["CTL_PID"]
+CTL_GPU_STATUS = _P["CTL_GPU_STATUS"]
+CTL_GPU_DETAIL = _P["CTL_GPU_DETAIL"]
+CTL_GPU_SEQ = _P["CTL_GPU_SEQ"]
+CTL_ERROR = _P["CTL_ERROR"]
+ERROR_BYTES = _P["ERROR_BYTES"]
+CTL_BYTES = _P["CTL_BYTES"]
+CTL_MAGIC_VALUE = _P["CTL_MAGIC_VALUE"]
 
-ABORT_NONE = 0
-ABORT_TIMEOUT = 1  # a data-plane wait ran past its timeout
-ABORT_TRANSPORT = 2  # a write or flag could not be delivered
-ABORT_PEER = 3  # a peer died or aborted
-ABORT_USER = 4  # close() or an explicit abort
+ABORT_NONE = _P["ABORT_NONE"]
+ABORT_TIMEOUT = _P["ABORT_TIMEOUT"]
+ABORT_TRANSPORT = _P["ABORT_TRANSPORT"]
+ABORT_PEER = _P["ABORT_PEER"]
+ABORT_USER = _P["ABORT_USER"]
 
-# Publish ring: 256 entries of 64 bytes right after the control block.
-RING_OFFSET = CTL_BYTES
-RING_ENTRIES = 256
-RING_ENTRY_BYTES = 64
-# Entry fields (byte offsets inside one entry). tag = index + 1 is written last, after a
-# release fence; the proxy consumes entries strictly in index order by polling the tag.
-ENT_TAG = 0  # u64
-ENT_SEQ = 8  # u64
-ENT_SLICE = 16  # u64 slice bytes (per-rank slice / chunk)
-ENT_LO = 24  # u64 piece bounds inside the slice
-ENT_HI = 32  # u64
-ENT_OP = 40  # u32 Op
-ENT_PIECE = 44  # u32
-ENT_CHUNK = 48  # i32: -1 = every chunk of the piece; j = only chunk j (finalize)
-ENT_GRANULE = 52  # u32: piece step granule (16, or row bytes for finalize)
+# Publish ring entries and their fields.
+RING_OFFSET = _P["RING_OFFSET"]
+RING_ENTRIES = _P["RING_ENTRIES"]
+RING_ENTRY_BYTES = _P["RING_ENTRY_BYTES"]
+ENT_TAG = _P["ENT_TAG"]
+ENT_SEQ = _P["ENT_SEQ"]
+ENT_SLICE = _P["ENT_SLICE"]
+ENT_LO = _P["ENT_LO"]
+ENT_HI = _P["ENT_HI"]
+ENT_OP = _P["ENT_OP"]
+ENT_PIECE = _P["ENT_PIECE"]
+ENT_CHUNK = _P["ENT_CHUNK"]
+ENT_GRANULE = _P["ENT_GRANULE"]
+CHUNK_ALL = _P["CHUNK_ALL"]
+CHUNK_DIRECT = _P["CHUNK_DIRECT"]
 
-FLAGS_OFFSET = RING_OFFSET + RING_ENTRIES * RING_ENTRY_BYTES
-FLAG_BYTES = 8
+FLAGS_OFFSET = _P["FLAGS_OFFSET"]
+FLAG_BYTES = _P["FLAG_BYTES"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 def control_bytes(num_flag_words: int) -> int:
-    return round_up(FLAGS_OFFSET + num_flag_words * FLAG_BYTES, PAGE)
+    return _round_up(FLAGS_OFFSET + num_flag_words * FLAG_BYTES, PAGE)
 
 
 def slot_stride(slot_bytes: int) -> int:
     """Slots start on page boundaries."""
-    return round_up(max(slot_bytes, 1), PAGE)
+    return _round_up(max(slot_bytes, 1), PAGE)

@@ -57,21 +57,56 @@ def test_arch_names():
         nvrtc.arch_of((7, 5))
 
 
-def test_kernel_constants_match_layout_and_geometry():
-    """kernels.cu carries copies of a few layout / geometry constants: keep them in sync."""
-    from sparkccl import layout as L
-    from sparkccl.plan import geometry as G
+def test_kernel_source_includes_every_file_once():
+    """NVRTC compiles one text: kernels.cu with each quoted include (the role files, the
+    shared protocol.h) inlined once, so the cache key changes with any of them."""
     src = nvrtc.source()
-    defines = {m.group(1): int(m.group(2), 0)
-               for m in re.finditer(r"^#define (\w+) (0x[0-9A-Fa-f]+|\d+)(?:ull)?\s*$", src, re.M)}
-    for name in ("RING_ENTRIES", "RING_ENTRY_BYTES", "ENT_TAG", "ENT_SEQ", "ENT_SLICE", "ENT_LO",
-                 "ENT_HI", "ENT_OP", "ENT_PIECE", "ENT_CHUNK", "ENT_GRANULE", "ABORT_TIMEOUT",
-                 "ABORT_PEER"):
-        assert defines[name] == getattr(L, name), name
-    assert defines["PIECES"] == G.PIECES
-    assert defines["ALIGN"] == G.ALIGN
-    assert defines["FLAG_STRIDE"] == G.FLAG_STRIDE
+    files = nvrtc.source_files()
+    names = {p.name for p in files}
+    assert {"kernels.cu", "common.cuh", "publish.cu", "wait.cu", "reduce_scatter.cu",
+            "direct.cu", "finalize.cu", "protocol.h"} <= names
+    for p in files:
+        assert src.count(f'#line 1 "{p.name}"') == 1, p
+    assert not re.search(r'^\s*#\s*include\s+"(?!sccl_emu\.h)', src, re.M)
 
+
+def test_kernels_define_no_protocol_value_again():
+    """The values shared with the host come from protocol.h only: no kernel file #defines
+    one of its names."""
+    from sparkccl import layout as L
+    names = set(L.protocol_constants())
+    for p in nvrtc.source_files():
+        defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", p.read_text(), re.M))
+        assert not defined & names, (p.name, defined & names)
+
+
+def test_python_constants_equal_the_compiled_header():
+    """sparkccl.layout reads protocol.h's text; the native module compiled the same header:
+    both give every constant the same value (and geometry / the CUDA plane use them)."""
+    import sparkccl._native as N
+    from sparkccl import layout as L
+    from sparkccl.dataplane import cuda as C
+    from sparkccl.plan import geometry as G
+    assert N.protocol() == L.protocol_constants()
+    assert (G.PIECES, G.ALIGN, G.FLAG_STRIDE) == (N.protocol()["PIECES"], N.protocol()["ALIGN"],
+                                                 N.protocol()["FLAG_STRIDE"])
+    for name in ("PROG_STRIDE", "MAX_DIRECT", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE"):
+        assert getattr(C, name) == N.protocol()[name], name
+
+
+def test_protocol_reader_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+    from sparkccl import layout as L
+    bad = tmp_path / "protocol.h"
+    bad.write_text("constexpr int A = 1;\nconstexpr int B = foo(A);\n")
+    monkeypatch.setattr(L, "PROTOCOL_H", bad)
+    L.protocol_constants.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="cannot read B"):
+            L.protocol_constants()
+    finally:
+        monkeypatch.undo()
+        L.protocol_constants.cache_clear()
+    assert L.protocol_constants()["PIECES"] == 8
 
 
 def test_cuda_dataplane_imports_without_cuda_python():

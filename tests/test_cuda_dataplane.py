@@ -1,4 +1,4 @@
-"""The GPU data plane (sparkccl/dataplane/cuda.py + kernels.cu), in process: every rank of a
+"""The GPU data plane (sparkccl/dataplane/cuda.py + kernels/), in process: every rank of a
 world lives in this process with its own control block, regions, native Proxy (shm
 transport) and CudaDataPlane, each rank launching on its own stream. Results are checked
 bit for bit against the numpy references in sparkccl.testing.
@@ -7,7 +7,7 @@ Every test runs on two backends:
 
 * ``cuda``: the real kernels on a GPU (marked ``cuda``; skipped with the reason shown when
   ``torch.cuda.is_available()`` is false);
-* ``emu``: the same kernels.cu compiled as host C++ (tests/cuda_emu/: one thread per
+* ``emu``: the same kernels (kernels/kernels.cu and its includes) compiled as host C++ (tests/cuda_emu/: one thread per
   block, all blocks concurrent) and driven by the same CudaDataPlane code with the device
   operations replaced by CPU ones, so that the kernels' logic and the host plumbing are
   checked on machines without a GPU (needs g++).
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from sparkccl import layout as L
-from sparkccl.errors import CollectiveError
+from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
@@ -69,13 +69,14 @@ def emu_lib():
     with _emu_lock:
         if _emu_lib is None:
             kernels = Path(C.nvrtc.KERNELS_CU).resolve()
-            srcs = [kernels, EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
+            srcs = [*C.nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
             h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
             out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sparkccl-emu-{os.getuid()}-{h}.so"
             if not out.exists():
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
-                       "-Wno-unknown-pragmas", f"-I{EMU_DIR}", f'-DKERNELS_CU="{kernels}"',
+                       "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
+                       *(f"-I{d}" for d in C.nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
                        str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 assert r.returncode == 0, f"building the kernel emulation failed:\n{r.stderr}"
@@ -191,9 +192,9 @@ class EmuDataPlane(C.CudaDataPlane):
         return self._last_event is not None and not self._last_event.is_set()
 
     def _fork(self, ts, name="side"):
-        st = self._streams.get(name)
+        st = self._side_streams.get(name)
         if st is None:
-            st = self._streams[name] = EmuStream()
+            st = self._side_streams[name] = EmuStream()
         st.wait_event(ts.record())
         return st, st
 
@@ -234,9 +235,9 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def close(self, **kw):
         super().close(**kw)
-        for st in self._streams.values():
+        for st in self._side_streams.values():
             st.close()
-        self._streams.clear()
+        self._side_streams.clear()
 
 
 class Backend:
@@ -858,32 +859,28 @@ def test_direct_entry_without_gpu_streams_fails_clearly():
             w.dps[0].synchronize()
 
 
-def test_wait_parts_cover_every_piece_once():
-    """wait_parts: each source's words carry disjoint parts that tile a piece, for every
-    topology and world; the reduce-scatter split covers the piece once too."""
-    for topology in ("mesh", "ring"):
-        for world in range(2, 9):
-            for roots in (1, 2):
-                for r in range(world):
-                    plan = build_plan(topology, world, r, roots)
-                    maxw = max(len(x) for op in (0, 1) for x in plan.waits[op])
-                    t = C.wait_parts(plan, maxw)
-                    for op in (0, 1):
-                        for S in (0, 16, 48, 1000 * 16 + 32, 123456 * 16):
-                            for c in range(G.PIECES):
-                                lo, hi = G.piece_bounds(S, c)
-                                rows = [i for i in range(world) if i != r] + [world]
-                                for i in rows:
-                                    got = []
-                                    for code in t[op, i].tolist():
-                                        if code:
-                                            part = G.Part(code & 3, (code >> 2) & 3,
-                                                          (code >> 4) & 3, (code >> 6) & 3)
-                                            got.append(G.sub_range(lo, hi, part))
-                                    got = sorted(x for x in got if x[1] > x[0])
-                                    cover = [lo] + [b for a, b in got]
-                                    assert [a for a, b in got] == cover[:-1] and cover[-1] == hi \
-                                        or (lo == hi and not got), (topology, world, r, op, i)
+@pytest.mark.parametrize("var,value", [("SPARKCCL_DIRECT_MODE", "fast"),
+                                       ("SPARKCCL_CE_MIN_BYTES", "lots"),
+                                       ("SPARKCCL_DIRECT_BLOCKS", "12"),
+                                       ("SPARKCCL_DIRECT_BLOCKS", "12,x")])
+def test_bad_engine_settings_are_refused_before_anything_is_pinned(monkeypatch, var, value):
+    """The engine settings go through sparkccl.config: a bad value raises ConfigError naming
+    the variable and the value (it used to be ignored with a warning), before the data plane
+    pins or launches anything (the addresses here are not even valid)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}=.*{value}"):
+        EmuDataPlane(N, plan=build_plan("mesh", 2, 0, 2), ctl_addr=0, flags_addr=0,
+                     ag=torch.zeros(16, dtype=torch.uint8), ag_stride=4096, timeout_s=1.0)
+
+
+def test_engine_settings_are_read_through_config(monkeypatch):
+    monkeypatch.setenv("SPARKCCL_DIRECT_MODE", "SPLIT")
+    monkeypatch.setenv("SPARKCCL_CE_MIN_BYTES", "1M")
+    monkeypatch.setenv("SPARKCCL_DIRECT_BLOCKS", "3,0")
+    with World("emu", "mesh", 2, max_slice=4096) as w:
+        dp = w.dps[0]
+        assert (dp.direct_mode, dp.ce_min_slice) == ("split", 1 << 20)
+        assert (dp.max_direct_blocks, dp.max_direct_wait_blocks) == (3, 1)
 
 
 # ---------------------------------------------------------------- through the Communicator

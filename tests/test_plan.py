@@ -9,11 +9,14 @@ import pytest
 
 from sparkccl.plan.build import build_all, build_plan
 from sparkccl.plan.geometry import (
-    ALIGN, PIECES, Part, piece_bounds, split_point, sub_range,
+    ALIGN, PIECES, Part, cut, piece_bounds, split_point, sub_range,
 )
 from sparkccl.plan.model import OnFlag, OnPublish, Op, Region, decode_flag_word, flag_word
 from sparkccl.plan.verify import (
     Collective, PlanError, default_sequence, lower_bound, verify, verify_plans,
+)
+from sparkccl.plan.waits import (
+    PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code, part_of, wait_parts, wait_table,
 )
 
 WORLDS = range(2, 9)
@@ -210,6 +213,78 @@ def test_too_few_slots_are_caught(region):
     slots[region] = 1
     with pytest.raises(PlanError, match="slot reuse"):
         verify_plans(build_all("ring", 4, 2), default_sequence(), slots)
+
+
+# -- what each wait word carries (plan/waits.py) ---------------------------------------
+
+def test_wait_parts_cover_every_piece_once():
+    """wait_parts: each source's words carry disjoint parts that tile a piece, for every
+    topology and world; the reduce-scatter split covers the piece once too."""
+    for topology in ("mesh", "ring"):
+        for world in range(2, 9):
+            for roots in (1, 2):
+                for r in range(world):
+                    plan = build_plan(topology, world, r, roots)
+                    maxw = max_wait_words(plan)
+                    t = wait_parts(plan, maxw)
+                    for op in (0, 1):
+                        for S in (0, 16, 48, 1000 * 16 + 32, 123456 * 16):
+                            for c in range(PIECES):
+                                lo, hi = piece_bounds(S, c)
+                                rows = [i for i in range(world) if i != r] + [world]
+                                for i in rows:
+                                    got = []
+                                    for code in t[op][i]:
+                                        if code:
+                                            got.append(sub_range(lo, hi, part_of(code)))
+                                    got = sorted(x for x in got if x[1] > x[0])
+                                    cover = [lo] + [b for a, b in got]
+                                    assert [a for a, b in got] == cover[:-1] and cover[-1] == hi \
+                                        or (lo == hi and not got), (topology, world, r, op, i)
+
+
+def test_part_codes_round_trip_and_cut_clamps_to_the_data():
+    for part in (Part(0, 1, 0, 1), Part(1, 2, 0, 2), Part(0, 2, 1, 2), Part(1, 2, 1, 1)):
+        assert part_of(part_code(part)) == part
+    assert PART_WHOLE == part_code(Part(0, 1, 0, 1)) and PART_NONE == 0
+    lo, hi = piece_bounds(1000, 3)
+    assert cut(lo, hi, Part(0, 1, 0, 1), 10_000) == (lo, hi)
+    assert cut(lo, hi, Part(1, 2, 0, 1), lo + 5) == (lo + 5, lo + 5)  # all padding
+    a, e = sub_range(lo, hi, Part(0, 2, 1, 2))
+    assert cut(lo, hi, Part(0, 2, 1, 2), a + 3) == (a, a + 3)
+
+
+def test_wait_table_lists_every_source_word():
+    plan = build_plan("ring", 4, 1, 2)
+    maxw = max_wait_words(plan)
+    t = wait_table(plan, maxw)
+    for op in Op:
+        for i, words in enumerate(plan.waits[op]):
+            assert t[int(op)][i] == list(words) + [-1] * (maxw - len(words))
+
+
+def test_ce_words_keep_a_sum_whose_word_no_source_sends():
+    W, maxw = 2, 3
+    waits = [[-1] * maxw for _ in range(W)]
+    waits[1][0] = 7  # source 1 sends word 0 only
+    parts = [[PART_NONE] * maxw for _ in range(W + 1)]
+    parts[1][0] = PART_WHOLE
+    parts[W][maxw - 1] = PART_WHOLE  # the reduce-scatter sums after the last word
+    assert ce_words(waits, parts, 0, reduce=True) == [
+        (0, [(1, Part(0, 1, 0, 1))], False), (maxw - 1, [], True)]
+    assert ce_words(waits, parts, 0, reduce=False) == [(0, [(1, Part(0, 1, 0, 1))], False)]
+
+
+def test_plan_layer_needs_no_native_module():
+    """Plans, layout and geometry are pure Python: they import (and read protocol.h) with
+    the native module unavailable."""
+    code = ("import sys; sys.modules['sparkccl._native'] = None; "
+            "import sparkccl.plan.waits as w, sparkccl.layout as L; "
+            "from sparkccl.plan import build_plan; p = build_plan('mesh', 3, 0, 2); "
+            "print(w.max_wait_words(p), L.FLAGS_OFFSET)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[1] == "20480"
 
 
 # -- the command ------------------------------------------------------------------------

@@ -28,6 +28,9 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(CTL_RING_HEAD);
   SPARKCCL_PUT(CTL_RING_TAIL);
   SPARKCCL_PUT(CTL_PID);
+  SPARKCCL_PUT(CTL_GPU_STATUS);
+  SPARKCCL_PUT(CTL_GPU_DETAIL);
+  SPARKCCL_PUT(CTL_GPU_SEQ);
   SPARKCCL_PUT(CTL_ERROR);
   SPARKCCL_PUT(ERROR_BYTES);
   SPARKCCL_PUT(CTL_BYTES);
@@ -49,8 +52,32 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(ENT_PIECE);
   SPARKCCL_PUT(ENT_CHUNK);
   SPARKCCL_PUT(ENT_GRANULE);
+  SPARKCCL_PUT(CHUNK_ALL);
+  SPARKCCL_PUT(CHUNK_DIRECT);
   SPARKCCL_PUT(FLAGS_OFFSET);
   SPARKCCL_PUT(FLAG_BYTES);
+  return d;
+}
+
+// Every constant of sparkccl/include/sparkccl/protocol.h as compiled here; a test checks
+// it equals what sparkccl/layout.py reads from the header's text.
+nb::dict protocol_dict() {
+  using namespace sparkccl::geom;
+  using namespace sparkccl::gpu;
+  nb::dict d = layout_dict();
+  SPARKCCL_PUT(PIECES);
+  SPARKCCL_PUT(ALIGN);
+  SPARKCCL_PUT(FLAG_STRIDE);
+  SPARKCCL_PUT(PROG_STRIDE);
+  SPARKCCL_PUT(FAILED);
+  SPARKCCL_PUT(NO_WORD);
+  SPARKCCL_PUT(NO_SOURCE);
+  SPARKCCL_PUT(COUNTER_SETS);
+  SPARKCCL_PUT(MAX_DIRECT);
+  SPARKCCL_PUT(DT_STREAM);
+  SPARKCCL_PUT(DT_ITEM);
+  SPARKCCL_PUT(FIN_CLAIM);
+  SPARKCCL_PUT(FIN_SET);
 #undef SPARKCCL_PUT
   return d;
 }
@@ -74,7 +101,8 @@ NB_MODULE(_native, m) {
   m.doc() = "sparkccl native layer: control block, publish/wait helpers, proxy, shm transport";
   m.attr("ABI_VERSION") = 2;
 
-  m.def("layout", &layout_dict, "Every constant of native/src/layout.h (names as in sparkccl/layout.py).");
+  m.def("layout", &layout_dict, "The control-segment layout constants (names as in sparkccl/layout.py).");
+  m.def("protocol", &protocol_dict, "Every constant of sparkccl/include/sparkccl/protocol.h.");
 
   m.def(
       "piece_bounds",

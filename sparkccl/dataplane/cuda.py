@@ -1,6 +1,6 @@
 """The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels.
 
-Kernels live in ``kernels.cu``, compiled at run time with NVRTC (``nvrtc.py``, cached on
+Kernels live in ``kernels/``, compiled at run time with NVRTC (``nvrtc.py``, cached on
 disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
 
 1. the host reserves the collective's 8 publish-ring indices (``_reserve_ring``: waits while
@@ -21,7 +21,7 @@ the stream's flag word, piece by piece, while its other blocks already wait for 
 the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
 engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
 quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see ``_run_direct`` and docs/PROTOCOL.md
+"ce" from 16 MiB per rank and "fused" below; see :mod:`.cuda_engines` and docs/PROTOCOL.md
 "GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
@@ -30,14 +30,18 @@ GPU's own speed.
 
 Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
 clock; it then records what it waited for in the control block's GPU status record
-(``GPU_STATUS`` / ``GPU_DETAIL`` / ``GPU_SEQ``) and every block exits. The host turns the
-record into :class:`CollectiveError` (naming rank, seq, piece, peer and connection) at the
-next call or at :meth:`CudaDataPlane.synchronize`, and sets the abort word so the proxy
-tells the peers.
+(``layout.CTL_GPU_STATUS`` / ``CTL_GPU_DETAIL`` / ``CTL_GPU_SEQ``) and every block exits.
+The host turns the record into :class:`CollectiveError` (naming rank, seq, piece, peer and
+connection) at the next call or at :meth:`CudaDataPlane.synchronize`, and sets the abort
+word so the proxy tells the peers.
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
-with ``cudaHostRegister(..., Mapped | Portable)``: :func:`register_host` /
-:func:`unregister_host`.
+with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
+:func:`.cuda_runtime.unregister_host`.
+
+The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.cuda_engines` (the
+GPU-direct engines), :mod:`sparkccl.plan.waits` (what each wait word carries), this module
+(the data plane the Communicator drives: regions, ring, launches, failures).
 
 Collectives are asynchronous like NCCL's: they return once launched. All collectives of
 one communicator must run on one stream (or streams ordered with events): a collective's
@@ -48,65 +52,43 @@ cuda-python is imported only when a :class:`CudaDataPlane` is created: CPU users
 need it.
 """
 from __future__ import annotations
+from __future__ import annotations
 
 import ctypes
-import os
-import threading
 import time
-import warnings
 
 import numpy as np
 import torch
 
-from .. import layout
-from ..errors import CollectiveError
-from ..plan.build import build_plan
-from ..plan.geometry import ALIGN, PIECES, Part, flag_value, piece_bounds, round_up, sub_range
+from .. import config, layout
+from ..errors import CollectiveError, ConfigError
+from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
+from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
+                          wait_parts, wait_table)
 from . import nvrtc
-from .cpu import OP_NAMES, CpuDataPlane, fin_slice
+from .base import OP_NAMES, DataPlaneBase
+from .cpu import fin_slice
+from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, OP_COPY, OP_LAUNCH, OP_RECORD,
+                           OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE, WAIT_THREADS,
+                           DirectCall, DirectEngines)
+from .cuda_runtime import (AlreadyRegistered, check_available, device_view, host_device_pointer,
+                           kernels_for, register_host, set_current, unregister_host)
+from .cuda_runtime import kernel_u64 as _n
+from .cuda_runtime import u64_at as _u64
 
-# GPU failure record in the control block (proposed for layout.py / layout.h; the names
-# there win once they exist).
-GPU_STATUS = getattr(layout, "CTL_GPU_STATUS", 40)  # u64: 0, or the ABORT_* code (written last)
-GPU_DETAIL = getattr(layout, "CTL_GPU_DETAIL", 48)  # u64: source << 32 | flag word << 8 | piece
-GPU_SEQ = getattr(layout, "CTL_GPU_SEQ", 56)  # u64: seq of the failed wait
-assert GPU_DETAIL == GPU_STATUS + 8 and GPU_SEQ == GPU_STATUS + 16  # kernels write status[0..2]
-NO_SOURCE = 0xFFFFFFFF
-NO_WORD = 0xFFFF
-
-PROG_STRIDE = 1 << 16  # progress word = seq * PROG_STRIDE + unit (kernels.cu)
+_P = layout.protocol_constants()
+NO_SOURCE = _P["NO_SOURCE"]
+NO_WORD = _P["NO_WORD"]
+MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
+COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
+FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 MAX_WORLD = 64
-COUNTER_SETS = 4  # publish counters are indexed by seq % COUNTER_SETS
 
 PUBLISH_THREADS = 512
-WAIT_THREADS = 256
 PUBLISH_BYTES_PER_BLOCK = 64 << 10
 WAIT_BYTES_PER_BLOCK = 32 << 10
-DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
-MAX_DIRECT = 32  # GPU-executed streams per op (kernels.cu)
-CHUNK_DIRECT = -2  # ring entry chunk: the data plane sent the piece's publish streams itself
-# How a GPU-direct collective runs its two roles (SPARKCCL_DIRECT_MODE):
-#   fused: one kernel, publish blocks and wait blocks side by side;
-#   split: the publish kernel on a side stream, the wait kernel on the caller's stream;
-#   ce:    copy engines both ways: on a side stream cuMemcpyAsync per item piece, then the
-#          flag and the ring tag by cuStreamWriteValue64; on a watch stream sccl_wait_piece
-#          per piece (the waits, relayed to the progress word); on the caller's stream per
-#          piece and wait word cuStreamWaitValue64 on that word, then copies of that part out
-#          of the own region (reduce-scatter: into device staging, then sccl_rs_sum_unit_*).
-#          See _run_direct.
-# SPARKCCL_DIRECT_MODE: "auto" (the default) takes "ce" from CE_MIN_SLICE bytes per rank
-# (SPARKCCL_CE_MIN_BYTES) and "fused" below, where one launch beats 80-130 stream operations
-# and a chain of 16 unit waits (two H200s, one process each, the first ce form: ce's
-# all-gather ahead from 16 MiB per rank, its reduce-scatter even there, both behind at
-# 8 MiB; benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
-DIRECT_MODES = ("fused", "split", "ce")
-CE_MIN_SLICE = 16 << 20
-# mode "ce" stream operations (cuda_ops.cpp)
-OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
-
 FIN_THREADS = 512
-FIN_SET = 260  # finalize counters per set: item counters [0, 256), claim counter at 256 (kernels.cu)
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
               torch.float32: "sccl_rs_direct_f32"}
@@ -115,219 +97,29 @@ _RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait
 _RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
                 torch.float32: "sccl_rs_sum_unit_f32"}
 
-_lock = threading.Lock()
-_kernels: dict[int, dict] = {}  # device index -> {name: Kernel}
-_tls = threading.local()
+__all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "register_host",
+           "unregister_host", "host_device_pointer", "device_view", "part_code", "PART_NONE",
+           "PART_WHOLE", "ce_words", "wait_parts", "OP_COPY", "OP_WRITE64", "OP_LAUNCH",
+           "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES"]
 
 
-# ---------------------------------------------------------------- cuda-python access
-
-def _runtime():
+def direct_blocks_setting() -> tuple[int, int] | None:
+    """SPARKCCL_DIRECT_BLOCKS="publish,wait" (for measurements), or None when unset."""
+    value = config.get("SPARKCCL_DIRECT_BLOCKS")
+    if value is None:
+        return None
     try:
-        from cuda.bindings import runtime as rt
-    except ImportError:
-        try:
-            from cuda import cudart as rt  # type: ignore[no-redef]  (cuda-python < 12.6)
-        except ImportError as e:
-            raise nvrtc.CudaUnavailable(f"the CUDA data plane needs cuda-python's cuda.bindings: "
-                                        f"{e}; install it with {nvrtc.INSTALL_HINT}") from e
-    return rt
-
-
-def _check(what: str, result):
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        rt = _runtime()
-        try:
-            name = rt.cudaGetErrorName(err)[1].decode()
-            text = rt.cudaGetErrorString(err)[1].decode()
-        except Exception:
-            name, text = str(err), ""
-        raise RuntimeError(f"sparkccl: {what} failed: {name} ({text})")
-    return result[1:] if isinstance(result, tuple) else ()
-
-
-def _set_current(device_index: int) -> None:
-    """Make the device's primary context (torch's) current for cuda.core on this thread."""
-    cur = getattr(_tls, "devices", None)
-    if cur is None:
-        cur = _tls.devices = set()
-    if device_index not in cur:
-        cc = nvrtc.import_cuda_core()
-        cc.Device(device_index).set_current()
-        cur.add(device_index)
-
-
-def kernels_for(device_index: int) -> dict:
-    """The compiled kernels for a device (compiled or read from the cache once per process)."""
-    with _lock:
-        k = _kernels.get(device_index)
-        if k is None:
-            _set_current(device_index)
-            cap = torch.cuda.get_device_capability(device_index)
-            k = _kernels[device_index] = nvrtc.load_kernels(nvrtc.arch_of(cap))
-            _load_now(k)
-        return k
-
-
-def _load_now(kernels: dict) -> None:
-    """Load every kernel into the current context now, not at its first launch. Under CUDA's
-    lazy loading (the default) a first launch may need a context synchronization; if a
-    kernel of this context is then spinning on a flag whose writer is the kernel being
-    launched (another rank's wait on this process's GPU), it deadlocks until the timeout.
-    Seen on H200 with several ranks in one process: the first proxy-path publish kernel,
-    launched while another rank's direct kernel waited for its data. Best effort: without
-    cuFuncLoad (CUDA < 12.4) kernels still load on first use."""
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError:
-        return
-    for kern in kernels.values():
-        try:
-            h = kern.handle
-            if isinstance(h, drv.CUkernel):
-                err, h = drv.cuKernelGetFunction(h)
-                if int(err) != 0:
-                    continue
-            drv.cuFuncLoad(h)
-        except Exception:
-            pass
-
-
-def check_available(device=None) -> None:
-    """Raise a clear error if the CUDA data plane cannot run here (no GPU, no cuda-python,
-    no NVRTC, GPU older than sm_80)."""
-    if not torch.cuda.is_available():
-        raise nvrtc.CudaUnavailable("device='cuda' needs a CUDA build of torch and a visible GPU "
-                                    "(torch.cuda.is_available() is False)")
-    nvrtc.import_cuda_core()
-    _runtime()
-    nvrtc.nvrtc_version()
-    idx = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    nvrtc.arch_of(torch.cuda.get_device_capability(idx))
-
-
-class AlreadyRegistered(RuntimeError):
-    """cudaHostRegister: the range is already pinned in this process."""
-
-
-def register_host(addr: int, size: int) -> int:
-    """Pin ``[addr, addr + size)`` (a shared-memory mapping) for the current device, mapped
-    into the GPU's address space; returns the device pointer."""
-    rt = _runtime()
-    flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable
-    res = rt.cudaHostRegister(addr, size, flags)
-    err = res[0] if isinstance(res, tuple) else res
-    if int(err) == int(rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered):
-        rt.cudaGetLastError()  # not sticky: clear it, later launches must not see it
-        raise AlreadyRegistered(f"cudaHostRegister({addr:#x}, {size}): already registered")
-    _check(f"cudaHostRegister({addr:#x}, {size})", res)
-    return host_device_pointer(addr)
-
-
-def host_device_pointer(addr: int) -> int:
-    """Device pointer of pinned, mapped host memory (registered in this process)."""
-    rt = _runtime()
-    (dev,) = _check("cudaHostGetDevicePointer", rt.cudaHostGetDevicePointer(addr, 0))
-    return int(dev)
-
-
-def part_code(part) -> int:
-    """A plan Part packed for the kernels: root | roots << 2 | half << 4 | halves << 6."""
-    return part.root | part.roots << 2 | part.half << 4 | part.halves << 6
-
-
-PART_NONE = 0
-PART_WHOLE = part_code(Part(0, 1, 0, 1))
-
-
-def _part_of(code: int) -> Part:
-    """The inverse of :func:`part_code`."""
-    return Part(code & 3, code >> 2 & 3, code >> 4 & 3, code >> 6 & 3)
-
-
-def _cut(lo: int, hi: int, part: Part, L: int) -> tuple[int, int]:
-    """The bytes of ``part`` of piece ``[lo, hi)`` that lie below L (the rest is padding)."""
-    a, e = sub_range(lo, hi, part)
-    return min(a, L), min(e, L)
-
-
-def ce_words(waits: list, parts: list, rank: int, reduce: bool) -> list:
-    """Mode "ce": the wait words in which this rank receives every piece, in order, as
-    (k, [(source, Part) copied once word k came], whether the reduce-scatter sums after word
-    k). waits / parts: one op's rows of the wait table and of :func:`wait_parts`. A word no
-    source sends is left out, unless the reduce-scatter sums there (the whole piece after
-    the last word, where sources split pieces differently)."""
-    W = len(waits)
-    out = []
-    for k in range(len(waits[0])):
-        sums = reduce and parts[W][k] != PART_NONE
-        if sums or any(waits[i][k] >= 0 for i in range(W) if i != rank):
-            out.append((k, [(i, _part_of(parts[i][k])) for i in range(W)
-                            if i != rank and parts[i][k] != PART_NONE], sums))
-    return out
-
-
-def wait_parts(plan: RankPlan, maxw: int) -> torch.Tensor:
-    """``[op][world + 1][maxw]`` int32: row i < world gives the part of each piece that wait
-    word k of source i carries (from the writer's items, in the senders' plans), row world
-    the parts the reduce-scatter reduces after word k of every source (the same split when
-    every source cuts its pieces alike, else the whole piece after the last word)."""
-    W, me = plan.world, plan.rank
-    plans = [build_plan(plan.topology, W, q, plan.roots) for q in range(W)]
-    out = torch.zeros((len(Op), W + 1, maxw), dtype=torch.int32)
-    for op in Op:
-        dreg = Region.AG if op == Op.AG else Region.RS_RECV
-        rows = {}
-        for i, words in enumerate(plan.waits[op]):
-            if i == me or not words:
-                continue
-            codes = []
-            for w in words:
-                parts = {it.part for q in range(W) if q != me for s in plans[q].streams
-                         if s.op == op and s.dst_flag == w and plans[q].connections[s.conn].peer == me
-                         for it in s.items if it.dst_region == dreg and it.dst_block == i}
-                codes.append(part_code(next(iter(parts))) if len(parts) == 1 else None)
-            if None in codes:  # not one part per word: the whole piece after the last word
-                codes = [PART_NONE] * (len(codes) - 1) + [PART_WHOLE]
-            rows[i] = codes
-            for k, code in enumerate(codes):
-                out[int(op), i, k] = code
-        uniform = bool(rows) and len({tuple(c) for c in rows.values()}) == 1
-        split = next(iter(rows.values())) if uniform else [PART_NONE] * (maxw - 1) + [PART_WHOLE]
-        for k, code in enumerate(split):
-            out[int(op), W, k] = code
-    return out
-
-
-def unregister_host(addr: int) -> None:
-    rt = _runtime()
-    _check(f"cudaHostUnregister({addr:#x})", rt.cudaHostUnregister(addr))
-
-
-class _CudaArray:
-    """Just enough ``__cuda_array_interface__`` for ``torch.as_tensor`` to wrap a device
-    pointer (no copy, no ownership)."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3, "strides": None,
-                                         "stream": None}
-
-
-def device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A CUDA uint8 tensor over ``nbytes`` at device pointer ``ptr`` (mapped pinned memory)."""
-    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
-
-
-def _u64(addr: int) -> ctypes.c_uint64:
-    return ctypes.c_uint64.from_address(addr)
+        a, b = (int(v) for v in value)
+    except ValueError:
+        raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
+                          "'publish,wait'") from None
+    return max(1, a), max(1, b)
 
 
 # ---------------------------------------------------------------- the data plane
 
-class CudaDataPlane(CpuDataPlane):
-    """The CUDA twin of :class:`CpuDataPlane` (same constructor and collective methods;
+class CudaDataPlane(DirectEngines, DataPlaneBase):
+    """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
     over the shared segments; ``self.ag`` / ``self.rs_send`` / ``self.rs_recv`` become CUDA
     views of the same memory."""
@@ -335,6 +127,10 @@ class CudaDataPlane(CpuDataPlane):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
                  peer_rings: list | None = None, device=None):
+        # Settings first: a bad value is refused before anything is pinned or launched.
+        direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
+        ce_min_slice = int(config.get("SPARKCCL_CE_MIN_BYTES"))
+        direct_blocks = direct_blocks_setting()
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
                          ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
         if self.world > MAX_WORLD:
@@ -342,7 +138,7 @@ class CudaDataPlane(CpuDataPlane):
         self._registered: list[int] = []
         self._closed = False
         self._last_event = None
-        self._streams: dict[int, object] = {}
+        self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
         self._setup_backend(device)
@@ -373,41 +169,25 @@ class CudaDataPlane(CpuDataPlane):
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
-        self.maxw = max(1, max(len(w) for op in Op for w in plan.waits[op]))
-        table = torch.full((len(Op), self.world, self.maxw), -1, dtype=torch.int32)
-        for op in Op:
-            for i, words in enumerate(plan.waits[op]):
-                for k, word in enumerate(words):
-                    table[int(op), i, k] = int(word)
+        # The wait kernels' tables: flag words per (op, source, k), and the part of a piece
+        # each word carries (plan analysis: sparkccl/plan/waits.py).
+        self.maxw = max_wait_words(plan)
+        table = wait_table(plan, self.maxw)
         parts = wait_parts(plan, self.maxw)
-        self._ce_words = {op: ce_words(table[int(op)].tolist(), parts[int(op)].tolist(),
-                                       self.rank, op == Op.RS) for op in Op}
-        self.wait_table = self._to_device(table)
-        self.parts_table = self._to_device(parts)
+        self._ce_words = {op: ce_words(table[int(op)], parts[int(op)], self.rank, op == Op.RS)
+                          for op in Op}
+        self.wait_table = self._to_device(torch.tensor(table, dtype=torch.int32))
+        self.parts_table = self._to_device(torch.tensor(parts, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # counters per (seq % 4, stream, piece) plus per (seq % 4, piece) for the ring.
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
         # for measurements: SPARKCCL_DIRECT_BLOCKS="publish,wait" (e.g. "132,131").
         self.max_direct_blocks, self.max_direct_wait_blocks = self.sms, max(1, self.sms - 1)
-        tune = os.environ.get("SPARKCCL_DIRECT_BLOCKS", "").strip()
-        if tune:
-            try:
-                a, b = (int(v) for v in tune.split(","))
-                self.max_direct_blocks, self.max_direct_wait_blocks = max(1, a), max(1, b)
-            except ValueError:
-                warnings.warn(f"SPARKCCL_DIRECT_BLOCKS={tune!r} ignored: expected two integers "
-                              "'publish,wait'")
-        self.direct_mode = os.environ.get("SPARKCCL_DIRECT_MODE", "").strip() or "auto"
-        if self.direct_mode not in ("auto", *DIRECT_MODES):
-            warnings.warn(f"SPARKCCL_DIRECT_MODE={self.direct_mode!r} ignored: expected auto or "
-                          f"one of {', '.join(DIRECT_MODES)}")
-            self.direct_mode = "auto"
-        try:
-            self.ce_min_slice = int(os.environ.get("SPARKCCL_CE_MIN_BYTES", "") or CE_MIN_SLICE)
-        except ValueError:
-            warnings.warn("SPARKCCL_CE_MIN_BYTES ignored: expected a number of bytes")
-            self.ce_min_slice = CE_MIN_SLICE
-        self._streams: dict[str, torch.cuda.Stream] = {}  # the split / ce modes' (see _fork)
+        if direct_blocks is not None:
+            self.max_direct_blocks, self.max_direct_wait_blocks = direct_blocks
+        self.direct_mode = direct_mode
+        self.ce_min_slice = ce_min_slice
+        self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
         self._sums = None  # mode "ce": (stream, events) of the reduce-scatter sums
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
         self._functions: dict[str, int] = {}  # CUfunction per kernel name (mode "ce")
@@ -422,9 +202,11 @@ class CudaDataPlane(CpuDataPlane):
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
-        # WAIT_PARAMS of kernels.cu per op, but for seq (each collective's): the rest is fixed.
+        # WAIT_PARAMS of kernels/wait.cu per op, but for seq (each collective's): the rest is
+        # fixed.
         self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
-                                self.ctl_dev + GPU_STATUS, self.wait_table[int(op)].data_ptr(),
+                                self.ctl_dev + layout.CTL_GPU_STATUS,
+                                self.wait_table[int(op)].data_ptr(),
                                 self.parts_table[int(op)].data_ptr(), _n(self.maxw),
                                 self.state.data_ptr()) for op in Op}
         self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
@@ -470,16 +252,16 @@ class CudaDataPlane(CpuDataPlane):
 
     def _stream(self):
         """(torch stream, cuda.core stream) of the caller's current stream."""
-        _set_current(self.device.index)
+        set_current(self.device.index)
         ts = torch.cuda.current_stream(self.device)
         return ts, self._cc_stream(ts)
 
     def _cc_stream(self, ts):
         h = int(ts.cuda_stream)
-        s = self._streams.get(h)
+        s = self._cc_streams.get(h)
         if s is None:
             cc = nvrtc.import_cuda_core()
-            s = self._streams[h] = cc.Stream.from_handle(h)
+            s = self._cc_streams[h] = cc.Stream.from_handle(h)
         return s
 
     def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
@@ -566,7 +348,7 @@ class CudaDataPlane(CpuDataPlane):
         self._build_direct(Op.RS)
 
     def _build_direct(self, op: Op) -> None:
-        """The stream table of sccl_*_direct for op (layout in kernels.cu), or nothing if a
+        """The stream table of sccl_*_direct for op (layout in kernels/direct.cu), or nothing if a
         peer it writes to is not mapped."""
         plan, me = self.plan, self.rank
         kind = "ag" if op == Op.AG else "rs_recv"
@@ -616,162 +398,6 @@ class CudaDataPlane(CpuDataPlane):
         table, reach, blocks, room = t
         return table if reach + blocks * S <= room else None
 
-    def _run_direct(self, op: Op, seq: int, ts, stream, *, S: int, L: int, first: int,
-                    kernel: str, publish: tuple, consume: tuple, wait_kernel: str, nb: int,
-                    npub: int, ce_src: tuple | None, own: list,
-                    sum_kernel: str | None = None) -> None:
-        """Launch a GPU-direct collective in ``self.direct_mode`` (see DIRECT_MODES).
-        publish: the direct kernel's publish arguments up to ``own_dst, dst2``; consume: the
-        wait role's arguments before ``L, S`` (sccl_*_wait) or the wait parameters (direct
-        kernel). ce_src: (input pointer, chunk stride) for the copy engines, or None (a
-        zero-copy input, already pinned: the publish kernel sends it); own: (dst, src,
-        bytes) copies of the own slice; sum_kernel: the reduce-scatter's sum per unit (piece,
-        wait word) in mode "ce" (sccl_rs_sum_unit_*)."""
-        ring = (self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(op)), self._dcounters(seq))
-        waits = self._wait_args(op, seq)
-        mode = self.direct_mode
-        if mode == "auto":
-            mode = "ce" if S >= self.ce_min_slice else "fused"
-        if mode == "ce" and not self._can_write_values():
-            mode = "split"
-        if mode == "fused" or "wait" not in self.phases:
-            grid = npub + (1 + nb if "wait" in self.phases else 0)
-            self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *waits)
-            self.direct_launches += 1
-            self._end(ts)
-            return
-        # The two roles on two streams: the publish side starts after everything queued
-        # before on the caller's stream, and the caller's stream joins it at the end, so
-        # collectives stay in order and every region is reused as with one launch. (Mode ce
-        # with two sending and two receiving streams, words alternating between them, was
-        # slower on two H200s: ~0.9 ms per collective at any size, against ~0.45 ms.)
-        side_ts, side = self._fork(ts)
-        ce_pub = mode == "ce" and ce_src is not None  # (a zero-copy input is already pinned)
-        ce_wait = mode == "ce" and (op == Op.RS or int(consume[1]) != 0)  # (zero-copy AG: waits)
-        if not ce_pub:
-            self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *waits)
-        if ce_pub or ce_wait:
-            # Kernels of the operation list: 0 waits for piece c (the first parameter), 1 sums
-            # a reduce-scatter unit (the first parameter, unit = c * maxw + k).
-            kernels = [("sccl_wait_piece", 32, (0, *waits))]
-            watch = self._fork(ts, "watch")[0] if ce_wait else None
-            stage, sums = 0, None
-            if op == Op.RS and ce_wait:
-                sums = self._sum_stream()
-                stage = self._scratch("ce stage", self.world * S).data_ptr()
-                reduce_parts = self.parts_table[int(op)][self.world].data_ptr()
-                kernels.append((sum_kernel, WAIT_THREADS, (0, stage, *consume[1:], L, S,
-                                                           self.rank, self.world, reduce_parts,
-                                                           self.maxw)))
-            # The own slice first, on the receiving stream (idle until the first piece lands).
-            ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
-            if ce_pub:
-                self._ring_fields(first, seq, S, op)
-            # Both sides piece by piece, so each stream starts at once; and a piece's wait is
-            # queued after that piece's sends (a stream sharing a hardware queue with another
-            # of this rank then waits behind nothing a peer's wait needs: no cycle).
-            for c in range(PIECES):
-                if ce_pub:
-                    self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
-                if ce_wait:
-                    ops.append((OP_LAUNCH, watch, 0, c, 1))
-                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume,
-                                     stage=stage, nb=nb, sums=sums)
-            self._issue(ops, kernels)
-            if sums is not None:
-                self._join(ts, sums[0])
-            if watch is not None:
-                self._join(ts, watch)
-        if not ce_wait:
-            self._launch(stream, wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
-                         *waits)
-        self._join(ts, side_ts)
-        self.direct_launches += 1
-        self._end(ts)
-
-    def _ce_publish(self, ops: list, op: Op, seq: int, side_ts, c: int, *, S: int, L: int,
-                    first: int, src: tuple) -> None:
-        """Mode "ce", piece c of the sending side: the same writes as direct_publish in
-        kernels.cu, as copy-engine operations: each item's bytes straight into the peer's
-        mapped region, then the stream's flag word; then the tag of ring entry first + c
-        (its other fields are written by :meth:`_ring_fields` before anything is issued).
-        A written value carries a system-wide fence (cuStreamWriteValue64 without
-        NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store."""
-        base, stride = src
-        lo, hi = piece_bounds(S, c)
-        for flag, items in self._dhost[op]:
-            for chunk, dbase, dstride, slots, block, part in items:
-                a, e = _cut(lo, hi, part, L)
-                if e > a:
-                    ops.append((OP_COPY, side_ts, dbase + (seq % slots) * dstride + block * S + a,
-                                base + chunk * stride + a, e - a))
-            ops.append((OP_WRITE64, side_ts, flag, flag_value(seq, c), 0))
-        index = first + c
-        ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
-                    + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
-
-    def _ce_receive(self, ops: list, op: Op, seq: int, ts, c: int, *, S: int, L: int,
-                    consume: tuple, stage: int, nb: int, sums: tuple | None) -> None:
-        """Mode "ce", piece c of the receiving side, one unit (wait word k) at a time: the
-        caller's stream waits (``cuStreamWaitValue64``) until the progress word says word k
-        of the piece came from every source (``sccl_wait_piece`` on the watch stream relays
-        it there, watching the abort word and the GPU-clock timeout; a failure sets the word
-        past every unit of the collective), then the copy engines move the part of the piece
-        that word carries off the link: into the all-gather result, or into the device
-        staging slot of the reduce-scatter. There nb blocks of
-        ``sccl_rs_sum_unit_*`` sum it in rank order on the sums' stream (``sums`` = (stream,
-        events)), which waits for an event recorded after the unit's copies, so the receiving
-        stream moves on to the next unit at once.
-
-        Why so: waiting per word rather than per piece halves the pipeline's fill and drain
-        where each source sends a piece in two parts (two roots per port); SMs reading
-        pinned memory lose a quarter to half of their rate while the link also carries the
-        publish writes, where copy engines keep 48 of 55 GB/s each way
-        (benchmarks/pcie_duplex_h200.txt). No kernel of this rank waits for anything its own
-        later stream operations write: the only spinning kernel waits for peers' flags (an
-        earlier version summed in a kernel that waited for device flags written by this
-        rank's own copying stream; it hung on two H200s). Why a value wait rather than a
-        wait kernel on the copying stream (as before): the copies then never queue behind a
-        kernel; moving a world-2 collective's bytes in 16 units this way took 0.91-0.92 ms
-        for 32 MiB each way per GPU, against 0.95-1.09 ms with a spinning kernel per unit
-        (two H200s, benchmarks/pcie_duplex.py --wait)."""
-        if op == Op.AG:
-            src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
-        else:
-            src, dst, dst_stride = int(consume[0]), stage, S
-        lo, hi = piece_bounds(S, c)
-        progress = self.state.data_ptr()
-        for k, copies, sum_here in self._ce_words[op]:
-            u = c * self.maxw + k
-            # unit (c, k, last source) of kernels.cu: the relay's last step for word k
-            ops.append((OP_WAIT_VALUE, ts, progress, seq * PROG_STRIDE + (u + 1) * self.world, 0))
-            for i, part in copies:
-                a, e = _cut(lo, hi, part, L)
-                if e > a:
-                    ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
-            if op == Op.RS:
-                # The sums' stream follows every unit's copies, also those without a sum of
-                # their own (a whole-piece sum after the last word, where sources split
-                # pieces differently, reads the parts of every word).
-                sum_ts, events = sums
-                ops.append((OP_RECORD, ts, events[u], 0, 0))
-                ops.append((OP_WAIT_EVENT, sum_ts, events[u], 0, 0))
-                if sum_here:
-                    ops.append((OP_LAUNCH, sum_ts, 1, u, nb))
-
-    def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
-        """Every field but the tag of the collective's ring entries first .. first + 7 (the
-        GPU stream writes each tag once its piece is sent; the host wrote these before it
-        issued that write, so the proxy, which reads the fields after the tag, finds them)."""
-        idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
-        rows = []
-        for c in range(PIECES):
-            lo, hi = piece_bounds(S, c)
-            rows.append([seq, S, lo, hi, int(op) | c << 32, (CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
-        self._ring_host[idx, 1:7] = np.array(rows, dtype=np.uint64)
-
     def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
         reused by every call: each use is written and read on the collectives' one stream,
@@ -788,75 +414,6 @@ class CudaDataPlane(CpuDataPlane):
                                                          device=self.device)
         return buf
 
-    # ---- streams and stream operations (overridden by the CPU emulation) -----------------
-    def _fork(self, ts, name: str = "side"):
-        """(torch stream, cuda.core stream) of this data plane's stream ``name`` ("side":
-        the sending side of modes split and ce; "watch": mode ce's piece waits), made on
-        first use, ordered after everything queued on ``ts`` so far."""
-        st = self._streams.get(name)
-        if st is None:
-            st = self._streams[name] = torch.cuda.Stream(self.device)
-        st.wait_stream(ts)
-        return st, self._cc_stream(st)
-
-    def _join(self, ts, side_ts) -> None:
-        ts.wait_stream(side_ts)
-
-    def _sum_stream(self) -> tuple:
-        """Mode "ce": the reduce-scatter sums' stream and one event per unit (piece, wait
-        word), made on first use. The sums of a collective follow the caller's stream's
-        earlier work through the first event, and the caller's stream joins the sums' stream
-        at the end of each collective (the staging slot is then free again)."""
-        if self._sums is None:
-            self._sums = (torch.cuda.Stream(self.device), self._new_events(PIECES * self.maxw))
-        return self._sums
-
-    def _new_events(self, n: int) -> list[int]:
-        from cuda.bindings import driver as drv
-        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        with torch.cuda.device(self.device):
-            return [int(_check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
-
-    def _free_events(self) -> None:
-        if self._sums is None:
-            return
-        from cuda.bindings import driver as drv
-        for e in self._sums[1]:
-            drv.cuEventDestroy(drv.CUevent(e))
-        self._sums = None
-
-    def _issue(self, ops: list, kernels: list) -> None:
-        """Issue mode "ce" operations (kind, torch stream, a, b, c) in order, in one native
-        call (native/src/cuda_ops.cpp). kernels: (name, threads per block, parameters) of
-        the OP_LAUNCH operations (a: index in this list, b: first parameter, c: blocks)."""
-        flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
-        with torch.cuda.device(self.device):  # (the function handles are per context too)
-            table = [(self._function(name), block, [int(v) for v in params])
-                     for name, block, params in kernels]
-            self.nat.cuda_issue(table, flat)
-
-    def _function(self, name: str) -> int:
-        """CUfunction handle of kernel ``name`` in this device's context."""
-        f = self._functions.get(name)
-        if f is None:
-            from cuda.bindings import driver as drv
-            h = self.kernels[name].handle
-            if isinstance(h, drv.CUkernel):
-                h = _check("cuKernelGetFunction", drv.cuKernelGetFunction(h))[0]
-            f = self._functions[name] = int(h)
-        return f
-
-    def _can_write_values(self) -> bool:
-        """Can this GPU's streams write and wait for 64-bit values (mode "ce")?"""
-        if self._write_values is None:
-            try:
-                from cuda.bindings import driver as drv
-                attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-                err, v = drv.cuDeviceGetAttribute(attr, self.device.index)
-                self._write_values = int(err) == 0 and bool(v)
-            except Exception:
-                self._write_values = False
-        return self._write_values
 
     def _direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
@@ -955,13 +512,13 @@ class CudaDataPlane(CpuDataPlane):
             # The own block of the slot is only written when the result stays there
             # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
             own_dst = slot + me * S if dst is None else 0
-            self._run_direct(
+            self._run_direct(DirectCall(
                 Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
                 publish=(src.data_ptr(), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(), own_dst,
                          res_me),
                 consume=(slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride)),
                 wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
-                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d])
+                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d]))
             return
         bpp = self._publish_blocks(piece)
         if "publish" in self.phases:
@@ -1012,7 +569,7 @@ class CudaDataPlane(CpuDataPlane):
         dtab = self._direct(Op.RS, S)
         if dtab is not None:  # GPU-direct: chunks straight to the peers
             sbase, sstride, ssys = (base, src_stride, 0) if src is not None else (send, S, 1)
-            self._run_direct(
+            self._run_direct(DirectCall(
                 Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
                 publish=(sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0),
                 consume=(recv, own, _n(own_sys), dst.data_ptr() + dst_off),
@@ -1021,7 +578,7 @@ class CudaDataPlane(CpuDataPlane):
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
                 ce_src=(base, src_stride) if src is not None else None, own=[],
-                sum_kernel=_RS_SUM_UNIT[dtype])
+                sum_kernel=_RS_SUM_UNIT[dtype]))
             return
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
@@ -1043,7 +600,7 @@ class CudaDataPlane(CpuDataPlane):
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:
-        """The CUDA twin of :meth:`CpuDataPlane.moe_finalize_reduce_scatter`: the host
+        """The CUDA twin of :meth:`.cpu.CpuDataPlane.moe_finalize_reduce_scatter`: the host
         reserves (W - 1) * 8 ring entries; ``sccl_finalize`` computes the rows piece-major
         into the send slot (own chunk into device memory) and publishes each (row piece,
         destination) as it completes; the bf16 reduce-scatter wait kernel then sums this
@@ -1144,11 +701,11 @@ class CudaDataPlane(CpuDataPlane):
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
-        code = _u64(self.ctl + GPU_STATUS).value
+        code = _u64(self.ctl + layout.CTL_GPU_STATUS).value
         if not code:
             return 0, 0, 0, 0, 0
-        detail = _u64(self.ctl + GPU_DETAIL).value
-        seq = _u64(self.ctl + GPU_SEQ).value
+        detail = _u64(self.ctl + layout.CTL_GPU_DETAIL).value
+        seq = _u64(self.ctl + layout.CTL_GPU_SEQ).value
         return int(code), detail >> 32, (detail >> 8) & 0xFFFF, detail & 0xFF, int(seq)
 
     def check_status(self) -> None:
@@ -1170,8 +727,3 @@ class CudaDataPlane(CpuDataPlane):
             self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
                       f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
         self._timed_out(what, piece, word, "; GPU wait")
-
-
-def _n(v: int):
-    """A 64-bit unsigned kernel argument."""
-    return np.uint64(v)

@@ -1,6 +1,12 @@
 """Run-time compilation of the data-plane kernels with NVRTC (through ``cuda.core``), and an
 on-disk cache of the results.
 
+The kernels are split by role under ``kernels/`` (``kernels.cu`` includes the rest, and
+``common.cuh`` includes ``sparkccl/include/sparkccl/protocol.h``, the layout shared with the
+native layer): :func:`source` inlines every quoted include into one text, with ``#line``
+marks so NVRTC's messages name the right file. NVRTC then needs no include path, and the
+cache key, a hash of that text, changes when any included file does.
+
 The cache key is (source hash, options, architecture, NVRTC version); entries live under
 ``$SPARKCCL_CACHE_DIR`` or ``~/.cache/sparkccl`` as ``kernels-<key>.cubin`` and are written
 atomically (temp file + rename), so concurrent ranks compiling the same kernels at once is
@@ -14,10 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
-KERNELS_CU = Path(__file__).with_name("kernels.cu")
+from .. import config
+
+KERNELS_DIR = Path(__file__).with_name("kernels")
+KERNELS_CU = KERNELS_DIR / "kernels.cu"
+INCLUDE_DIRS = (KERNELS_DIR, Path(__file__).parents[1] / "include")
+"""Where quoted includes are looked up (after the including file's own folder)."""
 KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wait_f16",
                 "sccl_rs_wait_f32", "sccl_piece_bounds", "sccl_finalize", "sccl_finalize_direct",
                 "sccl_ag_direct", "sccl_rs_direct_bf16", "sccl_rs_direct_f16",
@@ -63,12 +75,52 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
+
+
+def _expand(path: Path, seen: set, out: list) -> None:
+    """Append ``path``'s lines to ``out`` with its quoted includes inlined once each (the
+    files say ``#pragma once``); an include not found here (``sccl_emu.h``, only under
+    ``SCCL_EMU``) stays as it is."""
+    seen.add(path)
+    out.append(f'#line 1 "{path.name}"')
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        m = _INCLUDE.match(line)
+        if m:
+            for d in (path.parent, *INCLUDE_DIRS):
+                inc = (d / m.group(1)).resolve()
+                if inc.is_file():
+                    if inc not in seen:
+                        _expand(inc, seen, out)
+                        out.append(f'#line {n + 1} "{path.name}"')
+                    else:
+                        out.append("")
+                    break
+            else:
+                out.append(line)
+        elif _PRAGMA_ONCE.match(line):
+            out.append("")
+        else:
+            out.append(line)
+
+
+def source_files() -> list[Path]:
+    """Every file the kernels' source is made of (sorted)."""
+    seen: set = set()
+    _expand(KERNELS_CU.resolve(), seen, [])
+    return sorted(seen, key=lambda p: str(p))
+
+
 def source() -> str:
-    return KERNELS_CU.read_text()
+    """The kernels as the one text NVRTC compiles (every quoted include inlined)."""
+    out: list = []
+    _expand(KERNELS_CU.resolve(), set(), out)
+    return "\n".join(out) + "\n"
 
 
 def cache_dir() -> Path:
-    d = os.environ.get("SPARKCCL_CACHE_DIR")
+    d = config.get("SPARKCCL_CACHE_DIR")
     return Path(d) if d else Path.home() / ".cache" / "sparkccl"
 
 

@@ -1,21 +1,24 @@
 """Piece and half arithmetic: the one place where byte bounds are computed.
 
 Every executor (the verifier, the native proxy, the CPU twin and the CUDA kernels) cuts
-slices the same way. The native proxy and the kernels carry a copy of these few lines;
-tests compare their output against this module over many sizes so the copies cannot
-drift (see ``tests/test_geometry_shared.py``).
+slices the same way. The constants, and the C++ form of these few functions that the
+native proxy and the kernels share, are in ``sparkccl/include/sparkccl/protocol.h``;
+tests compare this module with the compiled form over many sizes (tests/test_native.py,
+and the kernels' ``sccl_piece_bounds`` in tests/test_cuda_dataplane.py).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-PIECES = 8
+from ..layout import protocol_constants
+
+PIECES: int = protocol_constants()["PIECES"]
 """Each collective's slice is cut into this many pieces (SPEC §4)."""
 
-ALIGN = 16
+ALIGN: int = protocol_constants()["ALIGN"]
 """Piece boundaries and half splits fall on multiples of this many bytes."""
 
-FLAG_STRIDE = 16
+FLAG_STRIDE: int = protocol_constants()["FLAG_STRIDE"]
 """Flag value for (seq, piece c) is ``seq * FLAG_STRIDE + c + 1``."""
 
 
@@ -67,6 +70,13 @@ def sub_range(lo: int, hi: int, part: Part) -> tuple[int, int]:
         h = split_point(lo, hi)
         lo, hi = (lo, h) if part.half == 0 else (h, hi)
     return lo, hi
+
+
+def cut(lo: int, hi: int, part: Part, length: int) -> tuple[int, int]:
+    """The bytes of ``part`` of piece ``[lo, hi)`` that lie below ``length`` (past it the
+    slice is padding, never copied out)."""
+    a, e = sub_range(lo, hi, part)
+    return min(a, length), min(e, length)
 
 
 def flag_value(seq: int, piece: int) -> int:

@@ -1,4 +1,4 @@
-// Runs the kernels of sparkccl/dataplane/kernels.cu on the CPU: every block of a launch is
+// Runs the kernels of sparkccl/dataplane/kernels/ on the CPU: every block of a launch is
 // a std::thread with blockDim.x == 1 (so __syncthreads is a no-op), all blocks run at once
 // (the wait kernels' poller and consumers spin on each other). Test-only.
 #include <cstdint>
@@ -30,11 +30,11 @@ static void run_grid(unsigned grid, F f) {
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
-// WAIT_PARAMS of kernels.cu from argument i on (11 arguments).
+// WAIT_PARAMS of kernels/wait.cu from argument i on (11 arguments).
 #define WAIT_ARGS(i)                                                                          \
   P(i, const u64*), P(i + 1, const u64*), P(i + 2, u64*), P(i + 3, const int*),               \
       P(i + 4, const int*), a[i + 5], P(i + 6, u64*), a[i + 7], a[i + 8], a[i + 9], a[i + 10]
-// DIRECT_PARAMS of kernels.cu (13 arguments, from 0).
+// DIRECT_PARAMS of kernels/direct.cu (13 arguments, from 0).
 #define DIRECT_ARGS                                                                           \
   P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const u64*), P(6, u8*), P(7, u8*), P(8, u8*), \
       a[9], a[10], P(11, u32*), a[12]

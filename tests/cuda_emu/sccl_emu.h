@@ -1,4 +1,4 @@
-// Host-C++ twins of the CUDA built-ins and memory operations kernels.cu uses, so that the
+// Host-C++ twins of the CUDA built-ins and memory operations the kernels use, so that the
 // kernels' logic runs on a CPU (one thread per block; see emu.cpp). Test-only.
 #pragma once
 #include <atomic>

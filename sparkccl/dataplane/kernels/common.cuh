@@ -1,0 +1,205 @@
+// Common part of the data-plane kernels (see kernels.cu): types, the shared protocol
+// values and geometry, memory operations, team copies.
+#pragma once
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// Values shared with the host (layout, geometry, the data plane's ABI): defined once.
+#include "sparkccl/protocol.h"
+using namespace sparkccl::layout;
+using namespace sparkccl::geom;
+using namespace sparkccl::gpu;
+
+// Kernel-only tuning.
+#define UNROLL 4
+#define BATCH 8  // reduce-scatter: sources loaded together when world <= BATCH
+
+// ---------------------------------------------------------------- geometry (protocol.h)
+
+// Piece c of a slice of S bytes, steps a multiple of granule g (finalize: a row).
+__device__ __forceinline__ void piece_bounds_g(u64 S, int c, u64 g, u64* lo, u64* hi) {
+  const Range r = piece_range(S, c, g);
+  *lo = r.lo;
+  *hi = r.hi;
+}
+__device__ __forceinline__ void piece_bounds(u64 S, int c, u64* lo, u64* hi) {
+  piece_bounds_g(S, c, ALIGN, lo, hi);
+}
+
+// Parts (geometry.py Part), packed: root | roots << 2 | half << 4 | halves << 6; 0 = none.
+#define PART_NONE 0u
+__device__ __forceinline__ void part_range(u32 part, u64* lo, u64* hi) {
+  const Range r = part_range(Range{*lo, *hi}, part & 3u, (part >> 2) & 3u, (part >> 4) & 3u,
+                             (part >> 6) & 3u);
+  *lo = r.lo;
+  *hi = r.hi;
+}
+// The bytes of `part` of piece [*lo, *hi) below L (the rest is padding, never moved): the
+// twin of plan.geometry.cut.
+__device__ __forceinline__ void part_cut(u32 part, u64 L, u64* lo, u64* hi) {
+  part_range(part, lo, hi);
+  if (*lo > L) *lo = L;
+  if (*hi > L) *hi = L;
+}
+
+// ---------------------------------------------------------------- memory operations
+//
+// SCCL_EMU: tests/cuda_emu.py compiles this file as host C++ (one thread per block) to run
+// the kernels' logic against the real proxy on machines without a GPU; the definitions
+// below then map each operation to its C++ atomic twin.
+
+#ifdef SCCL_EMU
+#include "sccl_emu.h"
+#else
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_volatile_u64(u64* p, u64 v) { *(volatile u64*)p = v; }
+__device__ __forceinline__ void st_volatile_u32(u32* p, u32 v) { *(volatile u32*)p = v; }
+
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+
+struct V16 {
+  u32 x, y, z, w;
+};
+
+// 16-byte load from pinned (system) memory that a CPU thread or NIC wrote while this
+// kernel ran: ld.cv treats cached system-memory lines as stale.
+// (No "memory" clobber: independent loads may be issued back to back; they follow the
+// acquire that made the data visible through __syncthreads, which the compiler keeps.)
+__device__ __forceinline__ V16 ld_sys16(const u8* p) {
+  V16 v;
+  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ V16 ld_dev16(const u8* p) {
+  V16 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st16(u8* p, V16 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w) : "memory");
+}
+__device__ __forceinline__ u8 ld_sys8(const u8* p) {
+  u32 v;
+  asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  return (u8)v;
+}
+// fp16 conversions through 32-bit registers only (a 16-bit "h" asm operand later stored
+// byte by byte came out wrong on sm_90 with NVRTC 13.0).
+__device__ __forceinline__ float f16_to_f32(u16 v) {
+  float f;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"((u32)v));
+  return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
+  u32 d;  // cvt.rn.f16x2.f32 d, a, b: a -> upper half, b -> lower half
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(0.0f), "f"(f));
+  return (u16)(d & 0xFFFFu);
+}
+#endif  // SCCL_EMU
+
+// Unaligned 16-byte access (device memory only; pinned addresses are always 16-aligned).
+__device__ __forceinline__ V16 ld_any16(const u8* p, bool sys) {
+  if ((((u64)p) & 15) == 0) return sys ? ld_sys16(p) : ld_dev16(p);
+  u32 w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    u32 b0, b1, b2, b3;
+    if (sys) {
+      b0 = ld_sys8(p + 4 * k); b1 = ld_sys8(p + 4 * k + 1);
+      b2 = ld_sys8(p + 4 * k + 2); b3 = ld_sys8(p + 4 * k + 3);
+    } else {
+      b0 = p[4 * k]; b1 = p[4 * k + 1]; b2 = p[4 * k + 2]; b3 = p[4 * k + 3];
+    }
+    w[k] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+  }
+  V16 v = {w[0], w[1], w[2], w[3]};
+  return v;
+}
+__device__ __forceinline__ void st_any16(u8* p, V16 v) {
+  if ((((u64)p) & 15) == 0) {
+    st16(p, v);
+    return;
+  }
+  u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    p[4 * k] = (u8)w[k];
+    p[4 * k + 1] = (u8)(w[k] >> 8);
+    p[4 * k + 2] = (u8)(w[k] >> 16);
+    p[4 * k + 3] = (u8)(w[k] >> 24);
+  }
+}
+
+// Copy n bytes src -> dst (and dst2 if not null), shared by a team of `nblocks` blocks
+// (this block is number `b` of them). Full 16-byte units first (UNROLL loads in flight
+// per thread), then the tail bytes.
+template <bool SRC_SYS>
+__device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 n, u32 b,
+                                          u32 nblocks) {
+  const u64 units = n / 16;
+  const u64 tid = (u64)b * blockDim.x + threadIdx.x;
+  const u64 nthreads = (u64)nblocks * blockDim.x;
+  const bool aligned = ((((u64)dst) | ((u64)src) | ((u64)dst2)) & 15) == 0;
+  if (aligned) {
+    u64 u = tid;
+    for (; u + (UNROLL - 1) * nthreads < units; u += UNROLL * nthreads) {
+      V16 v[UNROLL];
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k)
+        v[k] = SRC_SYS ? ld_sys16(src + 16 * (u + k * nthreads)) : ld_dev16(src + 16 * (u + k * nthreads));
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k) {
+        st16(dst + 16 * (u + k * nthreads), v[k]);
+        if (dst2) st16(dst2 + 16 * (u + k * nthreads), v[k]);
+      }
+    }
+    for (; u < units; u += nthreads) {
+      V16 v = SRC_SYS ? ld_sys16(src + 16 * u) : ld_dev16(src + 16 * u);
+      st16(dst + 16 * u, v);
+      if (dst2) st16(dst2 + 16 * u, v);
+    }
+  } else {
+    for (u64 u = tid; u < units; u += nthreads) {
+      V16 v = ld_any16(src + 16 * u, SRC_SYS);
+      st_any16(dst + 16 * u, v);
+      if (dst2) st_any16(dst2 + 16 * u, v);
+    }
+  }
+  for (u64 k = units * 16 + tid; k < n; k += nthreads) {
+    u8 v = SRC_SYS ? ld_sys8(src + k) : src[k];
+    dst[k] = v;
+    if (dst2) dst2[k] = v;
+  }
+}

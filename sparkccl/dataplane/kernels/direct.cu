@@ -1,0 +1,123 @@
+// GPU-direct publish: this rank writes the peers' mapped regions and flags itself.
+#pragma once
+#include "publish.cu"
+#include "reduce_scatter.cu"
+
+// ---------------------------------------------------------------- GPU-direct publish
+//
+// Same-host peers whose regions are mapped into this process (shm transport): this data
+// plane executes its own publish-triggered streams (docs/PROTOCOL.md "GPU-direct") instead
+// of the proxy's copy workers. The stream table (device memory, built by cuda.py from the
+// plan, static per op) in u64 words:
+//   [0]                                     number of streams ns (<= MAX_DIRECT)
+//   [1 + s * DT_STREAM + 0, 1, 2]           peer's flag word (device pointer), first item, items
+//   [1 + ns * DT_STREAM + t * DT_ITEM + ..]  item t: source chunk, peer region base (device
+//                                           pointer), slot stride, slots, block, part (PART_*)
+// Item t of stream s, piece c: bytes part_range(piece_bounds(S, c), part), cut at L, go from
+// src + chunk * src_stride to base + (seq % slots) * stride + block * S (+ the same offset).
+// Streams go in table order within a piece, pieces in order; every block takes a share of
+// every item. The last block to finish (stream s, piece c) writes the stream's flag
+// (seq * 16 + c + 1) after a system fence, with a system-scope release store: one writer
+// per flag word, as with the proxy. Then piece c's own copies (all-gather: own slice of the
+// device result, and the own AG block when the result stays there) and the ring entry
+// (chunk CHUNK_DIRECT: the proxy skips these streams for this collective and runs the rest).
+//
+// counters: [MAX_DIRECT][PIECES] per (stream, piece), then [PIECES] for the ring entries.
+
+struct PubArgs {
+  const u8* src;
+  u64 src_stride, src_sys, L, S;
+  const u64* dtab;
+  u8* own_dst;  // own AG block of the slot (or null)
+  u8* dst2;     // own slice of the device result (or null)
+  u8* ring;
+  u64 first_index, seq, op;
+  u32* counters;
+};
+
+__device__ __forceinline__ void arrive_flag(u32* counter, u32 n, u64* flag, u64 value) {
+  __threadfence_system();  // this thread's data writes before the count (and the flag)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 old = atomicAdd(counter, 1u);
+    if (old == n - 1) {
+      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
+      *counter = 0;     // ready for the launch that reuses this counter
+      __threadfence_system();
+      st_release_sys(flag, value);
+    }
+  }
+}
+
+__device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,
+                                         u32 nb) {
+  if (sys) team_copy<true>(dst, dst2, src, n, b, nb);
+  else team_copy<false>(dst, dst2, src, n, b, nb);
+}
+
+__device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
+  const u64 ns = p.dtab[0];
+  const u64* items = p.dtab + 1 + ns * DT_STREAM;
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(p.S, c, &lo, &hi);
+    for (u64 s = 0; s < ns; ++s) {
+      const u64* row = p.dtab + 1 + s * DT_STREAM;
+      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+        const u64* m = items + t * DT_ITEM;
+        u64 a = lo, e = hi;
+        part_cut((u32)m[5], p.L, &a, &e);
+        if (e > a) {
+          u8* d = (u8*)m[1] + (p.seq % m[3]) * m[2] + m[4] * p.S + a;
+          copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
+        }
+      }
+      arrive_flag(p.counters + s * PIECES + c, nb, (u64*)row[0], p.seq * FLAG_STRIDE + c + 1);
+    }
+    const u64 a = lo < p.L ? lo : p.L;
+    const u64 e = hi < p.L ? hi : p.L;
+    if ((p.own_dst || p.dst2) && e > a)
+      copy_any(p.own_dst ? p.own_dst + a : p.dst2 + a, p.own_dst && p.dst2 ? p.dst2 + a : (u8*)0,
+               p.src + a, e - a, p.src_sys != 0, b, nb);
+    finish_piece(p.counters + MAX_DIRECT * PIECES + c, nb, p.ring, p.first_index + c, p.seq, p.S,
+                 (u32)p.op, c, (u32)CHUNK_DIRECT);
+  }
+}
+
+#define DIRECT_PARAMS                                                                       \
+  const u8 *src, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab, u8 *own_dst,   \
+      u8 *dst2, u8 *ring, u64 first_index, u64 op, u32 *counters, u64 npub
+#define PUB_ARGS_INIT                                                                       \
+  PubArgs p;                                                                                \
+  p.src = src; p.src_stride = src_stride; p.src_sys = src_sys; p.L = L; p.S = S;            \
+  p.dtab = dtab; p.own_dst = own_dst; p.dst2 = dst2; p.ring = ring;                         \
+  p.first_index = first_index; p.seq = seq; p.op = op; p.counters = counters;
+
+// Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.
+extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
+    DIRECT_PARAMS, const u8* slot, u8* dst, u64 dst_stride, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x < npub) {
+    PUB_ARGS_INIT
+    direct_publish(p, blockIdx.x, (u32)npub);
+  } else {
+    ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);
+  }
+}
+
+#define RS_DIRECT_KERNEL(NAME, E)                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                 \
+      DIRECT_PARAMS, const u8* recv, const u8* own, u64 own_sys, u8* dst, WAIT_PARAMS) {     \
+    WAIT_ARGS_INIT                                                                           \
+    if (blockIdx.x < npub) {                                                                 \
+      PUB_ARGS_INIT                                                                          \
+      direct_publish(p, blockIdx.x, (u32)npub);                                              \
+    } else {                                                                                 \
+      rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x - (u32)npub,                   \
+                 gridDim.x - (u32)npub);                                                     \
+    }                                                                                        \
+  }
+
+RS_DIRECT_KERNEL(sccl_rs_direct_bf16, BF16)
+RS_DIRECT_KERNEL(sccl_rs_direct_f16, F16)
+RS_DIRECT_KERNEL(sccl_rs_direct_f32, F32)

@@ -1,0 +1,64 @@
+// Publish: copy the input into the send region, hand each piece to the proxy.
+#pragma once
+#include "common.cuh"
+
+// ---------------------------------------------------------------- publish
+
+// One thread: write publish-ring entry `index` (every field, a system fence, then the tag
+// that hands it to the proxy).
+__device__ __forceinline__ void write_entry(u8* ring, u64 index, u64 seq, u64 S, u64 lo, u64 hi,
+                                            u32 op, u32 piece, u32 chunk, u32 granule) {
+  u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
+  st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
+  st_volatile_u64((u64*)(ent + ENT_SLICE), S);
+  st_volatile_u64((u64*)(ent + ENT_LO), lo);
+  st_volatile_u64((u64*)(ent + ENT_HI), hi);
+  st_volatile_u32((u32*)(ent + ENT_OP), op);
+  st_volatile_u32((u32*)(ent + ENT_PIECE), piece);
+  st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
+  st_volatile_u32((u32*)(ent + ENT_GRANULE), granule);
+  __threadfence_system();
+  st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+}
+
+// Called by every thread of a block after its share of piece c is written. The last of
+// `bpp` blocks to get here writes ring entry `index`.
+// chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
+// every chunk, and this data plane already executed its publish-triggered streams).
+__device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64 index, u64 seq,
+                                             u64 S, u32 op, int c, u32 chunk = (u32)CHUNK_ALL) {
+  __threadfence_system();  // this thread's data writes before the count (and the tag)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 old = atomicAdd(counter, 1u);
+    if (old == bpp - 1) {
+      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
+      *counter = 0;     // ready for the launch that reuses this counter
+      u64 lo, hi;
+      piece_bounds(S, c, &lo, &hi);
+      write_entry(ring, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
+    }
+  }
+}
+
+// Copy + publish. Chunk j (j < nchunks) of the input is src + j * src_stride (L bytes);
+// it goes to dst + j * dst_stride (and, if dst2, also to dst2: all-gather's own slice of
+// the result). Grid: PIECES * bpp blocks, piece c served by blocks [c * bpp, (c+1) * bpp).
+// nchunks == 0: nothing to copy (zero-copy reduce-scatter input), publish only.
+extern "C" __global__ void __launch_bounds__(512) sccl_publish(
+    const u8* src, u64 src_stride, u8* dst, u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
+    u8* ring, u64 first_index, u64 seq, u64 op, u32* counters, u64 bpp) {
+  const int c = blockIdx.x / (u32)bpp;
+  const u32 b = blockIdx.x % (u32)bpp;
+  if (c >= PIECES) return;
+  u64 lo, hi;
+  piece_bounds(S, c, &lo, &hi);
+  const u64 a = lo < L ? lo : L;
+  const u64 e = hi < L ? hi : L;
+  if (e > a) {
+    for (u64 j = 0; j < nchunks; ++j)
+      team_copy<false>(dst + j * dst_stride + a, j == 0 && dst2 ? dst2 + a : (u8*)0,
+                       src + j * src_stride + a, e - a, b, (u32)bpp);
+  }
+  finish_piece(counters + c, (u32)bpp, ring, first_index + c, seq, S, (u32)op, c);
+}

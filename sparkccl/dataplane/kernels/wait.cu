@@ -1,0 +1,181 @@
+// Waits: the poller, the progress word, the all-gather wait.
+#pragma once
+#include "common.cuh"
+
+// ---------------------------------------------------------------- waits
+
+struct WaitArgs {
+  const u64* flags;     // this rank's flag words (mapped)
+  const u64* abort_w;   // this rank's abort word (mapped)
+  u64* status;          // failure record (mapped): code, detail, seq
+  const int* waits;     // [W][maxw]: flag words per source, -1 padded
+  const int* parts;     // [W + 1][maxw]: part of the piece word k of source i carries (row i);
+                        // row W: the parts the reduce-scatter reduces after word k (PART_*)
+  u64* state;           // device: progress, dead
+  u64 seq;
+  int rank, world, maxw;
+  u64 timeout_ns;
+};
+
+// Progress unit of (piece c, wait-word index k, source i).
+__device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
+  return (u64)((c * w.maxw + k) * w.world + i + 1);
+}
+
+__device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word, u64 piece) {
+  if (ld_relaxed_sys(w.status) == 0) {
+    st_volatile_u64(w.status + 1, (source << 32) | ((word & 0xFFFF) << 8) | (piece & 0xFF));
+    st_volatile_u64(w.status + 2, w.seq);
+    __threadfence_system();
+    st_volatile_u64(w.status, code);
+    __threadfence_system();
+  }
+  st_volatile_u64(w.state + 1, 1);
+  st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
+}
+
+// One thread: wait until source i's wait word k carries piece c (nothing to wait for when
+// the source is this rank or has no word k). False: the abort word was set or the timeout
+// (from t0) passed; the failure is recorded.
+__device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
+  const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+  if (word < 0) return true;
+  const u64 value = w.seq * FLAG_STRIDE + c + 1;
+  u32 spins = 0;
+  while (ld_acquire_sys(w.flags + word) < value) {
+    const u64 code = ld_relaxed_sys(w.abort_w);
+    if (code) {
+      record_failure(w, code, (u64)i, (u64)word, (u64)c);
+      return false;
+    }
+    if (globaltimer() - t0 > w.timeout_ns) {
+      record_failure(w, ABORT_TIMEOUT, (u64)i, (u64)word, (u64)c);
+      return false;
+    }
+    if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
+  }
+  return true;
+}
+
+// One thread: fail at once if an earlier wait of this data plane failed.
+__device__ bool earlier_wait_failed(const WaitArgs& w) {
+  if (!*(volatile u64*)(w.state + 1)) return false;
+  record_failure(w, ABORT_PEER, 0xFFFFFFFFull, NO_WORD, 0xFF);
+  return true;
+}
+
+// One thread: wait for every (word index, source) of piece c in order and relay progress
+// to the device word: every unit (c, k, i) with a word, and (c, k, world - 1) for every k.
+// False: the wait failed (recorded; the progress word then says FAILED).
+__device__ bool relay_piece(const WaitArgs& w, int c, u64 t0) {
+  const u64 base = w.seq * PROG_STRIDE;
+  for (int k = 0; k < w.maxw; ++k) {
+    for (int i = 0; i < w.world; ++i) {
+      if (!wait_word(w, c, k, i, t0)) return false;
+      const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+      if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
+    }
+  }
+  return true;
+}
+
+// One thread: wait for every (piece, word index, source) in order and relay progress.
+__device__ void poller(const WaitArgs& w) {
+  if (earlier_wait_failed(w)) return;
+  const u64 t0 = globaltimer();
+  for (int c = 0; c < PIECES; ++c)
+    if (!relay_piece(w, c, t0)) return;
+}
+
+// Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
+// proceeds. Returns false if the wait failed (every consumer then exits).
+__device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* seen, u64 t0) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    const u64 base = w.seq * PROG_STRIDE;
+    u64 p = *seen;
+    int r = 1;
+    u32 spins = 0;
+    while (p < base + need || p >= base + FAILED) {
+      if (p >= base + FAILED) { r = 0; break; }
+      if (++spins > 16) {
+        nanosleep(200);
+        // Backstop: the poller records the timeout; if it cannot (never scheduled), give
+        // up a little later on our own.
+        if ((spins & 1023) == 0 && globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
+          record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+          r = 0;
+          break;
+        }
+      }
+      p = ld_acquire_gpu(w.state);
+    }
+    *seen = p;
+    ok = r;
+  }
+  __syncthreads();
+  const bool r = ok;
+  __syncthreads();
+  return r;
+}
+
+#define WAIT_PARAMS                                                                        \
+  const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
+      u64 maxw, u64 *state, u64 seq, u64 rank, u64 world, u64 timeout_ns
+#define WAIT_ARGS_INIT                                                                      \
+  WaitArgs w;                                                                               \
+  w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
+  w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
+  w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+
+// sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
+// ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
+// (cuStreamWaitValue64) for the progress word to reach each unit it copies: the copies
+// never queue behind a kernel, and this kernel keeps the waits' abort and GPU-clock timeout.
+// A failure sets the progress word to FAILED, which releases every such stream wait of the
+// collective (its copies then move stale bytes, and the host raises at the next call).
+extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
+  relay_piece(w, (int)piece, globaltimer());
+}
+
+// All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
+// slot: AG slot of this seq (block i = rank i's slice, S bytes apart). dst: result + dst_off
+// (rank i's bytes at dst + i * dst_stride), or null (zero-copy: only wait).
+__device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, const WaitArgs& w,
+                        u32 blk, u32 nblk) {
+  if (blk == 0) {
+    if (threadIdx.x == 0) poller(w);
+    return;
+  }
+  if (w.world < 2) return;
+  const u32 b = blk - 1, nb = nblk - 1;
+  u64 seen = 0;
+  const u64 t0 = globaltimer();
+  if (!dst) {  // zero-copy: the launch completes once every piece arrived
+    wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0);
+    return;
+  }
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(S, c, &lo, &hi);
+    for (int k = 0; k < w.maxw; ++k) {
+      for (int i = 0; i < w.world; ++i) {
+        const u32 part = i == w.rank ? PART_NONE : (u32)w.parts[i * w.maxw + k];
+        if (part == PART_NONE) continue;
+        if (!wait_progress(w, unit(w, c, k, i), &seen, t0)) return;
+        u64 a = lo, e = hi;
+        part_cut(part, L, &a, &e);
+        if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
+      }
+    }
+  }
+}
+
+// Grid: 1 poller block + consumer blocks.
+extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
+    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+}

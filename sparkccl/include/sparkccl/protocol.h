@@ -1,0 +1,169 @@
+// The one definition of sparkccl's shared byte layout and piece geometry (docs/PROTOCOL.md).
+//
+// Three readers, one text:
+//   * the native layer (native/src/layout.h, geometry.h include this file; CMake puts
+//     sparkccl/include on the include path);
+//   * the CUDA kernels (sparkccl/dataplane/kernels/common.cuh includes it; nvrtc.py inlines
+//     it into the source NVRTC compiles, so its text is part of the kernels' cache key);
+//   * Python (sparkccl/layout.py reads every `constexpr` line of this file at import time:
+//     the header ships inside the package, so no build step and no native module is needed
+//     to know the layout, and `sparkccl plan` stays pure Python).
+//
+// Rules that keep the Python reader simple: one `constexpr int|pu64 NAME = <expr>;` per line
+// (upper-case names, unique across the namespaces below), expressions of integer literals,
+// earlier names, + - * << and parentheses; the reader refuses anything else. Everything is
+// plain C++17 without library headers, so NVRTC compiles it as it is.
+#pragma once
+
+#if defined(__CUDACC__)
+#define SPARKCCL_HD __host__ __device__ __forceinline__
+#else
+#define SPARKCCL_HD inline
+#endif
+
+namespace sparkccl {
+
+using pu64 = unsigned long long;
+
+// ---------------------------------------------------------------- control segment layout
+namespace layout {
+
+constexpr pu64 PAGE = 4096;
+
+// Control block (byte offsets from the start of the control segment).
+constexpr pu64 CTL_MAGIC = 0;        // u64: CTL_MAGIC_VALUE once initialised
+constexpr pu64 CTL_ABORT = 8;        // u64: 0 while healthy, else an ABORT_* code
+constexpr pu64 CTL_RING_HEAD = 16;   // u64: ring entries claimed by producers (next index)
+constexpr pu64 CTL_RING_TAIL = 24;   // u64: ring entries consumed by the proxy
+constexpr pu64 CTL_PID = 32;         // u64: owning process id (peers check it is alive)
+// GPU failure record, written by a failing wait kernel (the code last).
+constexpr pu64 CTL_GPU_STATUS = 40;  // u64: 0, or the ABORT_* code
+constexpr pu64 CTL_GPU_DETAIL = 48;  // u64: source << 32 | flag word << 8 | piece
+constexpr pu64 CTL_GPU_SEQ = 56;     // u64: seq of the failed wait
+constexpr pu64 CTL_ERROR = 1024;     // char[ERROR_BYTES]: NUL-terminated text of the first failure
+constexpr pu64 ERROR_BYTES = 1024;
+constexpr pu64 CTL_BYTES = PAGE;
+constexpr pu64 CTL_MAGIC_VALUE = 0x5350524B43434C31ull;  // "SPRKCCL1"
+
+constexpr pu64 ABORT_NONE = 0;
+constexpr pu64 ABORT_TIMEOUT = 1;    // a data-plane wait ran past its timeout
+constexpr pu64 ABORT_TRANSPORT = 2;  // a write or flag could not be delivered
+constexpr pu64 ABORT_PEER = 3;       // a peer died or aborted
+constexpr pu64 ABORT_USER = 4;       // close() or an explicit abort
+
+// Publish ring: RING_ENTRIES entries of RING_ENTRY_BYTES right after the control block.
+// tag = index + 1 is written last, after a release fence; the proxy consumes entries
+// strictly in index order by polling the tag.
+constexpr pu64 RING_OFFSET = CTL_BYTES;
+constexpr pu64 RING_ENTRIES = 256;
+constexpr pu64 RING_ENTRY_BYTES = 64;
+constexpr pu64 ENT_TAG = 0;       // u64: index + 1
+constexpr pu64 ENT_SEQ = 8;       // u64
+constexpr pu64 ENT_SLICE = 16;    // u64: slice bytes (per-rank slice / chunk)
+constexpr pu64 ENT_LO = 24;       // u64: piece bounds inside the slice
+constexpr pu64 ENT_HI = 32;       // u64
+constexpr pu64 ENT_OP = 40;       // u32: Op
+constexpr pu64 ENT_PIECE = 44;    // u32
+constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_ALL, CHUNK_DIRECT, or j = only chunk j (finalize)
+constexpr pu64 ENT_GRANULE = 52;  // u32: piece step granule (16, or row bytes for finalize)
+constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
+constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
+
+constexpr pu64 FLAGS_OFFSET = RING_OFFSET + RING_ENTRIES * RING_ENTRY_BYTES;
+constexpr pu64 FLAG_BYTES = 8;
+
+static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
+              "the wait kernels write the GPU record as status[0..2]");
+static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_SEQ + 8 <= CTL_ERROR,
+              "control block words overlap");
+static_assert(CTL_ERROR + ERROR_BYTES <= CTL_BYTES, "the error text must fit the control block");
+static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned sections");
+static_assert(ENT_GRANULE + 4 <= RING_ENTRY_BYTES, "ring entry fields must fit one entry");
+static_assert(ENT_TAG % 8 == 0 && ENT_SEQ % 8 == 0 && ENT_SLICE % 8 == 0 && ENT_LO % 8 == 0 &&
+              ENT_HI % 8 == 0 && ENT_OP % 4 == 0 && ENT_PIECE % 4 == 0 && ENT_CHUNK % 4 == 0 &&
+              ENT_GRANULE % 4 == 0, "ring entry fields are naturally aligned");
+static_assert((RING_ENTRIES & (RING_ENTRIES - 1)) == 0, "ring indices wrap by modulo");
+
+}  // namespace layout
+
+// ---------------------------------------------------------------- piece geometry
+// Python twin (reference, with the same names): sparkccl/plan/geometry.py; tests compare
+// both over many sizes.
+namespace geom {
+
+constexpr int PIECES = 8;         // each collective's slice is cut into this many pieces
+constexpr pu64 ALIGN = 16;        // piece boundaries and half splits fall on multiples of it
+constexpr pu64 FLAG_STRIDE = 16;  // flag value for (seq, piece c) is seq * FLAG_STRIDE + c + 1
+
+static_assert(PIECES < FLAG_STRIDE, "a flag value must say its piece");
+
+struct Range {
+  pu64 lo, hi;
+};
+
+SPARKCCL_HD constexpr pu64 round_up(pu64 x, pu64 m) { return (x + m - 1) / m * m; }
+
+// Bytes per piece: ceil(slice / PIECES) rounded up to the granule (16, or a row for finalize).
+SPARKCCL_HD constexpr pu64 piece_step(pu64 slice, pu64 granule) {
+  return round_up((slice + PIECES - 1) / PIECES, granule);
+}
+
+// Byte range [lo, hi) of piece `piece` within one slice.
+SPARKCCL_HD constexpr Range piece_range(pu64 slice, int piece, pu64 granule) {
+  const pu64 step = piece_step(slice, granule);
+  const pu64 lo = piece * step;
+  const pu64 hi = (pu64)(piece + 1) * step;
+  return Range{lo < slice ? lo : slice, piece == PIECES - 1 ? slice : (hi < slice ? hi : slice)};
+}
+
+// Where [lo, hi) splits in two: at len/2 rounded up to ALIGN, clamped to the range.
+SPARKCCL_HD constexpr pu64 split_point(pu64 lo, pu64 hi) {
+  const pu64 n = hi - lo;
+  const pu64 h = round_up((n + 1) / 2, ALIGN);
+  return lo + (n < h ? n : h);
+}
+
+// The sub-range of a piece an item carries: first split between roots (root of roots),
+// then that share between travel directions (half of halves); a count of 1: no split.
+SPARKCCL_HD constexpr Range part_range(Range r, unsigned root, unsigned roots, unsigned half,
+                                       unsigned halves) {
+  if (roots == 2) {
+    const pu64 h = split_point(r.lo, r.hi);
+    if (root == 0) r.hi = h; else r.lo = h;
+  }
+  if (halves == 2) {
+    const pu64 h = split_point(r.lo, r.hi);
+    if (half == 0) r.hi = h; else r.lo = h;
+  }
+  return r;
+}
+
+SPARKCCL_HD constexpr pu64 flag_value(pu64 seq, int piece) {
+  return seq * FLAG_STRIDE + (pu64)piece + 1;
+}
+
+static_assert(piece_range(100, 6, ALIGN).lo == 96 && piece_range(100, 7, ALIGN).lo == 100,
+              "piece geometry");
+static_assert(split_point(0, 48) == 32 && split_point(16, 20) == 20, "split geometry");
+
+}  // namespace geom
+
+// ---------------------------------------------------------------- CUDA data plane ABI
+// Values the host code (sparkccl/dataplane/cuda*.py) and the kernels must agree on.
+namespace gpu {
+
+// Progress word = seq * PROG_STRIDE + unit; FAILED: the wait failed, every block exits.
+constexpr pu64 PROG_STRIDE = 65536;
+constexpr pu64 FAILED = PROG_STRIDE - 1;
+constexpr pu64 NO_WORD = 0xFFFF;        // GPU record: no flag word
+constexpr pu64 NO_SOURCE = 0xFFFFFFFF;  // GPU record: no source
+constexpr int COUNTER_SETS = 4;         // publish counters are indexed by seq % COUNTER_SETS
+constexpr int MAX_DIRECT = 32;          // GPU-executed streams per op (direct table)
+constexpr int DT_STREAM = 4;            // u64 per stream row of the direct table
+constexpr int DT_ITEM = 6;              // u64 per item row of the direct table
+constexpr int FIN_CLAIM = 256;          // finalize: item counters per set, then the claim counter
+constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
+static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
+
+}  // namespace gpu
+}  // namespace sparkccl
