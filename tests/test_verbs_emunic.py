@@ -1,7 +1,7 @@
 """The verbs transport end to end through the emulated RoCE NIC (tests/emunic): what the
 device looks like, and the failures RC semantics must turn into errors -- a killed peer
-(retry exceeded on every survivor), a bad rkey (remote access error), a port going down
-(async event), and a host whose PCIe reorders posted writes (inline ordering caught by the
+(retry exceeded on every survivor), a bad rkey (remote access error), a port going down or
+a device failing (async events), and a host whose PCIe reorders posted writes (inline ordering caught by the
 lane check, strict ordering exact). The bit-exact collectives over it are in
 test_comm_exact.py and test_comm_burst.py.
 """
@@ -134,6 +134,23 @@ def test_port_down_is_an_async_event_on_every_rank(in_process):
                    for t in texts), texts
     finally:
         emunic.set_port_state(in_process, "roceP2p1s0f1", active=True)
+        w.stop()
+
+
+def test_device_fatal_is_an_async_event(in_process):
+    w = VWorld("mesh", 2, 1, 4096)
+    marker = in_process / "emunic" / "fatal-rocep1s0f1"
+    try:
+        w.check_setup()
+        w.start()
+        marker.write_text("")
+        code, text = _wait_abort(w, 0)
+        assert code in (L.ABORT_TRANSPORT, L.ABORT_PEER), text
+        texts = [N.error_text(w.ctl[r].addr) for r in (0, 1)]
+        assert any("device rocep1s0f1: async event local catastrophic error (event 8)" in t
+                   for t in texts), texts
+    finally:
+        marker.unlink(missing_ok=True)
         w.stop()
 
 
