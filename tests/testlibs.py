@@ -1,7 +1,7 @@
 """Builds the test-only shared libraries (fake and emulated libibverbs) with the C++ compiler.
 
 They are test infrastructure: compiled here, on first use, into a cache directory
-(``build/testlibs`` of the checkout, or ``$SPARKCCL_TEST_LIB_DIR``), never by the package
+(``build/testlibs`` of the checkout), never by the package
 build and never installed. A library is rebuilt when its sources or flags change (the
 file name carries a hash of both), so concurrent test runs never load a half-written file.
 """
@@ -16,11 +16,12 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 NATIVE_INCLUDE = os.path.join(ROOT, "native", "src")
+INCLUDE_DIRS = (NATIVE_INCLUDE, HERE)  # verbs_api.h; verbs_names.h
 FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-pthread"]
 
 
 def cache_dir() -> str:
-    return os.environ.get("SPARKCCL_TEST_LIB_DIR") or os.path.join(ROOT, "build", "testlibs")
+    return os.path.join(ROOT, "build", "testlibs")
 
 
 def _headers(include_dirs) -> list[str]:
@@ -30,7 +31,7 @@ def _headers(include_dirs) -> list[str]:
     return out
 
 
-def build(name: str, sources: list[str], *, include_dirs: tuple[str, ...] = (NATIVE_INCLUDE,),
+def build(name: str, sources: list[str], *, include_dirs: tuple[str, ...] = INCLUDE_DIRS,
           libs: tuple[str, ...] = ()) -> str:
     """Compile ``sources`` into ``lib<name>-<hash>.so``; return its path."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
