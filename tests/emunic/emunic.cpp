@@ -530,16 +530,24 @@ void sender_main(Qp* q) {
       continue;
     }
     if (q->fd < 0) {
-      lk.unlock();
-      int fd = connect_peer(q);
-      lk.lock();
+      // Packets to a QP that is not there (yet) are dropped and retransmitted: try until
+      // the QP's retries are over.
+      const uint64_t give_up = now_ns() + retry_ns(q);
+      int fd;
+      for (;;) {
+        lk.unlock();
+        fd = connect_peer(q);
+        lk.lock();
+        if (fd >= 0 || q->stop || now_ns() > give_up) break;
+        q->scv.wait_for(lk, std::chrono::milliseconds(2));
+      }
       if (q->stop) {
         if (fd >= 0) close(fd);
         return;
       }
-      if (fd < 0) {
+      if (fd < 0) {  // the retries are over already
         q->broken = true;
-        q->broken_ns = now_ns();
+        q->broken_ns = now_ns() - retry_ns(q);
         q->scv.notify_all();
         continue;
       }
