@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     from sparkccl.testing import check, run_ranks
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate-gbps", type=float, default=0.5, help="per root (device)")
+    ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
     ap.add_argument("--roots", type=int, default=2)
     ap.add_argument("--worlds", default="2,3,4")
     ap.add_argument("--topologies", default="mesh,ring")
@@ -77,8 +78,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     sizes = [_size(s) for s in a.sizes.split(",")]
     root = tempfile.mkdtemp(prefix="emunic-bench-")
-    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps), "SPARKCCL_ROOTS": str(a.roots)}
-    print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port; "
+    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us),
+           "SPARKCCL_ROOTS": str(a.roots)}
+    print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
+          f"{a.latency_us:g} us latency; "
           f"{os.cpu_count()} CPUs; median of {a.iters} calls")
     print(f"{'topology':<8} {'world':>5} {'collective':<14} {'slice':>6} {'time ms':>9} "
           f"{'Gb/s/rank':>9} {'bound':>7} {'of bound':>8}")

@@ -24,18 +24,21 @@ def library_path() -> str:
     return testlibs.build("sparkccl_emunic", [SOURCE])
 
 
-def host_env(root, *, rate_gbps: float | None = None, reorder_ms: float | None = None,
-             **gb10) -> dict[str, str]:
+def host_env(root, *, rate_gbps: float | None = None, latency_us: float | None = None,
+             reorder_ms: float | None = None, **gb10) -> dict[str, str]:
     """A GB10 tree under ``root`` (``gb10``: tests/fakesysfs.gb10's options; an existing
     tree is reused) and the
     environment that runs the verbs transport on it. ``rate_gbps``: every root's send rate;
-    ``reorder_ms``: PCIe reordering (non-inline write data lands this much later)."""
+    ``latency_us``: one-way latency of a write; ``reorder_ms``: PCIe reordering (non-inline
+    write data lands this much later)."""
     root = str(root)
     if not os.path.isdir(os.path.join(root, "class", "infiniband")):  # else: reuse the host
         fakesysfs.gb10(root, **gb10)
     conf = []
     if rate_gbps:
         conf.append(f"rate_gbps={rate_gbps}")
+    if latency_us:
+        conf.append(f"latency_us={latency_us}")
     if reorder_ms:
         conf.append(f"reorder_ms={reorder_ms}")
     with open(os.path.join(root, "emunic.conf"), "w") as f:

@@ -12,6 +12,7 @@
 // from it, so a GB10 tree gives one ConnectX with two ports, two PCIe functions (roots)
 // each. An optional <root>/emunic.conf holds key=value lines:
 //   rate_gbps=R     every root (device) sends at most R Gb/s (token bucket); 0 = unlimited
+//   latency_us=L    a write lands L us after it was sent (one way; acks are not delayed)
 //   reorder_ms=D    PCIe reordering: the bytes of a non-inline RDMA WRITE become visible D ms
 //                   after they arrive; inline writes (the inline-mode flag) at once; the
 //                   receive completion of a WRITE_WITH_IMM only after every earlier write of
@@ -161,6 +162,7 @@ struct Conf {
   std::string root, rv;  // sysfs root, rendezvous directory
   std::vector<DevCfg> devs;
   double rate_gbps = 0;
+  double latency_us = 0;
   double reorder_ms = 0;
   std::string error;  // why there are no devices
 };
@@ -212,6 +214,7 @@ Conf load_conf() {
     while (std::fgets(line, sizeof line, f)) {
       double v = 0;
       if (std::sscanf(line, "rate_gbps=%lf", &v) == 1) c.rate_gbps = v;
+      else if (std::sscanf(line, "latency_us=%lf", &v) == 1) c.latency_us = v;
       else if (std::sscanf(line, "reorder_ms=%lf", &v) == 1) c.reorder_ms = v;
     }
     std::fclose(f);
@@ -303,7 +306,7 @@ struct Wire {
     uint8_t dgid[16];
   };
   struct Header {
-    uint64_t seq, raddr;
+    uint64_t seq, raddr, sent_ns;  // sent_ns: steady clock, the same in every process
     uint32_t rkey, len, imm;
     uint8_t opcode, inline_, pad[2];
   };
@@ -560,6 +563,7 @@ void sender_main(Qp* q) {
     Wire::Header h{};
     h.seq = w.seq;
     h.raddr = w.raddr;
+    h.sent_ns = now_ns();
     h.rkey = w.rkey;
     h.len = w.len;
     h.imm = w.imm;
@@ -708,6 +712,10 @@ void engine_conn(int fd) {
     if (!read_full(fd, &m, sizeof m)) break;
     int status = WC_SUCCESS;
     if (q->destroyed || q->state.load() == QPS_ERR) break;  // dropped: the sender retries
+    if (n.conf.latency_us > 0) {  // in flight until then (later writes queue behind it)
+      const uint64_t due = m.sent_ns + uint64_t(n.conf.latency_us * 1e3), t = now_ns();
+      if (due > t) sleep_ns(due - t);
+    }
     {
       std::shared_lock<std::shared_mutex> ml(n.mr_mu);
       bool ok = (q->access & ACCESS_REMOTE_WRITE) &&
