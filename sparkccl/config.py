@@ -258,6 +258,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        lo=1e-3),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
+    _v("SPARKCCL_EMUNIC_CONFIG", "str", None, "tests",
+       "the emulated RoCE NIC (tests/emunic, loaded through SPARKCCL_IBVERBS_LIB): the fake "
+       "sysfs root its devices come from"),
 )}
 
 

@@ -38,7 +38,7 @@ def make_ops(seed: int, world: int, n: int):
     return ops
 
 
-def burst_job(rank, nprocs, store, configs, n):
+def burst_job(rank, nprocs, store, configs, n, transport="auto"):
     """configs: [(world, topology, slot_bytes)]; ranks >= world sit a config out."""
     import torch.distributed as dist
     report = {}
@@ -49,7 +49,7 @@ def burst_job(rank, nprocs, store, configs, n):
         inputs = [make_input(s, rank, shape, dt) for _, s, shape, dt in ops]
         with sparkccl.Communicator(store=dist.PrefixStore(f"burst{k}", store), rank=rank,
                                    world_size=world, topology=topo, slot_bytes=slot_bytes,
-                                   timeout_s=60) as comm:
+                                   timeout_s=60, transport=transport) as comm:
             t0 = time.perf_counter()
             results = issue_ops(comm, ops, inputs)
             elapsed = time.perf_counter() - t0
@@ -65,8 +65,9 @@ def burst_job(rank, nprocs, store, configs, n):
     return report
 
 
-def _run(nprocs, configs, n=N_PER_TOPOLOGY, min_collectives=1000):
-    values = check(run_ranks(burst_job, nprocs, args=(configs, n), timeout_s=600))
+def _run(nprocs, configs, n=N_PER_TOPOLOGY, min_collectives=1000, transport="auto", env=None):
+    values = check(run_ranks(burst_job, nprocs, args=(configs, n, transport), timeout_s=600,
+                             env=env))
     for r, rep in enumerate(values):
         for name, d in rep.items():
             assert not d["bad"], f"rank {r} {name}: {d['bad'][:10]}"
@@ -83,3 +84,10 @@ def test_burst_worlds_2_3_5():
     # Shorter bursts: the >= 1000 per topology are above; these add worlds 2, 3, 5.
     _run(5, [(3, "ring", 1 << 20), (5, "ring", 256 << 10), (2, "mesh", 64 << 10)], n=400,
          min_collectives=300)
+
+
+def test_burst_verbs_through_emulated_nic(emunic_env):
+    """The same bursts over the verbs transport (emulated RoCE NIC, tests/emunic): send
+    queues, signaled flags and completions under back-to-back collectives."""
+    _run(3, [(3, "mesh", 128 << 10), (3, "ring", 128 << 10)], n=300, min_collectives=250,
+         transport="verbs", env=emunic_env)

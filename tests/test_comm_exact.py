@@ -1,4 +1,5 @@
-"""Bit-exact all-gather and reduce-scatter across processes (shm transport, CPU data plane).
+"""Bit-exact all-gather and reduce-scatter across processes (CPU data plane; shm, and verbs
+through the emulated RoCE NIC of tests/emunic).
 
 Each rank rebuilds every rank's input (deterministic) and checks its result against an
 independent numpy reference: concatenation for all-gather, fp32 sum in rank order rounded
@@ -91,7 +92,7 @@ def exact_checks(comm, profile, seed):
     return [f"world {world} {comm.topology}: {b}" for b in bad if b]
 
 
-def exact_job(rank, nprocs, store, configs):
+def exact_job(rank, nprocs, store, configs, transport="auto"):
     """configs: [(world, topology, profile, slot_bytes)]; ranks >= world sit a config out."""
     import torch.distributed as dist
     bad = []
@@ -100,13 +101,14 @@ def exact_job(rank, nprocs, store, configs):
             continue
         st = dist.PrefixStore(f"cfg{i}", store)
         with sparkccl.Communicator(store=st, rank=rank, world_size=world, topology=topo,
-                                   slot_bytes=slot, timeout_s=60) as comm:
+                                   slot_bytes=slot, timeout_s=60, transport=transport) as comm:
             bad += exact_checks(comm, profile, seed=1000 * i)
     return bad
 
 
-def _run(nprocs, configs):
-    values = check(run_ranks(exact_job, nprocs, args=(configs,), timeout_s=600))
+def _run(nprocs, configs, transport="auto", env=None):
+    values = check(run_ranks(exact_job, nprocs, args=(configs, transport), timeout_s=600,
+                             env=env))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
 
@@ -121,3 +123,16 @@ def test_exact_world_2_3_4_mesh_and_ring():
 
 def test_exact_ring_world_5_to_8():
     _run(8, [(w, "ring", "few", 256 << 10) for w in (5, 6, 7, 8)] + [(8, "mesh", "few", None)])
+
+
+def test_exact_verbs_through_emulated_nic(emunic_env):
+    """The verbs transport (RC QPs, inline flags) across processes, mesh and ring."""
+    _run(4, [(2, "mesh", "small", None), (2, "ring", "few", None), (3, "ring", "few", 64 << 10),
+             (4, "mesh", "few", None), (4, "ring", "few", None)],
+         transport="verbs", env=emunic_env)
+
+
+def test_exact_verbs_strict_ordering_through_emulated_nic(emunic_env):
+    """Strict ordering: flags as WRITE_WITH_IMM, stored after the receive completion."""
+    _run(3, [(3, "mesh", "few", None), (3, "ring", "few", 64 << 10)], transport="verbs",
+         env={**emunic_env, "SPARKCCL_IB_ORDERING": "strict"})

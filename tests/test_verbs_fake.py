@@ -1,9 +1,9 @@
 """The verbs transport against a fake libibverbs (no RDMA hardware needed).
 
-``_native._verbs_fake_install`` routes every verbs call of this process to an in-process
-fake fabric (native/src/verbs_fake.cpp) that checks what a NIC checks (QP states, PSNs,
-path MTU, lkeys / rkeys and their ranges, inline sizes, queue and CQ capacities), executes
-RDMA writes into the destination's registered memory, and records every call. Every rank
+``verbsfake.install`` routes every verbs call of this process to an in-process fake fabric
+(tests/verbsfake/verbs_fake.cpp: a test-only library, built by tests/testlibs.py and loaded
+through SPARKCCL_IBVERBS_LIB) that checks what a NIC checks (QP states, PSNs, path MTU,
+lkeys / rkeys and their ranges, inline sizes, queue and CQ capacities), executes RDMA writes into the destination's registered memory, and records every call. Every rank
 of a world lives in this process (threads), each with its own fake NIC per device, so the
 full setup path runs: sparkccl.transport.verbs (selection -> records through a store ->
 pairing checks -> QP bring-up), the generic lane check, then the proxy executing the plan
@@ -36,6 +36,7 @@ from sparkccl.transport import verbs as V
 # (tests/ is on sys.path under pytest)
 from inproc import SLOTS, ProxyWorld, run_ag, run_rs  # noqa: E402
 from membuf import Buf, wait_abort  # noqa: E402
+import verbsfake as FAKE  # noqa: E402
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 
@@ -91,9 +92,9 @@ def selection(topology: str, roots: int = 2) -> Selection:
 
 @pytest.fixture
 def fake():
-    N._verbs_fake_install(fake_devices())
+    FAKE.install(fake_devices())
     yield N
-    N._verbs_fake_uninstall()
+    FAKE.uninstall()
 
 
 class DictStore:
@@ -287,7 +288,7 @@ def _exercise(topology, world, roots, strict=False):
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
     w.check_setup()
-    setup_log = N._verbs_fake_log(True)
+    setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
     w.slices_op = {}
     w.start()
@@ -300,9 +301,9 @@ def _exercise(topology, world, roots, strict=False):
         deadline = time.monotonic() + 5
         while any(p.outstanding() for p in w.proxies) and time.monotonic() < deadline:
             time.sleep(0.01)
-        n = check_work_requests(w, N._verbs_fake_log(True), strict=strict)
+        n = check_work_requests(w, FAKE.log(True), strict=strict)
         assert n > 0
-        assert N._verbs_fake_cq_overflows() == 0
+        assert FAKE.cq_overflows() == 0
     finally:
         w.stop()
     return w
@@ -349,7 +350,7 @@ def test_qp_transitions_and_attributes(fake, topology, world):
     w = VWorld(topology, world, 2, 4096, settings=s)
     try:
         w.check_setup()
-        log = N._verbs_fake_log(False)
+        log = FAKE.log(False)
         qps = _qp_tables(w, log)
         mods = {}
         for e in log:
@@ -383,7 +384,7 @@ def test_qp_transitions_and_attributes(fake, topology, world):
                                    | ATTR["MIN_RNR_TIMER"])
             assert rtr["path_mtu"] == 5 and rtr["dest_qp_num"] == partner_qpn
             assert rtr["rq_psn"] == partner["psn"]
-            assert rtr["is_global"] == 1 and rtr["dgid"] == N._verbs_fake_gid(partner["ctx"], GID_INDEX)
+            assert rtr["is_global"] == 1 and rtr["dgid"] == FAKE.gid(partner["ctx"], GID_INDEX)
             assert (rtr["sgid_index"], rtr["hop_limit"], rtr["traffic_class"], rtr["sl"]) == (GID_INDEX, 255, 106, 3)
             assert (rtr["min_rnr_timer"], rtr["max_dest_rd_atomic"], rtr["ah_port_num"]) == (12, 1, 1)
             assert rts["mask"] == (ATTR["STATE"] | ATTR["TIMEOUT"] | ATTR["RETRY_CNT"]
@@ -409,7 +410,7 @@ def test_path_mtu_is_min_of_both_ends(fake):
         x["name"] = d["name"] + "_low"
         x["active_mtu"] = 3
         low.append(x)
-    N._verbs_fake_install(devs + low)
+    FAKE.install(devs + low)
     sels = []
     for r in range(3):
         sel = selection("mesh")
@@ -420,7 +421,7 @@ def test_path_mtu_is_min_of_both_ends(fake):
     w = VWorld("mesh", 3, 2, 4096, selections=sels)
     try:
         w.check_setup()
-        log = N._verbs_fake_log(False)
+        log = FAKE.log(False)
         qps = _qp_tables(w, log)
         rtr = {e["qpn"]: e for e in log if e["kind"] == "modify_qp" and e["to"] == QPS_RTR}
         for qpn, q in qps.items():
@@ -464,7 +465,7 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         i = _conn_index(w, 0, 2, 1)
         qpn = w.links[0].endpoint.connections()[i]["qpn"]
         peer_qpn = w.links[0]._paired[i]["qpn"]
-        assert N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 1)
+        assert FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 1)
         w.start()
         _publish_ag(w, 0)
         code, text = _wait_abort(w, 0)
@@ -473,7 +474,7 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         assert f"device roceP2p1s0f1 port 1 QP {qpn:#x} (to peer 2 QP {peer_qpn:#x})" in text
         assert "transport retry counter exceeded (status 12, vendor_err 0x81)" in text
         assert "flag write (inline RDMA WRITE) of value 1 to flag word" in text, text
-        assert QPS_ERR in [q["state"] for q in N._verbs_fake_qps() if q["qpn"] == qpn]
+        assert QPS_ERR in [q["state"] for q in FAKE.qps() if q["qpn"] == qpn]
         # Rank 0 tells its peers through their abort inboxes: they fail at once, not at
         # their timeout, naming rank 0's cause.
         code, peer_text = _wait_abort(w, 1, timeout=2.0)
@@ -508,26 +509,26 @@ def test_async_events(fake):
     w = VWorld("mesh", 2, 2, 4096)
     try:
         w.check_setup()
-        log = N._verbs_fake_log(False)
+        log = FAKE.log(False)
         qps = _qp_tables(w, log)
         q0 = next(q for q in qps.values() if q["rank"] == 0 and q["device"] == "roceP2p1s0f1")
         w.start()
         # Not fatal, or a port sparkccl does not use: nothing happens.
-        assert N._verbs_fake_async(ctx=q0["ctx"], type=EVENT_PORT_ACTIVE, port=1)
-        assert N._verbs_fake_async(ctx=q0["ctx"], type=EVENT_PORT_ERR, port=2)
+        assert FAKE.async_event(ctx=q0["ctx"], type=EVENT_PORT_ACTIVE, port=1)
+        assert FAKE.async_event(ctx=q0["ctx"], type=EVENT_PORT_ERR, port=2)
         time.sleep(0.2)
         w.check_healthy()
         run_ag(w, 4096)
         # A fatal QP event names the QP.
         qpn = next(k for k, q in qps.items() if q is q0)
-        assert N._verbs_fake_async(qpn=qpn, type=EVENT_QP_FATAL)
+        assert FAKE.async_event(qpn=qpn, type=EVENT_QP_FATAL)
         code, text = _wait_abort(w, 0)
         assert code == L.ABORT_TRANSPORT
         assert f"device roceP2p1s0f1 port 1 QP {qpn:#x}" in text
         assert "async event local work queue catastrophic error (event 1)" in text
         # A port going down on another rank: named by device and port.
         q1 = next(q for q in qps.values() if q["rank"] == 1 and q["device"] == "rocep1s0f1")
-        assert N._verbs_fake_async(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
+        assert FAKE.async_event(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
         code, text = _wait_abort(w, 1)
         assert code in (L.ABORT_TRANSPORT, L.ABORT_PEER)
     finally:
@@ -538,10 +539,10 @@ def test_port_error_names_device_and_port(fake):
     w = VWorld("mesh", 2, 2, 4096)
     try:
         w.check_setup()
-        qps = _qp_tables(w, N._verbs_fake_log(False))
+        qps = _qp_tables(w, FAKE.log(False))
         q1 = next(q for q in qps.values() if q["rank"] == 1 and q["device"] == "rocep1s0f1")
         w.start()
-        assert N._verbs_fake_async(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
+        assert FAKE.async_event(ctx=q1["ctx"], type=EVENT_PORT_ERR, port=1)
         code, text = _wait_abort(w, 1)
         assert code == L.ABORT_TRANSPORT
         assert "device rocep1s0f1: async event port error (event 10) on port 1" in text
@@ -554,7 +555,7 @@ def test_full_send_queue_without_completions_fails(fake):
     w = VWorld("mesh", 2, 1, 4096 * 8, settings=s)
     try:
         w.check_setup()
-        N._verbs_fake_pause(True)  # the "NIC" stops: nothing completes
+        FAKE.pause(True)  # the "NIC" stops: nothing completes
         w.start()
         for seq in range(40):  # 8 pieces x (write + flag) x 40 > 512 send queue entries
             _publish_ag(w, seq, 4096 * 8, ranks=[0])
@@ -562,7 +563,7 @@ def test_full_send_queue_without_completions_fails(fake):
         assert code == L.ABORT_TRANSPORT, text
         assert "send queue full (512 work requests) and no completion for 0.5" in text
     finally:
-        N._verbs_fake_pause(False)
+        FAKE.pause(False)
         w.stop()
 
 
@@ -573,7 +574,7 @@ def test_small_send_queue_drains_and_never_overflows(fake, monkeypatch):
     w = VWorld("ring", 4, 2, 8192, settings=V.VerbsSettings())
     try:
         w.check_setup()
-        creates = [e for e in N._verbs_fake_log(True) if e["kind"] == "create_qp"]
+        creates = [e for e in FAKE.log(True) if e["kind"] == "create_qp"]
         assert creates and all(e["max_send_wr"] == 8 for e in creates)
         w.start()
         w.slices_op = {}
@@ -581,9 +582,9 @@ def test_small_send_queue_drains_and_never_overflows(fake, monkeypatch):
             run_ag(w, 8192)
             run_rs(w, 8192)
         w.check_healthy()
-        posts = [e for e in N._verbs_fake_log(True) if e["kind"] == "post_send"]
+        posts = [e for e in FAKE.log(True) if e["kind"] == "post_send"]
         assert posts and all(e["result"] == 0 for e in posts)
-        assert N._verbs_fake_cq_overflows() == 0
+        assert FAKE.cq_overflows() == 0
     finally:
         w.stop()
 
@@ -593,7 +594,7 @@ def test_strict_flag_values_far_apart(fake):
     w = VWorld("mesh", 2, 2, 4096, settings=V.VerbsSettings(ordering="strict"))
     try:
         w.check_setup()
-        w.lkeys = collect_lkeys(w, N._verbs_fake_log(True))
+        w.lkeys = collect_lkeys(w, FAKE.log(True))
         w.slices_op = {}
         w.start()
         for seq, kind in ((0, "ag"), (1, "rs"), ((1 << 31) + 2, "ag"), ((1 << 33) + 3, "rs"),
@@ -601,7 +602,7 @@ def test_strict_flag_values_far_apart(fake):
             w.slices_op[seq] = Op.AG if kind == "ag" else Op.RS
             (run_ag if kind == "ag" else run_rs)(w, 3000, seq=seq)
         w.check_healthy()
-        log = N._verbs_fake_log(True)
+        log = FAKE.log(True)
         check_work_requests(w, log, strict=True)
         imms = [e for e in log if e["kind"] == "post_send" and e["opcode"] == WR_RDMA_WRITE_WITH_IMM]
         assert len(imms) > 5 * 8 * 2 * 2  # intermediate steps were needed
@@ -613,7 +614,7 @@ def test_reordering_host_inline_fails_lane_check_strict_is_exact(fake):
     """A host whose PCIe bridge lets data writes land after the inline flag: the lane check
     catches it in inline mode; strict mode (flag stored after the receive completion) is
     bit-exact there."""
-    N._verbs_fake_reorder(2.0)
+    FAKE.reorder(2.0)
     try:
         w = VWorld("mesh", 3, 2, 4096)
         errs = w.setup_errors
@@ -621,9 +622,9 @@ def test_reordering_host_inline_fails_lane_check_strict_is_exact(fake):
         for e in errs:
             assert "does not keep the ordering contract" in str(e), e
             assert "SPARKCCL_IB_ORDERING=strict" in str(e)
-        N._verbs_fake_reorder(0)
+        FAKE.reorder(0)
         w.stop()
-        N._verbs_fake_reorder(0.05)
+        FAKE.reorder(0.05)
         w = VWorld("ring", 4, 2, 8192, settings=V.VerbsSettings(ordering="strict"))
         w.check_setup()
         w.start()
@@ -633,7 +634,7 @@ def test_reordering_host_inline_fails_lane_check_strict_is_exact(fake):
             run_rs(w, slice_)
         w.check_healthy()
     finally:
-        N._verbs_fake_reorder(0)
+        FAKE.reorder(0)
         w.stop()
 
 
@@ -643,7 +644,7 @@ def test_lane_check_failure_reaches_every_rank(fake):
         w.check_setup()
         i = _conn_index(w, 0, 1, 0)
         qpn = w.links[0].endpoint.connections()[i]["qpn"]
-        N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
+        FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
         store = DictStore()
 
         def check(r):
@@ -678,7 +679,7 @@ def _setup_errors(w):
 
 
 def test_missing_libibverbs_fails_on_every_rank(monkeypatch):
-    N._verbs_fake_uninstall()
+    FAKE.uninstall()
     monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
     errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
     for e in errs:
@@ -703,20 +704,20 @@ def test_missing_device_names_the_rank(fake):
 
 
 def test_port_down(fake):
-    N._verbs_fake_install(fake_devices(down=("roceP2p1s0f1",)))
+    FAKE.install(fake_devices(down=("roceP2p1s0f1",)))
     errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
     assert all("roceP2p1s0f1 port 1 is not ACTIVE" in str(e) for e in errs)
 
 
 def test_reg_mr_failure_hints_memlock(fake):
-    N._verbs_fake_fail_next("reg_mr", errno.ENOMEM)
+    FAKE.fail_next("reg_mr", errno.ENOMEM)
     errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
     assert all("ibv_reg_mr(" in str(e) and "ulimit -l" in str(e) for e in errs), errs
 
 
 def test_create_qp_failure(fake):
-    N._verbs_fake_fail_next("create_qp", errno.EINVAL)
-    N._verbs_fake_fail_next("create_qp", errno.EINVAL)  # also the retry with less inline
+    FAKE.fail_next("create_qp", errno.EINVAL)
+    FAKE.fail_next("create_qp", errno.EINVAL)  # also the retry with less inline
     errs = _setup_errors(VWorld("mesh", 2, 2, 4096))
     assert all("ibv_create_qp(" in str(e) and "Invalid argument" in str(e) for e in errs), errs
 
@@ -827,7 +828,7 @@ def test_real_libibverbs_loads_every_symbol(monkeypatch):
     lib = _real_libibverbs()
     if lib is None:
         pytest.skip("no libibverbs here (apt install libibverbs1, or set SPARKCCL_TEST_IBVERBS_LIB)")
-    N._verbs_fake_uninstall()
+    FAKE.uninstall()
     monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", lib)
     ok, what = N.verbs_library()
     assert ok, what
@@ -901,7 +902,7 @@ def test_communicator_over_fake_verbs_is_exact(fake, monkeypatch, topology, worl
     out, errs = _comm_world(monkeypatch, topology, world, _exact_job)
     assert errs == [None] * world, errs
     assert out == [[]] * world
-    assert N._verbs_fake_cq_overflows() == 0
+    assert FAKE.cq_overflows() == 0
 
 
 def test_communicator_strict_ordering(fake, monkeypatch):
@@ -920,7 +921,7 @@ def _failing_job(comm, r):
     if r == 0:
         link = comm._verbs
         qpn = link.endpoint.connections()[0]["qpn"]
-        N._verbs_fake_inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
+        FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
     try:
         for _ in range(3):
             comm.all_gather(torch.ones(4096))
@@ -943,7 +944,7 @@ def test_communicator_completion_error_is_collective_error(fake, monkeypatch):
 def test_communicator_verbs_unavailable_is_clear(monkeypatch):
     import torch.distributed as dist
     import sparkccl
-    N._verbs_fake_uninstall()
+    FAKE.uninstall()
     monkeypatch.setenv("SPARKCCL_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
     store = dist.HashStore()
 
@@ -979,11 +980,11 @@ def test_abort_reaches_every_rank_of_a_ring(fake):
 
 
 def test_infiniband_lanes_use_lids_not_grh(fake):
-    N._verbs_fake_install(fake_devices(link_layer=1))
+    FAKE.install(fake_devices(link_layer=1))
     w = VWorld("mesh", 3, 2, 4096)
     try:
         w.check_setup()
-        log = N._verbs_fake_log(False)
+        log = FAKE.log(False)
         qps = _qp_tables(w, log)
         lids = {e["ctx"]: None for e in log if e["kind"] == "open_device"}
         for e in log:

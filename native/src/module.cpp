@@ -89,7 +89,7 @@ void check_addr(uint64_t addr, const char* what) {
 }  // namespace
 
 namespace sparkccl {
-void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane check, fake verbs
+void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane check
 }
 
 namespace sparkccl {

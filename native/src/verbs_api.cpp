@@ -3,7 +3,6 @@
 
 #include <dlfcn.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -21,7 +20,6 @@ struct Loaded {
 };
 std::mutex g_mu;
 std::map<std::string, std::unique_ptr<Loaded>> g_libs;
-std::atomic<const Api*> g_fake{nullptr};
 
 template <typename F>
 bool resolve(void* h, const char* name, F* out, std::string* missing) {
@@ -79,7 +77,6 @@ std::unique_ptr<Loaded> load(const std::string& lib, bool from_env) {
 }  // namespace
 
 const Api* api(std::string* error) {
-  if (const Api* f = g_fake.load(std::memory_order_acquire)) return f;
   const char* env = std::getenv("SPARKCCL_IBVERBS_LIB");
   const bool from_env = env && *env;
   const std::string lib = from_env ? env : "libibverbs.so.1";
@@ -92,8 +89,6 @@ const Api* api(std::string* error) {
   }
   return &it->second->api;
 }
-
-void install_fake(const Api* fake) { g_fake.store(fake, std::memory_order_release); }
 
 }  // namespace ibv
 }  // namespace sparkccl

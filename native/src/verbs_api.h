@@ -323,8 +323,7 @@ struct async_event {
 // data path (post_send / post_recv / poll_cq) is not exported: verbs.h inlines it as a
 // call through the context's ops, and so do the helpers below.
 struct Api {
-  std::string source;  // the library path, or "fake" for the test table
-  bool fake = false;
+  std::string source;  // the library path
   device** (*get_device_list)(int* num) = nullptr;
   void (*free_device_list)(device** list) = nullptr;
   const char* (*get_device_name)(device* d) = nullptr;
@@ -357,12 +356,10 @@ inline int post_recv(qp* q, recv_wr* wr, recv_wr** bad) {
 }
 inline int poll_cq(cq* c, int n, wc* out) { return c->ctx->ops.poll_cq(c, n, out); }
 
-// The table in use: the fake one if installed, else libibverbs loaded on first use
-// (SPARKCCL_IBVERBS_LIB overrides the library name). nullptr with *error set when the
-// library cannot be loaded or lacks a symbol.
+// The table in use: libibverbs loaded on first use (SPARKCCL_IBVERBS_LIB overrides the
+// library name; tests point it at their fakes). nullptr with *error set when the library
+// cannot be loaded or lacks a symbol.
 const Api* api(std::string* error);
-// Test hook: route every verbs call to `fake` (nullptr: back to libibverbs).
-void install_fake(const Api* fake);
 
 }  // namespace ibv
 }  // namespace sparkccl

@@ -1,5 +1,5 @@
-// Bindings of the verbs transport, the generic lane check, and the fake-verbs test harness
-// (called from NB_MODULE in module.cpp).
+// Bindings of the verbs transport and the generic lane check (called from NB_MODULE in
+// module.cpp).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -10,7 +10,6 @@
 
 #include "control.h"
 #include "proxy.h"
-#include "verbs_fake.h"
 #include "verbs_transport.h"
 
 namespace nb = nanobind;
@@ -220,141 +219,6 @@ void bind_verbs(nb::module_& m) {
         "Lane check before start(): post rows [conn, src_region, src_off, dst_region, "
         "dst_off, len, word] (write, then flag `value`), wait until all completed and every "
         "`expect` word >= value. -> {error, conn, missing, unsent} (error '' when fine).");
-
-  // ---- fake verbs (tests) ----
-  m.def(
-      "_verbs_fake_install",
-      [](const std::vector<nb::dict>& devices) {
-        std::vector<fakeverbs::DeviceSpec> specs;
-        for (auto& d : devices) {
-          fakeverbs::DeviceSpec s;
-          s.name = nb::cast<std::string>(d["name"]);
-          s.port = get<int>(d, "port", s.port);
-          s.state = get<int>(d, "state", s.state);
-          s.active_mtu = get<int>(d, "active_mtu", s.active_mtu);
-          s.link_layer = get<int>(d, "link_layer", s.link_layer);
-          s.lid = get<int>(d, "lid", s.lid);
-          s.max_inline = get<int>(d, "max_inline", s.max_inline);
-          if (d.contains("gids"))
-            for (auto gi : nb::cast<nb::list>(d["gids"])) {
-              nb::bytes b = nb::cast<nb::bytes>(gi);
-              if (b.size() != 0 && b.size() != 16) throw std::invalid_argument("gids are 16 bytes (or empty)");
-              s.gids.emplace_back(b.c_str(), b.size());
-            }
-          specs.push_back(s);
-        }
-        fakeverbs::install(specs);
-      },
-      "devices"_a, "Test hook: route every verbs call to the in-process fake fabric.");
-  m.def("_verbs_fake_uninstall", &fakeverbs::uninstall);
-  m.def(
-      "_verbs_fake_log",
-      [](bool clear) {
-        nb::list out;
-        for (auto& r : fakeverbs::take_log(clear)) {
-          nb::dict d;
-          d["kind"] = r.kind;
-          if (!r.device.empty()) d["device"] = r.device;
-          d["ctx"] = r.ctx;
-          d["result"] = r.result;
-          if (r.kind == "post_send") {
-            d["qpn"] = r.qpn;
-            d["wr_id"] = r.wr_id;
-            d["opcode"] = r.opcode;
-            d["signaled"] = r.signaled;
-            d["inline"] = r.inline_;
-            d["num_sge"] = r.num_sge;
-            d["local_addr"] = r.local_addr;
-            d["lkey"] = r.lkey;
-            d["length"] = r.length;
-            d["remote_addr"] = r.remote_addr;
-            d["rkey"] = r.rkey;
-            d["imm"] = r.imm;
-            d["inline_value"] = r.inline_value;
-          } else if (r.kind == "post_recv") {
-            d["qpn"] = r.qpn;
-            d["wr_id"] = r.wr_id;
-            d["num_sge"] = r.num_sge;
-          } else if (r.kind == "modify_qp") {
-            const ibv::qp_attr& a = r.attr;
-            d["qpn"] = r.qpn;
-            d["mask"] = r.mask;
-            d["from"] = r.from_state;
-            d["to"] = r.to_state;
-            d["port_num"] = a.port_num;
-            d["pkey_index"] = a.pkey_index;
-            d["access"] = a.qp_access_flags;
-            d["path_mtu"] = a.path_mtu;
-            d["dest_qp_num"] = a.dest_qp_num;
-            d["rq_psn"] = a.rq_psn;
-            d["sq_psn"] = a.sq_psn;
-            d["max_dest_rd_atomic"] = a.max_dest_rd_atomic;
-            d["max_rd_atomic"] = a.max_rd_atomic;
-            d["min_rnr_timer"] = a.min_rnr_timer;
-            d["timeout"] = a.timeout;
-            d["retry_cnt"] = a.retry_cnt;
-            d["rnr_retry"] = a.rnr_retry;
-            d["is_global"] = a.ah.is_global;
-            d["dlid"] = a.ah.dlid;
-            d["sl"] = a.ah.sl;
-            d["ah_port_num"] = a.ah.port_num;
-            d["dgid"] = as_bytes(std::string(reinterpret_cast<const char*>(a.ah.grh.dgid.raw), 16));
-            d["sgid_index"] = a.ah.grh.sgid_index;
-            d["hop_limit"] = a.ah.grh.hop_limit;
-            d["traffic_class"] = a.ah.grh.traffic_class;
-          } else if (r.kind == "create_qp") {
-            d["qpn"] = r.qpn;
-            d["max_send_wr"] = r.max_send_wr;
-            d["max_recv_wr"] = r.max_recv_wr;
-            d["max_inline"] = r.max_inline;
-            d["sq_sig_all"] = r.sq_sig_all;
-            d["cqe_send"] = r.cqe_send;
-            d["cqe_recv"] = r.cqe_recv;
-          } else if (r.kind == "reg_mr" || r.kind == "dereg_mr") {
-            d["addr"] = r.local_addr;
-            d["length"] = r.length;
-            d["access"] = r.access;
-            d["lkey"] = r.lkey;
-            d["rkey"] = r.rkey;
-          } else if (r.kind == "create_cq") {
-            d["cqe"] = r.length;
-          } else if (r.kind == "destroy_qp") {
-            d["qpn"] = r.qpn;
-          }
-          out.append(d);
-        }
-        return out;
-      },
-      "clear"_a = true);
-  m.def("_verbs_fake_inject", &fakeverbs::inject, "qpn"_a, "status"_a, "vendor_err"_a = 0,
-        "after"_a = 0);
-  m.def("_verbs_fake_async", &fakeverbs::async, "qpn"_a = 0, "ctx"_a = 0, "type"_a = 0,
-        "port"_a = 1);
-  m.def("_verbs_fake_pause", &fakeverbs::pause, "on"_a);
-  m.def("_verbs_fake_reorder", &fakeverbs::reorder, "delay_s"_a);
-  m.def("_verbs_fake_fail_next", &fakeverbs::fail_next, "call"_a, "errno"_a);
-  m.def("_verbs_fake_cq_overflows", &fakeverbs::cq_overflows);
-  m.def(
-      "_verbs_fake_gid", [](int ctx, int index) { return as_bytes(fakeverbs::context_gid(ctx, index)); },
-      "ctx"_a, "index"_a);
-  m.def("_verbs_fake_qps", []() {
-    nb::list out;
-    for (auto& s : fakeverbs::qp_states()) {
-      nb::dict d;
-      d["qpn"] = s.qpn;
-      d["ctx"] = s.ctx;
-      d["device"] = s.device;
-      d["state"] = s.state;
-      d["pending"] = s.pending;
-      d["unretired"] = s.unretired;
-      d["recvs"] = s.recvs;
-      d["dest_qpn"] = s.dest_qpn;
-      d["path_mtu"] = s.path_mtu;
-      d["open"] = s.open;
-      out.append(d);
-    }
-    return out;
-  });
 }
 
 }  // namespace sparkccl

@@ -332,9 +332,7 @@ VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
         setup_error("ibv_create_cq(" + d.name + ", " + std::to_string(rcqe) +
                     " entries) failed: " + errno_text(errno));
     }
-    if (api_->fake) {
-      d.async_ok = true;
-    } else if (d.ctx->async_fd >= 0) {
+    if (d.ctx->async_fd >= 0) {
       int fl = fcntl(d.ctx->async_fd, F_GETFL);
       d.async_ok = fl >= 0 && fcntl(d.ctx->async_fd, F_SETFL, fl | O_NONBLOCK) == 0;
     }

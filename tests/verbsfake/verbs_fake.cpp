@@ -1,8 +1,12 @@
-// A fake libibverbs for tests without RDMA hardware (tests/test_verbs_fake.py).
+// A fake libibverbs for tests without RDMA hardware (tests/test_verbs_fake.py). Test code
+// only: tests/testlibs.py compiles it into a shared library that the verbs transport loads
+// in place of libibverbs (SPARKCCL_IBVERBS_LIB); tests/verbsfake.py drives the harness
+// (the fakeverbs_* C functions at the end) through ctypes. It is never part of the
+// installed package.
 //
-// Installed with _native._verbs_fake_install(devices): from then on every verbs call of
-// this process goes to the functions below, and the data path still dispatches through the
-// context's ops vector exactly as with the real library. The fake is one in-process
+// Once installed, every verbs call of this process goes to the functions below (exported
+// under libibverbs' names), and the data path still dispatches through the context's ops
+// vector exactly as with the real library. The fake is one in-process
 // "fabric": every ibv_open_device makes a new NIC (its GIDs get the context id in bytes
 // 4..7, so two ranks opening the same device name are two NICs), QPs are found by
 // (GID, QP number) when a packet "arrives", and RDMA writes are executed into the
@@ -31,16 +35,66 @@
 #include <string>
 #include <vector>
 
-#include "control.h"
+#include <chrono>
+#include <fcntl.h>
+
 #include "verbs_api.h"
-#include "verbs_fake.h"
+#include "verbs_names.h"
 
 namespace sparkccl {
 namespace fakeverbs {
 
 using namespace ibv;
 
+struct DeviceSpec {
+  std::string name;
+  int port = 1;
+  int state = ibv::PORT_ACTIVE;
+  int active_mtu = ibv::MTU_4096;
+  int link_layer = ibv::LINK_LAYER_ETHERNET;
+  int lid = 0;
+  int max_inline = 64;
+  std::vector<std::string> gids;  // 16 raw bytes per index; empty = unused slot
+};
+
+// One recorded call. Fields not meaningful for a kind stay 0.
+struct Record {
+  std::string kind;  // open_device, reg_mr, create_cq, create_qp, modify_qp, post_send, ...
+  std::string device;
+  int ctx = 0;
+  uint32_t qpn = 0;
+  uint64_t wr_id = 0;
+  int opcode = 0, num_sge = 0, result = 0, access = 0, mask = 0;
+  int from_state = 0, to_state = 0;
+  bool signaled = false, inline_ = false;
+  uint64_t local_addr = 0, length = 0, remote_addr = 0, inline_value = 0;
+  uint32_t lkey = 0, rkey = 0, imm = 0;  // imm in host byte order
+  uint32_t max_send_wr = 0, max_recv_wr = 0, max_inline = 0;
+  int sq_sig_all = 0, cqe_send = 0, cqe_recv = 0;
+  ibv::qp_attr attr{};
+};
+
+struct QpState {
+  uint32_t qpn = 0, dest_qpn = 0;
+  int ctx = 0, state = 0, path_mtu = 0;
+  std::string device;
+  uint64_t pending = 0, unretired = 0, recvs = 0;
+  bool open = true;
+};
+
 namespace {
+
+uint64_t now_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// The verbs transport makes a context's async_fd non-blocking before it polls events: give
+// it a real descriptor (events themselves come from the fake's queue).
+int async_fd() {
+  static int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  return fd;
+}
 
 struct FakeCtx;
 
@@ -495,7 +549,7 @@ context* f_open_device(device* d) {
     c->ctx.ops.post_send = f_post_send;
     c->ctx.ops.post_recv = f_post_recv;
     c->ctx.cmd_fd = -1;
-    c->ctx.async_fd = -1;
+    c->ctx.async_fd = async_fd();
     Record r = rec("open_device");
     r.device = c->spec.name;
     r.ctx = c->id;
@@ -774,65 +828,8 @@ int f_get_async_event(context* x, async_event* ev) {
 
 void f_ack_async_event(async_event*) {}
 
-const char* f_wc_status_str(int s) {
-  switch (s) {
-    case WC_SUCCESS: return "success";
-    case WC_LOC_LEN_ERR: return "local length error";
-    case WC_LOC_QP_OP_ERR: return "local QP operation error";
-    case WC_LOC_PROT_ERR: return "local protection error";
-    case WC_WR_FLUSH_ERR: return "Work Request Flushed Error";
-    case WC_REM_INV_REQ_ERR: return "remote invalid request error";
-    case WC_REM_ACCESS_ERR: return "remote access error";
-    case WC_REM_OP_ERR: return "remote operation error";
-    case WC_RETRY_EXC_ERR: return "transport retry counter exceeded";
-    case WC_RNR_RETRY_EXC_ERR: return "RNR retry counter exceeded";
-    case WC_FATAL_ERR: return "fatal error";
-    case WC_GENERAL_ERR: return "general error";
-    default: return "unknown";
-  }
-}
-
-const char* f_event_type_str(int t) {
-  switch (t) {
-    case EVENT_CQ_ERR: return "CQ error";
-    case EVENT_QP_FATAL: return "local work queue catastrophic error";
-    case EVENT_QP_REQ_ERR: return "invalid request local work queue error";
-    case EVENT_QP_ACCESS_ERR: return "local access violation work queue error";
-    case EVENT_DEVICE_FATAL: return "local catastrophic error";
-    case EVENT_PORT_ACTIVE: return "port active";
-    case EVENT_PORT_ERR: return "port error";
-    default: return "unknown";
-  }
-}
-
-Api make_api() {
-  Api a;
-  a.source = "fake";
-  a.fake = true;
-  a.get_device_list = f_get_device_list;
-  a.free_device_list = f_free_device_list;
-  a.get_device_name = f_get_device_name;
-  a.open_device = f_open_device;
-  a.close_device = f_close_device;
-  a.query_port = f_query_port;
-  a.query_gid = f_query_gid;
-  a.alloc_pd = f_alloc_pd;
-  a.dealloc_pd = f_dealloc_pd;
-  a.reg_mr = f_reg_mr;
-  a.dereg_mr = f_dereg_mr;
-  a.create_cq = f_create_cq;
-  a.destroy_cq = f_destroy_cq;
-  a.create_qp = f_create_qp;
-  a.modify_qp = f_modify_qp;
-  a.destroy_qp = f_destroy_qp;
-  a.get_async_event = f_get_async_event;
-  a.ack_async_event = f_ack_async_event;
-  a.wc_status_str = f_wc_status_str;
-  a.event_type_str = f_event_type_str;
-  return a;
-}
-
-Api g_api;
+const char* f_wc_status_str(int s) { return wc_status_text(s); }
+const char* f_event_type_str(int t) { return event_type_text(t); }
 
 FakeQp* qp_by_num(uint32_t qpn) {
   for (auto& c : g->ctxs)
@@ -861,12 +858,9 @@ void install(const std::vector<DeviceSpec>& devices) {
     g->reorder_ns = 0;
     g->deferred.clear();
   }
-  g_api = make_api();
-  install_fake(&g_api);
 }
 
 void uninstall() {
-  install_fake(nullptr);
   if (g) {
     std::lock_guard<std::mutex> lk(g->mu);
     g->deferred.clear();  // never land bytes into memory a finished test has freed
@@ -966,3 +960,193 @@ std::string context_gid(int ctx_id, int index) {
 
 }  // namespace fakeverbs
 }  // namespace sparkccl
+
+// ---- libibverbs' exported names (what the verbs transport resolves with dlsym) ----------
+
+extern "C" {
+using namespace sparkccl::ibv;
+namespace fv = sparkccl::fakeverbs;
+device** ibv_get_device_list(int* n) { return fv::f_get_device_list(n); }
+void ibv_free_device_list(device** l) { fv::f_free_device_list(l); }
+const char* ibv_get_device_name(device* d) { return fv::f_get_device_name(d); }
+context* ibv_open_device(device* d) { return fv::f_open_device(d); }
+int ibv_close_device(context* c) { return fv::f_close_device(c); }
+int ibv_query_port(context* c, uint8_t port, port_attr* a) { return fv::f_query_port(c, port, a); }
+int ibv_query_gid(context* c, uint8_t port, int i, gid* g) { return fv::f_query_gid(c, port, i, g); }
+pd* ibv_alloc_pd(context* c) { return fv::f_alloc_pd(c); }
+int ibv_dealloc_pd(pd* p) { return fv::f_dealloc_pd(p); }
+mr* ibv_reg_mr(pd* p, void* a, size_t n, int acc) { return fv::f_reg_mr(p, a, n, acc); }
+int ibv_dereg_mr(mr* m) { return fv::f_dereg_mr(m); }
+cq* ibv_create_cq(context* c, int cqe, void* cc, comp_channel* ch, int v) {
+  return fv::f_create_cq(c, cqe, cc, ch, v);
+}
+int ibv_destroy_cq(cq* c) { return fv::f_destroy_cq(c); }
+qp* ibv_create_qp(pd* p, qp_init_attr* a) { return fv::f_create_qp(p, a); }
+int ibv_modify_qp(qp* q, qp_attr* a, int mask) { return fv::f_modify_qp(q, a, mask); }
+int ibv_destroy_qp(qp* q) { return fv::f_destroy_qp(q); }
+int ibv_get_async_event(context* c, async_event* e) { return fv::f_get_async_event(c, e); }
+void ibv_ack_async_event(async_event* e) { fv::f_ack_async_event(e); }
+const char* ibv_wc_status_str(int s) { return fv::f_wc_status_str(s); }
+const char* ibv_event_type_str(int t) { return fv::f_event_type_str(t); }
+
+// ---- the harness (tests/verbsfake.py) --------------------------------------------------
+
+static std::vector<fv::DeviceSpec> g_pending;
+static std::string g_text;  // the last JSON answer (valid until the next call)
+
+void fakeverbs_add_device(const char* name, int port, int state, int active_mtu,
+                          int link_layer, int lid, int max_inline, const char* gids,
+                          const int* gid_lens, int ngids) {
+  fv::DeviceSpec s;
+  s.name = name;
+  s.port = port;
+  s.state = state;
+  s.active_mtu = active_mtu;
+  s.link_layer = link_layer;
+  s.lid = lid;
+  s.max_inline = max_inline;
+  for (int i = 0; i < ngids; ++i) s.gids.emplace_back(gids + 16 * i, size_t(gid_lens[i]));
+  g_pending.push_back(s);
+}
+void fakeverbs_install() {
+  fv::install(g_pending);
+  g_pending.clear();
+}
+void fakeverbs_uninstall() { fv::uninstall(); }
+int fakeverbs_inject(uint32_t qpn, int status, uint32_t vendor_err, uint64_t after) {
+  return fv::inject(qpn, status, vendor_err, after);
+}
+int fakeverbs_async(uint32_t qpn, int ctx, int type, int port) {
+  return fv::async(qpn, ctx, type, port);
+}
+void fakeverbs_pause(int on) { fv::pause(on != 0); }
+void fakeverbs_reorder(double delay_s) { fv::reorder(delay_s); }
+void fakeverbs_fail_next(const char* call, int err) { fv::fail_next(call, err); }
+uint64_t fakeverbs_cq_overflows() { return fv::cq_overflows(); }
+int fakeverbs_gid(int ctx, int index, char* out16) {
+  std::string g = fv::context_gid(ctx, index);
+  std::memcpy(out16, g.data(), g.size());
+  return int(g.size());
+}
+
+static void field(std::string& o, const char* k, uint64_t v) {
+  o += "\"" + std::string(k) + "\":" + std::to_string(v) + ",";
+}
+static void text_field(std::string& o, const char* k, const std::string& v) {
+  o += "\"" + std::string(k) + "\":\"" + v + "\",";  // names and hex: nothing to escape
+}
+static void close_obj(std::string& o) {
+  if (o.back() == ',') o.pop_back();
+  o += "},";
+}
+static std::string hex16(const uint8_t* b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < 16; ++i) (s += d[b[i] >> 4]) += d[b[i] & 15];
+  return s;
+}
+
+// Every recorded call, as a JSON list of objects (dgid as hex); the fields per kind are the
+// ones tests/test_verbs_fake.py reads.
+const char* fakeverbs_log(int clear) {
+  std::string& o = g_text;
+  o = "[";
+  for (auto& r : fv::take_log(clear != 0)) {
+    o += "{";
+    text_field(o, "kind", r.kind);
+    if (!r.device.empty()) text_field(o, "device", r.device);
+    field(o, "ctx", uint64_t(r.ctx));
+    o += "\"result\":" + std::to_string(r.result) + ",";
+    if (r.kind == "post_send") {
+      field(o, "qpn", r.qpn);
+      field(o, "wr_id", r.wr_id);
+      field(o, "opcode", uint64_t(r.opcode));
+      field(o, "signaled", r.signaled);
+      field(o, "inline", r.inline_);
+      field(o, "num_sge", uint64_t(r.num_sge));
+      field(o, "local_addr", r.local_addr);
+      field(o, "lkey", r.lkey);
+      field(o, "length", r.length);
+      field(o, "remote_addr", r.remote_addr);
+      field(o, "rkey", r.rkey);
+      field(o, "imm", r.imm);
+      field(o, "inline_value", r.inline_value);
+    } else if (r.kind == "post_recv") {
+      field(o, "qpn", r.qpn);
+      field(o, "wr_id", r.wr_id);
+      field(o, "num_sge", uint64_t(r.num_sge));
+    } else if (r.kind == "modify_qp") {
+      const qp_attr& a = r.attr;
+      field(o, "qpn", r.qpn);
+      field(o, "mask", uint64_t(r.mask));
+      field(o, "from", uint64_t(r.from_state));
+      field(o, "to", uint64_t(r.to_state));
+      field(o, "port_num", a.port_num);
+      field(o, "pkey_index", a.pkey_index);
+      field(o, "access", a.qp_access_flags);
+      field(o, "path_mtu", uint64_t(a.path_mtu));
+      field(o, "dest_qp_num", a.dest_qp_num);
+      field(o, "rq_psn", a.rq_psn);
+      field(o, "sq_psn", a.sq_psn);
+      field(o, "max_dest_rd_atomic", a.max_dest_rd_atomic);
+      field(o, "max_rd_atomic", a.max_rd_atomic);
+      field(o, "min_rnr_timer", a.min_rnr_timer);
+      field(o, "timeout", a.timeout);
+      field(o, "retry_cnt", a.retry_cnt);
+      field(o, "rnr_retry", a.rnr_retry);
+      field(o, "is_global", a.ah.is_global);
+      field(o, "dlid", a.ah.dlid);
+      field(o, "sl", a.ah.sl);
+      field(o, "ah_port_num", a.ah.port_num);
+      text_field(o, "dgid", hex16(a.ah.grh.dgid.raw));
+      field(o, "sgid_index", a.ah.grh.sgid_index);
+      field(o, "hop_limit", a.ah.grh.hop_limit);
+      field(o, "traffic_class", a.ah.grh.traffic_class);
+    } else if (r.kind == "create_qp") {
+      field(o, "qpn", r.qpn);
+      field(o, "max_send_wr", r.max_send_wr);
+      field(o, "max_recv_wr", r.max_recv_wr);
+      field(o, "max_inline", r.max_inline);
+      field(o, "sq_sig_all", uint64_t(r.sq_sig_all));
+      field(o, "cqe_send", uint64_t(r.cqe_send));
+      field(o, "cqe_recv", uint64_t(r.cqe_recv));
+    } else if (r.kind == "reg_mr" || r.kind == "dereg_mr") {
+      field(o, "addr", r.local_addr);
+      field(o, "length", r.length);
+      field(o, "access", uint64_t(r.access));
+      field(o, "lkey", r.lkey);
+      field(o, "rkey", r.rkey);
+    } else if (r.kind == "create_cq") {
+      field(o, "cqe", r.length);
+    } else if (r.kind == "destroy_qp") {
+      field(o, "qpn", r.qpn);
+    }
+    close_obj(o);
+  }
+  if (o.back() == ',') o.pop_back();
+  o += "]";
+  return o.c_str();
+}
+
+const char* fakeverbs_qps() {
+  std::string& o = g_text;
+  o = "[";
+  for (auto& s : fv::qp_states()) {
+    o += "{";
+    field(o, "qpn", s.qpn);
+    field(o, "ctx", uint64_t(s.ctx));
+    text_field(o, "device", s.device);
+    field(o, "state", uint64_t(s.state));
+    field(o, "pending", s.pending);
+    field(o, "unretired", s.unretired);
+    field(o, "recvs", s.recvs);
+    field(o, "dest_qpn", s.dest_qpn);
+    field(o, "path_mtu", uint64_t(s.path_mtu));
+    field(o, "open", s.open);
+    close_obj(o);
+  }
+  if (o.back() == ',') o.pop_back();
+  o += "]";
+  return o.c_str();
+}
+}  // extern "C"

@@ -1,0 +1,107 @@
+"""Efficiency of the verbs transport against the plan's line-rate bound, through the emulated
+RoCE NIC (tests/emunic) with every root rate-limited (token bucket) to a rate this machine
+sustains.
+
+Per (topology, world, collective, slice per rank): the time of the slowest rank (median of
+``--iters`` calls after a warm-up), the Gb/s each rank receives ((world-1) x slice x 8 /
+time) and the bound: per-root rate x roots / the plan's max port load (slices per call
+through the busiest port, from the plan verifier) x (world-1). Ranks are processes on this
+host; every byte crosses a Unix socket and the receiving process's emulated-NIC thread.
+
+    python benchmarks/emunic_efficiency.py --rate-gbps 0.5 --worlds 2,3,4 --sizes 1M,4M,16M
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import emunic  # noqa: E402
+
+
+def max_port_load(topology: str, world: int, roots: int, collective: str) -> float:
+    from sparkccl.plan.report import COLLECTIVES, build_all, default_sequence, verify_plans
+    report = verify_plans(build_all(topology, world, roots), default_sequence())
+    return report.max_port_load(COLLECTIVES[collective])
+
+
+def _job(rank, world, store, topology, sizes, iters):
+    import torch
+    import torch.distributed as dist
+
+    import sparkccl
+    out = {}
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
+                               transport="verbs", timeout_s=300) as comm:
+        n = [0]
+
+        def barrier():
+            n[0] += 1
+            store.add(f"b{n[0]}", 1)
+            while store.add(f"b{n[0]}", 0) < world:
+                time.sleep(0.001)
+
+        for size in sizes:
+            ag_in = torch.full((size,), rank, dtype=torch.uint8)
+            rs_in = torch.ones((world * size // 4,), dtype=torch.float32)
+            for name, fn in (("all_gather", lambda: comm.all_gather(ag_in)),
+                             ("reduce_scatter", lambda: comm.reduce_scatter(rs_in))):
+                fn()
+                ts = []
+                for _ in range(iters):
+                    barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                out[(name, size)] = ts
+    del dist
+    return out
+
+
+def main(argv=None) -> int:
+    from sparkccl.cli import _size
+    from sparkccl.testing import check, run_ranks
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate-gbps", type=float, default=0.5, help="per root (device)")
+    ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
+    ap.add_argument("--roots", type=int, default=2)
+    ap.add_argument("--worlds", default="2,3,4")
+    ap.add_argument("--topologies", default="mesh,ring")
+    ap.add_argument("--sizes", default="1M,4M,16M", help="slice per rank")
+    ap.add_argument("--iters", type=int, default=3)
+    a = ap.parse_args(argv)
+    sizes = [_size(s) for s in a.sizes.split(",")]
+    root = tempfile.mkdtemp(prefix="emunic-bench-")
+    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us),
+           "SPARKCCL_ROOTS": str(a.roots)}
+    print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
+          f"{a.latency_us:g} us latency; "
+          f"{os.cpu_count()} CPUs; median of {a.iters} calls")
+    print(f"{'topology':<8} {'world':>5} {'collective':<14} {'slice':>6} {'time ms':>9} "
+          f"{'Gb/s/rank':>9} {'bound':>7} {'of bound':>8}")
+    for topology in a.topologies.split(","):
+        for world in (int(w) for w in a.worlds.split(",")):
+            if topology == "ring" and world < 2:
+                continue
+            res = check(run_ranks(_job, world, args=(topology, sizes, a.iters), env=env,
+                                  timeout_s=1800))
+            for name in ("all_gather", "reduce_scatter"):
+                load = max_port_load(topology, world, a.roots, name)
+                bound = (world - 1) * a.rate_gbps * a.roots / load
+                for size in sizes:
+                    per_call = [max(r[(name, size)][i] for r in res) for i in range(a.iters)]
+                    t = statistics.median(per_call)
+                    got = (world - 1) * size * 8 / t / 1e9
+                    print(f"{topology:<8} {world:>5} {name:<14} {size >> 20:>5}M {t * 1e3:>9.1f} "
+                          f"{got:>9.3f} {bound:>7.3f} {got / bound:>7.0%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

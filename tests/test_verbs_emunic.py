@@ -1,0 +1,190 @@
+"""The verbs transport end to end through the emulated RoCE NIC (tests/emunic): what the
+device looks like, and the failures RC semantics must turn into errors -- a killed peer
+(retry exceeded on every survivor), a bad rkey (remote access error), a port going down or
+a device failing (async events), and a host whose PCIe reorders posted writes (inline ordering caught by the
+lane check, strict ordering exact). The bit-exact collectives over it are in
+test_comm_exact.py and test_comm_burst.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import sparkccl
+import sparkccl._native as N
+from sparkccl import layout as L
+from sparkccl.errors import CollectiveError
+from sparkccl.plan.model import Region
+from sparkccl.testing import (all_gather_reference, bits, check, make_input,
+                              reduce_scatter_reference, run_ranks)
+
+import emunic
+from fakesysfs import GB10
+# The in-process worlds of the fake-verbs tests run unchanged over the emulated NIC.
+from test_verbs_fake import VWorld, _publish_ag, _wait_abort  # noqa: E402
+
+# A lost peer fails after 4.096 us x 2^12 x (1 + 2) = 50 ms instead of the default ~8.6 s.
+FAST_RETRY = {"SPARKCCL_IB_TIMEOUT": "12", "SPARKCCL_IB_RETRY_CNT": "2"}
+
+
+@pytest.fixture
+def in_process(emunic_host, monkeypatch):
+    """This process's verbs calls go to the emulated NIC of the session's host."""
+    root, env = emunic_host
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return root
+
+
+def test_devices_look_like_a_gb10(in_process):
+    ok, lib = N.verbs_library()
+    assert ok and lib == emunic.library_path(), lib
+    lanes = [(name, 1, emunic.GID_INDEX) for name in GB10]
+    ep = N.VerbsEndpoint(0, 2, lanes, [[1, ch, k] for ch in (0, 1) for k in (0, 1)], [0, 1, 2, 3])
+    try:
+        for info, (name, (pci, netdev, ipv4)) in zip(ep.lanes(), GB10.items()):
+            assert info["device"] == name
+            assert info["state"] == 4 and info["link_layer"] == 2  # ACTIVE, Ethernet
+            assert info["active_mtu"] == 5  # 4096: netdev MTU 9000 less the RoCE headers
+            ip = bytes(int(x) for x in ipv4.split("/")[0].split("."))
+            assert info["gid"] == bytes(10) + b"\xff\xff" + ip  # RoCE v2 GID of the root's IPv4
+        qpns = [c["qpn"] for c in ep.connections()]
+        assert len(set(qpns)) == 4 and all(0 < q < 1 << 24 for q in qpns)
+        assert ep.qp_states() == [1, 1, 1, 1]  # INIT
+    finally:
+        ep.close()
+
+
+def _exact_job(rank, world, store, topology):
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
+                               transport="verbs", timeout_s=60) as comm:
+        xs = [make_input(3, r, (1000, 7), torch.float32) for r in range(world)]
+        ag = bool((bits(comm.all_gather(xs[rank])) == all_gather_reference(xs)).all())
+        xs = [make_input(4, r, (world * 64, 33), torch.bfloat16) for r in range(world)]
+        rs = bool((bits(comm.reduce_scatter(xs[rank])) == reduce_scatter_reference(xs, rank)).all())
+        return comm.transport, ag, rs
+
+
+def _killed_job(rank, world, store):
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="mesh",
+                               transport="verbs", timeout_s=60) as comm:
+        x = torch.ones(1 << 14)
+        comm.all_gather(x)
+        store.add("first-done", 1)  # every rank has its first result
+        while store.add("first-done", 0) < world:
+            time.sleep(0.01)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            for _ in range(100):
+                comm.all_gather(x)
+        except CollectiveError as e:
+            return str(e), time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+
+def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
+    """Rank 1 dies: the survivors' writes to it are never acknowledged, their QPs fail with
+    retry-exceeded after timeout x retries, and each raises CollectiveError (long before the
+    60 s collective timeout)."""
+    res = run_ranks(_killed_job, 3, env={**emunic_env, **FAST_RETRY}, timeout_s=120)
+    assert res[1].killed, res[1]
+    for r in (0, 2):
+        assert res[r].ok, res[r].message
+        msg, dt = res[r].value
+        assert msg is not None, f"rank {r} did not fail"
+        assert dt < 20, (r, dt, msg)
+        # Its own QP to rank 1 failed, or the other survivor's abort record said so first.
+        assert "transport retry counter exceeded (status 12" in msg, msg
+        assert "peer 1" in msg, msg
+
+
+def test_bad_rkey_is_remote_access_error(in_process):
+    w = VWorld("mesh", 2, 1, 4096)
+    try:
+        w.check_setup()
+        w.links[1].endpoint.set_remote_key(0, int(Region.AG), 0xDEAD)
+        w.start()
+        _publish_ag(w, 0)
+        code, text = _wait_abort(w, 1)
+        assert code == L.ABORT_TRANSPORT, text
+        assert "remote access error (status 10" in text, text
+        assert "RDMA WRITE of 512 bytes from AG+0x1000 to the peer's AG+0x1000" in text
+        assert "rkey 0xdead" in text and "peer 0" in text and "rocep1s0f1" in text
+    finally:
+        w.stop()
+
+
+def test_port_down_is_an_async_event_on_every_rank(in_process):
+    w = VWorld("mesh", 2, 2, 4096)
+    try:
+        w.check_setup()
+        w.start()
+        emunic.set_port_state(in_process, "roceP2p1s0f1", active=False)
+        for r in (0, 1):
+            code, text = _wait_abort(w, r)
+            assert code in (L.ABORT_TRANSPORT, L.ABORT_PEER), text
+        texts = [N.error_text(w.ctl[r].addr) for r in (0, 1)]
+        assert any("device roceP2p1s0f1: async event port error (event 10) on port 1" in t
+                   for t in texts), texts
+    finally:
+        emunic.set_port_state(in_process, "roceP2p1s0f1", active=True)
+        w.stop()
+
+
+def test_device_fatal_is_an_async_event(in_process):
+    w = VWorld("mesh", 2, 1, 4096)
+    marker = in_process / "emunic" / "fatal-rocep1s0f1"
+    try:
+        w.check_setup()
+        w.start()
+        marker.write_text("")
+        code, text = _wait_abort(w, 0)
+        assert code in (L.ABORT_TRANSPORT, L.ABORT_PEER), text
+        texts = [N.error_text(w.ctl[r].addr) for r in (0, 1)]
+        assert any("device rocep1s0f1: async event local catastrophic error (event 8)" in t
+                   for t in texts), texts
+    finally:
+        marker.unlink(missing_ok=True)
+        w.stop()
+
+
+def _ordering_job(rank, world, store, ordering):
+    import torch.distributed as dist
+    os.environ["SPARKCCL_IB_ORDERING"] = ordering
+    try:
+        with sparkccl.Communicator(store=dist.PrefixStore(ordering, store), rank=rank,
+                                   world_size=world, topology="ring", transport="verbs",
+                                   timeout_s=60) as comm:
+            xs = [make_input(1, r, (1 << 16,), torch.float32) for r in range(world)]
+            ag = bool((bits(comm.all_gather(xs[rank])) == all_gather_reference(xs)).all())
+            xs = [make_input(2, r, (world * 33, 65), torch.float32) for r in range(world)]
+            y = comm.reduce_scatter(xs[rank])
+            return None, [ag, bool((bits(y) == reduce_scatter_reference(xs, rank)).all())]
+    except CollectiveError as e:
+        return str(e), None
+
+
+def _reorder_job(rank, world, store):
+    return _ordering_job(rank, world, store, "inline"), _ordering_job(rank, world, store, "strict")
+
+
+def test_reordering_pcie_breaks_inline_ordering_and_strict_fixes_it(tmp_path):
+    """A host whose PCIe lets a data write land after the flag that follows it (the emulated
+    NIC delays non-inline write data by 1 s): with the default inline ordering the lane
+    check sees a flag before its data and every rank refuses to start; with
+    SPARKCCL_IB_ORDERING=strict (the flag stored after the receive completion, which
+    follows every earlier write) the collectives are exact."""
+    env = emunic.host_env(tmp_path / "host", reorder_ms=1000)
+    for r, ((err, _), (strict_err, out)) in enumerate(
+            check(run_ranks(_reorder_job, 3, env=env, timeout_s=180))):
+        assert err is not None, f"rank {r} started despite the reordering"
+        assert "does not keep the ordering contract" in err, err
+        assert "SPARKCCL_IB_ORDERING=strict" in err, err
+        assert strict_err is None, f"rank {r}: {strict_err}"
+        assert out == [True, True], (r, out)
