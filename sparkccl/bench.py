@@ -131,7 +131,7 @@ def _slowest(per_rank: list, i: int, key: str):
 
 
 def _run(fn, world, args, env, what, runner=None):
-    from .testing import run_ranks
+    from .localrun import run_ranks
     if runner is not None:  # e.g. ranks in network namespaces (benchmarks/netns_bench.py)
         results = runner(fn, args, env)
     else:
@@ -160,7 +160,7 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
               baseline: bool = True, runner=None, only: list[str] | None = None) -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
-    through sparkccl.testing.run_ranks). ``only``: the names of the baselines to run (default:
+    through sparkccl.localrun.run_ranks). ``only``: the names of the baselines to run (default:
     all of the device's)."""
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]

@@ -59,6 +59,14 @@ def parse_bytes(text: str | int, what: str) -> int:
     return int(n)
 
 
+def format_bytes(n: int) -> str:
+    """``67108864`` -> ``"64 MiB"`` (binary units, 4 significant digits)."""
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n} B"
+
+
 def _env(name: str, env=None) -> str | None:
     v = (os.environ if env is None else env).get(name)
     return None if v is None or v.strip() == "" else v.strip()
