@@ -17,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..errors import CudaUnavailable  # noqa: F401 - raised here, defined with the others
+
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
 KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wait_f16",
                 "sccl_rs_wait_f32", "sccl_piece_bounds", "sccl_finalize", "sccl_finalize_direct",
@@ -26,10 +28,6 @@ KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wa
 MIN_ARCH = 80
 INSTALL_HINT = ("pip install 'sparkccl[cuda]' (or: pip install cuda-core cuda-bindings "
                 "nvidia-cuda-nvrtc, matching your CUDA major version)")
-
-
-class CudaUnavailable(RuntimeError):
-    """cuda-python (cuda.core / cuda.bindings) or NVRTC is missing or unusable."""
 
 
 def import_cuda_core():
