@@ -38,15 +38,18 @@ def _done(comm) -> None:
         comm.synchronize()
 
 
-def _sweep(comm, world: int, rank: int, quick: bool):
+def _cases(quick: bool):
+    return {kind: [(e, d) for e, d in cases if not (quick and e > QUICK_MAX_ELEMS)]
+            for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES))}
+
+
+def _sweep(comm, world: int, rank: int, quick: bool, progress):
     from .reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
     rows = []
     case = 0
-    for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES)):
-        for elems, dname in cases:
-            if quick and elems > QUICK_MAX_ELEMS:
-                continue
+    for kind, cases in _cases(quick).items():
+        for done, (elems, dname) in enumerate(cases, 1):
             case += 1
             dtype = _dtype(dname)
             shape = (elems,) if kind == "all_gather" else (world * elems,)
@@ -70,6 +73,7 @@ def _sweep(comm, world: int, rank: int, quick: bool):
                 got = bits(y.cpu())
                 ok = ok and got.size == want.size and bool((got == want).all())
             rows.append((kind, dname, nbytes, statistics.median(times), ok))
+            progress(kind, done, len(cases))
     return rows
 
 
@@ -81,14 +85,23 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
         # One process per GPU, or several sharing one when world > GPUs.
         torch.cuda.set_device(rank % torch.cuda.device_count())
     from .exact_checks import finalize_demo_case, run_bursts
+    from .localrun import report_progress
+
+    def progress(label, done, total, unit="sizes"):
+        if rank == 0:  # every rank runs the same steps
+            report_progress((label, done, total, unit))
+
+    bursts = 2 if quick else 4
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport=transport, device=device) as comm:
-        rows = _sweep(comm, world, rank, quick)
-        total, bad = run_bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100,
+        rows = _sweep(comm, world, rank, quick, progress)
+        total, bad = run_bursts(comm, world, rank, bursts=bursts, per_burst=100,
                                 op_seed=1000, input_seed=10_000, to=lambda x: _on(comm, x),
-                                sync=lambda: _done(comm))
+                                sync=lambda: _done(comm),
+                                on_burst=lambda b: progress("bursts", b, bursts, "bursts"))
         t0 = time.perf_counter()
         fin_ok = finalize_demo_case(comm, world, rank, seed=1)
+        progress("moe_finalize", 1, 1, "checks")
         return {"rows": rows, "burst_total": total, "burst_bad": bad, "finalize_ok": fin_ok,
                 "finalize_s": time.perf_counter() - t0, "pinned_bytes": comm.pinned_bytes}
 
@@ -97,12 +110,17 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
              device: str = "cpu", quick: bool = False) -> int:
     from .config import format_bytes
     from .localrun import run_ranks
+    from .progress import Progress
 
     print(f"sparkccl demo: world {world}, topology {topology}, transport {transport}, "
           f"device {device}")
     t0 = time.monotonic()
-    results = run_ranks(_demo_rank, world, args=(topology, transport, device, quick),
-                        timeout_s=600)
+    progress = Progress("demo")
+    try:
+        results = run_ranks(_demo_rank, world, args=(topology, transport, device, quick),
+                            timeout_s=600, progress=progress)
+    finally:
+        progress.close()
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed:

@@ -36,7 +36,8 @@ _CAP_IPC_LOCK = 14
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "doctor", help="show the RDMA devices found and what sparkccl would use",
+        "doctor", help="effective settings and their sources, shared memory and memlock "
+                  "against what a communicator needs, RDMA devices, what sparkccl would use",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topology", choices=["mesh", "ring"],
                    help="check only this topology (default: show both; fail only if "

@@ -38,11 +38,13 @@ def burst_ops(seed: int, count: int, sizes=BURST_SIZES) -> list[tuple[str, int, 
 
 def run_bursts(comm, world: int, rank: int, *, bursts: int, per_burst: int, op_seed: int,
                input_seed: int, to: Callable, sync: Callable,
-               sizes=BURST_SIZES) -> tuple[int, list[str]]:
+               sizes=BURST_SIZES,
+               on_burst: Callable[[int], None] | None = None) -> tuple[int, list[str]]:
     """Issue bursts of ``per_burst`` mixed collectives back to back (burst b: ops from seed
     ``op_seed + b``, call i's inputs from seed ``input_seed * (b + 1) + i``), check every
     result bit for bit only after the whole burst; ``to`` puts an input on the
-    communicator's device, ``sync`` waits for its work. Returns (calls, failures)."""
+    communicator's device, ``sync`` waits for its work; ``on_burst(b + 1)`` after burst b is
+    checked. Returns (calls, failures)."""
     import torch
     bad, total = [], 0
     for b in range(bursts):
@@ -69,6 +71,8 @@ def run_bursts(comm, world: int, rank: int, *, bursts: int, per_burst: int, op_s
             total += 1
             if got.size != want.size or not (got == want).all():
                 bad.append(f"burst {b} call {i} ({kind} {elems} x {dname})")
+        if on_burst is not None:
+            on_burst(b + 1)
     return total, bad
 
 

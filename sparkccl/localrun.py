@@ -73,7 +73,21 @@ def check(results: list[RankResult]) -> list[Any]:
     return [r.value for r in results]
 
 
+# Set in a rank process started by run_ranks: where report_progress sends its items.
+_progress_queue = None
+_progress_rank = -1
+
+
+def report_progress(item) -> None:
+    """From inside a rank: hand ``item`` to the ``progress`` callback of :func:`run_ranks`
+    in the parent (nothing happens outside run_ranks)."""
+    if _progress_queue is not None:
+        _progress_queue.put(("progress", _progress_rank, item, 0.0))
+
+
 def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads):
+    global _progress_queue, _progress_rank
+    _progress_queue, _progress_rank = q, rank
     os.environ.update(env or {})
     t0 = time.monotonic()
     try:
@@ -104,12 +118,14 @@ def failure_record(e: BaseException) -> tuple:
 def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None = None,
               timeout_s: float = 300.0, env: dict | None = None,
               rank_env: dict[int, dict] | None = None, torch_threads: int = 1,
-              raise_on_error: bool = False) -> list[RankResult]:
+              raise_on_error: bool = False,
+              progress: Callable[[int, Any], None] | None = None) -> list[RankResult]:
     """Start ``world`` processes running ``fn(rank, world, store, *args, **kwargs)``.
 
     Returns one :class:`RankResult` per rank (value or error, exit code, time). A rank that
     has not finished after ``timeout_s`` is killed (SIGKILL) and reported with
     ``error_type == "Timeout"``. ``env`` is applied in every rank, ``rank_env[r]`` in rank r.
+    ``progress(rank, item)`` receives what ranks pass to :func:`report_progress`.
     """
     import torch.distributed as dist
     ctx = mp.get_context("spawn")
@@ -134,6 +150,10 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
         while pending and time.monotonic() < deadline:
             try:
                 kind, rank, payload, elapsed = q.get(timeout=0.1)
+                if kind == "progress":
+                    if progress is not None:
+                        progress(rank, payload)
+                    continue
                 _record(results, kind, rank, payload, elapsed)
                 pending.discard(rank)
                 continue

@@ -51,7 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
+    p.add_argument("--topology", choices=["mesh", "ring"], default="mesh",
+                   help="mesh (boxes on a switch) or ring (switchless, cabled box to box)")
     p.add_argument("--transport", choices=["verbs", "tcp", "shm", "auto"], default="verbs",
                    help="default verbs (RDMA); tcp / shm to compare or to test the tool")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
