@@ -106,13 +106,14 @@ def _parse(var: Variable, source: str, text: str):
         if t.lower() not in var.choices:
             raise ConfigError(f"{bad}: expected one of {', '.join(var.choices)}")
         return t.lower()
-    try:
-        value = (parse_bytes(t, source) if var.kind == "bytes" else
-                 int(t) if var.kind == "int" else float(t))
-    except ValueError:
-        what = {"bytes": "a byte size (e.g. 67108864, 64M, 64MiB, 1.5G)",
-                "int": "an integer", "float": "a number"}[var.kind]
-        raise ConfigError(f"{bad}: expected {var.expect or what}") from None
+    if var.kind == "bytes":
+        value = parse_bytes(t, source)
+    else:
+        try:
+            value = int(t) if var.kind == "int" else float(t)
+        except ValueError:
+            what = "an integer" if var.kind == "int" else "a number"
+            raise ConfigError(f"{bad}: expected {var.expect or what}") from None
     if (var.lo is not None and value < var.lo) or (var.hi is not None and value > var.hi):
         lo = "" if var.lo is None else f"{var.lo:g}"
         hi = "" if var.hi is None else f"{var.hi:g}"
