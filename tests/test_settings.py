@@ -20,19 +20,25 @@ NAME = re.compile(r"\bSPARKCCL_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_{*(])")
 
 
 def test_every_variable_named_in_the_package_is_declared():
-    named = {}
-    for path in (ROOT / "sparkccl").rglob("*"):
-        if path.suffix in (".py", ".cu", ".cuh", ".h") and path.is_file() \
-                and path.name != "config.py":
-            for name in NAME.findall(path.read_text(errors="replace")):
-                named.setdefault(name, path.relative_to(ROOT))
+    named = _names(ROOT / "sparkccl")
     undeclared = {n: str(p) for n, p in named.items() if n not in config.VARIABLES}
     assert not undeclared, f"read but not declared in config.VARIABLES: {undeclared}"
-    # ... and every declaration is read somewhere (no stale entries in the tables).
+    # ... and every declaration is read somewhere (the package, or test machinery such as
+    # the emulated NIC), so the tables hold no stale entries.
     read_by_config = set(re.findall(r'(?:get|lookup)\("(SPARKCCL_\w+)"',
                                     (ROOT / "sparkccl/config.py").read_text()))
-    assert set(config.VARIABLES) <= set(named) | read_by_config, \
-        set(config.VARIABLES) - set(named) - read_by_config
+    read = set(named) | read_by_config | set(_names(ROOT / "tests"))
+    assert set(config.VARIABLES) <= read, set(config.VARIABLES) - read
+
+
+def _names(top: Path) -> dict[str, Path]:
+    named = {}
+    for path in top.rglob("*"):
+        if path.suffix in (".py", ".cu", ".cuh", ".h", ".c", ".cpp") and path.is_file() \
+                and path.name not in ("config.py", "test_settings.py"):
+            for name in NAME.findall(path.read_text(errors="replace")):
+                named.setdefault(name, path.relative_to(ROOT))
+    return named
 
 
 def test_the_tables_are_generated_from_the_declarations():
@@ -155,3 +161,12 @@ def test_the_exception_hierarchy_as_exported():
     import pickle
     back = pickle.loads(pickle.dumps(e))
     assert (back.rank, back.peer, back.connection, back.cause) == (1, 2, "channel 0 root 1", "x")
+
+
+def test_package_metadata():
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["version"] == sparkccl.__version__
+    assert meta["license"] == {"text": "Apache-2.0"} and meta["authors"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert {"plot", "cuda", "test"} <= set(meta["optional-dependencies"])
