@@ -30,8 +30,9 @@ import sys
 import time
 import traceback
 
-from .fabric.discovery import rate_gbps
+from . import config
 from .config import format_bytes
+from .fabric.discovery import rate_gbps
 
 # (per-rank elements, dtype): 1 byte up, odd sizes, 16-byte multiples, a few MiB.
 AG_CASES = [(1, "uint8"), (15, "uint8"), (16, "uint8"), (17, "uint8"), (1000, "uint8"),
@@ -247,7 +248,7 @@ def selftest(topology: str = "mesh", transport: str = "verbs", device: str = "au
             report["rows"] = _bandwidth(c, max_slice, iters, quick)
     except Exception as e:  # noqa: BLE001 - every failure ends in the verdict
         report["error"] = f"{type(e).__name__}: {e}"
-        if os.environ.get("SPARKCCL_SELFTEST_TRACEBACK"):
+        if config.get("SPARKCCL_SELFTEST_TRACEBACK"):
             report["error"] += "\n" + traceback.format_exc()
     finally:
         if comm is not None:
