@@ -168,7 +168,7 @@ def _bytes_per_rank(world: int, topology: str, slot_bytes: int, roots: int) -> i
 
 
 def _memory(world: int, local_ranks: int, topology: str | None, slot_bytes: int, roots: int,
-            shm_space: Callable[[], int | None], memlock, out: TextIO) -> tuple[list[str], int]:
+            shm_space: Callable[[], int | None], out: TextIO) -> tuple[list[str], int]:
     """Print the memory a communicator needs against /dev/shm; (problems, bytes per rank)."""
     try:
         need = bytes_per_rank(world, topology, slot_bytes, roots)
@@ -191,7 +191,8 @@ def _memory(world: int, local_ranks: int, topology: str | None, slot_bytes: int,
                 f"{SHM_DIR}) or lower SPARKCCL_SLOT_BYTES")
         problems.append(f"{SHM_DIR}: {text}")
     else:
-        text = f"{size(free)} free (room for {free // need} rank(s) of this size)"
+        room = f"room for {free // need} rank(s) of this size" if need else "nothing needed"
+        text = f"{size(free)} free ({room})"
     print(f"{SHM_DIR}: {text}", file=out)
     return problems, need
 
@@ -263,8 +264,7 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
     except ValueError:  # already reported as INVALID above
         slot_bytes, default_roots = config.DEFAULT_SLOT_BYTES, config.DEFAULT_ROOTS
     roots = roots if roots is not None else default_roots
-    more, need = _memory(world, local_ranks, topology, slot_bytes, roots, shm_space, memlock,
-                         out)
+    more, need = _memory(world, local_ranks, topology, slot_bytes, roots, shm_space, out)
     problems += more
 
     fabric = discover(sysfs_root, ipv4_of=ipv4_of)
