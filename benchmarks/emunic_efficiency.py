@@ -65,8 +65,8 @@ def _job(rank, world, store, topology, sizes, iters):
 
 
 def main(argv=None) -> int:
-    from sparkccl.cli import _size
-    from sparkccl.testing import check, run_ranks
+    from sparkccl.config import parse_bytes
+    from sparkccl.localrun import check, run_ranks
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate-gbps", type=float, default=0.5, help="per root (device)")
     ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1M,4M,16M", help="slice per rank")
     ap.add_argument("--iters", type=int, default=3)
     a = ap.parse_args(argv)
-    sizes = [_size(s) for s in a.sizes.split(",")]
+    sizes = [parse_bytes(s, "--sizes") for s in a.sizes.split(",")]
     root = tempfile.mkdtemp(prefix="emunic-bench-")
     env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us),
            "SPARKCCL_ROOTS": str(a.roots)}

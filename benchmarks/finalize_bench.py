@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from sparkccl.testing import check, run_ranks
+    from sparkccl.localrun import check, run_ranks
     if torch.cuda.device_count() < args.world:
         print(f"finalize_bench: needs {args.world} GPUs, found {torch.cuda.device_count()}",
               file=sys.stderr)

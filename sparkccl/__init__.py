@@ -1,14 +1,18 @@
 """sparkccl: prefill-sized all-gather and reduce-scatter collectives without NCCL.
 
-Public API: :class:`Communicator`, :class:`CollectiveError`, ``__version__``.
+Public API: :class:`Communicator`, the exceptions of :mod:`sparkccl.errors`
+(:class:`SparkcclError` and its subclasses :class:`ConfigError`, :class:`FabricError`,
+:class:`CudaUnavailable`, :class:`CollectiveError`), ``__version__``.
 """
 from __future__ import annotations
 
-from .errors import CollectiveError
+from .errors import (CollectiveError, ConfigError, CudaUnavailable, FabricError,
+                     SparkcclError)
 
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "CollectiveError", "__version__"]
+__all__ = ["Communicator", "SparkcclError", "ConfigError", "FabricError", "CudaUnavailable",
+           "CollectiveError", "__version__"]
 
 
 def __getattr__(name):
@@ -17,3 +21,7 @@ def __getattr__(name):
         from .comm import Communicator
         return Communicator
     raise AttributeError(f"module 'sparkccl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"Communicator"})

@@ -6,7 +6,8 @@ all-gather, the input of a reduce-scatter), algbw = size / time, busbw = algbw x
 invocation: gloo on CPU; on CUDA, NCCL three ways (default, P2P off = through host
 shared memory, P2P and SHM off = sockets), each in fresh processes because NCCL reads
 its environment once. The ratio column is baseline time / sparkccl time (above 1:
-sparkccl is faster).
+sparkccl is faster). ``--plot FILE.png`` draws bus bandwidth against size for sparkccl and
+each baseline, one panel per collective (matplotlib: ``pip install 'sparkccl[plot]'``).
 """
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def _buffers(size: int, world: int, device):
             torch.empty(n, dtype=dtype, device=device))
 
 
+def _progress(rank: int, label: str, done: int, total: int) -> None:
+    if rank == 0:  # every rank times the same sizes
+        from .localrun import report_progress
+        report_progress((label, done, total, "sizes"))
+
+
 def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters):
     import sparkccl
 
@@ -89,11 +96,12 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
                 "ag": _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync),
                 "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
                                   sync)}))
+            _progress(rank, "sparkccl", len(rows), len(sizes))
         stats = comm._proxy.stats() if getattr(comm, "_proxy", None) is not None else {}
     return {"rows": rows, "proxy": stats}
 
 
-def _baseline_rank(rank, world, store, backend, device, sizes, iters):
+def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None):
     import warnings
 
     import torch.distributed as dist
@@ -119,6 +127,7 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters):
                 t["rs"] = None
                 t["rs_why"] = str(e).splitlines()[0][:60]
             rows.append((size, t))
+            _progress(rank, label or backend, len(rows), len(sizes))
     finally:
         dist.destroy_process_group()
     return {"rows": rows}
@@ -130,12 +139,12 @@ def _slowest(per_rank: list, i: int, key: str):
     return None if any(v is None for v in vals) else max(vals)
 
 
-def _run(fn, world, args, env, what, runner=None):
-    from .testing import run_ranks
+def _run(fn, world, args, env, what, runner=None, progress=None):
+    from .localrun import run_ranks
     if runner is not None:  # e.g. ranks in network namespaces (benchmarks/netns_bench.py)
         results = runner(fn, args, env)
     else:
-        results = run_ranks(fn, world, args=args, timeout_s=1800, env=env)
+        results = run_ranks(fn, world, args=args, timeout_s=1800, env=env, progress=progress)
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed:
@@ -158,10 +167,22 @@ def baselines_for(device: str, baseline: bool = True, only: list[str] | None = N
 
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
-              baseline: bool = True, runner=None, only: list[str] | None = None) -> int:
+              baseline: bool = True, runner=None, only: list[str] | None = None,
+              plot: str | None = None) -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
-    through sparkccl.testing.run_ranks). ``only``: the names of the baselines to run (default:
-    all of the device's)."""
+    through sparkccl.localrun.run_ranks). ``only``: the names of the baselines to run (default:
+    all of the device's). ``plot``: write a bus bandwidth plot (PNG) there."""
+    from .progress import Progress
+    progress = Progress("bench")
+    try:
+        return _bench(world, topology, transport, device, min_bytes, max_bytes, iters,
+                      baseline, runner, only, plot, progress)
+    finally:
+        progress.close()
+
+
+def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, baseline, runner,
+           only, plot, progress) -> int:
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
     baselines = baselines_for(device, baseline, only)
@@ -170,18 +191,20 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
           f"{', '.join(b for b, _ in baselines) or 'none'}")
     env = dict(SAFE_ENV) if device == "cuda" else {}
     ours = _run(_sparkccl_rank, world, (topology, transport, device, sizes, iters), env,
-                "sparkccl", runner)
+                "sparkccl", runner, progress)
     if ours is None:
         return 1
     base = {}
     for name, extra in baselines:
         backend = "nccl" if name.startswith("nccl") else "gloo"
-        got = _run(_baseline_rank, world, (backend, device, sizes, iters), {**env, **extra}, name,
-                   runner)
+        got = _run(_baseline_rank, world, (backend, device, sizes, iters, name),
+                   {**env, **extra}, name, runner, progress)
         if got is not None:
             base[name] = got
     factor = (world - 1) / world
+    busbw: dict[str, dict[str, list]] = {}  # collective -> series name -> GB/s per size
     for key, title in (("ag", "all_gather"), ("rs", "reduce_scatter")):
+        series = busbw[title] = {"sparkccl": []}
         print(f"\n{title}")
         head = f"{'size':>12} {'time(us)':>10} {'algbw':>8} {'busbw':>8}"
         for name in base:
@@ -189,9 +212,12 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
         print(head)
         for i, size in enumerate(sizes):
             t = _slowest(ours, i, key)
+            series["sparkccl"].append(size / t / 1e9 * factor)
             line = f"{size:>12} {t * 1e6:>10.1f} {size / t / 1e9:>8.3f} {size / t / 1e9 * factor:>8.3f}"
             for name, per_rank in base.items():
                 b = _slowest(per_rank, i, key)
+                series.setdefault(name, []).append(None if b is None else
+                                                   size / b / 1e9 * factor)
                 if b is None:
                     line += f" | {'n/a':>18} {'':>6}"
                 else:
@@ -206,4 +232,49 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
         print(f"\nGPU-direct (rank 0): the GPU wrote {stats['gpu_pieces']} stream pieces straight "
               f"into the peers' mapped regions; the proxy posted {stats.get('writes', 0)} writes "
               "(relays, and collectives not sent directly)")
+    if plot:
+        title = (f"world {world}, {topology}, transport {transport}, device {device}, bf16")
+        plot_busbw(plot, sizes, busbw, title)
+        print(f"\nplot: {plot}")
     return 0
+
+
+PLOT_HINT = "--plot needs matplotlib: pip install 'sparkccl[plot]' (or: pip install matplotlib)"
+
+
+def have_matplotlib() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot_busbw(path: str, sizes: list[int], busbw: dict[str, dict[str, list]],
+               title: str) -> None:
+    """Bus bandwidth (GB/s) against size (log2 axis), one panel per collective, one line
+    per series (sparkccl, each baseline), as nccl-tests results are usually plotted."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(PLOT_HINT) from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    from .config import format_bytes
+    fig, axes = plt.subplots(1, len(busbw), figsize=(6 * len(busbw), 4.5), squeeze=False)
+    for ax, (collective, series) in zip(axes[0], busbw.items()):
+        for name, values in series.items():
+            pts = [(s, v) for s, v in zip(sizes, values) if v is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([format_bytes(s) for s in sizes], rotation=45)
+        ax.set_xlabel("size (whole buffer)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(collective)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"sparkccl bench: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

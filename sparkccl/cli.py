@@ -1,8 +1,58 @@
-"""The `sparkccl` command line: plan, demo, bench."""
+"""The `sparkccl` command line.
+
+commands:
+  demo      run every collective on local ranks and check every bit (start here)
+  bench     bandwidth table (nccl-tests columns) with torch.distributed baselines in the same run
+  plan      print a collective's per-port load against its lower bound and the verifier's verdict
+  doctor    effective settings, shared memory and memlock, RDMA devices, what sparkccl would use
+  selftest  on a real cluster, under torchrun on every box: bit-exact checks, bandwidth, verdict
+
+Transports: shm (ranks on one host), tcp (any IP network), verbs (RDMA: RoCE v2 /
+InfiniBand), auto (shm on one host, else verbs where RDMA devices are usable, else tcp).
+Every argument is checked before any rank starts; bad ones exit with status 2.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+
+# Building the parser imports nothing heavy (no torch): `sparkccl --help` stays instant.
+
+TRANSPORTS = ("auto", "shm", "tcp", "verbs")
+TOPOLOGIES = ("mesh", "ring")
+
+
+def _world(text: str) -> int:
+    from .plan.build import MAX_WORLD
+    try:
+        world = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
+    if not 2 <= world <= MAX_WORLD:
+        raise argparse.ArgumentTypeError(
+            f"{world}: sparkccl's plans cover 2 to {MAX_WORLD} ranks")
+    return world
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
+def _bytes(text: str) -> int:
+    from .config import parse_bytes
+    try:
+        n = parse_bytes(text, "size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size=")) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
+    return n
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -21,63 +71,94 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import baselines_for, run_bench
+    from .bench import PLOT_HINT, baselines_for, have_matplotlib, run_bench
 
     try:
         baselines_for(args.device, not args.no_baseline, args.baseline)
     except ValueError as e:
-        print(f"sparkccl bench: {e}", file=sys.stderr)
-        return 2
+        args.parser.error(str(e))
+    if args.min_bytes > args.max_bytes:
+        args.parser.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes "
+                          f"{args.max_bytes}")
+    if args.plot and not have_matplotlib():
+        args.parser.error(PLOT_HINT)
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,
-                     only=args.baseline or None)
+                     only=args.baseline or None, plot=args.plot)
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown on every option that has one; descriptions keep their line breaks."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):  # "(default: None)" says nothing
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _sub(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=kw.pop("description", help),
+                       formatter_class=_Formatter, **kw)
+    p.set_defaults(parser=p)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sparkccl", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    p = sub.add_parser("plan", help="show a collective's schedule and verify it")
-    p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], required=True)
-    p.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--roots", type=int, choices=[1, 2], default=2)
-    p.set_defaults(func=_cmd_plan)
+    ap = argparse.ArgumentParser(
+        prog="sparkccl", formatter_class=_Formatter,
+        description="Prefill-sized all-gather and reduce-scatter, bit-exact on every rank, "
+                    "without NCCL. Start with `sparkccl demo`.\n\n" + __doc__.split("\n\n")[2],
+        epilog="`sparkccl COMMAND --help` shows each command's options and defaults.")
+    ap.add_argument("--version", action="version", version=f"sparkccl {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--world", type=int, default=4)
-    common.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
-    common.add_argument("--transport", choices=["auto", "shm", "tcp"], default="shm")
-    common.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    common.add_argument("--world", type=_world, default=4, help="local ranks (processes), 2..8")
+    common.add_argument("--topology", choices=TOPOLOGIES, default="mesh",
+                        help="mesh (a switch: every rank to every rank) or ring (switchless)")
+    common.add_argument("--transport", choices=TRANSPORTS, default="shm",
+                        help="how the ranks' data travels (see `sparkccl --help`)")
+    common.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the tensors live (cuda: one GPU per rank, shared when "
+                             "there are fewer GPUs than ranks)")
 
-    d = sub.add_parser("demo", parents=[common],
-                       help="run every collective on local ranks and check every bit")
+    d = _sub(sub, "demo", "run every collective on local ranks and check every bit",
+             parents=[common])
     d.add_argument("--quick", action="store_true", help="fewer sizes and shorter bursts")
     d.set_defaults(func=_cmd_demo)
 
-    b = sub.add_parser("bench", parents=[common],
-                       help="bandwidth table (nccl-tests columns) with a baseline from the same run")
-    b.add_argument("--min-bytes", type=_size, default=1 << 20)
-    b.add_argument("--max-bytes", type=_size, default=64 << 20)
-    b.add_argument("--iters", type=int, default=5)
+    b = _sub(sub, "bench", "bandwidth table (nccl-tests columns) with torch.distributed "
+             "baselines measured in the same run", parents=[common])
+    b.add_argument("--min-bytes", type=_bytes, default="1M",
+                   help="smallest size (the whole buffer), e.g. 65536, 64K, 1M")
+    b.add_argument("--max-bytes", type=_bytes, default="64M", help="largest size")
+    b.add_argument("--iters", type=_positive, default=5, help="timed calls per size")
     b.add_argument("--no-baseline", action="store_true",
                    help="skip torch.distributed (gloo on CPU, NCCL three ways on CUDA)")
     b.add_argument("--baseline", action="append", metavar="NAME",
-                   help="only this baseline (repeatable): gloo, nccl, nccl-p2p-off, nccl-sockets")
+                   help="only this baseline (repeatable): gloo on cpu; nccl, nccl-p2p-off, "
+                        "nccl-sockets on cuda (default: all of the device's)")
+    b.add_argument("--plot", metavar="FILE.png",
+                   help="also draw bus bandwidth against size for sparkccl and each baseline "
+                        "(needs matplotlib: pip install 'sparkccl[plot]')")
     b.set_defaults(func=_cmd_bench)
 
+    p = _sub(sub, "plan", "print a collective's per-port load against its lower bound, and "
+             "whether the verifier proves its schedule")
+    p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], required=True,
+                   help="which collective")
+    p.add_argument("--topology", choices=TOPOLOGIES, default="mesh", help="the topology")
+    p.add_argument("--world", type=_world, default=4, help="ranks, 2..8")
+    p.add_argument("--roots", type=int, choices=[1, 2], default=2,
+                   help="PCIe functions (roots) per port that traffic is split over")
+    p.set_defaults(func=_cmd_plan)
+
     from . import doctor, selftest
-    doctor.add_parser(sub)
-    selftest.add_parser(sub)
+    for module in (doctor, selftest):
+        module.add_parser(sub).formatter_class = _Formatter
     return ap
 
 

@@ -1,29 +1,23 @@
-"""Settings: arguments first, then ``SPARKCCL_*`` environment variables, then defaults.
+"""Settings: arguments first, then ``SPARKCCL_*`` environment variables, then the NCCL
+variables a GB10 setup already carries, then defaults (or what discovery finds).
 
-| variable | default | meaning |
-| --- | --- | --- |
-| ``SPARKCCL_SLOT_BYTES`` | 64 MiB | capacity of one slot: the whole gathered / reduce-scattered tensor of one collective (world x slice). Accepts ``67108864``, ``64M``, ``64MiB``, ``1G``. |
-| ``SPARKCCL_TIMEOUT_S`` | 120 | seconds a collective (or the bootstrap) may wait for peers before it fails with ``CollectiveError`` |
-| ``SPARKCCL_BOOTSTRAP_TIMEOUT_S`` | max(timeout, 120) | seconds the ranks may take to all join (construction) and to all reach ``close()`` |
-| ``SPARKCCL_ROOTS`` | 2 | PCIe functions ("roots") per port that traffic is split over (1 or 2) |
-| ``SPARKCCL_RS_UP_FRONT`` | 0 | 1: create the reduce-scatter buffers at construction instead of on first use |
-| ``SPARKCCL_PROXY_SPIN_US`` | 200000 (50 when oversubscribed) | proxy keeps spinning this long after its last work |
-| ``SPARKCCL_PROXY_NAP_US`` | 200 (50 when oversubscribed) | then naps this long per idle turn |
-| ``SPARKCCL_CHECK_SIZES`` | 1 | 0: skip the cross-rank size check done on each collective's first piece |
-| ``SPARKCCL_GPU_DIRECT`` | 1 | CUDA tensors on one host (shm transport): the GPU writes its data straight into the peers' mapped regions and flags (docs/PROTOCOL.md "GPU-direct"); 0: the proxy's copy workers send it |
-| ``SPARKCCL_DIRECT_MODE`` | auto | GPU-direct engines: ``fused`` (one kernel: publish and wait blocks), ``split`` (the two roles as kernels on two streams), ``ce`` (copy engines move the bytes both ways; kernels only wait and sum), ``auto`` (``ce`` from ``SPARKCCL_CE_MIN_BYTES`` per rank, else ``fused``); see ``sparkccl/dataplane/cuda.py`` |
-| ``SPARKCCL_CE_MIN_BYTES`` | 16 MiB | ``auto``: the smallest per-rank slice that uses the copy engines |
-| ``SPARKCCL_TCP_ADDRS`` | 127.0.0.1 | tcp transport, mesh: this rank's address per root (``10.0.0.1,10.0.1.1``); see ``sparkccl/transport/tcp.py`` |
-| ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS`` | ``SPARKCCL_TCP_ADDRS`` | tcp transport, ring: addresses per root of the port facing prev / next |
+Every ``SPARKCCL_*`` variable sparkccl reads is declared once in :data:`VARIABLES` (type,
+default, meaning, the layer that reads it, NCCL fallbacks) and read with :func:`get` /
+:func:`lookup`, one parser that raises :class:`~sparkccl.errors.ConfigError` naming the
+variable and the value. The table below is generated from the declarations
+(``python -m sparkccl.config`` prints it; README.md carries the same table). Precedence and
+where each layer applies them: docs/CONTRACT.md "Configuration".
 
 Sizing: the default slot (64 MiB) holds a prefill-sized call on GB10 (tens of MB per rank
 per call, e.g. 8k tokens x 4096 hidden x bf16 = 64 MiB gathered). Memory held per rank:
-all-gather 3 slots, reduce-scatter (only once used) 2 send slots + 2 receive slots, so
-about 7-8 x slot_bytes per rank with the default. Larger inputs are split into several
-collectives automatically.
+all-gather 3 slots, reduce-scatter (only once used) 2 send slots + 2 receive slots, plus a
+small control block (``sparkccl doctor`` computes the figure). Larger inputs are split
+into several collectives automatically.
+
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -46,54 +40,27 @@ _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb"
 
 
 def parse_bytes(text: str | int, what: str) -> int:
-    """``"64M"`` / ``"64MiB"`` / ``"1g"`` / ``"4096"`` -> bytes (binary units)."""
+    """``"64M"`` / ``"64MiB"`` / ``"1g"`` / ``"1.5G"`` / ``"4096"`` -> bytes (binary units);
+    the one byte-size parser (variables, arguments, the command line). ``what`` names the
+    setting in the :class:`ConfigError`."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}: cannot parse {text!r} as a byte size "
-                         "(use e.g. 67108864, 64M, 64MiB, 1.5G)")
+        raise ConfigError(f"{what}={text!r}: expected a byte size "
+                          "(e.g. 67108864, 64M, 64MiB, 1.5G)")
     n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if n != int(n):
-        raise ValueError(f"{what}: {text!r} is not a whole number of bytes")
+        raise ConfigError(f"{what}={text!r}: not a whole number of bytes")
     return int(n)
 
 
-def _env(name: str, env=None) -> str | None:
-    v = (os.environ if env is None else env).get(name)
-    return None if v is None or v.strip() == "" else v.strip()
-
-
-def _env_int(name: str, default: int) -> int:
-    v = _env(name)
-    if v is None:
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r}: expected an integer") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    v = _env(name)
-    if v is None:
-        return default
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r}: expected a number of seconds") from None
-
-
-def env_bool(name: str, default: bool, env=None) -> bool:
-    """A 0/1 switch from the environment (or the mapping ``env``); unset or empty: default."""
-    v = _env(name, env)
-    if v is None:
-        return default
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={v!r}: expected 0 or 1")
+def format_bytes(n: int) -> str:
+    """``67108864`` -> ``"64 MiB"`` (binary units, 4 significant digits)."""
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n} B"
 
 
 def usable_cpus() -> int:
@@ -121,6 +88,7 @@ class Variable:
     lo: float | None = None   # inclusive bounds for int / float / bytes
     hi: float | None = None
     nccl: tuple = ()          # NCCL variables consulted when the SPARKCCL_* one is unset
+    expect: str = ""          # what a value must be, for the error (default: from kind)
 
 
 def _parse(var: Variable, source: str, text: str):
@@ -138,13 +106,14 @@ def _parse(var: Variable, source: str, text: str):
         if t.lower() not in var.choices:
             raise ConfigError(f"{bad}: expected one of {', '.join(var.choices)}")
         return t.lower()
-    try:
-        value = (parse_bytes(t, source) if var.kind == "bytes" else
-                 int(t) if var.kind == "int" else float(t))
-    except ValueError:
-        what = {"bytes": "a byte size (e.g. 67108864, 64M, 64MiB, 1.5G)",
-                "int": "an integer", "float": "a number"}[var.kind]
-        raise ConfigError(f"{bad}: expected {what}") from None
+    if var.kind == "bytes":
+        value = parse_bytes(t, source)
+    else:
+        try:
+            value = int(t) if var.kind == "int" else float(t)
+        except ValueError:
+            what = "an integer" if var.kind == "int" else "a number"
+            raise ConfigError(f"{bad}: expected {var.expect or what}") from None
     if (var.lo is not None and value < var.lo) or (var.hi is not None and value > var.hi):
         lo = "" if var.lo is None else f"{var.lo:g}"
         hi = "" if var.hi is None else f"{var.hi:g}"
@@ -153,22 +122,46 @@ def _parse(var: Variable, source: str, text: str):
     return value
 
 
-def lookup(name: str, env=None):
-    """``(value, source)`` of a declared variable: the ``SPARKCCL_*`` value, else the first
-    NCCL variable it honours, else ``(default, "default")``. Raises :class:`ConfigError`
-    naming the variable and the value when the value does not parse."""
-    var = VARIABLES[name]
+def _lookup(var: Variable, env) -> tuple[object, str]:
     env = os.environ if env is None else env
-    for source in (name, *var.nccl):
+    for source in (var.name, *var.nccl):
         text = env.get(source)
         if text is not None and text.strip() != "":
             return _parse(var, source, text), source
     return var.default, "default"
 
 
+def lookup(name: str, env=None) -> tuple[object, str]:
+    """``(value, source)`` of a declared variable: the ``SPARKCCL_*`` value, else the first
+    NCCL variable it honours, else ``(default, "default")``. Raises :class:`ConfigError`
+    naming the variable and the value when the value does not parse."""
+    return _lookup(VARIABLES[name], env)
+
+
 def get(name: str, env=None):
     """The value of a declared variable (its default when unset); see :func:`lookup`."""
-    return lookup(name, env)[0]
+    return _lookup(VARIABLES[name], env)[0]
+
+
+def lookup_nccl(name: str, env=None) -> tuple[object, str | None]:
+    """``(value, source)`` from only the NCCL variables ``name`` honours (``(None, None)``
+    when none is set): for readers that treat an NCCL value differently from their own
+    (``NCCL_IB_HCA`` only narrows discovery, see sparkccl/fabric/select.py)."""
+    var = VARIABLES[name]
+    if not var.nccl:
+        return None, None
+    value, source = _lookup(dataclasses.replace(var, name=var.nccl[0], default=None,
+                                                nccl=var.nccl[1:]), env)
+    return (value, source) if source != "default" else (None, None)
+
+
+def env_bool(name: str, default: bool, env=None) -> bool:
+    """A 0/1 switch: a declared variable (parsed by its declaration), or any other name
+    parsed the same way; unset or empty: ``default``."""
+    var = VARIABLES.get(name) or Variable(name, "bool", default, "", "")
+    value, source = _lookup(var, env)
+    return default if source == "default" else value
+
 
 def _v(name, kind, default, layer, meaning, **kw) -> Variable:
     return Variable(name, kind, default, meaning, layer, **kw)
@@ -216,7 +209,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "ring: addresses per root of the port facing next", default_text="SPARKCCL_TCP_ADDRS"),
     _v("SPARKCCL_TCP_CONNECT_TIMEOUT_S", "float", 10.0, "transport tcp",
        "seconds one connection attempt may take", lo=1e-3),
-    _v("SPARKCCL_TCP_BUF_BYTES", "bytes", None, "transport tcp",
+    _v("SPARKCCL_TCP_BUF_BYTES", "bytes", 4 << 20, "transport tcp",
        "SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning",
        default_text="4 MiB where net.core.[rw]mem_max allows it, else autotuning", lo=0),
     _v("SPARKCCL_IB_HCA", "str", None, "fabric",
@@ -228,10 +221,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "ring: the two roots of the port facing next", default_text="discovered"),
     _v("SPARKCCL_IB_GID_INDEX", "int", None, "fabric",
        "RoCE GID index", nccl=("NCCL_IB_GID_INDEX",), lo=0,
+       expect="a GID index (an integer >= 0)",
        default_text="the RoCE v2 GID of the root's IPv4 address"),
-    _v("SPARKCCL_SYSFS_ROOT", "str", None, "fabric",
-       "where RDMA devices are discovered (tests point it at a fake tree)",
-       default_text="/sys/class/infiniband"),
+    _v("SPARKCCL_SYSFS_ROOT", "str", "/sys", "fabric",
+       "the sysfs whose class/infiniband lists the RDMA devices (tests point it at a fake "
+       "tree)"),
     _v("SPARKCCL_IB_TIMEOUT", "int", 18, "transport verbs",
        "QP local ACK timeout: 4.096 us x 2^t per attempt (18: ~1.07 s)", lo=1, hi=31,
        nccl=("NCCL_IB_TIMEOUT",)),
@@ -278,56 +272,107 @@ class Settings:
     gpu_direct: bool = True
 
 
-def bootstrap_timeout(timeout_s: float | None = None) -> float:
+def bootstrap_timeout(timeout_s: float | None = None, env=None) -> float:
     """The bootstrap timeout, never raising (bad values are reported by :func:`resolve`)."""
     try:
-        t = float(timeout_s) if timeout_s is not None else _env_float("SPARKCCL_TIMEOUT_S",
-                                                                        DEFAULT_TIMEOUT_S)
-        boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(t, DEFAULT_BOOTSTRAP_TIMEOUT_S))
-        return boot if boot > 0 else DEFAULT_BOOTSTRAP_TIMEOUT_S
+        t = float(timeout_s) if timeout_s is not None else get("SPARKCCL_TIMEOUT_S", env)
+        boot = get("SPARKCCL_BOOTSTRAP_TIMEOUT_S", env)
+        return boot if boot is not None else max(t, DEFAULT_BOOTSTRAP_TIMEOUT_S)
     except (TypeError, ValueError):
         return DEFAULT_BOOTSTRAP_TIMEOUT_S
 
 
+def _seconds(name: str, arg: str, value, env) -> tuple[float, str]:
+    if value is None:
+        return lookup(name, env)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg} must be a number of seconds, got {type(value).__name__}")
+    if not value > 0:
+        raise ConfigError(f"{arg}={value!r}: must be > 0 seconds")
+    return float(value), arg
+
+
 def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = None,
-            local_ranks: int = 1) -> Settings:
-    """Settings for one communicator; raises ValueError naming the bad argument or variable."""
+            bootstrap_timeout_s: float | None = None, local_ranks: int = 1,
+            env=None) -> Settings:
+    """Settings for one communicator: each argument beats its ``SPARKCCL_*`` variable, which
+    beats the default. Raises :class:`ConfigError` naming the bad argument or variable."""
     if slot_bytes is None:
-        v = _env("SPARKCCL_SLOT_BYTES")
-        slot = parse_bytes(v, "SPARKCCL_SLOT_BYTES") if v is not None else DEFAULT_SLOT_BYTES
-        slot_src = "SPARKCCL_SLOT_BYTES"
+        slot, slot_src = lookup("SPARKCCL_SLOT_BYTES", env)
     else:
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, (int, str)):
             raise TypeError(f"slot_bytes must be an int (bytes), got {type(slot_bytes).__name__}")
-        slot = parse_bytes(slot_bytes, "slot_bytes")
-        slot_src = "slot_bytes"
-    if slot < MIN_SLOT_BYTES:
-        raise ValueError(f"{slot_src}={slot}: must be at least {MIN_SLOT_BYTES} bytes")
-
-    if timeout_s is None:
-        timeout = _env_float("SPARKCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-        t_src = "SPARKCCL_TIMEOUT_S"
-    else:
-        timeout, t_src = float(timeout_s), "timeout_s"
-    if not timeout > 0:
-        raise ValueError(f"{t_src}={timeout}: must be > 0 seconds")
-
-    boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(timeout, DEFAULT_BOOTSTRAP_TIMEOUT_S))
-    if not boot > 0:
-        raise ValueError(f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={boot}: must be > 0 seconds")
-
-    roots = _env_int("SPARKCCL_ROOTS", DEFAULT_ROOTS)
-    if roots not in (1, 2):
-        raise ValueError(f"SPARKCCL_ROOTS={roots}: must be 1 or 2")
-
+        slot, slot_src = parse_bytes(slot_bytes, "slot_bytes"), "slot_bytes"
+        if slot < MIN_SLOT_BYTES:
+            raise ConfigError(f"slot_bytes={slot}: must be at least {MIN_SLOT_BYTES} bytes")
+    timeout, _ = _seconds("SPARKCCL_TIMEOUT_S", "timeout_s", timeout_s, env)
+    boot, _ = _seconds("SPARKCCL_BOOTSTRAP_TIMEOUT_S", "bootstrap_timeout_s",
+                       bootstrap_timeout_s, env)
+    if boot is None:
+        boot = max(timeout, DEFAULT_BOOTSTRAP_TIMEOUT_S)
     oversub = local_ranks * PROXY_THREADS_PER_RANK > usable_cpus()
-    spin = _env_int("SPARKCCL_PROXY_SPIN_US", OVERSUBSCRIBED_SPIN_US if oversub else DEFAULT_SPIN_US)
-    nap = _env_int("SPARKCCL_PROXY_NAP_US", OVERSUBSCRIBED_NAP_US if oversub else DEFAULT_NAP_US)
-    if spin < 0 or nap < 0:
-        raise ValueError("SPARKCCL_PROXY_SPIN_US / SPARKCCL_PROXY_NAP_US must be >= 0")
-    return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot, roots=roots,
-                    rs_up_front=env_bool("SPARKCCL_RS_UP_FRONT", False),
-                    spin_us=spin, nap_us=nap,
-                    check_sizes=env_bool("SPARKCCL_CHECK_SIZES", True),
+    spin = get("SPARKCCL_PROXY_SPIN_US", env)
+    nap = get("SPARKCCL_PROXY_NAP_US", env)
+    return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot,
+                    roots=get("SPARKCCL_ROOTS", env),
+                    rs_up_front=get("SPARKCCL_RS_UP_FRONT", env),
+                    spin_us=spin if spin is not None else
+                    OVERSUBSCRIBED_SPIN_US if oversub else DEFAULT_SPIN_US,
+                    nap_us=nap if nap is not None else
+                    OVERSUBSCRIBED_NAP_US if oversub else DEFAULT_NAP_US,
+                    check_sizes=get("SPARKCCL_CHECK_SIZES", env),
                     oversubscribed=oversub,
-                    gpu_direct=env_bool("SPARKCCL_GPU_DIRECT", True))
+                    gpu_direct=get("SPARKCCL_GPU_DIRECT", env))
+
+
+# ---- where each effective setting comes from (sparkccl doctor) ---------------------------
+
+def _show(var: Variable, value) -> str:
+    if value is None:
+        return var.default_text or "-"
+    if var.kind == "bytes":
+        return format_bytes(value)
+    if var.kind == "bool":
+        return "1" if value else "0"
+    if var.kind == "list":
+        return ",".join(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def effective(arguments: dict[str, object] | None = None, env=None) -> list[tuple[str, str, str]]:
+    """``(variable, value, source)`` for every declared variable: source is ``argument``
+    (``arguments`` maps variable names to values given on a command line or to the
+    constructor), the ``SPARKCCL_*`` or ``NCCL_*`` variable that set it, ``discovered`` /
+    ``computed`` for a default chosen at run time, or ``default``. A value that does not
+    parse shows as ``INVALID`` with the error as its source."""
+    rows = []
+    for name, var in VARIABLES.items():
+        given = (arguments or {}).get(name)
+        if given is not None:
+            rows.append((name, _show(var, given), "argument"))
+            continue
+        try:
+            value, source = _lookup(var, env)
+        except ConfigError as e:
+            rows.append((name, "INVALID", str(e)))
+            continue
+        if source == "default" and value is None:
+            source = "discovered" if var.layer == "fabric" else "computed"
+        rows.append((name, _show(var, value), source))
+    return rows
+
+
+def variables_table() -> str:
+    """The markdown table of every declared variable (module docstring, README)."""
+    lines = ["| variable | default | read by | meaning |", "| --- | --- | --- | --- |"]
+    for var in VARIABLES.values():
+        default = var.default_text or _show(var, var.default)
+        meaning = var.meaning + (f" (unset: {', '.join(var.nccl)})" if var.nccl else "")
+        lines.append(f"| `{var.name}` | {default} | {var.layer} | {meaning} |")
+    return "\n".join(lines)
+
+
+__doc__ = (__doc__ or "") + "\n" + variables_table() + "\n"
+
+if __name__ == "__main__":
+    print(variables_table())

@@ -38,15 +38,18 @@ def _done(comm) -> None:
         comm.synchronize()
 
 
-def _sweep(comm, world: int, rank: int, quick: bool):
-    from .testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+def _cases(quick: bool):
+    return {kind: [(e, d) for e, d in cases if not (quick and e > QUICK_MAX_ELEMS)]
+            for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES))}
+
+
+def _sweep(comm, world: int, rank: int, quick: bool, progress):
+    from .reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
     rows = []
     case = 0
-    for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES)):
-        for elems, dname in cases:
-            if quick and elems > QUICK_MAX_ELEMS:
-                continue
+    for kind, cases in _cases(quick).items():
+        for done, (elems, dname) in enumerate(cases, 1):
             case += 1
             dtype = _dtype(dname)
             shape = (elems,) if kind == "all_gather" else (world * elems,)
@@ -70,6 +73,7 @@ def _sweep(comm, world: int, rank: int, quick: bool):
                 got = bits(y.cpu())
                 ok = ok and got.size == want.size and bool((got == want).all())
             rows.append((kind, dname, nbytes, statistics.median(times), ok))
+            progress(kind, done, len(cases))
     return rows
 
 
@@ -80,29 +84,43 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
         import torch
         # One process per GPU, or several sharing one when world > GPUs.
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    from .testing import run_bursts
+    from .exact_checks import finalize_demo_case, run_bursts
+    from .localrun import report_progress
+
+    def progress(label, done, total, unit="sizes"):
+        if rank == 0:  # every rank runs the same steps
+            report_progress((label, done, total, unit))
+
+    bursts = 2 if quick else 4
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport=transport, device=device) as comm:
-        rows = _sweep(comm, world, rank, quick)
-        total, bad = run_bursts(comm, world, rank, bursts=2 if quick else 4, per_burst=100,
+        rows = _sweep(comm, world, rank, quick, progress)
+        total, bad = run_bursts(comm, world, rank, bursts=bursts, per_burst=100,
                                 op_seed=1000, input_seed=10_000, to=lambda x: _on(comm, x),
-                                sync=lambda: _done(comm))
-        from .testing import finalize_demo_case
+                                sync=lambda: _done(comm),
+                                on_burst=lambda b: progress("bursts", b, bursts, "bursts"))
         t0 = time.perf_counter()
         fin_ok = finalize_demo_case(comm, world, rank, seed=1)
+        progress("moe_finalize", 1, 1, "checks")
         return {"rows": rows, "burst_total": total, "burst_bad": bad, "finalize_ok": fin_ok,
                 "finalize_s": time.perf_counter() - t0, "pinned_bytes": comm.pinned_bytes}
 
 
 def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
              device: str = "cpu", quick: bool = False) -> int:
-    from .testing import fmt_size, run_ranks
+    from .config import format_bytes
+    from .localrun import run_ranks
+    from .progress import Progress
 
     print(f"sparkccl demo: world {world}, topology {topology}, transport {transport}, "
           f"device {device}")
     t0 = time.monotonic()
-    results = run_ranks(_demo_rank, world, args=(topology, transport, device, quick),
-                        timeout_s=600)
+    progress = Progress("demo")
+    try:
+        results = run_ranks(_demo_rank, world, args=(topology, transport, device, quick),
+                            timeout_s=600, progress=progress)
+    finally:
+        progress.close()
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed:
@@ -122,7 +140,7 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
         algbw = nbytes / t / 1e9
         busbw = algbw * (world - 1) / world
         check = "ok" if not bad else f"MISMATCH on ranks {bad}"
-        print(f"{kind:<15} {dname:<9} {fmt_size(nbytes):>10} {t * 1e6:>10.1f} "
+        print(f"{kind:<15} {dname:<9} {format_bytes(nbytes):>10} {t * 1e6:>10.1f} "
               f"{algbw:>10.3f} {busbw:>10.3f}  {check}")
     total = sum(v["burst_total"] for v in vals) // world
     burst_bad = [(r, b) for r, v in enumerate(vals) for b in v["burst_bad"]]
@@ -132,7 +150,7 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
     fin_bad = [r for r, v in enumerate(vals) if not v["finalize_ok"]]
     print("moe_finalize_reduce_scatter (bf16 and e4m3 experts, T < Tpad): "
           + ("bit-exact on every rank" if not fin_bad else f"MISMATCH on ranks {fin_bad}"))
-    print(f"shared memory per rank: {fmt_size(vals[0]['pinned_bytes'])}")
+    print(f"shared memory per rank: {format_bytes(vals[0]['pinned_bytes'])}")
     ok = not mismatches and not burst_bad and not fin_bad
     print(f"demo: {'passed' if ok else 'FAILED'} in {time.monotonic() - t0:.1f} s")
     return 0 if ok else 1

@@ -1,5 +1,10 @@
 """``sparkccl doctor``: what RDMA hardware this host has and what sparkccl would use.
 
+It prints every setting's effective value and where it came from (argument, ``SPARKCCL_*``,
+``NCCL_*``, discovered / computed, default), the memory a communicator of ``--world`` ranks
+needs per rank against the free space of ``/dev/shm`` (``--local-ranks`` of them on this
+host) and the memlock limit, the RDMA devices, and the lanes each topology would use.
+
 Exit status: 0 when what was asked for can work (or, on a host without RDMA devices, when
 nothing RDMA-specific was asked for); 1 with the reasons otherwise. Without RDMA devices
 that is not a failure: the shm transport still serves ranks on one host.
@@ -25,14 +30,14 @@ from .fabric.discovery import Ipv4Lookup
 # host without RDMA devices. (NCCL_* are often exported for NCCL alone, so they only hint.)
 _RDMA_REQUESTS = ("SPARKCCL_IB_HCA", "SPARKCCL_RING_PREV_HCA", "SPARKCCL_RING_NEXT_HCA",
                   "SPARKCCL_IB_GID_INDEX")
-# Pinned memory per rank (config: about 7-8 x slot_bytes), all of it registered as MRs.
-_PINNED_SLOTS = 8
+SHM_DIR = "/dev/shm"
 _CAP_IPC_LOCK = 14
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "doctor", help="show the RDMA devices found and what sparkccl would use",
+        "doctor", help="effective settings and their sources, shared memory and memlock "
+                  "against what a communicator needs, RDMA devices, what sparkccl would use",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topology", choices=["mesh", "ring"],
                    help="check only this topology (default: show both; fail only if "
@@ -45,6 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--roots", type=int, choices=[1, 2],
                    help="devices (roots) per port to use (default: SPARKCCL_ROOTS or 2)")
     p.add_argument("--sysfs-root", help="read sysfs here (default: $SPARKCCL_SYSFS_ROOT or /sys)")
+    p.add_argument("--world", type=int, default=4,
+                   help="ranks of the communicator the memory figures are for")
+    p.add_argument("--local-ranks", type=int, default=1,
+                   help="ranks on this host (all of --world for the shm transport)")
     p.set_defaults(func=run)
     return p
 
@@ -52,7 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     return doctor(topology=args.topology, devices=args.devices,
                   prev_devices=args.prev_devices, next_devices=args.next_devices,
-                  gid_index=args.gid_index, roots=args.roots, sysfs_root=args.sysfs_root)
+                  gid_index=args.gid_index, roots=args.roots, sysfs_root=args.sysfs_root,
+                  world=args.world, local_ranks=args.local_ranks)
 
 
 # -- host checks -------------------------------------------------------------------------
@@ -119,6 +129,74 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):g} MiB"
 
 
+def shm_free(path: str = SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate in ``path`` (None: no such mount)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def bytes_per_rank(world: int, topology: str | None, slot_bytes: int, roots: int) -> int:
+    """Shared memory one rank of a ``world``-rank communicator holds (control block,
+    all-gather slots, and the reduce-scatter slots once used); the larger topology when
+    ``topology`` is None."""
+    try:
+        from .buffers import bytes_per_rank as per_rank
+    except ImportError:  # TODO(integrator): sparkccl/buffers.py (H-A) replaces the fallback
+        per_rank = _bytes_per_rank
+    return max(per_rank(world, t, slot_bytes, roots)
+               for t in ((topology,) if topology else ("mesh", "ring")))
+
+
+def _bytes_per_rank(world: int, topology: str, slot_bytes: int, roots: int) -> int:
+    from . import layout
+    from .plan.build import build_plan
+    from .plan.geometry import ALIGN
+    from .plan.model import REGION_SLOTS, Region
+    max_slice = (slot_bytes // world) // ALIGN * ALIGN
+    most = 0
+    for rank in range(world):
+        plan = build_plan(topology, world, rank, roots)
+        most = max(most, layout.control_bytes(plan.num_flag_words)
+                   + REGION_SLOTS[Region.AG] * layout.slot_stride(slot_bytes)
+                   + REGION_SLOTS[Region.RS_SEND] * layout.slot_stride(slot_bytes)
+                   + REGION_SLOTS[Region.RS_RECV]
+                   * layout.slot_stride(plan.rs_recv_blocks * max_slice))
+    return most
+
+
+def _memory(world: int, local_ranks: int, topology: str | None, slot_bytes: int, roots: int,
+            shm_space: Callable[[], int | None], out: TextIO) -> tuple[list[str], int]:
+    """Print the memory a communicator needs against /dev/shm; (problems, bytes per rank)."""
+    try:
+        need = bytes_per_rank(world, topology, slot_bytes, roots)
+    except ValueError as e:
+        return [f"--world {world}: {e}"], 0
+    host = need * local_ranks
+    free = shm_space()
+    size = config.format_bytes
+    print(f"memory: {size(need)} of shared memory per rank (world {world}, slot "
+          f"{size(slot_bytes)}: all-gather 3 slots, reduce-scatter 2 send + 2 receive slots "
+          f"once used, control block); {local_ranks} rank(s) here: {size(host)}", file=out)
+    problems = []
+    if free is None:
+        text = f"{SHM_DIR} is not mounted: the shm segments cannot be created"
+        problems.append(text)
+    elif free < host:
+        text = (f"{size(free)} free, {size(host)} needed: too small; a collective would die "
+                f"with SIGBUS or fail to reserve its memory; enlarge it (docker run "
+                f"--shm-size={-(-host // (1 << 30)) + 1}g, or mount -o remount,size=... "
+                f"{SHM_DIR}) or lower SPARKCCL_SLOT_BYTES")
+        problems.append(f"{SHM_DIR}: {text}")
+    else:
+        room = f"room for {free // need} rank(s) of this size" if need else "nothing needed"
+        text = f"{size(free)} free ({room})"
+    print(f"{SHM_DIR}: {text}", file=out)
+    return problems, need
+
+
 # -- report ------------------------------------------------------------------------------
 
 def _table(rows: list[list[str]]) -> str:
@@ -165,19 +243,29 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
            sysfs_root: str | None = None, env: Mapping[str, str] | None = None,
            ipv4_of: Ipv4Lookup | None = None, out: TextIO | None = None,
            verbs: Callable[[], tuple[bool, str, list[str] | None]] = verbs_status,
-           memlock: Callable[[int], tuple[bool, str]] = memlock_status) -> int:
+           memlock: Callable[[int], tuple[bool, str]] = memlock_status,
+           shm_space: Callable[[], int | None] = shm_free,
+           world: int = 4, local_ranks: int = 1) -> int:
     """Print the report; return the exit status. Tests inject sysfs/env/ipv4/checks."""
     out = out if out is not None else sys.stdout
     env = os.environ if env is None else env
     problems: list[str] = []
 
+    arguments = {"SPARKCCL_IB_HCA": devices, "SPARKCCL_RING_PREV_HCA": prev_devices,
+                 "SPARKCCL_RING_NEXT_HCA": next_devices, "SPARKCCL_IB_GID_INDEX": gid_index,
+                 "SPARKCCL_ROOTS": roots, "SPARKCCL_SYSFS_ROOT": sysfs_root}
+    rows = config.effective(arguments, env)
+    print("settings (value, where it comes from):", file=out)
+    print(_table([["  " + n, v, src] for n, v, src in rows]) + "\n", file=out)
+    problems += [src for _, v, src in rows if v == "INVALID"]
     try:
-        settings = config.resolve()
+        settings = config.resolve(env=env)
         slot_bytes, default_roots = settings.slot_bytes, settings.roots
-    except ValueError as e:
-        problems.append(str(e))
+    except ValueError:  # already reported as INVALID above
         slot_bytes, default_roots = config.DEFAULT_SLOT_BYTES, config.DEFAULT_ROOTS
     roots = roots if roots is not None else default_roots
+    more, need = _memory(world, local_ranks, topology, slot_bytes, roots, shm_space, out)
+    problems += more
 
     fabric = discover(sysfs_root, ipv4_of=ipv4_of)
     asked = [f"--{n.replace('_', '-')}" for n, v in
@@ -191,14 +279,15 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
               "the shm transport (one host) remains available, and tcp between hosts",
               file=out)
         # For information only: neither matters without an RDMA device.
-        print(f"memlock: {memlock(_PINNED_SLOTS * slot_bytes)[1]}", file=out)
+        print(f"memlock: {memlock(need)[1]}", file=out)
         print(f"libibverbs: {verbs()[1]}", file=out)
         for v in ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX"):
             if env.get(v, "").strip():
                 print(f"note: {v} is set but there is nothing for it to select", file=out)
         if asked:
-            print(f"FAIL: {', '.join(asked)} asks for RDMA devices, and there are none",
-                  file=out)
+            problems.append(f"{', '.join(asked)} asks for RDMA devices, and there are none")
+        if problems:
+            print("FAIL: " + "\n      ".join(problems), file=out)
             return 1
         return 0
 
@@ -212,7 +301,7 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
     rows += [_port_row(fabric, d, p, gid) for d, p in fabric.ports()]
     print(_table(rows) + "\n", file=out)
 
-    ok, text = memlock(_PINNED_SLOTS * slot_bytes)
+    ok, text = memlock(need)
     print(f"memlock: {text}", file=out)
     if not ok:
         problems.append(f"memlock limit: {text}")

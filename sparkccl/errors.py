@@ -1,10 +1,26 @@
-"""Exceptions raised by sparkccl.
+"""The exceptions sparkccl raises, all exported from the ``sparkccl`` package.
 
-Bad input raises the builtin ``ValueError`` / ``TypeError`` before anything is sent.
+::
+
+    SparkcclError                        base of everything below
+    ├── ConfigError (ValueError)         a setting (argument or SPARKCCL_* / NCCL_* variable)
+    │                                    has a value sparkccl cannot use
+    ├── FabricError (ValueError)         the RDMA devices / ports / GIDs asked for (or found)
+    │                                    cannot carry a communicator
+    ├── CudaUnavailable (RuntimeError)   device="cuda" without a working CUDA data plane
+    │                                    (cuda-python, NVRTC, a GPU of compute capability >= 8.0)
+    └── CollectiveError (RuntimeError)   a collective (or the creation or close of a
+                                         communicator) could not complete
+
+What a caller catches: ``ConfigError`` / ``FabricError`` / ``CudaUnavailable`` when a
+communicator is created (fix the setting or the host, then retry), ``CollectiveError`` from
+any call afterwards (the communicator is then unusable: build a new one). ``SparkcclError``
+catches all four. Bad arguments to a call (a wrong dtype, shape or device) raise the builtin
+``ValueError`` / ``TypeError`` before anything is sent; the communicator stays usable.
 Everything that goes wrong while a collective runs (a wait past its timeout, a dead or
 aborted peer, a transport failure, sizes that differ across ranks) raises
-:class:`CollectiveError`; once a communicator has failed, every later call on it raises
-``CollectiveError`` with the recorded cause. Build a new communicator to recover.
+``CollectiveError``; once a communicator has failed, every later call on it raises
+``CollectiveError`` with the recorded cause.
 """
 from __future__ import annotations
 
@@ -16,6 +32,16 @@ class SparkcclError(Exception):
 class ConfigError(SparkcclError, ValueError):
     """A setting (argument or environment variable) has a value sparkccl cannot use; the
     message names the setting and the value."""
+
+
+class FabricError(SparkcclError, ValueError):
+    """The requested RDMA fabric configuration cannot work (devices, ports, GIDs, pairing
+    of lanes across ranks); the message gives every reason."""
+
+
+class CudaUnavailable(SparkcclError, RuntimeError):
+    """cuda-python (cuda.core / cuda.bindings) or NVRTC is missing or unusable, or the GPU
+    is older than the kernels need."""
 
 
 class CollectiveError(SparkcclError, RuntimeError):

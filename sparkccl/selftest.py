@@ -30,8 +30,9 @@ import sys
 import time
 import traceback
 
+from . import config
+from .config import format_bytes
 from .fabric.discovery import rate_gbps
-from .testing import fmt_size
 
 # (per-rank elements, dtype): 1 byte up, odd sizes, 16-byte multiples, a few MiB.
 AG_CASES = [(1, "uint8"), (15, "uint8"), (16, "uint8"), (17, "uint8"), (1000, "uint8"),
@@ -51,7 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
+    p.add_argument("--topology", choices=["mesh", "ring"], default="mesh",
+                   help="mesh (boxes on a switch) or ring (switchless, cabled box to box)")
     p.add_argument("--transport", choices=["verbs", "tcp", "shm", "auto"], default="verbs",
                    help="default verbs (RDMA); tcp / shm to compare or to test the tool")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -95,8 +97,8 @@ class _Ctx:
 
 def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
     import torch
-    from .testing import (all_gather_reference, bits, make_input, reduce_scatter_reference,
-                          reduce_scatter_via_input)
+    from .exact_checks import finalize_demo_case, reduce_scatter_via_input
+    from .reference import all_gather_reference, bits, make_input, reduce_scatter_reference
     W, r = c.world, c.rank
     bad, n = [], 0
     for case, (elems, dname) in enumerate(AG_CASES):
@@ -128,7 +130,6 @@ def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
         n += 1
         if not (bits(y.cpu()) == want).all():
             bad.append(f"reduce_scatter (zero-copy input) {W} x {elems} x {dname}")
-    from .testing import finalize_demo_case
     n += 1
     if not finalize_demo_case(c.comm, W, r, 7):
         bad.append("moe_finalize_reduce_scatter (bf16 and e4m3 cases)")
@@ -136,7 +137,7 @@ def _exact(c: _Ctx, max_slice: int, quick: bool) -> tuple[int, list[str]]:
 
 
 def _bursts(c: _Ctx, bursts: int, per_burst: int = 100) -> tuple[int, list[str]]:
-    from .testing import BURST_SIZES, run_bursts
+    from .exact_checks import BURST_SIZES, run_bursts
     return run_bursts(c.comm, c.world, c.rank, bursts=bursts, per_burst=per_burst,
                       op_seed=5000, input_seed=100_000, to=c.to, sync=c.sync,
                       sizes=(*BURST_SIZES, 1 << 18))
@@ -247,7 +248,7 @@ def selftest(topology: str = "mesh", transport: str = "verbs", device: str = "au
             report["rows"] = _bandwidth(c, max_slice, iters, quick)
     except Exception as e:  # noqa: BLE001 - every failure ends in the verdict
         report["error"] = f"{type(e).__name__}: {e}"
-        if os.environ.get("SPARKCCL_SELFTEST_TRACEBACK"):
+        if config.get("SPARKCCL_SELFTEST_TRACEBACK"):
             report["error"] += "\n" + traceback.format_exc()
     finally:
         if comm is not None:
@@ -297,10 +298,10 @@ def _print(reports: list[dict], topology: str, transport: str, device: str, out)
           f"slowest rank){'; link ' + format(port, 'g') + ' Gb/s' if port else ''}")
         p(f"{'collective':<15} {'slice':>10} {'time (us)':>11} {'Gb/s':>8}")
         for name, size, t, gbps in rows:
-            p(f"{name:<15} {fmt_size(size):>10} {t * 1e6:>11.1f} {gbps:>8.1f}")
+            p(f"{name:<15} {format_bytes(size):>10} {t * 1e6:>11.1f} {gbps:>8.1f}")
             if gbps > best.get(name, (0, 0))[0]:
                 best[name] = (gbps, size)
-    summary = ", ".join(f"{k} {v[0]:.1f} Gb/s ({fmt_size(v[1])} per rank)" for k, v in best.items())
+    summary = ", ".join(f"{k} {v[0]:.1f} Gb/s ({format_bytes(v[1])} per rank)" for k, v in best.items())
     if problems:
         p("\nproblems:\n  " + "\n  ".join(problems[:20]))
         if len(problems) > 20:

@@ -311,7 +311,7 @@ class Run:
             return ""
 
     def wait(self, timeout_s: float):
-        from sparkccl.testing import RankResult
+        from sparkccl.localrun import RankResult
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             left = deadline - time.monotonic()
@@ -416,7 +416,7 @@ def _rank_main(spec_path: str, rank: int) -> int:
         value = fn(rank, world, store, *spec["args"])
         result = ("ok", value)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        from sparkccl.testing import failure_record
+        from sparkccl.localrun import failure_record
         result = ("err", failure_record(e))
     with open(out + ".tmp", "wb") as f:
         pickle.dump((*result, time.monotonic() - t0), f)

@@ -1,21 +1,156 @@
-"""The command line's argument checks (sparkccl/cli.py) that need no ranks."""
+"""The command line (sparkccl/cli.py): argument checks before anything starts, help, version,
+progress lines, the bench plot. Nothing here starts ranks except one small run_ranks check."""
 from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
 
 import pytest
 
-from sparkccl import bench
-from sparkccl.cli import main
+import sparkccl
+from sparkccl import bench, demo, localrun
+from sparkccl.cli import build_parser, main
+from sparkccl.progress import Progress
+
+COMMANDS = ("demo", "bench", "plan", "doctor", "selftest")
 
 
-def test_bench_baselines_by_name():
-    assert [b for b, _ in bench.baselines_for("cuda")] == ["nccl", "nccl-p2p-off", "nccl-sockets"]
-    assert [b for b, _ in bench.baselines_for("cuda", only=["nccl-p2p-off"])] == ["nccl-p2p-off"]
-    assert bench.baselines_for("cpu", baseline=False) == ()
-    with pytest.raises(ValueError, match="unknown baseline nccl for device cpu"):
-        bench.baselines_for("cpu", only=["nccl"])
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if any rank would be started."""
+    def refuse(*a, **k):
+        raise AssertionError("ranks were started")
+    monkeypatch.setattr(localrun, "run_ranks", refuse)
+    monkeypatch.setattr(demo, "run_demo", refuse)
+    monkeypatch.setattr(bench, "run_bench", refuse)
 
 
-def test_bench_refuses_an_unknown_baseline_before_starting(capsys):
-    assert main(["bench", "--baseline", "gloo", "--baseline", "mpi"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown baseline mpi for device cpu (have: gloo)" in err
+def _exit_code(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--world", "0"], "argument --world: 0: sparkccl's plans cover 2 to 8 ranks"),
+    (["demo", "--world", "9"], "argument --world: 9: sparkccl's plans cover 2 to 8 ranks"),
+    (["demo", "--world", "1"], "argument --world: 1: sparkccl's plans cover 2 to 8 ranks"),
+    (["demo", "--world", "four"], "argument --world: 'four' is not a whole number of ranks"),
+    (["plan", "--collective", "all_gather", "--world", "0"], "2 to 8 ranks"),
+    (["plan", "--collective", "all_gather", "--world", "9"], "2 to 8 ranks"),
+    (["bench", "--world", "9"], "2 to 8 ranks"),
+    (["demo", "--transport", "ib"], "invalid choice: 'ib'"),
+    (["bench", "--min-bytes", "1.5Q"], "'1.5Q': expected a byte size"),
+    (["bench", "--iters", "0"], "argument --iters: 0: must be at least 1"),
+    (["bench", "--min-bytes", "2M", "--max-bytes", "1M"], "--min-bytes 2097152 is larger"),
+    (["bench", "--baseline", "gloo", "--baseline", "mpi"],
+     "unknown baseline mpi for device cpu (have: gloo)"),
+])
+def test_bad_arguments_exit_2_before_anything_starts(argv, message, capsys, nothing_starts):
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert f"sparkccl {argv[0]}: error:" in err and message in err
+    assert err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_transports_are_accepted_and_passed_through(monkeypatch):
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(kw) or 0)
+    for t in ("auto", "shm", "tcp", "verbs"):
+        assert main(["demo", "--transport", t, "--world", "2"]) == 0
+    assert [kw["transport"] for kw in seen] == ["auto", "shm", "tcp", "verbs"]
+    assert {kw["world"] for kw in seen} == {2}
+
+
+def test_bench_sizes_parse_like_the_settings(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or 0)
+    assert main(["bench", "--min-bytes", "1.5M", "--max-bytes", "64MiB", "--no-baseline"]) == 0
+    assert seen["min_bytes"] == 3 << 19 and seen["max_bytes"] == 64 << 20
+    assert main(["bench", "--no-baseline"]) == 0  # string defaults go through the same type
+    assert seen["min_bytes"] == 1 << 20 and seen["max_bytes"] == 64 << 20
+
+
+def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, nothing_starts):
+    monkeypatch.setattr(bench, "have_matplotlib", lambda: False)
+    code, err = _exit_code(["bench", "--plot", "out.png"], capsys)
+    assert code == 2 and "--plot needs matplotlib: pip install 'sparkccl[plot]'" in err
+
+
+def test_bench_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the optional [plot] extra is not installed")
+    path = tmp_path / "busbw.png"
+    sizes = [1 << 20, 4 << 20, 16 << 20]
+    bench.plot_busbw(str(path), sizes, {
+        "all_gather": {"sparkccl": [1.0, 2.0, 3.0], "gloo": [0.5, None, 1.0]},
+        "reduce_scatter": {"sparkccl": [1.0, 1.5, 2.5], "gloo": [0.4, 0.6, 0.9]}}, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_lists_every_command_and_every_option_has_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for c in COMMANDS:
+        assert f"\n    {c} " in out
+    ap = build_parser()
+    subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subs.choices) == set(COMMANDS)
+    for name, p in subs.choices.items():
+        for action in p._actions:
+            assert action.help, f"sparkccl {name} {action.option_strings}: no help text"
+        text = p.format_help()
+        for action in p._actions:
+            if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+                assert f"(default: {action.default})" in " ".join(text.split()), \
+                    f"sparkccl {name} {action.option_strings[0]}: default not shown"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sparkccl {sparkccl.__version__}"
+
+
+def test_parser_imports_nothing_heavy():
+    code = ("import sys; from sparkccl.cli import build_parser; build_parser(); "
+            "heavy = [m for m in ('torch', 'numpy', 'sparkccl.comm', 'sparkccl._native') "
+            "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_progress_plain_lines_when_not_a_terminal():
+    out = io.StringIO()
+    p = Progress("demo", stream=out)
+    p.update("all_gather", 1, 6)
+    p(0, ("bursts", 2, 4, "bursts"))
+    p.close()
+    assert out.getvalue() == "demo: all_gather 1/6 sizes\ndemo: bursts 2/4 bursts\n"
+
+
+def _reporting_job(rank, world, store, steps):
+    for i in range(1, steps + 1):
+        localrun.report_progress((f"rank{rank}", i, steps))
+    return rank
+
+
+def test_run_ranks_delivers_progress_from_the_ranks():
+    seen = []
+    results = localrun.run_ranks(_reporting_job, 2, args=(3,), timeout_s=120,
+                                 progress=lambda rank, item: seen.append((rank, item)))
+    assert localrun.check(results) == [0, 1]
+    for r in (0, 1):
+        assert [item for rank, item in seen if rank == r] == \
+            [(f"rank{r}", i, 3) for i in (1, 2, 3)]
+
+
+def test_console_script_entry_point_is_the_cli():
+    r = subprocess.run([sys.executable, "-m", "sparkccl.cli", "plan", "--collective",
+                        "reduce_scatter", "--world", "3"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0 and "verifier: passed" in r.stdout

@@ -12,8 +12,9 @@ import time
 import torch
 
 import sparkccl
-from sparkccl.testing import (all_gather_reference, bits, check, issue_ops, make_input,
-                              reduce_scatter_reference, run_ranks)
+from helpers import issue_ops
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 N_PER_TOPOLOGY = 1200
 DTYPES_AG = (torch.uint8, torch.bfloat16, torch.float32, torch.int16)

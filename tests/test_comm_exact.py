@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 import sparkccl
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,
-                              reduce_scatter_reference, reduce_scatter_via_input, run_ranks)
+from sparkccl.exact_checks import reduce_scatter_via_input
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 MiB = 1 << 20
 

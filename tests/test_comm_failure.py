@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import sparkccl
-from sparkccl.testing import (KILLED, bits, check, make_input, reduce_scatter_reference,
-                              run_ranks, shm_leftovers)
+from helpers import shm_leftovers
+from sparkccl.localrun import KILLED, check, run_ranks
+from sparkccl.reference import bits, make_input, reduce_scatter_reference
 
 TIMEOUT = 3.0
 

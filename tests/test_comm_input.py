@@ -11,8 +11,9 @@ import torch.distributed as dist
 import sparkccl
 from sparkccl import bootstrap, config
 from sparkccl.transport import check as lane_check
-from sparkccl.testing import (assert_no_problems, bits, check, expect_errors, make_input,
-                              reduce_scatter_reference, run_ranks)
+from helpers import assert_no_problems, expect_errors
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import bits, make_input, reduce_scatter_reference
 
 
 def _bad_cases(comm):

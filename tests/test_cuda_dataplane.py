@@ -1,7 +1,7 @@
 """The GPU data plane (sparkccl/dataplane/cuda.py + kernels/), in process: every rank of a
 world lives in this process with its own control block, regions, native Proxy (shm
 transport) and CudaDataPlane, each rank launching on its own stream. Results are checked
-bit for bit against the numpy references in sparkccl.testing.
+bit for bit against the numpy references in sparkccl.reference.
 
 Every test runs on two backends:
 
@@ -38,7 +38,7 @@ from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
-from sparkccl.testing import all_gather_reference, make_input, reduce_scatter_reference
+from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
@@ -892,10 +892,10 @@ def _comm_job(rank, world, store, topology, slot_bytes):
     import torch.distributed as dist
 
     import sparkccl
-    from sparkccl.testing import all_gather_reference as agr
-    from sparkccl.testing import bits as B
-    from sparkccl.testing import make_input as mk
-    from sparkccl.testing import reduce_scatter_reference as rsr
+    from sparkccl.reference import all_gather_reference as agr
+    from sparkccl.reference import bits as B
+    from sparkccl.reference import make_input as mk
+    from sparkccl.reference import reduce_scatter_reference as rsr
     T.cuda.set_device(rank % T.cuda.device_count())
     W = world
     ag_cases = [((1,), T.uint8), ((1000,), T.uint8), ((W * 64, 33), T.bfloat16),
@@ -954,7 +954,7 @@ def _comm_job(rank, world, store, topology, slot_bytes):
     ("ring", 4, 256 << 10),  # a small slot: inputs are split into several collectives
     ("ring", 3, 8 << 20)])
 def test_communicator_cuda(topology, world, slot_bytes):
-    from sparkccl.testing import check, run_ranks
+    from sparkccl.localrun import check, run_ranks
     values = check(run_ranks(_comm_job, world, args=(topology, slot_bytes), timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)

@@ -1,4 +1,4 @@
-"""Fabric discovery, selection (SPEC §10) and `sparkccl doctor`, against fake GB10 sysfs trees."""
+"""Fabric discovery, selection (docs/CONTRACT.md §6) and `sparkccl doctor`, against fake GB10 sysfs trees."""
 from __future__ import annotations
 
 import argparse

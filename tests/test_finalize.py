@@ -1,6 +1,6 @@
 """The MoE finalize fused into the reduce-scatter (SPEC §6), checked bit for bit.
 
-* the numpy reference's fp32 FMA (``sparkccl.testing.fma_f32``) against exact rational
+* the numpy reference's fp32 FMA (``sparkccl.reference.fma_f32``) against exact rational
   arithmetic, including cases where a float64 multiply-add rounds twice and gets it wrong;
 * the CPU twin's rows (``_native.finalize_rows``, std::fmaf) and e4m3 decoding against the
   reference (torch's own float8 conversion);
@@ -27,10 +27,11 @@ import pytest
 import torch
 
 from sparkccl import finalize as F
-from sparkccl.testing import (all_gather_reference, assert_no_problems, bf16_bits_to_f32, bits,
-                              check, expect_errors, finalize_rows_reference, fma_f32,
-                              make_finalize_input, make_input, moe_finalize_reference,
-                              reduce_scatter_reference, run_ranks)
+from helpers import assert_no_problems, expect_errors
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import (all_gather_reference, bf16_bits_to_f32, bits,
+                                finalize_rows_reference, fma_f32, make_finalize_input,
+                                make_input, moe_finalize_reference, reduce_scatter_reference)
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 HAVE_GPU = torch.cuda.is_available()

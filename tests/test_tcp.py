@@ -22,8 +22,8 @@ from sparkccl.transport import tcp as T
 from sparkccl.errors import CollectiveError
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,
-                              reduce_scatter_reference, run_ranks)
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402
 from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest

@@ -27,8 +27,10 @@ import netns  # noqa: E402
 
 import sparkccl  # noqa: E402
 from sparkccl.errors import CollectiveError  # noqa: E402
-from sparkccl.testing import (all_gather_reference, bits, check, issue_ops,  # noqa: E402
-                              make_input, reduce_scatter_reference)
+from helpers import issue_ops  # noqa: E402
+from sparkccl.localrun import check  # noqa: E402
+from sparkccl.reference import (all_gather_reference, bits, make_input,  # noqa: E402
+                                reduce_scatter_reference)
 
 _WHY = netns.unavailable_reason()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"namespace testbed: {_WHY}")

@@ -19,8 +19,8 @@ import sparkccl._native as N
 from sparkccl import layout as L
 from sparkccl.errors import CollectiveError
 from sparkccl.plan.model import Region
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,
-                              reduce_scatter_reference, run_ranks)
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 import emunic
 from fakesysfs import GB10

@@ -882,7 +882,7 @@ def _comm_world(monkeypatch, topology, world, job, timeout_s=30.0, **kw):
 
 def _exact_job(comm, r):
     import torch
-    from sparkccl.testing import all_gather_reference, bits, make_input, reduce_scatter_reference
+    from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
     W = comm.world_size
     bad = []
     for case, (elems, dtype) in enumerate([(1, torch.uint8), (1000, torch.bfloat16),

@@ -98,7 +98,7 @@ void bind_cuda_ops(nb::module_& m);  // cuda_ops.cpp: the copy-engine data plane
 }
 
 NB_MODULE(_native, m) {
-  m.doc() = "sparkccl native layer: control block, publish/wait helpers, proxy, shm transport";
+  m.doc() = "sparkccl native layer: control block, publish/wait helpers, the proxy, and its shm, tcp and verbs transports";
   m.attr("ABI_VERSION") = 2;
 
   m.def("layout", &layout_dict, "The control-segment layout constants (names as in sparkccl/layout.py).");

@@ -1,5 +1,5 @@
 // tcp transport (SPEC §7): any IP network. One TCP socket per connection of the plan,
-// connected and authenticated by Python (sparkccl/tcp.py) and handed over as file
+// connected and authenticated by Python (sparkccl/transport/tcp.py) and handed over as file
 // descriptors; this file only moves frames.
 //
 // Frames (host byte order: every supported host is little-endian), a 24-byte header

@@ -131,7 +131,7 @@ class Transport {
 // shm: peers' segments are mapped in this process; one ordered copy worker per connection.
 std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInfo> conns);
 
-// tcp: connected, authenticated sockets from Python (sparkccl/tcp.py); the transport owns
+// tcp: connected, authenticated sockets from Python (sparkccl/transport/tcp.py); the transport owns
 // (and closes) the descriptors. send_fds[i] carries connection i; each incoming socket is
 // described by the peer that sends on it and the local channel / root it arrives on.
 struct TcpRecvConn {

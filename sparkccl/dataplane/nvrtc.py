@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from .. import config
+from ..errors import CudaUnavailable  # noqa: F401 - raised here, defined with the others
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 KERNELS_CU = KERNELS_DIR / "kernels.cu"
@@ -38,10 +39,6 @@ KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wa
 MIN_ARCH = 80
 INSTALL_HINT = ("pip install 'sparkccl[cuda]' (or: pip install cuda-core cuda-bindings "
                 "nvidia-cuda-nvrtc, matching your CUDA major version)")
-
-
-class CudaUnavailable(RuntimeError):
-    """cuda-python (cuda.core / cuda.bindings) or NVRTC is missing or unusable."""
 
 
 def import_cuda_core():

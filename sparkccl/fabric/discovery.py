@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from .. import config
+
 DEFAULT_SYSFS_ROOT = "/sys"
 SYSFS_ROOT_ENV = "SPARKCCL_SYSFS_ROOT"
 
@@ -123,7 +125,7 @@ class Fabric:
 
 
 def sysfs_root_default() -> str:
-    return os.environ.get(SYSFS_ROOT_ENV, "").strip() or DEFAULT_SYSFS_ROOT
+    return config.get(SYSFS_ROOT_ENV)
 
 
 def roce_active_mtu(netdev_mtu: int | None) -> int | None:

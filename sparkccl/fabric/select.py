@@ -1,4 +1,4 @@
-"""Which RDMA devices, ports and GIDs sparkccl uses (SPEC §10 precedence).
+"""Which RDMA devices, ports and GIDs sparkccl uses (docs/CONTRACT.md "Configuration").
 
 Devices, first match wins:
 
@@ -28,10 +28,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .. import config
+from ..errors import ConfigError, FabricError
 from .discovery import ROCE_V2, Device, Fabric, Ipv4Lookup, Port, discover
-
-class FabricError(ValueError):
-    """The requested fabric configuration cannot work; the message gives every reason."""
 
 
 @dataclass(frozen=True)
@@ -193,27 +192,21 @@ class _Log:
         self.errors: list[str] = []
 
 
-def _env(env: Mapping[str, str], name: str) -> str | None:
-    v = env.get(name)
-    return v.strip() if v is not None and v.strip() else None
 
 
 def resolve_gid_index(gid_index: int | None = None,
                       env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
     """(forced GID index or None, who forced it): argument, SPARKCCL_IB_GID_INDEX, then
     NCCL_IB_GID_INDEX. Raises FabricError for a value that is not an index."""
-    env = os.environ if env is None else env
     if gid_index is not None:
         if isinstance(gid_index, bool) or not isinstance(gid_index, int) or gid_index < 0:
             raise FabricError(f"gid_index={gid_index!r}: expected an integer >= 0")
         return gid_index, f"gid_index={gid_index}"
-    for name in ("SPARKCCL_IB_GID_INDEX", "NCCL_IB_GID_INDEX"):
-        v = _env(env, name)
-        if v is not None:
-            if not v.isdigit():
-                raise FabricError(f"{name}={v!r}: expected a GID index (an integer >= 0)")
-            return int(v), f"{name}={v}"
-    return None, ""
+    try:
+        value, source = config.lookup("SPARKCCL_IB_GID_INDEX", env)
+    except ConfigError as e:
+        raise FabricError(str(e)) from None
+    return (None, "") if value is None else (value, f"{source}={value}")
 
 
 def _spec(value, source: str, log: _Log) -> HcaList | None:
@@ -325,15 +318,14 @@ def select_mesh(fabric: Fabric | None = None, *, devices: str | Sequence[str] | 
     if log.errors:
         return _finish("mesh", "", log)
     spec, strict = None, False
-    for source, value in (("devices", devices), ("SPARKCCL_IB_HCA", _env(env, "SPARKCCL_IB_HCA"))):
+    hca, hca_source = config.lookup("SPARKCCL_IB_HCA", env)
+    for source, value in (("devices", devices), (hca_source, hca)):
         if value is not None:
             spec = _spec(value, source, log)
-            strict = spec is not None and not spec.exclude
+            # NCCL_IB_HCA was written for NCCL, which uses every device it matches: it
+            # only narrows discovery.
+            strict = spec is not None and not spec.exclude and source != "NCCL_IB_HCA"
             break
-    else:
-        nccl = _env(env, "NCCL_IB_HCA")
-        if nccl is not None:
-            spec = _spec(nccl, "NCCL_IB_HCA", log)
     if log.errors:
         return _finish("mesh", "", log)
     source = spec.label if spec else "automatic discovery"
@@ -371,7 +363,7 @@ def select_ring(fabric: Fabric | None = None, *,
     sides = {}
     for side, arg, var in (("prev", prev_devices, "SPARKCCL_RING_PREV_HCA"),
                            ("next", next_devices, "SPARKCCL_RING_NEXT_HCA")):
-        for source, value in ((f"{side}_devices", arg), (var, _env(env, var))):
+        for source, value in ((f"{side}_devices", arg), (var, config.get(var, env))):
             if value is not None:
                 sides[side] = _spec(value, source, log)
                 break
@@ -400,7 +392,7 @@ def select_ring(fabric: Fabric | None = None, *,
                           "next devices")
         return _finish("ring", "", log)
 
-    nccl = _env(env, "NCCL_IB_HCA")
+    nccl = config.lookup_nccl("SPARKCCL_IB_HCA", env)[0]
     spec = _spec(nccl, "NCCL_IB_HCA", log) if nccl is not None else None
     if log.errors:
         return _finish("ring", "", log)

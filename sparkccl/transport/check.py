@@ -21,13 +21,12 @@ before every rank has reported, so the reset never races a collective.
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import time
 
 import numpy as np
 
-from ..config import env_bool
+from .. import config
 from ..errors import CollectiveError
 from ..plan.model import Region
 
@@ -40,21 +39,12 @@ MAGIC = b"SCHK"
 
 
 def enabled(env=None) -> bool:
-    return env_bool(ENV_ENABLE, True, env)
+    return config.get(ENV_ENABLE, env)
 
 
 def timeout_for(timeout_s: float, env=None) -> float:
-    env = os.environ if env is None else env
-    v = env.get(ENV_TIMEOUT)
-    if v is not None and v.strip():
-        try:
-            t = float(v)
-        except ValueError:
-            raise ValueError(f"{ENV_TIMEOUT}={v!r}: expected a number of seconds") from None
-        if not t > 0:
-            raise ValueError(f"{ENV_TIMEOUT}={t}: must be > 0")
-        return t
-    return min(timeout_s, DEFAULT_TIMEOUT_S)
+    t = config.get(ENV_TIMEOUT, env)
+    return t if t is not None else min(timeout_s, DEFAULT_TIMEOUT_S)
 
 
 def pattern(sender: int, receiver: int, word: int) -> bytes:

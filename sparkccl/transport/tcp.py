@@ -330,8 +330,8 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
     world = len(plans)
     env = os.environ if env is None else env
     deadline = time.monotonic() + timeout_s
-    connect_timeout = float(env.get(ENV_CONNECT_TIMEOUT) or DEFAULT_CONNECT_TIMEOUT_S)
-    buf_bytes = config.parse_bytes(env.get(ENV_BUF) or DEFAULT_BUF_BYTES, ENV_BUF)
+    connect_timeout = config.get(ENV_CONNECT_TIMEOUT, env)
+    buf_bytes = config.get(ENV_BUF, env)
     eps = local_endpoints(topology, roots, env)
 
     # Who connects to this rank, and on which of its listeners.

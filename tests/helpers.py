@@ -1,0 +1,61 @@
+"""Helpers only the tests use: issuing op lists, bad-input cases, /dev/shm leftovers."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sparkccl.exact_checks import reduce_scatter_via_input
+
+
+def issue_ops(comm, ops, inputs) -> list:
+    """Issue ``ops`` back to back on ``comm`` with this rank's ``inputs``: kind "ag" an
+    all-gather, "rs" a reduce-scatter, anything else a reduce-scatter through the zero-copy
+    input buffer. Returns the outputs, unchecked."""
+    out = []
+    for (kind, _, shape, dt), x in zip(ops, inputs):
+        if kind == "ag":
+            out.append(comm.all_gather(x))
+        elif kind == "rs":
+            out.append(comm.reduce_scatter(x))
+        else:
+            out.append(reduce_scatter_via_input(comm, x))
+    return out
+
+
+
+
+def expect_errors(comm, cases) -> dict[str, Any]:
+    """Run bad-input cases (name, fn, exception type, text in the message) on a rank:
+    {name: None if fn raised that, else what happened}, then whether the sequence number
+    stayed at 0 (nothing was sent)."""
+    out: dict[str, Any] = {}
+    for name, fn, etype, text in cases:
+        try:
+            fn()
+            out[name] = "no exception"
+        except Exception as e:  # noqa: BLE001
+            ok = isinstance(e, etype) and text in str(e)
+            out[name] = None if ok else f"{type(e).__name__}: {e}"
+    out["seq after bad calls"] = None if comm._seq == 0 else f"seq moved to {comm._seq}"
+    return out
+
+
+def assert_no_problems(values: list[dict], at_least: int) -> None:
+    """Every rank's {check: None or problem} came back clean, with at least ``at_least``
+    checks."""
+    for r, v in enumerate(values):
+        bad = {k: e for k, e in v.items() if e is not None}
+        assert not bad, f"rank {r}: {bad}"
+    assert len(values[0]) >= at_least
+
+
+
+
+def shm_leftovers(token: str) -> list[str]:
+    """Names in /dev/shm that belong to the communicator with ``token`` (should be none)."""
+    from sparkccl.shm import PREFIX, SHM_DIR  # TODO(integrator): sparkccl.transport.shm if moved
+    tag = f"-{token}-"
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and tag in n)
+    except FileNotFoundError:
+        return []
