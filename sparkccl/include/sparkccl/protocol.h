@@ -16,9 +16,9 @@
 #pragma once
 
 #if defined(__CUDACC__)
-#define SPARKCCL_HD __host__ __device__ __forceinline__
+#define SCCL_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define SPARKCCL_HD inline
+#define SCCL_HOST_DEVICE inline
 #endif
 
 namespace sparkccl {
@@ -101,15 +101,15 @@ struct Range {
   pu64 lo, hi;
 };
 
-SPARKCCL_HD constexpr pu64 round_up(pu64 x, pu64 m) { return (x + m - 1) / m * m; }
+SCCL_HOST_DEVICE constexpr pu64 round_up(pu64 x, pu64 m) { return (x + m - 1) / m * m; }
 
 // Bytes per piece: ceil(slice / PIECES) rounded up to the granule (16, or a row for finalize).
-SPARKCCL_HD constexpr pu64 piece_step(pu64 slice, pu64 granule) {
+SCCL_HOST_DEVICE constexpr pu64 piece_step(pu64 slice, pu64 granule) {
   return round_up((slice + PIECES - 1) / PIECES, granule);
 }
 
 // Byte range [lo, hi) of piece `piece` within one slice.
-SPARKCCL_HD constexpr Range piece_range(pu64 slice, int piece, pu64 granule) {
+SCCL_HOST_DEVICE constexpr Range piece_range(pu64 slice, int piece, pu64 granule) {
   const pu64 step = piece_step(slice, granule);
   const pu64 lo = piece * step;
   const pu64 hi = (pu64)(piece + 1) * step;
@@ -117,7 +117,7 @@ SPARKCCL_HD constexpr Range piece_range(pu64 slice, int piece, pu64 granule) {
 }
 
 // Where [lo, hi) splits in two: at len/2 rounded up to ALIGN, clamped to the range.
-SPARKCCL_HD constexpr pu64 split_point(pu64 lo, pu64 hi) {
+SCCL_HOST_DEVICE constexpr pu64 split_point(pu64 lo, pu64 hi) {
   const pu64 n = hi - lo;
   const pu64 h = round_up((n + 1) / 2, ALIGN);
   return lo + (n < h ? n : h);
@@ -125,7 +125,7 @@ SPARKCCL_HD constexpr pu64 split_point(pu64 lo, pu64 hi) {
 
 // The sub-range of a piece an item carries: first split between roots (root of roots),
 // then that share between travel directions (half of halves); a count of 1: no split.
-SPARKCCL_HD constexpr Range part_range(Range r, unsigned root, unsigned roots, unsigned half,
+SCCL_HOST_DEVICE constexpr Range part_range(Range r, unsigned root, unsigned roots, unsigned half,
                                        unsigned halves) {
   if (roots == 2) {
     const pu64 h = split_point(r.lo, r.hi);
@@ -138,7 +138,7 @@ SPARKCCL_HD constexpr Range part_range(Range r, unsigned root, unsigned roots, u
   return r;
 }
 
-SPARKCCL_HD constexpr pu64 flag_value(pu64 seq, int piece) {
+SCCL_HOST_DEVICE constexpr pu64 flag_value(pu64 seq, int piece) {
   return seq * FLAG_STRIDE + (pu64)piece + 1;
 }
 
