@@ -89,7 +89,7 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
                 "ag": _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync),
                 "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
                                   sync)}))
-        stats = comm._proxy.stats() if getattr(comm, "_proxy", None) is not None else {}
+        stats = comm.proxy_stats()
     return {"rows": rows, "proxy": stats}
 
 

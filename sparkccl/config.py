@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``SPARKCCL_SLOT_BYTES`` | 64 MiB | capacity of one slot: the whole gathered / reduce-scattered tensor of one collective (world x slice). Accepts ``67108864``, ``64M``, ``64MiB``, ``1G``. |
 | ``SPARKCCL_TIMEOUT_S`` | 120 | seconds a collective (or the bootstrap) may wait for peers before it fails with ``CollectiveError`` |
-| ``SPARKCCL_BOOTSTRAP_TIMEOUT_S`` | max(timeout, 120) | seconds the ranks may take to all join (construction) and to all reach ``close()`` |
+| ``SPARKCCL_BOOTSTRAP_TIMEOUT_S`` | the timeout | seconds the ranks may take to all join (construction) and to all reach ``close()`` (argument ``bootstrap_timeout_s``) |
 | ``SPARKCCL_ROOTS`` | 2 | PCIe functions ("roots") per port that traffic is split over (1 or 2) |
 | ``SPARKCCL_RS_UP_FRONT`` | 0 | 1: create the reduce-scatter buffers at construction instead of on first use |
 | ``SPARKCCL_PROXY_SPIN_US`` | 200000 (50 when oversubscribed) | proxy keeps spinning this long after its last work |
@@ -182,7 +182,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "seconds a collective may wait for peers before it raises CollectiveError", lo=1e-3),
     _v("SPARKCCL_BOOTSTRAP_TIMEOUT_S", "float", None, "communicator",
        "seconds the ranks may take to all join (construction) and to all reach close()",
-       default_text="max(timeout, 120)", lo=1e-3),
+       default_text="the timeout (timeout_s / SPARKCCL_TIMEOUT_S)", lo=1e-3),
     _v("SPARKCCL_ROOTS", "int", DEFAULT_ROOTS, "plan",
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
@@ -280,7 +280,7 @@ def bootstrap_timeout(timeout_s: float | None = None) -> float:
     try:
         t = float(timeout_s) if timeout_s is not None else _env_float("SPARKCCL_TIMEOUT_S",
                                                                         DEFAULT_TIMEOUT_S)
-        boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(t, DEFAULT_BOOTSTRAP_TIMEOUT_S))
+        boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", t)
         return boot if boot > 0 else DEFAULT_BOOTSTRAP_TIMEOUT_S
     except (TypeError, ValueError):
         return DEFAULT_BOOTSTRAP_TIMEOUT_S
@@ -309,7 +309,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     if not timeout > 0:
         raise ValueError(f"{t_src}={timeout}: must be > 0 seconds")
 
-    boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", max(timeout, DEFAULT_BOOTSTRAP_TIMEOUT_S))
+    boot = _env_float("SPARKCCL_BOOTSTRAP_TIMEOUT_S", timeout)
     if not boot > 0:
         raise ValueError(f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={boot}: must be > 0 seconds")
 

@@ -76,12 +76,12 @@ def bad_input_job(rank, world, store):
     out["ag after bad calls"] = None if y.tolist() == [r for r in range(world) for _ in (0, 1)] \
         else f"wrong {y.tolist()}"
     # Empty inputs: empty results, nothing sent, no sequence number used.
-    seq = comm._seq
+    seq = comm.seq
     e1 = comm.all_gather(torch.zeros(0, 5))
     e2 = comm.reduce_scatter(torch.zeros(0, 4, dtype=torch.bfloat16))
     e3 = comm.reduce_scatter(torch.zeros(world * 3, 0))
     out["empty"] = None if (e1.shape == (0, 5) and e2.shape == (0, 4) and e3.shape == (3, 0)
-                            and comm._seq == seq) else f"{e1.shape} {e2.shape} {e3.shape}"
+                            and comm.seq == seq) else f"{e1.shape} {e2.shape} {e3.shape}"
     # 0-dim all-gather counts as shape [1].
     g = comm.all_gather(torch.tensor(float(rank)))
     out["0-dim ag"] = None if g.tolist() == [float(r) for r in range(world)] else g.tolist()
