@@ -49,7 +49,6 @@ from .transport import verbs as verbs_setup
 
 log = logging.getLogger("sparkccl")
 
-TRANSPORTS = ("auto", "shm", "tcp", "verbs")
 SINGLE_RANK = "none"  # the transport of a world of one: nothing leaves the process
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
@@ -242,8 +241,9 @@ class Communicator:
         """World 1: the settings are checked as for any world; nothing else is built."""
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)}")
+        if transport not in transports.names():
+            raise ValueError(f"transport={transport!r}: must be one of "
+                             f"{', '.join(transports.names())}")
         s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=1)
         self.bootstrap_timeout_s = bootstrap_timeout(bootstrap_timeout_s, timeout_s)[0]
         self._nat = _native()
