@@ -36,9 +36,9 @@ import torch
 
 from . import bootstrap, checks, config, layout, lifetime
 from . import finalize as _finalize
-from .buffers import Buffers, Sizes, bytes_per_rank
+from .buffers import Buffers, Sizes, bytes_per_rank, shortage_message
 from .dataplane.cpu import CpuDataPlane, ring_view
-from .errors import CollectiveError, ConfigError
+from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
@@ -67,32 +67,6 @@ def _native():
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
-
-
-def _seconds(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
-    if not v > 0:
-        raise ConfigError(f"{name}={v}: must be > 0 seconds")
-    return float(v)
-
-
-def bootstrap_timeout(bootstrap_timeout_s=None, timeout_s=None) -> tuple[float, str]:
-    """(seconds, where they came from): ``bootstrap_timeout_s``, else
-    ``SPARKCCL_BOOTSTRAP_TIMEOUT_S``, else the collective timeout (``timeout_s``, else
-    ``SPARKCCL_TIMEOUT_S``, else 120 s). No hidden floor: what is asked for is used."""
-    if bootstrap_timeout_s is not None:
-        t = _seconds(bootstrap_timeout_s, "bootstrap_timeout_s")
-        return t, f"bootstrap_timeout_s={t:g}"
-    t, src = config.lookup("SPARKCCL_BOOTSTRAP_TIMEOUT_S")
-    if src != "default":
-        return float(t), f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={t:g}"
-    if timeout_s is not None:
-        t = _seconds(timeout_s, "timeout_s")
-        return t, f"bootstrap_timeout_s defaults to timeout_s={t:g}"
-    t, src = config.lookup("SPARKCCL_TIMEOUT_S")
-    origin = "SPARKCCL_TIMEOUT_S" if src != "default" else "the default timeout"
-    return float(t), f"bootstrap_timeout_s defaults to {origin}={t:g}"
 
 
 class Communicator:
@@ -184,7 +158,7 @@ class Communicator:
         # Join first: a rank whose local settings are bad still takes its turn (so later
         # communicators on this store stay in step) and tells the others, who fail at once.
         try:
-            boot, boot_setting = bootstrap_timeout(bootstrap_timeout_s, timeout_s)
+            boot, boot_setting = bootstrap.timeout(bootstrap_timeout_s, timeout_s)
             bad_boot = None
         except (ValueError, TypeError) as e:
             boot, boot_setting, bad_boot = config.DEFAULT_BOOTSTRAP_TIMEOUT_S, "default", e
@@ -245,7 +219,7 @@ class Communicator:
             raise ValueError(f"transport={transport!r}: must be one of "
                              f"{', '.join(transports.names())}")
         s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=1)
-        self.bootstrap_timeout_s = bootstrap_timeout(bootstrap_timeout_s, timeout_s)[0]
+        self.bootstrap_timeout_s = bootstrap.timeout(bootstrap_timeout_s, timeout_s)[0]
         self._nat = _native()
         self.slot_bytes, self.timeout_s = s.slot_bytes, s.timeout_s
         self.transport = SINGLE_RANK
@@ -328,23 +302,12 @@ class Communicator:
             for kind in kinds:
                 self._buffers.drop(kind)
             self.pinned_bytes = self._buffers.pinned_bytes
-            raise ShmSpaceError(self._space_message(failed),
-                                needed=bytes_per_rank(self.world_size, self.topology,
-                                                      self.slot_bytes, self._settings.roots))
-
-    def _space_message(self, failed: list[tuple[int, str]]) -> str:
-        s, w = self._settings, self.world_size
-        per_rank = bytes_per_rank(w, self.topology, s.slot_bytes, s.roots)
-        here = sum(1 for i in self._infos if (i["host"], i.get("boot_id")) ==
-                   (socket.gethostname(), _boot_id()))
-        suggest = -(-(here * per_rank * 5 // 4) // (64 << 20)) * 64  # +25%, in 64 MiB steps
-        return ("sparkccl.Communicator: /dev/shm is too small for this communicator:\n  "
-                + "\n  ".join(f"rank {i}: {e}" for i, e in failed)
-                + f"\nEach rank needs {_mib(per_rank)} of /dev/shm (slot {_mib(s.slot_bytes)}, "
-                f"world {w}, reduce-scatter buffers included); the {here} rank(s) on this host "
-                f"need {_mib(here * per_rank)}. Fix: give the container more shared memory "
-                f"(docker run --shm-size={suggest}m, or remount /dev/shm larger), or lower "
-                "SPARKCCL_SLOT_BYTES / slot_bytes= (memory per rank is about 8 x the slot).")
+            here = sum(1 for i in self._infos
+                       if (i["host"], i.get("boot_id")) == (socket.gethostname(), _boot_id()))
+            per_rank = bytes_per_rank(self.world_size, self.topology, self.slot_bytes,
+                                      self._settings.roots)
+            raise ShmSpaceError(shortage_message(failed, per_rank, here, self.slot_bytes,
+                                                 self.world_size), needed=per_rank)
 
     def _setup_gpu_direct(self, px) -> None:
         """CUDA + shm: every peer's segments are mapped here, so the GPU writes this rank's
