@@ -86,7 +86,7 @@ def table() -> list[type[Transport]]:
 
 
 def names() -> tuple[str, ...]:
-    return (AUTO, *(t.name for t in table()))
+    return (AUTO, *sorted(t.name for t in table()))
 
 
 def select(requested: str, infos: list[dict]) -> type[Transport]:
