@@ -45,7 +45,6 @@ from .plan.model import REGION_SLOTS, Region
 from .shm import ShmSpaceError
 from .transport import base as transports
 from .transport import check as lane_check
-from .transport import verbs as verbs_setup
 
 log = logging.getLogger("sparkccl")
 
@@ -179,7 +178,7 @@ class Communicator:
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                     host=socket.gethostname(), boot_id=_boot_id(), uid=os.getuid(),
-                    pid=os.getpid(), verbs=verbs_setup.probe_quietly(transport, topology, s.roots))
+                    pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
         infos = rv.exchange("info", info, "join the communicator")
         failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
         if failed:

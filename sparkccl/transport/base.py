@@ -6,7 +6,8 @@ Communicator then only calls hooks; no code branches on the transport's name.
 
 Hooks, in the order the Communicator calls them (every rank together; docs/PROTOCOL.md):
 
-1. ``why_not(infos, explicit)`` (class method): None if these ranks can use it, else why.
+1. ``probe(requested, topology, roots)`` (class method): this rank's facts for the join
+   record; ``why_not(infos, explicit)``: None if these ranks can use it, else why.
 2. ``connect()``: exchange and connect, before the proxy exists (shm: map the peers'
    segments; tcp: the sockets; verbs: nothing yet).
 3. ``attach(proxy)``: hand the (not yet started) native proxy its transport and the
@@ -52,6 +53,11 @@ class Transport:
         self.ctx = ctx
 
     @classmethod
+    def probe(cls, requested: str, topology: str, roots: int) -> dict:
+        """This rank's facts for the join record that ``why_not`` reads (never raises)."""
+        return {}
+
+    @classmethod
     def why_not(cls, infos: list[dict], explicit: bool) -> str | None:
         return None
 
@@ -87,6 +93,14 @@ def table() -> list[type[Transport]]:
 
 def names() -> tuple[str, ...]:
     return (AUTO, *sorted(t.name for t in table()))
+
+
+def join_record(requested: str, topology: str, roots: int) -> dict:
+    """Every transport's probe of this rank, for the communicator's join record."""
+    out: dict = {}
+    for cls in table():
+        out.update(cls.probe(requested, topology, roots))
+    return out
 
 
 def select(requested: str, infos: list[dict]) -> type[Transport]:

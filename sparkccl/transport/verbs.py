@@ -540,6 +540,10 @@ class VerbsTransport(Transport):
         self.link: VerbsLink | None = None
 
     @classmethod
+    def probe(cls, requested, topology, roots):
+        return {"verbs": probe_quietly(requested, topology, roots)}
+
+    @classmethod
     def why_not(cls, infos, explicit):
         if explicit:
             return None  # tried as asked; FabricError says what is missing
