@@ -1,8 +1,8 @@
 """The shared memory one rank holds: sizes, segments, and the regions in them.
 
-Three segments per rank (docs/PROTOCOL.md "Regions"): ``ctl`` (control block, publish ring,
-flag words), ``ag`` (the all-gather slots) and ``rs`` (reduce-scatter: the send slots, then
-the receive slots). ``rs`` is created on the first reduce-scatter unless
+Three segments per rank (docs/PROTOCOL.md "Regions and offsets"): ``ctl`` (control
+block, publish ring, flag words), ``ag`` (the all-gather slots) and ``rs`` (reduce-scatter:
+the send slots, then the receive slots). ``rs`` is created on the first reduce-scatter unless
 ``SPARKCCL_RS_UP_FRONT=1``. Every rank computes the same sizes from the agreed settings, so
 peers can map each other's segments by size alone.
 

@@ -4,7 +4,8 @@ In the manner of NCCL's ``struct ncclTransport`` table: each transport is one cl
 the same hooks, and :func:`select` walks the table once per communicator. The
 Communicator then only calls hooks; no code branches on the transport's name.
 
-Hooks, in the order the Communicator calls them (every rank together; docs/PROTOCOL.md):
+Hooks, in the order the Communicator calls them (every rank together; the transports' wire
+formats are in docs/PROTOCOL.md):
 
 1. ``probe(requested, topology, roots)`` (class method): this rank's facts for the join
    record; ``why_not(infos, explicit)``: None if these ranks can use it, else why.
