@@ -142,6 +142,13 @@ class Buffers:
             seg.close()
             self.pinned_bytes -= seg.size
 
+    def unlink_every_rank(self, world: int) -> None:
+        """Every rank's names (a rank killed before its peers mapped its segments leaves
+        them to the survivors; unlinking a name that is not there is harmless)."""
+        for p in range(world):
+            for kind in KINDS:
+                shm.unlink_name(self.name(p, kind))
+
     def close(self) -> None:
         for seg in self.segments.values():
             seg.unlink()

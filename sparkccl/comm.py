@@ -236,7 +236,7 @@ class Communicator:
         nat, rv, r, w = self._nat, self._rv, self.rank, self.world_size
         self._buffers = bufs = Buffers(self.token, r, self.sizes)
         self._reserve(["ctl", "ag"] + (["rs"] if s.rs_up_front else []),
-                      "reserve its shared memory")
+                      "reserve its shared memory", chosen.setup_watch(self._infos, r))
         ctl = bufs["ctl"]
         nat.init_control(ctl.addr, os.getpid())
         self._ctl_addr = ctl.addr
@@ -648,6 +648,7 @@ class Communicator:
             self._link = None
         self._dp = None
         if self._buffers is not None:
+            self._buffers.unlink_every_rank(self.world_size)
             self._buffers.close()
 
     def _rv_boot_setting(self) -> str:

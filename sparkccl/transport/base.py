@@ -62,6 +62,12 @@ class Transport:
     def why_not(cls, infos: list[dict], explicit: bool) -> str | None:
         return None
 
+    @classmethod
+    def setup_watch(cls, infos: list[dict], rank: int) -> Callable[[], None] | None:
+        """A check for the setup waits that raises CollectiveError when a peer is known to
+        be gone (before the proxies watch each other), or None."""
+        return None
+
     def connect(self) -> None:
         pass
 

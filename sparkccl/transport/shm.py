@@ -26,6 +26,7 @@ class ShmTransport(Transport):
         bootstrap.validate(ctx.infos, ("uid",))
         self.pids = [int(i["pid"]) for i in ctx.infos]
         self.peer_segs: dict[tuple[int, str], shm.Segment] = {}
+        self._check_peers_alive = self.setup_watch(ctx.infos, ctx.rank)
 
     @classmethod
     def why_not(cls, infos, explicit):
@@ -39,19 +40,25 @@ class ShmTransport(Transport):
     def peers(self) -> list[int]:
         return [p for p in range(self.ctx.world) if p != self.ctx.rank]
 
-    def _check_peers_alive(self) -> None:
-        """For the setup barriers (before the proxy watches the peers): fail fast on a dead
-        peer."""
-        r = self.ctx.rank
-        for p in self.peers():
-            try:
-                os.kill(self.pids[p], 0)
-            except ProcessLookupError:
-                raise CollectiveError(f"rank {r}: rank {p} (pid {self.pids[p]}) exited while "
-                                      "the communicator was being set up", rank=r,
-                                      peer=p) from None
-            except PermissionError:
-                pass
+    @classmethod
+    def setup_watch(cls, infos, rank):
+        """Until the proxies watch each other: a peer whose process is gone fails the
+        setup waits at once (every rank is on this host)."""
+        pids = [int(i["pid"]) for i in infos]
+
+        def check() -> None:
+            for p, pid in enumerate(pids):
+                if p == rank:
+                    continue
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    raise CollectiveError(f"rank {rank}: rank {p} (pid {pid}) exited while the "
+                                          "communicator was being set up", rank=rank,
+                                          peer=p) from None
+                except PermissionError:
+                    pass
+        return check
 
     def _map(self, kind: str) -> None:
         bufs, r = self.ctx.buffers, self.ctx.rank
@@ -112,8 +119,6 @@ class ShmTransport(Transport):
         return self.peer_segs[(peer, kind)]
 
     def close(self) -> None:
-        # A rank killed before its peers mapped its segments leaves them to the survivors.
-        self._unlink(KINDS)
         for seg in self.peer_segs.values():
             seg.close()
         self.peer_segs.clear()
