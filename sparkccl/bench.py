@@ -97,7 +97,7 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
                 "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
                                   sync)}))
             _progress(rank, "sparkccl", len(rows), len(sizes))
-        stats = comm._proxy.stats() if getattr(comm, "_proxy", None) is not None else {}
+        stats = comm.proxy_stats()
     return {"rows": rows, "proxy": stats}
 
 

@@ -13,7 +13,8 @@ import secrets
 import time
 from typing import Any, Callable
 
-from .errors import CollectiveError
+from . import config
+from .errors import CollectiveError, ConfigError
 
 POLL_MIN_S = 0.002
 POLL_MAX_S = 0.05
@@ -72,27 +73,31 @@ def _poll(cond: Callable[[], bool], deadline: float, abort_check: Callable[[], N
 class Rendezvous:
     """Keyed exchange among the ranks of one communicator."""
 
-    def __init__(self, store, prefix: str, rank: int, world: int, timeout_s: float):
+    def __init__(self, store, prefix: str, rank: int, world: int, timeout_s: float,
+                 setting: str = "timeout_s"):
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
+        self.setting = setting  # names the limit in a timeout error (where to raise it)
 
     def key(self, *parts) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
-    def _wait_all(self, name: str, what: str, abort_check=None, timeout_s=None) -> None:
+    def _wait_all(self, name: str, what: str, abort_check=None, timeout_s=None,
+                  setting=None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        setting = self.setting if setting is None else setting
         keys = [self.key(name, r) for r in range(self.world)]
         deadline = time.monotonic() + timeout_s
         if _poll(lambda: self.store.check(keys), deadline, abort_check):
             return
         missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
         raise CollectiveError(
-            f"rank {self.rank}: timed out after {timeout_s:g} s waiting for rank(s) "
-            f"{', '.join(map(str, missing))} to {what} (did they crash, or not create the "
-            "communicator / call the same collectives?)",
+            f"rank {self.rank}: timed out after {timeout_s:g} s ({setting}) waiting for "
+            f"rank(s) {', '.join(map(str, missing))} to {what} (did they crash, or not "
+            "create the communicator / call the same collectives?)",
             rank=self.rank, peer=missing[0] if missing else None)
 
     def post(self, name: str, value: Any) -> None:
@@ -100,18 +105,20 @@ class Rendezvous:
         self.store.set(self.key(name, self.rank), json.dumps(value))
 
     def exchange(self, name: str, value: Any, what: str = "join", abort_check=None,
-                 timeout_s=None) -> list:
+                 timeout_s=None, setting=None) -> list:
         """Publish ``value`` (JSON) and return every rank's value, in rank order."""
         self.store.set(self.key(name, self.rank), json.dumps(value))
-        self._wait_all(name, what, abort_check, timeout_s)
+        self._wait_all(name, what, abort_check, timeout_s, setting)
         return [json.loads(self.store.get(self.key(name, r))) for r in range(self.world)]
 
-    def barrier(self, name: str, what: str, abort_check=None, timeout_s=None) -> None:
+    def barrier(self, name: str, what: str, abort_check=None, timeout_s=None,
+                setting=None) -> None:
         self.store.set(self.key(name, self.rank), "1")
-        self._wait_all(name, what, abort_check, timeout_s)
+        self._wait_all(name, what, abort_check, timeout_s, setting)
 
 
-def new_token(store, rank: int, world: int, timeout_s: float) -> str:
+def new_token(store, rank: int, world: int, timeout_s: float,
+              setting: str = "bootstrap_timeout_s") -> str:
     """A random id shared by the ranks of the communicator being built."""
     n = store.add(f"sparkccl/count/r{rank}", 1)
     key = f"sparkccl/token/{n}"
@@ -122,7 +129,7 @@ def new_token(store, rank: int, world: int, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     if not _poll(lambda: store.check([key]), deadline, None):
         raise CollectiveError(
-            f"rank {rank}: timed out after {timeout_s:g} s waiting for rank 0 to create "
+            f"rank {rank}: timed out after {timeout_s:g} s ({setting}) waiting for rank 0 to create "
             f"communicator #{n} on this store (all {world} ranks must construct it)",
             rank=rank, peer=0)
     return store.get(key).decode()
@@ -149,3 +156,29 @@ def validate(infos: list[dict], fields: tuple[str, ...]) -> None:
     if problems:
         raise ValueError("sparkccl.Communicator: ranks disagree on its settings; pass the same "
                          "values on every rank:\n  " + "\n  ".join(problems))
+
+
+def _seconds(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
+    if not v > 0:
+        raise ConfigError(f"{name}={v}: must be > 0 seconds")
+    return float(v)
+
+
+def timeout(bootstrap_timeout_s=None, timeout_s=None) -> tuple[float, str]:
+    """(seconds, where they came from): ``bootstrap_timeout_s``, else
+    ``SPARKCCL_BOOTSTRAP_TIMEOUT_S``, else the collective timeout (``timeout_s``, else
+    ``SPARKCCL_TIMEOUT_S``, else 120 s). No hidden floor: what is asked for is used."""
+    if bootstrap_timeout_s is not None:
+        t = _seconds(bootstrap_timeout_s, "bootstrap_timeout_s")
+        return t, f"bootstrap_timeout_s={t:g}"
+    t, src = config.lookup("SPARKCCL_BOOTSTRAP_TIMEOUT_S")
+    if src != "default":
+        return float(t), f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={t:g}"
+    if timeout_s is not None:
+        t = _seconds(timeout_s, "timeout_s")
+        return t, f"bootstrap_timeout_s defaults to timeout_s={t:g}"
+    t, src = config.lookup("SPARKCCL_TIMEOUT_S")
+    origin = "SPARKCCL_TIMEOUT_S" if src != "default" else "the default timeout"
+    return float(t), f"bootstrap_timeout_s defaults to {origin}={t:g}"

@@ -1,4 +1,4 @@
-"""The Communicator: bootstrap, shared segments, the collectives, lifetime.
+"""The Communicator: creation, the collectives and their checks, lifetime.
 
 ::
 
@@ -8,13 +8,16 @@
         z = comm.reduce_scatter(y)        # [y.shape[0] // w, ...], fp32 sum in rank order
 
 All ranks must create the communicator together and call the same collectives in the same
-order with the same shapes (SPEC §3). See ``sparkccl/config.py`` for settings.
+order with the same shapes (docs/PROTOCOL.md). See ``sparkccl/config.py`` for settings.
+The pieces live elsewhere: segments and sizes in :mod:`sparkccl.buffers`, the transports
+behind one interface in :mod:`sparkccl.transport.base`, fork/exit handling in
+:mod:`sparkccl.lifetime`.
 
 Sequence numbers: one counter per communicator, +1 per collective on the wire. An input
 larger than the slot is split into several collectives (several numbers). An empty input
 returns an empty result at once and uses no number: every rank sees the same empty shape,
-so the counters stay in step, and slot reuse stays safe (the reuse argument of SPEC §4
-needs every numbered collective to exchange data with every rank).
+so the counters stay in step, and slot reuse stays safe (the reuse argument of
+docs/PROTOCOL.md needs every numbered collective to exchange data with every rank).
 
 Lifetime: segments are unlinked from /dev/shm as soon as every rank has mapped them, so a
 killed process leaves nothing behind; ``close()`` waits for every rank to close (bounded,
@@ -22,36 +25,33 @@ abort-aware) so that an early exit does not look like a crash to a peer's proxy.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import socket
 import threading
-import weakref
 
 import torch
 
-from . import bootstrap, config, layout, shm
+from . import bootstrap, checks, config, layout, lifetime
 from . import finalize as _finalize
-from .transport import tcp as tcp_setup
-from .transport import check as lane_check
-from .transport import verbs as verbs_setup
+from .buffers import Buffers, Sizes, bytes_per_rank, shortage_message
 from .dataplane.cpu import CpuDataPlane, ring_view
 from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
+from .shm import ShmSpaceError
+from .transport import base as transports
+from .transport import check as lane_check
 
 log = logging.getLogger("sparkccl")
 
-TRANSPORTS = ("auto", "shm", "tcp", "verbs")
+SINGLE_RANK = "none"  # the transport of a world of one: nothing leaves the process
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-AG_SLOTS = REGION_SLOTS[Region.AG]
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
 PROTOCOL_VERSION = 1
-
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
-_live_lock = threading.Lock()
 
 
 def _native():
@@ -75,7 +75,8 @@ class Communicator:
         group: a ``torch.distributed`` ProcessGroup to bootstrap over (its store is used;
             default: the default group). Mutually exclusive with ``store``.
         store: a ``torch.distributed.Store`` shared by the ranks, with ``rank`` and
-            ``world_size``.
+            ``world_size``. A world of one rank works too (every collective is a local
+            copy with the same rounding; no shared memory, proxy or transport).
         device: where collective inputs live: ``"cpu"`` (the default) or a CUDA device
             (``"cuda"``, ``"cuda:1"``; needs the ``[cuda]`` extra: cuda-python and NVRTC).
             On CUDA, collectives are asynchronous like NCCL's: they are queued on the
@@ -84,18 +85,29 @@ class Communicator:
             of one communicator must be issued on one stream (or streams ordered by events).
         topology: ``"mesh"`` (every rank reaches every other) or ``"ring"`` (neighbours only,
             relays for the rest); results are bit-identical.
-        transport: ``"auto"`` (``"shm"`` when all ranks are on one host, else ``"tcp"``),
-            ``"shm"`` or ``"tcp"`` (any IP network; addresses per root from
-            ``SPARKCCL_TCP_ADDRS`` / ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS``,
-            see ``sparkccl/transport/tcp.py``).
+        transport: ``"auto"`` (``"shm"`` when all ranks are on one host, else ``"verbs"``
+            when every rank has usable RDMA devices, else ``"tcp"``), ``"shm"``,
+            ``"verbs"`` (RoCE / InfiniBand; see ``sparkccl/transport/verbs.py``) or
+            ``"tcp"`` (any IP network; addresses per root from ``SPARKCCL_TCP_ADDRS`` /
+            ``SPARKCCL_TCP_PREV_ADDRS`` / ``SPARKCCL_TCP_NEXT_ADDRS``, see
+            ``sparkccl/transport/tcp.py``).
         slot_bytes: capacity of one slot = the whole gathered / reduce-scattered tensor of
             one collective (world x slice bytes); larger inputs are split into several
-            collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB.
-        timeout_s: how long a collective (and the bootstrap) may wait for peers before it
-            raises ``CollectiveError``. Default ``SPARKCCL_TIMEOUT_S`` or 120 s.
+            collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB. Shared memory per rank
+            is about 8 x the slot (:func:`sparkccl.buffers.bytes_per_rank`), reserved in
+            /dev/shm when created: a /dev/shm too small for it raises
+            :class:`~sparkccl.shm.ShmSpaceError` (a ``ConfigError``) on every rank.
+        timeout_s: how long a collective may wait for peers before it raises
+            ``CollectiveError``. Default ``SPARKCCL_TIMEOUT_S`` or 120 s.
+        bootstrap_timeout_s: how long creating the communicator (all ranks joining and
+            connecting) and ``close()`` (all ranks closing) may wait for the other ranks
+            before ``CollectiveError``, which names this setting. Default
+            ``SPARKCCL_BOOTSTRAP_TIMEOUT_S``, else the same as ``timeout_s``. Raise it when
+            ranks start far apart (e.g. slow imports on a busy host).
 
-    Attributes ``rank``, ``world_size``, ``topology``, ``transport``, ``slot_bytes``,
-    ``timeout_s``, ``pinned_bytes`` (shared memory this rank holds; grows by the
+    Attributes ``rank``, ``world_size``, ``topology``, ``transport`` (the one in use:
+    ``auto`` resolved; ``"none"`` for a world of one), ``slot_bytes``, ``timeout_s``,
+    ``bootstrap_timeout_s``, ``pinned_bytes`` (shared memory this rank holds; grows by the
     reduce-scatter buffers on first reduce-scatter, unless ``SPARKCCL_RS_UP_FRONT=1``).
 
     Settings every rank must agree on (checked at creation, where every rank raises the
@@ -108,17 +120,18 @@ class Communicator:
 
     def __init__(self, group=None, *, store=None, rank=None, world_size=None, device=None,
                  topology: str = "mesh", transport: str = "auto", slot_bytes=None,
-                 timeout_s=None):
+                 timeout_s=None, bootstrap_timeout_s=None):
         self._closed = True  # until fully built
-        self._segments: list[shm.Segment] = []
-        self._names: list[str] = []
+        self._buffers: Buffers | None = None
+        self._link: transports.Transport | None = None
         self._proxy = None
+        self._dp = None
         for name, v in (("topology", topology), ("transport", transport)):
             if not isinstance(v, str):
                 raise TypeError(f"{name} must be a str, got {type(v).__name__}")
-        if timeout_s is not None and (isinstance(timeout_s, bool)
-                                      or not isinstance(timeout_s, (int, float))):
-            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        for name, v in (("timeout_s", timeout_s), ("bootstrap_timeout_s", bootstrap_timeout_s)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda":
             from .dataplane import cuda as _cuda
@@ -131,31 +144,42 @@ class Communicator:
         self.device = dev
 
         st, r, w, _ = bootstrap.resolve_group(group, store, rank, world_size)
-        self.rank, self.world_size = r, w
+        self.rank, self.world_size, self.topology = r, w, topology
+        self.seq = 0  # the next collective's sequence number
+        self._rs_count = 0
+        self._rs_ready = False
+        self._handout = None  # (tensor data_ptr, nbytes, slot parity, rs_count) of the zero-copy buffer
+        self._lock = threading.Lock()
+        self.pinned_bytes = 0
+        if w == 1:
+            self._create_single(topology, transport, slot_bytes, timeout_s, bootstrap_timeout_s)
+            return
         # Join first: a rank whose local settings are bad still takes its turn (so later
         # communicators on this store stay in step) and tells the others, who fail at once.
-        boot_timeout = config.bootstrap_timeout(timeout_s)
-        token = bootstrap.new_token(st, r, w, boot_timeout)
-        self.token = token
-        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot_timeout)
         try:
-            self._settings = s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s,
-                                                local_ranks=w)
+            boot, boot_setting = bootstrap.timeout(bootstrap_timeout_s, timeout_s)
+            bad_boot = None
+        except (ValueError, TypeError) as e:
+            boot, boot_setting, bad_boot = config.DEFAULT_BOOTSTRAP_TIMEOUT_S, "default", e
+        self.token = token = bootstrap.new_token(st, r, w, boot, boot_setting)
+        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot, boot_setting)
+        try:
+            if bad_boot is not None:
+                raise bad_boot
+            s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=w)
+            self._settings = s = dataclasses.replace(s, bootstrap_timeout_s=boot)
             self._nat = _native()
         except (ValueError, TypeError, ImportError) as e:
             rv.post("info", {"error": f"{type(e).__name__}: {e}"})
             raise
-        rv.timeout_s = s.timeout_s
-        self.slot_bytes = s.slot_bytes
-        self.timeout_s = s.timeout_s
-        self.topology = topology
+        self.slot_bytes, self.timeout_s, self.bootstrap_timeout_s = \
+            s.slot_bytes, s.timeout_s, s.bootstrap_timeout_s
 
         info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
                     slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                     host=socket.gethostname(), boot_id=_boot_id(), uid=os.getuid(),
-                    pid=os.getpid(), verbs=verbs_setup.probe_quietly(transport, topology, s.roots))
-        infos = rv.exchange("info", info, "join the communicator",
-                            timeout_s=s.bootstrap_timeout_s)
+                    pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
+        infos = rv.exchange("info", info, "join the communicator")
         failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
         if failed:
             raise ValueError("sparkccl.Communicator: could not be created because of settings on "
@@ -164,210 +188,125 @@ class Communicator:
                                    "roots", "rs_up_front"))
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)}")
-        hosts = [(i["host"], i.get("boot_id")) for i in infos]
-        if transport == "auto":
-            # One host: shm; else verbs where every rank has RDMA lanes, else tcp.
-            transport = ("shm" if len(set(hosts)) == 1 else
-                         "verbs" if all(i.get("verbs") is None and "verbs" in i for i in infos)
-                         else "tcp")
-        elif transport == "shm" and len(set(hosts)) != 1:
-            p = bootstrap.describe_disagreement("host", [h[0] for h in hosts])
-            raise ValueError("sparkccl.Communicator: transport='shm' needs every rank on one "
-                             f"host, but they run on different hosts ({p or 'different boot ids'}); "
-                             "use transport='tcp' or 'auto'")
-        if transport == "shm":
-            bootstrap.validate(infos, ("uid",))
-        self.transport = transport
-        self._pids = [int(i["pid"]) for i in infos]
+        chosen = transports.select(transport, infos)  # the only place a name is looked at
+        self.transport = chosen.name
+        self._infos = infos
         self.plan = build_plan(topology, w, r, s.roots)
-
-        # Sizes: every rank computes the same from the agreed settings.
-        self._max_slice = (s.slot_bytes // w) // ALIGN * ALIGN
-        if self._max_slice < ALIGN:
-            raise ValueError(f"slot_bytes={s.slot_bytes} is too small for world {w}")
-        self._ag_stride = layout.slot_stride(s.slot_bytes)
-        self._rs_send_stride = layout.slot_stride(s.slot_bytes)
-        self._rs_recv_stride = layout.slot_stride(self.plan.rs_recv_blocks * self._max_slice)
-        self._ctl_bytes = layout.control_bytes(self.plan.num_flag_words)
-        self._ag_bytes = AG_SLOTS * self._ag_stride
-        # The reduce-scatter segment: the send slots, then the receive slots.
-        self._rs_send_bytes = RS_SLOTS * self._rs_send_stride
-        self._rs_recv_bytes = RS_SLOTS * self._rs_recv_stride
-        self._rs_bytes = self._rs_send_bytes + self._rs_recv_bytes
-
-        self._seq = 0
-        self._rs_count = 0
-        self._rs_ready = False
-        self._handout = None  # (tensor data_ptr, nbytes, slot parity, rs_count) of the zero-copy buffer
-        self._lock = threading.Lock()
-        self._peer_segs: dict[tuple[int, str], shm.Segment] = {}
-        self.pinned_bytes = 0
+        self.sizes = Sizes.of(s.slot_bytes, w, self.plan)  # the same on every rank
+        self.max_slice = self.sizes.max_slice
         try:
-            self._setup(s)
+            self._setup(s, chosen)
         except BaseException:
             self._teardown(barrier=False)
             raise
+        rv.timeout_s, rv.setting = s.timeout_s, "timeout_s"  # from here on, collectives wait
         self._closed = False
-        with _live_lock:
-            _live.add(self)
+        lifetime.track(self)
         rs_note = ("reduce-scatter buffers held" if self._rs_ready else
-                   f"+{_mib(self._rs_bytes)} for reduce-scatter on first use")
+                   f"+{_mib(self.sizes.rs_bytes)} for reduce-scatter on first use")
         log.info("sparkccl: rank %d/%d %s/%s holds %s of shared memory (slot %s; %s); "
                  "timeout %g s, proxy spin %d us nap %d us%s",
                  r, w, topology, self.transport, _mib(self.pinned_bytes), _mib(s.slot_bytes),
                  rs_note, s.timeout_s, s.spin_us, s.nap_us,
                  " (oversubscribed host)" if s.oversubscribed else "")
 
+    def _create_single(self, topology, transport, slot_bytes, timeout_s, bootstrap_timeout_s):
+        """World 1: the settings are checked as for any world; nothing else is built."""
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
+        if transport not in transports.names():
+            raise ValueError(f"transport={transport!r}: must be one of "
+                             f"{', '.join(transports.names())}")
+        s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=1)
+        self.bootstrap_timeout_s = bootstrap.timeout(bootstrap_timeout_s, timeout_s)[0]
+        self._nat = _native()
+        self.slot_bytes, self.timeout_s = s.slot_bytes, s.timeout_s
+        self.transport = SINGLE_RANK
+        self.plan = None
+        self.max_slice = s.slot_bytes // ALIGN * ALIGN
+        self._closed = False
+
+    @property
+    def single(self) -> bool:
+        """A world of one rank: every collective is computed locally."""
+        return self.world_size == 1
+
     # ---- setup -----------------------------------------------------------------------
-    def _name(self, rank: int, kind: str) -> str:
-        return shm.segment_name(self.token, rank, kind)
-
-    def _create(self, kind: str, size: int) -> shm.Segment:
-        name = self._name(self.rank, kind)
-        self._names.append(name)
-        seg = shm.Segment.create(name, size)
-        self._segments.append(seg)
-        self.pinned_bytes += size
-        return seg
-
-    def _attach_peers(self, kind: str, size: int) -> None:
-        for p in range(self.world_size):
-            if p == self.rank:
-                continue
-            name = self._name(p, kind)
-            self._names.append(name)
-            try:
-                self._peer_segs[(p, kind)] = shm.Segment.attach(name, size)
-            except FileNotFoundError:
-                raise CollectiveError(
-                    f"rank {self.rank}: the shared memory of rank {p} ({shm.path_of(name)}) is "
-                    f"gone: rank {p} or another rank gave up on this communicator or exited",
-                    rank=self.rank, peer=p) from None
-
-    def _check_peers_alive(self) -> None:
-        """Bootstrap barriers (before the proxy watches the peers): fail fast on a dead peer."""
-        for p, pid in enumerate(self._pids):
-            if p == self.rank:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise CollectiveError(f"rank {self.rank}: rank {p} (pid {pid}) exited while the "
-                                      "communicator was being set up", rank=self.rank,
-                                      peer=p) from None
-            except PermissionError:
-                pass
-
-    def _unlink_own(self) -> None:
-        """Remove this rank's names from /dev/shm (the mappings stay)."""
-        for n in self._names:
-            shm.unlink_name(n)
-
-    def _unlink_all(self) -> None:
-        """Remove every name this communicator may have in /dev/shm, every rank's (a rank
-        killed before its peers mapped its segments leaves them to the survivors)."""
-        self._unlink_own()
-        token = getattr(self, "token", None)
-        if token is not None and getattr(self, "transport", None) != "tcp":
-            for p in range(self.world_size):
-                for kind in ("ctl", "ag", "rs"):
-                    shm.unlink_name(self._name(p, kind))
-
-    def _setup(self, s: config.Settings) -> None:
+    def _setup(self, s: config.Settings, chosen: type[transports.Transport]) -> None:
         nat, rv, r, w = self._nat, self._rv, self.rank, self.world_size
-        ctl = self._create("ctl", self._ctl_bytes)
+        self._buffers = bufs = Buffers(self.token, r, self.sizes)
+        self._reserve(["ctl", "ag"] + (["rs"] if s.rs_up_front else []),
+                      "reserve its shared memory", chosen.setup_watch(self._infos, r))
+        ctl = bufs["ctl"]
         nat.init_control(ctl.addr, os.getpid())
-        self._ctl = ctl
         self._ctl_addr = ctl.addr
         self._flags_addr = ctl.addr + layout.FLAGS_OFFSET
-        ag = self._create("ag", self._ag_bytes)
-        self._ag = ag
-        if s.rs_up_front:
-            self._rs = self._create("rs", self._rs_bytes)
-        tcp = self.transport == "tcp"
-        remote = self.transport != "shm"  # tcp, verbs: peers' memory is not mapped here
-        links = None
         plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
-        if remote:
-            # Only this process maps its segments; peers are reached through the network.
-            self._unlink_own()
-        if tcp:
-            links = tcp_setup.connect(rv, plans, r, self.topology, s.roots,
-                                      s.bootstrap_timeout_s, s.timeout_s)
-        elif not remote:
-            rv.barrier("created", "create its shared memory", self._check_peers_alive)
-            self._attach_peers("ctl", self._ctl_bytes)
-            self._attach_peers("ag", self._ag_bytes)
-            if s.rs_up_front:
-                self._attach_peers("rs", self._rs_bytes)
-            rv.barrier("mapped", "map the shared memory of its peers", self._check_peers_alive)
-            # Every segment is mapped by every rank: remove all names now (each rank removes
-            # all of them, so none is left once any rank has returned from here).
-            self._unlink_own()
+        self._link = link = chosen(transports.Context(
+            rv=rv, rank=r, world=w, topology=self.topology, roots=s.roots, plans=plans,
+            infos=self._infos, buffers=bufs, flags_addr=self._flags_addr,
+            bootstrap_timeout_s=s.bootstrap_timeout_s, timeout_s=s.timeout_s))
+        link.connect()
 
         t = self.plan.to_tables()
         slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
-        try:
-            self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
-                                         t["connections"], t["streams"], t["items"], slots,
-                                         s.spin_us, s.nap_us, transport=self.transport)
-        except BaseException:
-            if links is not None:
-                links.close()
-            raise
-        px.set_region(int(Region.AG), ag.addr, self._ag_stride, self._ag_bytes)
-        if tcp:
-            px.set_tcp_fds(*links.detach())  # the proxy owns the sockets from here on
-        for p in range(w):
-            if p == r or remote:
-                continue
-            pc = self._peer_segs[(p, "ctl")]
-            px.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self._pids[p])
-            pa = self._peer_segs[(p, "ag")]
-            px.set_peer_region(p, int(Region.AG), pa.addr, self._ag_bytes)
-        if s.rs_up_front:
-            self._wire_rs()
-        if self.transport == "verbs":  # QPs up, memory registered, peers' keys learned
-            self._verbs = verbs_setup.connect_communicator(self, px, plans)
+        self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
+                                     t["connections"], t["streams"], t["items"], slots,
+                                     s.spin_us, s.nap_us, transport=chosen.native_kind)
+        for kind in bufs.segments:
+            bufs.wire(px, kind)
+        link.attach(px)
         rings = None
-        if s.check_sizes and not remote:  # needs the peers' publish rings mapped here
-            rings = [None if p == r else ring_view(self._peer_segs[(p, "ctl")].tensor)
+        if s.check_sizes and link.maps_peers:  # needs the peers' publish rings mapped here
+            rings = [None if p == r else ring_view(link.peer_segment(p, "ctl").tensor)
                      for p in range(w)]
+        ag = bufs["ag"]
         if self.device.type == "cuda":
             from .dataplane.cuda import CudaDataPlane
             self._dp = CudaDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
                                      flags_addr=self._flags_addr, ag=ag.tensor,
-                                     ag_stride=self._ag_stride, timeout_s=s.timeout_s,
+                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                      peer_rings=rings, device=self.device)
-            if self.transport == "shm" and s.gpu_direct:
+            if link.maps_peers and s.gpu_direct:
                 self._setup_gpu_direct(px)
         else:
             self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
                                     flags_addr=self._flags_addr, ag=ag.tensor,
-                                    ag_stride=self._ag_stride, timeout_s=s.timeout_s,
+                                    ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                     peer_rings=rings)
-        if self._rs_ready:
+        if bufs.has("rs"):
             self._attach_rs_dataplane()
         if lane_check.enabled():  # one small write and flag over every connection
             lane_check.lane_check(nat, px, plans, r, self.topology, self.transport, ag.tensor,
-                                  self._ag_stride, self._flags_addr, rv,
+                                  self.sizes.ag_stride, self._flags_addr, rv,
                                   lane_check.timeout_for(s.timeout_s))
         px.start()
 
-    def _wire_rs(self) -> None:
-        px, rs = self._proxy, self._rs
-        send_bytes, recv_bytes = self._rs_send_bytes, self._rs_recv_bytes
-        px.set_region(int(Region.RS_SEND), rs.addr, self._rs_send_stride, send_bytes)
-        px.set_region(int(Region.RS_RECV), rs.addr + send_bytes, self._rs_recv_stride, recv_bytes)
-        for p in range(self.world_size):
-            if p == self.rank or self.transport != "shm":
-                continue
-            pr = self._peer_segs[(p, "rs")]
-            px.set_peer_region(p, int(Region.RS_SEND), pr.addr, send_bytes)
-            px.set_peer_region(p, int(Region.RS_RECV), pr.addr + send_bytes, recv_bytes)
-        self._rs_ready = True
+    def _reserve(self, kinds: list[str], what: str, abort_check=None) -> None:
+        """Create (and reserve) this rank's segments ``kinds``, then learn whether every
+        rank could: a shortage anywhere raises the same ShmSpaceError on every rank, with
+        nothing left in /dev/shm."""
+        error = None
+        try:
+            for kind in kinds:
+                self._buffers.create(kind)
+        except ShmSpaceError as e:
+            error = str(e)
+        self.pinned_bytes = self._buffers.pinned_bytes
+        n = getattr(self, "_reservations", 0)
+        self._reservations = n + 1
+        states = self._rv.exchange(f"reserved{n}", {"error": error}, what, abort_check)
+        failed = [(i, st["error"]) for i, st in enumerate(states) if st["error"]]
+        if failed:
+            for kind in kinds:
+                self._buffers.drop(kind)
+            self.pinned_bytes = self._buffers.pinned_bytes
+            here = sum(1 for i in self._infos
+                       if (i["host"], i.get("boot_id")) == (socket.gethostname(), _boot_id()))
+            per_rank = bytes_per_rank(self.world_size, self.topology, self.slot_bytes,
+                                      self._settings.roots)
+            raise ShmSpaceError(shortage_message(failed, per_rank, here, self.slot_bytes,
+                                                 self.world_size), needed=per_rank)
 
     def _setup_gpu_direct(self, px) -> None:
         """CUDA + shm: every peer's segments are mapped here, so the GPU writes this rank's
@@ -376,45 +315,35 @@ class Communicator:
         proxy keeps the relays). ``SPARKCCL_GPU_DIRECT=0``: the proxy sends everything."""
         px.set_gpu_streams(self.plan.publish_streams())
         peers = [p for p in range(self.world_size) if p != self.rank]
-        self._dp.map_peers(ctl={p: (self._peer_segs[(p, "ctl")].addr, self._ctl_bytes)
-                                for p in peers},
-                           ag={p: (self._peer_segs[(p, "ag")].addr, self._ag_bytes)
-                               for p in peers})
+        seg = self._link.peer_segment
+        self._dp.map_peers(ctl={p: (seg(p, "ctl").addr, self.sizes.ctl_bytes) for p in peers},
+                           ag={p: (seg(p, "ag").addr, self.sizes.ag_bytes) for p in peers})
         self._gpu_direct = True
 
     def _attach_rs_dataplane(self) -> None:
-        send_bytes = self._rs_send_bytes
-        t = self._rs.tensor
-        self._dp.attach_rs(t[:send_bytes], self._rs_send_stride, t[send_bytes:],
-                           self._rs_recv_stride)
+        sz = self.sizes
+        t = self._buffers["rs"].tensor
+        self._dp.attach_rs(t[:sz.rs_send_bytes], sz.rs_send_stride, t[sz.rs_send_bytes:],
+                           sz.rs_recv_stride)
         if getattr(self, "_gpu_direct", False):
-            self._dp.map_peers_rs({p: (self._peer_segs[(p, "rs")].addr, self._rs_bytes)
+            self._dp.map_peers_rs({p: (self._link.peer_segment(p, "rs").addr, sz.rs_bytes)
                                    for p in range(self.world_size) if p != self.rank},
-                                  send_bytes)
+                                  sz.rs_send_bytes)
+        self._rs_ready = True
 
     def _ensure_rs(self) -> None:
         """Create the reduce-scatter buffers on first use (every rank reaches this at the
         same collective, so the exchange goes through the store here)."""
         if self._rs_ready:
             return
+        check = self._dp.check_abort
         try:
-            self._rs = self._create("rs", self._rs_bytes)
-            if self.transport != "shm":
-                # Only this process maps it (as in _setup); registered with the proxy before
-                # any peer can send reduce-scatter data.
-                self._unlink_own()
-                self._wire_rs()
-                if self.transport == "verbs":  # register, learn the peers' addresses and keys
-                    verbs_setup.add_rs_memory(self)
-            self._rv.barrier("rs-created", "create its reduce-scatter buffers",
-                             self._dp.check_abort)
-            if self.transport == "shm":
-                self._attach_peers("rs", self._rs_bytes)
-                self._rv.barrier("rs-mapped", "map its peers' reduce-scatter buffers",
-                                 self._dp.check_abort)
-                self._unlink_own()
+            self._reserve(["rs"], "reserve its reduce-scatter buffers", check)
+            # This rank's proxy knows the regions before any peer can send into them.
+            self._buffers.wire(self._proxy, "rs")
+            self._link.add_segment(self._proxy, "rs", check)
         except CollectiveError as e:
-            self._unlink_all()
+            self._link.unlink_names()
             if not self._nat.abort_code(self._ctl_addr):
                 self._nat.set_abort(self._ctl_addr, layout.ABORT_TIMEOUT, str(e))
             raise
@@ -422,11 +351,14 @@ class Communicator:
             msg = f"rank {self.rank}: could not set up reduce-scatter buffers: {e}"
             self._nat.set_abort(self._ctl_addr, layout.ABORT_TRANSPORT, msg)
             raise CollectiveError(msg, rank=self.rank) from e
-        if not self._rs_ready:
-            self._wire_rs()
         self._attach_rs_dataplane()
         log.info("sparkccl: rank %d: reduce-scatter buffers created (+%s, now %s)",
-                 self.rank, _mib(self._rs_bytes), _mib(self.pinned_bytes))
+                 self.rank, _mib(self.sizes.rs_bytes), _mib(self.pinned_bytes))
+
+    # ---- internal interface (finalize, selftest, bench, tests) -----------------------
+    def proxy_stats(self) -> dict:
+        """The native proxy's counters ({} without a proxy: world 1, or closed)."""
+        return self._proxy.stats() if self._proxy is not None else {}
 
     # ---- checks ----------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -434,29 +366,14 @@ class Communicator:
             raise ValueError(f"{what}: this Communicator is closed; create a new one")
 
     def _check_tensor(self, x, what: str, name: str = "x") -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.layout != torch.strided:
-            raise TypeError(f"{what}: {name} must be a dense (strided) tensor, got {x.layout}")
-        if x.device != self.device:
-            raise ValueError(f"{what}: {name} is on {x.device}, but this communicator works on "
-                             f"{self.device}; move it with {name}.to({str(self.device)!r})")
-        if x.is_quantized:
-            raise TypeError(f"{what}: quantized tensors are not supported; pass "
-                            f"{name}.int_repr() or a plain dtype")
-        if not x.is_contiguous():
-            raise ValueError(f"{what}: {name} must be contiguous; pass {name}.contiguous()")
+        checks.tensor(x, self.device, what, name)
 
     def _check_out(self, out, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        if out is None:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        self._check_tensor(out, what, "out")
-        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-            raise ValueError(f"{what}: out must have shape {list(shape)} and dtype {dtype}, got "
-                             f"{list(out.shape)} {out.dtype}")
-        return out
+        return checks.out(out, self.device, what, shape, dtype)
 
     def _check_alive(self, what: str) -> None:
+        if self.single:
+            return
         code = self._nat.abort_code(self._ctl_addr)
         if code:
             text = self._nat.error_text(self._ctl_addr) or f"aborted (code {code})"
@@ -465,8 +382,8 @@ class Communicator:
                                   rank=self.rank, cause=text)
 
     def _next_seq(self) -> int:
-        s = self._seq
-        self._seq += 1
+        s = self.seq
+        self.seq += 1
         return s
 
     # ---- collectives -----------------------------------------------------------------
@@ -490,7 +407,7 @@ class Communicator:
         out_shape = (self.world_size * shape[0], *shape[1:])
         n = x.numel() * x.element_size()
         if (zero_copy and out is None and self.device.type == "cuda" and n
-                and n % ALIGN == 0 and n <= self._max_slice):
+                and n % ALIGN == 0 and n <= self.max_slice):
             with self._lock:
                 self._check_alive(what)
                 seq = self._next_seq()
@@ -500,12 +417,15 @@ class Communicator:
         out = self._check_out(out, what, out_shape, x.dtype)
         if n == 0:
             return out
+        if self.single:
+            out.view(-1).copy_(x.detach().reshape(-1))
+            return out
         with self._lock:
             self._check_alive(what)
             src = x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
-            for off in range(0, n, self._max_slice):
-                L = min(self._max_slice, n - off)
+            for off in range(0, n, self.max_slice):
+                L = min(self.max_slice, n - off)
                 self._dp.all_gather(self._next_seq(), src[off:off + L], dst, off, n)
         return out
 
@@ -534,16 +454,19 @@ class Communicator:
         handout = self._match_handout(x, what)
         if chunk == 0:
             return out
+        if self.single:  # the sum of one term in fp32, rounded once (as the data planes do)
+            out.copy_(x.detach().to(torch.float32))
+            return out
         with self._lock:
             self._check_alive(what)
             self._ensure_rs()
             dst = out.detach().reshape(-1).view(torch.uint8)
-            if handout is not None and handout == self._seq % RS_SLOTS:
+            if handout is not None and handout == self.seq % RS_SLOTS:
                 self._dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, x.dtype)
             else:
                 src = x.detach().reshape(-1).view(torch.uint8)
-                for off in range(0, chunk, self._max_slice):
-                    L = min(self._max_slice, chunk - off)
+                for off in range(0, chunk, self.max_slice):
+                    L = min(self.max_slice, chunk - off)
                     self._dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off,
                                             x.dtype)
             self._rs_count += 1
@@ -592,13 +515,13 @@ class Communicator:
                              f"{list(shape)}")
         nbytes = dtype.itemsize * math.prod(shape)
         chunk = nbytes // W
-        if chunk == 0 or chunk % ALIGN or chunk > self._max_slice:
+        if self.single or chunk == 0 or chunk % ALIGN or chunk > self.max_slice:
             return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
             self._check_alive(what)
             self._ensure_rs()
-            parity = self._seq % RS_SLOTS
-            base = parity * self._rs_send_stride
+            parity = self.seq % RS_SLOTS
+            base = parity * self.sizes.rs_send_stride
             t = self._dp.rs_send[base:base + nbytes].view(dtype).view(shape)
             self._handout = (t.data_ptr(), nbytes, parity, self._rs_count)
         return t
@@ -608,7 +531,7 @@ class Communicator:
                                     num_tokens: int, padded_tokens: int,
                                     y_scales: torch.Tensor | None = None,
                                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """The MoE finalize fused into a reduce-scatter (SPEC §6). Returns this rank's
+        """The MoE finalize fused into a reduce-scatter (docs/PROTOCOL.md). Returns this rank's
         ``[padded_tokens / world, H]`` bf16 rows (token rows ``rank * Tpad/world ...``) of
         the sum over ranks of every rank's
 
@@ -645,7 +568,10 @@ class Communicator:
                                    padded_tokens, y_scales)
         Rr, RB = f.rows_per_rank, f.row_bytes
         out = self._check_out(out, what, (Rr, f.H), torch.bfloat16)
-        per = self._max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
+        if self.single:
+            _finalize.single_rank(self._nat, f, out)
+            return out
+        per = self.max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
         with self._lock:
             self._check_alive(what)
             self._ensure_rs()
@@ -661,6 +587,8 @@ class Communicator:
         """Wait until this communicator's queued collectives have finished (CUDA; on CPU
         they already have) and raise ``CollectiveError`` if any of them failed."""
         self._check_open("synchronize")
+        if self.single:
+            return
         with self._lock:
             sync = getattr(self._dp, "synchronize", None)
             if sync is not None:
@@ -674,19 +602,18 @@ class Communicator:
 
     def close(self) -> None:
         """Release the communicator. Call it on every rank (or use ``with``): it waits (up to
-        the timeout) until every rank has closed, so that no rank's exit looks like a crash
-        to a peer still finishing its last collective. Idempotent."""
+        the bootstrap timeout) until every rank has closed, so that no rank's exit looks like
+        a crash to a peer still finishing its last collective. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        with _live_lock:
-            _live.discard(self)
+        lifetime.untrack(self)
         self._teardown(barrier=True)
 
     def _teardown(self, barrier: bool) -> None:
-        nat = self._nat if hasattr(self, "_nat") else None
+        nat = getattr(self, "_nat", None)
         ctl = getattr(self, "_ctl_addr", None)
-        dp = getattr(self, "_dp", None)
+        dp = self._dp
         if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
             try:
                 dp.synchronize()
@@ -704,7 +631,7 @@ class Communicator:
             try:
                 if not nat.abort_code(ctl):
                     self._rv.barrier("closed", "close the communicator", check,
-                                     self._settings.bootstrap_timeout_s)
+                                     self.bootstrap_timeout_s, self._rv_boot_setting())
                     clean = True
             except CollectiveError as e:
                 log.warning("sparkccl: rank %d: close() did not hear from every rank (%s); "
@@ -716,15 +643,33 @@ class Communicator:
         if self._proxy is not None:
             self._proxy.stop(graceful=clean)  # tcp: a goodbye, so peers see no crash
             self._proxy = None
-        if getattr(self, "_verbs", None) is not None:  # QPs and MRs, after the proxy stopped
-            self._verbs.close()
-            self._verbs = None
-        self._unlink_all()
+        if self._link is not None:  # after the proxy stopped: sockets, QPs, peer mappings
+            self._link.close()
+            self._link = None
         self._dp = None
-        for seg in list(self._peer_segs.values()) + self._segments:
-            seg.close()
-        self._peer_segs.clear()
-        self._segments.clear()
+        if self._buffers is not None:
+            self._buffers.unlink_every_rank(self.world_size)
+            self._buffers.close()
+
+    def _rv_boot_setting(self) -> str:
+        return f"bootstrap_timeout_s={self.bootstrap_timeout_s:g}"
+
+    def forget_after_fork(self) -> None:
+        """In a forked child (:mod:`sparkccl.lifetime`): the proxy thread and the segments
+        are the parent's; never tear them down here."""
+        import ctypes
+        px, self._proxy = self._proxy, None
+        if px is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(px))  # never destroyed in the child
+        self._link = None
+        if self._buffers is not None:
+            self._buffers.segments.clear()
+        self._closed = True
+
+    def release_at_exit(self) -> None:
+        """At interpreter exit (:mod:`sparkccl.lifetime`): tear down without waiting."""
+        self._closed = True
+        self._teardown(barrier=False)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -737,8 +682,7 @@ class Communicator:
         # Record why, so their proxies fail them now (with this cause) instead of at their
         # timeout, and close without waiting for them.
         self._closed = True
-        with _live_lock:
-            _live.discard(self)
+        lifetime.untrack(self)
         try:
             if not issubclass(exc_type, CollectiveError) and self._proxy is not None:
                 self._nat.set_abort(self._ctl_addr, layout.ABORT_USER,
@@ -769,37 +713,3 @@ def _boot_id() -> str | None:
             return f.read().strip()
     except OSError:
         return None
-
-
-def _forget_in_forked_child() -> None:
-    """After fork(): the proxy threads and the segments belong to the parent. The child's
-    copies are marked closed and never torn down (stopping a proxy would join a thread that
-    does not exist here, and unlinking names is the parent's business)."""
-    import ctypes
-    global _live_lock
-    _live_lock = threading.Lock()  # another thread may have held it at fork time
-    comms = list(_live)
-    _live.clear()
-    for c in comms:
-        px, c._proxy = c._proxy, None
-        if px is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(px))  # never destroyed in the child
-        c._names = []
-        c._closed = True
-
-
-def _close_all_at_exit() -> None:
-    with _live_lock:
-        comms = list(_live)
-    for c in comms:
-        try:
-            c._closed = True
-            c._teardown(barrier=False)
-        except Exception:
-            pass
-
-
-import atexit  # noqa: E402
-
-atexit.register(_close_all_at_exit)
-os.register_at_fork(after_in_child=_forget_in_forked_child)

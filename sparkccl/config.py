@@ -175,7 +175,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "seconds a collective may wait for peers before it raises CollectiveError", lo=1e-3),
     _v("SPARKCCL_BOOTSTRAP_TIMEOUT_S", "float", None, "communicator",
        "seconds the ranks may take to all join (construction) and to all reach close()",
-       default_text="max(timeout, 120)", lo=1e-3),
+       default_text="the timeout (timeout_s / SPARKCCL_TIMEOUT_S)", lo=1e-3),
     _v("SPARKCCL_ROOTS", "int", DEFAULT_ROOTS, "plan",
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
@@ -272,16 +272,6 @@ class Settings:
     gpu_direct: bool = True
 
 
-def bootstrap_timeout(timeout_s: float | None = None, env=None) -> float:
-    """The bootstrap timeout, never raising (bad values are reported by :func:`resolve`)."""
-    try:
-        t = float(timeout_s) if timeout_s is not None else get("SPARKCCL_TIMEOUT_S", env)
-        boot = get("SPARKCCL_BOOTSTRAP_TIMEOUT_S", env)
-        return boot if boot is not None else max(t, DEFAULT_BOOTSTRAP_TIMEOUT_S)
-    except (TypeError, ValueError):
-        return DEFAULT_BOOTSTRAP_TIMEOUT_S
-
-
 def _seconds(name: str, arg: str, value, env) -> tuple[float, str]:
     if value is None:
         return lookup(name, env)
@@ -309,7 +299,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     boot, _ = _seconds("SPARKCCL_BOOTSTRAP_TIMEOUT_S", "bootstrap_timeout_s",
                        bootstrap_timeout_s, env)
     if boot is None:
-        boot = max(timeout, DEFAULT_BOOTSTRAP_TIMEOUT_S)
+        boot = timeout
     oversub = local_ranks * PROXY_THREADS_PER_RANK > usable_cpus()
     spin = get("SPARKCCL_PROXY_SPIN_US", env)
     nap = get("SPARKCCL_PROXY_NAP_US", env)

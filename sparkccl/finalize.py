@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import checks
+
 MAX_TOPK = 16
 MIN_ROWS_PER_RANK = 8  # one row per piece at least
 SCALE_COLS = 128  # one e4m3 scale per (row, 128 columns)
@@ -76,13 +78,13 @@ def check_inputs(comm, what: str, y, pos, weights, shared, num_tokens, padded_to
                  y_scales) -> FinalizeInputs:
     """Every check that can be made before anything is sent; raises ``TypeError`` /
     ``ValueError`` saying what to change. ``comm`` provides ``world_size``, ``device``,
-    ``_check_tensor`` and ``_max_slice``."""
+    ``slot_bytes`` and ``max_slice``."""
     W = comm.world_size
     T = _int(num_tokens, "num_tokens", what)
     Tpad = _int(padded_tokens, "padded_tokens", what)
     names = (("y", y), ("pos", pos), ("weights", weights), ("shared", shared))
     for name, t in names + ((("y_scales", y_scales),) if y_scales is not None else ()):
-        comm._check_tensor(t, what, name)
+        checks.tensor(t, comm.device, what, name)
 
     if y.dtype not in Y_DTYPES:
         raise TypeError(f"{what}: y must be torch.bfloat16, or e4m3 values (torch.float8_e4m3fn, "
@@ -154,7 +156,7 @@ def check_inputs(comm, what: str, y, pos, weights, shared, num_tokens, padded_to
             raise ValueError(f"{what}: {name} has rows for {rows} tokens, fewer than num_tokens = "
                              f"{T}; it must be {shape} (rows past num_tokens are ignored)")
     row_bytes = 2 * H
-    if MIN_ROWS_PER_RANK * row_bytes > comm._max_slice:
+    if MIN_ROWS_PER_RANK * row_bytes > comm.max_slice:
         # A collective carries a multiple of 8 rows per rank (one per row piece at least).
         need = W * MIN_ROWS_PER_RANK * row_bytes
         full = W * row_bytes * -(-(Tpad // W) // MIN_ROWS_PER_RANK) * MIN_ROWS_PER_RANK
@@ -177,3 +179,23 @@ def check_inputs(comm, what: str, y, pos, weights, shared, num_tokens, padded_to
                              f"not a row of y (0 <= pos < R = {R}); {bad.numel()} such entries")
     return FinalizeInputs(y=yb, scales=y_scales, pos=pos_flat, weights=weights, shared=shared,
                           num_tokens=T, padded_tokens=Tpad, world=W, topk=topk, H=H, R=R)
+
+
+def single_rank(nat, f: FinalizeInputs, out: torch.Tensor) -> None:
+    """World 1: this rank's rows are the whole result. The same native FMA chain as the CPU
+    data plane (inputs moved to the host first if they are on a GPU), then the same fp32
+    sum of one term rounded once, so the bits match the multi-rank path."""
+    if f.y.device.type != "cpu":
+        f = FinalizeInputs(**{**f.__dict__, **{k: getattr(f, k).cpu() for k in
+                                               ("y", "pos", "weights", "shared")},
+                              "scales": None if f.scales is None else f.scales.cpu()})
+        p = f.pos[:f.num_tokens * f.topk]
+        bad = ((p < 0) | (p >= f.R)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"moe_finalize_reduce_scatter: pos[{i}] = {int(p[i])} is not a row "
+                             f"of y (0 <= pos < R = {f.R}); {bad.numel()} such entries")
+    rows = torch.empty((f.padded_tokens, f.H), dtype=torch.bfloat16)
+    if rows.numel():
+        nat.finalize_rows(*f.native_args(), 0, f.padded_tokens, rows.data_ptr())
+    out.copy_(rows.to(torch.float32))

@@ -241,7 +241,7 @@ def selftest(topology: str = "mesh", transport: str = "verbs", device: str = "au
         c = _Ctx(comm, dist, dev)
         report["lanes"] = _lanes(comm)
         report["port_gbps"] = _port_rate(comm)
-        max_slice = comm._max_slice
+        max_slice = comm.max_slice
         report["checks"], report["bad"] = _exact(c, max_slice, quick)
         report["burst_total"], report["burst_bad"] = _bursts(c, bursts)
         if bandwidth and not report["bad"] and not report["burst_bad"]:

@@ -5,17 +5,25 @@ so two communicators on one host never collide. A segment is created with
 ``O_CREAT | O_EXCL`` and mode 0600, mapped by its owner and by the peers, and unlinked as
 soon as every peer has mapped it (the mappings stay valid), so a process killed later
 leaves nothing behind. Close and an atexit hook unlink whatever is still named.
+
+Segments are reserved when created (``posix_fallocate``): tmpfs files are sparse, so without
+it a /dev/shm that is too small (Docker's default is 64 MiB) lets creation succeed and kills
+the process with SIGBUS at the first large collective. Reserved, the shortage is a
+:class:`ShmSpaceError` at creation, saying how much is needed and how to get it.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import threading
 
 import torch
+
+from .errors import ConfigError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sparkccl-"
@@ -47,6 +55,51 @@ def unlink_name(name: str) -> bool:
     except OSError as e:  # pragma: no cover - permissions etc.
         log.warning("sparkccl: could not remove %s: %s", path_of(name), e)
         return False
+
+
+class ShmSpaceError(ConfigError):
+    """/dev/shm has too little free space for a communicator's segments.
+
+    A :class:`~sparkccl.errors.ConfigError`: the remedy is configuration (the container's
+    shared memory size, or a smaller slot), nothing has been sent, and retrying as is
+    cannot succeed. ``needed`` and ``free`` are in bytes (``free`` when measured)."""
+
+    def __init__(self, message: str, *, needed: int = 0, free: int | None = None):
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+    def __reduce__(self):
+        return (_rebuild_space_error, (str(self), self.needed, self.free))
+
+
+def _rebuild_space_error(message, needed, free):
+    return ShmSpaceError(message, needed=needed, free=free)
+
+
+def free_bytes() -> int | None:
+    """Free space of /dev/shm for this process (None if it cannot be measured)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = free_bytes()
+        raise ShmSpaceError(
+            f"cannot reserve {_mib(size)} for {path_of(name)}: {SHM_DIR} has "
+            f"{'an unknown amount' if free is None else _mib(free)} free ({e.strerror})",
+            needed=size, free=free) from None
 
 
 def _forget_in_forked_child() -> None:
@@ -88,6 +141,7 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
+            _reserve(fd, name, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

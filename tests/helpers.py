@@ -36,7 +36,7 @@ def expect_errors(comm, cases) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             ok = isinstance(e, etype) and text in str(e)
             out[name] = None if ok else f"{type(e).__name__}: {e}"
-    out["seq after bad calls"] = None if comm._seq == 0 else f"seq moved to {comm._seq}"
+    out["seq after bad calls"] = None if comm.seq == 0 else f"seq moved to {comm.seq}"
     return out
 
 

@@ -54,7 +54,7 @@ def burst_job(rank, nprocs, store, configs, n, transport="auto"):
             t0 = time.perf_counter()
             results = issue_ops(comm, ops, inputs)
             elapsed = time.perf_counter() - t0
-            seqs = comm._seq
+            seqs = comm.seq
         bad = []
         for i, ((kind, s, shape, dt), y) in enumerate(zip(ops, results)):
             xs = [make_input(s, r, shape, dt) for r in range(world)]

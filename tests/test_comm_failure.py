@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -277,12 +278,21 @@ def test_exception_in_with_block_fails_peers_fast():
         assert v["elapsed"] < 2.0, v  # not the 30 s timeout
 
 
-def bootstrap_kill_job(rank, world, store):
-    from sparkccl.comm import Communicator
-    if rank == 1:  # dies after creating its segments, before the peers finish mapping them
-        def die(self, kind, size):
+def bootstrap_kill_job(rank, world, store, where):
+    from sparkccl.buffers import Buffers
+    from sparkccl.transport.shm import ShmTransport
+    if rank == 1 and where == "map":  # after creating its segments, before mapping the peers'
+        def die(self, kind):
             os.kill(os.getpid(), signal.SIGKILL)
-        Communicator._attach_peers = die
+        ShmTransport._map = die
+    if rank == 1 and where == "create":  # after its control segment, before the others
+        create = Buffers.create
+
+        def die_second(self, kind):
+            if self.segments:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return create(self, kind)
+        Buffers.create = die_second
     t0 = time.monotonic()
     try:
         _comm(store, "bootkill", rank, world, timeout_s=30)
@@ -292,8 +302,9 @@ def bootstrap_kill_job(rank, world, store):
         return dict(error=str(e), elapsed=time.monotonic() - t0, token=token)
 
 
-def test_rank_killed_during_setup_leaves_no_segments():
-    res = run_ranks(bootstrap_kill_job, 3, timeout_s=120)
+@pytest.mark.parametrize("where", ["create", "map"])
+def test_rank_killed_during_setup_leaves_no_segments(where):
+    res = run_ranks(bootstrap_kill_job, 3, args=(where,), timeout_s=120)
     assert res[1].error_type == KILLED
     for r in (0, 2):
         v = res[r].value

@@ -357,7 +357,7 @@ def finalize_comm_job(rank, nprocs, store, configs, device):
                 comm._dp.fin_order = "reverse"
             name = f"world {W} {topo} slot {slot}"
             for k, (T, Tpad, H, topk, fp8, pow2) in enumerate(comm_cases(W)):
-                if 8 * 2 * H > comm._max_slice:  # 8 rows per rank must fit (bad-input test)
+                if 8 * 2 * H > comm.max_slice:  # 8 rows per rank must fit (bad-input test)
                     continue
                 inputs = [make_finalize_input(100 + k, r, tokens=T, hidden=H, topk=topk,
                                               experts_rows=T + 3, fp8=fp8, pow2_weights=pow2)

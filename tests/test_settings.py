@@ -80,7 +80,7 @@ def test_precedence_argument_sparkccl_nccl_default():
     assert config.lookup_nccl("SPARKCCL_IB_HCA", {"NCCL_IB_HCA": "=mlx5_0"}) == \
         ("=mlx5_0", "NCCL_IB_HCA")
     s = config.resolve(slot_bytes="8M", timeout_s=3, env=env)
-    assert (s.slot_bytes, s.timeout_s, s.bootstrap_timeout_s) == (8 << 20, 3.0, 120.0)
+    assert (s.slot_bytes, s.timeout_s, s.bootstrap_timeout_s) == (8 << 20, 3.0, 3.0)
     s = config.resolve(bootstrap_timeout_s=7.5, env={"SPARKCCL_BOOTSTRAP_TIMEOUT_S": "99"})
     assert s.bootstrap_timeout_s == 7.5
     with pytest.raises(ConfigError, match=r"^bootstrap_timeout_s=0: must be > 0 seconds"):

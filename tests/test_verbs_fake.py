@@ -919,7 +919,7 @@ def _failing_job(comm, r):
     comm.all_gather(torch.ones(4096))
     _both_done.wait(10)  # every write of that collective has landed on both ranks
     if r == 0:
-        link = comm._verbs
+        link = comm._link.link
         qpn = link.endpoint.connections()[0]["qpn"]
         FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
     try:

@@ -46,8 +46,10 @@ import time
 from dataclasses import dataclass
 
 from .. import config
+from ..buffers import LABELS
 from ..errors import CollectiveError
 from ..plan.model import arrival
+from .base import Transport
 
 log = logging.getLogger("sparkccl")
 
@@ -426,3 +428,35 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
     finally:
         for ls in listeners.values():
             ls.close()
+
+
+class TcpTransport(Transport):
+    """Any IP network: the sockets are built in :meth:`connect`, the proxy owns them from
+    :meth:`attach` on. Only this process maps its segments."""
+
+    name = "tcp"
+    native_kind = "tcp"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.links: Links | None = None
+
+    def connect(self) -> None:
+        c = self.ctx
+        c.buffers.unlink()  # peers reach this memory through the network only
+        self.links = connect(c.rv, c.plans, c.rank, c.topology, c.roots,
+                             c.bootstrap_timeout_s, c.timeout_s)
+
+    def attach(self, proxy) -> None:
+        links, self.links = self.links, None
+        proxy.set_tcp_fds(*links.detach())  # the proxy owns the sockets from here on
+
+    def add_segment(self, proxy, kind, abort_check) -> None:
+        self.ctx.buffers.unlink()
+        self.ctx.rv.barrier(f"{kind}-created", f"create its {LABELS[kind]} buffers",
+                            abort_check)
+
+    def close(self) -> None:
+        if self.links is not None:  # the proxy never took them
+            self.links.close()
+            self.links = None

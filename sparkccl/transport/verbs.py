@@ -56,9 +56,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..bootstrap import describe_disagreement
+from ..buffers import LABELS
 from ..errors import CollectiveError
 from ..fabric import FabricError, RootChoice, Selection, select_mesh, select_ring
 from ..plan.model import arrival
+from .base import Transport
 
 log = logging.getLogger("sparkccl")
 
@@ -513,7 +515,7 @@ def connect(rv, plans, rank: int, topology: str, roots: int, proxy, memory, *,
 
 
 
-# ---- the Communicator's use (sparkccl/comm.py) --------------------------------------------
+# ---- as a communicator's transport -------------------------------------------------------
 
 def probe_quietly(transport: str, topology: str, roots: int) -> str | None:
     """For the communicator's join record: None when ``transport='auto'`` could use verbs
@@ -526,29 +528,55 @@ def probe_quietly(transport: str, topology: str, roots: int) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def rs_memory(comm) -> dict[int, tuple[int, int]]:
-    from ..plan.model import Region
-    send = comm._rs_send_bytes
-    return {int(Region.RS_SEND): (comm._rs.addr, send),
-            int(Region.RS_RECV): (comm._rs.addr + send, comm._rs_recv_bytes)}
+class VerbsTransport(Transport):
+    """RDMA queue pairs: brought up in :meth:`attach` (the endpoint wires the proxy's
+    registry); the reduce-scatter buffers are registered when they are created."""
 
+    name = "verbs"
+    native_kind = "verbs"
 
-def connect_communicator(comm, proxy, plans) -> VerbsLink:
-    """Verbs setup of a :class:`~sparkccl.Communicator` (flags, AG, and RS if it exists)."""
-    from ..plan.model import Region
-    s = comm._settings
-    memory = {KEY_FLAGS: (comm._flags_addr, comm.plan.num_flag_words * 8),
-              int(Region.AG): (comm._ag.addr, comm._ag_bytes)}
-    if comm._rs_ready:
-        memory.update(rs_memory(comm))
-    link = connect(comm._rv, plans, comm.rank, comm.topology, s.roots, proxy, memory,
-                   timeout_s=s.bootstrap_timeout_s,
-                   settings=resolve_settings(stall_s=s.timeout_s))
-    log.info("sparkccl: rank %d: verbs lanes (%s ordering): %s", comm.rank,
-             link.settings.ordering, "; ".join(link.describe()))
-    return link
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.link: VerbsLink | None = None
 
+    @classmethod
+    def probe(cls, requested, topology, roots):
+        return {"verbs": probe_quietly(requested, topology, roots)}
 
-def add_rs_memory(comm) -> None:
-    """First reduce-scatter: register the RS buffers, learn the peers' (all ranks)."""
-    comm._verbs.add_memory(comm._proxy, rs_memory(comm), comm._dp.check_abort)
+    @classmethod
+    def why_not(cls, infos, explicit):
+        if explicit:
+            return None  # tried as asked; FabricError says what is missing
+        # Every rank probed its RDMA lanes in its join record (probe_quietly).
+        bad = [f"rank {r}: {i.get('verbs', 'not probed')}" for r, i in enumerate(infos)
+               if "verbs" not in i or i["verbs"] is not None]
+        return "; ".join(bad) or None
+
+    def connect(self) -> None:
+        self.ctx.buffers.unlink()  # peers reach this memory through the NICs only
+
+    def _memory(self, kind: str) -> dict[int, tuple[int, int]]:
+        return {int(reg): v for reg, v in self.ctx.buffers.memory(kind).items()}
+
+    def attach(self, proxy) -> None:
+        c = self.ctx
+        memory = {KEY_FLAGS: (c.flags_addr, c.plans[c.rank].num_flag_words * 8)}
+        for kind in c.buffers.segments:
+            memory.update(self._memory(kind))
+        self.link = connect(c.rv, c.plans, c.rank, c.topology, c.roots, proxy, memory,
+                            timeout_s=c.bootstrap_timeout_s,
+                            settings=resolve_settings(stall_s=c.timeout_s))
+        log.info("sparkccl: rank %d: verbs lanes (%s ordering): %s", c.rank,
+                 self.link.settings.ordering, "; ".join(self.link.describe()))
+
+    def add_segment(self, proxy, kind, abort_check) -> None:
+        c = self.ctx
+        c.buffers.unlink()
+        # Register, learn the peers' addresses and keys (every rank together).
+        self.link.add_memory(proxy, self._memory(kind), abort_check)
+        c.rv.barrier(f"{kind}-created", f"create its {LABELS[kind]} buffers", abort_check)
+
+    def close(self) -> None:
+        if self.link is not None:  # QPs and MRs, after the proxy stopped
+            self.link.close()
+            self.link = None

@@ -1,0 +1,31 @@
+"""Argument checks shared by the collectives and the MoE finalize: raised before anything
+is sent, saying what to change."""
+from __future__ import annotations
+
+import torch
+
+
+def tensor(x, device: torch.device, what: str, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{what}: {name} must be a dense (strided) tensor, got {x.layout}")
+    if x.device != device:
+        raise ValueError(f"{what}: {name} is on {x.device}, but this communicator works on "
+                         f"{device}; move it with {name}.to({str(device)!r})")
+    if x.is_quantized:
+        raise TypeError(f"{what}: quantized tensors are not supported; pass "
+                        f"{name}.int_repr() or a plain dtype")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous; pass {name}.contiguous()")
+
+
+def out(t, device: torch.device, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` checked against the result's shape and dtype, or a fresh result tensor."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    tensor(t, device, what, "out")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{what}: out must have shape {list(shape)} and dtype {dtype}, got "
+                         f"{list(t.shape)} {t.dtype}")
+    return t
