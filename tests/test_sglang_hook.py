@@ -1,0 +1,138 @@
+"""The SGLang hook, against the real SGLang package (docs/VLLM_SGLANG.md).
+
+Skips, with the import error as the reason, where ``sglang.srt.distributed`` does not
+import (CI: not installed); ``benchmarks/integrations_check.sh`` installs it into a venv
+and runs this (output in ``benchmarks/integrations_cpu.txt``). The shared routing rule is
+tested without SGLang in tests/test_vllm_plugin.py.
+
+How the real SGLang runs here: ranks are processes over gloo; SGLang's plugin loader
+(``sglang.srt.plugins.load_plugins``) finds the ``sparkccl`` entry point, runs it and
+applies the hooks it registered with ``HookRegistry``; SGLang's own ``GroupCoordinator``
+builds the tensor-parallel group (no pynccl, no custom all-reduce: no GPU). Its
+``_all_gather_into_tensor`` / ``_reduce_scatter_tensor`` are the hooked methods; declined
+calls run SGLang's original body, which here is torch.distributed over gloo, so every
+result, routed or declined, is checked bit for bit.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sparkccl.integrations import routing
+from sparkccl.testing import (all_gather_reference, bits, check, make_input,
+                              reduce_scatter_reference, run_ranks)
+
+MIN = 64 << 10
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+SGLANG_ENV = {"SPARKCCL_ENGINE_MIN_BYTES": str(MIN), "SGLANG_PLUGINS": "sparkccl"}
+
+
+def _sglang_unavailable() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not installed (benchmarks/integrations_check.sh installs it in a venv)"
+    try:
+        import sglang.srt.distributed.parallel_state  # noqa: F401
+        import sglang.srt.plugins  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
+        return f"SGLang does not import here: {type(e).__name__}: {e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def sglang_ok():
+    why = _sglang_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def _tp_group(rank, world, store):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    return GroupCoordinator(group_ranks=[list(range(world))], local_rank=rank,
+                            torch_distributed_backend="gloo", use_pynccl=False,
+                            use_mscclpp=False, use_custom_allreduce=False,
+                            use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
+                            use_xpu_communicator=False, group_name="tp")
+
+
+def _inert_job(rank, world, store):
+    tp = _tp_group(rank, world, store)
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    hooked = sorted(t for t in HookRegistry._hooks if "GroupCoordinator" in t)
+    return hooked, "_sparkccl" in tp.__dict__
+
+
+def test_sglang_hook_is_inert_when_off(sglang_ok):
+    res = check(run_ranks(_inert_job, world=2, env={**SGLANG_ENV, "SPARKCCL_SGLANG": "0"},
+                          timeout_s=600))
+    for hooked, attached in res:
+        assert hooked == [] and attached is False
+
+
+def _on_job(rank, world, store):
+    tp = _tp_group(rank, world, store)
+    st = tp._sparkccl   # built by the AFTER hook on GroupCoordinator.__init__
+    out = {"topology": st.comm.topology, "transport": st.comm.transport}
+    inputs = lambda seed, shape, dtype: [make_input(seed, r, shape, dtype) for r in range(world)]
+
+    def exact(got, want_bits):
+        return bool((bits(got) == want_bits).all())
+
+    def ag(seed, shape, dtype):
+        xs = inputs(seed, shape, dtype)
+        o = torch.empty((world * shape[0], *shape[1:]), dtype=dtype)
+        tp._all_gather_into_tensor(o, xs[rank])
+        return exact(o, all_gather_reference(xs))
+
+    def rs(seed, shape, dtype, noncontig=False):
+        xs = inputs(seed, shape, dtype)
+        x = xs[rank]
+        if noncontig and rank == 1:
+            x = torch.empty(shape[::-1], dtype=dtype).t()
+            x.copy_(xs[rank])
+        o = torch.empty((shape[0] // world, *shape[1:]), dtype=dtype)
+        tp._reduce_scatter_tensor(o, x)
+        return exact(o, reduce_scatter_reference(xs, rank))
+
+    # Routed (>= 64 KiB whole buffer)
+    out["ag_bf16"] = ag(1, (64, 256), bf16)
+    out["ag_u8"] = ag(2, (32768,), torch.uint8)
+    out["rs_bf16"] = rs(3, (128, 256), bf16, noncontig=True)
+    out["rs_f16"] = rs(4, (128, 256), f16)
+    out["rs_f32"] = rs(5, (64, 256), f32)
+    # SGLang's public all_gather along the last dim: its dim-0 gather routes, SGLang moves
+    # the dim itself.
+    xs = inputs(6, (64, 256), bf16)
+    out["ag_public_dim1"] = exact(tp.all_gather(xs[rank], dim=1), bits(torch.cat(xs, dim=1)))
+    routed = dict(st.counts)
+    # Declined: SGLang's original method (gloo here), still exact.
+    out["ag_small"] = ag(7, (8, 256), bf16)
+    out["rs_small"] = rs(8, (16, 256), bf16)
+    routing.stream_capturing = lambda: True
+    out["ag_captured"] = ag(9, (64, 256), bf16)
+    out["rs_captured"] = rs(10, (128, 256), bf16)
+    routing.stream_capturing = lambda: False
+    out["routed"] = routed
+    out["counts"] = dict(st.counts)
+    return out
+
+
+def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sglang_ok):
+    res = check(run_ranks(_on_job, world=2, env={**SGLANG_ENV, "SPARKCCL_SGLANG": "1"},
+                          timeout_s=600))
+    for rank, r in enumerate(res):
+        assert (r["topology"], r["transport"]) == ("mesh", "shm")
+        for k in ("ag_bf16", "ag_u8", "rs_bf16", "rs_f16", "rs_f32", "ag_public_dim1",
+                  "ag_small", "rs_small", "ag_captured", "rs_captured"):
+            assert r[k] is True, (rank, k)
+        assert r["routed"] == {("all_gather", "sparkccl"): 3, ("reduce_scatter", "sparkccl"): 3}
+        c = r["counts"]
+        assert c[("all_gather", "below threshold")] == 1
+        assert c[("reduce_scatter", "below threshold")] == 1
+        assert c[("all_gather", "graph capture")] == 1
+        assert c[("reduce_scatter", "graph capture")] == 1
