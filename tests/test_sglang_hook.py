@@ -12,6 +12,12 @@ builds the tensor-parallel group (no pynccl, no custom all-reduce: no GPU). Its
 ``_all_gather_into_tensor`` / ``_reduce_scatter_tensor`` are the hooked methods; declined
 calls run SGLang's original body, which here is torch.distributed over gloo, so every
 result, routed or declined, is checked bit for bit.
+
+One dependency is replaced: ``sglang.srt.utils.common`` imports ``triton`` unconditionally,
+and triton (a GPU compiler) is not installed on the CPU machine. Where ``import triton``
+fails, the rank processes get a placeholder module holding only the names SGLang's
+import-time code touches (``jit`` as identity, ``cdiv``, ...); no triton kernel runs in
+these tests, and SGLang's own classes are unchanged.
 """
 from __future__ import annotations
 
@@ -29,26 +35,70 @@ bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 SGLANG_ENV = {"SPARKCCL_ENGINE_MIN_BYTES": str(MIN), "SGLANG_PLUGINS": "sparkccl"}
 
 
-def _sglang_unavailable() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "SGLang is not installed (benchmarks/integrations_check.sh installs it in a venv)"
-    try:
-        import sglang.srt.distributed.parallel_state  # noqa: F401
-        import sglang.srt.plugins  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
-        return f"SGLang does not import here: {type(e).__name__}: {e}"
-    return None
+TRITON_PLACEHOLDER = '''
+"""Placeholder for triton, which is not installed here: the names SGLang's imports touch."""
+import sys, types
+jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+autotune = heuristics = lambda *a, **k: (lambda f: f)
+Config = type("Config", (), {"__init__": lambda self, *a, **k: None})
+cdiv = lambda a, b: -(-a // b)
+next_power_of_2 = lambda n: 1 << (n - 1).bit_length()
+language = types.ModuleType("triton.language")
+language.constexpr = object
+def _any(name):  # tl.float32, tl.tensor, ... in annotations; no module attributes
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return object
+language.__getattr__ = _any
+runtime = types.ModuleType("triton.runtime")
+runtime.jit = types.ModuleType("triton.runtime.jit")
+runtime.jit.JITFunction = type("JITFunction", (), {})
+sys.modules.update({"triton.language": language, "triton.runtime": runtime,
+                    "triton.runtime.jit": runtime.jit})
+__version__ = "0.0.0"
+'''
+PLACEHOLDER_ENV = "TEST_SGLANG_TRITON_PLACEHOLDER"
+
+
+def _import_sglang():
+    import os
+    import sys
+    where = os.environ.get(PLACEHOLDER_ENV)
+    if where and where not in sys.path:
+        import torch._dynamo  # noqa: F401 - torch looks for triton first, and finds none
+
+        sys.path.insert(0, where)
+    import sglang.srt.distributed.parallel_state  # noqa: F401
+    import sglang.srt.plugins  # noqa: F401
+
+
+def _import_job(rank, world, store):
+    _import_sglang()
+    import sglang
+    return sglang.__version__
 
 
 @pytest.fixture(scope="module")
-def sglang_ok():
-    why = _sglang_unavailable()
-    if why:
-        pytest.skip(why)
+def sglang_env(tmp_path_factory):
+    """The rank environment, or a skip naming why SGLang cannot be imported here."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (benchmarks/integrations_check.sh installs it "
+                    "in a venv)")
+    env = dict(SGLANG_ENV)
+    if importlib.util.find_spec("triton") is None:
+        d = tmp_path_factory.mktemp("triton_placeholder")
+        (d / "triton").mkdir()
+        (d / "triton" / "__init__.py").write_text(TRITON_PLACEHOLDER)
+        env[PLACEHOLDER_ENV] = str(d)
+    r = run_ranks(_import_job, world=1, env=env, timeout_s=300)[0]
+    if r.error_type:
+        pytest.skip(f"SGLang does not import here: {r.error_type}: {r.message}")
+    return env
 
 
 def _tp_group(rank, world, store):
     import torch.distributed as dist
+    _import_sglang()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     from sglang.srt.plugins import load_plugins
     load_plugins()
@@ -67,8 +117,8 @@ def _inert_job(rank, world, store):
     return hooked, "_sparkccl" in tp.__dict__
 
 
-def test_sglang_hook_is_inert_when_off(sglang_ok):
-    res = check(run_ranks(_inert_job, world=2, env={**SGLANG_ENV, "SPARKCCL_SGLANG": "0"},
+def test_sglang_hook_is_inert_when_off(sglang_env):
+    res = check(run_ranks(_inert_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "0"},
                           timeout_s=600))
     for hooked, attached in res:
         assert hooked == [] and attached is False
@@ -105,10 +155,8 @@ def _on_job(rank, world, store):
     out["rs_bf16"] = rs(3, (128, 256), bf16, noncontig=True)
     out["rs_f16"] = rs(4, (128, 256), f16)
     out["rs_f32"] = rs(5, (64, 256), f32)
-    # SGLang's public all_gather along the last dim: its dim-0 gather routes, SGLang moves
-    # the dim itself.
-    xs = inputs(6, (64, 256), bf16)
-    out["ag_public_dim1"] = exact(tp.all_gather(xs[rank], dim=1), bits(torch.cat(xs, dim=1)))
+    # (SGLang's public all_gather_into_tensor / reduce_scatter_tensor reach these two
+    # methods through its custom ops sglang::reg_*, registered for CUDA only.)
     routed = dict(st.counts)
     # Declined: SGLang's original method (gloo here), still exact.
     out["ag_small"] = ag(7, (8, 256), bf16)
@@ -122,15 +170,15 @@ def _on_job(rank, world, store):
     return out
 
 
-def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sglang_ok):
-    res = check(run_ranks(_on_job, world=2, env={**SGLANG_ENV, "SPARKCCL_SGLANG": "1"},
+def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sglang_env):
+    res = check(run_ranks(_on_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "1"},
                           timeout_s=600))
     for rank, r in enumerate(res):
         assert (r["topology"], r["transport"]) == ("mesh", "shm")
-        for k in ("ag_bf16", "ag_u8", "rs_bf16", "rs_f16", "rs_f32", "ag_public_dim1",
+        for k in ("ag_bf16", "ag_u8", "rs_bf16", "rs_f16", "rs_f32",
                   "ag_small", "rs_small", "ag_captured", "rs_captured"):
             assert r[k] is True, (rank, k)
-        assert r["routed"] == {("all_gather", "sparkccl"): 3, ("reduce_scatter", "sparkccl"): 3}
+        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 3}
         c = r["counts"]
         assert c[("all_gather", "below threshold")] == 1
         assert c[("reduce_scatter", "below threshold")] == 1
