@@ -125,6 +125,12 @@ def test_sglang_hook_is_inert_when_off(sglang_env):
 
 
 def _on_job(rank, world, store):
+    import logging
+    log_lines = []
+    h = logging.Handler(logging.INFO)
+    h.emit = lambda rec: log_lines.append(rec.getMessage())
+    logging.getLogger("sparkccl.sglang").addHandler(h)
+    logging.getLogger("sparkccl.sglang").setLevel(logging.INFO)
     tp = _tp_group(rank, world, store)
     st = tp._sparkccl   # built by the AFTER hook on GroupCoordinator.__init__
     out = {"topology": st.comm.topology, "transport": st.comm.transport}
@@ -166,6 +172,7 @@ def _on_job(rank, world, store):
     out["rs_captured"] = rs(10, (128, 256), bf16)
     routing.stream_capturing = lambda: False
     out["routed"] = routed
+    out["log"] = log_lines
     out["counts"] = dict(st.counts)
     return out
 
@@ -175,6 +182,10 @@ def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sgla
                           timeout_s=600))
     for rank, r in enumerate(res):
         assert (r["topology"], r["transport"]) == ("mesh", "shm")
+        assert r["log"][-1] == (
+            "sparkccl: SGLang group tp:0 (world 2): dim-0 all_gather / reduce_scatter from "
+            "64 KiB (whole buffer) on sparkccl, topology mesh, transport shm; smaller, "
+            "captured, other-dim and uneven calls stay on the engine's NCCL"), r["log"]
         for k in ("ag_bf16", "ag_u8", "rs_bf16", "rs_f16", "rs_f32",
                   "ag_small", "rs_small", "ag_captured", "rs_captured"):
             assert r[k] is True, (rank, k)

@@ -191,7 +191,18 @@ def _record_base(name, calls):
     setattr(CudaCommunicator, name, recorder)
 
 
+def _log_lines(name):
+    import logging
+    lines = []
+    h = logging.Handler(logging.INFO)
+    h.emit = lambda rec: lines.append(rec.getMessage())
+    logging.getLogger(name).addHandler(h)
+    logging.getLogger(name).setLevel(logging.INFO)
+    return lines
+
+
 def _on_job(rank, world, store):
+    log_lines = _log_lines("sparkccl.vllm")
     found, answer = _load_plugins_as_on_cuda()
     tp = _tp_group(rank, world, store)
     dc = tp.device_communicator
@@ -259,6 +270,7 @@ def _on_job(rank, world, store):
     out["base_calls"] = calls
     out["counts"] = dict(dc.route_counts)
     out["routed"] = routed
+    out["log"] = log_lines
     tp.destroy()
     return out
 
@@ -271,6 +283,10 @@ def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm
         assert r["answer"] == "sparkccl.integrations.vllm.SparkcclCudaCommunicator"
         assert r["cls"] == "SparkcclCudaCommunicator" and r["is_cuda_comm"]
         assert (r["topology"], r["transport"]) == ("mesh", "shm")
+        assert r["log"][-1] == (
+            "sparkccl: vLLM group tp:0 (world 2): dim-0 all_gather / reduce_scatter from "
+            "64 KiB (whole buffer) on sparkccl, topology mesh, transport shm; smaller, "
+            "captured, other-dim and uneven calls stay on the engine's NCCL"), r["log"]
         for k in ("ag", f"rs_{bf16}", f"rs_{f16}", f"rs_{f32}", "sp_ag", "sp_rs",
                   "combine_buffer", "combine", "small_ag", "dim1_ag", "captured_ag",
                   "captured_custom_ag"):
