@@ -34,7 +34,10 @@ def register() -> None:
     if not config.get("SPARKCCL_VLLM"):
         return
     from vllm.platforms import current_platform
-    from vllm.utils.import_utils import resolve_obj_by_qualname
+    try:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+    except ImportError:  # before vLLM split its utils module
+        from vllm.utils import resolve_obj_by_qualname
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     platform_cls = type(current_platform)
