@@ -19,7 +19,6 @@ in place of the base method: the call arrived there, with its arguments unchange
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -130,15 +129,11 @@ def _vllm_unavailable() -> str | None:
     return None
 
 
-_WHY = None
-
-
 @pytest.fixture(scope="module")
 def vllm_ok():
-    global _WHY
-    _WHY = _vllm_unavailable()
-    if _WHY:
-        pytest.skip(_WHY)
+    why = _vllm_unavailable()
+    if why:
+        pytest.skip(why)
 
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1", "SPARKCCL_ENGINE_MIN_BYTES": str(MIN),
