@@ -250,6 +250,21 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_LANE_CHECK_TIMEOUT_S", "float", None, "transport",
        "how long a rank waits for its lanes to check", default_text="min(timeout, 30)",
        lo=1e-3),
+    _v("SPARKCCL_VLLM", "bool", False, "integrations",
+       "1: the vllm.general_plugins entry point gives vLLM's tensor-parallel groups "
+       "sparkccl all-gather / reduce-scatter (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+    _v("SPARKCCL_SGLANG", "bool", False, "integrations",
+       "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-gather / "
+       "reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+    _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
+       "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
+       "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),
+    _v("SPARKCCL_ENGINE_TOPOLOGY", "choice", "mesh", "integrations",
+       "vLLM / SGLang: topology of the communicators built for the engine's groups",
+       choices=("mesh", "ring")),
+    _v("SPARKCCL_ENGINE_TRANSPORT", "choice", "auto", "integrations",
+       "vLLM / SGLang: transport of the communicators built for the engine's groups",
+       choices=("auto", "shm", "tcp", "verbs")),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
     _v("SPARKCCL_EMUNIC_CONFIG", "str", None, "tests",

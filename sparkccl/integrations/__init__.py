@@ -1,0 +1,1 @@
+"""Integrations: sparkccl behind other stacks' collectives (docs/VLLM_SGLANG.md)."""

@@ -1,0 +1,130 @@
+"""Which engine collectives go to sparkccl and which stay on the engine's own path.
+
+One rule for the vLLM plugin and the SGLang hook. It looks only at the call's shape,
+dtype, dim, the group's size and the settings, which every rank of a tensor-parallel
+group has alike, so every rank takes the same side. A rank that went to sparkccl while a
+peer went to NCCL would wait for that peer until a timeout: anything that could differ
+between ranks (contiguity, the tensor's address) is therefore never part of the rule;
+the adapters cope with it (a copy) instead.
+
+Graph capture is the one runtime condition, passed in by the caller: every rank captures
+the same graphs, and sparkccl does not capture itself yet, so captured calls decline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .. import config
+
+OPS = ("all_gather", "reduce_scatter")
+# reduce-scatter sums in fp32 and rounds once; other dtypes have no exact sparkccl path.
+RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    min_bytes: int    # whole collective (all ranks' bytes), as sparkccl bench's "size"
+    topology: str
+    transport: str
+
+    @classmethod
+    def from_env(cls, env=None) -> "RouteSettings":
+        """From ``SPARKCCL_ENGINE_MIN_BYTES`` / ``_TOPOLOGY`` / ``_TRANSPORT`` (raises
+        ``ConfigError`` naming a bad value)."""
+        return cls(min_bytes=config.get("SPARKCCL_ENGINE_MIN_BYTES", env),
+                   topology=config.get("SPARKCCL_ENGINE_TOPOLOGY", env),
+                   transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env))
+
+
+def agree(settings: RouteSettings, group, what: str) -> None:
+    """Check over ``group`` (a gloo ProcessGroup; collective) that every rank has the same
+    routing settings; else raise ``ValueError`` on every rank, naming the ranks."""
+    import torch.distributed as dist
+    mine = (settings.min_bytes, settings.topology, settings.transport)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    if any(s != seen[0] for s in seen):
+        rows = "; ".join(f"rank {i}: min_bytes={s[0]} topology={s[1]} transport={s[2]}"
+                         for i, s in enumerate(seen))
+        raise ValueError(f"sparkccl: {what}: the ranks disagree on SPARKCCL_ENGINE_MIN_BYTES "
+                         f"/ _TOPOLOGY / _TRANSPORT ({rows}); set them alike on every rank, "
+                         "or ranks would pick different paths for one collective and hang")
+
+
+class Decision(NamedTuple):
+    route: bool   # True: sparkccl; False: the engine's own path
+    reason: str   # why, short enough for a counter key and a debug line
+
+    def __bool__(self) -> bool:
+        return self.route
+
+
+def should_route(op: str, shape: Sequence[int], dtype: torch.dtype, dim: int, world: int,
+                 settings: RouteSettings, *, capturing: bool = False,
+                 sizes: Sequence[int] | None = None) -> Decision:
+    """Whether ``op`` on a per-rank input of ``shape`` / ``dtype`` along ``dim`` goes to
+    sparkccl. ``sizes``: per-rank row counts of a ``*v`` collective (None: equal).
+
+    all-gather: ``shape`` is one rank's input; reduce-scatter: the full input
+    ``[world * m, ...]``. The size compared with ``settings.min_bytes`` is the whole
+    buffer either way (gathered output / reduce-scatter input).
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r}: must be one of {', '.join(OPS)}")
+    if capturing:
+        return Decision(False, "graph capture")
+    if world < 2:
+        return Decision(False, "single rank")
+    ndim = len(shape)
+    if ndim == 0:
+        return Decision(False, "0-dim tensor")
+    if not -ndim <= dim < ndim:
+        return Decision(False, f"dim {dim} out of range")
+    if dim % ndim != 0:
+        return Decision(False, "dim != 0")
+    if dtype.is_complex or dtype == torch.bool or not _plain(dtype):
+        return Decision(False, f"dtype {dtype}")
+    if op == "reduce_scatter" and dtype not in RS_DTYPES:
+        return Decision(False, f"dtype {dtype}")
+    if sizes is not None and (len(sizes) != world or any(s != sizes[0] for s in sizes)):
+        return Decision(False, "uneven sizes")
+    if op == "reduce_scatter" and shape[0] % world:
+        return Decision(False, "uneven sizes")
+    nbytes = math.prod(shape) * dtype.itemsize * (world if op == "all_gather" else 1)
+    if nbytes == 0:
+        return Decision(False, "empty")
+    if nbytes < settings.min_bytes:
+        return Decision(False, "below threshold")
+    return Decision(True, "sparkccl")
+
+
+def _plain(dtype: torch.dtype) -> bool:
+    # Quantized dtypes carry scales outside the bytes; sparkccl moves bytes only.
+    return dtype not in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
+
+
+def stream_capturing() -> bool:
+    """True while the current CUDA stream records a graph (False without CUDA)."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+def describe(group: str, world: int, comm, settings: RouteSettings) -> str:
+    """The one start-up line per group: what goes where."""
+    return (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
+            f"{_size(settings.min_bytes)} (whole buffer) on sparkccl, topology {comm.topology}, "
+            f"transport {comm.transport}; smaller, captured, other-dim and uneven calls stay "
+            "on the engine's NCCL")
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:g} {unit}"
+    return f"{n} B"

@@ -1,0 +1,305 @@
+"""The vLLM plugin, against the real vLLM package, and the routing rule it shares with the
+SGLang hook (docs/VLLM_SGLANG.md).
+
+The rule's tests run everywhere (CI has no vLLM: too big to install). The plugin's tests
+need vLLM importable in this interpreter and skip, with the import error as the reason,
+where it is not; ``benchmarks/integrations_check.sh`` installs vLLM into a venv and runs
+them (output in ``benchmarks/integrations_cpu.txt``).
+
+How the real vLLM runs here, on a CPU-only machine: ranks are processes over gloo;
+vLLM's plugin loader (``vllm.plugins.load_general_plugins``) finds the ``sparkccl`` entry
+point and runs it; vLLM's own ``GroupCoordinator`` builds the tensor-parallel group and its
+communicator. Two things differ from a GPU box. The CPU platform names ``CpuCommunicator``,
+so the test gives the platform the CUDA platform's answer (``CudaCommunicator``) before
+the plugins load, as on a GPU box; and vLLM's NCCL wrapper disables itself without NCCL,
+so calls that decline reach ``CudaCommunicator``'s own methods, which fall back to gloo
+for all-gather (checked by value) but cannot reduce-scatter (checked by a recorder put
+in place of the base method: the call arrived there, with its arguments unchanged).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sparkccl.integrations import routing
+from sparkccl.testing import (all_gather_reference, bits, check, make_input,
+                              reduce_scatter_reference, run_ranks)
+
+MIN = 64 << 10   # threshold in these tests: 64 KiB whole buffer
+SETTINGS = routing.RouteSettings(min_bytes=MIN, topology="mesh", transport="auto")
+CUDA_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# ---- the rule (no vLLM needed) ---------------------------------------------------------
+RULE_CASES = [
+    # op, per-rank shape, dtype, dim, world, sizes, capturing -> reason
+    ("all_gather", (64, 256), bf16, 0, 2, None, False, "sparkccl"),        # 64 KiB: at it
+    ("all_gather", (63, 256), bf16, 0, 2, None, False, "below threshold"),
+    ("all_gather", (64, 256), bf16, -2, 2, None, False, "sparkccl"),
+    ("all_gather", (64, 256), bf16, 1, 2, None, False, "dim != 0"),
+    ("all_gather", (64, 256), bf16, -1, 2, None, False, "dim != 0"),
+    ("all_gather", (32768,), torch.uint8, -1, 2, None, False, "sparkccl"),  # 1-D: -1 is 0
+    ("all_gather", (64, 256), bf16, 0, 2, None, True, "graph capture"),
+    ("all_gather", (64, 256), bf16, 0, 1, None, False, "single rank"),
+    ("all_gather", (64, 256), torch.complex64, 0, 2, None, False, "dtype torch.complex64"),
+    ("all_gather", (), f32, 0, 2, None, False, "0-dim tensor"),
+    ("all_gather", (0, 256), bf16, 0, 2, None, False, "empty"),
+    ("reduce_scatter", (128, 256), bf16, 0, 2, None, False, "sparkccl"),
+    ("reduce_scatter", (126, 256), bf16, 0, 2, None, False, "below threshold"),
+    ("reduce_scatter", (129, 256), bf16, 0, 2, None, False, "uneven sizes"),
+    ("reduce_scatter", (128, 256), bf16, 0, 2, [60, 68], False, "uneven sizes"),
+    ("reduce_scatter", (128, 256), bf16, 0, 2, [64, 64], False, "sparkccl"),
+    ("reduce_scatter", (128, 256), torch.int32, 0, 2, None, False, "dtype torch.int32"),
+    ("reduce_scatter", (64, 256), f32, 0, 2, None, False, "sparkccl"),
+    ("reduce_scatter", (128, 256), bf16, 1, 2, None, False, "dim != 0"),
+    ("reduce_scatter", (128, 256), bf16, 0, 2, None, True, "graph capture"),
+]
+
+
+@pytest.mark.parametrize("op,shape,dtype,dim,world,sizes,capturing,reason", RULE_CASES)
+def test_rule(op, shape, dtype, dim, world, sizes, capturing, reason):
+    d = routing.should_route(op, shape, dtype, dim, world, SETTINGS, capturing=capturing,
+                             sizes=sizes)
+    assert d == routing.Decision(reason == "sparkccl", reason)
+
+
+def test_rule_settings_from_env():
+    s = routing.RouteSettings.from_env({"SPARKCCL_ENGINE_MIN_BYTES": "1M",
+                                        "SPARKCCL_ENGINE_TOPOLOGY": "ring"})
+    assert s == routing.RouteSettings(1 << 20, "ring", "auto")
+    assert routing.RouteSettings.from_env({}).min_bytes == 32 << 20
+    from sparkccl.errors import ConfigError
+    with pytest.raises(ConfigError, match="SPARKCCL_ENGINE_TRANSPORT='ib'"):
+        routing.RouteSettings.from_env({"SPARKCCL_ENGINE_TRANSPORT": "ib"})
+
+
+def _rule_job(rank, world, store):
+    """Each rank decides on its own tensors, which differ from the peers' in everything
+    the rule must not look at: values, addresses, contiguity, storage offsets."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        s = routing.RouteSettings.from_env()
+        routing.agree(s, dist.group.WORLD, "test group")
+        out = []
+        for op, shape, dtype, dim, case_world, sizes, capturing, _ in RULE_CASES:
+            if rank % 2:
+                big = torch.zeros((3, *shape), dtype=dtype)
+                t = big[1]                       # a view at an offset
+                if t.dim() >= 2:
+                    t = t.t().contiguous().t()   # non-contiguous, same shape
+            else:
+                t = torch.full(shape, rank + 1, dtype=dtype) if dtype != torch.complex64 \
+                    else torch.zeros(shape, dtype=dtype)
+            out.append(tuple(routing.should_route(op, t.shape, t.dtype, dim, case_world, s,
+                                                  capturing=capturing, sizes=sizes)))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rule_is_the_same_on_every_rank():
+    env = {"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)}
+    res = check(run_ranks(_rule_job, world=3, env=env, timeout_s=120))
+    assert res[0] == res[1] == res[2]
+    assert [r for _, r in res[0]] == [c[-1] for c in RULE_CASES]
+
+
+def test_ranks_with_different_settings_refuse_alike():
+    res = run_ranks(_rule_job, world=2, env={"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)},
+                    rank_env={1: {"SPARKCCL_ENGINE_MIN_BYTES": "1M"}}, timeout_s=120)
+    for r in res:
+        assert r.error_type == "ValueError", (r.rank, r.error_type, r.message)
+        assert "rank 0: min_bytes=65536" in r.message and "rank 1: min_bytes=1048576" in r.message
+
+
+# ---- the plugin in the real vLLM ---------------------------------------------------------
+def _vllm_unavailable() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (benchmarks/integrations_check.sh installs it in a venv)"
+    try:
+        import vllm.distributed.device_communicators.cuda_communicator  # noqa: F401
+        import vllm.distributed.parallel_state  # noqa: F401
+        import vllm.plugins  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
+        return f"vLLM does not import here: {type(e).__name__}: {e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vllm_ok():
+    why = _vllm_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1", "SPARKCCL_ENGINE_MIN_BYTES": str(MIN),
+            "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def _load_plugins_as_on_cuda():
+    """vLLM's own plugin loader, with the platform answering as the CUDA platform does."""
+    from vllm.platforms import current_platform
+    type(current_platform).get_device_communicator_cls = classmethod(
+        lambda cls: CUDA_COMMUNICATOR)
+    import vllm.plugins
+    found = vllm.plugins.load_plugins_by_group(vllm.plugins.DEFAULT_PLUGINS_GROUP)
+    vllm.plugins.load_general_plugins()
+    return sorted(found), type(current_platform).get_device_communicator_cls()
+
+
+def _tp_group(rank, world, store):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from vllm.distributed.parallel_state import GroupCoordinator
+    return GroupCoordinator(group_ranks=[list(range(world))], local_rank=rank,
+                            torch_distributed_backend="gloo", use_device_communicator=True,
+                            group_name="tp")
+
+
+def _inert_job(rank, world, store):
+    found, answer = _load_plugins_as_on_cuda()
+    tp = _tp_group(rank, world, store)
+    dc = tp.device_communicator
+    return found, answer, type(dc).__name__, getattr(dc, "sparkccl", "absent")
+
+
+def test_vllm_plugin_is_inert_when_off(vllm_ok):
+    res = check(run_ranks(_inert_job, world=2, env={**VLLM_ENV, "SPARKCCL_VLLM": "0"},
+                          timeout_s=600))
+    for found, answer, cls, comm in res:
+        assert "sparkccl" in found          # vLLM's loader sees the entry point
+        assert answer == CUDA_COMMUNICATOR  # ... which left the platform alone
+        assert cls == "CudaCommunicator" and comm == "absent"
+
+
+def _record_base(name, calls):
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    def recorder(self, *args, **kwargs):
+        calls.append((name, tuple(a.shape if isinstance(a, torch.Tensor) else a
+                                  for a in args)))
+        return "base"
+    setattr(CudaCommunicator, name, recorder)
+
+
+def _log_lines(name):
+    import logging
+    lines = []
+    h = logging.Handler(logging.INFO)
+    h.emit = lambda rec: lines.append(rec.getMessage())
+    logging.getLogger(name).addHandler(h)
+    logging.getLogger(name).setLevel(logging.INFO)
+    return lines
+
+
+def _on_job(rank, world, store):
+    log_lines = _log_lines("sparkccl.vllm")
+    found, answer = _load_plugins_as_on_cuda()
+    tp = _tp_group(rank, world, store)
+    dc = tp.device_communicator
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    import vllm.distributed.parallel_state as ps
+    out = {"found": found, "answer": answer, "cls": type(dc).__name__,
+           "is_cuda_comm": isinstance(dc, CudaCommunicator),
+           "topology": dc.sparkccl.topology, "transport": dc.sparkccl.transport}
+    inputs = lambda seed, shape, dtype: [make_input(seed, r, shape, dtype) for r in range(world)]
+
+    def exact(got, want_bits):
+        return bool((bits(got) == want_bits).all())
+
+    # Routed: through GroupCoordinator.all_gather / reduce_scatter (vLLM's public calls).
+    xs = inputs(1, (64, 256), bf16)
+    out["ag"] = exact(tp.all_gather(xs[rank], dim=0), all_gather_reference(xs))
+    for seed, dtype in ((2, bf16), (3, f16), (4, f32)):
+        xs = inputs(seed, (128, 256), dtype)
+        x = xs[rank]
+        if rank == 1:  # a non-contiguous input of the same shape on one rank only
+            x = torch.empty((256, 128), dtype=dtype).t()
+            x.copy_(xs[rank])
+        out[f"rs_{dtype}"] = exact(tp.reduce_scatter(x, dim=0),
+                                   reduce_scatter_reference(xs, rank))
+    # Sequence parallelism's own call sites (custom_all_gather / custom_reduce_scatter).
+    ps._TP = tp
+    from vllm.models.common.ops.sequence_parallel import sp_all_gather, sp_reduce_scatter
+    xs = inputs(5, (64, 512), bf16)
+    out["sp_ag"] = exact(sp_all_gather(xs[rank]), all_gather_reference(xs))
+    xs = inputs(6, (256, 256), bf16)
+    out["sp_rs"] = exact(sp_reduce_scatter(xs[rank]), reduce_scatter_reference(xs, rank))
+    # The MoE combine: its input buffer is sparkccl's send slot, then reduce_scatterv.
+    xs = inputs(7, (128, 256), bf16)
+    buf = dc.get_symmetric_memory_buffer("moe_ag_rs_combine", (128, 256), bf16, dc.device)
+    out["combine_buffer"] = buf is not None
+    buf.copy_(xs[rank])
+    res = torch.empty((64, 256), dtype=bf16)
+    got = tp.reduce_scatterv_into_output(buf, res, dim=0, sizes=[64] * world)
+    out["combine"] = exact(res, reduce_scatter_reference(xs, rank)) and got is res
+    routed = dict(dc.route_counts)
+
+    # Declined: all-gathers fall back to vLLM's own path (gloo here) and stay exact.
+    xs = inputs(8, (8, 256), bf16)                              # 8 KiB: below threshold
+    out["small_ag"] = exact(tp.all_gather(xs[rank], dim=0), all_gather_reference(xs))
+    xs = inputs(9, (64, 256), bf16)                             # dim 1
+    want = torch.cat(xs, dim=1)
+    out["dim1_ag"] = exact(tp.all_gather(xs[rank], dim=1), bits(want))
+    routing.stream_capturing = lambda: True                     # as under CUDA graph capture
+    xs = inputs(10, (64, 256), bf16)
+    out["captured_ag"] = exact(tp.all_gather(xs[rank], dim=0), all_gather_reference(xs))
+    out["captured_custom_ag"] = dc.custom_all_gather(xs[rank]) is None  # vLLM's answer: no
+    routing.stream_capturing = lambda: False
+    # ... reduce-scatters reach CudaCommunicator's methods (recorded: no NCCL here).
+    calls = []
+    for name in ("reduce_scatter", "reduce_scatterv"):
+        _record_base(name, calls)
+    x = inputs(11, (16, 256), bf16)[rank]
+    out["small_rs"] = tp.reduce_scatter(x, dim=0)
+    x = inputs(12, (128, 256), bf16)[rank]
+    out["dim1_rs"] = tp.reduce_scatter(x, dim=1)
+    out["uneven_rs"] = tp.reduce_scatterv(x, dim=0, sizes=[60, 68])
+    out["int_rs"] = tp.reduce_scatter(x.to(torch.int32), dim=0)
+    out["buffer_declined"] = dc.get_symmetric_memory_buffer(
+        "moe_ag_rs_combine", (16, 256), bf16, dc.device)
+    out["base_calls"] = calls
+    out["counts"] = dict(dc.route_counts)
+    out["routed"] = routed
+    out["log"] = log_lines
+    tp.destroy()
+    return out
+
+
+def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm_ok):
+    res = check(run_ranks(_on_job, world=2, env={**VLLM_ENV, "SPARKCCL_VLLM": "1"},
+                          timeout_s=600))
+    for rank, r in enumerate(res):
+        assert "sparkccl" in r["found"]
+        assert r["answer"] == "sparkccl.integrations.vllm.SparkcclCudaCommunicator"
+        assert r["cls"] == "SparkcclCudaCommunicator" and r["is_cuda_comm"]
+        assert (r["topology"], r["transport"]) == ("mesh", "shm")
+        assert r["log"][-1] == (
+            "sparkccl: vLLM group tp:0 (world 2): dim-0 all_gather / reduce_scatter from "
+            "64 KiB (whole buffer) on sparkccl, topology mesh, transport shm; smaller, "
+            "captured, other-dim and uneven calls stay on the engine's NCCL"), r["log"]
+        for k in ("ag", f"rs_{bf16}", f"rs_{f16}", f"rs_{f32}", "sp_ag", "sp_rs",
+                  "combine_buffer", "combine", "small_ag", "dim1_ag", "captured_ag",
+                  "captured_custom_ag"):
+            assert r[k] is True, (rank, k)
+        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 6}
+        for k in ("small_rs", "dim1_rs", "uneven_rs", "int_rs"):
+            assert r[k] == "base", (rank, k)
+        assert r["base_calls"] == [
+            ("reduce_scatter", (torch.Size([16, 256]), 0)),
+            ("reduce_scatter", (torch.Size([128, 256]), 1)),
+            ("reduce_scatterv", (torch.Size([128, 256]), 0, [60, 68])),
+            ("reduce_scatter", (torch.Size([128, 256]), 0))]
+        assert r["buffer_declined"] is None   # vLLM's own answer without NCCL symmetric memory
+        c = r["counts"]
+        assert c[("all_gather", "below threshold")] == 1
+        assert c[("all_gather", "dim != 0")] == 1
+        assert c[("all_gather", "graph capture")] == 2
+        assert c[("reduce_scatter", "below threshold")] == 2   # small_rs + buffer_declined
+        assert c[("reduce_scatter", "dim != 0")] == 1
+        assert c[("reduce_scatter", "uneven sizes")] == 1
+        assert c[("reduce_scatter", "dtype torch.int32")] == 1
