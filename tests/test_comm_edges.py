@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import sparkccl
-from sparkccl.testing import (all_gather_reference, bits, make_finalize_input, make_input,
-                              moe_finalize_reference, reduce_scatter_reference)
+from sparkccl.reference import (all_gather_reference, bits, make_finalize_input, make_input,
+                                moe_finalize_reference, reduce_scatter_reference)
 
 
 def _solo(**kw):

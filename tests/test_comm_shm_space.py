@@ -42,7 +42,7 @@ def _job(rank, world, store):
 
 
 def main(size: str) -> None:
-    from sparkccl.testing import run_ranks
+    from sparkccl.localrun import run_ranks
     res = run_ranks(_job, 2, timeout_s=120)
     left = sorted(n for n in os.listdir("/dev/shm") if n.startswith("sparkccl-"))
     print(json.dumps(dict(values=[r.value for r in res],

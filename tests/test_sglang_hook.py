@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from sparkccl.integrations import routing
-from sparkccl.testing import (all_gather_reference, bits, check, make_input,
-                              reduce_scatter_reference, run_ranks)
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 MIN = 64 << 10
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
