@@ -1,0 +1,1 @@
+"""Hooks that let existing stacks (torch.distributed, vLLM, SGLang) reach sparkccl."""
