@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
 from .. import config
 from ..errors import CollectiveError
@@ -81,8 +82,11 @@ def _op_name(op) -> str:
     return getattr(kind, "name", str(kind))
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Checked for every call, CPU
+    tensors included (all ranks capture together); a process that never started CUDA is
+    not capturing, and asking would start CUDA."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: int,
@@ -101,7 +105,7 @@ def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: in
     dev = inp.device
     if dev.type not in ("cpu", "cuda") or out.device != dev:
         return f"device {dev.type}"
-    if _capturing(dev):
+    if capturing():
         return "CUDA graph capture"
     if inp.layout != torch.strided or out.layout != torch.strided:
         return "layout"
@@ -144,7 +148,7 @@ class _Work(dist.Work):
         self._error = error
         self._pending = [w for w in (pending or []) if w is not None]
         self._event = None
-        dev = next((t.device for t in outputs if t.device.type == "cuda"), None)
+        self._device = dev = next((t.device for t in outputs if t.device.type == "cuda"), None)
         if dev is not None and error is None:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(dev))
@@ -162,7 +166,7 @@ class _Work(dist.Work):
         if self._error is not None:
             raise self._error
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
         if not self._future.done():
             self._future.set_result(self._outputs)
         return True
@@ -293,7 +297,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
     # ---- all-gather -----------------------------------------------------------------
     def _all_gather_into(self, output, input, opts):
         if not self._route("all_gather", input, output):
-            return getattr(self._fallback, _AG_SINGLE)(output, input, opts or dist.AllgatherOptions())
+            return getattr(self._fallback, _AG_SINGLE)(output, input, opts or AllgatherOptions())
         comm = self.communicator(input.device)
 
         def run():
@@ -319,7 +323,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
 
     # ---- reduce-scatter -------------------------------------------------------------
     def _reduce_scatter_into(self, output, input, opts):
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or ReduceScatterOptions()
         op = opts.reduceOp
         if not self._route("reduce_scatter", input, output, op):
             return self._fallback_reduce(_RS_SINGLE, (output, input), output, opts)
@@ -356,7 +360,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
     # ---- all-reduce -----------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         if isinstance(opts, dist.ReduceOp) or opts is None:
-            o = dist.AllreduceOptions()
+            o = AllreduceOptions()
             o.reduceOp = dist.ReduceOp.SUM if opts is None else opts
             opts = o
         op = opts.reduceOp
