@@ -381,3 +381,34 @@ def test_registered_by_import():
     assert dist.Backend._plugins["SPARKCCL"].extended_api
     with pytest.raises(TypeError, match="Options"):
         tb.SparkcclProcessGroup(dist.HashStore(), 0, 2, options={"topology": "ring"})
+
+
+def test_world_one_goes_to_the_fallback():
+    # The Communicator needs two ranks; a one-rank group still answers every call.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    pg = tb.SparkcclProcessGroup(dist.HashStore(), 0, 1, options=tb.Options(min_bytes=0))
+    x = torch.arange(6.0)
+    out = torch.empty(6)
+    pg.all_gather_single(out, x, AllgatherOptions()).wait()
+    pg._allgather_base(out, x, AllgatherOptions()).wait()
+    y = x.clone()
+    pg.allreduce([y]).wait()
+    assert out.tolist() == x.tolist() and y.tolist() == x.tolist()
+    assert dict(pg.declined) == {"world size 1": 3} and not pg.routed
+    pg.shutdown()
+
+
+def test_torch_autoload_entry_point(monkeypatch):
+    from importlib.metadata import entry_points
+    eps = [e for e in entry_points(group="torch.backends") if e.name == "sparkccl"]
+    assert [e.value for e in eps] == ["sparkccl.integrations.torch_autoload:autoload"]
+    eps[0].load()()
+    assert "SPARKCCL" in dist.Backend._plugins
+    # A broken install warns instead of breaking `import torch`.
+    import sys
+
+    import sparkccl.integrations
+    monkeypatch.delattr(sparkccl.integrations, "torch_backend")
+    monkeypatch.setitem(sys.modules, "sparkccl.integrations.torch_backend", None)
+    with pytest.warns(RuntimeWarning, match="not registered"):
+        eps[0].load()()

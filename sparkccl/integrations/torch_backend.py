@@ -23,7 +23,6 @@ routing rule is the same on every rank.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -442,16 +441,6 @@ def register() -> None:
     # devices as a list: some torch versions iterate a string character by character.
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
                                   devices=["cpu", "cuda"])
-
-
-def autoload() -> None:
-    """The ``torch.backends`` entry point: runs inside ``import torch``, so it must never
-    raise (torch would turn that into a failed ``import torch``)."""
-    try:
-        register()
-    except Exception as e:  # noqa: BLE001 - never break `import torch`
-        warnings.warn(f"sparkccl: could not register the torch.distributed backend: {e}",
-                      RuntimeWarning, stacklevel=2)
 
 
 register()
