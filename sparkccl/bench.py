@@ -158,7 +158,8 @@ def baselines_for(device: str, baseline: bool = True, only: list[str] | None = N
 
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
-              baseline: bool = True, runner=None, only: list[str] | None = None) -> int:
+              baseline: bool = True, runner=None, only: list[str] | None = None,
+              api: str = "direct") -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
     through sparkccl.testing.run_ranks). ``only``: the names of the baselines to run (default:
     all of the device's)."""
@@ -173,6 +174,13 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
                 "sparkccl", runner)
     if ours is None:
         return 1
+    via_torch = None
+    if api == "torch":  # the same calls through torch.distributed (docs/TORCH.md)
+        from .integrations.torch_bench import torch_api_rank
+        via_torch = _run(torch_api_rank, world, (topology, transport, device, sizes, iters), env,
+                         "sparkccl via torch.distributed", runner)
+        if via_torch is None:
+            return 1
     base = {}
     for name, extra in baselines:
         backend = "nccl" if name.startswith("nccl") else "gloo"
@@ -197,6 +205,9 @@ def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", de
                 else:
                     line += f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x"
             print(line)
+    if via_torch is not None:
+        from .integrations.torch_bench import print_overhead
+        print_overhead(ours, via_torch, sizes)
     stats = ours[0]["proxy"]
     if stats.get("delay_samples"):
         print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "

@@ -31,7 +31,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,
-                     only=args.baseline or None)
+                     only=args.baseline or None, api=args.api)
 
 
 def _size(text: str) -> int:
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip torch.distributed (gloo on CPU, NCCL three ways on CUDA)")
     b.add_argument("--baseline", action="append", metavar="NAME",
                    help="only this baseline (repeatable): gloo, nccl, nccl-p2p-off, nccl-sockets")
+    b.add_argument("--api", choices=["direct", "torch"], default="direct",
+                   help="torch: also time the calls through torch.distributed (backend "
+                        "\"sparkccl\") and print the overhead against the direct API")
     b.set_defaults(func=_cmd_bench)
 
     from . import doctor, selftest
