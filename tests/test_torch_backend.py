@@ -412,3 +412,70 @@ def test_torch_autoload_entry_point(monkeypatch):
     monkeypatch.setitem(sys.modules, "sparkccl.integrations.torch_backend", None)
     with pytest.warns(RuntimeWarning, match="not registered"):
         eps[0].load()()
+
+
+# ---- CUDA (the GPU machine: one GPU per rank, NCCL as the fallback) ------------------
+
+def cuda_job(rank, world, store):
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import sparkccl.integrations.torch_backend as tb_
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
+                            pg_options=tb_.Options(min_bytes=0))
+    pg = dist.group.WORLD
+    bad = []
+
+    def expect(what, got, want):
+        if got.size != want.size or not (got == want).all():
+            bad.append(what)
+
+    # the fallback first: NCCL connects outside any graph capture
+    b = torch.full((4,), float(rank), device=dev)
+    dist.broadcast(b, 1)
+    expect("broadcast (NCCL)", bits(b.cpu()), bits(torch.full((4,), 1.0)))
+    for k, dtype in enumerate(DTYPES):
+        xs = [make_input(40 + k, r, (64, 33), dtype) for r in range(world)]
+        out = torch.empty(world * 64, 33, dtype=dtype, device=dev)
+        side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):  # enqueued on a side stream, waited for on the default
+            x = xs[rank].to(dev)
+            work = dist.all_gather_into_tensor(out, x, async_op=True)
+        work.wait()
+        expect(f"all_gather {dtype}", bits(out.cpu()), all_gather_reference(xs))
+        ys = [make_input(50 + k, r, (world * 16, 40), dtype) for r in range(world)]
+        o = torch.empty(16, 40, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(o, ys[rank].to(dev))
+        expect(f"reduce_scatter {dtype}", bits(o.cpu()), reduce_scatter_reference(ys, rank))
+        zs = [make_input(60 + k, r, (world * 8, 24), dtype) for r in range(world)]
+        z = zs[rank].to(dev)
+        dist.all_reduce(z)
+        expect(f"all_reduce {dtype}", bits(z.cpu()), _all_reduce_reference(zs, world))
+    # graph capture: declined, so NCCL is captured and replays correctly
+    x = torch.full((256,), float(rank), device=dev)
+    out = torch.empty(world * 256, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    before = dict(pg.declined)
+    with torch.cuda.graph(graph):
+        dist.all_gather_into_tensor(out, x)
+    x.fill_(float(rank + 10))
+    graph.replay()
+    torch.cuda.synchronize()
+    expect("captured all_gather", bits(out.cpu()),
+           bits(torch.arange(world, dtype=torch.float32).repeat_interleave(256) + 10))
+    captured = pg.declined["CUDA graph capture"] - before.get("CUDA graph capture", 0)
+    routed = dict(pg.routed)
+    dist.destroy_process_group()
+    return dict(bad=bad, captured=captured, routed=routed)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (one per rank; NCCL is the fallback)")
+def test_cuda_backend_bit_exact_async_and_graph_capture():
+    world = min(torch.cuda.device_count(), 4)
+    values = check(run_ranks(cuda_job, world, timeout_s=300))
+    for v in values:
+        assert v["bad"] == [], v["bad"]
+        assert v["captured"] == 1
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
