@@ -314,6 +314,13 @@ def compile_and_errors_job(rank, world, store):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out["fallback_after"] = t.item()
+    # ranks whose thresholds differ would route differently: refused at creation, everywhere
+    import os
+    os.environ["SPARKCCL_TORCH_MIN_BYTES"] = str(1000 + rank)
+    try:
+        dist.new_group(backend="sparkccl")
+    except ValueError as e:
+        out["disagree"] = str(e)
     dist.destroy_process_group()
     return out
 
@@ -331,6 +338,8 @@ def test_compiled_functional_collectives_and_errors():
         assert v["routed"] == {"all_gather": 1, "reduce_scatter": 1}, v["routed"]
         assert v["fallback_after"] == 1.0
     assert "closed" in values[1]["call_error"]
+    for v in values:
+        assert "disagree" in v["disagree"] and "rank 0: 1000, rank 1: 1001" in v["disagree"]
     for key in ("wait_error", "sync_error", "compiled_error"):
         kind, text = values[0][key]
         assert kind == "CollectiveError", (key, kind, text)

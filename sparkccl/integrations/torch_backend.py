@@ -213,11 +213,22 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         self._store = store
         self.min_bytes = (config.get(MIN_BYTES_VARIABLE) if self.options.min_bytes is None
                           else config.parse_bytes(self.options.min_bytes, "min_bytes"))
+        self._check_ranks_agree(store)
         self._comms: dict = {}
         self._lock = threading.Lock()
         self.routed: Counter = Counter()
         self.declined: Counter = Counter()
         self._fallback = self._build_fallback(store, rank, world_size, timeout)
+
+    def _check_ranks_agree(self, store) -> None:
+        """The routing rule reads the threshold: ranks that disagree would route the same call
+        differently and hang. Every rank raises the same error naming them."""
+        store.set(f"sparkccl-settings/{self._rank}", str(self.min_bytes))
+        values = [int(store.get(f"sparkccl-settings/{r}")) for r in range(self._world)]
+        if len(set(values)) > 1:
+            raise ValueError("sparkccl backend: the ranks disagree on min_bytes / "
+                             f"{MIN_BYTES_VARIABLE}: " + ", ".join(
+                                 f"rank {r}: {v}" for r, v in enumerate(values)))
 
     def _build_fallback(self, store, rank, world_size, timeout) -> dist.ProcessGroup:
         fb = dist.ProcessGroup(dist.PrefixStore("fallback/", store), rank, world_size)
