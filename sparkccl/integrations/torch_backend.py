@@ -192,6 +192,16 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def _write_into(output: torch.Tensor, input: torch.Tensor, call) -> None:
+    """``call(out)`` with ``out`` = ``output`` flattened, or a temporary copied into it when
+    ``input`` overlaps ``output`` (FSDP's in-place all-gather passes a slice of the output)."""
+    dst = output.view(-1)
+    tmp = torch.empty_like(dst) if _shares_memory(input, output) else dst
+    call(tmp)
+    if tmp is not dst:
+        dst.copy_(tmp)
+
+
 class SparkcclProcessGroup(dist.ProcessGroup):
     """A ProcessGroup that sends all-gather, reduce-scatter and all-reduce (SUM / AVG)
     through sparkccl and everything else through its own fallback group.
@@ -305,34 +315,26 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         return _Work(outputs)
 
     # ---- all-gather -----------------------------------------------------------------
-    def _all_gather_into(self, output, input, opts):
+    def _all_gather_into(self, output, input, opts=None):
         if not self._route("all_gather", input, output):
             return getattr(self._fallback, _AG_SINGLE)(output, input, opts or AllgatherOptions())
         comm = self.communicator(input.device)
 
         def run():
-            dst = output.view(-1)
-            tmp = torch.empty_like(dst) if _shares_memory(input, output) else dst
-            comm.all_gather(input.reshape(-1), out=tmp)
-            if tmp is not dst:
-                dst.copy_(tmp)
+            _write_into(output, input, lambda out: comm.all_gather(input.reshape(-1), out=out))
         return self._run([output], run)
 
-    def all_gather_single(self, output, input, opts=None):
-        return self._all_gather_into(output, input, opts)
-
-    def _allgather_base(self, output, input, opts=None):
-        return self._all_gather_into(output, input, opts)
+    # torch <= 2.12 calls the first name of each pair, 2.13+ the second.
+    _allgather_base = all_gather_single = _all_gather_into
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._all_gather_into(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return _Work(list(outputs), pending=works)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self.all_gather_single_coalesced(outputs, inputs, opts)
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ---- reduce-scatter -------------------------------------------------------------
-    def _reduce_scatter_into(self, output, input, opts):
+    def _reduce_scatter_into(self, output, input, opts=None):
         opts = opts or ReduceScatterOptions()
         op = opts.reduceOp
         if not self._route("reduce_scatter", input, output, op):
@@ -341,31 +343,23 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         W = self._world
 
         def run():
-            dst = output.view(-1)
             if _is_avg(op):
                 # The exact fp32 sum in rank order, divided once (16-bit inputs travel as fp32).
                 s = comm.reduce_scatter(input.reshape(-1).float())
-                dst.copy_(s.div_(W))
-                return
-            tmp = torch.empty_like(dst) if _shares_memory(input, output) else dst
-            comm.reduce_scatter(input.reshape(-1), out=tmp)
-            if tmp is not dst:
-                dst.copy_(tmp)
+                output.view(-1).copy_(s.div_(W))
+            else:
+                _write_into(output, input,
+                            lambda out: comm.reduce_scatter(input.reshape(-1), out=out))
         return self._run([output], run)
 
-    def reduce_scatter_single(self, output, input, opts=None):
-        return self._reduce_scatter_into(output, input, opts)
-
-    def _reduce_scatter_base(self, output, input, opts=None):
-        return self._reduce_scatter_into(output, input, opts)
+    _reduce_scatter_base = reduce_scatter_single = _reduce_scatter_into
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_into(o, i, opts)
                  for o, i in zip(outputs, inputs, strict=True)]
         return _Work(list(outputs), pending=works)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all-reduce -----------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -393,7 +387,8 @@ class SparkcclProcessGroup(dist.ProcessGroup):
     def _fallback_reduce(self, method: str, args: tuple, outputs, opts):
         """The fallback's reduce; AVG on gloo (which has no AVG) as SUM, then one division."""
         first = outputs[0] if isinstance(outputs, list) else outputs
-        if _is_avg(opts.reduceOp) and self._backend_kind(first.device) == _PG.BackendType.GLOO:
+        if (_is_avg(opts.reduceOp) and first.is_floating_point()
+                and self._backend_kind(first.device) == _PG.BackendType.GLOO):
             o = type(opts)()
             o.reduceOp = dist.ReduceOp.SUM
             o.timeout = opts.timeout
