@@ -321,6 +321,11 @@ def compile_and_errors_job(rank, world, store):
         dist.new_group(backend="sparkccl")
     except ValueError as e:
         out["disagree"] = str(e)
+    os.environ["SPARKCCL_TORCH_MIN_BYTES"] = "1M" if rank == 0 else "lots"
+    try:
+        dist.new_group(backend="sparkccl")
+    except ValueError as e:
+        out["unparsable"] = str(e)
     dist.destroy_process_group()
     return out
 
@@ -339,7 +344,8 @@ def test_compiled_functional_collectives_and_errors():
         assert v["fallback_after"] == 1.0
     assert "closed" in values[1]["call_error"]
     for v in values:
-        assert "disagree" in v["disagree"] and "rank 0: 1000, rank 1: 1001" in v["disagree"]
+        assert "rank 1: ConfigError: SPARKCCL_TORCH_MIN_BYTES='lots'" in v["unparsable"], v
+        assert "must agree" in v["disagree"] and "rank 0: 1000, rank 1: 1001" in v["disagree"]
     for key in ("wait_error", "sync_error", "compiled_error"):
         kind, text = values[0][key]
         assert kind == "CollectiveError", (key, kind, text)

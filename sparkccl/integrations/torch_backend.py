@@ -171,7 +171,8 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._pending)
+        return ((self._event is None or self._event.query())
+                and all(w.is_completed() for w in self._pending))
 
     def is_success(self) -> bool:
         return self._error is None and all(w.is_success() for w in self._pending)
@@ -221,24 +222,29 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._world = world_size
         self._store = store
-        self.min_bytes = (config.get(MIN_BYTES_VARIABLE) if self.options.min_bytes is None
-                          else config.parse_bytes(self.options.min_bytes, "min_bytes"))
-        self._check_ranks_agree(store)
+        self.min_bytes = self._agreed_min_bytes(store)
         self._comms: dict = {}
         self._lock = threading.Lock()
         self.routed: Counter = Counter()
         self.declined: Counter = Counter()
         self._fallback = self._build_fallback(store, rank, world_size, timeout)
 
-    def _check_ranks_agree(self, store) -> None:
-        """The routing rule reads the threshold: ranks that disagree would route the same call
-        differently and hang. Every rank raises the same error naming them."""
-        store.set(f"sparkccl-settings/{self._rank}", str(self.min_bytes))
-        values = [int(store.get(f"sparkccl-settings/{r}")) for r in range(self._world)]
-        if len(set(values)) > 1:
-            raise ValueError("sparkccl backend: the ranks disagree on min_bytes / "
+    def _agreed_min_bytes(self, store) -> int:
+        """The threshold, checked to be the same on every rank: the routing rule reads it, and
+        ranks that disagree would route the same call differently and hang. A rank whose
+        setting does not parse still posts (its error), so every rank raises at once."""
+        try:
+            mine = str(config.get(MIN_BYTES_VARIABLE) if self.options.min_bytes is None
+                       else config.parse_bytes(self.options.min_bytes, "min_bytes"))
+        except ValueError as e:
+            mine = f"{type(e).__name__}: {e}"
+        store.set(f"sparkccl-settings/{self._rank}", mine)
+        values = [store.get(f"sparkccl-settings/{r}").decode() for r in range(self._world)]
+        if len(set(values)) > 1 or not values[0].isdigit():
+            raise ValueError("sparkccl backend: the ranks must agree on min_bytes / "
                              f"{MIN_BYTES_VARIABLE}: " + ", ".join(
                                  f"rank {r}: {v}" for r, v in enumerate(values)))
+        return int(mine)
 
     def _build_fallback(self, store, rank, world_size, timeout) -> dist.ProcessGroup:
         fb = dist.ProcessGroup(dist.PrefixStore("fallback/", store), rank, world_size)
