@@ -437,9 +437,18 @@ def cuda_job(rank, world, store):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
-                            pg_options=tb_.Options(min_bytes=0))
+                            pg_options=tb_.Options(min_bytes=0), device_id=dev)
     pg = dist.group.WORLD
     bad = []
+    # With a bound device, c10d splits the default group's NCCL for new groups (the ranks
+    # outside take part too): the group's own NCCL fallback must come from that split.
+    sub = dist.new_group([0, 1], backend="sparkccl", pg_options=tb_.Options(min_bytes=0))
+    if rank < 2:
+        s = torch.full((8,), float(rank), device=dev)
+        dist.broadcast(s, 1, group=sub)
+        if s.sum().item() != 8.0:
+            bad.append("broadcast in a split subgroup")
+    dist.barrier()
 
     def expect(what, got, want):
         if got.size != want.size or not (got == want).all():

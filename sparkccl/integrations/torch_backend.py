@@ -212,7 +212,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT,
-                 options: Options | None = None):
+                 options: Options | None = None, global_ranks: list[int] | None = None):
         super().__init__(rank, world_size)
         if options is not None and not isinstance(options, Options):
             raise TypeError("pg_options for the sparkccl backend must be "
@@ -227,7 +227,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self.routed: Counter = Counter()
         self.declined: Counter = Counter()
-        self._fallback = self._build_fallback(store, rank, world_size, timeout)
+        self._fallback = self._build_fallback(store, rank, world_size, timeout, global_ranks)
 
     def _agreed_min_bytes(self, store) -> int:
         """The threshold, checked to be the same on every rank: the routing rule reads it, and
@@ -246,7 +246,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
                                  f"rank {r}: {v}" for r, v in enumerate(values)))
         return int(mine)
 
-    def _build_fallback(self, store, rank, world_size, timeout) -> dist.ProcessGroup:
+    def _build_fallback(self, store, rank, world_size, timeout, global_ranks) -> dist.ProcessGroup:
         fb = dist.ProcessGroup(dist.PrefixStore("fallback/", store), rank, world_size)
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
         cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -255,6 +255,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
             # NCCL connects on its first collective, so an unused one costs nothing.
             o = dist.ProcessGroupNCCL.Options()
             o._timeout = timeout
+            _split_like_c10d(o, global_ranks)
             nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, o)
             backends.append((cuda, _PG.BackendType.NCCL, nccl))
         else:
@@ -440,10 +441,28 @@ for _name in FALLBACK_METHODS:
         setattr(SparkcclProcessGroup, _name, _fallback_method(_name))
 
 
+def _split_like_c10d(nccl_options, global_ranks) -> None:
+    """When the default group has a bound device, c10d makes the ranks *outside* a new group
+    take part in an NCCL split of the default group's communicator; the ranks inside must
+    then build their NCCL from the same split, or the split never completes. Mirrors what
+    c10d does for its own NCCL groups."""
+    from torch.distributed import distributed_c10d as c10d
+    source = getattr(c10d, "_get_split_source", None)
+    color = getattr(c10d, "_process_group_color", None)
+    if not global_ranks or source is None or color is None or not dist.is_initialized():
+        return
+    default = c10d._get_default_group()
+    split_from = source(default) if default.bound_device_id else None
+    if split_from is not None:
+        nccl_options.split_from = split_from
+        nccl_options.split_color = color(global_ranks)
+
+
 def _create(backend_opts, pg_options=None) -> SparkcclProcessGroup:
     """The creator c10d calls (``extended_api=True``)."""
     return SparkcclProcessGroup(backend_opts.store, backend_opts.group_rank,
-                                backend_opts.group_size, backend_opts.timeout, pg_options)
+                                backend_opts.group_size, backend_opts.timeout, pg_options,
+                                list(backend_opts.global_ranks_in_group))
 
 
 def register() -> None:
