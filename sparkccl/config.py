@@ -256,7 +256,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_LANE_CHECK_TIMEOUT_S", "float", None, "transport",
        "how long a rank waits for its lanes to check", default_text="min(timeout, 30)",
        lo=1e-3),
-    _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend", "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),
+    _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
+       "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent "
+       "through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
 )}
