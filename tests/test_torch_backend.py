@@ -284,8 +284,14 @@ def compile_and_errors_job(rank, world, store):
     a, b = compiled(xs[rank], ys[rank])
     out = {"compiled_ag": bool((bits(a) == all_gather_reference([x * 2 for x in xs])).all()),
            "compiled_rs": bool((bits(b) == reduce_scatter_reference([y + 1 for y in ys],
-                                                                   rank)).all()),
-           "routed": dict(pg.routed)}
+                                                                   rank)).all())}
+    # DDP: its gradient bucket is all-reduced through sparkccl (C++ Reducer -> allreduce)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(make_input(7, rank, (8, 16), torch.float32)).sum().backward()
+    out["ddp_grads"] = bits(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    out["routed"] = dict(pg.routed)
     comm = pg.communicator("cpu")
     if rank == 1:
         # This rank leaves the communicator as a failing `with` block would.
@@ -335,12 +341,13 @@ def dist_error():
     return CollectiveError
 
 
-def test_compiled_functional_collectives_and_errors():
+def test_compiled_functional_collectives_ddp_and_errors():
     values = check(run_ranks(compile_and_errors_job, 2, timeout_s=240))
     for v in values:
         assert v["compiled_ag"] and v["compiled_rs"], v
         # counted by the group: the compiled graph's collectives ran in sparkccl
-        assert v["routed"] == {"all_gather": 1, "reduce_scatter": 1}, v["routed"]
+        assert v["routed"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}, v["routed"]
+        assert (v["ddp_grads"] == values[0]["ddp_grads"]).all()
         assert v["fallback_after"] == 1.0
     assert "closed" in values[1]["call_error"]
     for v in values:
