@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 examples/sp_block.py --backend sparkccl --topology ring
     torchrun --nproc-per-node 2 examples/sp_block.py --backend sparkccl
     torchrun --nproc-per-node 4 examples/sp_block.py --backend gloo        # the same digests
+    torchrun --nproc-per-node 2 examples/sp_block.py --backend sparkccl --device cuda
 
 Each rank holds T / world tokens of the sequence. The block:
 
@@ -38,12 +39,13 @@ import torch.distributed as dist
 T, H, F = 1024, 512, 1024      # tokens, hidden, FFN width (divisible by the world size)
 EXPERTS, TOPK = 8, 2
 SEED = 1234
+DEVICE = torch.device("cpu")  # --device cuda: one GPU per rank (LOCAL_RANK)
 
 
 def grid(shape, lo, hi, scale, seed):
     """Integers in [lo, hi] times ``scale``: the same values on every rank and world size."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi + 1, shape, generator=g).to(torch.float32) * scale
+    return (torch.randint(lo, hi + 1, shape, generator=g).to(torch.float32) * scale).to(DEVICE)
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -54,7 +56,8 @@ def rms_norm(x, weight, eps=1e-6):
 
 
 def digest(t):
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def sp_block(x_local, group, rank, world):
@@ -65,17 +68,17 @@ def sp_block(x_local, group, rank, world):
     cols = slice(rank * F // world, (rank + 1) * F // world)
 
     xn_local = rms_norm(x_local, norm_w)
-    xn = torch.empty(T, H, dtype=torch.bfloat16)
+    xn = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dist.all_gather_into_tensor(xn, xn_local, group=group)
 
     h = torch.relu(xn.float() @ w1[:, cols])
     h = (h / 4).round().clamp(-32, 32)
     partial = h @ w2[cols, :]                     # fp32 partial sums, [T, H]
-    out_local = torch.empty(T // world, H, dtype=torch.float32)
+    out_local = torch.empty(T // world, H, dtype=torch.float32, device=DEVICE)
     dist.reduce_scatter_tensor(out_local, partial, group=group)
 
     y_local = (x_local.float() + out_local).to(torch.bfloat16)
-    y = torch.empty(T, H, dtype=torch.bfloat16)
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dist.all_gather_into_tensor(y, y_local, group=group)
     # Tensor-parallel style instead: all_reduce the partial sums (reduce-scatter then
     # all-gather inside sparkccl): the same bits as the reduce-scattered rows above.
@@ -92,18 +95,18 @@ def moe_inputs(rank, world):
     weights_all = torch.tensor([0.5, 0.25])[None, :].expand(T, TOPK).contiguous()
     mine = (experts * world // EXPERTS) == rank
     # Expert e's output for token t: a small-integer row, the same on every world size.
-    y_rows = [torch.zeros(H)]
+    y_rows = [torch.zeros(H, device=DEVICE)]
     pos = torch.zeros(T, TOPK, dtype=torch.int32)
     for t, k in mine.nonzero().tolist():
         e = int(experts[t, k])
         y_rows.append(grid((H,), -8, 8, 1.0, SEED + 100 + e * T + t))
         pos[t, k] = len(y_rows) - 1
     y = torch.stack(y_rows).to(torch.bfloat16)
-    weights = torch.where(mine, weights_all, torch.zeros(()))
+    weights = torch.where(mine, weights_all, torch.zeros(())).to(DEVICE)
     shared = grid((T, H), -8, 8, 1.0, SEED + 11).to(torch.bfloat16)
     if rank != 0:
         shared = torch.zeros_like(shared)  # the shared expert is counted once, on rank 0
-    return y, pos.reshape(-1), weights, shared
+    return y, pos.reshape(-1).to(DEVICE), weights, shared
 
 
 def moe_finalize(group, rank, world):
@@ -111,14 +114,14 @@ def moe_finalize(group, rank, world):
     comm = getattr(group, "communicator", None)
     if comm is not None and world > 1:
         # The fused finalize + reduce-scatter of the sparkccl backend's communicator.
-        part = comm("cpu").moe_finalize_reduce_scatter(y, pos, weights, shared,
+        part = comm(DEVICE).moe_finalize_reduce_scatter(y, pos, weights, shared,
                                                        num_tokens=T, padded_tokens=T)
     else:
         rows = shared.float() + (weights[..., None] * y.float()[pos.long()].view(T, TOPK, H)).sum(1)
-        part = torch.empty(T // world, H, dtype=torch.float32)
+        part = torch.empty(T // world, H, dtype=torch.float32, device=DEVICE)
         dist.reduce_scatter_tensor(part, rows.to(torch.bfloat16).float(), group=group)
         part = part.to(torch.bfloat16)
-    out = torch.empty(T, H, dtype=torch.bfloat16)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dist.all_gather_into_tensor(out, part, group=group)
     return out
 
@@ -127,7 +130,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="sparkccl")
     ap.add_argument("--topology", choices=["mesh", "ring"], default="mesh")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
     torch.set_num_threads(1)
     options = None
     if args.backend == "sparkccl":
@@ -146,7 +154,7 @@ def main() -> None:
 
     routed = dict(getattr(group, "routed", {}))
     declined = dict(getattr(group, "declined", {}))
-    print(f"rank {rank}/{world} {args.backend} {args.topology}: block {digest(y)} "
+    print(f"rank {rank}/{world} {args.backend} {args.topology} {args.device}: block {digest(y)} "
           f"all_reduce {digest(full)} (= reduce-scatter: {same}) moe {digest(moe)} | "
           f"sparkccl ran {routed} "
           f"fallback {declined}", flush=True)
