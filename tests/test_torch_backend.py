@@ -294,6 +294,9 @@ def compile_and_errors_job(rank, world, store):
     ddp(make_input(7, rank, (8, 16), torch.float32)).sum().backward()
     out["ddp_grads"] = bits(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     out["routed"] = dict(pg.routed)
+    # Rank 1 leaves only once rank 0 is done too (through gloo): otherwise rank 0's
+    # all-reduce may still be finishing and fail, rightly, with rank 1's error.
+    dist.barrier()
     comm = pg.communicator("cpu")
     if rank == 1:
         # This rank leaves the communicator as a failing `with` block would.

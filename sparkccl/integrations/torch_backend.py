@@ -154,9 +154,10 @@ class _Work(dist.Work):
             self._future = torch.futures.Future(devices=[dev])
         else:
             self._future = torch.futures.Future()
-        if error is not None:
-            self._future.set_exception(error)
-        elif not self._pending:
+        # A failed call's future is never completed with the exception: C++ callers (DDP's
+        # Reducer) rethrow a future's error without the GIL, and a Python exception there
+        # crashed the process. wait() and get_future() raise it instead, under the GIL.
+        if error is None and not self._pending:
             self._future.set_result(outputs)
 
     def wait(self, timeout=None) -> bool:
@@ -181,7 +182,7 @@ class _Work(dist.Work):
         return self._error
 
     def get_future(self):
-        if self._pending and not self._future.done():
+        if self._error is not None or (self._pending and not self._future.done()):
             self.wait()
         return self._future
 
