@@ -168,21 +168,22 @@ def baselines_for(device: str, baseline: bool = True, only: list[str] | None = N
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
               baseline: bool = True, runner=None, only: list[str] | None = None,
-              plot: str | None = None) -> int:
+              plot: str | None = None, api: str = "direct") -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
     through sparkccl.localrun.run_ranks). ``only``: the names of the baselines to run (default:
-    all of the device's). ``plot``: write a bus bandwidth plot (PNG) there."""
+    all of the device's). ``plot``: write a bus bandwidth plot (PNG) there. ``api="torch"``:
+    also time the same calls through torch.distributed (backend "sparkccl")."""
     from .progress import Progress
     progress = Progress("bench")
     try:
         return _bench(world, topology, transport, device, min_bytes, max_bytes, iters,
-                      baseline, runner, only, plot, progress)
+                      baseline, runner, only, plot, api, progress)
     finally:
         progress.close()
 
 
 def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, baseline, runner,
-           only, plot, progress) -> int:
+           only, plot, api, progress) -> int:
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
     baselines = baselines_for(device, baseline, only)
@@ -194,6 +195,13 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
                 "sparkccl", runner, progress)
     if ours is None:
         return 1
+    via_torch = None
+    if api == "torch":  # the same calls through torch.distributed (docs/TORCH.md)
+        from .integrations.torch_bench import torch_api_rank
+        via_torch = _run(torch_api_rank, world, (topology, transport, device, sizes, iters), env,
+                         "sparkccl via torch.distributed", runner, progress)
+        if via_torch is None:
+            return 1
     base = {}
     for name, extra in baselines:
         backend = "nccl" if name.startswith("nccl") else "gloo"
@@ -223,6 +231,9 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
                 else:
                     line += f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x"
             print(line)
+    if via_torch is not None:
+        from .integrations.torch_bench import print_overhead
+        print_overhead(ours, via_torch, sizes)
     stats = ours[0]["proxy"]
     if stats.get("delay_samples"):
         print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "

@@ -85,7 +85,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,
-                     only=args.baseline or None, plot=args.plot)
+                     only=args.baseline or None, plot=args.plot, api=args.api)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.png",
                    help="also draw bus bandwidth against size for sparkccl and each baseline "
                         "(needs matplotlib: pip install 'sparkccl[plot]')")
+    b.add_argument("--api", choices=["direct", "torch"], default="direct",
+                   help="torch: also time the calls through torch.distributed (backend "
+                        "\"sparkccl\") and print the overhead against the direct API")
     b.set_defaults(func=_cmd_bench)
 
     p = _sub(sub, "plan", "print a collective's per-port load against its lower bound, and "

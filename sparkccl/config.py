@@ -265,6 +265,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_ENGINE_TRANSPORT", "choice", "auto", "integrations",
        "vLLM / SGLang: transport of the communicators built for the engine's groups",
        choices=("auto", "shm", "tcp", "verbs")),
+    _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
+       "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent "
+       "through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
     _v("SPARKCCL_EMUNIC_CONFIG", "str", None, "tests",

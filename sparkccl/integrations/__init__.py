@@ -1,1 +1,2 @@
-"""Integrations: sparkccl behind other stacks' collectives (docs/VLLM_SGLANG.md)."""
+"""Integrations: sparkccl behind other stacks' collectives: torch.distributed (docs/TORCH.md),
+vLLM and SGLang (docs/VLLM_SGLANG.md)."""
