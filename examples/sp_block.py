@@ -39,7 +39,7 @@ import torch.distributed as dist
 T, H, F = 1024, 512, 1024      # tokens, hidden, FFN width (divisible by the world size)
 EXPERTS, TOPK = 8, 2
 SEED = 1234
-DEVICE = torch.device("cpu")  # --device cuda: one GPU per rank (LOCAL_RANK)
+DEVICE = torch.device("cpu")  # --device cuda: one GPU per rank (LOCAL_RANK), shared if fewer
 
 
 def grid(shape, lo, hi, scale, seed):
@@ -134,7 +134,9 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     if args.device == "cuda":
-        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # One GPU per rank; with fewer GPUs than ranks they share (correctness runs only).
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
+                              % torch.cuda.device_count())
         torch.cuda.set_device(DEVICE)
     torch.set_num_threads(1)
     options = None

@@ -515,3 +515,48 @@ def test_cuda_backend_bit_exact_async_and_graph_capture():
         assert v["bad"] == [], v["bad"]
         assert v["captured"] == 1
         assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
+
+
+def shared_gpu_job(rank, world, store):
+    """Every rank on GPU 0 (correctness only): the calls sparkccl takes, on a side stream and
+    the default one. Nothing here reaches the NCCL fallback, which refuses two ranks on one
+    GPU."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import sparkccl.integrations.torch_backend as tb_
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
+                            pg_options=tb_.Options(min_bytes=0))
+    pg = dist.group.WORLD
+    bad = []
+    for k, dtype in enumerate(DTYPES):
+        xs = [make_input(70 + k, r, (64, 33), dtype) for r in range(world)]
+        out = torch.empty(world * 64, 33, dtype=dtype, device=dev)
+        side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):  # enqueued on a side stream, waited for on the default
+            work = dist.all_gather_into_tensor(out, xs[rank].to(dev), async_op=True)
+        work.wait()
+        if bits(out.cpu()).tolist() != all_gather_reference(xs).tolist():
+            bad.append(f"all_gather {dtype}")
+        ys = [make_input(80 + k, r, (world * 16, 40), dtype) for r in range(world)]
+        o = torch.empty(16, 40, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(o, ys[rank].to(dev))
+        if bits(o.cpu()).tolist() != reduce_scatter_reference(ys, rank).tolist():
+            bad.append(f"reduce_scatter {dtype}")
+        zs = [make_input(90 + k, r, (world * 8, 24), dtype) for r in range(world)]
+        z = zs[rank].to(dev)
+        dist.all_reduce(z)
+        if bits(z.cpu()).tolist() != _all_reduce_reference(zs, world).tolist():
+            bad.append(f"all_reduce {dtype}")
+    routed = dict(pg.routed)
+    dist.destroy_process_group()
+    return dict(bad=bad, routed=routed)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_backend_ranks_sharing_one_gpu():
+    values = check(run_ranks(shared_gpu_job, 2, timeout_s=300))
+    for v in values:
+        assert v["bad"] == [], v["bad"]
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
