@@ -82,8 +82,7 @@ def _rule_job(rank, world, store):
     import torch.distributed as dist
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        s = routing.RouteSettings.from_env()
-        routing.agree(s, dist.group.WORLD, "test group")
+        s = routing.agreed_settings(dist.group.WORLD, "test group")
         out = []
         for op, shape, dtype, dim, case_world, sizes, capturing, _ in RULE_CASES:
             if rank % 2:
@@ -114,6 +113,14 @@ def test_ranks_with_different_settings_refuse_alike():
     for r in res:
         assert r.error_type == "ValueError", (r.rank, r.error_type, r.message)
         assert "rank 0: min_bytes=65536" in r.message and "rank 1: min_bytes=1048576" in r.message
+
+
+def test_a_bad_setting_on_one_rank_fails_every_rank():
+    res = run_ranks(_rule_job, world=2, rank_env={1: {"SPARKCCL_ENGINE_TOPOLOGY": "torus"}},
+                    timeout_s=120)
+    for r in res:
+        assert r.error_type == "ConfigError", (r.rank, r.error_type, r.message)
+        assert "rank 1: SPARKCCL_ENGINE_TOPOLOGY='torus'" in r.message, r.message
 
 
 # ---- the plugin in the real vLLM ---------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import config
+from ..errors import ConfigError
 
 OPS = ("all_gather", "reduce_scatter")
 # reduce-scatter sums in fp32 and rounds once; other dtypes have no exact sparkccl path.
@@ -40,19 +41,29 @@ class RouteSettings:
                    transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env))
 
 
-def agree(settings: RouteSettings, group, what: str) -> None:
-    """Check over ``group`` (a gloo ProcessGroup; collective) that every rank has the same
-    routing settings; else raise ``ValueError`` on every rank, naming the ranks."""
+def agreed_settings(group, what: str, env=None) -> RouteSettings:
+    """The routing settings, read on every rank of ``group`` (a gloo ProcessGroup;
+    collective) and checked alike: a value that does not parse on any rank raises
+    ``ConfigError`` on every rank, and ranks that disagree raise ``ValueError`` on every
+    rank, naming them — never one rank failing while the others wait for it."""
     import torch.distributed as dist
-    mine = (settings.min_bytes, settings.topology, settings.transport)
+    try:
+        s, error = RouteSettings.from_env(env), None
+        mine = (s.min_bytes, s.topology, s.transport)
+    except ConfigError as e:
+        s, mine, error = None, None, str(e)
     seen: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, mine, group=group)
-    if any(s != seen[0] for s in seen):
-        rows = "; ".join(f"rank {i}: min_bytes={s[0]} topology={s[1]} transport={s[2]}"
-                         for i, s in enumerate(seen))
+    dist.all_gather_object(seen, (mine, error), group=group)
+    errors = [f"rank {i}: {e}" for i, (_, e) in enumerate(seen) if e is not None]
+    if errors:
+        raise ConfigError(f"sparkccl: {what}: " + "; ".join(errors))
+    if any(m != seen[0][0] for m, _ in seen):
+        rows = "; ".join(f"rank {i}: min_bytes={m[0]} topology={m[1]} transport={m[2]}"
+                         for i, (m, _) in enumerate(seen))
         raise ValueError(f"sparkccl: {what}: the ranks disagree on SPARKCCL_ENGINE_MIN_BYTES "
                          f"/ _TOPOLOGY / _TRANSPORT ({rows}); set them alike on every rank, "
                          "or ranks would pick different paths for one collective and hang")
+    return s
 
 
 class Decision(NamedTuple):

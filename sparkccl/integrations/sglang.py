@@ -34,6 +34,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     HookRegistry.register(f"{TARGET}.__init__", attach, HookType.AFTER)
+    HookRegistry.register(f"{TARGET}.destroy", detach, HookType.AFTER)
     HookRegistry.register(f"{TARGET}._all_gather_into_tensor", all_gather_into_tensor,
                           HookType.AROUND)
     HookRegistry.register(f"{TARGET}._reduce_scatter_tensor", reduce_scatter_tensor,
@@ -49,17 +50,26 @@ def attach(result, group, *args, **kwargs):
     return result
 
 
+def detach(result, group, *args, **kwargs):
+    """AFTER ``GroupCoordinator.destroy``: close the group's communicator on every rank
+    (a barrier, then a graceful stop: peers see a goodbye, not a crash)."""
+    st = group.__dict__.pop("_sparkccl", None)
+    if st is not None and st.comm is not None:
+        st.comm.close()
+    return result
+
+
 class _GroupState:
     def __init__(self, group):
-        self.settings = routing.RouteSettings.from_env()
+        self.settings = None  # set (agreed by every rank) for routed groups
         self.counts = collections.Counter()
         self.comm = None
         world = group.world_size
         if group.unique_name.split(":")[0] not in ROUTED_GROUPS or world < 2:
             return
         from ..comm import Communicator
-        s = self.settings
-        routing.agree(s, group.cpu_group, f"SGLang group {group.unique_name}")
+        s = self.settings = routing.agreed_settings(group.cpu_group,
+                                                    f"SGLang group {group.unique_name}")
         self.comm = Communicator(group=group.cpu_group, device=group.device,
                                  topology=s.topology, transport=s.transport)
         log.info("%s", routing.describe(f"SGLang group {group.unique_name}", world,

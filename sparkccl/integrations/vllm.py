@@ -74,7 +74,7 @@ def _make_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.sparkccl = None
-            self.route_settings = routing.RouteSettings.from_env()
+            self.route_settings = None  # set (agreed by every rank) for routed groups
             self.route_counts = collections.Counter()
             kind = self.unique_name.split(":")[0]
             if kind not in ROUTED_GROUPS or self.world_size < 2:
@@ -86,8 +86,8 @@ def _make_class():
                          self.unique_name)
                 return
             from ..comm import Communicator
-            s = self.route_settings
-            routing.agree(s, self.cpu_group, f"vLLM group {self.unique_name}")
+            s = self.route_settings = routing.agreed_settings(
+                self.cpu_group, f"vLLM group {self.unique_name}")
             self.sparkccl = Communicator(group=self.cpu_group, device=self.device,
                                          topology=s.topology, transport=s.transport)
             log.info("%s", routing.describe(f"vLLM group {self.unique_name}", self.world_size,
