@@ -88,10 +88,24 @@ def emu_lib():
         return _emu_lib
 
 
+class EmuContext:
+    """What the streams of one emulated process share: once a kernel trapped, nothing more
+    runs on any of them and every synchronization raises (as a lost CUDA context)."""
+
+    def __init__(self):
+        self.trapped: str | None = None
+
+    def check(self):
+        if self.trapped:
+            raise RuntimeError(f"CUDA error: unspecified launch failure (emulated device trap "
+                               f"in {self.trapped})")
+
+
 class EmuStream:
     """A stream: launches run in order on a worker thread (ctypes drops the GIL)."""
 
-    def __init__(self):
+    def __init__(self, ctx: EmuContext | None = None):
+        self.ctx = ctx or EmuContext()
         self.q: queue.Queue = queue.Queue()
         self.errors: list[str] = []
         self.t = threading.Thread(target=self._run, daemon=True)
@@ -106,11 +120,16 @@ class EmuStream:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            if self.ctx.trapped:  # a lost context runs nothing
+                continue
             if callable(item):  # a stream operation other than a launch
                 item()
                 continue
             name, grid, args = item
-            if lib.sccl_emu_run(name.encode(), grid, args) != 0:
+            rc = lib.sccl_emu_run(name.encode(), grid, args)
+            if rc == 1:
+                self.ctx.trapped = name
+            elif rc != 0:
                 self.errors.append(f"unknown kernel {name}")
 
     def submit(self, name, grid, args):
@@ -130,6 +149,7 @@ class EmuStream:
 
     def synchronize(self, timeout=120.0):
         assert self.record().wait(timeout), "emulated stream did not drain"
+        self.ctx.check()
         assert not self.errors, self.errors
 
     def close(self):
@@ -183,10 +203,12 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _end(self, ts):
         self._last_event = ts.record()
+        self._last_ctx = ts.ctx
 
     def _wait_last(self):
         if self._last_event is not None:
             assert self._last_event.wait(120), "emulated kernels did not finish"
+            self._last_ctx.check()
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
@@ -194,7 +216,7 @@ class EmuDataPlane(C.CudaDataPlane):
     def _fork(self, ts, name="side"):
         st = self._side_streams.get(name)
         if st is None:
-            st = self._side_streams[name] = EmuStream()
+            st = self._side_streams[name] = EmuStream(ts.ctx)
         st.wait_event(ts.record())
         return st, st
 
@@ -221,7 +243,8 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _sum_stream(self):
         if self._sums is None:
-            self._sums = (EmuStream(), list(range(1, C.PIECES * self.maxw + 1)))
+            self._sums = (EmuStream(_emu_current.stream.ctx),
+                          list(range(1, C.PIECES * self.maxw + 1)))
             self._emu_events = {}
         return self._sums
 
@@ -293,11 +316,12 @@ class Buf:
 class World:
     """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
-    and the proxies keep only the relays, as a CUDA + shm Communicator does)."""
+    and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
+    fail-stop trap would lose the CUDA context of this (the test) process."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None):
+                 mode: str | None = None, on_failure: str = "poison"):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -329,7 +353,7 @@ class World:
                 dp = self.be.make_dp(plan=plan, ctl_addr=self.ctl[r].addr,
                                      flags_addr=self.ctl[r].addr + L.FLAGS_OFFSET,
                                      ag=self.ag[r].t, ag_stride=self.ag_stride,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, on_failure=on_failure)
                 rs = self.rs[r].t
                 dp.attach_rs(rs[:self.send_bytes], self.send_stride, rs[self.send_bytes:],
                              self.recv_stride)
