@@ -995,3 +995,103 @@ def test_cuda_communicator_without_gpu_is_a_clear_error():
     import sparkccl
     with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
         sparkccl.Communicator(store=None, rank=0, world_size=1, device="cuda")
+
+
+# ---------------------------------------------------------------- fail-stop and poison
+# (docs/CONTRACT.md "Failure behaviour"; the multi-process GPU runs are tests/test_failstop.py)
+
+def _lone_all_gathers(w: World, n: int, count: int, dtype=torch.float32):
+    """Rank 0 alone issues `count` all-gathers (rank 1 never calls): every one fails."""
+    xs = inputs(1, w.world, (n,), dtype)
+    nbytes = n * xs[0].element_size()
+    seq = w.seq
+    w.seq += count
+    outs = []
+    with w.be.on(0):
+        src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
+        for k in range(count):
+            out = w.keep(w.be.to_dev(torch.full((w.world * nbytes,), 0xAB, dtype=torch.uint8)))
+            w.dps[0].all_gather(seq + k, src, out, 0, nbytes)
+            outs.append(out)
+    return seq, outs
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_fail_stop_reports_then_traps(mode, capfd):
+    """Mode stop: the failed wait's record is printed on stderr by the watchdog as the
+    CollectiveError text, acknowledged, and only then the kernel traps: the emulated context
+    is lost (nothing queued after it runs, every synchronization raises a CUDA error), and
+    synchronize() raises the CollectiveError itself."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5, direct=mode is not None,
+               mode=mode, on_failure="stop") as w:
+        dp = w.dps[0]
+        seq, outs = _lone_all_gathers(w, 25, 3)
+        with pytest.raises(CollectiveError) as ei:
+            dp.synchronize()
+        msg = str(ei.value)
+        assert f"timed out after 0.5 s waiting for all_gather seq {seq} piece 0 from rank 1" in msg
+        assert "unspecified launch failure" in str(ei.value.__cause__)
+        assert w.be.streams[0].ctx.trapped  # the kernel trapped ...
+        assert ctypes.c_uint64.from_address(w.ctl[0].addr + C.CTL_GPU_ACK).value == 1  # ... acked
+        err = capfd.readouterr().err
+        assert f"sparkccl: CollectiveError: rank 0: timed out after 0.5 s waiting for all_gather " \
+               f"seq {seq} piece 0 from rank 1 (connection: channel 0 root" in err, err
+        assert "restart the process" in err
+        assert dp.failure_report and dp.failure_report in err
+        # The abort word is set by the watchdog, so the peers learn of it at once.
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            w.be.streams[0].synchronize()
+        # Nothing after the trap ran: the later results keep their fill bytes.
+        assert all(bytes(o.numpy()) == b"\xab" * o.numel() for o in outs[1:])
+        with pytest.raises(CollectiveError):  # and every later call raises
+            with w.be.on(0):
+                w.dps[0].all_gather(seq + 3, w.keep(torch.zeros(8, dtype=torch.uint8)),
+                                    w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
+    """Mode poison: no trap; a healthy collective before the failure keeps its exact result,
+    the failed one and every one queued after it read 0xFF bytes (NaN) only, nothing is
+    printed, and every later call raises."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=0.5, direct=mode is not None,
+               mode=mode, on_failure="poison") as w:
+        xs = inputs(3, world, (40,), torch.float32)
+        good = w.all_gather(xs)
+        w.sync()
+        check_ag(w, xs, good)
+        seq, outs = _lone_all_gathers(w, 25, 3)
+        # A reduce-scatter queued behind them is poisoned too.
+        rs_x = inputs(4, world, (world * 16,), torch.float32)[0]
+        with w.be.on(0):
+            rs_out = w.keep(w.be.to_dev(torch.zeros(64, dtype=torch.uint8)))
+            w.dps[0].reduce_scatter(seq + 3, w.keep(rs_x.view(torch.uint8).clone()), 0, 64, 64,
+                                    rs_out, 0, torch.float32)
+        w.seq += 1
+        with pytest.raises(CollectiveError, match=f"all_gather seq {seq} piece 0 from rank 1"):
+            w.dps[0].synchronize()
+        w.be.streams[0].synchronize()  # no trap: the stream still works
+        assert not w.be.streams[0].ctx.trapped
+        for o in outs + [rs_out]:
+            assert bytes(o.numpy()) == b"\xff" * o.numel()
+            assert torch.isnan(o.view(torch.float32)).all()
+        check_ag(w, xs, good)  # the earlier result was not touched
+        assert "sparkccl: CollectiveError" not in capfd.readouterr().err
+        with pytest.raises(CollectiveError):
+            with w.be.on(0):
+                w.dps[0].all_gather(seq + 4, w.keep(torch.zeros(8, dtype=torch.uint8)),
+                                    w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+def test_failure_mode_is_a_setting(monkeypatch):
+    monkeypatch.setenv("SPARKCCL_ON_FAILURE", "later")
+    with pytest.raises(ConfigError, match="SPARKCCL_ON_FAILURE"):
+        C.CudaDataPlane(N, plan=None, ctl_addr=0, flags_addr=0, ag=None, ag_stride=0,
+                        timeout_s=1)
+    with pytest.raises(ConfigError, match="on_failure"):
+        C.CudaDataPlane(N, plan=None, ctl_addr=0, flags_addr=0, ag=None, ag_stride=0,
+                        timeout_s=1, on_failure="ignore")

@@ -85,6 +85,7 @@ NO_WORD = _P["NO_WORD"]
 MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
+CTL_GPU_ACK, CTL_GPU_MODE = _P["CTL_GPU_ACK"], _P["CTL_GPU_MODE"]  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
 POISON_THREADS = 256
@@ -224,8 +225,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                                 self.state.data_ptr()) for op in Op}
         self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
-        _u64(ctl_addr + layout.CTL_GPU_ACK).value = 0
-        _u64(ctl_addr + layout.CTL_GPU_MODE).value = FAIL_MODES[on_failure]
+        _u64(ctl_addr + CTL_GPU_ACK).value = 0
+        _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
         self._device_synchronize()
         self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
                                                  name=f"sparkccl-gpu-watchdog-{self.rank}")
@@ -806,7 +807,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
                   "synchronization in this process raises a CUDA error; restart the process",
                   file=sys.stderr, flush=True)
-        _u64(self.ctl + layout.CTL_GPU_ACK).value = 1
+        _u64(self.ctl + CTL_GPU_ACK).value = 1
 
     def _stop_watchdog(self) -> None:
         """Before the control segment may be unmapped: the thread reads it."""
