@@ -31,9 +31,14 @@ GPU's own speed.
 Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
 clock; it then records what it waited for in the control block's GPU status record
 (``layout.CTL_GPU_STATUS`` / ``CTL_GPU_DETAIL`` / ``CTL_GPU_SEQ``) and every block exits.
-The host turns the record into :class:`CollectiveError` (naming rank, seq, piece, peer and
-connection) at the next call or at :meth:`CudaDataPlane.synchronize`, and sets the abort
-word so the proxy tells the peers.
+A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
+rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
+proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
+prints the error on stderr and acknowledges it, and the kernel traps: the CUDA context is
+lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
+every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
+way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
+raise the error (docs/PROTOCOL.md "Failure").
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
