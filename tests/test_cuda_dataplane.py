@@ -790,7 +790,8 @@ def test_auto_mode_picks_the_engine_by_slice():
     kernel below; and "ce" falls back to "split" where streams cannot write values. The
     results are the same bits either way."""
     world = 2
-    with World("emu", "mesh", world, max_slice=1 << 16, direct=True, mode="auto") as w:
+    with World("emu", "mesh", world, max_slice=1 << 16, direct=True, mode="auto",
+               on_failure="stop") as w:  # (no sccl_poison launches to count)
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
