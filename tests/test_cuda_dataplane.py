@@ -676,9 +676,13 @@ def test_size_mismatch_is_reported(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_close_while_waiting_aborts_promptly(backend):
+@pytest.mark.parametrize("on_failure", ["poison", "stop"])
+def test_close_while_waiting_aborts_promptly(backend, on_failure):
+    """Also in mode stop: a deliberate close does not trap (the process keeps its context)."""
+    if backend == "cuda" and on_failure == "stop":
+        pytest.skip("a wrong trap would lose this process's CUDA context: emu only")
     world = 2
-    with World(backend, "mesh", world, max_slice=4096, timeout_s=60) as w:
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60, on_failure=on_failure) as w:
         with w.be.on(1):
             src = w.keep(w.be.to_dev(torch.zeros(64, dtype=torch.uint8)))
             out = w.keep(w.be.to_dev(torch.zeros(128, dtype=torch.uint8)))
@@ -689,6 +693,8 @@ def test_close_while_waiting_aborts_promptly(backend):
         assert time.monotonic() - t0 < 10
         assert N.abort_code(w.ctl[1].addr) == L.ABORT_USER
         assert "closed while collectives were still running" in N.error_text(w.ctl[1].addr)
+        if backend == "emu":
+            assert not w.be.streams[1].ctx.trapped
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -92,15 +92,17 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
                                      slot_bytes=1 << 20, timeout_s=TIMEOUT_S,
                                      bootstrap_timeout_s=120)
         victim = world - 1
-        x = _inputs(op, 1, rank, world, device)
-        want = _expected(op, 1, rank, world)
-        for _ in range(3):  # healthy and checked
-            if _call(comm, op, x).view(torch.uint8).cpu().numpy().tobytes() != want:
+        # Call k uses inputs of seed k (every rank the same k): stale data of an earlier
+        # call never equals the expected result.
+        xs = [_inputs(op, k, rank, world, device) for k in range(3 + RUN)]
+        wants = [_expected(op, k, rank, world) for k in range(3 + RUN)]
+        for k in range(3):  # healthy and checked
+            if _call(comm, op, xs[k]).view(torch.uint8).cpu().numpy().tobytes() != wants[k]:
                 rec["error"] = "a healthy collective was wrong"
                 finish()
         if rank == victim:
-            for _ in range(2):  # in the middle of the run: two more queued, not synchronized
-                _call(comm, op, x)
+            for k in range(3, 5):  # in the middle of the run: two more queued, not synchronized
+                _call(comm, op, xs[k])
             if scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(TIMEOUT_S + 4)  # stalled: the survivors give up meanwhile
@@ -109,12 +111,12 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
         outs = []
         t0 = time.monotonic()
         try:
-            for _ in range(RUN):
-                outs.append(_call(comm, op, x))
+            for k in range(3, 3 + RUN):
+                outs.append(_call(comm, op, xs[k]))
         except sparkccl.CollectiveError as e:
             rec["raised_at"], rec["error"] = "call", f"{type(e).__name__}: {e}"
         rec["queued"] = len(outs)
-        for y in outs:
+        for y, want in zip(outs, wants[3:]):
             try:
                 got = y.view(torch.uint8).cpu().numpy().tobytes()
             except Exception as e:  # noqa: BLE001 - a CUDA error after the fail-stop trap
@@ -137,7 +139,7 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
             except sparkccl.CollectiveError as e:
                 rec["check"] = str(e)
             try:
-                _call(comm, op, x)
+                _call(comm, op, xs[0])
                 rec["later"] = None
             except sparkccl.CollectiveError as e:
                 rec["later"] = str(e)
@@ -219,7 +221,7 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
                 if f"sparkccl: CollectiveError: rank {r}" not in report:
                     problems.append(f"rank {r}: the CUDA error came without the report first; "
                                     f"stderr: {report[-500:]!r}")
-                if world == 2 and f"rank {victim}" not in report:
+                if world == 2 and not (f"rank {victim}" in report or f"peer {victim}" in report):
                     problems.append(f"rank {r}: the report does not name the peer: {report!r}")
                 lines.append(f"  rank {r} stderr: {report.strip()[:400]}")
         else:

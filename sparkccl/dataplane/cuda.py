@@ -334,6 +334,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return
         try:
             if abort_if_busy and self._busy():
+                # A deliberate close stops the kernels without the fail-stop trap (which
+                # would lose the process's CUDA context): what they would have produced is
+                # undefined once the communicator is closed. The peers still fail-stop.
+                _u64(self.ctl + CTL_GPU_MODE).value = FAIL_MODES["poison"]
                 self.nat.set_abort(self.ctl, layout.ABORT_USER,
                                    f"rank {self.rank}: communicator closed while collectives "
                                    "were still running on the GPU")
@@ -757,7 +761,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
         if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
             if self.nat.abort_code(self.ctl):
-                self._raise_recorded(self.nat.abort_code(self.ctl), what)
+                waited = "" if source == NO_SOURCE else f" (waiting for piece {piece} from rank {source})"
+                self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
             if source == NO_SOURCE:
                 self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
                           "already failed, or the wait ran past its timeout)", int(code))

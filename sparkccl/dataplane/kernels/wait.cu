@@ -44,6 +44,7 @@ __device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word
   }
   st_volatile_u64(w.state + 1, 1);
   st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
+  __threadfence_system();  // the mode as of the abort word seen (close() changes it first)
   if (ld_relaxed_sys(w.status + 4) != GPU_FAIL_POISON) stop_after_report(w);
 }
 
