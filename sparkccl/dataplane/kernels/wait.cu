@@ -28,13 +28,14 @@ __device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
 // synchronization of the process raises: a failed collective's output is never consumed
 // as valid. Without the ack (a host thread that cannot run) the trap comes after
 // ACK_WAIT_NS and the host reports at its next call instead.
-__device__ void stop_after_report(const WaitArgs& w) {
+__device__ SCCL_COLD void stop_after_report(const WaitArgs& w) {
   const u64 t0 = globaltimer();
   while (ld_acquire_sys(w.status + 3) == 0 && globaltimer() - t0 < ACK_WAIT_NS) nanosleep(2000);
   __trap();
 }
 
-__device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word, u64 piece) {
+__device__ SCCL_COLD void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word,
+                                         u64 piece) {
   if (ld_relaxed_sys(w.status) == 0) {
     st_volatile_u64(w.status + 1, (source << 32) | ((word & 0xFFFF) << 8) | (piece & 0xFF));
     st_volatile_u64(w.status + 2, w.seq);
