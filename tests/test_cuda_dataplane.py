@@ -1102,3 +1102,24 @@ def test_failure_mode_is_a_setting(monkeypatch):
     with pytest.raises(ConfigError, match="on_failure"):
         C.CudaDataPlane(N, plan=None, ctl_addr=0, flags_addr=0, ag=None, ag_stride=0,
                         timeout_s=1, on_failure="ignore")
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", [None, "fused"])
+def test_poison_covers_a_zero_copy_result(mode):
+    """A zero-copy all-gather's result is its slot: poisoned there (every rank's block)."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=0.3, direct=mode is not None,
+               mode=mode, on_failure="poison") as w:
+        n = 100
+        seq = w.seq
+        w.seq += 1
+        with w.be.on(0):
+            src = w.keep(torch.arange(n, dtype=torch.uint8))
+            w.dps[0].all_gather(seq, src, None, 0, 0)
+        with pytest.raises(CollectiveError, match="from rank 1"):
+            w.dps[0].synchronize()
+        S = G.round_up(n, G.ALIGN)
+        slot = w.dps[0].ag_slot(seq, world * S)
+        for i in range(world):
+            assert bytes(slot[i * S:i * S + n].numpy()) == b"\xff" * n

@@ -105,7 +105,7 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
                 _call(comm, op, xs[k])
             if scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(TIMEOUT_S + 4)  # stalled: the survivors give up meanwhile
+            time.sleep(TIMEOUT_S + 2.5)  # stalled: the survivors give up meanwhile
             rec["stalled"] = True
             finish()
         outs = []
