@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader || true
 date -u
 rc=0
-timeout 230 "$PY" -m pytest -v -s -p no:cacheprovider tests/test_failstop.py "$@" || rc=$?
+timeout 230 "$PY" -m pytest -v -s -p no:cacheprovider -m cuda tests/test_failstop.py "$@" || rc=$?
 echo "== test_failstop rc=$rc"; date -u
 timeout 40 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_dataplane.py \
   -m cuda -k "timeout_raises or abort_stops or close_while" "$@" || rc=$?

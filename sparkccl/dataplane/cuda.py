@@ -826,4 +826,5 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             stop.set()
         t = getattr(self, "_watchdog_thread", None)
         if t is not None and t is not threading.current_thread():
-            t.join()
+            # Bounded: at interpreter shutdown a daemon thread may never run again.
+            t.join(timeout=1.0)
