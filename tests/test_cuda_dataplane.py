@@ -94,6 +94,7 @@ class EmuContext:
 
     def __init__(self):
         self.trapped: str | None = None
+        self.trapped_at = 0.0
 
     def check(self):
         if self.trapped:
@@ -128,7 +129,7 @@ class EmuStream:
             name, grid, args = item
             rc = lib.sccl_emu_run(name.encode(), grid, args)
             if rc == 1:
-                self.ctx.trapped = name
+                self.ctx.trapped, self.ctx.trapped_at = name, time.monotonic()
             elif rc != 0:
                 self.errors.append(f"unknown kernel {name}")
 
@@ -1033,6 +1034,12 @@ def test_fail_stop_reports_then_traps(mode, capfd):
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5, direct=mode is not None,
                mode=mode, on_failure="stop") as w:
         dp = w.dps[0]
+        report = dp._report_gpu_failure  # the watchdog looks it up when the record appears
+
+        def timed_report():  # (it acks last: the kernel may trap before this returns)
+            dp.reported_at = time.monotonic()
+            report()
+        dp._report_gpu_failure = timed_report
         seq, outs = _lone_all_gathers(w, 25, 3)
         with pytest.raises(CollectiveError) as ei:
             dp.synchronize()
@@ -1041,6 +1048,7 @@ def test_fail_stop_reports_then_traps(mode, capfd):
         assert "unspecified launch failure" in str(ei.value.__cause__)
         assert w.be.streams[0].ctx.trapped  # the kernel trapped ...
         assert ctypes.c_uint64.from_address(w.ctl[0].addr + C.CTL_GPU_ACK).value == 1  # ... acked
+        assert dp.reported_at <= w.be.streams[0].ctx.trapped_at  # ... once the report began
         err = capfd.readouterr().err
         assert f"sparkccl: CollectiveError: rank 0: timed out after 0.5 s waiting for all_gather " \
                f"seq {seq} piece 0 from rank 1 (connection: channel 0 root" in err, err
