@@ -80,9 +80,18 @@ class Communicator:
         device: where collective inputs live: ``"cpu"`` (the default) or a CUDA device
             (``"cuda"``, ``"cuda:1"``; needs the ``[cuda]`` extra: cuda-python and NVRTC).
             On CUDA, collectives are asynchronous like NCCL's: they are queued on the
-            caller's current stream and return; a failure (timeout, abort) raises
-            ``CollectiveError`` at the next call or at :meth:`synchronize`. All collectives
-            of one communicator must be issued on one stream (or streams ordered by events).
+            caller's current stream and return. All collectives of one communicator must be
+            issued on one stream (or streams ordered by events). A failure (peer dead or
+            stalled, timeout, abort) is never consumed as a success; ``SPARKCCL_ON_FAILURE``
+            says how: ``stop`` (default) prints the ``CollectiveError`` on stderr and stops
+            the GPU (device trap): the next synchronization (``.cpu()``,
+            ``torch.cuda.synchronize()``, an event wait) raises a CUDA error and the process
+            must be restarted, as with NCCL. ``poison``: the failed collective's outputs
+            (and those of collectives queued after it) are overwritten with 0xFF bytes (NaN
+            in every floating dtype), every later call raises ``CollectiveError``, and
+            :meth:`check` raises it on demand: synchronize the stream, then call
+            :meth:`check` before trusting outputs; after a failure close this communicator
+            and build a new one (docs/CONTRACT.md "Failure behaviour").
         topology: ``"mesh"`` (every rank reaches every other) or ``"ring"`` (neighbours only,
             relays for the rest); results are bit-identical.
         transport: ``"auto"`` (``"shm"`` when all ranks are on one host, else ``"verbs"``
@@ -594,6 +603,19 @@ class Communicator:
             if sync is not None:
                 sync()
             self._check_alive("synchronize")
+
+    def check(self) -> None:
+        """Raise the ``CollectiveError`` of this communicator's failure, if it failed; else
+        return. It does not wait: on CUDA it sees failures of collectives that have run, so
+        synchronize the stream first (an event, ``torch.cuda.synchronize()``) to cover
+        everything queued (:meth:`synchronize` waits and checks in one call)."""
+        self._check_open("check")
+        if self.single:
+            return
+        check_status = getattr(self._dp, "check_status", None)  # CUDA: the GPU record
+        if check_status is not None:
+            check_status()
+        self._check_alive("check")
 
     # ---- lifetime --------------------------------------------------------------------
     @property

@@ -194,6 +194,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
        choices=("auto", "fused", "split", "ce")),
+    _v("SPARKCCL_ON_FAILURE", "choice", "stop", "data plane (CUDA)",
+       "a failed collective on the GPU: stop (print the error, trap: the process must be "
+       "restarted) or poison (outputs set to NaN / 0xFF bytes, later calls raise, check())",
+       choices=("stop", "poison")),
     _v("SPARKCCL_CE_MIN_BYTES", "bytes", 16 << 20, "data plane (CUDA)",
        "auto: the smallest per-rank slice that uses the copy engines", lo=0),
     _v("SPARKCCL_DIRECT_BLOCKS", "list", None, "data plane (CUDA)",

@@ -88,10 +88,25 @@ def emu_lib():
         return _emu_lib
 
 
+class EmuContext:
+    """What the streams of one emulated process share: once a kernel trapped, nothing more
+    runs on any of them and every synchronization raises (as a lost CUDA context)."""
+
+    def __init__(self):
+        self.trapped: str | None = None
+        self.trapped_at = 0.0
+
+    def check(self):
+        if self.trapped:
+            raise RuntimeError(f"CUDA error: unspecified launch failure (emulated device trap "
+                               f"in {self.trapped})")
+
+
 class EmuStream:
     """A stream: launches run in order on a worker thread (ctypes drops the GIL)."""
 
-    def __init__(self):
+    def __init__(self, ctx: EmuContext | None = None):
+        self.ctx = ctx or EmuContext()
         self.q: queue.Queue = queue.Queue()
         self.errors: list[str] = []
         self.t = threading.Thread(target=self._run, daemon=True)
@@ -106,11 +121,16 @@ class EmuStream:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            if self.ctx.trapped:  # a lost context runs nothing
+                continue
             if callable(item):  # a stream operation other than a launch
                 item()
                 continue
             name, grid, args = item
-            if lib.sccl_emu_run(name.encode(), grid, args) != 0:
+            rc = lib.sccl_emu_run(name.encode(), grid, args)
+            if rc == 1:
+                self.ctx.trapped, self.ctx.trapped_at = name, time.monotonic()
+            elif rc != 0:
                 self.errors.append(f"unknown kernel {name}")
 
     def submit(self, name, grid, args):
@@ -130,6 +150,7 @@ class EmuStream:
 
     def synchronize(self, timeout=120.0):
         assert self.record().wait(timeout), "emulated stream did not drain"
+        self.ctx.check()
         assert not self.errors, self.errors
 
     def close(self):
@@ -183,10 +204,12 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _end(self, ts):
         self._last_event = ts.record()
+        self._last_ctx = ts.ctx
 
     def _wait_last(self):
         if self._last_event is not None:
             assert self._last_event.wait(120), "emulated kernels did not finish"
+            self._last_ctx.check()
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
@@ -194,7 +217,7 @@ class EmuDataPlane(C.CudaDataPlane):
     def _fork(self, ts, name="side"):
         st = self._side_streams.get(name)
         if st is None:
-            st = self._side_streams[name] = EmuStream()
+            st = self._side_streams[name] = EmuStream(ts.ctx)
         st.wait_event(ts.record())
         return st, st
 
@@ -221,7 +244,8 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _sum_stream(self):
         if self._sums is None:
-            self._sums = (EmuStream(), list(range(1, C.PIECES * self.maxw + 1)))
+            self._sums = (EmuStream(_emu_current.stream.ctx),
+                          list(range(1, C.PIECES * self.maxw + 1)))
             self._emu_events = {}
         return self._sums
 
@@ -293,11 +317,12 @@ class Buf:
 class World:
     """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
-    and the proxies keep only the relays, as a CUDA + shm Communicator does)."""
+    and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
+    fail-stop trap would lose the CUDA context of this (the test) process."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None):
+                 mode: str | None = None, on_failure: str = "poison"):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -329,7 +354,7 @@ class World:
                 dp = self.be.make_dp(plan=plan, ctl_addr=self.ctl[r].addr,
                                      flags_addr=self.ctl[r].addr + L.FLAGS_OFFSET,
                                      ag=self.ag[r].t, ag_stride=self.ag_stride,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, on_failure=on_failure)
                 rs = self.rs[r].t
                 dp.attach_rs(rs[:self.send_bytes], self.send_stride, rs[self.send_bytes:],
                              self.recv_stride)
@@ -652,9 +677,13 @@ def test_size_mismatch_is_reported(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_close_while_waiting_aborts_promptly(backend):
+@pytest.mark.parametrize("on_failure", ["poison", "stop"])
+def test_close_while_waiting_aborts_promptly(backend, on_failure):
+    """Also in mode stop: a deliberate close does not trap (the process keeps its context)."""
+    if backend == "cuda" and on_failure == "stop":
+        pytest.skip("a wrong trap would lose this process's CUDA context: emu only")
     world = 2
-    with World(backend, "mesh", world, max_slice=4096, timeout_s=60) as w:
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60, on_failure=on_failure) as w:
         with w.be.on(1):
             src = w.keep(w.be.to_dev(torch.zeros(64, dtype=torch.uint8)))
             out = w.keep(w.be.to_dev(torch.zeros(128, dtype=torch.uint8)))
@@ -665,6 +694,8 @@ def test_close_while_waiting_aborts_promptly(backend):
         assert time.monotonic() - t0 < 10
         assert N.abort_code(w.ctl[1].addr) == L.ABORT_USER
         assert "closed while collectives were still running" in N.error_text(w.ctl[1].addr)
+        if backend == "emu":
+            assert not w.be.streams[1].ctx.trapped
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -766,7 +797,8 @@ def test_auto_mode_picks_the_engine_by_slice():
     kernel below; and "ce" falls back to "split" where streams cannot write values. The
     results are the same bits either way."""
     world = 2
-    with World("emu", "mesh", world, max_slice=1 << 16, direct=True, mode="auto") as w:
+    with World("emu", "mesh", world, max_slice=1 << 16, direct=True, mode="auto",
+               on_failure="stop") as w:  # (no sccl_poison launches to count)
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
@@ -971,3 +1003,131 @@ def test_cuda_communicator_without_gpu_is_a_clear_error():
     import sparkccl
     with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
         sparkccl.Communicator(store=None, rank=0, world_size=1, device="cuda")
+
+
+# ---------------------------------------------------------------- fail-stop and poison
+# (docs/CONTRACT.md "Failure behaviour"; the multi-process GPU runs are tests/test_failstop.py)
+
+def _lone_all_gathers(w: World, n: int, count: int, dtype=torch.float32):
+    """Rank 0 alone issues `count` all-gathers (rank 1 never calls): every one fails."""
+    xs = inputs(1, w.world, (n,), dtype)
+    nbytes = n * xs[0].element_size()
+    seq = w.seq
+    w.seq += count
+    outs = []
+    with w.be.on(0):
+        src = w.keep(w.be.to_dev(xs[0]).view(torch.uint8))
+        for k in range(count):
+            out = w.keep(w.be.to_dev(torch.full((w.world * nbytes,), 0xAB, dtype=torch.uint8)))
+            w.dps[0].all_gather(seq + k, src, out, 0, nbytes)
+            outs.append(out)
+    return seq, outs
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_fail_stop_reports_then_traps(mode, capfd):
+    """Mode stop: the failed wait's record is printed on stderr by the watchdog as the
+    CollectiveError text, acknowledged, and only then the kernel traps: the emulated context
+    is lost (nothing queued after it runs, every synchronization raises a CUDA error), and
+    synchronize() raises the CollectiveError itself."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5, direct=mode is not None,
+               mode=mode, on_failure="stop") as w:
+        dp = w.dps[0]
+        report = dp._report_gpu_failure  # the watchdog looks it up when the record appears
+
+        def timed_report():  # (it acks last: the kernel may trap before this returns)
+            dp.reported_at = time.monotonic()
+            report()
+        dp._report_gpu_failure = timed_report
+        seq, outs = _lone_all_gathers(w, 25, 3)
+        with pytest.raises(CollectiveError) as ei:
+            dp.synchronize()
+        msg = str(ei.value)
+        assert f"timed out after 0.5 s waiting for all_gather seq {seq} piece 0 from rank 1" in msg
+        assert "unspecified launch failure" in str(ei.value.__cause__)
+        assert w.be.streams[0].ctx.trapped  # the kernel trapped ...
+        assert ctypes.c_uint64.from_address(w.ctl[0].addr + C.CTL_GPU_ACK).value == 1  # ... acked
+        assert dp.reported_at <= w.be.streams[0].ctx.trapped_at  # ... once the report began
+        err = capfd.readouterr().err
+        assert f"sparkccl: CollectiveError: rank 0: timed out after 0.5 s waiting for all_gather " \
+               f"seq {seq} piece 0 from rank 1 (connection: channel 0 root" in err, err
+        assert "restart the process" in err
+        assert dp.failure_report and dp.failure_report in err
+        # The abort word is set by the watchdog, so the peers learn of it at once.
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            w.be.streams[0].synchronize()
+        # Nothing after the trap ran: the later results keep their fill bytes.
+        assert all(bytes(o.numpy()) == b"\xab" * o.numel() for o in outs[1:])
+        with pytest.raises(CollectiveError):  # and every later call raises
+            with w.be.on(0):
+                w.dps[0].all_gather(seq + 3, w.keep(torch.zeros(8, dtype=torch.uint8)),
+                                    w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", WAIT_MODES)
+def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
+    """Mode poison: no trap; a healthy collective before the failure keeps its exact result,
+    the failed one and every one queued after it read 0xFF bytes (NaN) only, nothing is
+    printed, and every later call raises."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=0.5, direct=mode is not None,
+               mode=mode, on_failure="poison") as w:
+        xs = inputs(3, world, (40,), torch.float32)
+        good = w.all_gather(xs)
+        w.sync()
+        check_ag(w, xs, good)
+        seq, outs = _lone_all_gathers(w, 25, 3)
+        # A reduce-scatter queued behind them is poisoned too.
+        rs_x = inputs(4, world, (world * 16,), torch.float32)[0]
+        with w.be.on(0):
+            rs_out = w.keep(w.be.to_dev(torch.zeros(64, dtype=torch.uint8)))
+            w.dps[0].reduce_scatter(seq + 3, w.keep(rs_x.view(torch.uint8).clone()), 0, 64, 64,
+                                    rs_out, 0, torch.float32)
+        w.seq += 1
+        with pytest.raises(CollectiveError, match=f"all_gather seq {seq} piece 0 from rank 1"):
+            w.dps[0].synchronize()
+        w.be.streams[0].synchronize()  # no trap: the stream still works
+        assert not w.be.streams[0].ctx.trapped
+        for o in outs + [rs_out]:
+            assert bytes(o.numpy()) == b"\xff" * o.numel()
+            assert torch.isnan(o.view(torch.float32)).all()
+        check_ag(w, xs, good)  # the earlier result was not touched
+        assert "sparkccl: CollectiveError" not in capfd.readouterr().err
+        with pytest.raises(CollectiveError):
+            with w.be.on(0):
+                w.dps[0].all_gather(seq + 4, w.keep(torch.zeros(8, dtype=torch.uint8)),
+                                    w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+def test_failure_mode_is_a_setting(monkeypatch):
+    monkeypatch.setenv("SPARKCCL_ON_FAILURE", "later")
+    with pytest.raises(ConfigError, match="SPARKCCL_ON_FAILURE"):
+        C.CudaDataPlane(N, plan=None, ctl_addr=0, flags_addr=0, ag=None, ag_stride=0,
+                        timeout_s=1)
+    with pytest.raises(ConfigError, match="on_failure"):
+        C.CudaDataPlane(N, plan=None, ctl_addr=0, flags_addr=0, ag=None, ag_stride=0,
+                        timeout_s=1, on_failure="ignore")
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", [None, "fused"])
+def test_poison_covers_a_zero_copy_result(mode):
+    """A zero-copy all-gather's result is its slot: poisoned there (every rank's block)."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=0.3, direct=mode is not None,
+               mode=mode, on_failure="poison") as w:
+        n = 100
+        seq = w.seq
+        w.seq += 1
+        with w.be.on(0):
+            src = w.keep(torch.arange(n, dtype=torch.uint8))
+            w.dps[0].all_gather(seq, src, None, 0, 0)
+        with pytest.raises(CollectiveError, match="from rank 1"):
+            w.dps[0].synchronize()
+        S = G.round_up(n, G.ALIGN)
+        slot = w.dps[0].ag_slot(seq, world * S)
+        for i in range(world):
+            assert bytes(slot[i * S:i * S + n].numpy()) == b"\xff" * n

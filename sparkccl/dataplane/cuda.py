@@ -31,9 +31,14 @@ GPU's own speed.
 Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
 clock; it then records what it waited for in the control block's GPU status record
 (``layout.CTL_GPU_STATUS`` / ``CTL_GPU_DETAIL`` / ``CTL_GPU_SEQ``) and every block exits.
-The host turns the record into :class:`CollectiveError` (naming rank, seq, piece, peer and
-connection) at the next call or at :meth:`CudaDataPlane.synchronize`, and sets the abort
-word so the proxy tells the peers.
+A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
+rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
+proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
+prints the error on stderr and acknowledges it, and the kernel traps: the CUDA context is
+lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
+every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
+way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
+raise the error (docs/PROTOCOL.md "Failure").
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
@@ -55,6 +60,8 @@ from __future__ import annotations
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
 import time
 
 import numpy as np
@@ -83,6 +90,10 @@ NO_WORD = _P["NO_WORD"]
 MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
+CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
+FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
+WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
+POISON_THREADS = 256
 MAX_WORLD = 64
 
 PUBLISH_THREADS = 512
@@ -126,9 +137,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None, device=None):
+                 peer_rings: list | None = None, device=None, on_failure: str | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
+        if on_failure is None:
+            on_failure = config.get("SPARKCCL_ON_FAILURE")
+        if on_failure not in FAIL_MODES:
+            raise ConfigError(f"on_failure={on_failure!r}: expected one of {', '.join(FAIL_MODES)}")
         ce_min_slice = int(config.get("SPARKCCL_CE_MIN_BYTES"))
         direct_blocks = direct_blocks_setting()
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
@@ -137,6 +152,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             raise ValueError(f"the CUDA data plane supports world sizes up to {MAX_WORLD}")
         self._registered: list[int] = []
         self._closed = False
+        self.on_failure = on_failure
+        self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
+        self._watch_stop = threading.Event()
+        self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
@@ -210,7 +229,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                                 self.parts_table[int(op)].data_ptr(), _n(self.maxw),
                                 self.state.data_ptr()) for op in Op}
         self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
+        # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
+        _u64(ctl_addr + CTL_GPU_ACK).value = 0
+        _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
         self._device_synchronize()
+        self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
+                                                 name=f"sparkccl-gpu-watchdog-{self.rank}")
+        self._watchdog_thread.start()
 
     # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
     def _setup_backend(self, device) -> None:
@@ -303,11 +328,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         segments are unmapped). Kernels still running are first told to stop through the
         abort word (``abort_if_busy``), so closing never waits for a whole timeout."""
         self._closed = True
+        self._stop_watchdog()
         regs = getattr(self, "_registered", None)
         if not regs:
             return
         try:
             if abort_if_busy and self._busy():
+                # A deliberate close stops the kernels without the fail-stop trap (which
+                # would lose the process's CUDA context): what they would have produced is
+                # undefined once the communicator is closed. The peers still fail-stop.
+                _u64(self.ctl + CTL_GPU_MODE).value = FAIL_MODES["poison"]
                 self.nat.set_abort(self.ctl, layout.ABORT_USER,
                                    f"rank {self.rank}: communicator closed while collectives "
                                    "were still running on the GPU")
@@ -531,6 +561,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
                          slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
                          _n(L), _n(S), *self._wait_args(Op.AG, seq))
+        self._poison_if_failed(stream, *self._ag_output(slot, dst, dst_off, dst_stride, L, S))
         self._end(ts)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
@@ -595,6 +626,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
                          recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
                          *self._wait_args(Op.RS, seq))
+        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
         self._end(ts)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
@@ -638,6 +670,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
                          recv, own, _n(0), dst.data_ptr() + dst_off, _n(L), _n(S),
                          *self._wait_args(Op.RS, seq))
+        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
         self._end(ts)
 
     def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
@@ -671,6 +704,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                      dst.data_ptr() + dst_off, *self._wait_args(Op.RS, seq))
         self._fin_gate_base = target
         self.direct_launches += 1
+        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
         self._end(ts)
 
     def check_finalize_inputs(self) -> None:
@@ -691,8 +725,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def synchronize(self) -> None:
         """Wait for every collective launched so far, then raise :class:`CollectiveError`
         if one of them failed (timeout or abort), or ``ValueError`` if a finalize met a bad
-        ``pos`` value."""
-        self._wait_last()
+        ``pos`` value. After a fail-stop (a device trap: the CUDA context is lost) the CUDA
+        error is raised as the :class:`CollectiveError` that caused it."""
+        try:
+            self._wait_last()
+        except RuntimeError as cuda_error:
+            if not self.gpu_status()[0]:
+                raise
+            try:
+                self.check_status()
+            except CollectiveError as failure:
+                raise failure from cuda_error
+            raise
         self._retired.clear()
         self.check_status()
         self.check_abort()
@@ -717,7 +761,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
         if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
             if self.nat.abort_code(self.ctl):
-                self._raise_recorded(self.nat.abort_code(self.ctl), what)
+                waited = "" if source == NO_SOURCE else f" (waiting for piece {piece} from rank {source})"
+                self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
             if source == NO_SOURCE:
                 self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
                           "already failed, or the wait ran past its timeout)", int(code))
@@ -727,3 +772,59 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
                       f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
         self._timed_out(what, piece, word, "; GPU wait")
+
+    # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
+    def _ag_output(self, slot: int, dst, dst_off: int, dst_stride: int, L: int, S: int) -> tuple:
+        """(pointer, stride, count, bytes) of an all-gather's output: the result, or the
+        slot itself for a zero-copy result."""
+        if dst is None:
+            return slot, S, self.world, L
+        return dst.data_ptr() + dst_off, dst_stride, self.world, L
+
+    def _poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
+        """Mode "poison": queue ``sccl_poison`` after the collective, which overwrites its
+        output with 0xFF bytes (NaN in every floating type) if any wait of this data plane
+        failed. Mode "stop" needs nothing: a failed wait traps, and the context is lost."""
+        if self.on_failure != "poison" or not nbytes:
+            return
+        grid = max(1, min(self.sms, -(-count * nbytes // (POISON_THREADS * 64))))
+        self._launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
+                     _n(stride), _n(count), _n(nbytes))
+
+    def _watchdog(self) -> None:
+        """A daemon thread per data plane: polls the GPU failure record; once a kernel wrote
+        one, builds the :class:`CollectiveError` (which also sets the abort word, so the
+        proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
+        about to trap, and the caller will only see a generic CUDA error), then sets the
+        acknowledgement word the kernel waits for."""
+        status = _u64(self.ctl + layout.CTL_GPU_STATUS)
+        while not self._watch_stop.wait(WATCHDOG_POLL_S):
+            if status.value:
+                self._report_gpu_failure()
+                return
+
+    def _report_gpu_failure(self) -> None:
+        try:
+            self.check_status()
+            text = f"rank {self.rank}: a GPU wait failed"
+        except CollectiveError as e:
+            text = str(e)
+        except Exception as e:  # the report must not die before the ack
+            text = f"rank {self.rank}: a GPU wait failed ({e!r})"
+        self.failure_report = text
+        if self.on_failure == "stop":
+            print(f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: stopping "
+                  "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
+                  "synchronization in this process raises a CUDA error; restart the process",
+                  file=sys.stderr, flush=True)
+        _u64(self.ctl + CTL_GPU_ACK).value = 1
+
+    def _stop_watchdog(self) -> None:
+        """Before the control segment may be unmapped: the thread reads it."""
+        stop = getattr(self, "_watch_stop", None)
+        if stop is not None:
+            stop.set()
+        t = getattr(self, "_watchdog_thread", None)
+        if t is not None and t is not threading.current_thread():
+            # Bounded: at interpreter shutdown a daemon thread may never run again.
+            t.join(timeout=1.0)

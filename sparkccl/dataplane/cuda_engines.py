@@ -88,6 +88,7 @@ class DirectEngines:
             self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
                          *consume, *waits)
             self.direct_launches += 1
+            self._poison_if_failed(stream, *self._direct_output(call))
             self._end(ts)
             return
         # The two roles on two streams: the publish side starts after everything queued
@@ -138,7 +139,17 @@ class DirectEngines:
                          *waits)
         self._join(ts, side_ts)
         self.direct_launches += 1
+        self._poison_if_failed(stream, *self._direct_output(call))
         self._end(ts)
+
+    def _direct_output(self, call: DirectCall) -> tuple:
+        """(pointer, stride, count, bytes) of the collective's output (see consume)."""
+        if call.op == Op.AG:
+            slot, dst, stride = (int(v) for v in call.consume)
+            if not dst:  # zero-copy: the result is the slot
+                return slot, call.S, self.world, call.L
+            return dst, stride, self.world, call.L
+        return int(call.consume[3]), 0, 1, call.L
 
     def _ce_publish(self, ops: list, op: Op, seq: int, side_ts, c: int, *, S: int, L: int,
                     first: int, src: tuple) -> None:

@@ -18,15 +18,24 @@ thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 #include KERNELS_CU
 
+#include <atomic>
+static thread_local bool launch_trapped;  // of the launch this (stream) thread runs
+
 template <class F>
 static void run_grid(unsigned grid, F f) {
   std::vector<std::thread> ts;
+  std::atomic<bool> trapped{false};
   for (unsigned b = 0; b < grid; ++b)
-    ts.emplace_back([=] {
+    ts.emplace_back([=, &trapped] {
       blockIdx.x = b; gridDim.x = grid; blockDim.x = 1; threadIdx.x = 0;
-      f();
+      try {
+        f();
+      } catch (const EmuTrap&) {
+        trapped = true;
+      }
     });
   for (auto& t : ts) t.join();
+  launch_trapped = trapped;
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
@@ -39,9 +48,13 @@ static void run_grid(unsigned grid, F f) {
   P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const u64*), P(6, u8*), P(7, u8*), P(8, u8*), \
       a[9], a[10], P(11, u32*), a[12]
 
+// 0: ran; 1: a block trapped (__trap); -1: unknown kernel.
 extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   std::string n(name);
-  if (n == "sccl_publish") {
+  launch_trapped = false;
+  if (n == "sccl_poison") {
+    run_grid(grid, [=] { sccl_poison(P(0, const u64*), P(1, u8*), a[2], a[3], a[4]); });
+  } else if (n == "sccl_publish") {
     run_grid(grid, [=] {
       sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], P(4, u8*), a[5], a[6], a[7], P(8, u8*),
                    a[9], a[10], a[11], P(12, u32*), a[13]);
@@ -102,5 +115,5 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   } else {
     return -1;
   }
-  return 0;
+  return launch_trapped ? 1 : 0;
 }

@@ -17,6 +17,10 @@ extern thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __shared__ static thread_local
 
 inline void __syncthreads() {}
+// A device trap ends the launch and loses the context: emu.cpp catches it per block and
+// reports the launch as trapped; the emulated stream then refuses everything after it.
+struct EmuTrap {};
+[[noreturn]] inline void __trap() { throw EmuTrap{}; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }

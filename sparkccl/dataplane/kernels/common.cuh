@@ -54,7 +54,10 @@ __device__ __forceinline__ void part_cut(u32 part, u64 L, u64* lo, u64* hi) {
 
 #ifdef SCCL_EMU
 #include "sccl_emu.h"
+#define SCCL_COLD
 #else
+// Failure paths: kept out of line, so the waits' loops compile as they did without them.
+#define SCCL_COLD __noinline__
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
   u64 v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

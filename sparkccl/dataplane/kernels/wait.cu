@@ -22,7 +22,20 @@ __device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
   return (u64)((c * w.maxw + k) * w.world + i + 1);
 }
 
-__device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word, u64 piece) {
+// Fail-stop (mode GPU_FAIL_STOP, the default): the record is published; give the host's
+// watchdog a bounded time to print it (it then sets the ack word), and trap. The trap
+// makes the context unusable, so nothing queued after this collective runs, and every later
+// synchronization of the process raises: a failed collective's output is never consumed
+// as valid. Without the ack (a host thread that cannot run) the trap comes after
+// ACK_WAIT_NS and the host reports at its next call instead.
+__device__ SCCL_COLD void stop_after_report(const WaitArgs& w) {
+  const u64 t0 = globaltimer();
+  while (ld_acquire_sys(w.status + 3) == 0 && globaltimer() - t0 < ACK_WAIT_NS) nanosleep(2000);
+  __trap();
+}
+
+__device__ SCCL_COLD void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word,
+                                         u64 piece) {
   if (ld_relaxed_sys(w.status) == 0) {
     st_volatile_u64(w.status + 1, (source << 32) | ((word & 0xFFFF) << 8) | (piece & 0xFF));
     st_volatile_u64(w.status + 2, w.seq);
@@ -32,6 +45,8 @@ __device__ void record_failure(const WaitArgs& w, u64 code, u64 source, u64 word
   }
   st_volatile_u64(w.state + 1, 1);
   st_release_gpu(w.state, w.seq * PROG_STRIDE + FAILED);
+  __threadfence_system();  // the mode as of the abort word seen (close() changes it first)
+  if (ld_relaxed_sys(w.status + 4) != GPU_FAIL_POISON) stop_after_report(w);
 }
 
 // One thread: wait until source i's wait word k carries piece c (nothing to wait for when
@@ -133,7 +148,8 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 // (cuStreamWaitValue64) for the progress word to reach each unit it copies: the copies
 // never queue behind a kernel, and this kernel keeps the waits' abort and GPU-clock timeout.
 // A failure sets the progress word to FAILED, which releases every such stream wait of the
-// collective (its copies then move stale bytes, and the host raises at the next call).
+// collective: in mode GPU_FAIL_STOP this kernel then traps, so the copies never complete as
+// a success; in mode GPU_FAIL_POISON sccl_poison, queued after them, overwrites the output.
 extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
@@ -178,4 +194,16 @@ extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
     const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+}
+
+// Mode GPU_FAIL_POISON, queued on the caller's stream after every collective: once any wait
+// of this data plane failed (state[1], set before the failing kernel ended), fill the
+// collective's output (n ranges of L bytes, `stride` apart) with POISON_BYTE, so work queued
+// after it reads NaN (or 0xFF bytes) rather than stale data. Reads one word otherwise.
+extern "C" __global__ void sccl_poison(const u64* state, u8* dst, u64 stride, u64 n, u64 L) {
+  if (!*(volatile const u64*)(state + 1)) return;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 nthreads = (u64)gridDim.x * blockDim.x;
+  for (u64 i = 0; i < n; ++i)
+    for (u64 k = tid; k < L; k += nthreads) dst[i * stride + k] = (u8)POISON_BYTE;
 }

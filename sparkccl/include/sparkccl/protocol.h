@@ -40,6 +40,11 @@ constexpr pu64 CTL_PID = 32;         // u64: owning process id (peers check it i
 constexpr pu64 CTL_GPU_STATUS = 40;  // u64: 0, or the ABORT_* code
 constexpr pu64 CTL_GPU_DETAIL = 48;  // u64: source << 32 | flag word << 8 | piece
 constexpr pu64 CTL_GPU_SEQ = 56;     // u64: seq of the failed wait
+// Fail-stop handshake (docs/CONTRACT.md "Failure behaviour"): the host's watchdog sets ACK
+// once it printed the failure; in mode GPU_FAIL_STOP the failing kernel waits (bounded) for
+// it, then traps. MODE is written by the host before the first launch.
+constexpr pu64 CTL_GPU_ACK = 64;     // u64: 0, then 1 once the host reported the failure
+constexpr pu64 CTL_GPU_MODE = 72;    // u64: GPU_FAIL_STOP or GPU_FAIL_POISON
 constexpr pu64 CTL_ERROR = 1024;     // char[ERROR_BYTES]: NUL-terminated text of the first failure
 constexpr pu64 ERROR_BYTES = 1024;
 constexpr pu64 CTL_BYTES = PAGE;
@@ -74,7 +79,9 @@ constexpr pu64 FLAG_BYTES = 8;
 
 static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
               "the wait kernels write the GPU record as status[0..2]");
-static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_SEQ + 8 <= CTL_ERROR,
+static_assert(CTL_GPU_ACK == CTL_GPU_STATUS + 24 && CTL_GPU_MODE == CTL_GPU_STATUS + 32,
+              "the wait kernels read the handshake as status[3] (ack) and status[4] (mode)");
+static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_MODE + 8 <= CTL_ERROR,
               "control block words overlap");
 static_assert(CTL_ERROR + ERROR_BYTES <= CTL_BYTES, "the error text must fit the control block");
 static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned sections");
@@ -163,6 +170,13 @@ constexpr int DT_STREAM = 4;            // u64 per stream row of the direct tabl
 constexpr int DT_ITEM = 6;              // u64 per item row of the direct table
 constexpr int FIN_CLAIM = 256;          // finalize: item counters per set, then the claim counter
 constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
+// What a failed wait does (CTL_GPU_MODE): STOP reports, then traps (the context is lost, so
+// every later synchronization raises); POISON sets every output of the failed collective
+// and of the ones queued after it to POISON_BYTE (NaN in every floating type).
+constexpr pu64 GPU_FAIL_STOP = 0;
+constexpr pu64 GPU_FAIL_POISON = 1;
+constexpr pu64 POISON_BYTE = 0xFF;
+constexpr pu64 ACK_WAIT_NS = 1500000000;  // STOP: how long the kernel waits for the host's ack
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu

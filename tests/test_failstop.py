@@ -1,0 +1,273 @@
+"""Issue 18: on the GPU a failed collective's output is never consumed as valid
+(docs/CONTRACT.md "Failure behaviour").
+
+Ranks are processes sharing one GPU (sparkccl.localrun.run_ranks). After a few checked
+all-gathers the victim (the last rank) enqueues two more and is killed (SIGKILL) or stops
+calling; every survivor has meanwhile enqueued a run of collectives without synchronizing
+and then reads each output in order. Allowed outcomes, per output:
+
+* mode ``stop`` (default): the exact result, or the read raises a CUDA error, and then
+  stderr already holds ``sparkccl: CollectiveError: rank r: ...`` (the watchdog's report,
+  printed before the trap); a call may also raise ``CollectiveError`` at once;
+* mode ``poison``: the exact result, or every byte 0xFF (NaN) and then ``comm.check()``
+  raises; later calls raise.
+
+Anything else (different data that reads fine) is the silent wrong result the issue is
+about, and fails the test. A trapped CUDA context is unusable, so every rank writes its
+findings to a file and leaves with ``os._exit`` (test code; nothing in it is torn down).
+
+The CPU side of the same machinery (watchdog report, ack, trap, poison kernel) is tested
+without a GPU in tests/test_cuda_dataplane.py (``test_fail_stop_*``, ``test_poison_*``);
+:func:`test_check_on_cpu` here runs everywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparkccl
+from sparkccl.localrun import check, run_ranks
+
+HAVE_GPU = torch.cuda.is_available()
+TIMEOUT_S = 2.0
+RUN = 8  # collectives each survivor queues without synchronizing
+
+
+def _inputs(op: str, seed: int, rank: int, world: int, device):
+    from sparkccl.reference import make_finalize_input, make_input
+    if op == "ag":
+        return make_input(seed, rank, (4096,), torch.float32).to(device)
+    if op == "rs":
+        return make_input(seed, rank, (world * 1024,), torch.float32).to(device)
+    inp = make_finalize_input(seed, rank, tokens=8 * world - 1, hidden=128, topk=4, experts_rows=9)
+    return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
+
+
+def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
+    from sparkccl.reference import (moe_finalize_reference, reduce_scatter_reference)
+    xs = [_inputs(op, seed, r, world, "cpu") for r in range(world)]
+    if op == "ag":
+        return torch.cat(xs).view(torch.uint8).numpy().tobytes()
+    if op == "rs":
+        return reduce_scatter_reference(xs, rank).tobytes()
+    return moe_finalize_reference(xs, rank, 8 * world - 1, 8 * world).tobytes()
+
+
+def _call(comm, op: str, x):
+    if op == "ag":
+        return comm.all_gather(x)
+    if op == "rs":
+        return comm.reduce_scatter(x)
+    W = comm.world_size
+    return comm.moe_finalize_reduce_scatter(x["y"], x["pos"], x["weights"], x["shared"],
+                                            num_tokens=8 * W - 1, padded_tokens=8 * W,
+                                            y_scales=x["y_scales"])
+
+
+def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cuda"):
+    """One rank of a fail-stop scenario; writes outdir/rank{r}.json, then os._exit."""
+    err_path = os.path.join(outdir, f"rank{rank}.err")
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    rec = {"rank": rank, "outputs": [], "raised_at": None, "error": None}
+
+    def finish():
+        with open(err_path) as f:
+            rec["stderr"] = f.read()
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(rec, f)
+        os._exit(0)
+
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        comm = sparkccl.Communicator(store=dist.PrefixStore("fs", store), rank=rank,
+                                     world_size=world, device=device, topology=topology,
+                                     slot_bytes=1 << 20, timeout_s=TIMEOUT_S,
+                                     bootstrap_timeout_s=120)
+        victim = world - 1
+        # Call k uses inputs of seed k (every rank the same k): stale data of an earlier
+        # call never equals the expected result.
+        xs = [_inputs(op, k, rank, world, device) for k in range(3 + RUN)]
+        wants = [_expected(op, k, rank, world) for k in range(3 + RUN)]
+        for k in range(3):  # healthy and checked
+            if _call(comm, op, xs[k]).view(torch.uint8).cpu().numpy().tobytes() != wants[k]:
+                rec["error"] = "a healthy collective was wrong"
+                finish()
+        if rank == victim:
+            for k in range(3, 5):  # in the middle of the run: two more queued, not synchronized
+                _call(comm, op, xs[k])
+            if scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(TIMEOUT_S + 2.5)  # stalled: the survivors give up meanwhile
+            rec["stalled"] = True
+            finish()
+        outs = []
+        t0 = time.monotonic()
+        try:
+            for k in range(3, 3 + RUN):
+                outs.append(_call(comm, op, xs[k]))
+        except sparkccl.CollectiveError as e:
+            rec["raised_at"], rec["error"] = "call", f"{type(e).__name__}: {e}"
+        rec["queued"] = len(outs)
+        for y, want in zip(outs, wants[3:]):
+            try:
+                got = y.view(torch.uint8).cpu().numpy().tobytes()
+            except Exception as e:  # noqa: BLE001 - a CUDA error after the fail-stop trap
+                rec["outputs"].append("raised")
+                if rec["raised_at"] is None:
+                    rec["raised_at"], rec["error"] = "sync", f"{type(e).__name__}: {e}"
+                # Read now: was the report printed before this error reached the caller?
+                with open(err_path) as f:
+                    rec["stderr_at_error"] = f.read()
+                break
+            rec["outputs"].append("exact" if got == want else
+                                  "poison" if got == b"\xff" * len(got) else "WRONG")
+        rec["elapsed_s"] = time.monotonic() - t0
+        if os.environ.get("SPARKCCL_ON_FAILURE") == "poison":
+            if device == "cuda":
+                torch.cuda.synchronize()
+            try:
+                comm.check()
+                rec["check"] = None
+            except sparkccl.CollectiveError as e:
+                rec["check"] = str(e)
+            try:
+                _call(comm, op, xs[0])
+                rec["later"] = None
+            except sparkccl.CollectiveError as e:
+                rec["later"] = str(e)
+    except BaseException as e:  # noqa: BLE001 - everything goes to the record
+        rec["error"] = rec["error"] or f"{type(e).__name__}: {e}"
+        rec["unexpected"] = True
+    finish()
+
+
+SCENARIOS = [  # (on_failure, topology, world, scenario, op, extra environment): on the GPU
+    ("stop", "mesh", 2, "kill", "ag", {}),
+    ("stop", "mesh", 2, "stall", "ag", {}),
+    ("stop", "ring", 4, "stall", "ag", {}),
+    ("stop", "ring", 4, "kill", "ag", {}),
+    ("stop", "mesh", 2, "kill", "rs", {}),
+    ("stop", "mesh", 2, "stall", "fin", {}),
+    ("stop", "mesh", 2, "stall", "ag", {"SPARKCCL_DIRECT_MODE": "ce"}),
+    ("stop", "mesh", 2, "kill", "ag", {"SPARKCCL_GPU_DIRECT": "0"}),
+    ("poison", "mesh", 2, "kill", "ag", {}),
+    ("poison", "ring", 4, "stall", "ag", {}),
+    ("poison", "mesh", 2, "stall", "rs", {}),
+    ("poison", "mesh", 2, "kill", "ag", {"SPARKCCL_DIRECT_MODE": "ce"}),
+]
+
+
+def _id(s):
+    mode, topo, world, scenario, op, env = s
+    extra = "-".join(f"{k.split('_', 1)[1].lower()}={v}" for k, v in env.items())
+    return "-".join(filter(None, [mode, f"{topo}{world}", scenario, op, extra]))
+
+
+@pytest.mark.parametrize("mode,topology,world,scenario,op,env", SCENARIOS, ids=map(_id, SCENARIOS))
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+def test_failed_collective_is_never_consumed_as_valid(mode, topology, world, scenario, op, env,
+                                                      tmp_path):
+    _run_scenario(mode, topology, world, scenario, op, env, tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("mode,scenario", [("stop", "kill"), ("poison", "stall")])
+def test_the_same_scenarios_on_cpu_raise_at_the_call(mode, scenario, tmp_path):
+    """The harness on the CPU data plane, where the failing call itself raises (and checks
+    the harness without a GPU)."""
+    _run_scenario(mode, "mesh", 2, scenario, "ag", {}, tmp_path, "cpu")
+
+
+def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
+    label = _id((mode, topology, world, scenario, op, env)) + ("" if device == "cuda" else "-cpu")
+    env = dict(env, SPARKCCL_ON_FAILURE=mode)
+    t0 = time.monotonic()
+    run_ranks(failstop_job, world, args=(topology, scenario, op, str(tmp_path), device),
+              env=env, timeout_s=120)
+    victim = world - 1
+    lines = [f"{label}: {time.monotonic() - t0:.1f} s"]
+    problems = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        if r == victim:
+            continue
+        if not path.exists():
+            problems.append(f"rank {r}: no record (hung or died)")
+            continue
+        rec = json.loads(path.read_text())
+        lines.append(f"  rank {r}: outputs {rec['outputs']} raised at {rec['raised_at']}: "
+                     f"{(rec['error'] or '')[:300]}")
+        if rec.get("unexpected"):
+            problems.append(f"rank {r}: unexpected {rec['error']}")
+        if "WRONG" in rec["outputs"]:
+            problems.append(f"rank {r}: wrong data read silently: {rec['outputs']}")
+        if rec["raised_at"] is None and "poison" not in rec["outputs"]:
+            problems.append(f"rank {r}: nothing raised and nothing poisoned: {rec['outputs']}")
+        if device == "cpu" and rec["raised_at"] != "call":
+            problems.append(f"rank {r}: on the CPU the failing call must raise")
+        if mode == "stop":
+            if "poison" in rec["outputs"]:
+                problems.append(f"rank {r}: poisoned output in mode stop")
+            if rec["raised_at"] == "sync":
+                report = rec.get("stderr_at_error", "")
+                if f"sparkccl: CollectiveError: rank {r}" not in report:
+                    problems.append(f"rank {r}: the CUDA error came without the report first; "
+                                    f"stderr: {report[-500:]!r}")
+                if world == 2 and not (f"rank {victim}" in report or f"peer {victim}" in report):
+                    problems.append(f"rank {r}: the report does not name the peer: {report!r}")
+                lines.append(f"  rank {r} stderr: {report.strip()[:400]}")
+        else:
+            if "raised" in rec["outputs"]:
+                problems.append(f"rank {r}: a CUDA error in mode poison")
+            if not rec.get("check"):
+                problems.append(f"rank {r}: comm.check() did not raise after the failure")
+            if not rec.get("later"):
+                problems.append(f"rank {r}: a later call did not raise")
+            seen = rec["outputs"]
+            if "poison" in seen and "exact" in seen[seen.index("poison"):]:
+                problems.append(f"rank {r}: an exact output after a poisoned one: {seen}")
+    print("\n".join(lines))
+    assert not problems, "\n".join(problems + lines)
+
+
+# ---------------------------------------------------------------- check() on the CPU
+
+def check_job(rank, world, store):
+    comm = sparkccl.Communicator(store=dist.PrefixStore("chk", store), rank=rank,
+                                 world_size=world, timeout_s=1.0, bootstrap_timeout_s=60,
+                                 slot_bytes=1 << 16)
+    comm.check()  # healthy: returns
+    out = {"healthy": comm.all_gather(torch.arange(3)).tolist()}
+    comm.check()
+    if rank == 1:
+        comm.close()  # rank 1 leaves; rank 0's next collective times out
+        return out
+    try:
+        comm.all_gather(torch.arange(3))
+        out["call"] = None
+    except sparkccl.CollectiveError as e:
+        out["call"] = str(e)
+    try:
+        comm.check()
+        out["check"] = None
+    except sparkccl.CollectiveError as e:
+        out["check"] = str(e)
+    comm.close()
+    with pytest.raises(ValueError, match="closed"):
+        comm.check()
+    return out
+
+
+def test_check_on_cpu():
+    values = check(run_ranks(check_job, 2, timeout_s=120))
+    assert values[0]["healthy"] == values[1]["healthy"] == [0, 1, 2, 0, 1, 2]
+    assert values[0]["call"] and values[0]["check"], values[0]
+    assert "failed earlier" in values[0]["check"] and "rank 0" in values[0]["check"]
