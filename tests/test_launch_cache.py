@@ -1,0 +1,104 @@
+"""The CPU data plane's launch plans (built by the first call of an (op, length, slot, dtype),
+reused after; counted by ``plan_stats``) and the proxy's publish -> first post latency
+stats. Results are checked bit for bit against the rank-order references, with the cache
+on and off."""
+from __future__ import annotations
+
+import torch
+
+import sparkccl
+from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+
+
+def _ag(comm, seed, shape, dtype):
+    xs = [make_input(seed, r, shape, dtype) for r in range(comm.world_size)]
+    y = comm.all_gather(xs[comm.rank])
+    return bool((bits(y) == all_gather_reference(xs)).all())
+
+
+def _rs(comm, seed, m, h, dtype):
+    xs = [make_input(seed, r, (comm.world_size * m, h), dtype) for r in range(comm.world_size)]
+    y = comm.reduce_scatter(xs[comm.rank])
+    return bool((bits(y) == reduce_scatter_reference(xs, comm.rank)).all())
+
+
+def _cache_job(rank, world, store):
+    log = []
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, transport="shm",
+                               slot_bytes=1 << 20) as comm:
+        dp = comm._dp
+        st = dp.plan_stats
+
+        def snap(what, ok):
+            log.append((what, ok, dict(st)))
+
+        # All-gather, one shape: slots 0, 1, 2 each build a plan; the 4th call reuses slot 0's.
+        for k in range(4):
+            snap(f"ag{k}", _ag(comm, k, (100, 3), torch.float32))
+        # A new shape is a new plan (seq 4: slot 1); the old shape on slot 2 (seq 5) hits.
+        snap("ag new shape", _ag(comm, 10, (7, 5), torch.float32))
+        snap("ag old shape", _ag(comm, 11, (100, 3), torch.float32))
+        # Same bytes, another dtype: all-gather moves bytes, so it is the same plan (seq 6: 0).
+        snap("ag same bytes", _ag(comm, 12, (200, 3), torch.bfloat16))
+        plans_before_rs = len(dp._plans)
+        # The first reduce-scatter attaches its buffers: every plan is dropped, then RS builds
+        # its own (seq 7: RS slot 1).
+        snap("rs first", _rs(comm, 20, 3, 64, torch.bfloat16))
+        snap("ag after drop", _ag(comm, 13, (100, 3), torch.float32))  # seq 8: AG slot 2
+        snap("rs slot 1 again", _rs(comm, 21, 3, 64, torch.bfloat16))  # seq 9: RS slot 1
+        snap("rs new dtype", _rs(comm, 22, 3, 32, torch.float32))      # seq 10: slot 0, 384 B
+        snap("rs again", _rs(comm, 23, 3, 64, torch.bfloat16))         # seq 11: RS slot 1
+        # Large slices go piece by piece (8 groups): also exact, with plans and without.
+        snap("ag large", _ag(comm, 30, (40000,), torch.float32))
+        snap("rs large", _rs(comm, 31, 40000, 1, torch.float32))
+        dp.cache_plans = False
+        frozen = dict(st)
+        snap("ag uncached", _ag(comm, 40, (100, 3), torch.float32))
+        snap("rs uncached", _rs(comm, 41, 40000, 1, torch.float32))
+        unchanged = dict(st) == frozen
+        dp.cache_plans = True
+        proxy = comm.proxy_stats()
+    return {"log": log, "plans_before_rs": plans_before_rs, "unchanged": unchanged,
+            "proxy": proxy}
+
+
+def test_launch_plan_hits_and_invalidation():
+    values = check(run_ranks(_cache_job, 2, timeout_s=300))
+    for v in values:
+        log = {what: (ok, st) for what, ok, st in v["log"]}
+        assert all(ok for ok, _ in log.values()), [w for w, (ok, _) in log.items() if not ok]
+        hm = {what: (st["hits"], st["misses"], st["dropped"]) for what, (_, st) in log.items()}
+        assert hm["ag0"] == (0, 1, 0)
+        assert hm["ag2"] == (0, 3, 0)
+        assert hm["ag3"] == (1, 3, 0)              # slot 0 reused: a hit
+        assert hm["ag new shape"] == (1, 4, 0)     # new shape: a miss
+        assert hm["ag old shape"] == (2, 4, 0)
+        assert hm["ag same bytes"] == (3, 4, 0)
+        assert v["plans_before_rs"] == 4
+        assert hm["rs first"] == (3, 5, 4)         # buffers attached: 4 plans dropped
+        assert hm["ag after drop"] == (3, 6, 4)    # its plan was dropped: a miss
+        assert hm["rs slot 1 again"] == (4, 6, 4)  # the same slot and shape: a hit
+        assert hm["rs new dtype"] == (4, 7, 4)     # same bytes, new dtype: a miss
+        assert hm["rs again"] == (5, 7, 4)
+        assert hm["rs large"] == (5, 9, 4)
+        assert v["unchanged"]                      # cache off: nothing counted
+
+
+def _latency_job(rank, world, store, transport):
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world,
+                               transport=transport) as comm:
+        for k in range(6):
+            assert _ag(comm, k, (4096,), torch.float32)
+        return comm.proxy_stats()
+
+
+def test_proxy_reports_publish_to_post_latency():
+    for transport in ("shm", "tcp"):
+        for st in check(run_ranks(_latency_job, 2, args=(transport,), timeout_s=300)):
+            # One sample per piece at its first post. This rank's pieces of the first 5
+            # collectives have surely been posted (the peer published collective 6 only after
+            # receiving them); the 6th's may still be under way.
+            assert 40 <= st["publish_samples"] <= 48, (transport, st)
+            assert st["publish_samples"] == st["delay_samples"], (transport, st)
+            assert 0 < st["publish_p50_ns"] <= st["publish_p99_ns"], (transport, st)
