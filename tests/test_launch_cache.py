@@ -102,3 +102,47 @@ def test_proxy_reports_publish_to_post_latency():
             assert 40 <= st["publish_samples"] <= 48, (transport, st)
             assert st["publish_samples"] == st["delay_samples"], (transport, st)
             assert 0 < st["publish_p50_ns"] <= st["publish_p99_ns"], (transport, st)
+
+
+def test_ce_launch_plans_hit_and_go_stale():
+    """Mode "ce" (the copy-engine engine, on the kernels' CPU emulation): the per-piece
+    copies, flags and waits are planned once per (op, S, L); a rebuilt stream table makes
+    the plan stale. Results stay exact throughout."""
+    import pytest
+    dataplane = pytest.importorskip("test_cuda_dataplane")
+    if dataplane.CXX is None:
+        pytest.skip("needs g++ to build the CPU emulation of the kernels")
+    Op = dataplane.C.Op
+    world = 2
+    with dataplane.World("emu", "mesh", world, max_slice=1 << 14, direct=True,
+                         mode="ce") as w:
+        def ag(seed, n):
+            xs = dataplane.inputs(seed, world, (n,), torch.uint8)
+            outs = w.all_gather(xs)
+            w.sync()
+            dataplane.check_ag(w, xs, outs)
+
+        def misses():
+            return [dp.__dict__.get("ce_plan_stats", {}).get("misses", 0) for dp in w.dps]
+
+        def hits():
+            return [dp.__dict__.get("ce_plan_stats", {}).get("hits", 0) for dp in w.dps]
+
+        ag(1, 5000)
+        assert misses() == [1] * world
+        h = hits()
+        for k in range(3):
+            ag(2 + k, 5000)
+        assert misses() == [1] * world and all(a > b for a, b in zip(hits(), h))
+        ag(9, 3000)                                  # new length: a new plan
+        assert misses() == [2] * world
+        xs = dataplane.inputs(10, world, (world * 1000, 8), torch.bfloat16)
+        outs = w.reduce_scatter(xs)                  # another op
+        w.sync()
+        dataplane.check_rs(w, xs, outs)
+        assert misses() == [3] * world
+        for dp in w.dps:
+            dp._build_direct(Op.AG)                  # the stream table rebuilt: stale
+        ag(11, 5000)
+        assert misses() == [4] * world
+        w.healthy()
