@@ -14,8 +14,10 @@ Every call is timed on its own (time.perf_counter_ns) and split into:
 * ``dp other``: the rest of the data plane: Python planning (piece groups, slot views) and
                the byte copies in and out.
 
-``--ab`` interleaves calls with the data plane's launch-plan cache on and off (per size:
-blocks of ``--block`` calls alternating, so load swings hit both alike) and prints both.
+``--ab REF`` interleaves calls of this tree's CPU data plane (launch plans: ``new``) with
+calls of REF's (``git show REF:sparkccl/dataplane/cpu.py``, e.g. ``main``: ``old``) on the
+same communicator — the object's class is swapped between blocks of ``--block`` calls, so
+load swings hit both alike — and prints both.
 After the table: the proxy's publish -> first post latency (``proxy_stats()``:
 ``publish_p50_ns`` / ``publish_p99_ns``, stamped by the native publish with CLOCK_MONOTONIC)
 and the consume -> post part of it.
@@ -60,6 +62,17 @@ def _pct(v, q):
     return v[min(len(v) - 1, int(len(v) * q))] / 1e3 if v else float("nan")
 
 
+def _old_class(source: str):
+    """The CpuDataPlane class of another revision's cpu.py source, inside this package (its
+    relative imports resolve to this tree's base, layout and plan modules)."""
+    import types
+    mod = types.ModuleType("sparkccl.dataplane._cpu_old")
+    mod.__package__ = "sparkccl.dataplane"
+    sys.modules[mod.__name__] = mod
+    exec(compile(source, "cpu.py@old", "exec"), mod.__dict__)
+    return mod.CpuDataPlane
+
+
 def _rank(rank, world, store, transport, sizes, iters, ab, block, profile):
     import torch
 
@@ -71,17 +84,18 @@ def _rank(rank, world, store, transport, sizes, iters, ab, block, profile):
         dp = comm._dp
         acc = {"publish": 0, "wait": 0, "dp": 0}
         dp.nat = _Timed(dp.nat, acc)
+        classes = {"new": type(dp)}
+        if ab:
+            classes["old"] = _old_class(ab)
         for name in ("all_gather", "reduce_scatter"):
-            inner = getattr(dp, name)
-
-            def timed(*a, _inner=inner, **k):
+            def timed(*a, _name=name, **k):  # the method of the class in use now
                 t = time.perf_counter_ns()
                 try:
-                    return _inner(*a, **k)
+                    return getattr(type(dp), _name)(dp, *a, **k)
                 finally:
                     acc["dp"] += time.perf_counter_ns() - t
             setattr(dp, name, timed)
-        modes = (True, False) if ab else (getattr(dp, "cache_plans", True),)
+        modes = tuple(classes)
         for size in sizes:
             n = size // 2 // world
             x_ag = torch.ones(n, dtype=torch.bfloat16)
@@ -94,12 +108,12 @@ def _rank(rank, world, store, transport, sizes, iters, ab, block, profile):
                 samples = {m: {"total": [], "comm": [], "publish": [], "wait": [], "other": []}
                            for m in modes}
                 for m in modes:  # warm-up: first use builds plans, faults pages in
-                    dp.cache_plans = m
+                    dp.__class__ = classes[m]
                     call()
                 done = 0
                 while done < iters:
                     for m in modes:
-                        dp.cache_plans = m
+                        dp.__class__ = classes[m]
                         for _ in range(block):
                             for k in acc:
                                 acc[k] = 0
@@ -120,7 +134,7 @@ def _rank(rank, world, store, transport, sizes, iters, ab, block, profile):
             import cProfile
             import io
             import pstats
-            dp.cache_plans = True
+            dp.__class__ = classes["new"]
             comm.all_gather(torch.zeros(16, dtype=torch.uint8))  # both ranks in step
             n = profile // 2 // world
             x = torch.ones(n, dtype=torch.bfloat16)
@@ -156,8 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=int, default=16 << 20)
     ap.add_argument("--iters", type=int, default=200, help="timed calls per size and mode")
     ap.add_argument("--block", type=int, default=20, help="calls per A/B block")
-    ap.add_argument("--ab", action="store_true",
-                    help="interleave calls with the launch-plan cache on and off")
+    ap.add_argument("--ab", metavar="REF", default="",
+                    help="interleave calls with REF's CPU data plane (e.g. main)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting for the ranks (repeatable), e.g. SPARKCCL_PROXY_SPIN_US=200000")
     ap.add_argument("--profile", type=int, default=0, metavar="BYTES",
                     help="also run rank 0's all_gather of BYTES under cProfile")
     a = ap.parse_args(argv)
@@ -165,19 +181,28 @@ def main(argv=None) -> int:
     from sparkccl.localrun import check, run_ranks
 
     sizes = _sizes(a.min_bytes, a.max_bytes)
+    old = ""
+    if a.ab:
+        import subprocess
+        old = subprocess.run(["git", "show", f"{a.ab}:sparkccl/dataplane/cpu.py"], check=True,
+                             capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    env = dict(e.split("=", 1) for e in a.env)
     block = min(a.block, a.iters)
     print(f"host_time: world {a.world}, CPU data plane, bf16, {a.iters} timed calls per size "
-          f"(after 1 warm-up){', cache on/off interleaved in blocks of %d' % block if a.ab else ''}; "
+          f"(after 1 warm-up)"
+          f"{f', new/old ({a.ab}) data plane interleaved in blocks of {block}' if a.ab else ''}"
+          f"{'; settings ' + ' '.join(a.env) if a.env else ''}; "
           f"size = whole buffer (gathered output / reduce-scatter input); µs, p50 / p99; "
           f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"{os.cpu_count()} CPUs")
     for transport in a.transports.split(","):
         t0 = time.time()
-        vals = check(run_ranks(_rank, a.world, args=(transport, sizes, a.iters, a.ab, block,
-                                                     a.profile), timeout_s=1800))
+        vals = check(run_ranks(_rank, a.world, args=(transport, sizes, a.iters, old, block,
+                                                     a.profile), timeout_s=1800, env=env))
         print(f"\n== transport {transport} (rank 0; {time.time() - t0:.0f} s, load average "
               f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
-        print(f"{'op':>3} {'size':>9} {'cache':>5} | {'total':>15} | {'comm':>13} | "
+        print(f"{'op':>3} {'size':>9} {'plane':>5} | {'total':>15} | {'comm':>13} | "
               f"{'publish':>13} | {'wait':>15} | {'dp other':>15}")
         profile = None
         for key, size, mode, r in vals[0]["rows"]:
@@ -185,7 +210,7 @@ def main(argv=None) -> int:
                 profile = (size, r)
                 continue
             cell = lambda k, w: f"{r[k][0]:>{w // 2}.1f}/{r[k][1]:<{w - w // 2 - 1}.1f}"  # noqa: E731
-            print(f"{key:>3} {size:>9} {'on' if mode else 'off':>5} | {cell('total', 15)} | "
+            print(f"{key:>3} {size:>9} {mode:>5} | {cell('total', 15)} | "
                   f"{cell('comm', 13)} | {cell('publish', 13)} | {cell('wait', 15)} | "
                   f"{cell('other', 15)}")
         for rank, v in enumerate(vals):
@@ -203,7 +228,7 @@ def main(argv=None) -> int:
                 print(f"launch-plan cache rank {rank}: {st['cache']}")
         if profile:
             print(f"\ncProfile, rank 0, {a.iters} all_gathers of {profile[0]} bytes "
-                  "(cache on), by own time:")
+                  "(this tree's data plane), by own time:")
             print("\n".join(profile[1].splitlines()[:32]))
     return 0
 

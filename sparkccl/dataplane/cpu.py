@@ -62,6 +62,7 @@ class LaunchPlan:
     send_base: int = 0             # RS: data_ptr of the send slot
     parts: list = field(default_factory=list)  # RS: per group [(source, dtype view)]
     accs: list = field(default_factory=list)   # RS: per group, the fp32 accumulator [:n]
+    rounded: object = None         # RS of one group: the sum rounded to dtype, then moved
 
 
 class CpuDataPlane(DataPlaneBase):
@@ -75,6 +76,7 @@ class CpuDataPlane(DataPlaneBase):
         self.plan_stats = {"hits": 0, "misses": 0, "dropped": 0}
         self._plans: OrderedDict = OrderedDict()
         self._has_publish_range = hasattr(native, "publish_range")
+        self._ring_hint = [0] * self.world  # where each peer's last matching entry was
 
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
                   recv_stride: int) -> None:
@@ -129,7 +131,8 @@ class CpuDataPlane(DataPlaneBase):
             S=S, groups=groups, own=[], peers=[], send_base=send.data_ptr(),
             parts=[[(i, (send if i == me else recv)[i * S + a:i * S + b].view(dtype))
                     for i in range(self.world)] for _, _, a, b in groups],
-            accs=[acc[:(b - a) // esize] for _, _, a, b in groups])
+            accs=[acc[:(b - a) // esize] for _, _, a, b in groups],
+            rounded=(torch.empty(L // esize, dtype=dtype) if len(groups) == 1 and L else None))
 
     def _publish_group(self, op: Op, seq: int, c0: int, c1: int, S: int,
                        deadline: float) -> None:
@@ -156,6 +159,21 @@ class CpuDataPlane(DataPlaneBase):
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
                   f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
+
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
+        """The base check, probing first the ring entries right after the source's last
+        match (a source publishes its collectives in order): one row read instead of a
+        scan of the whole ring."""
+        ring = self.peer_rings[source]
+        if ring is not None:
+            hint = self._ring_hint[source]
+            for k in range(PIECES * 2):
+                row = ring[(hint + k) % len(ring)]
+                if int(row[1]) == seq and int(row[0]) != 0:
+                    self._ring_hint[source] = (hint + k + 1) % len(ring)
+                    return super()._check_size(op, seq, source, slice_bytes) \
+                        if int(row[2]) != slice_bytes else True
+        return super()._check_size(op, seq, source, slice_bytes)
 
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
               slice_bytes: int, first: bool = False) -> None:
@@ -192,11 +210,16 @@ class CpuDataPlane(DataPlaneBase):
             out.append((c, c, min(lo, L), min(hi, L)))
         return out
 
+    typed_io = True
+    """The collectives take contiguous tensors of any dtype and count bytes (``src`` of
+    all_gather, ``src`` and ``dst`` of reduce_scatter, offsets in bytes): the Communicator
+    then passes its tensors as they are (no uint8 views made per call)."""
+
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor, dst_off: int,
                    dst_stride: int) -> None:
-        """Gather ``src`` (uint8, L bytes) of every rank: rank i's bytes land at
-        ``dst[i * dst_stride + dst_off : ... + L]``."""
-        L = src.numel()
+        """Gather ``src`` (contiguous, L bytes) of every rank: rank i's bytes land at byte
+        ``i * dst_stride + dst_off`` of ``dst`` (contiguous)."""
+        L = src.numel() * src.element_size()
         deadline = time.monotonic() + self.timeout_s
         slot_index = seq % 3
         lp = self._launch_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
@@ -251,7 +274,14 @@ class CpuDataPlane(DataPlaneBase):
                     acc.copy_(part)
                 else:
                     acc.add_(part)
-            if b > a:
+            if b == a:
+                continue
+            if lp.rounded is not None:  # one group: round into the plan's buffer, then move
+                lp.rounded.copy_(acc)
+                ctypes.memmove(dst.data_ptr() + dst_off, lp.rounded.data_ptr(), b - a)
+            else:
+                if dst.dtype != torch.uint8:
+                    dst = dst.detach().reshape(-1).view(torch.uint8)
                 dst[dst_off + a:dst_off + b].view(dtype).copy_(acc)
 
     def _rs_finish(self, seq: int, S: int, L: int, dst: torch.Tensor, dst_off: int,
