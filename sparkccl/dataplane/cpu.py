@@ -57,8 +57,8 @@ class LaunchPlan:
     caller's tensors. Offsets are in bytes."""
     S: int
     groups: list                   # (first piece, last piece, lo, hi) per group
-    own: list                      # per group: this rank's slot/send block view [lo:hi]
-    peers: list                    # per group: [(source, view of its block [lo:hi])]
+    own: list                      # AG, per group: address of this rank's block + lo
+    peers: list                    # AG, per group: [(source, address of its block + lo)]
     send_base: int = 0             # RS: data_ptr of the send slot
     parts: list = field(default_factory=list)  # RS: per group [(source, dtype view)]
     accs: list = field(default_factory=list)   # RS: per group, the fp32 accumulator [:n]
@@ -113,8 +113,8 @@ class CpuDataPlane(DataPlaneBase):
         me = self.rank
         return LaunchPlan(
             S=S, groups=groups,
-            own=[slot[me * S + a:me * S + b] for _, _, a, b in groups],
-            peers=[[(i, slot[i * S + a:i * S + b]) for i in range(self.world) if i != me]
+            own=[slot.data_ptr() + me * S + a for _, _, a, b in groups],
+            peers=[[(i, slot.data_ptr() + i * S + a) for i in range(self.world) if i != me]
                    for _, _, a, b in groups])
 
     def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> LaunchPlan:
@@ -229,7 +229,7 @@ class CpuDataPlane(DataPlaneBase):
         dp = dst.data_ptr() + dst_off
         for (c0, c1, a, b), own in zip(lp.groups, lp.own):
             if b > a:
-                move(own.data_ptr(), sp + a, b - a)
+                move(own, sp + a, b - a)
             self._publish_group(Op.AG, seq, c0, c1, S, deadline)
             if b > a:
                 move(dp + me * dst_stride + a, sp + a, b - a)
@@ -237,14 +237,14 @@ class CpuDataPlane(DataPlaneBase):
             for i, block in peers:
                 self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0)
                 if b > a:
-                    move(dp + i * dst_stride + a, block.data_ptr(), b - a)
+                    move(dp + i * dst_stride + a, block, b - a)
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                        L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
-        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (uint8) is
-        ``src[j * src_stride + src_off : ... + L]``; this rank's sum lands at
-        ``dst[dst_off : dst_off + L]``. ``src=None``: the chunks are already in the send slot
-        (zero-copy input) at ``j * L``, L a multiple of 16."""
+        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (contiguous, any dtype) is
+        its bytes ``j * src_stride + src_off ... + L``; this rank's sum lands at bytes
+        ``dst_off ... dst_off + L`` of ``dst``. ``src=None``: the chunks are already in the
+        send slot (zero-copy input) at ``j * L``, L a multiple of 16."""
         deadline = time.monotonic() + self.timeout_s
         slot_index = seq % 2
         lp = self._launch_plan((Op.RS, L, slot_index, dtype),
