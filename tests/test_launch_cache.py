@@ -4,6 +4,8 @@ stats. Results are checked bit for bit against the rank-order references, with t
 on and off."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 import sparkccl
@@ -146,3 +148,40 @@ def test_ce_launch_plans_hit_and_go_stale():
         ag(11, 5000)
         assert misses() == [4] * world
         w.healthy()
+
+
+def test_publish_stamp_is_taken_and_cleared():
+    """The native publish stamps each ring entry (ENT_PUBLISH_NS, CLOCK_MONOTONIC); the
+    proxy takes the stamp and clears the word before handing the slot back, so an entry a
+    GPU kernel later writes into the same slot (without a stamp) is not measured. One
+    sample per piece at its first post."""
+    import numpy as np
+    import pytest
+    native_tests = pytest.importorskip("test_native")
+    from sparkccl import layout as L
+    w = native_tests.World("mesh", 2, 1, 4096)
+    w.start()
+    try:
+        for _ in range(3):
+            native_tests.run_ag(w, 4096)
+        w.check_healthy()
+        for r in range(2):
+            deadline = time.monotonic() + 10
+            while w.proxies[r].stats()["publish_samples"] < 24 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            st = w.proxies[r].stats()
+            assert st["publish_samples"] == st["delay_samples"] == 24, st
+            assert 0 < st["publish_p50_ns"] <= st["publish_p99_ns"], st
+            ring = w.ctl[r].buf.a[L.RING_OFFSET:L.RING_OFFSET + L.RING_ENTRIES * L.RING_ENTRY_BYTES]
+            stamps = ring.view(np.uint64).reshape(L.RING_ENTRIES, -1)[:, L.ENT_PUBLISH_NS // 8]
+            assert not stamps.any(), stamps[:24]  # every consumed entry's stamp cleared
+        # An entry without a stamp (as the GPU kernels write it): posted, not sampled.
+        before = w.proxies[0].stats()["publish_samples"]
+        native_tests._put_entry(w.ctl[0], 0, w.seq, 0, -1, 4096)
+        deadline = time.monotonic() + 10
+        while w.proxies[0].stats()["delay_samples"] < 25 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = w.proxies[0].stats()
+        assert st["delay_samples"] == 25 and st["publish_samples"] == before, st
+    finally:
+        w.stop()
