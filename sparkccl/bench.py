@@ -49,15 +49,24 @@ def _timer(device):
     return sync
 
 
-def _time_calls(fn, iters: int, barrier, sync) -> float:
+def _time_calls(fn, iters: int, barrier, sync, host: dict | None = None,
+                key: str = "") -> float:
+    """Mean time per call; ``host[key]``: the p50 of each call's own host time (until it
+    returns: on CUDA the enqueue, on CPU the whole call), in seconds."""
     fn()  # warm-up: first-use allocations, page faults, kernel compilation
     sync()
     barrier()
-    t0 = time.perf_counter()
+    each = []
+    clock = time.perf_counter
+    t0 = clock()
     for _ in range(iters):
+        t = clock()
         fn()
+        each.append(clock() - t)
     sync()
-    return (time.perf_counter() - t0) / iters
+    if host is not None:
+        host[key] = sorted(each)[len(each) // 2]
+    return (clock() - t0) / iters
 
 
 def _buffers(size: int, world: int, device):
@@ -92,10 +101,12 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
         barrier_token = torch.zeros(16, dtype=torch.uint8, device=dev)
         for size in sizes:
             x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
-            rows.append((size, {
-                "ag": _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync),
-                "rs": _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
-                                  sync)}))
+            t = {}
+            t["ag"] = _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync,
+                                  t, "ag_host")
+            t["rs"] = _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
+                                  sync, t, "rs_host")
+            rows.append((size, t))
             _progress(rank, "sparkccl", len(rows), len(sizes))
         stats = comm.proxy_stats()
     return {"rows": rows, "proxy": stats}
@@ -118,11 +129,12 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
             dist.barrier()
         for size in sizes:
             x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
-            t = {"ag": _time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
-                                   barrier, sync)}
+            t = {}
+            t["ag"] = _time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
+                                  barrier, sync, t, "ag_host")
             try:
                 t["rs"] = _time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
-                                      barrier, sync)
+                                      barrier, sync, t, "rs_host")
             except (RuntimeError, ValueError, NotImplementedError) as e:
                 t["rs"] = None
                 t["rs_why"] = str(e).splitlines()[0][:60]
@@ -131,6 +143,10 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
     finally:
         dist.destroy_process_group()
     return {"rows": rows}
+
+
+def _us(seconds) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _slowest(per_rank: list, i: int, key: str):
@@ -214,27 +230,36 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
     for key, title in (("ag", "all_gather"), ("rs", "reduce_scatter")):
         series = busbw[title] = {"sparkccl": []}
         print(f"\n{title}")
-        head = f"{'size':>12} {'time(us)':>10} {'algbw':>8} {'busbw':>8}"
+        head = f"{'size':>12} {'time(us)':>10} {'host(us)':>9} {'algbw':>8} {'busbw':>8}"
         for name in base:
-            head += f" | {name + ' busbw':>18} {'ratio':>6}"
+            head += f" | {name + ' busbw':>18} {'ratio':>6} {'host(us)':>9}"
         print(head)
         for i, size in enumerate(sizes):
             t = _slowest(ours, i, key)
             series["sparkccl"].append(size / t / 1e9 * factor)
-            line = f"{size:>12} {t * 1e6:>10.1f} {size / t / 1e9:>8.3f} {size / t / 1e9 * factor:>8.3f}"
+            h = _slowest(ours, i, key + "_host")
+            line = (f"{size:>12} {t * 1e6:>10.1f} {_us(h):>9} {size / t / 1e9:>8.3f} "
+                    f"{size / t / 1e9 * factor:>8.3f}")
             for name, per_rank in base.items():
                 b = _slowest(per_rank, i, key)
                 series.setdefault(name, []).append(None if b is None else
                                                    size / b / 1e9 * factor)
                 if b is None:
-                    line += f" | {'n/a':>18} {'':>6}"
+                    line += f" | {'n/a':>18} {'':>6} {'':>9}"
                 else:
-                    line += f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x"
+                    line += (f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x "
+                             f"{_us(_slowest(per_rank, i, key + '_host')):>9}")
             print(line)
+    print("\nhost(us): p50 of each call's own host time until it returns (the enqueue on "
+          "CUDA, the whole call on CPU), slowest rank")
     if via_torch is not None:
         from .integrations.torch_bench import print_overhead
         print_overhead(ours, via_torch, sizes)
     stats = ours[0]["proxy"]
+    if stats.get("publish_samples"):
+        print(f"\nproxy (rank 0): data plane publish -> first write posted: p50 "
+              f"{stats['publish_p50_ns'] / 1e3:.1f} us, p99 {stats['publish_p99_ns'] / 1e3:.1f} us "
+              f"over {stats['publish_samples']} pieces")
     if stats.get("delay_samples"):
         print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "
               f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "

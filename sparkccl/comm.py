@@ -431,6 +431,10 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
+            if n <= self.max_slice and getattr(self._dp, "typed_io", False):
+                # One collective, and the plane counts bytes itself: no views per call.
+                self._dp.all_gather(self._next_seq(), x, out, 0, n)
+                return out
             src = x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
             for off in range(0, n, self.max_slice):
@@ -469,9 +473,14 @@ class Communicator:
         with self._lock:
             self._check_alive(what)
             self._ensure_rs()
-            dst = out.detach().reshape(-1).view(torch.uint8)
+            if chunk <= self.max_slice and getattr(self._dp, "typed_io", False):
+                dst = out  # the plane counts bytes itself: no views per call
+            else:
+                dst = out.detach().reshape(-1).view(torch.uint8)
             if handout is not None and handout == self.seq % RS_SLOTS:
                 self._dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, x.dtype)
+            elif dst is out:
+                self._dp.reduce_scatter(self._next_seq(), x, 0, chunk, chunk, out, 0, x.dtype)
             else:
                 src = x.detach().reshape(-1).view(torch.uint8)
                 for off in range(0, chunk, self.max_slice):

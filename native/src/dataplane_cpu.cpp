@@ -129,6 +129,7 @@ int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64
   std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), &i32, 4);
   u32 = uint32_t(granule);
   std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), &u32, 4);
+  *word_at(ent, ENT_PUBLISH_NS) = now_ns();
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   store_release(word_at(ent, ENT_TAG), index + 1);
   return 0;

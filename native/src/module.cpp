@@ -54,6 +54,7 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(ENT_PIECE);
   SPARKCCL_PUT(ENT_CHUNK);
   SPARKCCL_PUT(ENT_GRANULE);
+  SPARKCCL_PUT(ENT_PUBLISH_NS);
   SPARKCCL_PUT(CHUNK_ALL);
   SPARKCCL_PUT(CHUNK_DIRECT);
   SPARKCCL_PUT(FLAGS_OFFSET);
@@ -145,6 +146,24 @@ NB_MODULE(_native, m) {
       },
       "ctl_addr"_a, "op"_a, "seq"_a, "piece"_a, "chunk"_a, "slice"_a, "granule"_a,
       "timeout_s"_a);
+  m.def(
+      "publish_range",
+      [](uint64_t ctl, int op, uint64_t seq, int first, int last, int chunk, uint64_t slice,
+         uint64_t granule, double timeout_s) -> int64_t {
+        // Pieces first..last in one call (a small slice publishes all 8 at once): one
+        // Python -> native crossing instead of eight; the entries are the same.
+        check_addr(ctl, "publish_range");
+        if (first < 0 || last < first || last >= geom::PIECES)
+          throw std::invalid_argument("publish_range: pieces must satisfy 0 <= first <= last < 8");
+        nb::gil_scoped_release nogil;
+        for (int piece = first; piece <= last; ++piece) {
+          int64_t code = publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s);
+          if (code) return code;
+        }
+        return 0;
+      },
+      "ctl_addr"_a, "op"_a, "seq"_a, "first"_a, "last"_a, "chunk"_a, "slice"_a, "granule"_a,
+      "timeout_s"_a);
 
   m.def(
       "wait_flags",
@@ -220,6 +239,9 @@ NB_MODULE(_native, m) {
         d["delay_p50_ns"] = s.delay_p50_ns;
         d["delay_p99_ns"] = s.delay_p99_ns;
         d["gpu_pieces"] = s.gpu_pieces;
+        d["publish_samples"] = s.publish_samples;
+        d["publish_p50_ns"] = s.publish_p50_ns;
+        d["publish_p99_ns"] = s.publish_p99_ns;
         return d;
       });
 

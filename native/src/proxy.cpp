@@ -300,6 +300,10 @@ bool Proxy::consume_ring() {
     std::memcpy(&chunk, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), 4);
     std::memcpy(&granule,
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);
+    // Taken and cleared before the slot is handed back: a publisher that does not stamp
+    // (the GPU kernels) must not leave an earlier lap's stamp behind.
+    uint64_t publish_ns = *word_at(ent, ENT_PUBLISH_NS);
+    *word_at(ent, ENT_PUBLISH_NS) = 0;
     uint64_t index = tail_;
     ++tail_;
     store_release(tail_word, tail_);
@@ -352,7 +356,10 @@ bool Proxy::consume_ring() {
           "writers");
       continue;
     }
-    if (!c->seen_ns[piece]) c->seen_ns[piece] = now_ns();
+    if (!c->seen_ns[piece]) {
+      c->seen_ns[piece] = now_ns();
+      c->publish_ns[piece] = publish_ns;
+    }
     if (chunk == -2) c->direct |= uint8_t(1u << piece);
     if (chunk < 0)
       c->all |= uint8_t(1u << piece);
@@ -392,7 +399,10 @@ bool Proxy::advance_streams() {
     if (!post_piece(s, c, p)) return progress;
     if (s.kind == 0 && !((c.posted >> p) & 1u)) {
       c.posted |= uint8_t(1u << p);
-      if (c.seen_ns[p]) record_delay(now_ns() - c.seen_ns[p]);
+      uint64_t t = now_ns();
+      if (c.seen_ns[p])
+        record_delay(t - c.seen_ns[p],
+                     c.publish_ns[p] && c.publish_ns[p] <= t ? t - c.publish_ns[p] : 0);
     }
     progress = true;
     if (++s.piece == geom::PIECES) {
@@ -470,13 +480,17 @@ void Proxy::watch() {
   }
 }
 
-void Proxy::record_delay(uint64_t ns) {
+void Proxy::record_delay(uint64_t ns, uint64_t publish_ns) {
+  auto keep = [](std::vector<uint64_t>& v, uint64_t& total, uint64_t x) {
+    if (v.size() < MAX_SAMPLES)
+      v.push_back(x);
+    else
+      v[total % MAX_SAMPLES] = x;
+    ++total;
+  };
   std::lock_guard<std::mutex> lk(samples_mu_);
-  if (samples_.size() < MAX_SAMPLES)
-    samples_.push_back(ns);
-  else
-    samples_[samples_total_ % MAX_SAMPLES] = ns;
-  ++samples_total_;
+  keep(samples_, samples_total_, ns);
+  if (publish_ns) keep(publish_samples_, publish_total_, publish_ns);
 }
 
 ProxyStats Proxy::stats() {
@@ -489,17 +503,22 @@ ProxyStats Proxy::stats() {
   st.turns = n_turns_.load();
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
-  std::vector<uint64_t> s;
+  std::vector<uint64_t> s, pub;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);
     s = samples_;
     st.delay_samples = samples_total_;
+    pub = publish_samples_;
+    st.publish_samples = publish_total_;
   }
-  if (!s.empty()) {
-    std::sort(s.begin(), s.end());
-    st.delay_p50_ns = s[s.size() / 2];
-    st.delay_p99_ns = s[std::min(s.size() - 1, s.size() * 99 / 100)];
-  }
+  auto percentiles = [](std::vector<uint64_t>& v, uint64_t* p50, uint64_t* p99) {
+    if (v.empty()) return;
+    std::sort(v.begin(), v.end());
+    *p50 = v[v.size() / 2];
+    *p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  };
+  percentiles(s, &st.delay_p50_ns, &st.delay_p99_ns);
+  percentiles(pub, &st.publish_p50_ns, &st.publish_p99_ns);
   return st;
 }
 

@@ -20,6 +20,8 @@ struct ProxyStats {
   uint64_t entries, stale_entries, writes, bytes, flags, turns, naps;
   uint64_t delay_samples, delay_p50_ns, delay_p99_ns;
   uint64_t gpu_pieces;  // stream pieces skipped: the data plane sent them (GPU-direct)
+  // publish (data plane's clock stamp in the ring entry) -> first post of the piece
+  uint64_t publish_samples, publish_p50_ns, publish_p99_ns;
 };
 
 class Proxy {
@@ -80,6 +82,7 @@ class Proxy {
     uint8_t direct = 0;                 // pieces the data plane sent itself (chunk -2)
     uint8_t posted = 0;                 // pieces that went out on some publish stream
     uint64_t seen_ns[geom::PIECES];     // when the piece's first entry was consumed
+    uint64_t publish_ns[geom::PIECES];  // its ENT_PUBLISH_NS stamp (0: none)
   };
   struct OpState {
     std::deque<Coll> hist;  // collectives still needed by some stream, in issue order
@@ -97,7 +100,9 @@ class Proxy {
   void trim();
   void watch();
   void fail(uint64_t code, const std::string& message);
-  void record_delay(uint64_t ns);
+  // consume -> first post, and publish -> first post (0: no stamp); under one lock so that
+  // stats() sees both or neither.
+  void record_delay(uint64_t ns, uint64_t publish_ns);
 
   const int rank_, world_;
   const uint64_t ctl_, flags_;
@@ -123,6 +128,8 @@ class Proxy {
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;
+  std::vector<uint64_t> publish_samples_;
+  uint64_t publish_total_ = 0;
 };
 
 }  // namespace sparkccl

@@ -15,13 +15,26 @@ One collective (one sequence number ``seq``, one slice of ``S`` bytes, S a multi
 Slices whose size is not a multiple of 16 are padded: the bytes past the real length go
 over the wire but are never copied out.
 
+Launch plans (the fast path): everything of a collective that does not change between
+calls of the same (operation, slice length, slot, dtype) — the piece groups, the views of
+this rank's slots, the flag words to wait on, the fp32 accumulator — is built by the first
+call into a :class:`LaunchPlan` and reused; later calls only bring the sequence number and
+the caller's tensors (whose bytes move with ``ctypes.memmove`` at computed offsets, no
+tensor slicing). A new length or dtype is a new plan; re-attaching the reduce-scatter
+buffers drops every plan (their views would point at the old buffers). ``plan_stats``
+counts hits, misses and drops; ``cache_plans = False`` plans every call afresh (for A/B
+measurements).
+
 Every wait has the communicator's timeout (for the whole collective) and watches the
 abort word; a timeout records a message naming rank, peer and connection in the abort
 record (so the proxy tells the peers) and raises :class:`CollectiveError`.
 """
 from __future__ import annotations
 
+import ctypes
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +47,23 @@ from .base import OP_NAMES, DataPlaneBase
 SMALL_SLICE = 64 << 10
 """Slices up to this size are copied and waited for as a whole (see ``groups``)."""
 
+MAX_PLANS = 64
+"""Launch plans kept per data plane (least recently used dropped first)."""
+
+
+@dataclass
+class LaunchPlan:
+    """What one (op, L, slot, dtype) collective does, independent of seq and of the
+    caller's tensors. Offsets are in bytes."""
+    S: int
+    groups: list                   # (first piece, last piece, lo, hi) per group
+    own: list                      # AG, per group: address of this rank's block + lo
+    peers: list                    # AG, per group: [(source, address of its block + lo)]
+    send_base: int = 0             # RS: data_ptr of the send slot
+    parts: list = field(default_factory=list)  # RS: per group [(source, dtype view)]
+    accs: list = field(default_factory=list)   # RS: per group, the fp32 accumulator [:n]
+    rounded: object = None         # RS of one group: the sum rounded to dtype, then moved
+
 
 class CpuDataPlane(DataPlaneBase):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
@@ -42,18 +72,86 @@ class CpuDataPlane(DataPlaneBase):
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
                          ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
         self.waits = {op: [list(w) for w in plan.waits[op]] for op in Op}
+        self.cache_plans = True
+        self.plan_stats = {"hits": 0, "misses": 0, "dropped": 0}
+        self._plans: OrderedDict = OrderedDict()
+        self._has_publish_range = hasattr(native, "publish_range")
+        self._ring_hint = [0] * self.world  # where each peer's last matching entry was
 
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
                   recv_stride: int) -> None:
         self.rs_send, self.rs_send_stride = send, send_stride
         self.rs_recv, self.rs_recv_stride = recv, recv_stride
+        self.drop_plans()
+
+    # ---- launch plans ----------------------------------------------------------------
+    def drop_plans(self) -> None:
+        """Forget every launch plan (the buffers they view changed)."""
+        self.plan_stats["dropped"] += len(self._plans)
+        self._plans.clear()
+
+    def _launch_plan(self, key: tuple, build):
+        if not self.cache_plans:
+            return build()
+        p = self._plans.get(key)
+        if p is not None:
+            self.plan_stats["hits"] += 1
+            self._plans.move_to_end(key)
+            return p
+        self.plan_stats["misses"] += 1
+        p = self._plans[key] = build()
+        if len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+            self.plan_stats["dropped"] += 1
+        return p
+
+    def _ag_plan(self, L: int, slot_index: int) -> LaunchPlan:
+        S = round_up(L, ALIGN)
+        base = slot_index * self.ag_stride
+        slot = self.ag[base:base + self.world * S]
+        groups = self.groups(S, L)
+        me = self.rank
+        return LaunchPlan(
+            S=S, groups=groups,
+            own=[slot.data_ptr() + me * S + a for _, _, a, b in groups],
+            peers=[[(i, slot.data_ptr() + i * S + a) for i in range(self.world) if i != me]
+                   for _, _, a, b in groups])
+
+    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> LaunchPlan:
+        S = round_up(L, ALIGN)
+        sbase = slot_index * self.rs_send_stride
+        rbase = slot_index * self.rs_recv_stride
+        send = self.rs_send[sbase:sbase + self.world * S]
+        recv = self.rs_recv[rbase:rbase + self.world * S]
+        groups = self.groups(S, L)
+        esize = torch.empty((), dtype=dtype).element_size()
+        acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
+        me = self.rank
+        return LaunchPlan(
+            S=S, groups=groups, own=[], peers=[], send_base=send.data_ptr(),
+            parts=[[(i, (send if i == me else recv)[i * S + a:i * S + b].view(dtype))
+                    for i in range(self.world)] for _, _, a, b in groups],
+            accs=[acc[:(b - a) // esize] for _, _, a, b in groups],
+            rounded=(torch.empty(L // esize, dtype=dtype) if len(groups) == 1 and L else None))
+
+    def _publish_group(self, op: Op, seq: int, c0: int, c1: int, S: int,
+                       deadline: float) -> None:
+        if c1 > c0 and self._has_publish_range:
+            self._publish(op, seq, c0, S, deadline, last=c1)
+            return
+        for c in range(c0, c1 + 1):
+            self._publish(op, seq, c, S, deadline)
 
     # ---- steps ---------------------------------------------------------------------
     def _publish(self, op: Op, seq: int, piece: int, slice_bytes: int, deadline: float,
-                 chunk: int = -1, granule: int = ALIGN) -> None:
+                 chunk: int = -1, granule: int = ALIGN, last: int = -1) -> None:
         remaining = max(deadline - time.monotonic(), 1e-3)
-        code = self.nat.publish(self.ctl, int(op), seq, piece, chunk, slice_bytes, granule,
-                                remaining)
+        if last > piece:  # pieces piece..last, one native call
+            code = self.nat.publish_range(self.ctl, int(op), seq, piece, last, chunk,
+                                          slice_bytes, granule, remaining)
+        else:
+            code = self.nat.publish(self.ctl, int(op), seq, piece, chunk, slice_bytes,
+                                    granule, remaining)
         if code == 0:
             return
         if self.nat.abort_code(self.ctl):
@@ -61,6 +159,21 @@ class CpuDataPlane(DataPlaneBase):
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
                   f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
+
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
+        """The base check, probing first the ring entries right after the source's last
+        match (a source publishes its collectives in order): one row read instead of a
+        scan of the whole ring."""
+        ring = self.peer_rings[source]
+        if ring is not None:
+            hint = self._ring_hint[source]
+            for k in range(PIECES * 2):
+                row = ring[(hint + k) % len(ring)]
+                if int(row[1]) == seq and int(row[0]) != 0:
+                    self._ring_hint[source] = (hint + k + 1) % len(ring)
+                    return super()._check_size(op, seq, source, slice_bytes) \
+                        if int(row[2]) != slice_bytes else True
+        return super()._check_size(op, seq, source, slice_bytes)
 
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
               slice_bytes: int, first: bool = False) -> None:
@@ -97,53 +210,79 @@ class CpuDataPlane(DataPlaneBase):
             out.append((c, c, min(lo, L), min(hi, L)))
         return out
 
+    typed_io = True
+    """The collectives take contiguous tensors of any dtype and count bytes (``src`` of
+    all_gather, ``src`` and ``dst`` of reduce_scatter, offsets in bytes): the Communicator
+    then passes its tensors as they are (no uint8 views made per call)."""
+
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor, dst_off: int,
                    dst_stride: int) -> None:
-        """Gather ``src`` (uint8, L bytes) of every rank: rank i's bytes land at
-        ``dst[i * dst_stride + dst_off : ... + L]``."""
-        L = src.numel()
-        S = round_up(L, ALIGN)
+        """Gather ``src`` (contiguous, L bytes) of every rank: rank i's bytes land at byte
+        ``i * dst_stride + dst_off`` of ``dst`` (contiguous)."""
+        L = src.numel() * src.element_size()
         deadline = time.monotonic() + self.timeout_s
-        base = (seq % 3) * self.ag_stride
-        slot = self.ag[base:base + self.world * S]
-        me = self.rank
-        groups = self.groups(S, L)
-        for c0, c1, a, b in groups:
+        slot_index = seq % 3
+        lp = self._launch_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
+        S, me = lp.S, self.rank
+        move = ctypes.memmove
+        sp = src.data_ptr()
+        dp = dst.data_ptr() + dst_off
+        for (c0, c1, a, b), own in zip(lp.groups, lp.own):
             if b > a:
-                slot[me * S + a:me * S + b].copy_(src[a:b])
-            for c in range(c0, c1 + 1):
-                self._publish(Op.AG, seq, c, S, deadline)
+                move(own, sp + a, b - a)
+            self._publish_group(Op.AG, seq, c0, c1, S, deadline)
             if b > a:
-                o = me * dst_stride + dst_off
-                dst[o + a:o + b].copy_(src[a:b])
-        for g, (c0, c1, a, b) in enumerate(groups):
-            for i in range(self.world):
-                if i == me:
-                    continue
+                move(dp + me * dst_stride + a, sp + a, b - a)
+        for g, ((c0, c1, a, b), peers) in enumerate(zip(lp.groups, lp.peers)):
+            for i, block in peers:
                 self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0)
                 if b > a:
-                    o = i * dst_stride + dst_off
-                    dst[o + a:o + b].copy_(slot[i * S + a:i * S + b])
+                    move(dp + i * dst_stride + a, block, b - a)
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                        L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
-        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (uint8) is
-        ``src[j * src_stride + src_off : ... + L]``; this rank's sum lands at
-        ``dst[dst_off : dst_off + L]``. ``src=None``: the chunks are already in the send slot
-        (zero-copy input) at ``j * L``, L a multiple of 16."""
-        S = round_up(L, ALIGN)
+        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (contiguous, any dtype) is
+        its bytes ``j * src_stride + src_off ... + L``; this rank's sum lands at bytes
+        ``dst_off ... dst_off + L`` of ``dst``. ``src=None``: the chunks are already in the
+        send slot (zero-copy input) at ``j * L``, L a multiple of 16."""
         deadline = time.monotonic() + self.timeout_s
-        sbase = (seq % 2) * self.rs_send_stride
-        send = self.rs_send[sbase:sbase + self.world * S]
-        W = self.world
-        for c0, c1, a, b in self.groups(S, L):
+        slot_index = seq % 2
+        lp = self._launch_plan((Op.RS, L, slot_index, dtype),
+                               lambda: self._rs_plan(L, slot_index, dtype))
+        S, W = lp.S, self.world
+        move = ctypes.memmove
+        sp = src.data_ptr() + src_off if src is not None else 0
+        for c0, c1, a, b in lp.groups:
             if src is not None and b > a:
                 for j in range(W):
-                    o = j * src_stride + src_off
-                    send[j * S + a:j * S + b].copy_(src[o + a:o + b])
-            for c in range(c0, c1 + 1):
-                self._publish(Op.RS, seq, c, S, deadline)
-        self._rs_finish(seq, S, L, dst, dst_off, dtype, deadline)
+                    move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
+            self._publish_group(Op.RS, seq, c0, c1, S, deadline)
+        self._rs_sum(lp, seq, dst, dst_off, dtype, deadline)
+
+    def _rs_sum(self, lp: LaunchPlan, seq: int, dst: torch.Tensor, dst_off: int,
+                dtype: torch.dtype, deadline: float) -> None:
+        """:meth:`_rs_finish` from a launch plan: the same waits and the same fp32 sum in rank
+        order, over the plan's views."""
+        me, S = self.rank, lp.S
+        for g, ((c0, c1, a, b), parts, acc) in enumerate(zip(lp.groups, lp.parts, lp.accs)):
+            for i, part in parts:
+                if i != me:
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0)
+                if b == a:
+                    continue
+                if i == 0:
+                    acc.copy_(part)
+                else:
+                    acc.add_(part)
+            if b == a:
+                continue
+            if lp.rounded is not None:  # one group: round into the plan's buffer, then move
+                lp.rounded.copy_(acc)
+                ctypes.memmove(dst.data_ptr() + dst_off, lp.rounded.data_ptr(), b - a)
+            else:
+                if dst.dtype != torch.uint8:
+                    dst = dst.detach().reshape(-1).view(torch.uint8)
+                dst[dst_off + a:dst_off + b].view(dtype).copy_(acc)
 
     def _rs_finish(self, seq: int, S: int, L: int, dst: torch.Tensor, dst_off: int,
                    dtype: torch.dtype, deadline: float) -> None:

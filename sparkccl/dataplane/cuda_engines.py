@@ -37,6 +37,24 @@ DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 PROG_STRIDE = layout.protocol_constants()["PROG_STRIDE"]  # progress word = seq * it + unit
 # mode "ce" stream operations (cuda_ops.cpp)
 OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
+MAX_CE_PLANS = 64  # mode "ce" launch plans kept per data plane (all dropped when full)
+
+
+@dataclass
+class CePlan:
+    """Mode "ce": what a collective of (op, S, L) does that does not depend on seq, the
+    pointers or the streams: per piece, the sending side's copies and flags and the
+    receiving side's units, and the ring entries' fields but seq. Built by the first call
+    from ``_dhost[op]`` and ``_ce_words[op]`` (kept as ``host`` and ``words``: a plan built
+    from other tables than the current ones is stale, e.g. after _build_direct)."""
+    host: list
+    words: list
+    # pub[c]: (OP_COPY, dst without the slot term, slots, slot stride, chunk, a, bytes) or
+    # (OP_WRITE64, flag pointer, value - seq * FLAG_STRIDE)
+    pub: list
+    # recv[c]: (unit u, [(source i, a, bytes)], sum here)
+    recv: list
+    ring_rows: np.ndarray  # [PIECES, 6] uint64, column 0 (seq) filled per call
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ class DirectEngines:
             # The own slice first, on the receiving stream (idle until the first piece lands).
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
-                self._ring_fields(first, seq, S, op)
+                self._ring_fields(first, seq, S, op, L)
             # Both sides piece by piece, so each stream starts at once; and a piece's wait is
             # queued after that piece's sends (a stream sharing a hardware queue with another
             # of this rank then waits behind nothing a peer's wait needs: no cycle).
@@ -151,6 +169,46 @@ class DirectEngines:
             return dst, stride, self.world, call.L
         return int(call.consume[3]), 0, 1, call.L
 
+    def _ce_plan(self, op: Op, S: int, L: int) -> CePlan:
+        """The launch plan of mode "ce" for (op, S, L): the same operations, in the same
+        order, as planning each call afresh (``ce_plan_stats`` counts hits and misses)."""
+        plans = self.__dict__.setdefault("_ce_plans", {})
+        stats = self.__dict__.setdefault("ce_plan_stats", {"hits": 0, "misses": 0})
+        host, words = self._dhost.get(op), self._ce_words[op]
+        p = plans.get((op, S, L))
+        if p is not None and p.host is host and p.words is words:
+            stats["hits"] += 1
+            return p
+        stats["misses"] += 1
+        if len(plans) >= MAX_CE_PLANS:
+            plans.clear()
+        pub, recv, rows = [], [], []
+        for c in range(PIECES):
+            lo, hi = piece_bounds(S, c)
+            sends = []
+            for flag, items in host or ():
+                for chunk, dbase, dstride, slots, block, part in items:
+                    a, e = cut(lo, hi, part, L)
+                    if e > a:
+                        sends.append((OP_COPY, dbase + block * S + a, slots, dstride, chunk, a,
+                                      e - a))
+                sends.append((OP_WRITE64, flag, flag_value(0, c)))
+            pub.append(sends)
+            units = []
+            for k, copies, sum_here in words:
+                moves = []
+                for i, part in copies:
+                    a, e = cut(lo, hi, part, L)
+                    if e > a:
+                        moves.append((i, a, e - a))
+                units.append((c * self.maxw + k, moves, sum_here))
+            recv.append(units)
+            rows.append([0, S, lo, hi, int(op) | c << 32,
+                         (layout.CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
+        p = plans[(op, S, L)] = CePlan(host=host, words=words, pub=pub, recv=recv,
+                                       ring_rows=np.array(rows, dtype=np.uint64))
+        return p
+
     def _ce_publish(self, ops: list, op: Op, seq: int, side_ts, c: int, *, S: int, L: int,
                     first: int, src: tuple) -> None:
         """Mode "ce", piece c of the sending side: the same writes as direct_publish in
@@ -160,14 +218,14 @@ class DirectEngines:
         A written value carries a system-wide fence (cuStreamWriteValue64 without
         NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store."""
         base, stride = src
-        lo, hi = piece_bounds(S, c)
-        for flag, items in self._dhost[op]:
-            for chunk, dbase, dstride, slots, block, part in items:
-                a, e = cut(lo, hi, part, L)
-                if e > a:
-                    ops.append((OP_COPY, side_ts, dbase + (seq % slots) * dstride + block * S + a,
-                                base + chunk * stride + a, e - a))
-            ops.append((OP_WRITE64, side_ts, flag, flag_value(seq, c), 0))
+        seq_value = flag_value(seq, 0) - flag_value(0, 0)
+        for t in self._ce_plan(op, S, L).pub[c]:
+            if t[0] == OP_COPY:
+                _, dst, slots, dstride, chunk, a, n = t
+                ops.append((OP_COPY, side_ts, dst + (seq % slots) * dstride,
+                            base + chunk * stride + a, n))
+            else:
+                ops.append((OP_WRITE64, side_ts, t[1], t[2] + seq_value, 0))
         index = first + c
         ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
                     + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
@@ -201,16 +259,12 @@ class DirectEngines:
             src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
         else:
             src, dst, dst_stride = int(consume[0]), stage, S
-        lo, hi = piece_bounds(S, c)
         progress = self.state.data_ptr()
-        for k, copies, sum_here in self._ce_words[op]:
-            u = c * self.maxw + k
+        for u, moves, sum_here in self._ce_plan(op, S, L).recv[c]:
             # unit (c, k, last source) of kernels/wait.cu: the relay's last step for word k
             ops.append((OP_WAIT_VALUE, ts, progress, seq * PROG_STRIDE + (u + 1) * self.world, 0))
-            for i, part in copies:
-                a, e = cut(lo, hi, part, L)
-                if e > a:
-                    ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, e - a))
+            for i, a, n in moves:
+                ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, n))
             if op == Op.RS:
                 # The sums' stream follows every unit's copies, also those without a sum of
                 # their own (a whole-piece sum after the last word, where sources split
@@ -221,17 +275,14 @@ class DirectEngines:
                 if sum_here:
                     ops.append((OP_LAUNCH, sum_ts, 1, u, nb))
 
-    def _ring_fields(self, first: int, seq: int, S: int, op: Op) -> None:
+    def _ring_fields(self, first: int, seq: int, S: int, op: Op, L: int) -> None:
         """Every field but the tag of the collective's ring entries first .. first + 7 (the
         GPU stream writes each tag once its piece is sent; the host wrote these before it
         issued that write, so the proxy, which reads the fields after the tag, finds them)."""
         idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
-        rows = []
-        for c in range(PIECES):
-            lo, hi = piece_bounds(S, c)
-            rows.append([seq, S, lo, hi, int(op) | c << 32,
-                         (layout.CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
-        self._ring_host[idx, 1:7] = np.array(rows, dtype=np.uint64)
+        rows = self._ce_plan(op, S, L).ring_rows
+        rows[:, 0] = seq
+        self._ring_host[idx, 1:7] = rows
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
     def _fork(self, ts, name: str = "side"):

@@ -71,6 +71,9 @@ constexpr pu64 ENT_OP = 40;       // u32: Op
 constexpr pu64 ENT_PIECE = 44;    // u32
 constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_ALL, CHUNK_DIRECT, or j = only chunk j (finalize)
 constexpr pu64 ENT_GRANULE = 52;  // u32: piece step granule (16, or row bytes for finalize)
+// u64: CLOCK_MONOTONIC ns when the CPU data plane published the entry (the proxy's
+// publish -> first post latency); 0 from publishers without the host clock (GPU kernels).
+constexpr pu64 ENT_PUBLISH_NS = 56;
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
 
@@ -85,10 +88,12 @@ static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_MODE + 8 <= CTL_ERROR,
               "control block words overlap");
 static_assert(CTL_ERROR + ERROR_BYTES <= CTL_BYTES, "the error text must fit the control block");
 static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned sections");
-static_assert(ENT_GRANULE + 4 <= RING_ENTRY_BYTES, "ring entry fields must fit one entry");
+static_assert(ENT_GRANULE + 4 <= ENT_PUBLISH_NS && ENT_PUBLISH_NS + 8 <= RING_ENTRY_BYTES,
+              "ring entry fields must fit one entry");
 static_assert(ENT_TAG % 8 == 0 && ENT_SEQ % 8 == 0 && ENT_SLICE % 8 == 0 && ENT_LO % 8 == 0 &&
               ENT_HI % 8 == 0 && ENT_OP % 4 == 0 && ENT_PIECE % 4 == 0 && ENT_CHUNK % 4 == 0 &&
-              ENT_GRANULE % 4 == 0, "ring entry fields are naturally aligned");
+              ENT_GRANULE % 4 == 0 && ENT_PUBLISH_NS % 8 == 0,
+              "ring entry fields are naturally aligned");
 static_assert((RING_ENTRIES & (RING_ENTRIES - 1)) == 0, "ring indices wrap by modulo");
 
 }  // namespace layout
