@@ -155,12 +155,11 @@ def lookup_nccl(name: str, env=None) -> tuple[object, str | None]:
     return (value, source) if source != "default" else (None, None)
 
 
-def env_bool(name: str, default: bool, env=None) -> bool:
-    """A 0/1 switch: a declared variable (parsed by its declaration), or any other name
-    parsed the same way; unset or empty: ``default``."""
-    var = VARIABLES.get(name) or Variable(name, "bool", default, "", "")
-    value, source = _lookup(var, env)
-    return default if source == "default" else value
+def is_set(name: str, env=None) -> bool:
+    """Whether the declared ``SPARKCCL_*`` variable itself is set (non-empty), whatever its
+    value: for reports of what a user asked for (``sparkccl doctor``)."""
+    VARIABLES[name]  # a KeyError for a name nobody declared
+    return bool(((os.environ if env is None else env).get(name) or "").strip())
 
 
 def _v(name, kind, default, layer, meaning, **kw) -> Variable:

@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
 def verbs_status() -> tuple[bool, str, list[str] | None]:
     """(loadable, description, device names libibverbs lists or None)."""
     lib, name, errors = None, None, []
-    for candidate in ("libibverbs.so.1", "find_library"):
+    # The library the verbs transport would load (SPARKCCL_IBVERBS_LIB), then the usual one.
+    for candidate in dict.fromkeys((config.get("SPARKCCL_IBVERBS_LIB"), "libibverbs.so.1",
+                                    "find_library")):
         if candidate == "find_library":
             candidate = ctypes.util.find_library("ibverbs")
             if candidate is None:
@@ -271,7 +273,7 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
     asked = [f"--{n.replace('_', '-')}" for n, v in
              (("devices", devices), ("prev_devices", prev_devices),
               ("next_devices", next_devices), ("gid_index", gid_index)) if v is not None]
-    asked += [v for v in _RDMA_REQUESTS if env.get(v, "").strip()]
+    asked += [v for v in _RDMA_REQUESTS if config.is_set(v, env)]
 
     if not fabric.devices:
         print(f"no RDMA devices found ({fabric.ib_class_dir} "
@@ -329,9 +331,9 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
         problems.append(str(e))
         print(f"verbs: {e}\n", file=out)
 
-    mesh_asked = devices is not None or bool(env.get("SPARKCCL_IB_HCA", "").strip())
+    mesh_asked = devices is not None or config.is_set("SPARKCCL_IB_HCA", env)
     ring_asked = (prev_devices, next_devices) != (None, None) or any(
-        env.get(v, "").strip() for v in ("SPARKCCL_RING_PREV_HCA", "SPARKCCL_RING_NEXT_HCA"))
+        config.is_set(v, env) for v in ("SPARKCCL_RING_PREV_HCA", "SPARKCCL_RING_NEXT_HCA"))
     sels = []
     if topology in (None, "mesh"):
         sels.append(select_mesh(fabric, devices=devices, gid_index=gid_index, roots=roots,

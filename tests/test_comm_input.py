@@ -163,10 +163,10 @@ def test_config_parsing(monkeypatch):
     assert s.oversubscribed and s.spin_us == 7 and s.nap_us == config.OVERSUBSCRIBED_NAP_US
     assert s.timeout_s == 5 and s.bootstrap_timeout_s == 5  # no hidden floor
     assert config.resolve(timeout_s=2.5).timeout_s == 2.5  # argument beats environment
-    # 0/1 switches (also the lane check's, read through the same function)
-    assert config.env_bool("X", True, {"X": " off "}) is False
-    assert config.env_bool("X", False, {"X": "1"}) is True
-    assert config.env_bool("X", True, {"X": ""}) is True
+    # 0/1 switches (the lane check's too) through their declarations
+    assert config.get("SPARKCCL_RS_UP_FRONT", {"SPARKCCL_RS_UP_FRONT": " off "}) is False
+    assert config.get("SPARKCCL_RS_UP_FRONT", {"SPARKCCL_RS_UP_FRONT": "1"}) is True
+    assert config.get("SPARKCCL_CHECK_SIZES", {"SPARKCCL_CHECK_SIZES": ""}) is True
     with pytest.raises(ValueError, match="SPARKCCL_LANE_CHECK='maybe': expected 0 or 1"):
         lane_check.enabled({"SPARKCCL_LANE_CHECK": "maybe"})
     assert lane_check.enabled({}) and not lane_check.enabled({"SPARKCCL_LANE_CHECK": "0"})
