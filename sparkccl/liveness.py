@@ -178,7 +178,7 @@ class Liveness:
                 now = time.monotonic()
                 for p, t in heard.items():
                     if p not in self.dead and now - t > self.dead_after_s:
-                        self._declare(p, f"rank {p} stopped answering on the liveness channel "
+                        self._declare(p, f"peer {p} stopped answering on the liveness channel "
                                          f"(no heartbeat for {self.dead_after_s:g} s; "
                                          "SPARKCCL_LIVENESS_S)")
         except Exception as e:  # never die silently: a dead watcher would hide deaths
@@ -194,10 +194,10 @@ class Liveness:
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as e:
-            return (f"rank {p} closed its liveness connection ({e.strerror or e}): its process "
+            return (f"peer {p} closed its liveness connection ({e.strerror or e}): its process "
                     "exited or its host went away")
         if not data:
-            return (f"rank {p} closed its liveness connection without a goodbye: its process "
+            return (f"peer {p} closed its liveness connection without a goodbye: its process "
                     "exited")
         heard[p] = time.monotonic()
         buf = pending[p] + data
@@ -214,9 +214,9 @@ class Liveness:
                 n = struct.unpack("!H", buf[1:3])[0]
                 if len(buf) < 3 + n:
                     break
-                return f"rank {p} aborted: " + buf[3:3 + n].decode(errors="replace")
+                return f"peer {p} aborted: " + buf[3:3 + n].decode(errors="replace")
             else:
-                return f"rank {p} sent garbage on the liveness channel ({kind!r})"
+                return f"peer {p} sent garbage on the liveness channel ({kind!r})"
         pending[p] = buf
         return None
 

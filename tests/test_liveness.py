@@ -74,7 +74,7 @@ def test_verbs_dead_peer_fails_survivors_within_2s(emunic_env, how, world, topol
         assert res[victim].killed, res[victim]
     for msg, dt in _survivors(res, victim):
         assert "liveness" in msg, msg
-        assert f"rank {victim}" in msg, msg
+        assert f"peer {victim}" in msg, msg
         if how == "kill":
             assert "closed its liveness connection" in msg, msg
         else:
@@ -167,5 +167,5 @@ def test_tcp_box_links_down_fails_survivors_within_2s():
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.message}"
         msg, t = r.value
         assert msg is not None, f"rank {r.rank} never failed"
-        assert "stopped answering on the liveness channel" in msg and f"rank {victim}" in msg, msg
+        assert "stopped answering on the liveness channel" in msg and f"peer {victim}" in msg, msg
         assert t - t_down < 2 + SLACK_S, (t - t_down, msg)
