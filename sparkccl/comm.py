@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from . import bootstrap, checks, config, layout, lifetime
+from . import bootstrap, checks, config, layout, lifetime, liveness
 from . import finalize as _finalize
 from .buffers import Buffers, Sizes, bytes_per_rank, shortage_message
 from .dataplane.cpu import CpuDataPlane, ring_view
@@ -135,6 +135,7 @@ class Communicator:
         self._link: transports.Transport | None = None
         self._proxy = None
         self._dp = None
+        self._liveness = None
         for name, v in (("topology", topology), ("transport", transport)):
             if not isinstance(v, str):
                 raise TypeError(f"{name} must be a str, got {type(v).__name__}")
@@ -290,6 +291,12 @@ class Communicator:
                                   self.sizes.ag_stride, self._flags_addr, rv,
                                   lane_check.timeout_for(s.timeout_s))
         px.start()
+        self._liveness = liveness.start_for(chosen, rv, r, w, s.bootstrap_timeout_s,
+                                            self._peer_died)
+
+    def _peer_died(self, peer: int, cause: str) -> None:
+        """From the liveness thread: stop the proxy and every wait (sparkccl/liveness.py)."""
+        self._nat.set_abort(self._ctl_addr, layout.ABORT_PEER, f"rank {self.rank}: {cause}")
 
     def _reserve(self, kinds: list[str], what: str, abort_check=None) -> None:
         """Create (and reserve) this rank's segments ``kinds``, then learn whether every
@@ -669,6 +676,10 @@ class Communicator:
                             "closing anyway", self.rank, e)
             except Exception as e:  # store gone etc.
                 log.warning("sparkccl: rank %d: close() barrier failed: %s", self.rank, e)
+        if self._liveness is not None:  # before the control segment goes: it sets the abort word
+            code = nat.abort_code(ctl) if nat is not None and ctl is not None else 0
+            self._liveness.stop(goodbye=clean, abort_text=nat.error_text(ctl) if code else None)
+            self._liveness = None
         if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
             dp.close()
         if self._proxy is not None:
@@ -693,6 +704,9 @@ class Communicator:
         if px is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(px))  # never destroyed in the child
         self._link = None
+        if self._liveness is not None:
+            self._liveness.forget()
+            self._liveness = None
         if self._buffers is not None:
             self._buffers.segments.clear()
         self._closed = True

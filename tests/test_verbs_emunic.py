@@ -92,7 +92,9 @@ def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
     """Rank 1 dies: the survivors' writes to it are never acknowledged, their QPs fail with
     retry-exceeded after timeout x retries, and each raises CollectiveError (long before the
     60 s collective timeout)."""
-    res = run_ranks(_killed_job, 3, env={**emunic_env, **FAST_RETRY}, timeout_s=120)
+    # The liveness channel would see the death first (tests/test_liveness.py): off here.
+    res = run_ranks(_killed_job, 3, env={**emunic_env, **FAST_RETRY, "SPARKCCL_LIVENESS_S": "0"},
+                    timeout_s=120)
     assert res[1].killed, res[1]
     for r in (0, 2):
         assert res[r].ok, res[r].message

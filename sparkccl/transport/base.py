@@ -49,6 +49,8 @@ class Transport:
     name: ClassVar[str]
     native_kind: ClassVar[str]
     maps_peers: ClassVar[bool] = False  # True: the peers' segments are mapped here
+    # True: a dead or silent peer may go unnoticed for seconds (sparkccl/liveness.py)
+    needs_liveness: ClassVar[bool] = False
 
     def __init__(self, ctx: Context):
         self.ctx = ctx

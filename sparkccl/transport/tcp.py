@@ -436,6 +436,7 @@ class TcpTransport(Transport):
 
     name = "tcp"
     native_kind = "tcp"
+    needs_liveness = True  # a link down or a stalled peer shows only at the timeout
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -534,6 +534,7 @@ class VerbsTransport(Transport):
 
     name = "verbs"
     native_kind = "verbs"
+    needs_liveness = True  # RC retries take ~8.6 s
 
     def __init__(self, ctx):
         super().__init__(ctx)

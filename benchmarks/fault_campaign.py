@@ -1,0 +1,293 @@
+"""Fault campaign: a rank killed, stalled or its link taken down, at a random collective and
+a random moment inside it; every survivor must fail, fast, without ever returning wrong data.
+
+Each case (drawn from ``--seed``): a transport (shm, tcp, verbs through the emulated RoCE
+NIC of tests/emunic; on CUDA shm only), a topology (mesh, ring), a world of 2..6, a fault
+and a moment:
+
+* faults: ``kill`` (the victim SIGKILLs itself), ``stop`` (SIGSTOP: a hung process), and
+  ``linkdown`` (verbs: every port of the emulated host goes down, so every rank is hit);
+* moments, in collective k (1..6) of a run of bursts: ``before-publish`` (the victim stops
+  just before calling it, the others are waiting in it), ``mid-piece`` (a timer fires at a
+  random time inside a large all-gather / reduce-scatter), ``relay`` (the same on a ring of
+  4 or more, where every rank relays for others), ``finalize`` (inside a fused MoE finalize).
+
+Checks per case: every survivor raises CollectiveError (at the call or, on CUDA, at the
+next synchronization -- or its process dies of a CUDA error after printing the
+CollectiveError text) within the collective timeout + 1 s of the fault; no rank hangs;
+every result a survivor got back is bit-exact (a wrong result returned as valid fails the
+case); no /dev/shm segment of the communicator is left once the processes exited; a new
+communicator in fresh processes works afterwards.
+
+::
+
+    python benchmarks/fault_campaign.py --cases 40 --seed 1 --out benchmarks/fault_campaign_cpu.txt
+    python benchmarks/fault_campaign.py --device cuda --cases 12 --seed 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+TIMEOUT_S = 6.0  # the collective timeout of every case
+SLOT_BYTES = 4 << 20
+MOMENTS = ("before-publish", "mid-piece", "relay", "finalize")
+
+
+@dataclass(frozen=True)
+class Case:
+    transport: str
+    topology: str
+    world: int
+    fault: str
+    moment: str
+    victim: int  # -1: every rank (a link down on the shared emulated host)
+    call: int
+    delay_ms: float
+    seed: int
+
+    def label(self) -> str:
+        who = "all ranks" if self.victim < 0 else f"rank {self.victim}"
+        return (f"{self.transport}/{self.topology} w{self.world} {self.fault} {who} at call "
+                f"{self.call} {self.moment}" + (f" +{self.delay_ms:.1f} ms" if self.moment !=
+                                                "before-publish" else ""))
+
+
+def draw_cases(n: int, seed: int, device: str = "cpu") -> list[Case]:
+    rnd = random.Random(seed)
+    transports = ("shm",) if device.startswith("cuda") else ("shm", "tcp", "verbs")
+    cases = []
+    for i in range(n):
+        transport = transports[i % len(transports)]
+        topology = rnd.choice(("mesh", "ring"))
+        world = rnd.randint(2, 6)
+        faults = ("kill", "stop", "linkdown") if transport == "verbs" else ("kill", "stop")
+        fault = rnd.choice(faults)
+        moments = [m for m in MOMENTS if m != "relay" or (topology == "ring" and world >= 4)]
+        moment = rnd.choice(moments)
+        victim = -1 if fault == "linkdown" else rnd.randrange(world)
+        cases.append(Case(transport, topology, world, fault, moment, victim,
+                          call=rnd.randint(1, 6), delay_ms=rnd.uniform(0, 20),
+                          seed=seed * 1000 + i))
+    return cases
+
+
+# ---- inside a rank -----------------------------------------------------------------------
+
+def _ops(case: Case, world: int) -> list[tuple]:
+    """The same list on every rank: small collectives, and at ``case.call`` the big one the
+    fault lands in (a finalize for the finalize moment). Enough after it that a survivor
+    whose call completed still meets the missing rank."""
+    from soak import FINALIZE_SHAPES
+    rnd = random.Random(case.seed)
+    ops = []
+    for i in range(case.call + 40):
+        s = case.seed * 1000 + i
+        if i == case.call:
+            if case.moment == "finalize":
+                ops.append(("fin", s, (200, 64, 1024, 8, False), "bfloat16"))
+            else:
+                per_rank = SLOT_BYTES // world
+                kind = rnd.choice(("ag", "rs"))
+                ops.append((kind, s, per_rank // 4, "float32"))
+        else:
+            u = rnd.random()
+            if u < 0.1:
+                ops.append(("fin", s, FINALIZE_SHAPES[0], "bfloat16"))
+            else:
+                kind = "ag" if u < 0.55 else "rs"
+                dname = rnd.choice(("bfloat16", "float32", "float16"))
+                ops.append((kind, s, rnd.choice((1, 64, 1000, 4099)), dname))
+    return ops
+
+
+def _fault(case: Case, store, emunic_root):
+    store.set("t_fault", repr(time.time()))
+    if case.fault == "linkdown":
+        import emunic
+        from fakesysfs import GB10
+        for dev in GB10:
+            emunic.set_port_state(emunic_root, dev, active=False)
+        return
+    store.set("victim_pid", str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL if case.fault == "kill" else signal.SIGSTOP)
+
+
+def campaign_job(rank, world, store, case: Case, device, log_dir, emunic_root):
+    # This rank's stderr to a file: a survivor killed by a CUDA error leaves its text there.
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(fd, 2)
+    import torch
+    import sparkccl
+    from sparkccl.errors import CollectiveError
+    from sparkccl.reference import bits
+    from soak import issue, reference
+    dev = torch.device(device)
+    ops = _ops(case, world)
+    injector = case.victim == rank or (case.victim < 0 and rank == 0)
+    wrong, returned, token = [], 0, None
+
+    def to(t):
+        return t.to(dev)
+
+    comm = sparkccl.Communicator(store=store, rank=rank, world_size=world,
+                                 topology=case.topology, transport=case.transport,
+                                 device=device, slot_bytes=SLOT_BYTES, timeout_s=TIMEOUT_S)
+    token = comm.token
+    store.set(f"token{rank}", token)
+    error = None
+    try:
+        burst = []
+        for i, op in enumerate(ops):
+            if injector and i == case.call:
+                if case.moment == "before-publish":
+                    _fault(case, store, emunic_root)
+                else:
+                    threading.Timer(case.delay_ms / 1000, _fault,
+                                    (case, store, emunic_root)).start()
+            burst.append((op, issue(comm, op, rank, world, to)))
+            if len(burst) == 4 or i == len(ops) - 1:
+                comm.synchronize()  # CUDA: the host ran ahead; a failure shows here at the latest
+                for bop, y in burst:
+                    returned += 1
+                    want = reference(bop, rank, world)
+                    got = bits(y.cpu())
+                    if got.size != want.size or not (got == want).all():
+                        wrong.append(f"{bop[0]} seed {bop[1]}")
+                burst = []
+    except CollectiveError as e:
+        error = str(e)
+        t_err = time.time()
+    finally:
+        if error is None:
+            comm.close()
+        else:
+            comm.__exit__(CollectiveError, None, None)
+    if error is None:
+        return dict(error=None, dt=None, wrong=wrong, returned=returned, token=token)
+    dt = t_err - float(store.get("t_fault").decode())
+    if case.fault == "stop":  # a stopped victim never exits by itself
+        try:
+            os.kill(int(store.get("victim_pid").decode()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return dict(error=error, dt=dt, wrong=wrong, returned=returned, token=token)
+
+
+def fresh_job(rank, world, store, transport, device):
+    import torch
+    import sparkccl
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, transport=transport,
+                               device=device, timeout_s=60) as comm:
+        y = comm.all_gather(torch.full((1000,), float(rank), device=device))
+        return y.view(world, -1)[:, 0].tolist() == [float(q) for q in range(world)]
+
+
+# ---- the driver --------------------------------------------------------------------------
+
+def run_case(case: Case, device: str = "cpu") -> tuple[bool, str, float | None]:
+    """(passed, why not / summary, slowest survivor's seconds from fault to error)."""
+    from sparkccl.localrun import run_ranks
+    from helpers import shm_leftovers
+    with tempfile.TemporaryDirectory(prefix="fault-") as tmp:
+        env = {}
+        root = os.path.join(tmp, "emunic")
+        if case.transport == "verbs":
+            import emunic
+            env = emunic.host_env(root)
+        res = run_ranks(campaign_job, case.world, args=(case, device, tmp, root), env=env,
+                        timeout_s=120)
+        problems, tokens, slowest = [], set(), 0.0
+        for r in res:
+            if r.rank == case.victim:
+                if case.fault == "kill" and not r.killed:
+                    problems.append(f"victim rank {r.rank} was not killed ({r.error_type})")
+                continue
+            if r.error_type == "Timeout":
+                problems.append(f"rank {r.rank} hung")
+                continue
+            if not r.ok:
+                with open(os.path.join(tmp, f"rank{r.rank}.err"), errors="replace") as f:
+                    err = f.read()
+                if device.startswith("cuda") and "CollectiveError" in err:
+                    continue  # fail-stop: died of the CUDA error after printing the cause
+                problems.append(f"rank {r.rank}: {r.error_type}: {r.message}")
+                continue
+            v = r.value
+            tokens.add(v["token"])
+            if v["wrong"]:
+                problems.append(f"rank {r.rank} returned wrong data as valid: {v['wrong'][:3]}")
+            if v["error"] is None:
+                problems.append(f"rank {r.rank} never raised")
+            elif v["dt"] > TIMEOUT_S + 1:
+                problems.append(f"rank {r.rank} raised {v['dt']:.2f} s after the fault "
+                                f"(> timeout {TIMEOUT_S:g} s + 1 s): {v['error'][:200]}")
+            else:
+                slowest = max(slowest, v["dt"])
+        left = [n for t in tokens for n in shm_leftovers(t)]
+        if left:
+            problems.append(f"/dev/shm left behind: {left}")
+        env2 = emunic.host_env(os.path.join(tmp, "emunic2")) if case.transport == "verbs" else {}
+        fresh = run_ranks(fresh_job, 2, args=(case.transport, device), env=env2, timeout_s=120)
+        if not all(r.ok and r.value for r in fresh):
+            problems.append("a new communicator afterwards failed: " +
+                            "; ".join(f"rank {r.rank}: {r.error_type}: {r.message}"
+                                      for r in fresh if not (r.ok and r.value)))
+    return not problems, "; ".join(problems), slowest
+
+
+def table(results, device) -> str:
+    groups: dict[tuple, list] = {}
+    for case, ok, _, dt in results:
+        groups.setdefault((case.transport, case.fault), []).append((ok, dt))
+    lines = [f"fault campaign, device {device}: collective timeout {TIMEOUT_S:g} s; a pass = "
+             "every survivor raised within timeout + 1 s, no hang, no wrong result returned, "
+             "no /dev/shm left, a new communicator works",
+             f"{'transport':9} {'fault':9} {'tried':>5} {'passed':>6} {'slowest raise (s)':>18}"]
+    for (t, f), rows in sorted(groups.items()):
+        dts = [dt for ok, dt in rows if dt is not None]
+        lines.append(f"{t:9} {f:9} {len(rows):>5} {sum(ok for ok, _ in rows):>6} "
+                     f"{max(dts) if dts else 0:>18.2f}")
+    lines.append(f"{'total':19} {len(results):>5} {sum(r[1] for r in results):>6}")
+    lines.append("")
+    lines.append("cases:")
+    for case, ok, why, dt in results:
+        lines.append(f"  {'PASS' if ok else 'FAIL'} {case.label()}  (slowest survivor "
+                     f"{dt or 0:.2f} s){'' if ok else ': ' + why}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="also write the table here")
+    a = ap.parse_args(argv)
+    results = []
+    for case in draw_cases(a.cases, a.seed, a.device):
+        t0 = time.monotonic()
+        ok, why, dt = run_case(case, a.device)
+        results.append((case, ok, why, dt))
+        print(f"{'PASS' if ok else 'FAIL'} {case.label()} ({time.monotonic() - t0:.1f} s)"
+              + ("" if ok else f": {why}"), flush=True)
+    text = table(results, a.device)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if all(r[1] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""A bounded subset of the fault campaign (benchmarks/fault_campaign.py): a rank killed
+inside a relaying ring collective over tcp, and before publishing over verbs (the emulated
+NIC); every survivor raises within the timeout + 1 s, nothing hangs, no wrong result is
+returned, no /dev/shm segment is left, a new communicator works afterwards."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import fault_campaign as fc  # noqa: E402
+
+CASES = [
+    fc.Case("tcp", "ring", 4, "kill", "relay", victim=2, call=3, delay_ms=5.0, seed=71),
+    fc.Case("verbs", "mesh", 3, "kill", "before-publish", victim=1, call=2, delay_ms=0.0,
+            seed=72),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
+def test_fault_case(case):
+    ok, why, slowest = fc.run_case(case)
+    assert ok, why
+    assert slowest <= fc.TIMEOUT_S + 1
+
+
+def test_cases_cover_every_fault_and_moment():
+    cases = fc.draw_cases(60, 1)
+    assert {c.transport for c in cases} == {"shm", "tcp", "verbs"}
+    assert {c.fault for c in cases} == {"kill", "stop", "linkdown"}
+    assert set(fc.MOMENTS) <= {c.moment for c in cases}
+    assert all(c.moment != "relay" or (c.topology == "ring" and c.world >= 4) for c in cases)
+    assert all(2 <= c.world <= 6 for c in cases)
+    assert {c.transport for c in fc.draw_cases(6, 1, "cuda")} == {"shm"}
