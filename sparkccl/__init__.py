@@ -1,18 +1,19 @@
 """sparkccl: prefill-sized all-gather and reduce-scatter collectives without NCCL.
 
 Public API: :class:`Communicator`, the exceptions of :mod:`sparkccl.errors`
-(:class:`SparkcclError` and its subclasses :class:`ConfigError`, :class:`FabricError`,
+(:class:`SparkcclError` and its subclasses :class:`ConfigError` (with
+:class:`ShmSpaceError`), :class:`FabricError`,
 :class:`CudaUnavailable`, :class:`CollectiveError`), ``__version__``.
 """
 from __future__ import annotations
 
 from .errors import (CollectiveError, ConfigError, CudaUnavailable, FabricError,
-                     SparkcclError)
+                     ShmSpaceError, SparkcclError)
 
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "SparkcclError", "ConfigError", "FabricError", "CudaUnavailable",
-           "CollectiveError", "__version__"]
+__all__ = ["Communicator", "SparkcclError", "ConfigError", "ShmSpaceError", "FabricError",
+           "CudaUnavailable", "CollectiveError", "__version__"]
 
 
 def __getattr__(name):

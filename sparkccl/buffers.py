@@ -7,7 +7,7 @@ the send slots, then the receive slots). ``rs`` is created on the first reduce-s
 peers can map each other's segments by size alone.
 
 Every segment's memory is reserved when it is created (:mod:`sparkccl.shm`), so a /dev/shm
-too small for it fails here with :class:`~sparkccl.shm.ShmSpaceError`, not later with SIGBUS.
+too small for it fails here with :class:`~sparkccl.errors.ShmSpaceError`, not later with SIGBUS.
 """
 from __future__ import annotations
 

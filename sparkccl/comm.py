@@ -42,7 +42,7 @@ from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
-from .shm import ShmSpaceError
+from .errors import ShmSpaceError
 from .transport import base as transports
 from .transport import check as lane_check
 
@@ -105,7 +105,7 @@ class Communicator:
             collectives. Default ``SPARKCCL_SLOT_BYTES`` or 64 MiB. Shared memory per rank
             is about 8 x the slot (:func:`sparkccl.buffers.bytes_per_rank`), reserved in
             /dev/shm when created: a /dev/shm too small for it raises
-            :class:`~sparkccl.shm.ShmSpaceError` (a ``ConfigError``) on every rank.
+            :class:`~sparkccl.errors.ShmSpaceError` (a ``ConfigError``) on every rank.
         timeout_s: how long a collective may wait for peers before it raises
             ``CollectiveError``. Default ``SPARKCCL_TIMEOUT_S`` or 120 s.
         bootstrap_timeout_s: how long creating the communicator (all ranks joining and
@@ -170,7 +170,7 @@ class Communicator:
             boot, boot_setting = bootstrap.timeout(bootstrap_timeout_s, timeout_s)
             bad_boot = None
         except (ValueError, TypeError) as e:
-            boot, boot_setting, bad_boot = config.DEFAULT_BOOTSTRAP_TIMEOUT_S, "default", e
+            boot, boot_setting, bad_boot = config.get("SPARKCCL_TIMEOUT_S", {}), "default", e
         self.token = token = bootstrap.new_token(st, r, w, boot, boot_setting)
         self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot, boot_setting)
         try:
@@ -363,7 +363,9 @@ class Communicator:
             if not self._nat.abort_code(self._ctl_addr):
                 self._nat.set_abort(self._ctl_addr, layout.ABORT_TIMEOUT, str(e))
             raise
-        except OSError as e:
+        except ShmSpaceError:
+            raise  # every rank raises it together, and all-gathers still work
+        except (OSError, ValueError) as e:  # e.g. a peer's segment of the wrong size
             msg = f"rank {self.rank}: could not set up reduce-scatter buffers: {e}"
             self._nat.set_abort(self._ctl_addr, layout.ABORT_TRANSPORT, msg)
             raise CollectiveError(msg, rank=self.rank) from e
@@ -665,7 +667,9 @@ class Communicator:
         if barrier and self._proxy is not None and nat is not None and ctl is not None:
             def check():
                 if nat.abort_code(ctl):
-                    raise CollectiveError("aborted")
+                    cause = nat.error_text(ctl) or "aborted"
+                    raise CollectiveError(f"rank {self.rank}: aborted while closing: {cause}",
+                                          rank=self.rank, cause=cause)
             try:
                 if not nat.abort_code(ctl):
                     self._rv.barrier("closed", "close the communicator", check,
@@ -676,22 +680,31 @@ class Communicator:
                             "closing anyway", self.rank, e)
             except Exception as e:  # store gone etc.
                 log.warning("sparkccl: rank %d: close() barrier failed: %s", self.rank, e)
+        # Each release runs even when an earlier one failed: a leak of sockets, QPs or
+        # shared memory is worse than a second error in the log.
+        steps = []
         if self._liveness is not None:  # before the control segment goes: it sets the abort word
             code = nat.abort_code(ctl) if nat is not None and ctl is not None else 0
-            self._liveness.stop(goodbye=clean, abort_text=nat.error_text(ctl) if code else None)
-            self._liveness = None
+            text = nat.error_text(ctl) if code else None
+            steps.append(("the liveness channel",
+                          lambda lv=self._liveness: lv.stop(goodbye=clean, abort_text=text)))
         if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
-            dp.close()
-        if self._proxy is not None:
-            self._proxy.stop(graceful=clean)  # tcp: a goodbye, so peers see no crash
-            self._proxy = None
+            steps.append(("the data plane", dp.close))
+        if self._proxy is not None:  # tcp: a goodbye, so peers see no crash
+            steps.append(("the proxy", lambda px=self._proxy: px.stop(graceful=clean)))
         if self._link is not None:  # after the proxy stopped: sockets, QPs, peer mappings
-            self._link.close()
-            self._link = None
-        self._dp = None
+            steps.append(("the transport", self._link.close))
         if self._buffers is not None:
-            self._buffers.unlink_every_rank(self.world_size)
-            self._buffers.close()
+            bufs = self._buffers
+            steps.append(("the shared memory", lambda: (bufs.unlink_every_rank(self.world_size),
+                                                        bufs.close())))
+        self._liveness = self._proxy = self._link = self._dp = None
+        for what, release in steps:
+            try:
+                release()
+            except Exception as e:  # noqa: BLE001 - the remaining steps must still run
+                log.warning("sparkccl: rank %d: close(): releasing %s failed: %s",
+                            self.rank, what, e)
 
     def _rv_boot_setting(self) -> str:
         return f"bootstrap_timeout_s={self.bootstrap_timeout_s:g}"

@@ -100,8 +100,13 @@ def _parse(var: Variable, source: str, text: str):
         if t.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{bad}: expected 0 or 1")
-    if var.kind in ("str", "list"):
-        return t if var.kind == "str" else tuple(p.strip() for p in t.split(",") if p.strip())
+    if var.kind == "str":
+        return t
+    if var.kind == "list":
+        items = tuple(p.strip() for p in t.split(","))
+        if not all(items):
+            raise ConfigError(f"{bad}: an empty item in the comma-separated list")
+        return items
     if var.kind == "choice":
         if t.lower() not in var.choices:
             raise ConfigError(f"{bad}: expected one of {', '.join(var.choices)}")
@@ -153,6 +158,14 @@ def lookup_nccl(name: str, env=None) -> tuple[object, str | None]:
     value, source = _lookup(dataclasses.replace(var, name=var.nccl[0], default=None,
                                                 nccl=var.nccl[1:]), env)
     return (value, source) if source != "default" else (None, None)
+
+
+def setting(name: str, argument=None, argument_name: str | None = None, env=None):
+    """An argument if given (checked against ``name``'s declaration; errors name the
+    argument), else the variable as :func:`get` reads it."""
+    if argument is None:
+        return get(name, env)
+    return _parse(VARIABLES[name], argument_name or name.lower(), str(argument))
 
 
 def is_set(name: str, env=None) -> bool:

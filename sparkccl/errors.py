@@ -44,6 +44,25 @@ class CudaUnavailable(SparkcclError, RuntimeError):
     is older than the kernels need."""
 
 
+class ShmSpaceError(ConfigError):
+    """/dev/shm has too little free space for a communicator's segments.
+
+    A :class:`ConfigError`: the remedy is configuration (the container's
+    shared memory size, or a smaller slot), nothing has been sent, and retrying as is
+    cannot succeed. ``needed`` and ``free`` are in bytes (``free`` when measured)."""
+
+    def __init__(self, message: str, *, needed: int = 0, free: int | None = None):
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+    def __reduce__(self):
+        return (_rebuild_space_error, (str(self), self.needed, self.free))
+
+
+def _rebuild_space_error(message, needed, free):
+    return ShmSpaceError(message, needed=needed, free=free)
+
+
 class CollectiveError(SparkcclError, RuntimeError):
     """A collective could not complete.
 

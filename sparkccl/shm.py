@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from .errors import ConfigError
+from .errors import ShmSpaceError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sparkccl-"
@@ -55,25 +55,6 @@ def unlink_name(name: str) -> bool:
     except OSError as e:  # pragma: no cover - permissions etc.
         log.warning("sparkccl: could not remove %s: %s", path_of(name), e)
         return False
-
-
-class ShmSpaceError(ConfigError):
-    """/dev/shm has too little free space for a communicator's segments.
-
-    A :class:`~sparkccl.errors.ConfigError`: the remedy is configuration (the container's
-    shared memory size, or a smaller slot), nothing has been sent, and retrying as is
-    cannot succeed. ``needed`` and ``free`` are in bytes (``free`` when measured)."""
-
-    def __init__(self, message: str, *, needed: int = 0, free: int | None = None):
-        super().__init__(message)
-        self.needed, self.free = needed, free
-
-    def __reduce__(self):
-        return (_rebuild_space_error, (str(self), self.needed, self.free))
-
-
-def _rebuild_space_error(message, needed, free):
-    return ShmSpaceError(message, needed=needed, free=free)
 
 
 def free_bytes() -> int | None:

@@ -20,7 +20,7 @@ SLOT = 1 << 20  # world 2: 3.0 MiB at creation, +4.0 MiB reduce-scatter buffers 
 def _job(rank, world, store):
     import torch
     import sparkccl
-    from sparkccl.shm import ShmSpaceError
+    from sparkccl import ShmSpaceError
     out = {}
     try:
         comm = sparkccl.Communicator(store=store, rank=rank, world_size=world, slot_bytes=SLOT,

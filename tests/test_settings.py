@@ -150,7 +150,9 @@ def test_the_exception_hierarchy_as_exported():
             "CollectiveError", "Communicator"} <= set(dir(E)) and \
         set(E.__all__) >= {"SparkcclError", "ConfigError", "FabricError", "CudaUnavailable",
                            "CollectiveError", "Communicator"}
+    assert issubclass(E.ShmSpaceError, E.ConfigError) and "ShmSpaceError" in E.__all__
     for cls, builtin in ((E.ConfigError, ValueError), (E.FabricError, ValueError),
+                         (E.ShmSpaceError, ValueError),
                          (E.CudaUnavailable, RuntimeError), (E.CollectiveError, RuntimeError)):
         assert issubclass(cls, E.SparkcclError) and issubclass(cls, builtin), cls
         assert cls.__module__ == "sparkccl.errors"

@@ -19,7 +19,7 @@ import torch
 import sparkccl
 from sparkccl import layout as L
 from sparkccl.transport import tcp as T
-from sparkccl.errors import CollectiveError
+from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
 from sparkccl.localrun import check, run_ranks
@@ -227,7 +227,7 @@ def test_local_endpoints():
     assert e[(0, 0)].addr == e[(1, 0)].addr == "h"
     with pytest.raises(ValueError, match="3 addresses for 2 root"):
         T.local_endpoints("mesh", 2, {"SPARKCCL_TCP_ADDRS": "a,b,c"})
-    with pytest.raises(ValueError, match="empty address"):
+    with pytest.raises(ValueError, match="SPARKCCL_TCP_NEXT_ADDRS=.a,.: an empty item"):
         T.local_endpoints("ring", 2, {"SPARKCCL_TCP_NEXT_ADDRS": "a,"})
 
 
@@ -309,6 +309,13 @@ def test_connect_cannot_listen_fails_on_every_rank():
     for r, e in enumerate(links):
         assert isinstance(e, CollectiveError), e
         assert "rank 1: tcp: cannot listen on 192.0.2.77 (SPARKCCL_TCP_ADDRS" in str(e), str(e)
+
+
+def test_connect_bad_setting_on_one_rank_fails_every_rank():
+    links, _ = _connect_threads(3, "mesh", env={2: {"SPARKCCL_TCP_ADDRS": "a,b,c"}})
+    for e in links:
+        assert isinstance(e, ConfigError), e
+        assert "rank 2: SPARKCCL_TCP_ADDRS='a,b,c': 3 addresses for 2 root(s)" in str(e), str(e)
 
 
 # ---------------------------------------------------------------- Communicators over tcp

@@ -26,7 +26,7 @@ import pytest
 
 from sparkccl import layout as L
 from sparkccl.bootstrap import Rendezvous
-from sparkccl.errors import CollectiveError
+from sparkccl.errors import ConfigError, CollectiveError
 from sparkccl.fabric import FabricError, RootChoice, Selection
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
@@ -781,12 +781,14 @@ def test_settings_precedence_and_errors():
     assert V.resolve_settings({}).native() == dict(timeout=18, retry_cnt=7, rnr_retry=7,
                                                    strict=False, traffic_class=0,
                                                    service_level=0, stall_s=120.0)
-    with pytest.raises(ValueError, match="SPARKCCL_IB_ORDERING='sometimes'"):
+    with pytest.raises(ConfigError, match="SPARKCCL_IB_ORDERING='sometimes'"):
         V.resolve_settings({"SPARKCCL_IB_ORDERING": "sometimes"})
-    with pytest.raises(ValueError, match="SPARKCCL_IB_TIMEOUT=40: must be 1..31"):
+    with pytest.raises(ConfigError, match="SPARKCCL_IB_TIMEOUT='40': must be in \\[1, 31\\]"):
         V.resolve_settings({"SPARKCCL_IB_TIMEOUT": "40"})
-    with pytest.raises(ValueError, match="SPARKCCL_IB_RNR_RETRY='x'"):
+    with pytest.raises(ConfigError, match="SPARKCCL_IB_RNR_RETRY='x'"):
         V.resolve_settings({"SPARKCCL_IB_RNR_RETRY": "x"})
+    with pytest.raises(ConfigError, match="timeout='99'"):
+        V.resolve_settings({}, timeout=99)
 
 
 def test_endpoint_argument_checks(fake):
@@ -1015,4 +1017,4 @@ def test_doctor_shows_verbs_settings(tmp_path):
     out = io.StringIO()
     assert doctor.doctor(sysfs_root=str(tmp_path), ipv4_of=fs.ipv4_of, out=out,
                          env={"SPARKCCL_IB_ORDERING": "loose"}) == 1
-    assert "SPARKCCL_IB_ORDERING='loose': must be 'inline' or 'strict'" in out.getvalue()
+    assert "SPARKCCL_IB_ORDERING='loose': expected one of inline, strict" in out.getvalue()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from .. import config
 from ..buffers import LABELS
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ConfigError
 from ..plan.model import arrival
 from .base import Transport
 
@@ -59,8 +59,6 @@ ENV_NEXT = "SPARKCCL_TCP_NEXT_ADDRS"
 ENV_CONNECT_TIMEOUT = "SPARKCCL_TCP_CONNECT_TIMEOUT_S"
 ENV_BUF = "SPARKCCL_TCP_BUF_BYTES"
 DEFAULT_ADDR = "127.0.0.1"
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_BUF_BYTES = 4 << 20
 
 MAGIC = b"SPRKTCP1"
 HELLO = struct.Struct("<8s32siiii")  # magic, secret, rank, world, channel (sender's), root
@@ -75,37 +73,29 @@ class Endpoint:
     source: str  # the variable (or default) it came from, for error messages
 
 
-def _parse_list(var: str, text: str, roots: int) -> list[str]:
-    parts = [p.strip() for p in text.split(",")]
-    if any(not p for p in parts):
-        raise ValueError(f"{var}={text!r}: empty address in the list")
-    if len(parts) == 1:
-        return parts * roots
-    if len(parts) != roots:
-        raise ValueError(f"{var}={text!r}: {len(parts)} addresses for {roots} root(s); give one "
-                         f"address per root (SPARKCCL_ROOTS={roots}), or one for all")
-    return parts
+def _per_root(var: str, items: tuple[str, ...], roots: int) -> list[str]:
+    if len(items) == 1:
+        return list(items) * roots
+    if len(items) != roots:
+        raise ConfigError(f"{var}={','.join(items)!r}: {len(items)} addresses for {roots} "
+                          f"root(s); give one address per root (SPARKCCL_ROOTS={roots}), or "
+                          "one for all")
+    return list(items)
 
 
 def local_endpoints(topology: str, roots: int, env=None) -> dict[tuple[int, int], Endpoint]:
-    """(channel, root) -> this rank's address there, from the environment."""
-    env = os.environ if env is None else env
-
-    def get(var):
-        v = env.get(var)
-        return None if v is None or not v.strip() else v.strip()
-
+    """(channel, root) -> this rank's address there, from the declared settings."""
     out = {}
-    base = get(ENV_ADDRS)
-    base_list = (_parse_list(ENV_ADDRS, base, roots) if base else [DEFAULT_ADDR] * roots)
+    base = config.get(ENV_ADDRS, env)
+    base_list = _per_root(ENV_ADDRS, base, roots) if base else [DEFAULT_ADDR] * roots
     base_src = ENV_ADDRS if base else f"default {DEFAULT_ADDR}"
     if topology == "mesh":
         for k in range(roots):
             out[(0, k)] = Endpoint(base_list[k], base_src)
         return out
     for ch, var in ((0, ENV_PREV), (1, ENV_NEXT)):
-        v = get(var)
-        lst = _parse_list(var, v, roots) if v else base_list
+        v = config.get(var, env)
+        lst = _per_root(var, v, roots) if v else base_list
         for k in range(roots):
             out[(ch, k)] = Endpoint(lst[k], var if v else base_src)
     return out
@@ -332,9 +322,15 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
     world = len(plans)
     env = os.environ if env is None else env
     deadline = time.monotonic() + timeout_s
-    connect_timeout = config.get(ENV_CONNECT_TIMEOUT, env)
-    buf_bytes = config.get(ENV_BUF, env)
-    eps = local_endpoints(topology, roots, env)
+    # A bad setting on one rank is posted like a listen error, so that every rank raises
+    # it together instead of the others waiting out their timeout.
+    setting_error = None
+    try:
+        connect_timeout = config.get(ENV_CONNECT_TIMEOUT, env)
+        buf_bytes = config.get(ENV_BUF, env)
+        eps = local_endpoints(topology, roots, env)
+    except ConfigError as e:
+        setting_error, eps = f"rank {rank}: {e}", {}
 
     # Who connects to this rank, and on which of its listeners.
     expected: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -348,7 +344,7 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
     listeners: dict[tuple[int, int], socket.socket] = {}
     error = None
     published = {}
-    for key in sorted(set(expected.values())):
+    for key in sorted(set(expected.values())) if setting_error is None else ():
         ep = eps[key]
         ls = socket.socket(_family(ep.addr), socket.SOCK_STREAM)
         try:
@@ -362,7 +358,7 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
             break
         listeners[key] = ls
         published[f"{key[0]}/{key[1]}"] = [ep.addr, ls.getsockname()[1]]
-    mine = {"listen": published, "error": error}
+    mine = {"listen": published, "error": error, "setting_error": setting_error}
     if rank == 0:
         mine["secret"] = secrets.token_hex(SECRET_BYTES)
     acceptor = None
@@ -370,6 +366,9 @@ def connect(rv, plans, rank: int, topology: str, roots: int, timeout_s: float,
     try:
         infos = rv.exchange("tcp-listen", mine, "publish its tcp listening addresses",
                             timeout_s=max(1.0, deadline - time.monotonic()))
+        bad = [i["setting_error"] for i in infos if i.get("setting_error")]
+        if bad:
+            raise ConfigError("sparkccl tcp transport: " + "; ".join(bad))
         errors = [i["error"] for i in infos if i.get("error")]
         if errors:
             raise CollectiveError("sparkccl tcp transport: cannot listen:\n  " + "\n  ".join(errors),

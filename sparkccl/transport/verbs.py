@@ -55,6 +55,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from .. import config
 from ..bootstrap import describe_disagreement
 from ..buffers import LABELS
 from ..errors import CollectiveError
@@ -70,7 +71,6 @@ ENV_RNR_RETRY = "SPARKCCL_IB_RNR_RETRY"
 ENV_ORDERING = "SPARKCCL_IB_ORDERING"
 ENV_TC = "SPARKCCL_IB_TC"
 ENV_SL = "SPARKCCL_IB_SL"
-ORDERINGS = ("inline", "strict")
 
 MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 MTU_BYTES = {v: k for k, v in MTU_ENUM.items()}
@@ -105,48 +105,18 @@ class VerbsSettings:
                     service_level=self.service_level, stall_s=self.stall_s)
 
 
-def _int_setting(name: str, arg, env: Mapping[str, str], fallbacks: tuple[str, ...],
-                 default: int, lo: int, hi: int) -> int:
-    if arg is not None:
-        src, text = name.lower(), arg
-    else:
-        src, text = None, None
-        for var in (name, *fallbacks):
-            v = env.get(var)
-            if v is not None and v.strip():
-                src, text = var, v.strip()
-                break
-        if src is None:
-            return default
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{src}={text!r}: expected an integer {lo}..{hi}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{src}={value}: must be {lo}..{hi}")
-    return value
-
-
 def resolve_settings(env: Mapping[str, str] | None = None, *, timeout=None, retry_cnt=None,
                      rnr_retry=None, ordering=None, traffic_class=None, service_level=None,
                      stall_s: float = 120.0) -> VerbsSettings:
-    """Arguments, then ``SPARKCCL_IB_*``, then ``NCCL_IB_*``, then defaults; ValueError names
-    the bad argument or variable."""
-    env = os.environ if env is None else env
-    if ordering is None:
-        ordering = (env.get(ENV_ORDERING) or "inline").strip().lower() or "inline"
-        src = ENV_ORDERING
-    else:
-        src = "ordering"
-    if ordering not in ORDERINGS:
-        raise ValueError(f"{src}={ordering!r}: must be 'inline' or 'strict'")
+    """Arguments, then ``SPARKCCL_IB_*``, then ``NCCL_IB_*``, then defaults, each through its
+    declaration in :mod:`sparkccl.config` (ConfigError names the argument or variable)."""
     return VerbsSettings(
-        timeout=_int_setting(ENV_TIMEOUT, timeout, env, ("NCCL_IB_TIMEOUT",), 18, 1, 31),
-        retry_cnt=_int_setting(ENV_RETRY_CNT, retry_cnt, env, ("NCCL_IB_RETRY_CNT",), 7, 0, 7),
-        rnr_retry=_int_setting(ENV_RNR_RETRY, rnr_retry, env, (), 7, 0, 7),
-        ordering=ordering,
-        traffic_class=_int_setting(ENV_TC, traffic_class, env, ("NCCL_IB_TC",), 0, 0, 255),
-        service_level=_int_setting(ENV_SL, service_level, env, ("NCCL_IB_SL",), 0, 0, 15),
+        timeout=config.setting(ENV_TIMEOUT, timeout, "timeout", env),
+        retry_cnt=config.setting(ENV_RETRY_CNT, retry_cnt, "retry_cnt", env),
+        rnr_retry=config.setting(ENV_RNR_RETRY, rnr_retry, "rnr_retry", env),
+        ordering=config.setting(ENV_ORDERING, ordering, "ordering", env),
+        traffic_class=config.setting(ENV_TC, traffic_class, "traffic_class", env),
+        service_level=config.setting(ENV_SL, service_level, "service_level", env),
         stall_s=float(stall_s))
 
 
@@ -328,12 +298,14 @@ class VerbsLink:
 
     def __init__(self, rv, plans, rank: int, topology: str, roots: int, *,
                  settings: VerbsSettings | None = None, env: Mapping[str, str] | None = None,
-                 selection: Selection | None = None, timeout_s: float = 120.0):
+                 selection: Selection | None = None, timeout_s: float = 120.0,
+                 stall_s: float = 120.0):
         self.rv, self.plans, self.rank = rv, plans, rank
         self.world = len(plans)
         self.topology, self.roots = topology, roots
         self.env = os.environ if env is None else env
-        self.settings = settings
+        self.settings = settings  # None: resolved in _open, whose errors every rank hears
+        self.stall_s = stall_s
         self.selection = selection
         self.timeout_s = timeout_s
         self.endpoint = None
@@ -354,7 +326,7 @@ class VerbsLink:
         if not ok:
             raise RuntimeError(f"verbs transport: {lib}")
         if self.settings is None:
-            self.settings = resolve_settings(self.env)
+            self.settings = resolve_settings(self.env, stall_s=self.stall_s)
         sel = self.selection
         if sel is None:
             sel = select_lanes(self.topology, self.roots, rank=self.rank, env=self.env)
@@ -500,12 +472,13 @@ class VerbsLink:
 
 
 def connect(rv, plans, rank: int, topology: str, roots: int, proxy, memory, *,
-            timeout_s: float = 120.0, env=None, selection=None, settings=None) -> VerbsLink:
+            timeout_s: float = 120.0, env=None, selection=None, settings=None,
+            stall_s: float = 120.0) -> VerbsLink:
     """Bring the verbs transport up for ``proxy`` (see the module docstring); all ranks
     call it together. Returns the :class:`VerbsLink` (keep it for :meth:`VerbsLink.add_memory`
     and :meth:`VerbsLink.close`)."""
     link = VerbsLink(rv, plans, rank, topology, roots, settings=settings, env=env,
-                     selection=selection, timeout_s=timeout_s)
+                     selection=selection, timeout_s=timeout_s, stall_s=stall_s)
     try:
         link.connect(proxy, memory)
     except BaseException:
@@ -566,7 +539,7 @@ class VerbsTransport(Transport):
             memory.update(self._memory(kind))
         self.link = connect(c.rv, c.plans, c.rank, c.topology, c.roots, proxy, memory,
                             timeout_s=c.bootstrap_timeout_s,
-                            settings=resolve_settings(stall_s=c.timeout_s))
+                            stall_s=c.timeout_s)
         log.info("sparkccl: rank %d: verbs lanes (%s ordering): %s", c.rank,
                  self.link.settings.ordering, "; ".join(self.link.describe()))
 
