@@ -1,6 +1,6 @@
 """Fused MoE finalize + reduce-scatter against the unfused path, 2 ranks on 2 GPUs.
 
-One MoE layer's combine under sequence parallelism (SPEC §6), T = 16384 tokens, H = 4096,
+One MoE layer's combine under sequence parallelism (docs/CONTRACT.md §4), T = 16384 tokens, H = 4096,
 topk = 8 by default: every rank holds partial expert outputs y [T * topk, H] (bf16), the
 routing (pos, weights) and the shared-expert output [T, H], and ends with its T / W rows of
 the sum over ranks.

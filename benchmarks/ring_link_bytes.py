@@ -5,7 +5,7 @@ veth pair per root to box r+1's "prev" port, no routes between non-neighbours), 
 sparkccl over the tcp transport in every box, and around one large all-gather and one
 large reduce-scatter reads every veth's tx byte counter (from sysfs inside the box). Each
 port's measured bytes (both roots' links together) are compared with the plan's payload
-for that port (SPEC §5, ring W=4: all-gather 1.5 slices per port, reduce-scatter 2), and
+for that port (docs/CONTRACT.md §3, ring W=4: all-gather 1.5 slices per port, reduce-scatter 2), and
 the remainder is split into the transport's frame headers (24 bytes per write and per
 flag) and TCP/IP/Ethernet overhead.
 

@@ -1,4 +1,4 @@
-"""The MoE finalize fused into the reduce-scatter (SPEC §6): input checks and the validated
+"""The MoE finalize fused into the reduce-scatter (docs/CONTRACT.md §4): input checks and the validated
 inputs the data planes work from.
 
 Under sequence parallelism every rank holds partial MoE outputs for all T tokens; token row

@@ -1,6 +1,6 @@
 """A multi-host testbed on one machine: "boxes" in network namespaces joined by veth links.
 
-Two fabrics (SPEC §2), each with a separate **management** bridge that every box joins
+Two fabrics (docs/CONTRACT.md §3), each with a separate **management** bridge that every box joins
 (like a cluster's LAN) and that carries only the bootstrap store:
 
 * ``switch``: every box has one veth per root, ``rt0`` / ``rt1``, on a bridge per root

@@ -1,4 +1,4 @@
-"""Failure behaviour (SPEC §9): no hang, clear errors, nothing left in /dev/shm, recovery
+"""Failure behaviour (docs/CONTRACT.md §5): no hang, clear errors, nothing left in /dev/shm, recovery
 by building a new communicator in the same processes."""
 from __future__ import annotations
 

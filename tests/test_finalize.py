@@ -1,4 +1,4 @@
-"""The MoE finalize fused into the reduce-scatter (SPEC §6), checked bit for bit.
+"""The MoE finalize fused into the reduce-scatter (docs/CONTRACT.md §4), checked bit for bit.
 
 * the numpy reference's fp32 FMA (``sparkccl.reference.fma_f32``) against exact rational
   arithmetic, including cases where a float64 multiply-add rounds twice and gets it wrong;

@@ -109,7 +109,7 @@ def test_ring_talks_only_to_neighbours_and_world4_relays_through_own_block():
     staged = [it for s in p.streams_of(Op.RS) for it in s.items
               if s.origin == 1 and it.dst_region == Region.RS_RECV and it.dst_block in (1, 2, 0)
               and it.src_block == 3]
-    # Chunk r+2 goes half each way into the neighbour's own RS recv position (SPEC §5).
+    # Chunk r+2 goes half each way into the neighbour's own RS recv position (docs/CONTRACT.md §3).
     assert {(it.dst_block, it.part.half) for it in staged} == {(2, 0), (0, 1)}
     assert build_plan("ring", 4, 0, 2).rs_recv_blocks == 4
 

@@ -8,7 +8,7 @@ management bridge.
 * mesh on a ring fabric fails on every rank with an error naming the unreachable peer and
   address;
 * a link taken down in the middle of a burst: CollectiveError on every rank, no hang;
-* bytes per ring link per call (W=4) from the links' counters, against the plan (SPEC §5).
+* bytes per ring link per call (W=4) from the links' counters, against the plan (docs/CONTRACT.md §3).
 
 Needs root and iproute2 (``ip``); skipped with the reason otherwise.
 """

@@ -1,5 +1,5 @@
-// The CPU twin of the MoE finalize rows (SPEC §6; the GPU version is sccl_finalize in
-// sparkccl/dataplane/kernels.cu): for each token row t,
+// The CPU twin of the MoE finalize rows (docs/CONTRACT.md §4; the GPU version is
+// sccl_finalize in sparkccl/dataplane/kernels/finalize.cu): for each token row t,
 //
 //   acc = float(shared[t]);  acc = fmaf(w[t, k], yv(pos[t * topk + k]), acc)  for k = 0..topk-1
 //   row[t] = bf16(acc)  (round to nearest even; NaN stays NaN)

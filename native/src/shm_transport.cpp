@@ -1,4 +1,4 @@
-// shm transport (SPEC §7): ranks on one host. Each connection has one copy worker thread
+// shm transport (docs/PROTOCOL.md "The transport contract"): ranks on one host. Each connection has one copy worker thread
 // that performs its operations in order: memcpy for a write, and for a flag a full fence
 // then a release store of the value into the peer's flag word. Idle workers block on a
 // condition variable (many ranks may share few cores: no busy waiting here).

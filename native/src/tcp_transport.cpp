@@ -1,4 +1,4 @@
-// tcp transport (SPEC §7): any IP network. One TCP socket per connection of the plan,
+// tcp transport (docs/PROTOCOL.md "The transport contract"): any IP network. One TCP socket per connection of the plan,
 // connected and authenticated by Python (sparkccl/transport/tcp.py) and handed over as file
 // descriptors; this file only moves frames.
 //

@@ -1,4 +1,4 @@
-// The transport contract (SPEC §7), shaped like RC queue pairs: per connection an ordered
+// The transport contract (docs/PROTOCOL.md "The transport contract"), shaped like RC queue pairs: per connection an ordered
 // stream of write(local off, len, remote off) and flag(remote word, value), where a flag
 // becomes visible only after every earlier write on that connection, plus polling for
 // asynchronous completion errors. The proxy is the only caller (one thread).

@@ -1,13 +1,13 @@
 // The subset of the libibverbs ABI the verbs transport uses, declared here so that the
 // package builds and imports without rdma-core (no <infiniband/verbs.h> at build time) and
-// loads libibverbs.so.1 with dlopen at run time (SPEC §7).
+// loads libibverbs.so.1 with dlopen at run time (docs/PROTOCOL.md "The transport contract").
 //
 // These are the stable, versioned ABI of libibverbs (IBVERBS_1.1 symbols and the structs
 // they take): struct layouts, enum values and the per-context ops vector through which
 // verbs.h's inline ibv_post_send / ibv_post_recv / ibv_poll_cq dispatch. Only the fields we
 // touch are named; the rest is padding of the right size. tests/verbs_abi_check.cpp
 // static_asserts every size and offset below against the real header when one is installed
-// (Debian/Ubuntu package: libibverbs-dev); tests/test_verbs_fake.py compiles it.
+// (Debian/Ubuntu package: libibverbs-dev); tests/test_verbs_fake.py compiles and runs it.
 //
 // Names live in namespace sparkccl::ibv and deliberately differ from verbs.h's (which
 // defines some constants as macros), so both headers can be included together.

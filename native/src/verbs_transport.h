@@ -1,4 +1,4 @@
-// verbs transport (SPEC §7): RDMA RC queue pairs over libibverbs (loaded at run time).
+// verbs transport (docs/PROTOCOL.md "The transport contract"): RDMA RC queue pairs over libibverbs (loaded at run time).
 //
 // One RC QP per plan connection (peer, channel, root), on the device ("lane") Python chose
 // for that (channel, root). Data = RDMA WRITE, unsignaled; flag = the 8-byte value as an

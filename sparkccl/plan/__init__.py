@@ -1,4 +1,4 @@
-"""Plans: every collective's schedule as data (SPEC §8.1), and the verifier that proves it."""
+"""Plans: every collective's schedule as data (docs/ARCHITECTURE.md), and the verifier that proves it."""
 from .build import build_all, build_plan
 from .geometry import PIECES, Part, flag_value, piece_bounds, sub_range
 from .model import Op, RankPlan, Region, flag_word

@@ -46,7 +46,7 @@ def _ring_path(world: int, origin: int, hops: int, step: int) -> tuple[int, ...]
 
 
 def _ring_routes(world: int, origin: int, target: int) -> tuple[Leg, ...]:
-    """Shortest way round; a target exactly opposite gets half each way (SPEC §5)."""
+    """Shortest way round; a target exactly opposite gets half each way (docs/CONTRACT.md §3)."""
     d = (target - origin) % world
     fwd, back = d, world - d
     if fwd < back:
@@ -103,7 +103,7 @@ def _leg_part(leg: Leg, root: int, roots: int) -> Part:
 
 def _connections(topology: str, world: int, rank: int, roots: int) -> tuple[Connection, ...]:
     if topology == "mesh":
-        # Rank r serves r+1, r+2, ... in turn, which staggers incast (SPEC §4).
+        # Rank r serves r+1, r+2, ... in turn, which staggers incast (docs/PROTOCOL.md).
         peers = [((rank + k) % world, MESH_CHANNEL) for k in range(1, world)]
     else:
         peers = [((rank + 1) % world, NEXT), ((rank - 1) % world, PREV)]

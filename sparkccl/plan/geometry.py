@@ -13,7 +13,7 @@ from typing import NamedTuple
 from ..layout import protocol_constants
 
 PIECES: int = protocol_constants()["PIECES"]
-"""Each collective's slice is cut into this many pieces (SPEC §4)."""
+"""Each collective's slice is cut into this many pieces (docs/PROTOCOL.md)."""
 
 ALIGN: int = protocol_constants()["ALIGN"]
 """Piece boundaries and half splits fall on multiples of this many bytes."""

@@ -31,7 +31,7 @@ class Op(IntEnum):
 
 
 class Region(IntEnum):
-    """Registered regions of a rank (SPEC §4). Offsets are ``slot * stride + block * slice``."""
+    """Registered regions of a rank (docs/PROTOCOL.md). Offsets are ``slot * stride + block * slice``."""
 
     AG = 0  # 3 slots, block i = rank i's slice
     RS_SEND = 1  # 2 slots, block j = chunk for rank j
@@ -42,7 +42,7 @@ REGION_SLOTS = {Region.AG: 3, Region.RS_SEND: 2, Region.RS_RECV: 2}
 
 MESH_CHANNEL = 0
 PREV, NEXT = 0, 1
-"""Ring channels: 0 is the port facing prev, 1 the port facing next (SPEC §5)."""
+"""Ring channels: 0 is the port facing prev, 1 the port facing next (docs/CONTRACT.md §3)."""
 
 
 def arrival(topology: str, channel: int) -> int:

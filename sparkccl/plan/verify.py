@@ -17,7 +17,7 @@ Checked:
 * every wait is satisfied (no deadlock), and what a wait releases (a data-plane read or
   a relay) is covered: each byte it reads was written on a connection before the flag
   write that satisfied the wait;
-* slot reuse (SPEC §4): a write into a slot for collective s2 starts only after every
+* slot reuse (docs/PROTOCOL.md): a write into a slot for collective s2 starts only after every
   read of that slot for an earlier collective s1 provably finished, expressed through
   happens-before vectors over the data planes' "done" events.
 

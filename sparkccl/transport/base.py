@@ -8,7 +8,9 @@ Hooks, in the order the Communicator calls them (every rank together; the transp
 formats are in docs/PROTOCOL.md):
 
 1. ``probe(requested, topology, roots)`` (class method): this rank's facts for the join
-   record; ``why_not(infos, explicit)``: None if these ranks can use it, else why.
+   record; ``why_not(infos, explicit)``: None if these ranks can use it, else why;
+   ``setup_watch(infos, rank)``: a check the setup barriers run (shm: are the peers'
+   processes alive?), or None.
 2. ``connect()``: exchange and connect, before the proxy exists (shm: map the peers'
    segments; tcp: the sockets; verbs: nothing yet).
 3. ``attach(proxy)``: hand the (not yet started) native proxy its transport and the
@@ -16,6 +18,12 @@ formats are in docs/PROTOCOL.md):
 4. ``add_segment(proxy, kind, abort_check)``: a segment created later (the reduce-scatter
    buffers on first use), after this rank's proxy knows its own regions in it.
 5. ``close()``: after the proxy stopped.
+
+Besides: ``peer_segment(peer, kind)`` (a peer's mapped segment, for the GPU-direct engines
+of transports with ``maps_peers``), ``unlink_names()`` (remove this communicator's names
+from /dev/shm after a failed setup), and the class flags ``maps_peers`` and
+``needs_liveness`` (the Communicator runs the liveness channel of
+:mod:`sparkccl.liveness` for transports that do not see a peer's death by themselves).
 """
 from __future__ import annotations
 

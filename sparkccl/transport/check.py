@@ -4,7 +4,7 @@ write and one flag, for any transport (shm, tcp, verbs).
 For each connection of its plan that carries a stream, a rank writes 16 bytes that name
 (sender, receiver, flag word) from its AG slot 1 into the receiver's AG slot 2 at
 ``16 * word``, then writes value 1 into ``word`` -- the flag word of the connection's first
-stream, which only that connection ever writes (SPEC §4), and which nothing waits on yet.
+stream, which only that connection ever writes (docs/PROTOCOL.md), and which nothing waits on yet.
 It then waits, with a timeout, until its own writes completed and every connection
 arriving here delivered its flag, and checks the 16 bytes that came with each (a flag
 visible before its data would show here as a mismatch). It resets what the check wrote

@@ -15,7 +15,7 @@ communicator:
 3. Every rank publishes whether all of its connections worked; if any failed, every rank
    raises the same :class:`CollectiveError` listing each failure (peer, address, cause).
 
-Addresses (SPEC §10: arguments, then ``SPARKCCL_*``, then defaults), one per root,
+Addresses (docs/CONTRACT.md §6: arguments, then ``SPARKCCL_*``, then defaults), one per root,
 comma-separated (one address alone is used for every root):
 
 | variable | used for |

@@ -5,7 +5,7 @@ libibverbs loaded at run time) opens devices, creates and connects QPs, register
 and moves bytes; everything that is a decision happens here, once per communicator:
 
 1. **Lanes.** Which device port (and GID) carries each (channel, root) of the plan:
-   :func:`sparkccl.fabric.select_mesh` / :func:`~sparkccl.fabric.select_ring` (SPEC §10:
+   :func:`sparkccl.fabric.select_mesh` / :func:`~sparkccl.fabric.select_ring` (docs/CONTRACT.md §6:
    arguments, ``SPARKCCL_IB_HCA`` / ``SPARKCCL_RING_PREV_HCA`` + ``SPARKCCL_RING_NEXT_HCA``,
    ``NCCL_IB_HCA``, then discovery; GID: ``SPARKCCL_IB_GID_INDEX``, ``NCCL_IB_GID_INDEX``,
    else the RoCE v2 GID of the root's own IPv4 address). Mesh: lane (0, k) = root k of
