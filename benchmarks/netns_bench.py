@@ -26,7 +26,10 @@ import netns  # noqa: E402
 
 def main(argv=None) -> int:
     from sparkccl.bench import run_bench
-    from sparkccl.cli import _size
+    from sparkccl.config import parse_bytes
+
+    def _size(text: str) -> int:
+        return parse_bytes(text, "a size")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fabric", choices=["switch", "ring"], default="switch")
     ap.add_argument("--world", type=int, default=4)
