@@ -36,16 +36,9 @@ struct PubArgs {
 };
 
 __device__ __forceinline__ void arrive_flag(u32* counter, u32 n, u64* flag, u64 value) {
-  __threadfence_system();  // this thread's data writes before the count (and the flag)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32 old = atomicAdd(counter, 1u);
-    if (old == n - 1) {
-      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
-      *counter = 0;     // ready for the launch that reuses this counter
-      __threadfence_system();
-      st_release_sys(flag, value);
-    }
+  if (last_block_arrives(counter, n)) {
+    __threadfence_system();
+    st_release_sys(flag, value);
   }
 }
 

@@ -21,23 +21,29 @@ __device__ __forceinline__ void write_entry(u8* ring, u64 index, u64 seq, u64 S,
   st_release_sys((u64*)(ent + ENT_TAG), index + 1);
 }
 
+// Called by every thread of a block after its writes of a piece. True in thread 0 of the
+// last of the n blocks of the piece to get here; every block's writes are then visible to
+// what that thread writes next (the tag of a ring entry, a flag word).
+__device__ __forceinline__ bool last_block_arrives(u32* counter, u32 n) {
+  __threadfence_system();  // this thread's data writes before the count (and what follows)
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  if (atomicAdd(counter, 1u) != n - 1) return false;
+  __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
+  *counter = 0;     // ready for the launch that reuses this counter
+  return true;
+}
+
 // Called by every thread of a block after its share of piece c is written. The last of
 // `bpp` blocks to get here writes ring entry `index`.
 // chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
 // every chunk, and this data plane already executed its publish-triggered streams).
 __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64 index, u64 seq,
                                              u64 S, u32 op, int c, u32 chunk = (u32)CHUNK_ALL) {
-  __threadfence_system();  // this thread's data writes before the count (and the tag)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32 old = atomicAdd(counter, 1u);
-    if (old == bpp - 1) {
-      __threadfence();  // acquire the other blocks' counts (and, cumulatively, their data)
-      *counter = 0;     // ready for the launch that reuses this counter
-      u64 lo, hi;
-      piece_bounds(S, c, &lo, &hi);
-      write_entry(ring, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
-    }
+  if (last_block_arrives(counter, bpp)) {
+    u64 lo, hi;
+    piece_bounds(S, c, &lo, &hi);
+    write_entry(ring, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
   }
 }
 
