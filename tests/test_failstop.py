@@ -123,10 +123,18 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
         t0 = time.monotonic()
         try:
             for k in range(3, 3 + RUN):
-                outs.append(_call(comm, op, xs[k]))
+                y = _call(comm, op, xs[k])
                 if device == "cuda":
-                    dones.append(torch.cuda.Event())
-                    dones[-1].record()
+                    try:
+                        done = torch.cuda.Event()
+                        done.record()
+                    except RuntimeError as e:  # the trap came between the call and this
+                        rec["raised_at"], rec["error"] = "sync", f"{type(e).__name__}: {e}"
+                        with open(err_path) as f:
+                            rec["stderr_at_error"] = f.read()
+                        break
+                    dones.append(done)
+                outs.append(y)
         except sparkccl.CollectiveError as e:
             rec["raised_at"], rec["error"] = "call", f"{type(e).__name__}: {e}"
         rec["queued"] = len(outs)
