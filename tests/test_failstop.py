@@ -15,6 +15,8 @@ and then reads each output in order. Allowed outcomes, per output:
 Anything else (different data that reads fine) is the silent wrong result the issue is
 about, and fails the test. A trapped CUDA context is unusable, so every rank writes its
 findings to a file and leaves with ``os._exit`` (test code; nothing in it is torn down).
+A rank that hangs instead is killed after RUN_TIMEOUT_S; the failure message then holds
+every rank's record and stderr tail, with its threads' stacks (faulthandler).
 
 The CPU side of the same machinery (watchdog report, ack, trap, poison kernel) is tested
 without a GPU in tests/test_cuda_dataplane.py (``test_fail_stop_*``, ``test_poison_*``);
