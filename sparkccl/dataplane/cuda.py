@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import time
 
