@@ -15,6 +15,8 @@ and then reads each output in order. Allowed outcomes, per output:
 Anything else (different data that reads fine) is the silent wrong result the issue is
 about, and fails the test. A trapped CUDA context is unusable, so every rank writes its
 findings to a file and leaves with ``os._exit`` (test code; nothing in it is torn down).
+A rank that hangs instead is killed after RUN_TIMEOUT_S; the failure message then holds
+every rank's record and stderr tail, with its threads' stacks (faulthandler).
 
 The CPU side of the same machinery (watchdog report, ack, trap, poison kernel) is tested
 without a GPU in tests/test_cuda_dataplane.py (``test_fail_stop_*``, ``test_poison_*``);
@@ -22,9 +24,11 @@ without a GPU in tests/test_cuda_dataplane.py (``test_fail_stop_*``, ``test_pois
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -37,6 +41,13 @@ from sparkccl.localrun import check, run_ranks
 HAVE_GPU = torch.cuda.is_available()
 TIMEOUT_S = 2.0
 RUN = 8  # collectives each survivor queues without synchronizing
+# A hang costs at most RUN_TIMEOUT_S (run_ranks kills the ranks); before that every rank
+# dumps all its threads' stacks into its stderr file (DUMP_S, then every DUMP_S), and a
+# read whose GPU work neither completes nor fails within READ_LIMIT_S is recorded as
+# "stuck" (with the GPU failure record) instead of blocking in a synchronization.
+RUN_TIMEOUT_S = 45
+DUMP_S = 30
+READ_LIMIT_S = 3 * TIMEOUT_S + 1.5 + 6  # the waits' timeouts, ACK_WAIT_NS, a margin
 
 
 def _inputs(op: str, seed: int, rank: int, world: int, device):
@@ -75,9 +86,11 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
     err_path = os.path.join(outdir, f"rank{rank}.err")
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
+    faulthandler.dump_traceback_later(DUMP_S, repeat=True, file=sys.stderr, exit=False)
     rec = {"rank": rank, "outputs": [], "raised_at": None, "error": None}
 
     def finish():
+        faulthandler.cancel_dump_traceback_later()
         with open(err_path) as f:
             rec["stderr"] = f.read()
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
@@ -108,16 +121,31 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
             time.sleep(TIMEOUT_S + 2.5)  # stalled: the survivors give up meanwhile
             rec["stalled"] = True
             finish()
-        outs = []
+        outs, dones = [], []
         t0 = time.monotonic()
         try:
             for k in range(3, 3 + RUN):
-                outs.append(_call(comm, op, xs[k]))
+                y = _call(comm, op, xs[k])
+                if device == "cuda":
+                    try:
+                        done = torch.cuda.Event()
+                        done.record()
+                    except RuntimeError as e:  # the trap came between the call and this
+                        rec["raised_at"], rec["error"] = "sync", f"{type(e).__name__}: {e}"
+                        with open(err_path) as f:
+                            rec["stderr_at_error"] = f.read()
+                        break
+                    dones.append(done)
+                outs.append(y)
         except sparkccl.CollectiveError as e:
             rec["raised_at"], rec["error"] = "call", f"{type(e).__name__}: {e}"
         rec["queued"] = len(outs)
-        for y, want in zip(outs, wants[3:]):
+        for i, (y, want) in enumerate(zip(outs, wants[3:])):
             try:
+                if device == "cuda" and not _completes(dones[i], time.monotonic() + READ_LIMIT_S):
+                    rec["outputs"].append("stuck")
+                    rec["stuck"] = _gpu_words(comm)
+                    break
                 got = y.view(torch.uint8).cpu().numpy().tobytes()
             except Exception as e:  # noqa: BLE001 - a CUDA error after the fail-stop trap
                 rec["outputs"].append("raised")
@@ -147,6 +175,30 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
         rec["error"] = rec["error"] or f"{type(e).__name__}: {e}"
         rec["unexpected"] = True
     finish()
+
+
+def _completes(event, deadline: float) -> bool:
+    """Poll instead of synchronizing (a CUDA error after the trap raises here): False if
+    the GPU work neither completed nor failed by the deadline."""
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _gpu_words(comm) -> dict:
+    """The fail-stop words of this rank's data plane, for a stuck read's record."""
+    from sparkccl import layout
+    from sparkccl.dataplane.cuda_runtime import u64_at
+    dp = comm._dp
+    words = {name: int(u64_at(dp.ctl + getattr(layout, name)).value)
+             for name in ("CTL_GPU_STATUS", "CTL_GPU_DETAIL", "CTL_GPU_SEQ", "CTL_GPU_ACK",
+                          "CTL_GPU_MODE", "CTL_ABORT")}
+    words["report"] = getattr(dp, "failure_report", None)
+    t = getattr(dp, "_watchdog_thread", None)
+    words["watchdog_alive"] = bool(t and t.is_alive())
+    return words
 
 
 SCENARIOS = [  # (on_failure, topology, world, scenario, op, extra environment): on the GPU
@@ -190,8 +242,9 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
     label = _id((mode, topology, world, scenario, op, env)) + ("" if device == "cuda" else "-cpu")
     env = dict(env, SPARKCCL_ON_FAILURE=mode)
     t0 = time.monotonic()
-    run_ranks(failstop_job, world, args=(topology, scenario, op, str(tmp_path), device),
-              env=env, timeout_s=120)
+    results = run_ranks(failstop_job, world,
+                        args=(topology, scenario, op, str(tmp_path), device),
+                        env=env, timeout_s=RUN_TIMEOUT_S)
     victim = world - 1
     lines = [f"{label}: {time.monotonic() - t0:.1f} s"]
     problems = []
@@ -207,6 +260,9 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
                      f"{(rec['error'] or '')[:300]}")
         if rec.get("unexpected"):
             problems.append(f"rank {r}: unexpected {rec['error']}")
+        if "stuck" in rec["outputs"]:
+            problems.append(f"rank {r}: an output neither completed nor failed on the GPU "
+                            f"within {READ_LIMIT_S:g} s; fail-stop words: {rec.get('stuck')}")
         if "WRONG" in rec["outputs"]:
             problems.append(f"rank {r}: wrong data read silently: {rec['outputs']}")
         if rec["raised_at"] is None and "poison" not in rec["outputs"]:
@@ -234,8 +290,32 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
             seen = rec["outputs"]
             if "poison" in seen and "exact" in seen[seen.index("poison"):]:
                 problems.append(f"rank {r}: an exact output after a poisoned one: {seen}")
+    if problems:
+        lines += _every_rank(tmp_path, world, results)
     print("\n".join(lines))
     assert not problems, "\n".join(problems + lines)
+
+
+def _every_rank(tmp_path, world: int, results) -> list[str]:
+    """On failure: each rank's (the victim's too) exit, record and stderr tail (where a
+    hung rank's stack dumps are)."""
+    out = []
+    for r in range(world):
+        res = results[r]
+        out.append(f"---- rank {r}: {res.error_type or 'exited'} {res.message or ''} "
+                   f"(exit code {res.exitcode})")
+        path = tmp_path / f"rank{r}.json"
+        if path.exists():
+            rec = json.loads(path.read_text())
+            rec.pop("stderr", None)
+            rec.pop("stderr_at_error", None)
+            out.append(f"  record: {json.dumps(rec)[:1500]}")
+        else:
+            out.append("  no record")
+        err = tmp_path / f"rank{r}.err"
+        tail = err.read_text(errors="replace")[-6000:] if err.exists() else "(no stderr file)"
+        out.append("  stderr tail:\n" + "\n".join("    " + x for x in tail.splitlines()))
+    return out
 
 
 # ---------------------------------------------------------------- check() on the CPU

@@ -60,7 +60,7 @@ from __future__ import annotations
 from __future__ import annotations
 
 import ctypes
-import sys
+import os
 import threading
 import time
 
@@ -804,20 +804,30 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 return
 
     def _report_gpu_failure(self) -> None:
+        # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here
+        # may wait on the main thread. So no Python io object (sys.stderr's buffer lock may
+        # be held by a thread that is itself waiting), and the ack in `finally`, whatever
+        # the report did.
         try:
-            self.check_status()
-            text = f"rank {self.rank}: a GPU wait failed"
-        except CollectiveError as e:
-            text = str(e)
-        except Exception as e:  # the report must not die before the ack
-            text = f"rank {self.rank}: a GPU wait failed ({e!r})"
-        self.failure_report = text
-        if self.on_failure == "stop":
-            print(f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: stopping "
-                  "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
-                  "synchronization in this process raises a CUDA error; restart the process",
-                  file=sys.stderr, flush=True)
-        _u64(self.ctl + CTL_GPU_ACK).value = 1
+            try:
+                self.check_status()
+                text = f"rank {self.rank}: a GPU wait failed"
+            except CollectiveError as e:
+                text = str(e)
+            except Exception as e:  # the report must not die before the ack
+                text = f"rank {self.rank}: a GPU wait failed ({e!r})"
+            self.failure_report = text
+            if self.on_failure == "stop":
+                line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: stopping "
+                        "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
+                        "synchronization in this process raises a CUDA error; restart the "
+                        "process\n")
+                try:
+                    os.write(2, line.encode("utf-8", "replace"))
+                except OSError:
+                    pass
+        finally:
+            _u64(self.ctl + CTL_GPU_ACK).value = 1
 
     def _stop_watchdog(self) -> None:
         """Before the control segment may be unmapped: the thread reads it."""
