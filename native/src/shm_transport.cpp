@@ -119,12 +119,7 @@ class ShmTransport final : public Transport {
 
   bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
 
-  uint64_t outstanding() const override {
-    uint64_t n = 0;
-    for (auto& w : workers_)
-      n += w->posted.load(std::memory_order_relaxed) - w->done.load(std::memory_order_acquire);
-    return n;
-  }
+  uint64_t outstanding() const override { return outstanding_in(workers_); }
 
  private:
   Registry* reg_;

@@ -322,12 +322,7 @@ class TcpTransport final : public Transport {
     return true;
   }
 
-  uint64_t outstanding() const override {
-    uint64_t n = 0;
-    for (auto& s : senders_)
-      n += s->posted.load(std::memory_order_relaxed) - s->done.load(std::memory_order_acquire);
-    return n;
-  }
+  uint64_t outstanding() const override { return outstanding_in(senders_); }
 
  private:
   void receive(const TcpRecvConn& c) {

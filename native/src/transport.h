@@ -163,6 +163,18 @@ struct OrderedQueue {
     }
     if (wake) cv.notify_one();
   }
+
+  uint64_t outstanding() const {
+    return posted.load(std::memory_order_relaxed) - done.load(std::memory_order_acquire);
+  }
 };
+
+// Operations posted and not yet done over every queue of a transport.
+template <class Queues>
+uint64_t outstanding_in(const Queues& queues) {
+  uint64_t n = 0;
+  for (auto& q : queues) n += q->outstanding();
+  return n;
+}
 
 }  // namespace sparkccl
