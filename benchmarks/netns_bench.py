@@ -15,6 +15,8 @@ Needs root and iproute2. From the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 
@@ -59,9 +61,58 @@ def main(argv=None) -> int:
             e.setdefault("SPARKCCL_ROOTS", str(a.roots))
             return fab.run(fn, args, env=e, timeout_s=1800)
 
-        return run_bench(world=a.world, topology=topology, transport="tcp", device="cpu",
-                         min_bytes=a.min_bytes, max_bytes=a.max_bytes, iters=a.iters,
-                         baseline=not a.no_baseline, runner=runner)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(_Tee(out, sys.stdout)):
+            rc = run_bench(world=a.world, topology=topology, transport="tcp", device="cpu",
+                           min_bytes=a.min_bytes, max_bytes=a.max_bytes, iters=a.iters,
+                           baseline=not a.no_baseline, runner=runner)
+        if rc == 0 and a.rate:
+            _against_line_rate(out.getvalue(), topology, a.world, a.roots, a.rate)
+        return rc
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()
+
+
+def _rate_gbps(rate: str) -> float:
+    """tc's rate ("1gbit", "200mbit", "500kbit") in Gb/s."""
+    units = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}
+    for u, f in units.items():
+        if rate.lower().endswith(u):
+            return float(rate[:-len(u)]) * f
+    raise ValueError(f"--rate {rate!r}: expected e.g. 1gbit, 200mbit")
+
+
+def _against_line_rate(table: str, topology: str, world: int, roots: int, rate: str) -> None:
+    """Gb/s each rank received (busbw x 8) next to the plan's line-rate bound: the tc rate
+    per root link x roots / the plan's max port load (slices per call through the busiest
+    port) x (world - 1)."""
+    sys.path.insert(0, HERE)
+    from emunic_efficiency import max_port_load
+    print(f"\nagainst the line rate ({rate} per root link, {roots} root(s)):")
+    print(f"{'collective':<15} {'size':>10} {'Gb/s/rank':>9} {'bound':>7} {'of bound':>8}")
+    section = None
+    for line in table.splitlines():
+        words = line.split()
+        if words in (["all_gather"], ["reduce_scatter"]):
+            section = words[0]
+            bound = (world - 1) * _rate_gbps(rate) * roots / max_port_load(topology, world,
+                                                                            roots, section)
+        elif section and words and words[0].isdigit():
+            got = float(words[4]) * 8  # busbw (GB/s): what each rank received
+            print(f"{section:<15} {int(words[0]):>10} {got:>9.3f} {bound:>7.3f} "
+                  f"{got / bound:>7.0%}")
 
 
 if __name__ == "__main__":
