@@ -1,4 +1,5 @@
-"""Helpers only the tests use: issuing op lists, bad-input cases, /dev/shm leftovers."""
+"""Helpers only the tests use: issuing op lists, bad-input cases, /dev/shm leftovers, a peer
+killed between collectives."""
 from __future__ import annotations
 
 import os
@@ -59,3 +60,31 @@ def shm_leftovers(token: str) -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and tag in n)
     except FileNotFoundError:
         return []
+
+
+def killed_peer_job(rank, world, store, transport, numel):
+    """Every rank gets one all-gather right, then rank 1 kills itself (SIGKILL) and the
+    survivors go on calling. Returns (the survivor's CollectiveError text or None, seconds
+    from the kill to it)."""
+    import signal
+    import time
+
+    import torch
+
+    import sparkccl
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="mesh",
+                               transport=transport, timeout_s=60) as comm:
+        x = torch.ones(numel)
+        comm.all_gather(x)
+        store.add("first-done", 1)  # every rank has its first result
+        while store.add("first-done", 0) < world:
+            time.sleep(0.01)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            for _ in range(100):
+                comm.all_gather(x)
+        except sparkccl.CollectiveError as e:
+            return str(e), time.monotonic() - t0
+        return None, time.monotonic() - t0

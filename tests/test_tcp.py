@@ -6,7 +6,6 @@ propagation, a killed peer. The multi-host fabrics (switch, ring) are in test_tc
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import struct
 import threading
@@ -26,7 +25,8 @@ from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402
-from membuf import Buf, wait_abort  # noqa: E402 - tests/ is on sys.path under pytest
+from helpers import killed_peer_job  # noqa: E402 - tests/ is on sys.path under pytest
+from membuf import Buf, wait_abort  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 HDR = struct.Struct("<IIQQ")
@@ -407,27 +407,8 @@ def test_loopback_abort_reaches_every_rank():
     assert "peer" in values[2][0] and "aborted" in values[2][0]
 
 
-def killed_job(rank, world, store):
-    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="mesh",
-                               transport="tcp", timeout_s=60) as comm:
-        x = torch.ones(1 << 16)
-        comm.all_gather(x)
-        store.add("first-done", 1)  # every rank has its first result
-        while store.add("first-done", 0) < world:
-            time.sleep(0.01)
-        if rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        t0 = time.monotonic()
-        try:
-            for _ in range(100):
-                comm.all_gather(x)
-        except CollectiveError as e:
-            return str(e), time.monotonic() - t0
-        return None, time.monotonic() - t0
-
-
 def test_loopback_killed_peer_fails_fast():
-    res = run_ranks(killed_job, 3, timeout_s=120)
+    res = run_ranks(killed_peer_job, 3, args=("tcp", 1 << 16), timeout_s=120)
     assert res[1].killed
     for r in (0, 2):
         assert res[r].ok, res[r].message

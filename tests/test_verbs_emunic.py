@@ -8,8 +8,6 @@ test_comm_exact.py and test_comm_burst.py.
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -18,14 +16,14 @@ import sparkccl
 import sparkccl._native as N
 from sparkccl import layout as L
 from sparkccl.errors import CollectiveError
-from sparkccl.plan.model import Region
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
 import emunic
 from fakesysfs import GB10
+from helpers import killed_peer_job
 # The in-process worlds of the fake-verbs tests run unchanged over the emulated NIC.
-from test_verbs_fake import VWorld, _publish_ag, _wait_abort  # noqa: E402
+from test_verbs_fake import VWorld, _wait_abort, bad_rkey_case  # noqa: E402
 
 # A lost peer fails after 4.096 us x 2^12 x (1 + 2) = 50 ms instead of the default ~8.6 s.
 FAST_RETRY = {"SPARKCCL_IB_TIMEOUT": "12", "SPARKCCL_IB_RETRY_CNT": "2"}
@@ -69,31 +67,12 @@ def _exact_job(rank, world, store, topology):
         return comm.transport, ag, rs
 
 
-def _killed_job(rank, world, store):
-    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="mesh",
-                               transport="verbs", timeout_s=60) as comm:
-        x = torch.ones(1 << 14)
-        comm.all_gather(x)
-        store.add("first-done", 1)  # every rank has its first result
-        while store.add("first-done", 0) < world:
-            time.sleep(0.01)
-        if rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        t0 = time.monotonic()
-        try:
-            for _ in range(100):
-                comm.all_gather(x)
-        except CollectiveError as e:
-            return str(e), time.monotonic() - t0
-        return None, time.monotonic() - t0
-
-
 def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
     """Rank 1 dies: the survivors' writes to it are never acknowledged, their QPs fail with
     retry-exceeded after timeout x retries, and each raises CollectiveError (long before the
     60 s collective timeout)."""
     # The liveness channel would see the death first (tests/test_liveness.py): off here.
-    res = run_ranks(_killed_job, 3, env={**emunic_env, **FAST_RETRY, "SPARKCCL_LIVENESS_S": "0"},
+    res = run_ranks(killed_peer_job, 3, args=("verbs", 1 << 14), env={**emunic_env, **FAST_RETRY, "SPARKCCL_LIVENESS_S": "0"},
                     timeout_s=120)
     assert res[1].killed, res[1]
     for r in (0, 2):
@@ -107,19 +86,7 @@ def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
 
 
 def test_bad_rkey_is_remote_access_error(in_process):
-    w = VWorld("mesh", 2, 1, 4096)
-    try:
-        w.check_setup()
-        w.links[1].endpoint.set_remote_key(0, int(Region.AG), 0xDEAD)
-        w.start()
-        _publish_ag(w, 0)
-        code, text = _wait_abort(w, 1)
-        assert code == L.ABORT_TRANSPORT, text
-        assert "remote access error (status 10" in text, text
-        assert "RDMA WRITE of 512 bytes from AG+0x1000 to the peer's AG+0x1000" in text
-        assert "rkey 0xdead" in text and "peer 0" in text and "rocep1s0f1" in text
-    finally:
-        w.stop()
+    bad_rkey_case("remote access error (status 10")
 
 
 def test_port_down_is_an_async_event_on_every_rank(in_process):
