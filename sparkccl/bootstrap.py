@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from . import config
-from .errors import CollectiveError, ConfigError
+from .errors import CollectiveError
 
 POLL_MIN_S = 0.002
 POLL_MAX_S = 0.05
@@ -158,26 +158,18 @@ def validate(infos: list[dict], fields: tuple[str, ...]) -> None:
                          "values on every rank:\n  " + "\n  ".join(problems))
 
 
-def _seconds(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
-    if not v > 0:
-        raise ConfigError(f"{name}={v}: must be > 0 seconds")
-    return float(v)
-
-
 def timeout(bootstrap_timeout_s=None, timeout_s=None) -> tuple[float, str]:
     """(seconds, where they came from): ``bootstrap_timeout_s``, else
     ``SPARKCCL_BOOTSTRAP_TIMEOUT_S``, else the collective timeout (``timeout_s``, else
     ``SPARKCCL_TIMEOUT_S``, else 120 s). No hidden floor: what is asked for is used."""
     if bootstrap_timeout_s is not None:
-        t = _seconds(bootstrap_timeout_s, "bootstrap_timeout_s")
+        t = config.check_seconds(bootstrap_timeout_s, "bootstrap_timeout_s")
         return t, f"bootstrap_timeout_s={t:g}"
     t, src = config.lookup("SPARKCCL_BOOTSTRAP_TIMEOUT_S")
     if src != "default":
         return float(t), f"SPARKCCL_BOOTSTRAP_TIMEOUT_S={t:g}"
     if timeout_s is not None:
-        t = _seconds(timeout_s, "timeout_s")
+        t = config.check_seconds(timeout_s, "timeout_s")
         return t, f"bootstrap_timeout_s defaults to timeout_s={t:g}"
     t, src = config.lookup("SPARKCCL_TIMEOUT_S")
     origin = "SPARKCCL_TIMEOUT_S" if src != "default" else "the default timeout"

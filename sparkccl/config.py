@@ -26,7 +26,6 @@ from .errors import ConfigError
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_BOOTSTRAP_TIMEOUT_S = 120.0
 DEFAULT_ROOTS = 2
 DEFAULT_SPIN_US = 200_000
 DEFAULT_NAP_US = 200
@@ -309,14 +308,19 @@ class Settings:
     gpu_direct: bool = True
 
 
-def _seconds(name: str, arg: str, value, env) -> tuple[float, str]:
-    if value is None:
-        return lookup(name, env)
+def check_seconds(value, arg: str) -> float:
+    """A duration given as an argument: a number > 0 (TypeError / ConfigError naming it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{arg} must be a number of seconds, got {type(value).__name__}")
     if not value > 0:
         raise ConfigError(f"{arg}={value!r}: must be > 0 seconds")
-    return float(value), arg
+    return float(value)
+
+
+def _seconds(name: str, arg: str, value, env) -> tuple[float, str]:
+    if value is None:
+        return lookup(name, env)
+    return check_seconds(value, arg), arg
 
 
 def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = None,
@@ -325,11 +329,11 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     """Settings for one communicator: each argument beats its ``SPARKCCL_*`` variable, which
     beats the default. Raises :class:`ConfigError` naming the bad argument or variable."""
     if slot_bytes is None:
-        slot, slot_src = lookup("SPARKCCL_SLOT_BYTES", env)
+        slot = get("SPARKCCL_SLOT_BYTES", env)
     else:
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, (int, str)):
             raise TypeError(f"slot_bytes must be an int (bytes), got {type(slot_bytes).__name__}")
-        slot, slot_src = parse_bytes(slot_bytes, "slot_bytes"), "slot_bytes"
+        slot = parse_bytes(slot_bytes, "slot_bytes")
         if slot < MIN_SLOT_BYTES:
             raise ConfigError(f"slot_bytes={slot}: must be at least {MIN_SLOT_BYTES} bytes")
     timeout, _ = _seconds("SPARKCCL_TIMEOUT_S", "timeout_s", timeout_s, env)
