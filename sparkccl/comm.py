@@ -262,7 +262,7 @@ class Communicator:
         slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
         self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
                                      t["connections"], t["streams"], t["items"], slots,
-                                     s.spin_us, s.nap_us, transport=chosen.native_kind)
+                                     s.spin_us, s.nap_us)
         for kind in bufs.segments:
             bufs.wire(px, kind)
         link.attach(px)
