@@ -932,7 +932,7 @@ def _failing_job(comm, r):
     comm.all_gather(torch.ones(4096))
     _both_done.wait(10)  # every write of that collective has landed on both ranks
     if r == 0:
-        link = comm._link.link
+        link = comm._wiring.link.link
         qpn = link.endpoint.connections()[0]["qpn"]
         FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
     try:
