@@ -344,6 +344,7 @@ class World:
                 t = plan.to_tables()
                 p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].addr + L.FLAGS_OFFSET,
                             t["connections"], t["streams"], t["items"], SLOTS, 2000, 50)
+                p.attach(N.ShmTransport())
                 self._regions(p.set_region, r)
                 for q in range(world):
                     if q != r:

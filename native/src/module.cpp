@@ -106,7 +106,7 @@ void bind_cuda_ops(nb::module_& m);  // cuda_ops.cpp: the copy-engine data plane
 
 NB_MODULE(_native, m) {
   m.doc() = "sparkccl native layer: control block, publish/wait helpers, the proxy, and its shm, tcp and verbs transports";
-  m.attr("ABI_VERSION") = 2;
+  m.attr("ABI_VERSION") = 3;
 
   m.def("layout", &layout_dict, "The control-segment layout constants (names as in sparkccl/layout.py).");
   m.def("protocol", &protocol_dict, "Every constant of sparkccl/include/sparkccl/protocol.h.");
@@ -201,22 +201,33 @@ NB_MODULE(_native, m) {
       },
       "ctl_addr"_a);
 
+  // Every transport reaches the proxy the same way: one of these, given to Proxy.attach.
+  nb::class_<TransportFactory>(m, "TransportFactory")
+      .def_prop_ro("kind", [](const TransportFactory& f) { return std::string(f.kind()); });
+  nb::class_<ShmFactory, TransportFactory>(m, "ShmTransport")
+      .def(nb::init<>(), "Copies into the peers' regions mapped here (Proxy.set_peer_region).");
+  nb::class_<TcpFactory, TransportFactory>(m, "TcpTransport")
+      .def(nb::init<std::vector<int>, const std::vector<std::vector<int64_t>>&>(), "send_fds"_a,
+           "recv"_a,
+           "Connected sockets: send_fds[i] for connection i, recv rows [fd, peer, channel, "
+           "root]. Owns (and closes) them from here on; Proxy.attach hands them over.");
+
   nb::class_<Proxy>(m, "Proxy")
       .def(nb::init<int, int, uint64_t, uint64_t, const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&, const std::vector<int>&, uint64_t,
-                    uint64_t, const std::string&>(),
+                    uint64_t>(),
            "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
            "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
-           "nap_us"_a = 200, "transport"_a = "shm")
+           "nap_us"_a = 200)
+      .def("attach", &Proxy::attach, "transport"_a,
+           "The proxy's transport, from a TransportFactory (ShmTransport, TcpTransport, "
+           "VerbsEndpoint); once, before start().")
       .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
            "Local region base address and slot stride; size 0 means slots * stride.")
       .def("set_peer", &Proxy::set_peer, "peer"_a, "ctl_addr"_a, "flags_addr"_a, "pid"_a)
       .def("set_peer_region", &Proxy::set_peer_region, "peer"_a, "region"_a, "base"_a,
            "size"_a = 0, "Peer's region base mapped here; size 0 means slots * our stride.")
-      .def("set_tcp_fds", &Proxy::set_tcp_fds, "send_fds"_a, "recv"_a,
-           "tcp: connected sockets, send_fds[i] for connection i, recv rows [fd, peer, channel, "
-           "root]; the proxy owns (and closes) them from here on.")
       .def("set_gpu_streams", &Proxy::set_gpu_streams, "streams"_a,
            "Publish-triggered streams (indices into the stream table) the data plane may "
            "execute itself (GPU-direct); skipped for collectives published with chunk -2. "

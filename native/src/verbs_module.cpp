@@ -139,7 +139,7 @@ void bind_verbs(nb::module_& m) {
       },
       "(loadable, library name or the reason it cannot be loaded)");
 
-  nb::class_<VerbsEndpoint>(m, "VerbsEndpoint")
+  nb::class_<VerbsEndpoint, TransportFactory>(m, "VerbsEndpoint")
       .def(
           "__init__",
           [](VerbsEndpoint* self, int rank, int world,
@@ -208,11 +208,6 @@ void bind_verbs(nb::module_& m) {
       .def("qp_states", &VerbsEndpoint::qp_states)
       .def("close", &VerbsEndpoint::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("library", &VerbsEndpoint::library);
-
-  m.def(
-      "verbs_attach",
-      [](Proxy& p, VerbsEndpoint& e) { p.set_transport(e.make_transport(p.registry())); },
-      "proxy"_a, "endpoint"_a, "Make the endpoint the proxy's transport (before start()).");
 
   m.def("check_lanes", &check_lanes, "proxy"_a, "rows"_a, "expect"_a, "value"_a,
         "flags_addr"_a, "timeout_s"_a,

@@ -177,6 +177,7 @@ class VerbsCore {
                int path_mtu, bool global_route);
   std::vector<int> qp_states() const;
   const std::string& library() const { return api_->source; }
+  const std::vector<ConnInfo>& conns() const { return conns_; }
 
   bool write(Registry* reg, int conn, int src_region, uint64_t src_off, int dst_region,
              uint64_t dst_off, uint64_t len, std::string* cause);
@@ -1082,8 +1083,16 @@ void VerbsEndpoint::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid,
   core_->connect(conn, qpn, psn, lid, g, path_mtu, global_route);
 }
 std::vector<int> VerbsEndpoint::qp_states() const { return core_->qp_states(); }
-std::unique_ptr<Transport> VerbsEndpoint::make_transport(Registry* reg) {
-  return std::unique_ptr<Transport>(new VerbsTransport(core_, reg));
+std::unique_ptr<Transport> VerbsEndpoint::make(const ProxySide& side) {
+  // Connection i of the proxy's plan must be this endpoint's QP i.
+  const auto& mine = core_->conns();
+  bool same = mine.size() == side.conns.size();
+  for (size_t i = 0; same && i < mine.size(); ++i)
+    same = mine[i].peer == side.conns[i].peer && mine[i].channel == side.conns[i].channel &&
+           mine[i].root == side.conns[i].root;
+  if (!same)
+    throw std::invalid_argument("VerbsEndpoint: its connections differ from the proxy's plan");
+  return std::unique_ptr<Transport>(new VerbsTransport(core_, side.reg));
 }
 void VerbsEndpoint::close() { core_->close(); }
 const std::string& VerbsEndpoint::library() const { return core_->library(); }

@@ -10,8 +10,8 @@
 // Setup is driven from Python (sparkccl/transport/verbs.py: Python computes, native
 // executes): open the lanes and create the QPs (RESET -> INIT), register memory, exchange
 // connection records through the store, then connect() each QP (INIT -> RTR -> RTS) with
-// the peer's record. make_transport() gives the proxy its Transport; the proxy thread is
-// then the only one posting and polling.
+// the peer's record. The endpoint is then handed to Proxy::attach like any transport
+// factory; the proxy thread is then the only one posting and polling.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -65,13 +65,13 @@ constexpr int VERBS_KEYS = layout::NUM_REGIONS + 2;
 
 class VerbsCore;
 
-// The endpoint object Python holds (shared with the proxy's transport).
-class VerbsEndpoint {
+// The endpoint object Python holds (its core is shared with the proxy's transport).
+class VerbsEndpoint final : public TransportFactory {
  public:
   VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& lanes,
                 const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
                 const VerbsSettings& settings);
-  ~VerbsEndpoint();
+  ~VerbsEndpoint() override;
   std::vector<VerbsLaneInfo> lanes() const;
   std::vector<VerbsConnInfo> connections() const;
   // Register [addr, addr + size) on every lane's device: (lkey, rkey) per lane.
@@ -85,7 +85,8 @@ class VerbsEndpoint {
                int path_mtu, bool global_route);
   // QP states as this side believes them (RESET/INIT/RTR/RTS/ERR per connection).
   std::vector<int> qp_states() const;
-  std::unique_ptr<Transport> make_transport(Registry* reg);
+  const char* kind() const override { return "verbs"; }
+  std::unique_ptr<Transport> make(const ProxySide& side) override;
   void close();  // destroy QPs, MRs, CQs, PDs, contexts; idempotent
   const std::string& library() const;
 
