@@ -199,7 +199,14 @@ class EmuDataPlane(C.CudaDataPlane):
         s = _emu_current.stream
         return s, s
 
+    def _capturing(self):
+        return getattr(_emu_current, "capture", None) is not None
+
     def _launch(self, stream, name, grid, block, *args):
+        capture = getattr(_emu_current, "capture", None)
+        if capture is not None:  # an emulated graph capture: recorded, not run
+            capture.append((stream, name, grid, [int(a) for a in args]))
+            return
         stream.submit(name, grid, args)
 
     def _end(self, ts):
@@ -322,7 +329,7 @@ class World:
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None, on_failure: str = "poison"):
+                 mode: str | None = None, on_failure: str = "poison", hold: tuple = ()):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -379,8 +386,9 @@ class World:
         except BaseException:
             self.close()
             raise
-        for p in self.proxies:
-            p.start()
+        for r, p in enumerate(self.proxies):
+            if r not in hold:  # (held: the test starts it later)
+                p.start()
         self.seq = 0
 
     def _regions(self, set_region, r):
@@ -913,6 +921,266 @@ def test_engine_settings_are_read_through_config(monkeypatch):
         dp = w.dps[0]
         assert (dp.direct_mode, dp.ce_min_slice) == ("split", 1 << 20)
         assert (dp.max_direct_blocks, dp.max_direct_wait_blocks) == (3, 1)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+# (docs/CONTRACT.md "CUDA graphs"): each collective takes its seq and ring indices from the
+# device state, so a captured sequence replays with fresh values, in step with eager calls.
+
+def graph_specs(world: int, big: bool) -> list:
+    """~10 mixed collectives: (kind, input shape, dtype)."""
+    W = world
+    specs = [("ag", (100,), torch.uint8), ("rs", (W * 48,), torch.float32),
+             ("ag", (4096 * 3 + 5,), torch.uint8), ("rs", (W * 333, 4), torch.float16),
+             ("ag", (640,), torch.bfloat16), ("rs", (W * 1000, 8), torch.bfloat16),
+             ("ag", (17,), torch.uint8), ("rs", (W * 16,), torch.bfloat16),
+             ("ag", (2000,), torch.float32), ("rs", (W * 4096,), torch.float32)]
+    if big:  # 1 MiB per rank each way
+        specs += [("ag", (1 << 19,), torch.bfloat16), ("rs", (W * (1 << 19),), torch.bfloat16)]
+    return specs
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+class GraphCase:
+    """Static inputs and outputs per (collective, rank), what a captured graph reads and
+    writes at every replay (the outputs' last 5 bytes are a guard that stays 0xAB)."""
+
+    def __init__(self, w: World, specs: list):
+        self.w, self.specs = w, specs
+        W = w.world
+        self.inp, self.out = [], []
+        for kind, shape, dtype in specs:
+            n = _nbytes(shape, dtype)
+            m = W * n if kind == "ag" else n // W
+            assert (n if kind == "ag" else n // W) <= w.max_slice
+            self.inp.append([w.be.to_dev(torch.zeros(shape, dtype=dtype)) for _ in range(W)])
+            self.out.append([w.be.to_dev(torch.full((m + 5,), 0xAB, dtype=torch.uint8))
+                             for _ in range(W)])
+
+    def issue(self, r: int) -> None:
+        """Rank r's collectives, in order (on the current stream; the seq labels are the
+        World's: the data planes number them on the GPU)."""
+        w, W = self.w, self.w.world
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            src = self.inp[k][r].reshape(-1).view(torch.uint8)
+            n = src.numel()
+            if kind == "ag":
+                w.dps[r].all_gather(w.seq + k, src, self.out[k][r], 0, n)
+            else:
+                w.dps[r].reduce_scatter(w.seq + k, src, 0, n // W, n // W, self.out[k][r], 0,
+                                        dtype)
+
+    def fill(self, seed: int) -> list:
+        """Fresh inputs (written on each rank's stream); returns them for the check."""
+        xs = []
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            xs.append(inputs(seed * 100 + k, self.w.world, shape, dtype))
+            for r in range(self.w.world):
+                with self.w.be.on(r):
+                    self.inp[k][r].copy_(self.w.be.to_dev(xs[k][r]))
+        return xs
+
+    def check(self, xs: list, what: str) -> None:
+        W = self.w.world
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            for r in range(W):
+                got = self.out[k][r].cpu().numpy()
+                if kind == "ag":
+                    ref = all_gather_reference(xs[k])
+                else:
+                    ref = reduce_scatter_reference(xs[k], r)
+                assert np.array_equal(got[:-5], ref), \
+                    f"{what}: {kind} {list(shape)} {dtype} rank {r}: " \
+                    f"{np.flatnonzero(got[:-5] != ref)[:10]}"
+                assert (got[-5:] == 0xAB).all(), f"{what}: {kind} rank {r} wrote past its output"
+
+
+class Graphs:
+    """One captured graph per rank: torch.cuda.CUDAGraph on the GPU; on the emulation the
+    launches recorded during the 'capture' (nothing runs) and submitted again per replay,
+    with no host code in between, as a graph launch does."""
+
+    def __init__(self, w: World):
+        self.w = w
+        self.graphs: list = []
+
+    def capture(self, case: GraphCase) -> None:
+        w = self.w
+        for r in range(w.world):
+            if w.be.name == "cuda":
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=w.be.streams[r]):
+                    case.issue(r)
+            else:
+                g = []
+                with w.be.on(r):
+                    _emu_current.capture = g
+                    try:
+                        case.issue(r)
+                    finally:
+                        _emu_current.capture = None
+            self.graphs.append(g)
+        w.seq += len(case.specs)
+
+    def replay(self) -> None:
+        w = self.w
+        for r, g in enumerate(self.graphs):
+            if w.be.name == "cuda":
+                with w.be.on(r):
+                    g.replay()
+            else:
+                for stream, name, grid, args in g:
+                    stream.submit(name, grid, args)
+
+
+def device_seq(w: World, r: int) -> int:
+    return int(w.dps[r].state.cpu()[C.STATE_SEQ])
+
+
+GRAPH_CONFIGS = [("mesh", 2, 2), ("ring", 3, 2), ("ring", 4, 1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [None, "fused", "split", "ce"])
+@pytest.mark.parametrize("topology,world,roots", GRAPH_CONFIGS)
+def test_graph_replay_interleaved_with_eager(backend, topology, world, roots, mode):
+    """Capture ~10 mixed collectives per rank, replay them many times with fresh inputs
+    written into the captured input tensors, an eager all-gather and reduce-scatter between
+    replays: every output equals the rank-order references bit for bit, and the device's
+    seq counted every collective (eager and replayed). Mode ce is captured as "fused"."""
+    if backend == "emu" and mode in ("split", "ce"):
+        pytest.skip("the emulated capture records launches only, not cross-stream events: "
+                    "modes split and ce are captured on the GPU (backend cuda)")
+    big = backend == "cuda"
+    specs = graph_specs(world, big)
+    max_slice = max(max(_nbytes(s, d) // (world if k == "rs" else 1) for k, s, d in specs), 4096)
+    replays = 20 if backend == "cuda" else 6
+    with World(backend, topology, world, roots, max_slice=max_slice, direct=mode is not None,
+               mode=mode) as w:
+        if mode == "ce":
+            for dp in w.dps:
+                dp.ce_min_slice = 0
+        # Eager first (also makes the side streams and scratch of the engines).
+        xs = inputs(1, world, (world * 64,), torch.bfloat16)
+        rsout = w.reduce_scatter(xs)
+        ys = inputs(2, world, (300,), torch.uint8)
+        agout = w.all_gather(ys)
+        w.sync()
+        check_rs(w, xs, rsout)
+        check_ag(w, ys, agout)
+        case = GraphCase(w, specs)
+        graphs = Graphs(w)
+        graphs.capture(case)
+        assert all(not dp.seq_on_host() for dp in w.dps)
+        count = 2
+        for it in range(replays):
+            xs_g = case.fill(10 + it)
+            graphs.replay()
+            count += len(specs)
+            if it % 2 == 0:  # eager calls between replays, queued behind the replay
+                ex = inputs(500 + it, world, (world * 40, 3), torch.float32)
+                eo = w.reduce_scatter(ex)
+                ey = inputs(600 + it, world, (1000 + it,), torch.uint8)
+                ea = w.all_gather(ey)
+                count += 2
+            w.sync()
+            case.check(xs_g, f"replay {it}")
+            if it % 2 == 0:
+                check_rs(w, ex, eo)
+                check_ag(w, ey, ea)
+        for r in range(world):
+            assert device_seq(w, r) == count, (r, device_seq(w, r), count)
+        w.healthy()
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_after_a_capture_host_slot_features_are_refused():
+    """Once a collective was captured the host no longer knows the slots: a zero-copy
+    result or input is refused with a RuntimeError naming it (never a wrong slot), and the
+    emulated replay of the same recorded launches, without the host, is still exact."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096) as w:
+        case = GraphCase(w, [("ag", (64,), torch.uint8), ("rs", (world * 32,), torch.float32)])
+        graphs = Graphs(w)
+        assert w.dps[0].seq_on_host()
+        graphs.capture(case)
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            with pytest.raises(RuntimeError, match="zero-copy result.*CUDA graph"):
+                w.dps[0].all_gather(w.seq, src, None, 0, 0)
+            with pytest.raises(RuntimeError, match="zero-copy input.*CUDA graph"):
+                w.dps[0].reduce_scatter(w.seq, None, 0, 64, 64, w.keep(torch.zeros(64, dtype=torch.uint8)),
+                                        0, torch.float32)
+            with pytest.raises(RuntimeError, match="ag_slot"):
+                w.dps[0].ag_slot(0, 64)
+        for it in range(3):
+            xs = case.fill(it)
+            graphs.replay()
+            w.sync()
+            case.check(xs, f"replay {it}")
+        assert [device_seq(w, r) for r in range(world)] == [6, 6]
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_seq_out_of_order_is_refused():
+    """The GPU numbers collectives itself: a caller's seq that skips one is an error, not a
+    silent mismatch between the host's labels and the device's slots."""
+    with World("emu", "mesh", 2, max_slice=4096) as w:
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            out = w.keep(torch.zeros(128, dtype=torch.uint8))
+            with pytest.raises(ValueError, match="expected seq 0"):
+                w.dps[0].all_gather(1, src, out, 0, 64)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_ring_full_waits_on_the_gpu():
+    """More collectives queued than the publish ring holds (256 entries: 32 collectives)
+    while rank 1's proxy is not running: GPU-direct, so rank 1's kernels go on without it
+    until its ring is full, then its publish blocks wait on the GPU for the ring's tail
+    (the host returned long before), and everything completes exactly once the proxy runs."""
+    world, n_calls = 2, 40
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="fused",
+               hold=(1,)) as w:
+        pend = []
+        for k in range(n_calls):
+            xs = inputs(700 + k, world, (48,), torch.uint8)
+            pend.append((xs, w.all_gather(xs)))
+        tail = ctypes.c_uint64.from_address(w.ctl[1].addr + L.CTL_RING_TAIL)
+        ring = np.frombuffer((ctypes.c_uint64 * (L.RING_ENTRIES * L.RING_ENTRY_BYTES // 8))
+                             .from_address(w.ctl[1].addr + L.RING_OFFSET), dtype=np.uint64)
+        tags = ring.reshape(L.RING_ENTRIES, -1)[:, L.ENT_TAG // 8]
+        deadline = time.monotonic() + 30
+        while (tags != 0).sum() < L.RING_ENTRIES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert (tags != 0).sum() == L.RING_ENTRIES and tail.value == 0
+        assert int(tags.max()) == L.RING_ENTRIES  # nothing was overwritten past the tail
+        assert device_seq(w, 1) <= L.RING_ENTRIES // 8 + 1  # the GPU waits for the ring
+        w.proxies[1].start()
+        w.sync()
+        for xs, outs in pend:
+            check_ag(w, xs, outs)
+        w.healthy()
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_ring_wait_times_out_on_the_gpu():
+    """A ring that never frees (the device's ring index put 300 entries past the tail):
+    the publish kernel's ring wait gives up after the timeout, on the GPU clock, and the
+    host raises a CollectiveError that says so."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5) as w:
+        w.dps[0].state[C.STATE_RING] = 300
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            out = w.keep(torch.zeros(128, dtype=torch.uint8))
+            w.dps[0].all_gather(0, src, out, 0, 64)
+        with pytest.raises(CollectiveError, match="space in the publish ring"):
+            w.dps[0].synchronize()
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
 
 
 # ---------------------------------------------------------------- through the Communicator

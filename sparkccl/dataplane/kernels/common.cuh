@@ -206,3 +206,19 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
     if (dst2) dst2[k] = v;
   }
 }
+
+// ---------------------------------------------------------------- sequence state
+//
+// A collective's seq and first ring index (protocol.h STATE_*): written only by
+// sccl_advance, queued after every kernel of the previous collective on the same stream,
+// so a plain load at any point of a launch sees this collective's values.
+__device__ __forceinline__ u64 state_word(const u64* state, int k) {
+  return *(volatile const u64*)(state + k);
+}
+// Slot seq % slots of a region (code: slots << SLOT_SHIFT | stride, 0 for a plain pointer).
+template <class T>
+__device__ __forceinline__ T* slot_at(T* base, u64 code, u64 seq) {
+  const u64 slots = code >> SLOT_SHIFT;
+  if (!base || !slots) return base;
+  return (T*)((u8*)base + (seq % slots) * (code & ((1ull << SLOT_SHIFT) - 1)));
+}

@@ -182,6 +182,21 @@ constexpr pu64 GPU_FAIL_STOP = 0;
 constexpr pu64 GPU_FAIL_POISON = 1;
 constexpr pu64 POISON_BYTE = 0xFF;
 constexpr pu64 ACK_WAIT_NS = 1500000000;  // STOP: how long the kernel waits for the host's ack
+// Device state of a CUDA data plane (u64 words in device memory). The collective's seq and
+// first publish-ring index live here, not in kernel arguments, so a captured CUDA graph
+// replays with fresh values: every kernel of a collective reads them, and sccl_advance,
+// queued last, moves them on (stream order makes that a ticket; docs/PROTOCOL.md
+// "Sequence state").
+constexpr int STATE_PROGRESS = 0;  // progress word (see PROG_STRIDE)
+constexpr int STATE_DEAD = 1;      // 1 once any wait of this data plane failed
+constexpr int STATE_SEQ = 2;       // the next (or running) collective's seq
+constexpr int STATE_RING = 3;      // its first publish-ring index
+constexpr int STATE_GATE = 4;      // finalize gate bumps of every launch so far
+constexpr int STATE_TIMEOUT = 5;   // the waits' timeout in ns (set once)
+constexpr int STATE_WORDS = 8;
+// A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
+// the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
+constexpr int SLOT_SHIFT = 56;
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu
