@@ -481,6 +481,7 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             if chunk <= self.max_slice and getattr(self._dp, "typed_io", False):
                 dst = out  # the plane counts bytes itself: no views per call
@@ -508,6 +509,16 @@ class Communicator:
         if dp is None or not hasattr(dp, "seq_on_host"):
             return not torch.cuda.is_current_stream_capturing()
         return dp.seq_on_host()
+
+    def _check_setup_capturable(self, what: str) -> None:
+        """The first reduce-scatter sets its buffers up (pins memory, talks to the peers):
+        nothing a CUDA graph can capture."""
+        if (not self._rs_ready and self.device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
+                               "reduce-scatter sets up its buffers and cannot be captured in a "
+                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
 
     def _match_handout(self, x: torch.Tensor, what: str):
         """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
@@ -619,6 +630,7 @@ class Communicator:
         per = self.max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             dst = out.detach().reshape(-1).view(torch.uint8)
             for a in range(0, Rr, per):

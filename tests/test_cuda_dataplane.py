@@ -1260,6 +1260,105 @@ def test_communicator_cuda(topology, world, slot_bytes):
     assert not bad, "\n".join(bad)
 
 
+def _graph_comm_job(rank, world, store, topology, replays):
+    """A torch.cuda.CUDAGraph of mixed collectives through the Communicator (all-gathers
+    and reduce-scatters of several sizes and dtypes, a reduce_scatter_input buffer, a
+    finalize), replayed with fresh inputs copied into the captured input tensors, eager
+    calls between replays on the same stream: every output equals the reference."""
+    import torch as T
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import all_gather_reference as agr
+    from sparkccl.reference import bits as B
+    from sparkccl.reference import make_finalize_input as mkf
+    from sparkccl.reference import make_input as mk
+    from sparkccl.reference import moe_finalize_reference as mfr
+    from sparkccl.reference import reduce_scatter_reference as rsr
+    T.cuda.set_device(0)
+    W = world
+    specs = [("ag", (100,), T.uint8), ("rs", (W * 48,), T.float32), ("ag", (W * 64, 33), T.bfloat16),
+             ("rs", (W * 333, 4), T.float16), ("ag", (777,), T.float16),
+             ("rs", (W * 1024, 64), T.bfloat16), ("ag", (1 << 19,), T.bfloat16),
+             ("rs", (W * (1 << 19),), T.bfloat16), ("ag", (5,), T.float32), ("rsi", (W * 16, 64), T.bfloat16)]
+    Tn, Tp, H, topk = 8 * W - 3, 16 * W, 128, 4
+    bad = []
+    kw = dict(rank=rank, world_size=W, topology=topology, slot_bytes=8 << 20, timeout_s=60)
+    with sparkccl.Communicator(store=dist.PrefixStore("graph", store), device="cuda", **kw) as g:
+        xin = [T.zeros(shape, dtype=dtype, device="cuda") for _, shape, dtype in specs]
+        f0 = mkf(0, rank, tokens=Tn, hidden=H, topk=topk, experts_rows=Tn + 5)
+        fin = {k: v.cuda() for k, v in f0.items() if v is not None}
+
+        def step():
+            outs = []
+            for (kind, shape, dtype), x in zip(specs, xin):
+                if kind == "ag":
+                    outs.append(g.all_gather(x))
+                elif kind == "rs":
+                    outs.append(g.reduce_scatter(x))
+                else:  # in a capture: a plain tensor, copied as usual
+                    buf = g.reduce_scatter_input(shape, dtype)
+                    buf.copy_(x)
+                    outs.append(g.reduce_scatter(buf))
+            outs.append(g.moe_finalize_reduce_scatter(fin["y"], fin["pos"], fin["weights"],
+                                                      fin["shared"], num_tokens=Tn, padded_tokens=Tp))
+            return outs
+
+        # Eager first (sets the reduce-scatter buffers up; torch's capture wants a warm-up).
+        step()
+        g.synchronize()
+        graph = T.cuda.CUDAGraph()
+        with T.cuda.graph(graph):
+            outs = step()
+        for it in range(replays):
+            xs = [[mk(100 * it + k, r, shape, dtype) for r in range(W)]
+                  for k, (_, shape, dtype) in enumerate(specs)]
+            fs = [mkf(1000 + it, r, tokens=Tn, hidden=H, topk=topk, experts_rows=Tn + 5)
+                  for r in range(W)]
+            for x, v in zip(xin, xs):
+                x.copy_(v[rank])
+            for k in ("y", "pos", "weights", "shared"):
+                fin[k].copy_(fs[rank][k])
+            graph.replay()
+            if it % 2 == 0:  # eager calls queued behind the replay, on the same stream
+                ex = [mk(5000 + it, r, (W * 40, 3), T.float32) for r in range(W)]
+                ey = [mk(6000 + it, r, (1000 + it,), T.uint8) for r in range(W)]
+                ez = [mk(7000 + it, r, (256, 8), T.float32) for r in range(W)]
+                eo = g.reduce_scatter(ex[rank].cuda())
+                ea = g.all_gather(ey[rank].cuda())
+                ev = g.all_gather(ez[rank].cuda(), zero_copy=True)  # a fresh tensor now
+            g.synchronize()
+            for k, (kind, shape, dtype) in enumerate(specs):
+                ref = agr(xs[k]) if kind == "ag" else rsr(xs[k], rank)
+                if not (B(outs[k].cpu()) == ref).all():
+                    bad.append(f"replay {it}: {kind} {list(shape)} {dtype} differs")
+            want = mfr(fs, rank, Tn, Tp)
+            if not (B(outs[-1].cpu()).reshape(-1) == want.reshape(-1)).all():
+                bad.append(f"replay {it}: finalize differs")
+            if it % 2 == 0:
+                if not (B(eo.cpu()) == rsr(ex, rank)).all():
+                    bad.append(f"eager after replay {it}: reduce_scatter differs")
+                if not (B(ea.cpu()) == agr(ey)).all() or not (B(ev.cpu()) == agr(ez)).all():
+                    bad.append(f"eager after replay {it}: all_gather differs")
+        g.synchronize()
+    return bad
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}, {"SPARKCCL_DIRECT_MODE": "ce",
+                                                                   "SPARKCCL_CE_MIN_BYTES": "0"},
+                                 {"SPARKCCL_DIRECT_MODE": "split"}],
+                         ids=["direct", "proxy", "ce", "split"])
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 3)])
+def test_communicator_cuda_graph(topology, world, env):
+    from sparkccl.localrun import check, run_ranks
+    values = check(run_ranks(_graph_comm_job, world, args=(topology, 20), env=env,
+                             timeout_s=300))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
 def test_cpu_communicator_rejects_unknown_device():
     import sparkccl
     with pytest.raises(ValueError, match="cpu"):
