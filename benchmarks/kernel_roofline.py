@@ -91,7 +91,7 @@ def main() -> None:
     print(f"# {props.name} ({props.multi_processor_count} SMs), world {W}, {args.dtype}; "
           f"GB/s = bytes over the pinned link / time (1 GB = 1e9 B)")
     print(f"{'slice':>10} {'kernel':>12} {'time_us':>10} {'GB/s':>8} {'roof':>8} {'%roof':>6}")
-    seq = [0]
+    seq = [-1]  # the data plane numbers collectives from 0, one per call
 
     def nxt():
         seq[0] += 1

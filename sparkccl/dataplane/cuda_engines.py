@@ -15,6 +15,12 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
 rank, its reduce-scatter even there, both behind at 8 MiB;
 benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
 
+Once a collective of the data plane was captured in a CUDA graph, "ce" runs as "fused":
+its stream memory operations carry values the host computed from its own seq (flag and
+progress values, ring indices), which a replay would repeat, and the host's seq is stale
+after replays (docs/CONTRACT.md "CUDA graphs"). "fused" and "split" are kernels only; they
+take seq and the ring index from the device state (docs/PROTOCOL.md "Sequence state").
+
 :class:`DirectEngines` is a part of :class:`~.cuda.CudaDataPlane` (it uses the plane's
 launch and stream operations, which the CPU emulation in tests/ replaces); each collective
 describes itself to it with one :class:`DirectCall`.

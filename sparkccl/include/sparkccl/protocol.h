@@ -33,7 +33,8 @@ constexpr pu64 PAGE = 4096;
 // Control block (byte offsets from the start of the control segment).
 constexpr pu64 CTL_MAGIC = 0;        // u64: CTL_MAGIC_VALUE once initialised
 constexpr pu64 CTL_ABORT = 8;        // u64: 0 while healthy, else an ABORT_* code
-constexpr pu64 CTL_RING_HEAD = 16;   // u64: ring entries claimed by producers (next index)
+constexpr pu64 CTL_RING_HEAD = 16;   // u64: ring entries claimed by producers (next index;
+                                     // a CUDA data plane keeps it in STATE_RING instead)
 constexpr pu64 CTL_RING_TAIL = 24;   // u64: ring entries consumed by the proxy
 constexpr pu64 CTL_PID = 32;         // u64: owning process id (peers check it is alive)
 // GPU failure record, written by a failing wait kernel (the code last).
