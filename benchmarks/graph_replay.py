@@ -10,9 +10,13 @@ last round's outputs against the references bit for bit.
 
     python benchmarks/graph_replay.py [--world 2] [--kib 64 1024 4096] [--rounds 50]
     SPARKCCL_GPU_DIRECT=0 python benchmarks/graph_replay.py   # the proxy path
+    python benchmarks/graph_replay.py --inproc                # one process, a stream per rank
 
 Ranks sharing one GPU time-slice unless MPS runs (see issue 17: ``nvidia-cuda-mps-control
--d`` first); on two GPUs each rank takes its own (rank % device count).
+-d`` first); on two GPUs each rank takes its own (rank % device count). ``--inproc`` puts
+every rank in this process on one GPU, each on its own stream (the tests' in-process world:
+data planes and proxies, no Communicator), so the ranks run concurrently without MPS; a
+round there is every rank's 10 calls (or every rank's replay), timed together.
 """
 from __future__ import annotations
 
@@ -91,24 +95,86 @@ def _job(rank, world, store, kibs, rounds, topology):
     return rows, bad
 
 
+def _inproc(world: int, kibs: list, rounds: int, topology: str) -> tuple[list, list]:
+    """The same rounds with every rank in this process (tests/test_cuda_dataplane.World)."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # a hardware queue per stream
+    import torch
+
+    from tests.test_cuda_dataplane import GraphCase, Graphs, World
+    direct = os.environ.get("SPARKCCL_GPU_DIRECT") != "0"
+    rows, bad = [], []
+    for kib in kibs:
+        n = (kib << 10) // 2
+        specs = [("ag", (n,), torch.bfloat16) if k % 2 == 0 else
+                 ("rs", (world * n,), torch.bfloat16) for k in range(10)]
+        with World("cuda", topology, world, max_slice=kib << 10, timeout_s=60,
+                   direct=direct) as w:
+            case = GraphCase(w, specs)
+
+            def eager():
+                for r in range(world):
+                    with w.be.on(r):
+                        case.issue(r)
+                w.seq += len(specs)
+
+            def timed(fn):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                return t1 - t0, time.perf_counter() - t0
+
+            for _ in range(3):
+                timed(eager)
+            graphs = Graphs(w)
+            graphs.capture(case.issue)
+            et, eh, rt, rh = [], [], [], []
+            for _ in range(rounds):
+                h, t = timed(eager)
+                eh.append(h)
+                et.append(t)
+                h, t = timed(graphs.replay)
+                rh.append(h)
+                rt.append(t)
+            xs = case.fill(kib)
+            graphs.replay()
+            w.sync()
+            try:
+                case.check(xs, f"{kib} KiB replay")
+            except AssertionError as e:
+                bad.append(str(e))
+        med = statistics.median
+        # Per rank: the host issued every rank's calls in a round.
+        rows.append((kib, med(et), med(rt), med(eh) / world, med(rh) / world))
+    return rows, bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--kib", type=int, nargs="+", default=[64, 1024, 4096])
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--topology", default="mesh")
+    ap.add_argument("--inproc", action="store_true",
+                    help="every rank in this process, a stream each (no MPS needed)")
     args = ap.parse_args()
+    if args.inproc:
+        rows, bad = _inproc(args.world, args.kib, args.rounds, args.topology)
+        values = [(rows, bad)]
+        where = "one process, a stream per rank, host time per rank"
+    else:
+        from sparkccl.localrun import check, run_ranks
+        values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology),
+                                 timeout_s=480))
+        bad = [f"rank {r}: {x}" for r, (_, xs) in enumerate(values) for x in xs]
+        where = (f"a process per rank, rank 0, MPS pipe "
+                 f"{os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'unset')}")
     import torch
-
-    from sparkccl.localrun import check, run_ranks
-    values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology),
-                             timeout_s=480))
-    bad = [f"rank {r}: {x}" for r, (_, xs) in enumerate(values) for x in xs]
     path = "proxy" if os.environ.get("SPARKCCL_GPU_DIRECT") == "0" else "GPU-direct"
     print(f"graph_replay: world {args.world}, {args.topology}, {path}, "
-          f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, "
-          f"MPS pipe {os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'unset')}; "
-          f"10 collectives (AG/RS alternating, bf16), median of {args.rounds} rounds, rank 0")
+          f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {where}; "
+          f"10 collectives (AG/RS alternating, bf16), median of {args.rounds} rounds")
     print(f"{'KiB/rank':>9} {'eager 10 ms':>12} {'replay ms':>10} {'eager/replay':>13} "
           f"{'eager host us/call':>19} {'replay host us':>15}")
     for kib, et, rt, eh, rh in values[0][0]:
