@@ -1143,6 +1143,36 @@ def test_after_a_capture_host_slot_features_are_refused():
 
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode,extra", [(None, 0), ("fused", 0), ("split", 1), ("ce", 1)])
+def test_last_kernel_advances_the_state(mode, extra):
+    """The proxy path and mode fused advance the device state in the collective's last
+    kernel (no launch of its own); modes split and ce, whose kernels run on other streams
+    too, queue sccl_advance. Either way the device's seq counts every collective."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=1 << 16, direct=mode is not None,
+               mode=mode) as w:
+        names = []
+        for dp in w.dps:
+            launch = dp._launch
+
+            def counted(stream, name, *a, launch=launch):
+                names.append(name)
+                launch(stream, name, *a)
+            dp._launch = counted
+        pend = []
+        for k in range(3):
+            xs = inputs(800 + k, world, (world * 64,), torch.float32)
+            pend.append((check_rs, xs, w.reduce_scatter(xs)))
+            ys = inputs(900 + k, world, (500,), torch.uint8)
+            pend.append((check_ag, ys, w.all_gather(ys)))
+        w.sync()
+        for check, xs, outs in pend:
+            check(w, xs, outs)
+        assert names.count("sccl_advance") == extra * 6 * world, names
+        assert [device_seq(w, r) for r in range(world)] == [6] * world
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 def test_seq_out_of_order_is_refused():
     """The GPU numbers collectives itself: a caller's seq that skips one is an error, not a
     silent mismatch between the host's labels and the device's slots."""

@@ -5,8 +5,9 @@ disk) and launched with ``cuda.core`` on the caller's current torch stream. Per 
 
 1. the collective's seq and first publish-ring index come from the device state
    (``self.state``, protocol.h ``STATE_*``), not from kernel arguments: every kernel reads
-   them, and ``sccl_advance``, queued last, moves them on, so a collective captured in a
-   CUDA graph takes fresh values at every replay; slots and counter sets are chosen by
+   them, and the collective's last kernel (or ``sccl_advance`` queued after it, modes split
+   and ce) moves them on, so a collective captured in a CUDA graph takes fresh values at
+   every replay; slots and counter sets are chosen by
    ``seq`` on the GPU (slot base + code, kernels/common.cuh ``slot_at``);
 2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
    to finish piece c waits until ring entry ``first + c`` is free (the proxy consumed the
@@ -500,8 +501,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op) -> tuple:
-        return (*self._wait_head[op], *self._wait_tail)
+    def _wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
+        """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
+        collective's last and moves the device state on itself (kernels/common.cuh
+        last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
+        return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
     def _publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
@@ -552,11 +556,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._ring_next += entries
         return first
 
-    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0) -> None:
-        """The collective's last launch: sccl_advance moves the device state on to the next
-        collective (seq + 1, ring + entries, the finalize gate + gate_add)."""
-        self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
-                     _n(gate_add))
+    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
+                advanced: bool = False) -> None:
+        """After the collective's last kernel: unless it advanced the device state itself
+        (``advanced``), sccl_advance moves it on to the next collective (seq + 1, ring +
+        entries, the finalize gate + gate_add)."""
+        if not advanced:
+            self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
+                         _n(gate_add))
         if not self._in_capture:  # (an event of a capture cannot be waited for)
             self._end(ts)
 
@@ -621,12 +628,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          _n(L), _n(S), self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(),
                          _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         nb = 1 if dst is None else self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
                          slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self._wait_args(Op.AG))
+                         *self._wait_args(Op.AG, (PIECES, 0)))
         self._poison_if_failed(stream, *out)
-        self._finish(ts, stream)
+        self._finish(ts, stream, advanced=waited)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -694,12 +702,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          0, _n(0), send0, _n(scode), _n(S), 0, _n(0), _n(L), _n(S),
                          ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(1))
         nb = self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
                          recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S),
-                         *self._wait_args(Op.RS))
+                         *self._wait_args(Op.RS, (PIECES, 0)))
         self._poison_if_failed(stream, dst_ptr, 0, 1, L)
-        self._finish(ts, stream)
+        self._finish(ts, stream, advanced=waited)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -736,13 +745,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          self.rs_send_dev, _n(self._send_code), own,
                          self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(), _n(int(Op.RS)),
                          self.fin_counters.data_ptr())
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
             self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
                          self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
-                         dst.data_ptr() + dst_off, _n(L), _n(S), *self._wait_args(Op.RS))
+                         dst.data_ptr() + dst_off, _n(L), _n(S),
+                         *self._wait_args(Op.RS, (entries, 0)))
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._finish(ts, stream, entries)
+        self._finish(ts, stream, entries, advanced=waited)
 
     def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
                          dst_off: int, dtab) -> None:
@@ -769,10 +780,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                      _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
                      _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
                      self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
-                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS))
+                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, (PIECES, npub)))
         self.direct_launches += 1
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._finish(ts, stream, PIECES, gate_add=npub)
+        self._finish(ts, stream, advanced=True)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term

@@ -118,11 +118,12 @@ class DirectEngines:
             mode = "fused"
         if mode == "fused" or "wait" not in self.phases:
             grid = npub + (1 + nb if "wait" in self.phases else 0)
+            # The one kernel of the collective: it advances the device state itself.
             self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *waits)
+                         *consume, *self._wait_args(op, (PIECES, 0)))
             self.direct_launches += 1
             self._poison_if_failed(stream, *call.output)
-            self._finish(ts, stream)
+            self._finish(ts, stream, advanced=True)
             return
         # The two roles on two streams: the publish side starts after everything queued
         # before on the caller's stream, and the caller's stream joins it at the end, so

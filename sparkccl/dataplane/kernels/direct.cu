@@ -99,8 +99,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
     PUB_ARGS_INIT
     direct_publish(p, blockIdx.x, (u32)npub);
   } else {
-    ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);
+    ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x - (u32)npub,
+            gridDim.x - (u32)npub);
   }
+  last_block_advances(state, adv_entries, adv_gate);
 }
 
 #define RS_DIRECT_KERNEL(NAME, E)                                                            \
@@ -115,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
       rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys,    \
                  dst, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);               \
     }                                                                                        \
+    last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
 RS_DIRECT_KERNEL(sccl_rs_direct_bf16, BF16)

@@ -311,4 +311,5 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     rs_wait<BF16>(recv, own, 0, dst, rows * 2 * H, rows_pad * 2 * H, w, blockIdx.x - (u32)npub,
                   gridDim.x - (u32)npub, gate, (u32)gate_target);
   }
+  last_block_advances(state, adv_entries, adv_gate);
 }

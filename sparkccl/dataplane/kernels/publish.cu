@@ -78,12 +78,10 @@ extern "C" __global__ void __launch_bounds__(512) sccl_publish(
   finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, (u32)op, c);
 }
 
-// Queued after every other kernel of a collective on its stream: the next collective's seq
-// and first ring index (entries: ring entries this one used), and the finalize gate's
-// bumps (gate_add: the publish blocks of an sccl_finalize_direct launch, else 0).
+// Queued after every other kernel of a collective on its stream where its last kernel does
+// not advance the state itself (modes split and ce: kernels on other streams; a phase
+// alone): see advance_state.
 extern "C" __global__ void sccl_advance(u64* state, u64 entries, u64 gate_add) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  st_volatile_u64(state + STATE_SEQ, state_word(state, STATE_SEQ) + 1);
-  st_volatile_u64(state + STATE_RING, state_word(state, STATE_RING) + entries);
-  st_volatile_u64(state + STATE_GATE, state_word(state, STATE_GATE) + gate_add);
+  advance_state(state, entries, gate_add);
 }

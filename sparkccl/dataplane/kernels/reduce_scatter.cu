@@ -191,6 +191,7 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
     WAIT_ARGS_INIT                                                                           \
     rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys, dst, \
                L, S, w, blockIdx.x, gridDim.x);                                              \
+    last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
 RS_KERNEL(sccl_rs_wait_bf16, BF16)

@@ -164,13 +164,16 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 
 #define WAIT_PARAMS                                                                        \
   const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
-      u64 maxw, u64 *state, u64 rank, u64 world, u64 timeout_ns
+      u64 maxw, u64 *state, u64 rank, u64 world, u64 timeout_ns, u64 adv_entries,          \
+      u64 adv_gate
 #define WAIT_ARGS_INIT                                                                      \
   WaitArgs w;                                                                               \
   w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
   w.parts = parts; w.state = state; w.seq = state_word(state, STATE_SEQ);                     \
   w.rank = (int)rank; w.world = (int)world;                                                 \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+
+// WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 
 // sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
 // ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
@@ -223,6 +226,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
     const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  last_block_advances(state, adv_entries, adv_gate);
 }
 
 // Mode GPU_FAIL_POISON, queued on the caller's stream after every collective: once any wait
