@@ -1063,9 +1063,6 @@ def test_graph_replay_interleaved_with_eager(backend, topology, world, roots, mo
     replays = 20 if backend == "cuda" else 6
     with World(backend, topology, world, roots, max_slice=max_slice, direct=mode is not None,
                mode=mode) as w:
-        if mode == "ce":
-            for dp in w.dps:
-                dp.ce_min_slice = 0
         # Eager first (also makes the side streams and scratch of the engines).
         xs = inputs(1, world, (world * 64,), torch.bfloat16)
         rsout = w.reduce_scatter(xs)
@@ -1394,8 +1391,7 @@ def _graph_comm_job(rank, world, store, topology, replays):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
-@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}, {"SPARKCCL_DIRECT_MODE": "ce",
-                                                                   "SPARKCCL_CE_MIN_BYTES": "0"},
+@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}, {"SPARKCCL_DIRECT_MODE": "ce"},
                                  {"SPARKCCL_DIRECT_MODE": "split"}],
                          ids=["direct", "proxy", "ce", "split"])
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 3)])
