@@ -277,8 +277,8 @@ class Communicator:
 
         ``zero_copy=True`` (CUDA only; ignored on CPU): return a view of the pinned receive
         slot instead of copying into device memory, valid until three more all-gathers
-        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot
-        (otherwise a fresh tensor as usual).
+        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot,
+        and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
         what = "all_gather"
         self._check_open(what)
@@ -287,7 +287,7 @@ class Communicator:
         out_shape = (self.world_size * shape[0], *shape[1:])
         n = x.numel() * x.element_size()
         if (zero_copy and out is None and self.device.type == "cuda" and n
-                and n % ALIGN == 0 and n <= self.max_slice):
+                and n % ALIGN == 0 and n <= self.max_slice and self._seq_on_host()):
             with self._lock:
                 self._check_alive(what)
                 seq = self._next_seq()
@@ -343,6 +343,7 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             if chunk <= self.max_slice and getattr(self._dp, "typed_io", False):
                 dst = out  # the plane counts bytes itself: no views per call
@@ -362,6 +363,25 @@ class Communicator:
             self._handout = None
         return out
 
+    def _seq_on_host(self) -> bool:
+        """False in and after a CUDA graph capture: the slots then follow the device's seq."""
+        dp = getattr(self, "_dp", None)
+        if self.device.type != "cuda" or self.single:
+            return True
+        if dp is None or not hasattr(dp, "seq_on_host"):
+            return not torch.cuda.is_current_stream_capturing()
+        return dp.seq_on_host()
+
+    def _check_setup_capturable(self, what: str) -> None:
+        """The first reduce-scatter sets its buffers up (pins memory, talks to the peers):
+        nothing a CUDA graph can capture."""
+        if (not self._rs_ready and self.device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
+                               "reduce-scatter sets up its buffers and cannot be captured in a "
+                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
+
     def _match_handout(self, x: torch.Tensor, what: str):
         """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
         if not self._rs_ready:
@@ -372,6 +392,13 @@ class Communicator:
         p = x.data_ptr()
         if not lo <= p < hi:
             return None
+        if not self._seq_on_host():
+            # The slot it lies in may be the one a replayed collective before this one still
+            # sends from (the parity follows the device's seq): never copied from.
+            raise RuntimeError(f"{what}: x is a reduce_scatter_input() buffer from before a CUDA "
+                               "graph capture; in and after a capture reduce_scatter_input() "
+                               "returns a plain tensor: call it again (docs/CONTRACT.md "
+                               "\"CUDA graphs\")")
         h = self._handout
         if h is None or h[0] != p or h[1] != x.numel() * x.element_size() or h[3] != self._rs_count:
             raise ValueError(f"{what}: x lies in a reduce-scatter send slot but is not the buffer "
@@ -386,7 +413,8 @@ class Communicator:
 
         Zero-copy needs the per-rank chunk to be a multiple of 16 bytes and to fit one slot;
         otherwise (and if another collective runs in between, so the sequence parity moved)
-        this still returns a usable tensor and reduce-scatter copies it as usual.
+        this still returns a usable tensor and reduce-scatter copies it as usual. In and
+        after a CUDA graph capture the host no longer knows the next slot: a plain tensor.
         """
         what = "reduce_scatter_input"
         self._check_open(what)
@@ -404,7 +432,8 @@ class Communicator:
                              f"{list(shape)}")
         nbytes = dtype.itemsize * math.prod(shape)
         chunk = nbytes // W
-        if self.single or chunk == 0 or chunk % ALIGN or chunk > self.max_slice:
+        if (self.single or chunk == 0 or chunk % ALIGN or chunk > self.max_slice
+                or not self._seq_on_host()):
             return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
             self._check_alive(what)
@@ -463,6 +492,7 @@ class Communicator:
         per = self.max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             dst = out.detach().reshape(-1).view(torch.uint8)
             for a in range(0, Rr, per):

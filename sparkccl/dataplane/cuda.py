@@ -3,10 +3,16 @@
 Kernels live in ``kernels/``, compiled at run time with NVRTC (``nvrtc.py``, cached on
 disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
 
-1. the host reserves the collective's 8 publish-ring indices (``_reserve_ring``: waits while
-   the ring is full; the GPU cannot do a system-scope fetch-add on host memory over PCIe);
+1. the collective's seq and first publish-ring index come from the device state
+   (``self.state``, protocol.h ``STATE_*``), not from kernel arguments: every kernel reads
+   them, and the collective's last kernel (or ``sccl_advance`` queued after it, modes split
+   and ce) moves them on, so a collective captured in a CUDA graph takes fresh values at
+   every replay; slots and counter sets are chosen by
+   ``seq`` on the GPU (slot base + code, kernels/common.cuh ``slot_at``);
 2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
-   to finish piece c writes ring entry ``first + c`` (fields, system fence, tag);
+   to finish piece c waits until ring entry ``first + c`` is free (the proxy consumed the
+   one 256 before; abort word and timeout watched) and writes it (fields, system fence,
+   tag);
 3. ``sccl_ag_wait`` / ``sccl_rs_wait_*``: one block polls the pinned flag words (acquire,
    system scope) and relays progress through a device word; the other blocks copy each
    arrived piece into the device result (all-gather) or sum the sources in rank order in
@@ -90,6 +96,8 @@ NO_WORD = _P["NO_WORD"]
 MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
+STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
+SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
@@ -175,16 +183,28 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self.close()
             raise
         self.ag = self._view(self.ag_dev, ag.numel())
-        # Device state: [0] progress word, [1] dead; publish counters per (seq % 4, piece).
-        self.state = self._to_device(torch.zeros(2, dtype=torch.int64))
+        # Device state (protocol.h STATE_*): progress word, dead, the next collective's seq
+        # and first ring index, the finalize gate's bumps, the timeout. Publish counters
+        # per (seq % 4, piece).
+        head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
+        init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
+        init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
+        self.state = self._to_device(init)
+        # The host's copy of the next seq and ring index: true until a collective is
+        # captured in a CUDA graph (replays advance only the device's; see seq_on_host).
+        self._seq_next, self._ring_next = 0, head
+        self._graph = False   # a collective was captured: the host's copy is stale
+        self._in_capture = False  # the current call is being captured
+        self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
+        self._ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
         self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
         self.fin_counters = self._to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
         self.fin_bad = self._to_device(torch.zeros(4, dtype=torch.int32))
-        # GPU-direct finalize: own-rows gate per piece (monotonic; _fin_gate_base counts the
-        # bumps of every launch so far: each publish block bumps each piece once).
+        # GPU-direct finalize: own-rows gate per piece (monotonic; the device state's
+        # STATE_GATE counts the bumps of every launch so far: each publish block bumps each
+        # piece once).
         self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
-        self._fin_gate_base = 0
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
@@ -221,8 +241,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
-        # WAIT_PARAMS of kernels/wait.cu per op, but for seq (each collective's): the rest is
-        # fixed.
+        # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
         self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
                                 self.ctl_dev + layout.CTL_GPU_STATUS,
                                 self.wait_table[int(op)].data_ptr(),
@@ -295,13 +314,19 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         with torch.cuda.device(self.device):  # this device's primary context is current
             cc.launch(stream, cfg, self.kernels[name], *args)
 
+    def _capturing(self) -> bool:
+        """Is the caller's stream being captured into a CUDA graph?"""
+        return torch.cuda.is_current_stream_capturing()
+
     def _end(self, ts) -> None:
         ev = torch.cuda.Event()
         ev.record(ts)
         self._last_event = ev
 
     def _wait_last(self) -> None:
-        if self._last_event is not None:
+        if self._graph:  # replays of a captured graph leave no event of ours
+            self._device_synchronize()
+        elif self._last_event is not None:
             self._last_event.synchronize()
 
     def _busy(self) -> bool:
@@ -322,6 +347,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.rs_send = self._view(send_dev, n)
         self.rs_recv = self._view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
+        self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
+        self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
 
     def close(self, *, abort_if_busy: bool = True) -> None:
         """Wait for this data plane's kernels, then unpin the regions (call before the
@@ -442,24 +469,21 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self._retired.append(buf)
             buf = self._scratch_bufs[name] = torch.empty(max(nbytes, 16), dtype=torch.uint8,
                                                          device=self.device)
+        if self._in_capture and not any(b is buf for b in self._graph_bufs):
+            # A captured graph keeps using this address at every replay: never freed.
+            self._graph_bufs.append(buf)
         return buf
 
 
     def _direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
-    def _dcounters(self, seq: int) -> int:
-        return self.dcounters.data_ptr() + 4 * (MAX_DIRECT + 1) * PIECES * (seq % COUNTER_SETS)
-
     # ---- launch helpers --------------------------------------------------------------
-    def _reserve_ring(self, op: Op, seq: int, n: int = PIECES) -> int:
-        """Claim ring indices for the collective's n entries (8 pieces, or 8 per destination
-        for the finalize); wait until they are free."""
-        # This host thread is the ring's only producer for a CUDA communicator, so a plain
-        # store of head is enough (tail is the proxy's).
-        head = _u64(self.ctl + layout.CTL_RING_HEAD)
+    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+        """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
+        (the host writes those entries' fields itself); every kernel waits on the GPU
+        (kernels/wait.cu ring_room)."""
         tail = _u64(self.ctl + layout.CTL_RING_TAIL)
-        first = int(head.value)
         last = first + n - 1
         if last - int(tail.value) >= layout.RING_ENTRIES:
             deadline = time.monotonic() + self.timeout_s
@@ -470,8 +494,6 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                     self._ring_timeout(op, seq)
                 spins += 1
                 time.sleep(0 if spins < 100 else 50e-6)
-        head.value = first + n
-        return first
 
     def _ring_timeout(self, op: Op, seq: int) -> None:
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
@@ -479,8 +501,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, seq: int) -> tuple:
-        return (*self._wait_head[op], _n(seq), *self._wait_tail)
+    def _wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
+        """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
+        collective's last and moves the device state on itself (kernels/common.cuh
+        last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
+        return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
     def _publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
@@ -489,18 +514,58 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES) -> int:
+    def seq_on_host(self) -> bool:
+        """Does the host know the next collective's seq (and so its slots)? False while the
+        caller's stream is being captured into a CUDA graph and ever after one collective
+        was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
+        return not self._graph and not self._capturing()
+
+    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
+               zero_copy: str | None = None) -> int:
+        """Checks before a collective's first launch; returns the host's copy of its first
+        ring index (valid while seq_on_host(); only mode "ce" uses it). zero_copy names a
+        feature that needs the slot of seq on the host: refused once the host no longer
+        knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
+        self._in_capture = self._capturing()
+        if self._in_capture and not self._graph:
+            self._graph = True
+            self._ops.clear()
+            self._unchecked = []
+        if zero_copy and self._graph:
+            raise RuntimeError(f"rank {self.rank}: {OP_NAMES[op]}: {zero_copy} needs the "
+                               "collective's slot on the host, which it no longer knows once a "
+                               "collective of this communicator was captured in a CUDA graph "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
+        if not self._graph and seq != self._seq_next:
+            raise ValueError(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: the CUDA data plane "
+                             f"expected seq {self._seq_next} (the GPU numbers collectives one "
+                             "per call, in call order)")
         self.check_status()
         self.check_abort()
         self.check_sizes()
-        self._ops[seq] = op
-        self._ops.pop(seq - 512, None)
-        if self.peer_rings is not None:
-            self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
-            del self._unchecked[:-64]
-        return self._reserve_ring(op, seq, entries)
+        if not self._graph:
+            self._ops[seq] = op
+            self._ops.pop(seq - 512, None)
+            if self.peer_rings is not None:
+                self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
+                del self._unchecked[:-64]
+        first = self._ring_next
+        self._seq_next += 1
+        self._ring_next += entries
+        return first
+
+    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
+                advanced: bool = False) -> None:
+        """After the collective's last kernel: unless it advanced the device state itself
+        (``advanced``), sccl_advance moves it on to the next collective (seq + 1, ring +
+        entries, the finalize gate + gate_add)."""
+        if not advanced:
+            self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
+                         _n(gate_add))
+        if not self._in_capture:  # (an event of a capture cannot be waited for)
+            self._end(ts)
 
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
@@ -527,14 +592,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """Gather ``src`` (CUDA uint8, L bytes) of every rank: rank i's bytes land at
         ``dst[i * dst_stride + dst_off : ... + L]``. ``dst=None``: zero-copy, the result
         stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
-        :meth:`ag_slot`); the launch then only waits for the pieces."""
+        :meth:`ag_slot`); the launch then only waits for the pieces. The kernels take the
+        slot from the device state's seq (slot base + code, kernels/common.cuh slot_at)."""
         L = src.numel()
         S = round_up(L, ALIGN)
-        first = self._begin(Op.AG, seq, S)
+        first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self._stream()
-        slot = self.ag_dev + (seq % 3) * self.ag_stride
+        slot0, code = self.ag_dev, self._ag_code
+        slot = slot0 + (seq % 3) * self.ag_stride  # (the host's view: zero-copy and mode ce)
         me = self.rank
         res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
+        dst_ptr = 0 if dst is None else dst.data_ptr() + dst_off
+        out = self._ag_output(slot, dst, dst_off, dst_stride, L, S)
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
@@ -544,29 +613,35 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             own_dst = slot + me * S if dst is None else 0
             self._run_direct(DirectCall(
                 Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-                publish=(src.data_ptr(), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(), own_dst,
+                publish=(src.data_ptr(), _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                         slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
                          res_me),
-                consume=(slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride)),
+                consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
                 wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
-                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d]))
+                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d],
+                ce_consume=(slot, dst_ptr, dst_stride), output=out))
             return
         bpp = self._publish_blocks(piece)
         if "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         src.data_ptr(), _n(0), slot + me * S, _n(S), res_me, _n(1), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.AG)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+                         src.data_ptr(), _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1),
+                         _n(L), _n(S), self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(),
+                         _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         nb = 1 if dst is None else self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                         slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
-                         _n(L), _n(S), *self._wait_args(Op.AG, seq))
-        self._poison_if_failed(stream, *self._ag_output(slot, dst, dst_off, dst_stride, L, S))
-        self._end(ts)
+                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
+                         *self._wait_args(Op.AG, (PIECES, 0)))
+        self._poison_if_failed(stream, *out)
+        self._finish(ts, stream, advanced=waited)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
         valid until three more all-gathers have been issued)."""
+        if self._graph:
+            raise RuntimeError(f"rank {self.rank}: ag_slot: the host no longer knows the slots "
+                               "once a collective was captured in a CUDA graph")
         base = (seq % 3) * self.ag_stride
         return self.ag[base:base + nbytes]
 
@@ -584,59 +659,65 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        first = self._begin(Op.RS, seq, S)
+        first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
         ts, stream = self._stream()
         W, me = self.world, self.rank
-        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
+        send0, recv0 = self.rs_send_dev, self.rs_recv_dev
+        scode, rcode = self._send_code, self._recv_code
+        send = send0 + (seq % 2) * self.rs_send_stride  # (the host's view: mode ce)
+        recv = recv0 + (seq % 2) * self.rs_recv_stride
+        dst_ptr = dst.data_ptr() + dst_off
         piece = piece_bounds(S, 0)[1]
         if src is not None:
             base = src.data_ptr() + src_off
             bpp = self._publish_blocks(W * piece)
-            own, own_sys = base + me * src_stride, 0
+            own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
             bpp = 1
-            own, own_sys = send + me * S, 1
+            own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
         dtab = self._direct(Op.RS, S)
         if dtab is not None:  # GPU-direct: chunks straight to the peers
-            sbase, sstride, ssys = (base, src_stride, 0) if src is not None else (send, S, 1)
+            sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
+                                             else (send0, scode, S, 1))
             self._run_direct(DirectCall(
                 Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
-                publish=(sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0),
-                consume=(recv, own, _n(own_sys), dst.data_ptr() + dst_off),
+                publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
+                         0, _n(0), 0),
+                consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
                 wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(piece),
                                                       self.max_direct_wait_blocks),
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
                 ce_src=(base, src_stride) if src is not None else None, own=[],
-                sum_kernel=_RS_SUM_UNIT[dtype]))
+                sum_kernel=_RS_SUM_UNIT[dtype],
+                ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
             return
+        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         base, _n(src_stride), send, _n(S), 0, _n(W), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+                         base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W), _n(L), _n(S),
+                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
         elif "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES, 32,
-                         0, _n(0), send, _n(S), 0, _n(0), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(1))
+                         0, _n(0), send0, _n(scode), _n(S), 0, _n(0), _n(L), _n(S),
+                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(1))
         nb = self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
-                         recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
-                         *self._wait_args(Op.RS, seq))
-        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+                         recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S),
+                         *self._wait_args(Op.RS, (PIECES, 0)))
+        self._poison_if_failed(stream, dst_ptr, 0, 1, L)
+        self._finish(ts, stream, advanced=waited)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:
-        """The CUDA twin of :meth:`.cpu.CpuDataPlane.moe_finalize_reduce_scatter`: the host
-        reserves (W - 1) * 8 ring entries; ``sccl_finalize`` computes the rows piece-major
-        into the send slot (own chunk into device memory) and publishes each (row piece,
-        destination) as it completes; the bf16 reduce-scatter wait kernel then sums this
-        rank's rows over ranks in rank order into ``dst``."""
+        """The CUDA twin of :meth:`.cpu.CpuDataPlane.moe_finalize_reduce_scatter`:
+        ``sccl_finalize`` computes the rows piece-major into the send slot (own chunk into
+        device memory) and publishes each (row piece, destination) as it completes, in
+        (W - 1) * 8 ring entries; the bf16 reduce-scatter wait kernel then sums this rank's
+        rows over ranks in rank order into ``dst``."""
         if self.rs_send is None:
             raise RuntimeError("moe_finalize_reduce_scatter: attach_rs() was not called")
         W, me = self.world, self.rank
@@ -647,10 +728,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             if dtab is not None:
                 self._finalize_direct(seq, f, row_lo, rows, dst, dst_off, dtab)
                 return
-        first = self._begin(Op.RS, seq, S, entries=PIECES * (W - 1))
+        entries = PIECES * (W - 1)
+        self._begin(Op.RS, seq, S, entries=entries)
         ts, stream = self._stream()
-        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
         own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         if "publish" in self.phases:
@@ -662,16 +742,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens),
                          _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
                          _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
-                         send, own,
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.fin_counters.data_ptr() + 4 * FIN_SET * (seq % COUNTER_SETS))
-        if "wait" in self.phases:
+                         self.rs_send_dev, _n(self._send_code), own,
+                         self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(), _n(int(Op.RS)),
+                         self.fin_counters.data_ptr())
+        waited = "wait" in self.phases
+        if waited:
             nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
             self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
-                         recv, own, _n(0), dst.data_ptr() + dst_off, _n(L), _n(S),
-                         *self._wait_args(Op.RS, seq))
+                         self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
+                         dst.data_ptr() + dst_off, _n(L), _n(S),
+                         *self._wait_args(Op.RS, (entries, 0)))
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+        self._finish(ts, stream, entries, advanced=waited)
 
     def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
                          dst_off: int, dtab) -> None:
@@ -680,32 +762,28 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
         other blocks sum this rank's rows over ranks as they arrive. Every collective of
         the op then has the same writer (the GPU) for each flag word."""
-        W = self.world
         RB = 2 * f.H
         S, L = fin_slice(rows, RB)
-        first = self._begin(Op.RS, seq, S)
+        self._begin(Op.RS, seq, S)
         ts, stream = self._stream()
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
         own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         piece = piece_bounds(S, 0)[1]
-        units = -(-piece * W // 16)  # 16-byte row units of one piece, every destination
+        units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
         nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        target = (self._fin_gate_base + npub) & 0xFFFFFFFF
         scales = f.scales.data_ptr() if f.scales is not None else 0
         self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                      f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
                      f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens), _n(f.topk),
                      _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
                      _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
-                     _n(first), _n(int(Op.RS)), self._dcounters(seq), _n(npub),
-                     self.fin_gate.data_ptr(), _n(target), recv, own,
-                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, seq))
-        self._fin_gate_base = target
+                     _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
+                     self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
+                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, (PIECES, npub)))
         self.direct_launches += 1
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+        self._finish(ts, stream, advanced=True)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
@@ -765,7 +843,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
             if source == NO_SOURCE:
                 self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
-                          "already failed, or the wait ran past its timeout)", int(code))
+                          "already failed, or the wait ran past its timeout: for a peer's "
+                          "flag, or for space in the publish ring)", int(code))
             self.fail(f"rank {self.rank}: {what} piece {piece}: the GPU wait saw abort code "
                       f"{code}", int(code))
         if word == NO_WORD or op is None:

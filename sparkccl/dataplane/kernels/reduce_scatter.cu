@@ -183,11 +183,15 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
   }
 }
 
+// recv and own are slotted (recv_code, own_code: see slot_at).
 #define RS_KERNEL(NAME, E)                                                                   \
   extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
-      const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S, WAIT_PARAMS) {      \
+      const u8* recv, u64 recv_code, const u8* own, u64 own_code, u64 own_sys, u8* dst,      \
+      u64 L, u64 S, WAIT_PARAMS) {                                                           \
     WAIT_ARGS_INIT                                                                           \
-    rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x, gridDim.x);                     \
+    rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys, dst, \
+               L, S, w, blockIdx.x, gridDim.x);                                              \
+    last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
 RS_KERNEL(sccl_rs_wait_bf16, BF16)

@@ -72,6 +72,34 @@ __device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
   return true;
 }
 
+// One thread: wait until publish-ring entry `index` is free (the proxy consumed entry
+// index - RING_ENTRIES), watching the abort word and the timeout like every wait. The GPU
+// does the ring's backpressure because the host no longer knows the indices of a captured
+// collective (docs/PROTOCOL.md "Sequence state"). False: the failure is recorded.
+__device__ bool ring_room(u8* ring, u64* state, u64 index, u64 seq, u32 piece) {
+  u8* ctl = ring - RING_OFFSET;
+  const u64* tail = (const u64*)(ctl + CTL_RING_TAIL);
+  // Signed: a tail ahead of every index (benchmarks/kernel_roofline.py, no proxy) is room.
+  if ((i64)(index - ld_acquire_sys(tail)) < (i64)RING_ENTRIES) return true;
+  WaitArgs w = {};
+  w.abort_w = (const u64*)(ctl + CTL_ABORT);
+  w.status = (u64*)(ctl + CTL_GPU_STATUS);
+  w.state = state;
+  w.seq = seq;
+  w.timeout_ns = state_word(state, STATE_TIMEOUT);
+  const u64 t0 = globaltimer();
+  u32 spins = 0;
+  while ((i64)(index - ld_acquire_sys(tail)) >= (i64)RING_ENTRIES) {
+    const u64 code = ld_relaxed_sys(w.abort_w);
+    if (code || globaltimer() - t0 > w.timeout_ns) {
+      record_failure(w, code ? code : ABORT_TIMEOUT, NO_SOURCE, NO_WORD, piece);
+      return false;
+    }
+    if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
+  }
+  return true;
+}
+
 // One thread: fail at once if an earlier wait of this data plane failed.
 __device__ bool earlier_wait_failed(const WaitArgs& w) {
   if (!*(volatile u64*)(w.state + 1)) return false;
@@ -136,12 +164,16 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 
 #define WAIT_PARAMS                                                                        \
   const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
-      u64 maxw, u64 *state, u64 seq, u64 rank, u64 world, u64 timeout_ns
+      u64 maxw, u64 *state, u64 rank, u64 world, u64 timeout_ns, u64 adv_entries,          \
+      u64 adv_gate
 #define WAIT_ARGS_INIT                                                                      \
   WaitArgs w;                                                                               \
   w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
-  w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
+  w.parts = parts; w.state = state; w.seq = state_word(state, STATE_SEQ);                     \
+  w.rank = (int)rank; w.world = (int)world;                                                 \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+
+// WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 
 // sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
 // ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
@@ -191,9 +223,10 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
 
 // Grid: 1 poller block + consumer blocks.
 extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
-    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+    const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
   WAIT_ARGS_INIT
-  ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  last_block_advances(state, adv_entries, adv_gate);
 }
 
 // Mode GPU_FAIL_POISON, queued on the caller's stream after every collective: once any wait
