@@ -1479,6 +1479,44 @@ def test_fail_stop_reports_then_traps(mode, capfd):
 
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
+    """A trap the driver never acts on (seen with several processes time-slicing one GPU
+    without MPS: two ranks trapped at once and both stayed halted past the trap, their
+    host threads waiting in cuStreamSynchronize forever) is not a silent hang: once the
+    GPU is still busy trap_grace_s after the ack, the watchdog says on stderr that the
+    process is wedged and must be killed. A trap that works says nothing more."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        dp.trap_grace_s = 0.4
+        busy = dp._busy
+        dp._busy = lambda: True  # the emulated GPU "never stops" after the trap
+        try:
+            _lone_all_gathers(w, 25, 2)
+            deadline = time.monotonic() + 10
+            while not dp.trap_wedged and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert dp.trap_wedged
+        finally:
+            dp._busy = busy
+        err = capfd.readouterr().err
+        assert "sparkccl: CollectiveError: rank 0: timed out after 0.3 s" in err, err
+        assert ("sparkccl: rank 0: the GPU did not stop within 0.4 s of the fail-stop trap"
+                in err), err
+        assert "kill the process" in err and "MPS" in err
+        with pytest.raises(CollectiveError):
+            dp.synchronize()
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        dp.trap_grace_s = 0.4
+        _lone_all_gathers(w, 25, 1)
+        with pytest.raises(CollectiveError):
+            dp.synchronize()
+        time.sleep(0.8)
+        assert not dp.trap_wedged
+        assert "did not stop" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("mode", WAIT_MODES)
 def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
     """Mode poison: no trap; a healthy collective before the failure keeps its exact result,

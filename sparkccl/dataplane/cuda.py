@@ -101,6 +101,9 @@ SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
+# After the ack, how long the watchdog waits for the trap to end this process's GPU work
+# before it says on stderr that the GPU is wedged (see _watch_trap).
+TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
 POISON_THREADS = 256
 MAX_WORLD = 64
 
@@ -162,6 +165,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._closed = False
         self.on_failure = on_failure
         self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
+        self.trap_grace_s = TRAP_GRACE_S
+        self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
@@ -880,6 +885,38 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         while not self._watch_stop.wait(WATCHDOG_POLL_S):
             if status.value:
                 self._report_gpu_failure()
+                if self.on_failure == "stop":
+                    self._watch_trap()
+                return
+
+    def _watch_trap(self) -> None:
+        """Mode "stop", after the ack: the kernel traps, and the driver then ends this
+        process's GPU work with an error (every later synchronization raises). If the GPU is
+        still busy ``trap_grace_s`` later, the trap was not acted on -- seen on one GPU
+        time-sliced by several processes without MPS, when ranks of two processes trapped at
+        about the same time: each warp sat halted just past its trap and the caller's next
+        synchronization waited forever inside the CUDA driver. Nothing in this process can
+        end that wait (library code never kills the process), so say so on stderr, next to
+        the CollectiveError already printed, instead of hanging without a word."""
+        deadline = time.monotonic() + self.trap_grace_s
+        while not self._watch_stop.wait(0.05):
+            try:
+                if not self._busy():
+                    return  # the GPU finished (or had nothing queued)
+            except Exception:
+                return  # the CUDA context is lost: the trap worked
+            if time.monotonic() > deadline:
+                line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
+                        f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
+                        "work is wedged and every synchronization will wait forever; kill the "
+                        "process. (Seen when several processes time-slice one GPU without MPS "
+                        "and two of them trap at once; run one rank per GPU, use MPS, or "
+                        "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
+                try:
+                    os.write(2, line.encode("utf-8", "replace"))
+                except OSError:
+                    pass
+                self.trap_wedged = True
                 return
 
     def _report_gpu_failure(self) -> None:
