@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "control.h"
+#include "dict_of.h"
 #include "geometry.h"
 #include "layout.h"
 #include "proxy.h"
@@ -238,22 +239,21 @@ NB_MODULE(_native, m) {
       .def_prop_ro("running", &Proxy::running)
       .def("stats", [](Proxy& p) {
         ProxyStats s = p.stats();
-        nb::dict d;
-        d["entries"] = s.entries;
-        d["stale_entries"] = s.stale_entries;
-        d["writes"] = s.writes;
-        d["bytes"] = s.bytes;
-        d["flags"] = s.flags;
-        d["turns"] = s.turns;
-        d["naps"] = s.naps;
-        d["delay_samples"] = s.delay_samples;
-        d["delay_p50_ns"] = s.delay_p50_ns;
-        d["delay_p99_ns"] = s.delay_p99_ns;
-        d["gpu_pieces"] = s.gpu_pieces;
-        d["publish_samples"] = s.publish_samples;
-        d["publish_p50_ns"] = s.publish_p50_ns;
-        d["publish_p99_ns"] = s.publish_p99_ns;
-        return d;
+        return dict_of(s,
+                       SPARKCCL_FIELD(entries),
+                       SPARKCCL_FIELD(stale_entries),
+                       SPARKCCL_FIELD(writes),
+                       SPARKCCL_FIELD(bytes),
+                       SPARKCCL_FIELD(flags),
+                       SPARKCCL_FIELD(turns),
+                       SPARKCCL_FIELD(naps),
+                       SPARKCCL_FIELD(delay_samples),
+                       SPARKCCL_FIELD(delay_p50_ns),
+                       SPARKCCL_FIELD(delay_p99_ns),
+                       SPARKCCL_FIELD(gpu_pieces),
+                       SPARKCCL_FIELD(publish_samples),
+                       SPARKCCL_FIELD(publish_p50_ns),
+                       SPARKCCL_FIELD(publish_p99_ns));
       });
 
   sparkccl::bind_verbs(m);
