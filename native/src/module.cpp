@@ -221,7 +221,8 @@ NB_MODULE(_native, m) {
            "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
            "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
            "nap_us"_a = 200)
-      .def("attach", &Proxy::attach, "transport"_a,
+      // keep_alive: the transport made may borrow its factory (VerbsEndpoint's queue pairs).
+      .def("attach", &Proxy::attach, "transport"_a, nb::keep_alive<1, 2>(),
            "The proxy's transport, from a TransportFactory (ShmTransport, TcpTransport, "
            "VerbsEndpoint); once, before start().")
       .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
