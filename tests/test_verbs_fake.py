@@ -19,6 +19,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -823,7 +824,11 @@ def test_endpoint_argument_checks(fake):
     assert other.kind == "verbs" and isinstance(other, N.TransportFactory)
     with pytest.raises(ValueError, match="connections differ from the proxy's plan"):
         p.attach(other)
-    p.attach(N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0]))
+    # The transport the proxy makes borrows the endpoint: attach keeps it alive with the proxy.
+    ep = N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0])
+    refs = sys.getrefcount(ep)
+    p.attach(ep)
+    assert sys.getrefcount(ep) == refs + 1
     with pytest.raises(ValueError, match=r"attach\(shm\): a transport is attached already"):
         p.attach(N.ShmTransport())
 

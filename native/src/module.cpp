@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "control.h"
+#include "dict_of.h"
 #include "geometry.h"
 #include "layout.h"
 #include "proxy.h"
@@ -229,7 +230,8 @@ NB_MODULE(_native, m) {
            "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
            "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
            "nap_us"_a = 200)
-      .def("attach", &Proxy::attach, "transport"_a,
+      // keep_alive: the transport made may borrow its factory (VerbsEndpoint's queue pairs).
+      .def("attach", &Proxy::attach, "transport"_a, nb::keep_alive<1, 2>(),
            "The proxy's transport, from a TransportFactory (ShmTransport, TcpTransport, "
            "VerbsEndpoint); once, before start().")
       .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
@@ -247,22 +249,21 @@ NB_MODULE(_native, m) {
       .def_prop_ro("running", &Proxy::running)
       .def("stats", [](Proxy& p) {
         ProxyStats s = p.stats();
-        nb::dict d;
-        d["entries"] = s.entries;
-        d["stale_entries"] = s.stale_entries;
-        d["writes"] = s.writes;
-        d["bytes"] = s.bytes;
-        d["flags"] = s.flags;
-        d["turns"] = s.turns;
-        d["naps"] = s.naps;
-        d["delay_samples"] = s.delay_samples;
-        d["delay_p50_ns"] = s.delay_p50_ns;
-        d["delay_p99_ns"] = s.delay_p99_ns;
-        d["gpu_pieces"] = s.gpu_pieces;
-        d["publish_samples"] = s.publish_samples;
-        d["publish_p50_ns"] = s.publish_p50_ns;
-        d["publish_p99_ns"] = s.publish_p99_ns;
-        return d;
+        return dict_of(s,
+                       SPARKCCL_FIELD(entries),
+                       SPARKCCL_FIELD(stale_entries),
+                       SPARKCCL_FIELD(writes),
+                       SPARKCCL_FIELD(bytes),
+                       SPARKCCL_FIELD(flags),
+                       SPARKCCL_FIELD(turns),
+                       SPARKCCL_FIELD(naps),
+                       SPARKCCL_FIELD(delay_samples),
+                       SPARKCCL_FIELD(delay_p50_ns),
+                       SPARKCCL_FIELD(delay_p99_ns),
+                       SPARKCCL_FIELD(gpu_pieces),
+                       SPARKCCL_FIELD(publish_samples),
+                       SPARKCCL_FIELD(publish_p50_ns),
+                       SPARKCCL_FIELD(publish_p99_ns));
       });
 
   sparkccl::bind_verbs(m);

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "control.h"
+#include "dict_of.h"
 #include "proxy.h"
 #include "verbs_transport.h"
 
@@ -162,30 +163,22 @@ void bind_verbs(nb::module_& m) {
       .def("lanes",
            [](const VerbsEndpoint& e) {
              nb::list out;
-             for (auto& l : e.lanes()) {
-               nb::dict d;
-               d["device"] = l.device;
-               d["port"] = l.port;
-               d["gid_index"] = l.gid_index;
-               d["state"] = l.state;
-               d["active_mtu"] = l.active_mtu;
-               d["link_layer"] = l.link_layer;
-               d["lid"] = l.lid;
-               d["gid"] = as_bytes(l.gid);
-               out.append(d);
-             }
+             for (auto& l : e.lanes())
+               out.append(dict_of(l, SPARKCCL_FIELD(device), SPARKCCL_FIELD(port),
+                                  SPARKCCL_FIELD(gid_index), SPARKCCL_FIELD(state),
+                                  SPARKCCL_FIELD(active_mtu), SPARKCCL_FIELD(link_layer),
+                                  SPARKCCL_FIELD(lid),
+                                  dict_field("gid", [](const VerbsLaneInfo& i) {
+                                    return as_bytes(i.gid);  // bytes, not str
+                                  })));
              return out;
            })
       .def("connections",
            [](const VerbsEndpoint& e) {
              nb::list out;
-             for (auto& c : e.connections()) {
-               nb::dict d;
-               d["qpn"] = c.qpn;
-               d["psn"] = c.psn;
-               d["lane"] = c.lane;
-               out.append(d);
-             }
+             for (auto& c : e.connections())
+               out.append(
+                   dict_of(c, SPARKCCL_FIELD(qpn), SPARKCCL_FIELD(psn), SPARKCCL_FIELD(lane)));
              return out;
            })
       .def("register_memory", &VerbsEndpoint::register_memory, "key"_a, "addr"_a, "size"_a,
