@@ -206,10 +206,15 @@ class EmuDataPlane(C.CudaDataPlane):
         self._last_event = ts.record()
         self._last_ctx = ts.ctx
 
-    def _wait_last(self):
-        if self._last_event is not None:
-            assert self._last_event.wait(120), "emulated kernels did not finish"
-            self._last_ctx.check()
+    def _event_done(self, ev):
+        if not ev.is_set():
+            return False
+        self._last_ctx.check()
+        return True
+
+    def _release_waits(self):  # the state words are host memory here
+        self.state[1] = 1
+        self.state[0] = self._last_seq * C.PROG_STRIDE + C.PROG_FAILED
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
@@ -815,7 +820,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        assert len(issued) == world and launched == []  # copies and piece waits, no kernel
+        # copies and piece waits in one issue; launched only: the guard of mode stop
+        assert len(issued) == world and launched == ["sccl_fail_guard"] * world
         issued.clear()
         launched.clear()
         for dp in w.dps:
@@ -1100,6 +1106,62 @@ def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
             with w.be.on(0):
                 w.dps[0].all_gather(seq + 4, w.keep(torch.zeros(8, dtype=torch.uint8)),
                                     w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("on_failure", ["stop", "poison"])
+def test_stream_value_waits_are_released_after_a_failure(on_failure):
+    """Mode ce: the caller's stream waits (cuStreamWaitValue64) for the progress word that
+    sccl_wait_piece relays; such a wait has no timeout and does not watch the abort word.
+    When the kernels that would end it never run (dropped here; on a GPU: not scheduled),
+    a survivor's synchronize() still raises CollectiveError within STOP_GRACE_S +
+    RELEASE_GRACE_S of the failure (the host releases the waits), and nothing queued after
+    the collective reads its output as valid: mode stop traps first (sccl_fail_guard),
+    mode poison overwrites it."""
+    world, n = 2, 64
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
+               on_failure=on_failure) as w:
+        dp = w.dps[0]
+        issue = dp._issue
+
+        def without_piece_waits(ops, kernels):
+            waits = [i for i, k in enumerate(kernels) if k[0] == "sccl_wait_piece"]
+            issue([op for op in ops if not (op[0] == C.OP_LAUNCH and op[2] in waits)], kernels)
+        dp._issue = without_piece_waits
+        seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
+        seen = []
+        stream = w.be.streams[0]
+        stream.put(lambda: seen.append(bytes(outs[0].numpy())))  # the caller's next work
+        time.sleep(0.2)
+        assert not seen  # the stream is held by its value waits
+        # What the proxy's watch does when a peer's process is gone.
+        N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
+        t0 = time.monotonic()
+        result = {}
+
+        def sync():
+            try:
+                dp.synchronize()
+            except BaseException as e:  # noqa: BLE001 - checked below
+                result["error"] = e
+        t = threading.Thread(target=sync, daemon=True)
+        t.start()
+        t.join(20)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "synchronize() blocked on stream waits nobody releases"
+        err = result.get("error")
+        assert isinstance(err, CollectiveError) and "peer 1 (pid 4242) exited" in str(err), err
+        assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        if on_failure == "stop":
+            assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
+            time.sleep(0.1)
+            assert seen == []  # the lost context ran nothing after the guard
+            assert "unspecified launch failure" in str(err.__cause__)
+        else:
+            stream.synchronize()
+            assert not stream.ctx.trapped
+            assert seen == [b"\xff" * (world * 4 * n)]  # poisoned before anything read it
+        assert not dp._gpu_stuck  # it did end once released: close() unpins as usual
 
 
 def test_failure_mode_is_a_setting(monkeypatch):

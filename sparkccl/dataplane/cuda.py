@@ -93,6 +93,15 @@ FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the cl
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
+PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
+# Once the communicator failed, a failing wait traps (stop) or returns (poison) within
+# ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
+# data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
+# at the abort word (see _wait_last).
+STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
+# After _release_waits, before the host gives up on the GPU: what a released kernel may take
+# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps).
+RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
 POISON_THREADS = 256
 MAX_WORLD = 64
 
@@ -157,6 +166,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
+        self._last_seq = 0  # the latest collective's seq (_release_waits)
+        self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
@@ -246,6 +257,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.device = dev
         self.kernels = kernels_for(dev.index)
         self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        # _release_waits: made now, because after a failure nothing may wait on the GPU.
+        self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._release_stream = torch.cuda.Stream(dev)
 
     def _register(self, addr: int, size: int) -> int:
         with torch.cuda.device(self.device):
@@ -300,12 +314,70 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ev.record(ts)
         self._last_event = ev
 
+    def _event_done(self, ev) -> bool:
+        """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
+        return ev.query()
+
+    def _release_waits(self) -> None:
+        """Write what every wait of this data plane waits for: the dead word, then the
+        progress word at FAILED of the latest seq (above every unit of every collective so
+        far), so that stream value waits (mode "ce") and consumer blocks move on and every
+        kernel after them fails at once. From the host, on a stream of its own: the
+        caller's streams are the ones that are stuck."""
+        src = self._release_src
+        src[0] = self._last_seq * PROG_STRIDE + PROG_FAILED
+        src[1] = 1
+        with torch.cuda.device(self.device), torch.cuda.stream(self._release_stream):
+            self.state[1:2].copy_(src[1:2], non_blocking=True)  # dead first: in stream order
+            self.state[0:1].copy_(src[0:1], non_blocking=True)
+
     def _wait_last(self) -> None:
-        if self._last_event is not None:
-            self._last_event.synchronize()
+        """Wait until the GPU passed the latest collective. While the communicator is
+        healthy that takes as long as it takes (the caller's own work queued before it
+        counts too; every sparkccl wait has its own GPU-clock timeout). Once it failed
+        (abort word or GPU record), the GPU has STOP_GRACE_S to get there; past that,
+        something waits that does not watch the abort word (a stream value wait, whose
+        releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
+        CollectiveError (a survivor never blocks without bound) and mark the data plane
+        stuck, so that close() leaves the pinned memory the GPU may still use alone."""
+        ev = self._last_event
+        if ev is None:
+            return
+        deadline, released, nap = None, False, 0.0
+        while not self._event_done(ev):
+            now = time.monotonic()
+            if deadline is None:
+                if self._failure_known():
+                    deadline = now + STOP_GRACE_S
+            elif now > deadline:
+                if released:
+                    self._gpu_stuck = True
+                    raise self._stuck_error()
+                try:
+                    self._release_waits()
+                except RuntimeError:
+                    pass  # best effort: the raise below follows either way
+                released, deadline = True, now + RELEASE_GRACE_S
+            time.sleep(nap)
+            nap = min(max(2 * nap, 20e-6), 1e-3)
+
+    def _failure_known(self) -> bool:
+        return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)
+
+    def _stuck_error(self) -> CollectiveError:
+        code, source, word, piece, seq = self.gpu_status()
+        cause = self.nat.error_text(self.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
+                                                  if code else "aborted")
+        record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "
+                  f"flag word {word}" if code else "no GPU failure record")
+        return CollectiveError(
+            f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
+            f"{self._last_seq}) still had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
+            f"also after the host released its waits ({record}); the GPU is stuck: restart "
+            "the process", rank=self.rank, cause=cause)
 
     def _busy(self) -> bool:
-        return self._last_event is not None and not self._last_event.query()
+        return self._last_event is not None and not self._event_done(self._last_event)
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
@@ -345,6 +417,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         except Exception:
             pass
         self._registered = []
+        if self._gpu_stuck:
+            # Unpinning memory a kernel or copy may still write would be worse than the leak:
+            # it stays pinned until the process exits (which it must: the GPU is stuck).
+            return
         for addr in regs:
             try:
                 self._unregister(addr)
@@ -497,6 +573,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.check_sizes()
         self._ops[seq] = op
         self._ops.pop(seq - 512, None)
+        self._last_seq = max(self._last_seq, seq)
         if self.peer_rings is not None:
             self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
             del self._unchecked[:-64]
@@ -729,6 +806,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         error is raised as the :class:`CollectiveError` that caused it."""
         try:
             self._wait_last()
+        except CollectiveError:
+            raise  # the GPU did not stop after the failure (_wait_last)
         except RuntimeError as cuda_error:
             if not self.gpu_status()[0]:
                 raise

@@ -156,6 +156,16 @@ extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   relay_piece(w, (int)piece, globaltimer());
 }
 
+// sccl_fail_guard (one thread; mode "ce" in GPU_FAIL_STOP, on the caller's stream after the
+// collective's joins): fail, and so trap, if this data plane failed. The caller's stream only
+// waited for values; once the host released those waits (cuda.py _release_waits: the kernels
+// that would have failed never ran), the copies after them moved whatever had arrived, and
+// nothing queued after the collective may read that as a result.
+extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
+}
+
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
 // slot: AG slot of this seq (block i = rank i's slice, S bytes apart). dst: result + dst_off
 // (rank i's bytes at dst + i * dst_stride), or null (zero-copy: only wait).
