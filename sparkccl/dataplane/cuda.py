@@ -343,9 +343,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ev = self._last_event
         if ev is None:
             return
-        deadline, released, nap = None, False, 0.0
+        deadline, released, spins = None, False, 0
         while not self._event_done(ev):
             now = time.monotonic()
+            if self._gpu_stuck:  # it was released already: no second grace
+                raise self._stuck_error()
             if deadline is None:
                 if self._failure_known():
                     deadline = now + STOP_GRACE_S
@@ -358,8 +360,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 except RuntimeError:
                     pass  # best effort: the raise below follows either way
                 released, deadline = True, now + RELEASE_GRACE_S
-            time.sleep(nap)
-            nap = min(max(2 * nap, 20e-6), 1e-3)
+            # Yield at first (a collective's last microseconds), then naps of at most
+            # 200 us: what a synchronization may lose to the polling.
+            spins += 1
+            time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
 
     def _failure_known(self) -> bool:
         return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)

@@ -102,6 +102,23 @@ __device__ void poller(const WaitArgs& w) {
     if (!relay_piece(w, c, t0)) return;
 }
 
+// One thread of a block that waits for another block of its launch (the progress word, a
+// gate): true once the abort word is set or the timeout passed by 2 s (recorded). The
+// block it waits for normally records first and so names the piece; this bounds the wait
+// when that block never runs.
+__device__ SCCL_COLD bool backstop_failed(const WaitArgs& w, u64 t0) {
+  const u64 code = ld_relaxed_sys(w.abort_w);
+  if (code) {
+    record_failure(w, code, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  if (globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
+    record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  return false;
+}
+
 // Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
 // proceeds. Returns false if the wait failed (every consumer then exits).
 __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* seen, u64 t0) {
@@ -115,10 +132,11 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
       if (p >= base + FAILED) { r = 0; break; }
       if (++spins > 16) {
         nanosleep(200);
-        // Backstop: the poller records the timeout; if it cannot (never scheduled), give
-        // up a little later on our own.
-        if ((spins & 1023) == 0 && globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
-          record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+        // Backstop: the poller records the abort or the timeout; if it cannot (never
+        // scheduled), give up on our own, at the abort word (checked less often than the
+        // poller does, which so records first, naming the piece) or a little after the
+        // timeout.
+        if ((spins & 1023) == 0 && backstop_failed(w, t0)) {
           r = 0;
           break;
         }
