@@ -10,8 +10,9 @@
 #   3. the earlier fail-stop / poison scenarios (world 2 mesh, world 4 ring; kill and stall;
 #      all-gather, reduce-scatter, finalize, ce engine, proxy path);
 #   4. a few seeded random cases of the CUDA fault campaign;
-#   5. the in-process data-plane failure tests on the real kernels, and one healthy
-#      end-to-end run through the Communicator (default mode stop), bit-exact.
+#   5. the in-process data-plane failure tests on the real kernels (with the host releasing
+#      stream value waits whose kernels never ran), and one healthy end-to-end run through
+#      the Communicator (default mode stop), bit-exact.
 # A rank that hangs prints its threads' stacks and GPU failure words (test_failstop after
 # 30 s, the campaign after 30 s; both kill it later), so a hang is never a silent timeout.
 # Each step's limit is cut to what is left of BUDGET_S, so the call ends in time.
@@ -58,9 +59,9 @@ step "earlier fail-stop scenarios" 200 \
   -k "not rs_split and not recovers"
 step "campaign, seeded cases" 110 \
   "$PY" benchmarks/fault_campaign.py --device cuda --cases 3 --seed 7 --rank-timeout 45
-step "dataplane failure tests" 40 \
+step "dataplane failure tests (and the host's release of stuck stream waits)" 50 \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_dataplane.py \
-  -m cuda -k "timeout_raises or abort_stops or close_while"
+  -m cuda -k "timeout_raises or abort_stops or close_while or stream_value_waits"
 step "healthy end to end" 30 \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_dataplane.py \
   -k "test_communicator_cuda and mesh-2-"

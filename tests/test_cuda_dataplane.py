@@ -1108,18 +1108,22 @@ def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
                                     w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
 
 
-@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
-@pytest.mark.parametrize("on_failure", ["stop", "poison"])
-def test_stream_value_waits_are_released_after_a_failure(on_failure):
+@pytest.mark.parametrize("backend,on_failure", [
+    pytest.param("emu", "stop", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    pytest.param("emu", "poison", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    # (mode stop would trap this process's CUDA context: the emulation checks it)
+    pytest.param("cuda", "poison", marks=cuda_only)])
+def test_stream_value_waits_are_released_after_a_failure(backend, on_failure):
     """Mode ce: the caller's stream waits (cuStreamWaitValue64) for the progress word that
     sccl_wait_piece relays; such a wait has no timeout and does not watch the abort word.
     When the kernels that would end it never run (dropped here; on a GPU: not scheduled),
     a survivor's synchronize() still raises CollectiveError within STOP_GRACE_S +
     RELEASE_GRACE_S of the failure (the host releases the waits), and nothing queued after
     the collective reads its output as valid: mode stop traps first (sccl_fail_guard),
-    mode poison overwrites it."""
+    mode poison overwrites it. On the GPU this also shows that the host's release (a copy
+    on a stream of its own) gets past the blocked stream."""
     world, n = 2, 64
-    with World("emu", "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
         dp = w.dps[0]
         issue = dp._issue
@@ -1129,9 +1133,13 @@ def test_stream_value_waits_are_released_after_a_failure(on_failure):
             issue([op for op in ops if not (op[0] == C.OP_LAUNCH and op[2] in waits)], kernels)
         dp._issue = without_piece_waits
         seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
-        seen = []
         stream = w.be.streams[0]
-        stream.put(lambda: seen.append(bytes(outs[0].numpy())))  # the caller's next work
+        seen = []
+        if backend == "emu":  # the caller's next work on the stream
+            stream.put(lambda: seen.append(bytes(outs[0].numpy())))
+        else:
+            with w.be.on(0):
+                after = w.keep(outs[0].clone())
         time.sleep(0.2)
         assert not seen  # the stream is held by its value waits
         # What the proxy's watch does when a peer's process is gone.
@@ -1151,6 +1159,7 @@ def test_stream_value_waits_are_released_after_a_failure(on_failure):
         assert not t.is_alive(), "synchronize() blocked on stream waits nobody releases"
         err = result.get("error")
         assert isinstance(err, CollectiveError) and "peer 1 (pid 4242) exited" in str(err), err
+        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
         assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
         if on_failure == "stop":
             assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
@@ -1159,9 +1168,8 @@ def test_stream_value_waits_are_released_after_a_failure(on_failure):
             assert "unspecified launch failure" in str(err.__cause__)
         else:
             stream.synchronize()
-            assert not stream.ctx.trapped
-            assert seen == [b"\xff" * (world * 4 * n)]  # poisoned before anything read it
-        assert not dp._gpu_stuck  # it did end once released: close() unpins as usual
+            got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())
+            assert got == b"\xff" * (world * 4 * n)  # poisoned before anything read it
 
 
 def test_failure_mode_is_a_setting(monkeypatch):
