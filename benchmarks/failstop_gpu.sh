@@ -48,6 +48,9 @@ step() {
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader || true
 git log -1 --format='tree %h %s' 2>/dev/null || true
 date -u
+# The kernels changed: compile them once here (cached on disk), not in every rank at once.
+step "compile the kernels" 120 \
+  "$PY" -c "from sparkccl.dataplane import cuda_runtime as r; print(len(r.kernels_for(0)), 'kernels')"
 step "campaign case in small + poison recovery" 120 \
   "$PY" -m pytest -v -s -p no:cacheprovider -m cuda tests/test_failstop.py \
   -k "rs_split or recovers"
