@@ -38,7 +38,10 @@ prints the error on stderr and acknowledges it, and the kernel traps: the CUDA c
 lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
 every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
 way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
-raise the error (docs/PROTOCOL.md "Failure").
+raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
+communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
+release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
+RELEASE_GRACE_S more (:meth:`CudaDataPlane._wait_last`).
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
