@@ -1113,15 +1113,18 @@ def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
     pytest.param("emu", "poison", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
     # (mode stop would trap this process's CUDA context: the emulation checks it)
     pytest.param("cuda", "poison", marks=cuda_only)])
-def test_stream_value_waits_are_released_after_a_failure(backend, on_failure):
+@pytest.mark.parametrize("sync", ["caller", "comm"])
+def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sync):
     """Mode ce: the caller's stream waits (cuStreamWaitValue64) for the progress word that
     sccl_wait_piece relays; such a wait has no timeout and does not watch the abort word.
     When the kernels that would end it never run (dropped here; on a GPU: not scheduled),
-    a survivor's synchronize() still raises CollectiveError within STOP_GRACE_S +
-    RELEASE_GRACE_S of the failure (the host releases the waits), and nothing queued after
-    the collective reads its output as valid: mode stop traps first (sccl_fail_guard),
-    mode poison overwrites it. On the GPU this also shows that the host's release (a copy
-    on a stream of its own) gets past the blocked stream."""
+    a survivor's next synchronization still ends within STOP_GRACE_S + RELEASE_GRACE_S of
+    the failure: the caller's own stream synchronization (the watchdog releases the waits)
+    or the data plane's synchronize() (which then raises CollectiveError); and nothing
+    queued after the collective reads its output as valid: mode stop traps first
+    (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
+    also shows that the host's release (a copy on a stream of its own) gets past the
+    blocked stream."""
     world, n = 2, 64
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
@@ -1147,25 +1150,31 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure):
         t0 = time.monotonic()
         result = {}
 
-        def sync():
+        def wait():
             try:
-                dp.synchronize()
+                (stream.synchronize if sync == "caller" else dp.synchronize)()
             except BaseException as e:  # noqa: BLE001 - checked below
                 result["error"] = e
-        t = threading.Thread(target=sync, daemon=True)
+        t = threading.Thread(target=wait, daemon=True)
         t.start()
         t.join(20)
         elapsed = time.monotonic() - t0
-        assert not t.is_alive(), "synchronize() blocked on stream waits nobody releases"
-        err = result.get("error")
-        assert isinstance(err, CollectiveError) and "peer 1 (pid 4242) exited" in str(err), err
-        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
+        assert not t.is_alive(), "the synchronization blocked on stream waits nobody releases"
         assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        err = result.get("error")
+        if sync == "caller" and on_failure == "poison":
+            assert err is None, err  # the stream ran on: the poison kernel, then our read
+        elif sync == "caller":
+            assert "unspecified launch failure" in str(err), err
+        if sync == "comm" or on_failure == "poison":
+            with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited"):
+                dp.synchronize()
+        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
         if on_failure == "stop":
             assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
             time.sleep(0.1)
             assert seen == []  # the lost context ran nothing after the guard
-            assert "unspecified launch failure" in str(err.__cause__)
+            assert dp.failure_report and "peer 1 (pid 4242) exited" in dp.failure_report
         else:
             stream.synchronize()
             got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())

@@ -171,6 +171,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._last_event = None
         self._last_seq = 0  # the latest collective's seq (_release_waits)
         self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
+        self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
@@ -321,6 +322,17 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
         return ev.query()
 
+    def _release_waits_once(self) -> None:
+        """_release_waits, once per data plane (the watchdog and _wait_last both may)."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+            try:
+                self._release_waits()
+            except RuntimeError:
+                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
+
     def _release_waits(self) -> None:
         """Write what every wait of this data plane waits for: the dead word, then the
         progress word at FAILED of the latest seq (above every unit of every collective so
@@ -358,10 +370,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 if released:
                     self._gpu_stuck = True
                     raise self._stuck_error()
-                try:
-                    self._release_waits()
-                except RuntimeError:
-                    pass  # best effort: the raise below follows either way
+                self._release_waits_once()  # (or the watchdog did, a moment ago)
                 released, deadline = True, now + RELEASE_GRACE_S
             # Yield at first (a collective's last microseconds), then naps of at most
             # 200 us: what a synchronization may lose to the polling.
@@ -882,12 +891,31 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         one, builds the :class:`CollectiveError` (which also sets the abort word, so the
         proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
         about to trap, and the caller will only see a generic CUDA error), then sets the
-        acknowledgement word the kernel waits for."""
+        acknowledgement word the kernel waits for. Once the communicator failed, it also
+        releases the GPU's waits if the GPU work has not ended STOP_GRACE_S later; it ends
+        when the failure was reported and nothing of this data plane runs any more."""
         status = _u64(self.ctl + layout.CTL_GPU_STATUS)
+        reported, failed_at = False, None
         while not self._watch_stop.wait(WATCHDOG_POLL_S):
-            if status.value:
+            if not reported and status.value:
                 self._report_gpu_failure()
-                return
+                reported = True
+            # Then the host's bound (see _wait_last), from here too: the caller may be blocked
+            # in a synchronization of its own (.cpu(), a stream or event wait), which only
+            # ends when the GPU work does.
+            if failed_at is None:
+                if self._failure_known():
+                    failed_at = time.monotonic()
+                continue
+            try:
+                busy = self._busy()
+            except RuntimeError:
+                busy = False  # the context is lost (a trap): nothing of it runs any more
+            if not busy:
+                if reported:
+                    return
+            elif not self._released and time.monotonic() > failed_at + STOP_GRACE_S:
+                self._release_waits_once()
 
     def _report_gpu_failure(self) -> None:
         # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here
