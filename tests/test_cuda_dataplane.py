@@ -213,10 +213,15 @@ class EmuDataPlane(C.CudaDataPlane):
         self._last_event = ts.record()
         self._last_ctx = ts.ctx
 
-    def _wait_last(self):
-        if self._last_event is not None:
-            assert self._last_event.wait(120), "emulated kernels did not finish"
-            self._last_ctx.check()
+    def _event_done(self, ev):
+        if not ev.is_set():
+            return False
+        self._last_ctx.check()
+        return True
+
+    def _release_waits(self):  # the state words are host memory here
+        self.state[1] = 1
+        self.state[0] = C.RELEASED_PROGRESS
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
@@ -824,7 +829,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        assert len(issued) == world and launched == []  # copies and piece waits, no kernel
+        # copies and piece waits in one issue; launched only: the guard of mode stop
+        assert len(issued) == world and launched == ["sccl_fail_guard"] * world
         issued.clear()
         launched.clear()
         for dp in w.dps:
@@ -1550,6 +1556,79 @@ def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
             with w.be.on(0):
                 w.dps[0].all_gather(seq + 4, w.keep(torch.zeros(8, dtype=torch.uint8)),
                                     w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+@pytest.mark.parametrize("backend,on_failure", [
+    pytest.param("emu", "stop", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    pytest.param("emu", "poison", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    # (mode stop would trap this process's CUDA context: the emulation checks it)
+    pytest.param("cuda", "poison", marks=cuda_only)])
+@pytest.mark.parametrize("sync", ["caller", "comm"])
+def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sync):
+    """Mode ce: the caller's stream waits (cuStreamWaitValue64) for the progress word that
+    sccl_wait_piece relays; such a wait has no timeout and does not watch the abort word.
+    When the kernels that would end it never run (dropped here; on a GPU: not scheduled),
+    a survivor's next synchronization still ends within STOP_GRACE_S + RELEASE_GRACE_S of
+    the failure: the caller's own stream synchronization (the watchdog releases the waits)
+    or the data plane's synchronize() (which then raises CollectiveError); and nothing
+    queued after the collective reads its output as valid: mode stop traps first
+    (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
+    also shows that the host's release (a copy on a stream of its own) gets past the
+    blocked stream."""
+    world, n = 2, 64
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
+               on_failure=on_failure) as w:
+        dp = w.dps[0]
+        issue = dp._issue
+
+        def without_piece_waits(ops, kernels):
+            waits = [i for i, k in enumerate(kernels) if k[0] == "sccl_wait_piece"]
+            issue([op for op in ops if not (op[0] == C.OP_LAUNCH and op[2] in waits)], kernels)
+        dp._issue = without_piece_waits
+        seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
+        stream = w.be.streams[0]
+        seen = []
+        if backend == "emu":  # the caller's next work on the stream
+            stream.put(lambda: seen.append(bytes(outs[0].numpy())))
+        else:
+            with w.be.on(0):
+                after = w.keep(outs[0].clone())
+        time.sleep(0.2)
+        assert not seen  # the stream is held by its value waits
+        # What the proxy's watch does when a peer's process is gone.
+        N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
+        t0 = time.monotonic()
+        result = {}
+
+        def wait():
+            try:
+                (stream.synchronize if sync == "caller" else dp.synchronize)()
+            except BaseException as e:  # noqa: BLE001 - checked below
+                result["error"] = e
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(20)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "the synchronization blocked on stream waits nobody releases"
+        assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        err = result.get("error")
+        if sync == "caller" and on_failure == "poison":
+            assert err is None, err  # the stream ran on: the poison kernel, then our read
+        elif sync == "caller":
+            assert "unspecified launch failure" in str(err), err
+        if sync == "comm" or on_failure == "poison":
+            with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited"):
+                dp.synchronize()
+        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
+        if on_failure == "stop":
+            assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
+            time.sleep(0.1)
+            assert seen == []  # the lost context ran nothing after the guard
+            assert dp.failure_report and "peer 1 (pid 4242) exited" in dp.failure_report
+        else:
+            stream.synchronize()
+            got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())
+            assert got == b"\xff" * (world * 4 * n)  # poisoned before anything read it
 
 
 def test_failure_mode_is_a_setting(monkeypatch):

@@ -44,7 +44,10 @@ prints the error on stderr and acknowledges it, and the kernel traps: the CUDA c
 lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
 every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
 way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
-raise the error (docs/PROTOCOL.md "Failure").
+raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
+communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
+release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
+RELEASE_GRACE_S more (:meth:`CudaDataPlane._wait_last`).
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
@@ -104,6 +107,19 @@ WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, 
 # After the ack, how long the watchdog waits for the trap to end this process's GPU work
 # before it says on stderr that the GPU is wedged (see _watch_trap).
 TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
+PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
+# Once the communicator failed, a failing wait traps (stop) or returns (poison) within
+# ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
+# data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
+# at the abort word (see _wait_last).
+STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
+# After _release_waits, before the host gives up on the GPU: what a released kernel may take
+# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps).
+RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
+# What _release_waits writes to the progress word: above seq * PROG_STRIDE + PROG_FAILED of
+# any seq, so every waiter of every collective sees FAILED (the host does not know the
+# device's seq once graphs replay).
+RELEASED_PROGRESS = 1 << 62
 POISON_THREADS = 256
 MAX_WORLD = 64
 
@@ -170,6 +186,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
+        self._last_seq = 0  # the latest collective's seq (_release_waits)
+        self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
+        self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
@@ -270,6 +289,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.device = dev
         self.kernels = kernels_for(dev.index)
         self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        # _release_waits: made now, because after a failure nothing may wait on the GPU.
+        self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._release_stream = torch.cuda.Stream(dev)
 
     def _register(self, addr: int, size: int) -> int:
         with torch.cuda.device(self.device):
@@ -328,14 +350,85 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ev.record(ts)
         self._last_event = ev
 
+    def _event_done(self, ev) -> bool:
+        """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
+        return ev.query()
+
+    def _release_waits_once(self) -> None:
+        """_release_waits, once per data plane (the watchdog and _wait_last both may)."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+            try:
+                self._release_waits()
+            except RuntimeError:
+                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
+
+    def _release_waits(self) -> None:
+        """Write what every wait of this data plane waits for: the dead word, then the
+        progress word at FAILED of the latest seq (above every unit of every collective so
+        far), so that stream value waits (mode "ce") and consumer blocks move on and every
+        kernel after them fails at once. From the host, on a stream of its own: the
+        caller's streams are the ones that are stuck."""
+        src = self._release_src
+        src[0] = RELEASED_PROGRESS
+        src[1] = 1
+        with torch.cuda.device(self.device), torch.cuda.stream(self._release_stream):
+            self.state[1:2].copy_(src[1:2], non_blocking=True)  # dead first: in stream order
+            self.state[0:1].copy_(src[0:1], non_blocking=True)
+
     def _wait_last(self) -> None:
+        """Wait until the GPU passed the latest collective. While the communicator is
+        healthy that takes as long as it takes (the caller's own work queued before it
+        counts too; every sparkccl wait has its own GPU-clock timeout). Once it failed
+        (abort word or GPU record), the GPU has STOP_GRACE_S to get there; past that,
+        something waits that does not watch the abort word (a stream value wait, whose
+        releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
+        CollectiveError (a survivor never blocks without bound) and mark the data plane
+        stuck, so that close() leaves the pinned memory the GPU may still use alone."""
         if self._graph:  # replays of a captured graph leave no event of ours
             self._device_synchronize()
-        elif self._last_event is not None:
-            self._last_event.synchronize()
+            return
+        ev = self._last_event
+        if ev is None:
+            return
+        deadline, released, spins = None, False, 0
+        while not self._event_done(ev):
+            now = time.monotonic()
+            if self._gpu_stuck:  # it was released already: no second grace
+                raise self._stuck_error()
+            if deadline is None:
+                if self._failure_known():
+                    deadline = now + STOP_GRACE_S
+            elif now > deadline:
+                if released:
+                    self._gpu_stuck = True
+                    raise self._stuck_error()
+                self._release_waits_once()  # (or the watchdog did, a moment ago)
+                released, deadline = True, now + RELEASE_GRACE_S
+            # Yield at first (a collective's last microseconds), then naps of at most
+            # 200 us: what a synchronization may lose to the polling.
+            spins += 1
+            time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
+
+    def _failure_known(self) -> bool:
+        return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)
+
+    def _stuck_error(self) -> CollectiveError:
+        code, source, word, piece, seq = self.gpu_status()
+        cause = self.nat.error_text(self.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
+                                                  if code else "aborted")
+        record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "
+                  f"flag word {word}" if code else "no GPU failure record")
+        return CollectiveError(
+            f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
+            f"{self._last_seq}) still had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
+            f"also after the host released its waits ({record}); the GPU is stuck: restart "
+            "the process", rank=self.rank, cause=cause)
 
     def _busy(self) -> bool:
-        return self._last_event is not None and not self._last_event.query()
+        return self._last_event is not None and not self._event_done(self._last_event)
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
@@ -377,6 +470,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         except Exception:
             pass
         self._registered = []
+        if self._gpu_stuck:
+            # Unpinning memory a kernel or copy may still write would be worse than the leak:
+            # it stays pinned until the process exits (which it must: the GPU is stuck).
+            return
         for addr in regs:
             try:
                 self._unregister(addr)
@@ -556,6 +653,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             if self.peer_rings is not None:
                 self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
                 del self._unchecked[:-64]
+            self._last_seq = max(self._last_seq, seq)
         first = self._ring_next
         self._seq_next += 1
         self._ring_next += entries
@@ -812,6 +910,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         error is raised as the :class:`CollectiveError` that caused it."""
         try:
             self._wait_last()
+        except CollectiveError:
+            raise  # the GPU did not stop after the failure (_wait_last)
         except RuntimeError as cuda_error:
             if not self.gpu_status()[0]:
                 raise
@@ -880,44 +980,55 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         one, builds the :class:`CollectiveError` (which also sets the abort word, so the
         proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
         about to trap, and the caller will only see a generic CUDA error), then sets the
-        acknowledgement word the kernel waits for."""
+        acknowledgement word the kernel waits for. Once the communicator failed, it also
+        releases the GPU's waits if the GPU work has not ended STOP_GRACE_S later; it ends
+        when the failure was reported and nothing of this data plane runs any more."""
         status = _u64(self.ctl + layout.CTL_GPU_STATUS)
+        reported, failed_at, reported_at = False, None, 0.0
         while not self._watch_stop.wait(WATCHDOG_POLL_S):
-            if status.value:
+            if not reported and status.value:
                 self._report_gpu_failure()
-                if self.on_failure == "stop":
-                    self._watch_trap()
-                return
-
-    def _watch_trap(self) -> None:
-        """Mode "stop", after the ack: the kernel traps, and the driver then ends this
-        process's GPU work with an error (every later synchronization raises). If the GPU is
-        still busy ``trap_grace_s`` later, the trap was not acted on -- seen on one GPU
-        time-sliced by several processes without MPS, when ranks of two processes trapped at
-        about the same time: each warp sat halted just past its trap and the caller's next
-        synchronization waited forever inside the CUDA driver. Nothing in this process can
-        end that wait (library code never kills the process), so say so on stderr, next to
-        the CollectiveError already printed, instead of hanging without a word."""
-        deadline = time.monotonic() + self.trap_grace_s
-        while not self._watch_stop.wait(0.05):
+                reported, reported_at = True, time.monotonic()
+            # Then the host's bound (see _wait_last), from here too: the caller may be blocked
+            # in a synchronization of its own (.cpu(), a stream or event wait), which only
+            # ends when the GPU work does.
+            if failed_at is None:
+                if self._failure_known():
+                    failed_at = time.monotonic()
+                continue
             try:
-                if not self._busy():
-                    return  # the GPU finished (or had nothing queued)
-            except Exception:
-                return  # the CUDA context is lost: the trap worked
-            if time.monotonic() > deadline:
-                line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
-                        f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
-                        "work is wedged and every synchronization will wait forever; kill the "
-                        "process. (Seen when several processes time-slice one GPU without MPS "
-                        "and two of them trap at once; run one rank per GPU, use MPS, or "
-                        "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
-                try:
-                    os.write(2, line.encode("utf-8", "replace"))
-                except OSError:
-                    pass
-                self.trap_wedged = True
-                return
+                busy = self._busy()
+            except RuntimeError:
+                busy = False  # the context is lost (a trap): nothing of it runs any more
+            if not busy:
+                if reported:
+                    return
+                continue
+            now = time.monotonic()
+            if not self._released and now > failed_at + STOP_GRACE_S:
+                self._release_waits_once()
+            if (reported and self.on_failure == "stop" and not self.trap_wedged
+                    and now > reported_at + self.trap_grace_s):
+                self._say_trap_wedged()
+
+    def _say_trap_wedged(self) -> None:
+        """Mode "stop": the GPU is still busy trap_grace_s after the report, so the trap was
+        not acted on -- seen on one GPU time-sliced by several processes without MPS, when
+        ranks of two processes trapped at about the same time: each warp sat halted just
+        past its trap and the caller's next synchronization waited forever inside the CUDA
+        driver. Nothing in this process can end that wait (library code never kills the
+        process), so say so on stderr, next to the CollectiveError already printed."""
+        line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
+                f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
+                "work is wedged and every synchronization will wait forever; kill the "
+                "process. (Seen when several processes time-slice one GPU without MPS "
+                "and two of them trap at once; run one rank per GPU, use MPS, or "
+                "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
+        try:
+            os.write(2, line.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        self.trap_wedged = True
 
     def _report_gpu_failure(self) -> None:
         # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here

@@ -174,6 +174,12 @@ class DirectEngines:
             self._launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
         self._join(ts, side_ts)
+        if ce_wait and self.on_failure == "stop":
+            # The value waits above end when the progress word says so, also when the host
+            # released them (_release_waits: no kernel of theirs ran to fail); the copies
+            # then moved whatever was there. Before anything after the collective can read
+            # it: trap if this data plane failed (mode poison: sccl_poison overwrites it).
+            self._launch(stream, "sccl_fail_guard", 1, 32, *waits)
         self.direct_launches += 1
         self._poison_if_failed(stream, *call.output)
         self._finish(ts, stream)

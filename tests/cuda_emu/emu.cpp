@@ -62,6 +62,8 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
       sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], a[4], P(5, u8*), a[6], a[7], a[8],
                    P(9, u8*), P(10, u64*), a[11], P(12, u32*), a[13]);
     });
+  } else if (n == "sccl_fail_guard") {
+    run_grid(grid, [=] { sccl_fail_guard(WAIT_ARGS(0)); });
   } else if (n == "sccl_wait_piece") {
     run_grid(grid, [=] { sccl_wait_piece(a[0], WAIT_ARGS(1)); });
   } else if (n == "sccl_ag_wait") {

@@ -130,6 +130,23 @@ __device__ void poller(const WaitArgs& w) {
     if (!relay_piece(w, c, t0)) return;
 }
 
+// One thread of a block that waits for another block of its launch (the progress word, a
+// gate): true once the abort word is set or the timeout passed by 2 s (recorded). The
+// block it waits for normally records first and so names the piece; this bounds the wait
+// when that block never runs.
+__device__ SCCL_COLD bool backstop_failed(const WaitArgs& w, u64 t0) {
+  const u64 code = ld_relaxed_sys(w.abort_w);
+  if (code) {
+    record_failure(w, code, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  if (globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
+    record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  return false;
+}
+
 // Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
 // proceeds. Returns false if the wait failed (every consumer then exits).
 __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* seen, u64 t0) {
@@ -143,10 +160,11 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
       if (p >= base + FAILED) { r = 0; break; }
       if (++spins > 16) {
         nanosleep(200);
-        // Backstop: the poller records the timeout; if it cannot (never scheduled), give
-        // up a little later on our own.
-        if ((spins & 1023) == 0 && globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
-          record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+        // Backstop: the poller records the abort or the timeout; if it cannot (never
+        // scheduled), give up on our own, at the abort word (checked less often than the
+        // poller does, which so records first, naming the piece) or a little after the
+        // timeout.
+        if ((spins & 1023) == 0 && backstop_failed(w, t0)) {
           r = 0;
           break;
         }
@@ -186,6 +204,16 @@ extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
   relay_piece(w, (int)piece, globaltimer());
+}
+
+// sccl_fail_guard (one thread; mode "ce" in GPU_FAIL_STOP, on the caller's stream after the
+// collective's joins): fail, and so trap, if this data plane failed. The caller's stream only
+// waited for values; once the host released those waits (cuda.py _release_waits: the kernels
+// that would have failed never ran), the copies after them moved whatever had arrived, and
+// nothing queued after the collective may read that as a result.
+extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
 }
 
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
