@@ -829,8 +829,9 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        # copies and piece waits in one issue; launched only: the guard of mode stop
-        assert len(issued) == world and launched == ["sccl_fail_guard"] * world
+        # copies and piece waits in one issue; launched only: the guard of mode stop, then
+        # the advance of the device's sequence state (ce runs on side streams)
+        assert len(issued) == world and launched == ["sccl_fail_guard", "sccl_advance"] * world
         issued.clear()
         launched.clear()
         for dp in w.dps:
@@ -839,7 +840,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        assert issued == [] and sorted(set(launched)) == ["sccl_ag_direct", "sccl_ag_wait"]
+        assert issued == [] and sorted(set(launched)) == ["sccl_advance", "sccl_ag_direct",
+                                                          "sccl_ag_wait"]
         w.healthy()
 
 

@@ -154,6 +154,15 @@ def direct_blocks_setting() -> tuple[int, int] | None:
     return max(1, a), max(1, b)
 
 
+def _write_stderr(line: str) -> None:
+    """From the watchdog thread: straight to fd 2, never through sys.stderr (its buffer lock
+    may be held by a thread that is itself waiting for the GPU)."""
+    try:
+        os.write(2, line.encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
 # ---------------------------------------------------------------- the data plane
 
 class CudaDataPlane(DirectEngines, DataPlaneBase):
@@ -1024,10 +1033,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 "process. (Seen when several processes time-slice one GPU without MPS "
                 "and two of them trap at once; run one rank per GPU, use MPS, or "
                 "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
-        try:
-            os.write(2, line.encode("utf-8", "replace"))
-        except OSError:
-            pass
+        _write_stderr(line)
         self.trap_wedged = True
 
     def _report_gpu_failure(self) -> None:
@@ -1049,10 +1055,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                         "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
                         "synchronization in this process raises a CUDA error; restart the "
                         "process\n")
-                try:
-                    os.write(2, line.encode("utf-8", "replace"))
-                except OSError:
-                    pass
+                _write_stderr(line)
         finally:
             _u64(self.ctl + CTL_GPU_ACK).value = 1
 
