@@ -242,6 +242,7 @@ NB_MODULE(_native, m) {
         d["publish_samples"] = s.publish_samples;
         d["publish_p50_ns"] = s.publish_p50_ns;
         d["publish_p99_ns"] = s.publish_p99_ns;
+        d["post_ns"] = s.post_ns;
         return d;
       });
 

@@ -418,6 +418,7 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
   auto pb = geom::piece_bounds(c.slice, piece, c.granule);
   std::string cause;
   bool ok = true;
+  const uint64_t t0 = now_ns();
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
     auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
@@ -436,6 +437,7 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
     }
   }
   if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, piece), &cause);
+  n_post_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   if (!ok) {
     const ConnInfo& cn = conns_[size_t(s.conn)];
     fail(ABORT_TRANSPORT,
@@ -503,6 +505,7 @@ ProxyStats Proxy::stats() {
   st.turns = n_turns_.load();
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
+  st.post_ns = n_post_ns_.load();
   std::vector<uint64_t> s, pub;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);

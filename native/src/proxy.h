@@ -22,6 +22,10 @@ struct ProxyStats {
   uint64_t gpu_pieces;  // stream pieces skipped: the data plane sent them (GPU-direct)
   // publish (data plane's clock stamp in the ring entry) -> first post of the piece
   uint64_t publish_samples, publish_p50_ns, publish_p99_ns;
+  // time inside the transport's write() and flag() calls of post_piece: what posting costs
+  // the proxy (verbs: building and posting the work requests, the NIC library's share
+  // included), divided by writes + flags for a per-work-request figure
+  uint64_t post_ns;
 };
 
 class Proxy {
@@ -124,7 +128,7 @@ class Proxy {
   uint64_t tail_ = 0;
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
-      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0};
+      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0};
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;
