@@ -110,7 +110,9 @@ def _against_line_rate(table: str, topology: str, world: int, roots: int, rate: 
             bound = (world - 1) * _rate_gbps(rate) * roots / max_port_load(topology, world,
                                                                             roots, section)
         elif section and words and words[0].isdigit():
-            got = float(words[4]) * 8  # busbw (GB/s): what each rank received
+            # what each rank received, from the time column (us; the busbw column's 3
+            # decimals of GB/s would round the result in steps of 2% of the bound)
+            got = (world - 1) / world * int(words[0]) * 8 / (float(words[1]) * 1e3)
             print(f"{section:<15} {int(words[0]):>10} {got:>9.3f} {bound:>7.3f} "
                   f"{got / bound:>7.0%}")
 
