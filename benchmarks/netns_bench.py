@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=_size, default=16 << 20)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--congestion", default=None,
+                    help="TCP congestion control in the boxes, e.g. cubic (default: the host's)")
     a = ap.parse_args(argv)
     why = netns.unavailable_reason()
     if why:
@@ -49,10 +51,12 @@ def main(argv=None) -> int:
         return 2
     topology = "mesh" if a.fabric == "switch" else "ring"
     gloo_if = "rt0" if a.fabric == "switch" else "mg"
-    with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, delay=a.delay) as fab:
+    with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, delay=a.delay,
+                      congestion=a.congestion) as fab:
         print(f"netns harness: {a.fabric} fabric of {a.world} boxes, {a.roots} root link(s) per "
               f"port" + (f", {a.rate} per link" if a.rate else ", unshaped")
               + (f", {a.delay} delay" if a.delay else "")
+              + (f", TCP {a.congestion}" if a.congestion else "")
               + f"; gloo over {gloo_if}")
 
         def runner(fn, args, env):
