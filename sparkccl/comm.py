@@ -263,6 +263,8 @@ class Communicator:
         self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
                                      t["connections"], t["streams"], t["items"], slots,
                                      s.spin_us, s.nap_us, transport=chosen.native_kind)
+        if s.relay_lead >= 0:
+            px.set_relay_lead(s.relay_lead)
         for kind in bufs.segments:
             bufs.wire(px, kind)
         link.attach(px)
