@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,7 +124,6 @@ def analyse(ranks: list[dict], rate_gbps: float, ideal_ns: float) -> dict:
     p["land"] = crit_r["landed"] - prev_end
     p["tail"] = end - crit_r["landed"]
     total = end - start
-    p["rest"] = total - sum(p[k] for k in PARTS)  # 0 but for rounding: the parts are exact
     late_go = [w["go"] - w["slot"] for w in sends.values()]
     return dict(total=total, ideal=ideal_ns, parts=p, slow=slow, sender=s, dev=dev,
                 wrs=len(line), go_late_p50=statistics.median(late_go) if late_go else 0,
