@@ -23,10 +23,19 @@ communicator in fresh processes works afterwards.
 
     python benchmarks/fault_campaign.py --cases 40 --seed 1 --out benchmarks/fault_campaign_cpu.txt
     python benchmarks/fault_campaign.py --device cuda --cases 12 --seed 1
+    # one case by its fields (the ops are those of case `--index` of `--seed`), e.g. the
+    # world-6 mesh case that hung once on the H200 (seed 1, case 0):
+    python benchmarks/fault_campaign.py --device cuda --seed 1 --index 0 \
+        --case shm/mesh/6/kill/0/4/mid-piece/15.2
+
+A rank that hangs is killed after ``--rank-timeout`` seconds; before that (from DUMP_S on,
+every DUMP_S) it writes its threads' stacks and its GPU failure words to its stderr, whose
+tail the FAIL line then shows.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
 import signal
@@ -42,6 +51,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 TIMEOUT_S = 6.0  # the collective timeout of every case
 SLOT_BYTES = 4 << 20
 MOMENTS = ("before-publish", "mid-piece", "relay", "finalize")
+DUMP_S = 30  # a rank still running then is hung: stacks and GPU words to its stderr
+ERR_TAIL = 4000  # characters of a hung rank's stderr in its FAIL line
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,21 @@ class Case:
         return (f"{self.transport}/{self.topology} w{self.world} {self.fault} {who} at call "
                 f"{self.call} {self.moment}" + (f" +{self.delay_ms:.1f} ms" if self.moment !=
                                                 "before-publish" else ""))
+
+
+def parse_case(spec: str, seed: int, index: int = 0) -> Case:
+    """A case from ``transport/topology/world/fault/victim/call/moment/delay_ms``, with the
+    seed of case ``index`` of ``seed`` (the seed picks the collectives, see _ops)."""
+    try:
+        t, topo, world, fault, victim, call, moment, delay = spec.split("/")
+        case = Case(t, topo, int(world), fault, moment, int(victim), int(call), float(delay),
+                    seed=seed * 1000 + index)
+    except ValueError:
+        raise SystemExit(f"--case {spec!r}: expected transport/topology/world/fault/victim/"
+                         "call/moment/delay_ms, e.g. shm/mesh/6/kill/0/4/mid-piece/15.2") from None
+    if moment not in MOMENTS or fault not in ("kill", "stop", "linkdown"):
+        raise SystemExit(f"--case {spec!r}: moment one of {MOMENTS}, fault kill, stop or linkdown")
+    return case
 
 
 def draw_cases(n: int, seed: int, device: str = "cpu") -> list[Case]:
@@ -123,10 +149,45 @@ def _fault(case: Case, store, emunic_root):
     os.kill(os.getpid(), signal.SIGKILL if case.fault == "kill" else signal.SIGSTOP)
 
 
+def _hang_report(comm_box: list, every_s: float) -> None:
+    """From DUMP_S on, every ``every_s``: this rank's thread stacks and (CUDA) the GPU
+    failure words of its data plane, on stderr (a daemon thread; os.write: no io locks)."""
+    def words() -> str:
+        comm = comm_box[0] if comm_box else None
+        dp = getattr(comm, "_dp", None)
+        if dp is None or not hasattr(dp, "gpu_status"):
+            return "no CUDA data plane"
+        from sparkccl import layout
+        from sparkccl.dataplane.cuda_runtime import u64_at
+        w = {n: int(u64_at(dp.ctl + getattr(layout, n)).value)
+             for n in ("CTL_ABORT", "CTL_GPU_STATUS", "CTL_GPU_DETAIL", "CTL_GPU_SEQ",
+                       "CTL_GPU_ACK", "CTL_GPU_MODE")}
+        t = getattr(dp, "_watchdog_thread", None)
+        return (f"{w} last seq {getattr(dp, '_last_seq', '?')} report "
+                f"{getattr(dp, 'failure_report', None)!r} watchdog alive "
+                f"{bool(t and t.is_alive())} stuck {getattr(dp, '_gpu_stuck', '?')}")
+
+    def loop():
+        time.sleep(DUMP_S)
+        while True:
+            try:
+                text = words()
+            except Exception as e:  # noqa: BLE001 - a report must not kill the thread
+                text = f"(words unreadable: {e!r})"
+            os.write(2, f"\n== still running after {time.monotonic() - t0:.0f} s; GPU words: "
+                        f"{text}\n".encode())
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            time.sleep(every_s)
+    t0 = time.monotonic()
+    threading.Thread(target=loop, daemon=True, name="campaign-hang-report").start()
+
+
 def campaign_job(rank, world, store, case: Case, device, log_dir, emunic_root):
     # This rank's stderr to a file: a survivor killed by a CUDA error leaves its text there.
     fd = os.open(os.path.join(log_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o644)
     os.dup2(fd, 2)
+    comm_box: list = []
+    _hang_report(comm_box, DUMP_S)
     import torch
     import sparkccl
     from sparkccl.errors import CollectiveError
@@ -143,6 +204,7 @@ def campaign_job(rank, world, store, case: Case, device, log_dir, emunic_root):
     comm = sparkccl.Communicator(store=store, rank=rank, world_size=world,
                                  topology=case.topology, transport=case.transport,
                                  device=device, slot_bytes=SLOT_BYTES, timeout_s=TIMEOUT_S)
+    comm_box.append(comm)
     token = comm.token
     store.set(f"token{rank}", token)
     error = None
@@ -195,7 +257,8 @@ def fresh_job(rank, world, store, transport, device):
 
 # ---- the driver --------------------------------------------------------------------------
 
-def run_case(case: Case, device: str = "cpu") -> tuple[bool, str, float | None]:
+def run_case(case: Case, device: str = "cpu",
+             rank_timeout_s: float = 120) -> tuple[bool, str, float | None]:
     """(passed, why not / summary, slowest survivor's seconds from fault to error)."""
     from sparkccl.localrun import run_ranks
     from helpers import shm_leftovers
@@ -206,7 +269,7 @@ def run_case(case: Case, device: str = "cpu") -> tuple[bool, str, float | None]:
             import emunic
             env = emunic.host_env(root)
         res = run_ranks(campaign_job, case.world, args=(case, device, tmp, root), env=env,
-                        timeout_s=120)
+                        timeout_s=rank_timeout_s)
         problems, tokens, slowest = [], set(), 0.0
         for r in res:
             if r.rank == case.victim:
@@ -214,7 +277,13 @@ def run_case(case: Case, device: str = "cpu") -> tuple[bool, str, float | None]:
                     problems.append(f"victim rank {r.rank} was not killed ({r.error_type})")
                 continue
             if r.error_type == "Timeout":
-                problems.append(f"rank {r.rank} hung")
+                path = os.path.join(tmp, f"rank{r.rank}.err")
+                tail = "(no stderr file)"
+                if os.path.exists(path):
+                    with open(path, errors="replace") as f:
+                        tail = f.read()[-ERR_TAIL:]
+                problems.append(f"rank {r.rank} hung; its stderr ends:\n" +
+                                "\n".join("    | " + x for x in tail.splitlines()))
                 continue
             if not r.ok:
                 with open(os.path.join(tmp, f"rank{r.rank}.err"), errors="replace") as f:
@@ -273,11 +342,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="also write the table here")
+    ap.add_argument("--case", action="append", default=[],
+                    help="run this case (transport/topology/world/fault/victim/call/moment/"
+                         "delay_ms) instead of drawn ones; repeatable")
+    ap.add_argument("--index", type=int, default=0,
+                    help="with --case: take the collectives of case INDEX of --seed")
+    ap.add_argument("--rank-timeout", type=float, default=120,
+                    help="seconds before a rank counts as hung (it is then killed)")
     a = ap.parse_args(argv)
     results = []
-    for case in draw_cases(a.cases, a.seed, a.device):
+    cases = ([parse_case(c, a.seed, a.index) for c in a.case] if a.case
+             else draw_cases(a.cases, a.seed, a.device))
+    for case in cases:
         t0 = time.monotonic()
-        ok, why, dt = run_case(case, a.device)
+        ok, why, dt = run_case(case, a.device, a.rank_timeout)
         results.append((case, ok, why, dt))
         print(f"{'PASS' if ok else 'FAIL'} {case.label()} ({time.monotonic() - t0:.1f} s)"
               + ("" if ok else f": {why}"), flush=True)

@@ -144,7 +144,7 @@ def bench_job(rank, world, store, cfg):
                 os.environ.pop("SPARKCCL_GPU_DIRECT", None)
             else:
                 os.environ["SPARKCCL_GPU_DIRECT"] = env_before
-        m = {"gpu_direct": bool(getattr(comm, "_gpu_direct", False))}
+        m = {"gpu_direct": bool(comm._wiring and comm._wiring.gpu_direct)}
         with comm:
             def fused():
                 return comm.moe_finalize_reduce_scatter(inp["y"], inp["pos"], inp["weights"],

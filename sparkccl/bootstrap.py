@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import time
 from typing import Any, Callable
 
@@ -147,6 +148,18 @@ def describe_disagreement(field: str, values: list) -> str | None:
         label = "rank" if len(ranks) == 1 else "ranks"
         parts.append(f"{v} on {label} {', '.join(map(str, ranks))}")
     return f"{field}: " + "; ".join(parts)
+
+
+def host_id() -> tuple[str, str | None]:
+    """(host name, boot id) of this process's host, for the join record: the boot id is the
+    same for every process of one running host and tells hosts apart even when they share
+    a host name (None where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = None
+    return socket.gethostname(), boot
 
 
 def validate(infos: list[dict], fields: tuple[str, ...]) -> None:

@@ -76,7 +76,7 @@ def bytes_per_rank(world_size: int, topology: str, slot_bytes: int, roots: int =
                for r in range(world_size))
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
@@ -86,9 +86,9 @@ def shortage_message(failed: list[tuple[int, str]], per_rank: int, ranks_here: i
     suggest = -(-(ranks_here * per_rank * 5 // 4) // (64 << 20)) * 64  # +25%, 64 MiB steps
     return ("sparkccl.Communicator: /dev/shm is too small for this communicator:\n  "
             + "\n  ".join(f"rank {i}: {e}" for i, e in failed)
-            + f"\nEach rank needs {_mib(per_rank)} of /dev/shm (slot {_mib(slot_bytes)}, "
+            + f"\nEach rank needs {mib(per_rank)} of /dev/shm (slot {mib(slot_bytes)}, "
             f"world {world}, reduce-scatter buffers included); the {ranks_here} rank(s) on this "
-            f"host need {_mib(ranks_here * per_rank)}. Fix: give the container more shared "
+            f"host need {mib(ranks_here * per_rank)}. Fix: give the container more shared "
             f"memory (docker run --shm-size={suggest}m, or remount /dev/shm larger), or lower "
             "SPARKCCL_SLOT_BYTES / slot_bytes= (memory per rank is about 8 x the slot).")
 

@@ -9,9 +9,10 @@
 
 All ranks must create the communicator together and call the same collectives in the same
 order with the same shapes (docs/PROTOCOL.md). See ``sparkccl/config.py`` for settings.
-The pieces live elsewhere: segments and sizes in :mod:`sparkccl.buffers`, the transports
-behind one interface in :mod:`sparkccl.transport.base`, fork/exit handling in
-:mod:`sparkccl.lifetime`.
+The pieces live elsewhere: what a communicator holds and how it is built and torn down
+(segments, transport, proxy, data plane, liveness) in :mod:`sparkccl.wiring`, segments and
+sizes in :mod:`sparkccl.buffers`, the transports behind one interface in
+:mod:`sparkccl.transport.base`, fork/exit handling in :mod:`sparkccl.lifetime`.
 
 Sequence numbers: one counter per communicator, +1 per collective on the wire. An input
 larger than the slot is split into several collectives (several numbers). An empty input
@@ -28,30 +29,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import socket
 import threading
 
 import torch
 
-from . import bootstrap, checks, config, layout, lifetime, liveness
+from . import bootstrap, checks, config, lifetime, wiring
 from . import finalize as _finalize
-from .buffers import Buffers, Sizes, bytes_per_rank, shortage_message
-from .dataplane.cpu import CpuDataPlane, ring_view
+from .buffers import Sizes, mib
 from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
-from .errors import ShmSpaceError
 from .transport import base as transports
-from .transport import check as lane_check
 
 log = logging.getLogger("sparkccl")
 
 SINGLE_RANK = "none"  # the transport of a world of one: nothing leaves the process
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
-PROTOCOL_VERSION = 1
 
 
 def _native():
@@ -62,10 +57,6 @@ def _native():
                           "`pip install --no-build-isolation -e .` (needs a C++17 compiler and "
                           f"cmake): {e}") from e
     return nat
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 class Communicator:
@@ -131,11 +122,7 @@ class Communicator:
                  topology: str = "mesh", transport: str = "auto", slot_bytes=None,
                  timeout_s=None, bootstrap_timeout_s=None):
         self._closed = True  # until fully built
-        self._buffers: Buffers | None = None
-        self._link: transports.Transport | None = None
-        self._proxy = None
-        self._dp = None
-        self._liveness = None
+        self._wiring: wiring.Wiring | None = None  # world 1: none
         for name, v in (("topology", topology), ("transport", transport)):
             if not isinstance(v, str):
                 raise TypeError(f"{name} must be a str, got {type(v).__name__}")
@@ -157,10 +144,8 @@ class Communicator:
         self.rank, self.world_size, self.topology = r, w, topology
         self.seq = 0  # the next collective's sequence number
         self._rs_count = 0
-        self._rs_ready = False
         self._handout = None  # (tensor data_ptr, nbytes, slot parity, rs_count) of the zero-copy buffer
         self._lock = threading.Lock()
-        self.pinned_bytes = 0
         if w == 1:
             self._create_single(topology, transport, slot_bytes, timeout_s, bootstrap_timeout_s)
             return
@@ -172,12 +157,12 @@ class Communicator:
         except (ValueError, TypeError) as e:
             boot, boot_setting, bad_boot = config.get("SPARKCCL_TIMEOUT_S", {}), "default", e
         self.token = token = bootstrap.new_token(st, r, w, boot, boot_setting)
-        self._rv = rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot, boot_setting)
+        rv = bootstrap.Rendezvous(st, f"sparkccl/{token}", r, w, boot, boot_setting)
         try:
             if bad_boot is not None:
                 raise bad_boot
             s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=w)
-            self._settings = s = dataclasses.replace(s, bootstrap_timeout_s=boot)
+            s = dataclasses.replace(s, bootstrap_timeout_s=boot)
             self._nat = _native()
         except (ValueError, TypeError, ImportError) as e:
             rv.post("info", {"error": f"{type(e).__name__}: {e}"})
@@ -185,27 +170,16 @@ class Communicator:
         self.slot_bytes, self.timeout_s, self.bootstrap_timeout_s = \
             s.slot_bytes, s.timeout_s, s.bootstrap_timeout_s
 
-        info = dict(version=PROTOCOL_VERSION, world=w, topology=topology, transport=transport,
-                    slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
-                    host=socket.gethostname(), boot_id=_boot_id(), uid=os.getuid(),
-                    pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
-        infos = rv.exchange("info", info, "join the communicator")
-        failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
-        if failed:
-            raise ValueError("sparkccl.Communicator: could not be created because of settings on "
-                             + "; ".join(f"rank {i}: {e}" for i, e in failed))
-        bootstrap.validate(infos, ("version", "world", "topology", "transport", "slot_bytes",
-                                   "roots", "rs_up_front"))
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-        chosen = transports.select(transport, infos)  # the only place a name is looked at
+        infos, chosen = wiring.join(rv, w, topology, transport, s)
         self.transport = chosen.name
-        self._infos = infos
         self.plan = build_plan(topology, w, r, s.roots)
         self.sizes = Sizes.of(s.slot_bytes, w, self.plan)  # the same on every rank
         self.max_slice = self.sizes.max_slice
+        self._wiring = wiring.Wiring(self._nat, rv, token=token, rank=r, world=w,
+                                     topology=topology, device=dev, settings=s, infos=infos,
+                                     plan=self.plan, sizes=self.sizes)
         try:
-            self._setup(s, chosen)
+            self._wiring.build(chosen, self.transport)
         except BaseException:
             self._teardown(barrier=False)
             raise
@@ -213,10 +187,10 @@ class Communicator:
         self._closed = False
         lifetime.track(self)
         rs_note = ("reduce-scatter buffers held" if self._rs_ready else
-                   f"+{_mib(self.sizes.rs_bytes)} for reduce-scatter on first use")
+                   f"+{mib(self.sizes.rs_bytes)} for reduce-scatter on first use")
         log.info("sparkccl: rank %d/%d %s/%s holds %s of shared memory (slot %s; %s); "
                  "timeout %g s, proxy spin %d us nap %d us%s",
-                 r, w, topology, self.transport, _mib(self.pinned_bytes), _mib(s.slot_bytes),
+                 r, w, topology, self.transport, mib(self.pinned_bytes), mib(s.slot_bytes),
                  rs_note, s.timeout_s, s.spin_us, s.nap_us,
                  " (oversubscribed host)" if s.oversubscribed else "")
 
@@ -241,144 +215,30 @@ class Communicator:
         """A world of one rank: every collective is computed locally."""
         return self.world_size == 1
 
-    # ---- setup -----------------------------------------------------------------------
-    def _setup(self, s: config.Settings, chosen: type[transports.Transport]) -> None:
-        nat, rv, r, w = self._nat, self._rv, self.rank, self.world_size
-        self._buffers = bufs = Buffers(self.token, r, self.sizes)
-        self._reserve(["ctl", "ag"] + (["rs"] if s.rs_up_front else []),
-                      "reserve its shared memory", chosen.setup_watch(self._infos, r))
-        ctl = bufs["ctl"]
-        nat.init_control(ctl.addr, os.getpid())
-        self._ctl_addr = ctl.addr
-        self._flags_addr = ctl.addr + layout.FLAGS_OFFSET
-        plans = [build_plan(self.topology, w, p, s.roots) for p in range(w)]
-        self._link = link = chosen(transports.Context(
-            rv=rv, rank=r, world=w, topology=self.topology, roots=s.roots, plans=plans,
-            infos=self._infos, buffers=bufs, flags_addr=self._flags_addr,
-            bootstrap_timeout_s=s.bootstrap_timeout_s, timeout_s=s.timeout_s))
-        link.connect()
+    # ---- what the collectives reach (held by sparkccl/wiring.py) -----------------------
+    @property
+    def _dp(self):
+        return self._wiring.dp if self._wiring is not None else None
 
-        t = self.plan.to_tables()
-        slots = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
-        self._proxy = px = nat.Proxy(r, w, self._ctl_addr, self._flags_addr,
-                                     t["connections"], t["streams"], t["items"], slots,
-                                     s.spin_us, s.nap_us, transport=chosen.native_kind)
-        if s.relay_lead >= 0:
-            px.set_relay_lead(s.relay_lead)
-        for kind in bufs.segments:
-            bufs.wire(px, kind)
-        link.attach(px)
-        rings = None
-        if s.check_sizes and link.maps_peers:  # needs the peers' publish rings mapped here
-            rings = [None if p == r else ring_view(link.peer_segment(p, "ctl").tensor)
-                     for p in range(w)]
-        ag = bufs["ag"]
-        if self.device.type == "cuda":
-            from .dataplane.cuda import CudaDataPlane
-            self._dp = CudaDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
-                                     flags_addr=self._flags_addr, ag=ag.tensor,
-                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
-                                     peer_rings=rings, device=self.device)
-            if link.maps_peers and s.gpu_direct:
-                self._setup_gpu_direct(px)
-        else:
-            self._dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self._ctl_addr,
-                                    flags_addr=self._flags_addr, ag=ag.tensor,
-                                    ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
-                                    peer_rings=rings)
-        if bufs.has("rs"):
-            self._attach_rs_dataplane()
-        if lane_check.enabled():  # one small write and flag over every connection
-            lane_check.lane_check(nat, px, plans, r, self.topology, self.transport, ag.tensor,
-                                  self.sizes.ag_stride, self._flags_addr, rv,
-                                  lane_check.timeout_for(s.timeout_s))
-        px.start()
-        self._liveness = liveness.start_for(chosen, rv, r, w, s.bootstrap_timeout_s,
-                                            self._peer_died)
+    @property
+    def _ctl_addr(self) -> int | None:
+        return self._wiring.ctl_addr if self._wiring is not None else None
 
-    def _peer_died(self, peer: int, cause: str) -> None:
-        """From the liveness thread: stop the proxy and every wait (sparkccl/liveness.py)."""
-        self._nat.set_abort(self._ctl_addr, layout.ABORT_PEER, f"rank {self.rank}: {cause}")
+    @property
+    def _rs_ready(self) -> bool:
+        return self._wiring is not None and self._wiring.rs_ready
 
-    def _reserve(self, kinds: list[str], what: str, abort_check=None) -> None:
-        """Create (and reserve) this rank's segments ``kinds``, then learn whether every
-        rank could: a shortage anywhere raises the same ShmSpaceError on every rank, with
-        nothing left in /dev/shm."""
-        error = None
-        try:
-            for kind in kinds:
-                self._buffers.create(kind)
-        except ShmSpaceError as e:
-            error = str(e)
-        self.pinned_bytes = self._buffers.pinned_bytes
-        n = getattr(self, "_reservations", 0)
-        self._reservations = n + 1
-        states = self._rv.exchange(f"reserved{n}", {"error": error}, what, abort_check)
-        failed = [(i, st["error"]) for i, st in enumerate(states) if st["error"]]
-        if failed:
-            for kind in kinds:
-                self._buffers.drop(kind)
-            self.pinned_bytes = self._buffers.pinned_bytes
-            here = sum(1 for i in self._infos
-                       if (i["host"], i.get("boot_id")) == (socket.gethostname(), _boot_id()))
-            per_rank = bytes_per_rank(self.world_size, self.topology, self.slot_bytes,
-                                      self._settings.roots)
-            raise ShmSpaceError(shortage_message(failed, per_rank, here, self.slot_bytes,
-                                                 self.world_size), needed=per_rank)
-
-    def _setup_gpu_direct(self, px) -> None:
-        """CUDA + shm: every peer's segments are mapped here, so the GPU writes this rank's
-        data straight into them and writes their flag words (the publish-triggered streams
-        of the plan, executed by the data plane instead of the proxy's copy workers; the
-        proxy keeps the relays). ``SPARKCCL_GPU_DIRECT=0``: the proxy sends everything."""
-        px.set_gpu_streams(self.plan.publish_streams())
-        peers = [p for p in range(self.world_size) if p != self.rank]
-        seg = self._link.peer_segment
-        self._dp.map_peers(ctl={p: (seg(p, "ctl").addr, self.sizes.ctl_bytes) for p in peers},
-                           ag={p: (seg(p, "ag").addr, self.sizes.ag_bytes) for p in peers})
-        self._gpu_direct = True
-
-    def _attach_rs_dataplane(self) -> None:
-        sz = self.sizes
-        t = self._buffers["rs"].tensor
-        self._dp.attach_rs(t[:sz.rs_send_bytes], sz.rs_send_stride, t[sz.rs_send_bytes:],
-                           sz.rs_recv_stride)
-        if getattr(self, "_gpu_direct", False):
-            self._dp.map_peers_rs({p: (self._link.peer_segment(p, "rs").addr, sz.rs_bytes)
-                                   for p in range(self.world_size) if p != self.rank},
-                                  sz.rs_send_bytes)
-        self._rs_ready = True
+    @property
+    def pinned_bytes(self) -> int:
+        return self._wiring.pinned_bytes if self._wiring is not None else 0
 
     def _ensure_rs(self) -> None:
-        """Create the reduce-scatter buffers on first use (every rank reaches this at the
-        same collective, so the exchange goes through the store here)."""
-        if self._rs_ready:
-            return
-        check = self._dp.check_abort
-        try:
-            self._reserve(["rs"], "reserve its reduce-scatter buffers", check)
-            # This rank's proxy knows the regions before any peer can send into them.
-            self._buffers.wire(self._proxy, "rs")
-            self._link.add_segment(self._proxy, "rs", check)
-        except CollectiveError as e:
-            self._link.unlink_names()
-            if not self._nat.abort_code(self._ctl_addr):
-                self._nat.set_abort(self._ctl_addr, layout.ABORT_TIMEOUT, str(e))
-            raise
-        except ShmSpaceError:
-            raise  # every rank raises it together, and all-gathers still work
-        except (OSError, ValueError) as e:  # e.g. a peer's segment of the wrong size
-            msg = f"rank {self.rank}: could not set up reduce-scatter buffers: {e}"
-            self._nat.set_abort(self._ctl_addr, layout.ABORT_TRANSPORT, msg)
-            raise CollectiveError(msg, rank=self.rank) from e
-        self._attach_rs_dataplane()
-        log.info("sparkccl: rank %d: reduce-scatter buffers created (+%s, now %s)",
-                 self.rank, _mib(self.sizes.rs_bytes), _mib(self.pinned_bytes))
+        self._wiring.ensure_rs()
 
     # ---- internal interface (finalize, selftest, bench, tests) -----------------------
     def proxy_stats(self) -> dict:
         """The native proxy's counters ({} without a proxy: world 1, or closed)."""
-        return self._proxy.stats() if self._proxy is not None else {}
+        return self._wiring.proxy_stats() if self._wiring is not None else {}
 
     # ---- checks ----------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -417,8 +277,8 @@ class Communicator:
 
         ``zero_copy=True`` (CUDA only; ignored on CPU): return a view of the pinned receive
         slot instead of copying into device memory, valid until three more all-gathers
-        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot
-        (otherwise a fresh tensor as usual).
+        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot,
+        and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
         what = "all_gather"
         self._check_open(what)
@@ -427,7 +287,7 @@ class Communicator:
         out_shape = (self.world_size * shape[0], *shape[1:])
         n = x.numel() * x.element_size()
         if (zero_copy and out is None and self.device.type == "cuda" and n
-                and n % ALIGN == 0 and n <= self.max_slice):
+                and n % ALIGN == 0 and n <= self.max_slice and self._seq_on_host()):
             with self._lock:
                 self._check_alive(what)
                 seq = self._next_seq()
@@ -483,6 +343,7 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             if chunk <= self.max_slice and getattr(self._dp, "typed_io", False):
                 dst = out  # the plane counts bytes itself: no views per call
@@ -502,6 +363,25 @@ class Communicator:
             self._handout = None
         return out
 
+    def _seq_on_host(self) -> bool:
+        """False in and after a CUDA graph capture: the slots then follow the device's seq."""
+        dp = getattr(self, "_dp", None)
+        if self.device.type != "cuda" or self.single:
+            return True
+        if dp is None or not hasattr(dp, "seq_on_host"):
+            return not torch.cuda.is_current_stream_capturing()
+        return dp.seq_on_host()
+
+    def _check_setup_capturable(self, what: str) -> None:
+        """The first reduce-scatter sets its buffers up (pins memory, talks to the peers):
+        nothing a CUDA graph can capture."""
+        if (not self._rs_ready and self.device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
+                               "reduce-scatter sets up its buffers and cannot be captured in a "
+                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
+
     def _match_handout(self, x: torch.Tensor, what: str):
         """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
         if not self._rs_ready:
@@ -512,6 +392,13 @@ class Communicator:
         p = x.data_ptr()
         if not lo <= p < hi:
             return None
+        if not self._seq_on_host():
+            # The slot it lies in may be the one a replayed collective before this one still
+            # sends from (the parity follows the device's seq): never copied from.
+            raise RuntimeError(f"{what}: x is a reduce_scatter_input() buffer from before a CUDA "
+                               "graph capture; in and after a capture reduce_scatter_input() "
+                               "returns a plain tensor: call it again (docs/CONTRACT.md "
+                               "\"CUDA graphs\")")
         h = self._handout
         if h is None or h[0] != p or h[1] != x.numel() * x.element_size() or h[3] != self._rs_count:
             raise ValueError(f"{what}: x lies in a reduce-scatter send slot but is not the buffer "
@@ -526,7 +413,8 @@ class Communicator:
 
         Zero-copy needs the per-rank chunk to be a multiple of 16 bytes and to fit one slot;
         otherwise (and if another collective runs in between, so the sequence parity moved)
-        this still returns a usable tensor and reduce-scatter copies it as usual.
+        this still returns a usable tensor and reduce-scatter copies it as usual. In and
+        after a CUDA graph capture the host no longer knows the next slot: a plain tensor.
         """
         what = "reduce_scatter_input"
         self._check_open(what)
@@ -544,7 +432,8 @@ class Communicator:
                              f"{list(shape)}")
         nbytes = dtype.itemsize * math.prod(shape)
         chunk = nbytes // W
-        if self.single or chunk == 0 or chunk % ALIGN or chunk > self.max_slice:
+        if (self.single or chunk == 0 or chunk % ALIGN or chunk > self.max_slice
+                or not self._seq_on_host()):
             return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
             self._check_alive(what)
@@ -603,6 +492,7 @@ class Communicator:
         per = self.max_slice // (8 * RB) * 8  # rows of every chunk per collective (fin_slice)
         with self._lock:
             self._check_alive(what)
+            self._check_setup_capturable(what)
             self._ensure_rs()
             dst = out.detach().reshape(-1).view(torch.uint8)
             for a in range(0, Rr, per):
@@ -653,77 +543,14 @@ class Communicator:
         self._teardown(barrier=True)
 
     def _teardown(self, barrier: bool) -> None:
-        nat = getattr(self, "_nat", None)
-        ctl = getattr(self, "_ctl_addr", None)
-        dp = self._dp
-        if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
-            try:
-                dp.synchronize()
-            except CollectiveError as e:
-                log.warning("sparkccl: rank %d: close(): a queued collective failed: %s",
-                            self.rank, e)
-            except Exception as e:
-                log.warning("sparkccl: rank %d: close(): waiting for the GPU failed: %s",
-                            self.rank, e)
-        clean = False
-        if barrier and self._proxy is not None and nat is not None and ctl is not None:
-            def check():
-                if nat.abort_code(ctl):
-                    cause = nat.error_text(ctl) or "aborted"
-                    raise CollectiveError(f"rank {self.rank}: aborted while closing: {cause}",
-                                          rank=self.rank, cause=cause)
-            try:
-                if not nat.abort_code(ctl):
-                    self._rv.barrier("closed", "close the communicator", check,
-                                     self.bootstrap_timeout_s, self._rv_boot_setting())
-                    clean = True
-            except CollectiveError as e:
-                log.warning("sparkccl: rank %d: close() did not hear from every rank (%s); "
-                            "closing anyway", self.rank, e)
-            except Exception as e:  # store gone etc.
-                log.warning("sparkccl: rank %d: close() barrier failed: %s", self.rank, e)
-        # Each release runs even when an earlier one failed: a leak of sockets, QPs or
-        # shared memory is worse than a second error in the log.
-        steps = []
-        if self._liveness is not None:  # before the control segment goes: it sets the abort word
-            code = nat.abort_code(ctl) if nat is not None and ctl is not None else 0
-            text = nat.error_text(ctl) if code else None
-            steps.append(("the liveness channel",
-                          lambda lv=self._liveness: lv.stop(goodbye=clean, abort_text=text)))
-        if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
-            steps.append(("the data plane", dp.close))
-        if self._proxy is not None:  # tcp: a goodbye, so peers see no crash
-            steps.append(("the proxy", lambda px=self._proxy: px.stop(graceful=clean)))
-        if self._link is not None:  # after the proxy stopped: sockets, QPs, peer mappings
-            steps.append(("the transport", self._link.close))
-        if self._buffers is not None:
-            bufs = self._buffers
-            steps.append(("the shared memory", lambda: (bufs.unlink_every_rank(self.world_size),
-                                                        bufs.close())))
-        self._liveness = self._proxy = self._link = self._dp = None
-        for what, release in steps:
-            try:
-                release()
-            except Exception as e:  # noqa: BLE001 - the remaining steps must still run
-                log.warning("sparkccl: rank %d: close(): releasing %s failed: %s",
-                            self.rank, what, e)
-
-    def _rv_boot_setting(self) -> str:
-        return f"bootstrap_timeout_s={self.bootstrap_timeout_s:g}"
+        if self._wiring is not None:
+            self._wiring.teardown(barrier, self.bootstrap_timeout_s)
 
     def forget_after_fork(self) -> None:
         """In a forked child (:mod:`sparkccl.lifetime`): the proxy thread and the segments
         are the parent's; never tear them down here."""
-        import ctypes
-        px, self._proxy = self._proxy, None
-        if px is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(px))  # never destroyed in the child
-        self._link = None
-        if self._liveness is not None:
-            self._liveness.forget()
-            self._liveness = None
-        if self._buffers is not None:
-            self._buffers.segments.clear()
+        if self._wiring is not None:
+            self._wiring.forget_after_fork()
         self._closed = True
 
     def release_at_exit(self) -> None:
@@ -744,10 +571,9 @@ class Communicator:
         self._closed = True
         lifetime.untrack(self)
         try:
-            if not issubclass(exc_type, CollectiveError) and self._proxy is not None:
-                self._nat.set_abort(self._ctl_addr, layout.ABORT_USER,
-                                    f"rank {self.rank}: left the communicator because of an "
-                                    f"exception: {exc_type.__name__}: {exc}")
+            if not issubclass(exc_type, CollectiveError) and self._wiring is not None:
+                self._wiring.leave(f"rank {self.rank}: left the communicator because of an "
+                                   f"exception: {exc_type.__name__}: {exc}")
         finally:
             self._teardown(barrier=False)
 
@@ -764,12 +590,3 @@ class Communicator:
         return (f"<sparkccl.Communicator rank {self.rank}/{self.world_size} {self.topology}/"
                 f"{getattr(self, 'transport', '?')} {state}>")
 
-
-def _boot_id() -> str | None:
-    """Same value for every process of one running host (tells hosts apart even when they
-    share a host name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None

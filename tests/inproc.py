@@ -21,6 +21,13 @@ SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Reg
 PID = os.getpid()
 
 
+def shm_proxy(*args, **kw):
+    """A native Proxy with the shm transport attached (peers' memory mapped here)."""
+    p = N.Proxy(*args, **kw)
+    p.attach(N.ShmTransport())
+    return p
+
+
 class Ctl:
     """A rank's control block, its flag words as a numpy view, and its address."""
 
@@ -38,23 +45,24 @@ class Ctl:
 
 class ProxyWorld:
     """W ranks: control block, regions (slice-sized blocks, SLOTS slots each) and one Proxy
-    per rank (``transport``: the Proxy's, None for its default, shm). Subclasses connect
-    the ranks."""
+    per rank (``transport="shm"``: attached here; any other: the subclass attaches it).
+    Subclasses connect the ranks."""
 
     def __init__(self, topology: str, world: int, roots: int, max_slice: int,
-                 spin_us: int = 2000, nap_us: int = 50, transport: str | None = None):
+                 spin_us: int = 2000, nap_us: int = 50, transport: str = "shm"):
         self.topology, self.world, self.roots = topology, world, roots
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
         self.ctl = [Ctl(world) for _ in range(world)]
         blocks = [world, world, self.plans[0].rs_recv_blocks]
         self.stride = [L.slot_stride(b * max_slice) for b in blocks]
         self.regions = [[Buf(SLOTS[g] * self.stride[g]) for g in range(3)] for _ in range(world)]
-        kw = {} if transport is None else {"transport": transport}
         self.proxies = []
         for r, plan in enumerate(self.plans):
             t = plan.to_tables()
             p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].flags_addr, t["connections"],
-                        t["streams"], t["items"], SLOTS, spin_us, nap_us, **kw)
+                        t["streams"], t["items"], SLOTS, spin_us, nap_us)
+            if transport == "shm":
+                p.attach(N.ShmTransport())
             for g in range(3):
                 p.set_region(g, self.regions[r][g].addr, self.stride[g])
             self.proxies.append(p)

@@ -158,7 +158,7 @@ def test_killed_rank_ring():
 
 
 def mismatch_job(rank, world, store):
-    import sparkccl.comm as cm
+    import sparkccl.bootstrap as boot  # where the join record takes the host name
     out = {}
     cases = {
         "topology": dict(topology="ring" if rank == 1 else "mesh"),
@@ -188,16 +188,16 @@ def mismatch_job(rank, world, store):
     finally:
         os.environ.pop("SPARKCCL_SLOT_BYTES", None)
     out["env_elapsed"] = time.monotonic() - t0
-    real = cm.socket.gethostname
+    real = boot.socket.gethostname
     if rank == 2:
-        cm.socket.gethostname = lambda: "some-other-host"
+        boot.socket.gethostname = lambda: "some-other-host"
     try:
         _comm(store, "mm-host", rank, world, transport="shm").close()
         out["host"] = None
     except ValueError as e:
         out["host"] = str(e)
     finally:
-        cm.socket.gethostname = real
+        boot.socket.gethostname = real
     # Sizes that differ across ranks: detected on the first piece, after sending.
     for k, op in enumerate(("ag", "rs")):
         comm = _comm(store, f"mm-size{k}", rank, world)

@@ -118,3 +118,18 @@ def test_cuda_dataplane_imports_without_cuda_python():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ})
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_every_launched_kernel_is_loaded_and_emulated():
+    """Each kernel name the CUDA data plane launches is in KERNEL_NAMES (loaded by name from
+    the cubin) and has a case in the CPU emulation (tests/cuda_emu/emu.cpp)."""
+    import re
+    from pathlib import Path
+    pkg = Path(nvrtc.__file__).parent
+    src = "".join((pkg / f).read_text() for f in ("cuda.py", "cuda_engines.py"))
+    launched = set(re.findall(r'"(sccl_[a-z0-9_]+)"', src))
+    assert "sccl_advance" in launched and "sccl_publish" in launched
+    assert launched <= set(nvrtc.KERNEL_NAMES), launched - set(nvrtc.KERNEL_NAMES)
+    emu = (Path(__file__).parent / "cuda_emu" / "emu.cpp").read_text()
+    missing = [n for n in nvrtc.KERNEL_NAMES if n not in emu]
+    assert not missing, missing

@@ -199,17 +199,29 @@ class EmuDataPlane(C.CudaDataPlane):
         s = _emu_current.stream
         return s, s
 
+    def _capturing(self):
+        return getattr(_emu_current, "capture", None) is not None
+
     def _launch(self, stream, name, grid, block, *args):
+        capture = getattr(_emu_current, "capture", None)
+        if capture is not None:  # an emulated graph capture: recorded, not run
+            capture.append((stream, name, grid, [int(a) for a in args]))
+            return
         stream.submit(name, grid, args)
 
     def _end(self, ts):
         self._last_event = ts.record()
         self._last_ctx = ts.ctx
 
-    def _wait_last(self):
-        if self._last_event is not None:
-            assert self._last_event.wait(120), "emulated kernels did not finish"
-            self._last_ctx.check()
+    def _event_done(self, ev):
+        if not ev.is_set():
+            return False
+        self._last_ctx.check()
+        return True
+
+    def _release_waits(self):  # the state words are host memory here
+        self.state[1] = 1
+        self.state[0] = C.RELEASED_PROGRESS
 
     def _busy(self):
         return self._last_event is not None and not self._last_event.is_set()
@@ -322,7 +334,7 @@ class World:
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None, on_failure: str = "poison"):
+                 mode: str | None = None, on_failure: str = "poison", hold: tuple = ()):
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -344,6 +356,7 @@ class World:
                 t = plan.to_tables()
                 p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].addr + L.FLAGS_OFFSET,
                             t["connections"], t["streams"], t["items"], SLOTS, 2000, 50)
+                p.attach(N.ShmTransport())
                 self._regions(p.set_region, r)
                 for q in range(world):
                     if q != r:
@@ -379,8 +392,9 @@ class World:
         except BaseException:
             self.close()
             raise
-        for p in self.proxies:
-            p.start()
+        for r, p in enumerate(self.proxies):
+            if r not in hold:  # (held: the test starts it later)
+                p.start()
         self.seq = 0
 
     def _regions(self, set_region, r):
@@ -815,7 +829,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        assert len(issued) == world and launched == []  # copies and piece waits, no kernel
+        # copies and piece waits in one issue; launched only: the guard of mode stop
+        assert len(issued) == world and launched == ["sccl_fail_guard"] * world
         issued.clear()
         launched.clear()
         for dp in w.dps:
@@ -915,6 +930,311 @@ def test_engine_settings_are_read_through_config(monkeypatch):
         assert (dp.max_direct_blocks, dp.max_direct_wait_blocks) == (3, 1)
 
 
+# ---------------------------------------------------------------- CUDA graphs
+# (docs/CONTRACT.md "CUDA graphs"): each collective takes its seq and ring indices from the
+# device state, so a captured sequence replays with fresh values, in step with eager calls.
+
+def graph_specs(world: int, big: bool) -> list:
+    """~10 mixed collectives: (kind, input shape, dtype)."""
+    W = world
+    specs = [("ag", (100,), torch.uint8), ("rs", (W * 48,), torch.float32),
+             ("ag", (4096 * 3 + 5,), torch.uint8), ("rs", (W * 333, 4), torch.float16),
+             ("ag", (640,), torch.bfloat16), ("rs", (W * 1000, 8), torch.bfloat16),
+             ("ag", (17,), torch.uint8), ("rs", (W * 16,), torch.bfloat16),
+             ("ag", (2000,), torch.float32), ("rs", (W * 4096,), torch.float32)]
+    if big:  # 1 MiB per rank each way
+        specs += [("ag", (1 << 19,), torch.bfloat16), ("rs", (W * (1 << 19),), torch.bfloat16)]
+    return specs
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+class GraphCase:
+    """Static inputs and outputs per (collective, rank), what a captured graph reads and
+    writes at every replay (the outputs' last 5 bytes are a guard that stays 0xAB)."""
+
+    def __init__(self, w: World, specs: list):
+        self.w, self.specs = w, specs
+        W = w.world
+        self.inp, self.out = [], []
+        for kind, shape, dtype in specs:
+            n = _nbytes(shape, dtype)
+            m = W * n if kind == "ag" else n // W
+            assert (n if kind == "ag" else n // W) <= w.max_slice
+            self.inp.append([w.be.to_dev(torch.zeros(shape, dtype=dtype)) for _ in range(W)])
+            self.out.append([w.be.to_dev(torch.full((m + 5,), 0xAB, dtype=torch.uint8))
+                             for _ in range(W)])
+
+    def issue(self, r: int) -> None:
+        """Rank r's collectives, in order (on the current stream; the seq labels are the
+        World's: the data planes number them on the GPU)."""
+        w, W = self.w, self.w.world
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            src = self.inp[k][r].reshape(-1).view(torch.uint8)
+            n = src.numel()
+            if kind == "ag":
+                w.dps[r].all_gather(w.seq + k, src, self.out[k][r], 0, n)
+            else:
+                w.dps[r].reduce_scatter(w.seq + k, src, 0, n // W, n // W, self.out[k][r], 0,
+                                        dtype)
+
+    def fill(self, seed: int) -> list:
+        """Fresh inputs (written on each rank's stream); returns them for the check."""
+        xs = []
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            xs.append(inputs(seed * 100 + k, self.w.world, shape, dtype))
+            for r in range(self.w.world):
+                with self.w.be.on(r):
+                    self.inp[k][r].copy_(self.w.be.to_dev(xs[k][r]))
+        return xs
+
+    def check(self, xs: list, what: str) -> None:
+        W = self.w.world
+        for k, (kind, shape, dtype) in enumerate(self.specs):
+            for r in range(W):
+                got = self.out[k][r].cpu().numpy()
+                if kind == "ag":
+                    ref = all_gather_reference(xs[k])
+                else:
+                    ref = reduce_scatter_reference(xs[k], r)
+                assert np.array_equal(got[:-5], ref), \
+                    f"{what}: {kind} {list(shape)} {dtype} rank {r}: " \
+                    f"{np.flatnonzero(got[:-5] != ref)[:10]}"
+                assert (got[-5:] == 0xAB).all(), f"{what}: {kind} rank {r} wrote past its output"
+
+
+class Graphs:
+    """One captured graph per rank: torch.cuda.CUDAGraph on the GPU; on the emulation the
+    launches recorded during the 'capture' (nothing runs) and submitted again per replay,
+    with no host code in between, as a graph launch does."""
+
+    def __init__(self, w: World):
+        self.w = w
+        self.graphs: list = []
+
+    def capture(self, issue) -> None:
+        """issue(r): rank r's collectives, in order, on the current stream."""
+        w = self.w
+        for r in range(w.world):
+            if w.be.name == "cuda":
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=w.be.streams[r]):
+                    issue(r)
+            else:
+                g = []
+                with w.be.on(r):
+                    _emu_current.capture = g
+                    try:
+                        issue(r)
+                    finally:
+                        _emu_current.capture = None
+            self.graphs.append(g)
+
+    def replay(self) -> None:
+        w = self.w
+        for r, g in enumerate(self.graphs):
+            if w.be.name == "cuda":
+                with w.be.on(r):
+                    g.replay()
+            else:
+                for stream, name, grid, args in g:
+                    stream.submit(name, grid, args)
+
+
+def device_seq(w: World, r: int) -> int:
+    return int(w.dps[r].state.cpu()[C.STATE_SEQ])
+
+
+GRAPH_CONFIGS = [("mesh", 2, 2), ("ring", 3, 2), ("ring", 4, 1)]
+
+
+# The emulated capture records launches only, not the cross-stream events of modes split
+# and ce: those two are captured on the GPU alone.
+GRAPH_RUNS = [pytest.param(b.values[0], m, marks=b.marks, id=f"{b.values[0]}-{m}")
+              for b in BACKENDS for m in (None, "fused", "split", "ce")
+              if b.values[0] == "cuda" or m in (None, "fused")]
+
+
+@pytest.mark.parametrize("backend,mode", GRAPH_RUNS)
+@pytest.mark.parametrize("topology,world,roots", GRAPH_CONFIGS)
+def test_graph_replay_interleaved_with_eager(backend, topology, world, roots, mode):
+    """Capture ~10 mixed collectives per rank, replay them many times with fresh inputs
+    written into the captured input tensors, an eager all-gather and reduce-scatter between
+    replays: every output equals the rank-order references bit for bit, and the device's
+    seq counted every collective (eager and replayed). Mode ce is captured as "fused"."""
+    big = backend == "cuda"
+    specs = graph_specs(world, big)
+    max_slice = max(max(_nbytes(s, d) // (world if k == "rs" else 1) for k, s, d in specs), 4096)
+    replays = 20 if backend == "cuda" else 6
+    with World(backend, topology, world, roots, max_slice=max_slice, direct=mode is not None,
+               mode=mode) as w:
+        # Eager first (also makes the side streams and scratch of the engines).
+        xs = inputs(1, world, (world * 64,), torch.bfloat16)
+        rsout = w.reduce_scatter(xs)
+        ys = inputs(2, world, (300,), torch.uint8)
+        agout = w.all_gather(ys)
+        w.sync()
+        check_rs(w, xs, rsout)
+        check_ag(w, ys, agout)
+        case = GraphCase(w, specs)
+        graphs = Graphs(w)
+        graphs.capture(case.issue)
+        assert all(not dp.seq_on_host() for dp in w.dps)
+        count = 2
+        for it in range(replays):
+            xs_g = case.fill(10 + it)
+            graphs.replay()
+            count += len(specs)
+            if it % 2 == 0:  # eager calls between replays, queued behind the replay
+                ex = inputs(500 + it, world, (world * 40, 3), torch.float32)
+                eo = w.reduce_scatter(ex)
+                ey = inputs(600 + it, world, (1000 + it,), torch.uint8)
+                ea = w.all_gather(ey)
+                count += 2
+            w.sync()
+            case.check(xs_g, f"replay {it}")
+            if it % 2 == 0:
+                check_rs(w, ex, eo)
+                check_ag(w, ey, ea)
+        for r in range(world):
+            assert device_seq(w, r) == count, (r, device_seq(w, r), count)
+            check_ring_tickets(w, r, count)
+        w.healthy()
+
+
+def check_ring_tickets(w: World, r: int, count: int) -> None:
+    """The last 32 collectives' publish-ring entries of rank r (8 each): entry i carries tag
+    i + 1 and seq i // 8, so no seq was taken twice or skipped and every slot (seq % 3,
+    seq % 2) followed the one numbering the reuse chain is defined by (docs/PROTOCOL.md
+    "Slot reuse")."""
+    ring = np.frombuffer((ctypes.c_uint64 * (L.RING_ENTRIES * L.RING_ENTRY_BYTES // 8))
+                         .from_address(w.ctl[r].addr + L.RING_OFFSET), dtype=np.uint64)
+    ring = ring.reshape(L.RING_ENTRIES, -1)
+    head = 8 * count
+    for i in range(max(0, head - L.RING_ENTRIES), head):
+        e = ring[i % L.RING_ENTRIES]
+        assert (int(e[L.ENT_TAG // 8]), int(e[L.ENT_SEQ // 8])) == (i + 1, i // 8), (r, i)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_after_a_capture_host_slot_features_are_refused():
+    """Once a collective was captured the host no longer knows the slots: a zero-copy
+    result or input is refused with a RuntimeError naming it (never a wrong slot), and the
+    emulated replay of the same recorded launches, without the host, is still exact."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=4096) as w:
+        case = GraphCase(w, [("ag", (64,), torch.uint8), ("rs", (world * 32,), torch.float32)])
+        graphs = Graphs(w)
+        assert w.dps[0].seq_on_host()
+        graphs.capture(case.issue)
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            with pytest.raises(RuntimeError, match="zero-copy result.*CUDA graph"):
+                w.dps[0].all_gather(w.seq, src, None, 0, 0)
+            with pytest.raises(RuntimeError, match="zero-copy input.*CUDA graph"):
+                w.dps[0].reduce_scatter(w.seq, None, 0, 64, 64, w.keep(torch.zeros(64, dtype=torch.uint8)),
+                                        0, torch.float32)
+            with pytest.raises(RuntimeError, match="ag_slot"):
+                w.dps[0].ag_slot(0, 64)
+        for it in range(3):
+            xs = case.fill(it)
+            graphs.replay()
+            w.sync()
+            case.check(xs, f"replay {it}")
+        assert [device_seq(w, r) for r in range(world)] == [6, 6]
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode,extra", [(None, 0), ("fused", 0), ("split", 1), ("ce", 1)])
+def test_last_kernel_advances_the_state(mode, extra):
+    """The proxy path and mode fused advance the device state in the collective's last
+    kernel (no launch of its own); modes split and ce, whose kernels run on other streams
+    too, queue sccl_advance. Either way the device's seq counts every collective."""
+    world = 2
+    with World("emu", "mesh", world, max_slice=1 << 16, direct=mode is not None,
+               mode=mode) as w:
+        names = []
+        for dp in w.dps:
+            launch = dp._launch
+
+            def counted(stream, name, *a, launch=launch):
+                names.append(name)
+                launch(stream, name, *a)
+            dp._launch = counted
+        pend = []
+        for k in range(3):
+            xs = inputs(800 + k, world, (world * 64,), torch.float32)
+            pend.append((check_rs, xs, w.reduce_scatter(xs)))
+            ys = inputs(900 + k, world, (500,), torch.uint8)
+            pend.append((check_ag, ys, w.all_gather(ys)))
+        w.sync()
+        for check, xs, outs in pend:
+            check(w, xs, outs)
+        assert names.count("sccl_advance") == extra * 6 * world, names
+        assert [device_seq(w, r) for r in range(world)] == [6] * world
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_seq_out_of_order_is_refused():
+    """The GPU numbers collectives itself: a caller's seq that skips one is an error, not a
+    silent mismatch between the host's labels and the device's slots."""
+    with World("emu", "mesh", 2, max_slice=4096) as w:
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            out = w.keep(torch.zeros(128, dtype=torch.uint8))
+            with pytest.raises(ValueError, match="expected seq 0"):
+                w.dps[0].all_gather(1, src, out, 0, 64)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_ring_full_waits_on_the_gpu():
+    """More collectives queued than the publish ring holds (256 entries: 32 collectives)
+    while rank 1's proxy is not running: GPU-direct, so rank 1's kernels go on without it
+    until its ring is full, then its publish blocks wait on the GPU for the ring's tail
+    (the host returned long before), and everything completes exactly once the proxy runs."""
+    world, n_calls = 2, 40
+    with World("emu", "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="fused",
+               hold=(1,)) as w:
+        pend = []
+        for k in range(n_calls):
+            xs = inputs(700 + k, world, (48,), torch.uint8)
+            pend.append((xs, w.all_gather(xs)))
+        tail = ctypes.c_uint64.from_address(w.ctl[1].addr + L.CTL_RING_TAIL)
+        ring = np.frombuffer((ctypes.c_uint64 * (L.RING_ENTRIES * L.RING_ENTRY_BYTES // 8))
+                             .from_address(w.ctl[1].addr + L.RING_OFFSET), dtype=np.uint64)
+        tags = ring.reshape(L.RING_ENTRIES, -1)[:, L.ENT_TAG // 8]
+        deadline = time.monotonic() + 30
+        while (tags != 0).sum() < L.RING_ENTRIES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert (tags != 0).sum() == L.RING_ENTRIES and tail.value == 0
+        assert int(tags.max()) == L.RING_ENTRIES  # nothing was overwritten past the tail
+        assert device_seq(w, 1) <= L.RING_ENTRIES // 8 + 1  # the GPU waits for the ring
+        w.proxies[1].start()
+        w.sync()
+        for xs, outs in pend:
+            check_ag(w, xs, outs)
+        w.healthy()
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_ring_wait_times_out_on_the_gpu():
+    """A ring that never frees (the device's ring index put 300 entries past the tail):
+    the publish kernel's ring wait gives up after the timeout, on the GPU clock, and the
+    host raises a CollectiveError that says so."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5) as w:
+        w.dps[0].state[C.STATE_RING] = 300
+        with w.be.on(0):
+            src = w.keep(torch.zeros(64, dtype=torch.uint8))
+            out = w.keep(torch.zeros(128, dtype=torch.uint8))
+            w.dps[0].all_gather(0, src, out, 0, 64)
+        with pytest.raises(CollectiveError, match="space in the publish ring"):
+            w.dps[0].synchronize()
+        assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
+
+
 # ---------------------------------------------------------------- through the Communicator
 
 def _comm_job(rank, world, store, topology, slot_bytes):
@@ -988,6 +1308,104 @@ def _comm_job(rank, world, store, topology, slot_bytes):
 def test_communicator_cuda(topology, world, slot_bytes):
     from sparkccl.localrun import check, run_ranks
     values = check(run_ranks(_comm_job, world, args=(topology, slot_bytes), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+def _graph_comm_job(rank, world, store, topology, replays):
+    """A torch.cuda.CUDAGraph of mixed collectives through the Communicator (all-gathers
+    and reduce-scatters of several sizes and dtypes, a reduce_scatter_input buffer, a
+    finalize), replayed with fresh inputs copied into the captured input tensors, eager
+    calls between replays on the same stream: every output equals the reference."""
+    import torch as T
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import all_gather_reference as agr
+    from sparkccl.reference import bits as B
+    from sparkccl.reference import make_finalize_input as mkf
+    from sparkccl.reference import make_input as mk
+    from sparkccl.reference import moe_finalize_reference as mfr
+    from sparkccl.reference import reduce_scatter_reference as rsr
+    T.cuda.set_device(0)
+    W = world
+    specs = [("ag", (100,), T.uint8), ("rs", (W * 48,), T.float32), ("ag", (W * 64, 33), T.bfloat16),
+             ("rs", (W * 333, 4), T.float16), ("ag", (777,), T.float16),
+             ("rs", (W * 1024, 64), T.bfloat16), ("ag", (1 << 19,), T.bfloat16),
+             ("rs", (W * (1 << 19),), T.bfloat16), ("ag", (5,), T.float32), ("rsi", (W * 16, 64), T.bfloat16)]
+    Tn, Tp, H, topk = 8 * W - 3, 16 * W, 128, 4
+    bad = []
+    kw = dict(rank=rank, world_size=W, topology=topology, slot_bytes=8 << 20, timeout_s=60)
+    with sparkccl.Communicator(store=dist.PrefixStore("graph", store), device="cuda", **kw) as g:
+        xin = [T.zeros(shape, dtype=dtype, device="cuda") for _, shape, dtype in specs]
+        f0 = mkf(0, rank, tokens=Tn, hidden=H, topk=topk, experts_rows=Tn + 5)
+        fin = {k: v.cuda() for k, v in f0.items() if v is not None}
+
+        def step():
+            outs = []
+            for (kind, shape, dtype), x in zip(specs, xin):
+                if kind == "ag":
+                    outs.append(g.all_gather(x))
+                elif kind == "rs":
+                    outs.append(g.reduce_scatter(x))
+                else:  # in a capture: a plain tensor, copied as usual
+                    buf = g.reduce_scatter_input(shape, dtype)
+                    buf.copy_(x)
+                    outs.append(g.reduce_scatter(buf))
+            outs.append(g.moe_finalize_reduce_scatter(fin["y"], fin["pos"], fin["weights"],
+                                                      fin["shared"], num_tokens=Tn, padded_tokens=Tp))
+            return outs
+
+        # Eager first (sets the reduce-scatter buffers up; torch's capture wants a warm-up).
+        step()
+        g.synchronize()
+        graph = T.cuda.CUDAGraph()
+        with T.cuda.graph(graph):
+            outs = step()
+        for it in range(replays):
+            xs = [[mk(100 * it + k, r, shape, dtype) for r in range(W)]
+                  for k, (_, shape, dtype) in enumerate(specs)]
+            fs = [mkf(1000 + it, r, tokens=Tn, hidden=H, topk=topk, experts_rows=Tn + 5)
+                  for r in range(W)]
+            for x, v in zip(xin, xs):
+                x.copy_(v[rank])
+            for k in ("y", "pos", "weights", "shared"):
+                fin[k].copy_(fs[rank][k])
+            graph.replay()
+            if it % 2 == 0:  # eager calls queued behind the replay, on the same stream
+                ex = [mk(5000 + it, r, (W * 40, 3), T.float32) for r in range(W)]
+                ey = [mk(6000 + it, r, (1000 + it,), T.uint8) for r in range(W)]
+                ez = [mk(7000 + it, r, (256, 8), T.float32) for r in range(W)]
+                eo = g.reduce_scatter(ex[rank].cuda())
+                ea = g.all_gather(ey[rank].cuda())
+                ev = g.all_gather(ez[rank].cuda(), zero_copy=True)  # a fresh tensor now
+            g.synchronize()
+            for k, (kind, shape, dtype) in enumerate(specs):
+                ref = agr(xs[k]) if kind == "ag" else rsr(xs[k], rank)
+                if not (B(outs[k].cpu()) == ref).all():
+                    bad.append(f"replay {it}: {kind} {list(shape)} {dtype} differs")
+            want = mfr(fs, rank, Tn, Tp)
+            if not (B(outs[-1].cpu()).reshape(-1) == want.reshape(-1)).all():
+                bad.append(f"replay {it}: finalize differs")
+            if it % 2 == 0:
+                if not (B(eo.cpu()) == rsr(ex, rank)).all():
+                    bad.append(f"eager after replay {it}: reduce_scatter differs")
+                if not (B(ea.cpu()) == agr(ey)).all() or not (B(ev.cpu()) == agr(ez)).all():
+                    bad.append(f"eager after replay {it}: all_gather differs")
+        g.synchronize()
+    return bad
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}, {"SPARKCCL_DIRECT_MODE": "ce"},
+                                 {"SPARKCCL_DIRECT_MODE": "split"}],
+                         ids=["direct", "proxy", "ce", "split"])
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 3)])
+def test_communicator_cuda_graph(topology, world, env):
+    from sparkccl.localrun import check, run_ranks
+    values = check(run_ranks(_graph_comm_job, world, args=(topology, 20), env=env,
+                             timeout_s=300))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
 
@@ -1067,6 +1485,44 @@ def test_fail_stop_reports_then_traps(mode, capfd):
 
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
+    """A trap the driver never acts on (seen with several processes time-slicing one GPU
+    without MPS: two ranks trapped at once and both stayed halted past the trap, their
+    host threads waiting in cuStreamSynchronize forever) is not a silent hang: once the
+    GPU is still busy trap_grace_s after the ack, the watchdog says on stderr that the
+    process is wedged and must be killed. A trap that works says nothing more."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        dp.trap_grace_s = 0.4
+        busy = dp._busy
+        dp._busy = lambda: True  # the emulated GPU "never stops" after the trap
+        try:
+            _lone_all_gathers(w, 25, 2)
+            deadline = time.monotonic() + 10
+            while not dp.trap_wedged and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert dp.trap_wedged
+        finally:
+            dp._busy = busy
+        err = capfd.readouterr().err
+        assert "sparkccl: CollectiveError: rank 0: timed out after 0.3 s" in err, err
+        assert ("sparkccl: rank 0: the GPU did not stop within 0.4 s of the fail-stop trap"
+                in err), err
+        assert "kill the process" in err and "MPS" in err
+        with pytest.raises(CollectiveError):
+            dp.synchronize()
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        dp.trap_grace_s = 0.4
+        _lone_all_gathers(w, 25, 1)
+        with pytest.raises(CollectiveError):
+            dp.synchronize()
+        time.sleep(0.8)
+        assert not dp.trap_wedged
+        assert "did not stop" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("mode", WAIT_MODES)
 def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
     """Mode poison: no trap; a healthy collective before the failure keeps its exact result,
@@ -1100,6 +1556,79 @@ def test_poison_overwrites_every_output_after_a_failure(mode, capfd):
             with w.be.on(0):
                 w.dps[0].all_gather(seq + 4, w.keep(torch.zeros(8, dtype=torch.uint8)),
                                     w.keep(torch.zeros(16, dtype=torch.uint8)), 0, 8)
+
+
+@pytest.mark.parametrize("backend,on_failure", [
+    pytest.param("emu", "stop", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    pytest.param("emu", "poison", marks=pytest.mark.skipif(CXX is None, reason="needs g++")),
+    # (mode stop would trap this process's CUDA context: the emulation checks it)
+    pytest.param("cuda", "poison", marks=cuda_only)])
+@pytest.mark.parametrize("sync", ["caller", "comm"])
+def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sync):
+    """Mode ce: the caller's stream waits (cuStreamWaitValue64) for the progress word that
+    sccl_wait_piece relays; such a wait has no timeout and does not watch the abort word.
+    When the kernels that would end it never run (dropped here; on a GPU: not scheduled),
+    a survivor's next synchronization still ends within STOP_GRACE_S + RELEASE_GRACE_S of
+    the failure: the caller's own stream synchronization (the watchdog releases the waits)
+    or the data plane's synchronize() (which then raises CollectiveError); and nothing
+    queued after the collective reads its output as valid: mode stop traps first
+    (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
+    also shows that the host's release (a copy on a stream of its own) gets past the
+    blocked stream."""
+    world, n = 2, 64
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
+               on_failure=on_failure) as w:
+        dp = w.dps[0]
+        issue = dp._issue
+
+        def without_piece_waits(ops, kernels):
+            waits = [i for i, k in enumerate(kernels) if k[0] == "sccl_wait_piece"]
+            issue([op for op in ops if not (op[0] == C.OP_LAUNCH and op[2] in waits)], kernels)
+        dp._issue = without_piece_waits
+        seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
+        stream = w.be.streams[0]
+        seen = []
+        if backend == "emu":  # the caller's next work on the stream
+            stream.put(lambda: seen.append(bytes(outs[0].numpy())))
+        else:
+            with w.be.on(0):
+                after = w.keep(outs[0].clone())
+        time.sleep(0.2)
+        assert not seen  # the stream is held by its value waits
+        # What the proxy's watch does when a peer's process is gone.
+        N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
+        t0 = time.monotonic()
+        result = {}
+
+        def wait():
+            try:
+                (stream.synchronize if sync == "caller" else dp.synchronize)()
+            except BaseException as e:  # noqa: BLE001 - checked below
+                result["error"] = e
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(20)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "the synchronization blocked on stream waits nobody releases"
+        assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        err = result.get("error")
+        if sync == "caller" and on_failure == "poison":
+            assert err is None, err  # the stream ran on: the poison kernel, then our read
+        elif sync == "caller":
+            assert "unspecified launch failure" in str(err), err
+        if sync == "comm" or on_failure == "poison":
+            with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited"):
+                dp.synchronize()
+        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
+        if on_failure == "stop":
+            assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
+            time.sleep(0.1)
+            assert seen == []  # the lost context ran nothing after the guard
+            assert dp.failure_report and "peer 1 (pid 4242) exited" in dp.failure_report
+        else:
+            stream.synchronize()
+            got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())
+            assert got == b"\xff" * (world * 4 * n)  # poisoned before anything read it
 
 
 def test_failure_mode_is_a_setting(monkeypatch):

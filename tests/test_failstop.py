@@ -50,12 +50,26 @@ DUMP_S = 30
 READ_LIMIT_S = 3 * TIMEOUT_S + 1.5 + 6  # the waits' timeouts, ACK_WAIT_NS, a margin
 
 
+SLOT_BYTES = 1 << 20
+
+
+def _split_elems(world: int) -> int:
+    """fp32 elements per rank of an "rs_split" chunk: 8 bytes over the largest slice one
+    collective carries, so every call is two fused GPU-direct reduce-scatters (the big one
+    and one of 8 bytes), the shape of the CUDA fault campaign's world-6 mesh case (call 4:
+    SLOT_BYTES // world per rank, also 8 bytes over the slice)."""
+    max_slice = SLOT_BYTES // world // 16 * 16
+    return max_slice // 4 + 2
+
+
 def _inputs(op: str, seed: int, rank: int, world: int, device):
     from sparkccl.reference import make_finalize_input, make_input
     if op == "ag":
         return make_input(seed, rank, (4096,), torch.float32).to(device)
     if op == "rs":
         return make_input(seed, rank, (world * 1024,), torch.float32).to(device)
+    if op == "rs_split":
+        return make_input(seed, rank, (world * _split_elems(world),), torch.float32).to(device)
     inp = make_finalize_input(seed, rank, tokens=8 * world - 1, hidden=128, topk=4, experts_rows=9)
     return {k: (v.to(device) if v is not None else None) for k, v in inp.items()}
 
@@ -65,7 +79,7 @@ def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
     xs = [_inputs(op, seed, r, world, "cpu") for r in range(world)]
     if op == "ag":
         return torch.cat(xs).view(torch.uint8).numpy().tobytes()
-    if op == "rs":
+    if op in ("rs", "rs_split"):
         return reduce_scatter_reference(xs, rank).tobytes()
     return moe_finalize_reference(xs, rank, 8 * world - 1, 8 * world).tobytes()
 
@@ -73,7 +87,7 @@ def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
 def _call(comm, op: str, x):
     if op == "ag":
         return comm.all_gather(x)
-    if op == "rs":
+    if op in ("rs", "rs_split"):
         return comm.reduce_scatter(x)
     W = comm.world_size
     return comm.moe_finalize_reduce_scatter(x["y"], x["pos"], x["weights"], x["shared"],
@@ -102,7 +116,7 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
             torch.cuda.set_device(0)
         comm = sparkccl.Communicator(store=dist.PrefixStore("fs", store), rank=rank,
                                      world_size=world, device=device, topology=topology,
-                                     slot_bytes=1 << 20, timeout_s=TIMEOUT_S,
+                                     slot_bytes=SLOT_BYTES, timeout_s=TIMEOUT_S,
                                      bootstrap_timeout_s=120)
         victim = world - 1
         # Call k uses inputs of seed k (every rank the same k): stale data of an earlier
@@ -214,6 +228,12 @@ SCENARIOS = [  # (on_failure, topology, world, scenario, op, extra environment):
     ("poison", "ring", 4, "stall", "ag", {}),
     ("poison", "mesh", 2, "stall", "rs", {}),
     ("poison", "mesh", 2, "kill", "ag", {"SPARKCCL_DIRECT_MODE": "ce"}),
+    # The fault campaign's hung case (world 6 mesh, a kill inside a run of fused GPU-direct
+    # reduce-scatters split in two per call), at the smallest world with two survivors.
+    ("stop", "mesh", 3, "kill", "rs_split", {}),
+    ("poison", "mesh", 3, "kill", "rs_split", {}),
+    # The same with the copy engines: stream value waits, which watch no abort word.
+    ("stop", "mesh", 3, "kill", "rs_split", {"SPARKCCL_DIRECT_MODE": "ce"}),
 ]
 
 
@@ -231,11 +251,13 @@ def test_failed_collective_is_never_consumed_as_valid(mode, topology, world, sce
     _run_scenario(mode, topology, world, scenario, op, env, tmp_path, "cuda")
 
 
-@pytest.mark.parametrize("mode,scenario", [("stop", "kill"), ("poison", "stall")])
-def test_the_same_scenarios_on_cpu_raise_at_the_call(mode, scenario, tmp_path):
+@pytest.mark.parametrize("mode,world,scenario,op", [("stop", 2, "kill", "ag"),
+                                                     ("poison", 2, "stall", "ag"),
+                                                     ("stop", 3, "kill", "rs_split")])
+def test_the_same_scenarios_on_cpu_raise_at_the_call(mode, world, scenario, op, tmp_path):
     """The harness on the CPU data plane, where the failing call itself raises (and checks
     the harness without a GPU)."""
-    _run_scenario(mode, "mesh", 2, scenario, "ag", {}, tmp_path, "cpu")
+    _run_scenario(mode, "mesh", world, scenario, op, {}, tmp_path, "cpu")
 
 
 def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
@@ -316,6 +338,67 @@ def _every_rank(tmp_path, world: int, results) -> list[str]:
         tail = err.read_text(errors="replace")[-6000:] if err.exists() else "(no stderr file)"
         out.append("  stderr tail:\n" + "\n".join("    " + x for x in tail.splitlines()))
     return out
+
+
+# ---------------------------------------------------------------- poison-mode recovery
+
+def recovery_job(rank, world, store, device):
+    """Mode poison (set by the caller): a failure, then a new communicator in the same
+    process, on the same GPU context, bit-exact (docs/CONTRACT.md "Failure behaviour": what a
+    caller must do in that mode)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    rec = {}
+
+    def make(prefix):
+        return sparkccl.Communicator(store=dist.PrefixStore(prefix, store), rank=rank,
+                                     world_size=world, device=device, slot_bytes=SLOT_BYTES,
+                                     timeout_s=TIMEOUT_S, bootstrap_timeout_s=120)
+
+    def gather(comm, k):
+        x = _inputs("ag", k, rank, world, device)
+        return comm.all_gather(x).view(torch.uint8).cpu().numpy().tobytes() == \
+            _expected("ag", k, rank, world)
+
+    comm = make("rec1")
+    rec["healthy"] = gather(comm, 0)
+    if rank == world - 1:
+        time.sleep(TIMEOUT_S + 2.5)  # stalls: the others' next all-gather fails meanwhile
+    else:
+        try:
+            y = comm.all_gather(_inputs("ag", 1, rank, world, device))
+            if device == "cuda":
+                torch.cuda.synchronize()  # what the caller does first in this mode ...
+            rec["poisoned"] = y.view(torch.uint8).cpu().numpy().tobytes() == \
+                b"\xff" * y.numel() * 4
+        except sparkccl.CollectiveError:  # the CPU data plane raises at the call
+            rec["poisoned"] = None
+        try:
+            comm.check()  # ... then this, before any output leaves the program
+            rec["check"] = None
+        except sparkccl.CollectiveError as e:
+            rec["check"] = str(e)
+    comm.close()  # the failed communicator: released, its outputs dropped
+    comm = make("rec2")
+    rec["after"] = [gather(comm, k) for k in (2, 3, 4)]
+    comm.close()
+    return rec
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")]),
+    "cpu"])
+def test_poison_mode_recovers_with_a_new_communicator(device):
+    """On the GPU the failed all-gather returns and its output reads NaN; on the CPU (the
+    harness check) it raises at the call. Either way check() raises and a new communicator
+    in the same processes is exact."""
+    values = check(run_ranks(recovery_job, 2, args=(device,), timeout_s=RUN_TIMEOUT_S + 30,
+                             env={"SPARKCCL_ON_FAILURE": "poison"}))
+    assert all(v["healthy"] for v in values), values
+    assert values[0]["check"] and "rank 0" in values[0]["check"], values
+    assert values[0]["poisoned"] is (True if device == "cuda" else None), values
+    assert values[0]["after"] == [True] * 3 and values[1]["after"] == [True] * 3, values
 
 
 # ---------------------------------------------------------------- check() on the CPU

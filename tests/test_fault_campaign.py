@@ -34,3 +34,14 @@ def test_cases_cover_every_fault_and_moment():
     assert all(c.moment != "relay" or (c.topology == "ring" and c.world >= 4) for c in cases)
     assert all(2 <= c.world <= 6 for c in cases)
     assert {c.transport for c in fc.draw_cases(6, 1, "cuda")} == {"shm"}
+
+
+def test_a_case_is_replayed_by_its_fields():
+    """--case with --seed/--index: the CUDA campaign's hung case, with its collectives."""
+    case = fc.parse_case("shm/mesh/6/kill/0/4/mid-piece/15.2", 1, 0)
+    drawn = fc.draw_cases(1, 1, "cuda")[0]
+    assert case.label() == drawn.label() == "shm/mesh w6 kill rank 0 at call 4 mid-piece +15.2 ms"
+    assert fc._ops(case, 6) == fc._ops(drawn, 6)
+    # call 4: a float32 reduce-scatter 8 bytes over the slice: two collectives per call
+    kind, _, per_rank, dtype = fc._ops(case, 6)[4]
+    assert (kind, dtype) == ("rs", "float32") and 4 * per_rank == fc.SLOT_BYTES // 6 // 16 * 16 + 8

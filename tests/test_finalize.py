@@ -169,9 +169,10 @@ def test_native_rows_bad_index_is_nan_not_a_read():
 # ---------------------------------------------------------------- kernels in process
 
 try:
-    from test_cuda_dataplane import BACKENDS, World  # noqa: E402  (tests/ is on sys.path)
+    from test_cuda_dataplane import BACKENDS, Graphs, World, device_seq  # noqa: E402  (tests/ is on sys.path)
 except Exception as e:  # pragma: no cover - e.g. another import mode
-    BACKENDS, World = [pytest.param("emu", marks=pytest.mark.skip(reason=f"no World: {e}"))], None
+    BACKENDS = [pytest.param("emu", marks=pytest.mark.skip(reason=f"no World: {e}"))]
+    World = Graphs = device_seq = None
 
 
 def run_finalize(w, inputs, T, Tpad, rows_per_call=None):
@@ -271,6 +272,80 @@ def test_finalize_kernel_exact(backend, topology, world, roots, direct):
             if direct:  # every data write went from the GPUs: the proxies only relay
                 relays = len(w.plans[r].streams) - len(w.plans[r].publish_streams())
                 assert (w.proxies[r].stats()["writes"] > 0) == (relays > 0)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2)])
+def test_finalize_graph_replay(backend, topology, world, roots, direct):
+    """Finalizes (one split into two collectives) and a reduce-scatter captured in a CUDA
+    graph, replayed with fresh inputs written into the captured tensors, an eager finalize
+    between replays: bit-exact every time (the finalize gate's target and the counter sets
+    come from the device state, docs/CONTRACT.md "CUDA graphs")."""
+    W = world
+    T, Tpad, H, topk = 8 * W - 3, 16 * W, 128, 4
+    Rr, RB = Tpad // W, 2 * H
+    replays = 20 if backend == "cuda" else 4
+    with World(backend, topology, W, roots, max_slice=1 << 16, direct=direct) as w:
+        def make(seed):
+            return [make_finalize_input(seed, r, tokens=T, hidden=H, topk=topk,
+                                        experts_rows=T + 5, fp8=False) for r in range(W)]
+        first = make(0)
+        dev, fins, outs = [], [], []
+        for r in range(W):
+            with w.be.on(r):
+                d = {k: w.be.to_dev(v) for k, v in first[r].items() if v is not None}
+                dev.append(d)
+                fins.append(F.FinalizeInputs(y=d["y"], scales=None, pos=d["pos"].reshape(-1),
+                                             weights=d["weights"], shared=d["shared"],
+                                             num_tokens=T, padded_tokens=Tpad, world=W,
+                                             topk=topk, H=H, R=first[r]["y"].shape[0]))
+                outs.append([w.be.to_dev(torch.full((Rr * RB + 5,), 0xAB, dtype=torch.uint8))
+                             for _ in range(2)])
+        xs0 = [make_input(1, r, (W * 64, 8), torch.bfloat16) for r in range(W)]
+        rs_in = [w.be.to_dev(x) for x in xs0]
+        rs_out = [w.be.to_dev(torch.full((64 * 8 * 2 + 5,), 0xAB, dtype=torch.uint8))
+                  for _ in range(W)]
+
+        def issue(r):
+            dp, f, o = w.dps[r], fins[r], outs[r]
+            dp.moe_finalize_reduce_scatter(0, f, 0, Rr, o[0], 0)
+            src = rs_in[r].reshape(-1).view(torch.uint8)
+            dp.reduce_scatter(0, src, 0, src.numel() // W, src.numel() // W, rs_out[r], 0,
+                              torch.bfloat16)
+            half = Rr // 2
+            dp.moe_finalize_reduce_scatter(0, f, 0, half, o[1], 0)
+            dp.moe_finalize_reduce_scatter(0, f, half, Rr - half, o[1], half * RB)
+
+        eager = run_finalize(w, first, T, Tpad)  # eager first: scratch and streams exist
+        w.sync()
+        check_finalize(w, first, T, Tpad, eager)
+        graphs = Graphs(w)
+        graphs.capture(issue)
+        count = 1
+        for it in range(replays):
+            new = make(10 + it)
+            xs = [make_input(20 + it, r, (W * 64, 8), torch.bfloat16) for r in range(W)]
+            for r in range(W):
+                with w.be.on(r):
+                    for k in ("y", "pos", "weights", "shared"):
+                        dev[r][k].copy_(w.be.to_dev(new[r][k]))
+                    rs_in[r].copy_(w.be.to_dev(xs[r]))
+            graphs.replay()
+            count += 4
+            if it % 2 == 0:
+                mid = run_finalize(w, new, T, Tpad, rows_per_call=5)
+                count += -(-Rr // 5)
+            w.sync()
+            for k in range(2):
+                check_finalize(w, new, T, Tpad, [o[k] for o in outs])
+            for r in range(W):
+                got = rs_out[r].cpu().numpy()
+                assert np.array_equal(got[:-5], reduce_scatter_reference(xs, r)), (it, r)
+            if it % 2 == 0:
+                check_finalize(w, new, T, Tpad, mid)
+        assert [device_seq(w, r) for r in range(W)] == [count] * W
+        w.healthy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,7 +90,7 @@ def _clean_close_job(rank, world, store, transport):
     logging.getLogger("sparkccl").addHandler(handler)
     with sparkccl.Communicator(store=store, rank=rank, world_size=world,
                                transport=transport, timeout_s=TIMEOUT_S) as comm:
-        assert comm._liveness is not None
+        assert comm._wiring.liveness is not None
         y = comm.all_gather(torch.full((8,), float(rank)))
         time.sleep(0.5 * rank)  # ranks reach close() at different times
     # A second communicator after the first closed cleanly: no stale abort, works.
@@ -111,7 +111,7 @@ def test_clean_close_is_not_a_death(emunic_env):
 def _off_job(rank, world, store):
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, transport="tcp",
                                timeout_s=TIMEOUT_S) as comm:
-        return comm._liveness is None, comm.all_gather(torch.tensor([rank])).tolist()
+        return comm._wiring.liveness is None, comm.all_gather(torch.tensor([rank])).tolist()
 
 
 def test_setting_zero_turns_it_off():

@@ -19,7 +19,7 @@ from sparkccl.plan.model import Op, Region, num_flag_words
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 # (tests/ is on sys.path under pytest)
-from inproc import PID, SLOTS, Ctl, ProxyWorld, pattern, run_ag, run_rs  # noqa: E402
+from inproc import PID, SLOTS, Ctl, ProxyWorld, pattern, run_ag, run_rs, shm_proxy  # noqa: E402
 from membuf import wait_abort  # noqa: E402
 
 # ---------------------------------------------------------------- layout and geometry
@@ -124,7 +124,7 @@ def test_publish_writes_entry():
 
 def test_ring_never_overrun():
     c = Ctl(2)
-    proxy = N.Proxy(0, 2, c.addr, c.flags_addr, [], [], [], spin_us=1000, nap_us=50)
+    proxy = shm_proxy(0, 2, c.addr, c.flags_addr, [], [], [], spin_us=1000, nap_us=50)
     done = []
 
     def producer():
@@ -305,8 +305,8 @@ def test_dead_peer_sets_abort_peer():
     dead = proc.pid
     c0, c1 = Ctl(2), Ctl(2)
     t = build_plan("mesh", 2, 0, 2).to_tables()
-    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
-                spin_us=0, nap_us=200)
+    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                  spin_us=0, nap_us=200)
     p.set_peer(1, c1.addr, c1.flags_addr, dead)
     p.start()
     try:
@@ -322,8 +322,8 @@ def test_dead_peer_sets_abort_peer():
 def test_peer_abort_propagates():
     c0, c1 = Ctl(2), Ctl(2)
     t = build_plan("mesh", 2, 0, 2).to_tables()
-    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
-                spin_us=0, nap_us=200)
+    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                  spin_us=0, nap_us=200)
     p.set_peer(1, c1.addr, c1.flags_addr, PID)
     p.start()
     try:
@@ -360,8 +360,8 @@ def test_out_of_bounds_write_is_transport_error():
 def test_unregistered_region_is_transport_error():
     c0, c1 = Ctl(2), Ctl(2)
     t = build_plan("mesh", 2, 0, 1).to_tables()
-    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
-                spin_us=1000, nap_us=50)
+    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                  spin_us=1000, nap_us=50)
     p.set_peer(1, c1.addr, c1.flags_addr, PID)
     p.start()
     try:
@@ -383,6 +383,24 @@ def test_bad_tables_raise():
         N.Proxy(0, 2, c.addr, c.flags_addr, [[1, 0, 0]], [[0, 0, 0, 0, 1, 0, 1]], [])
     with pytest.raises(ValueError):
         N.Proxy(2, 2, c.addr, c.flags_addr, [], [], [])
+
+
+def test_attach_once_before_start():
+    c = Ctl(2)
+    p = N.Proxy(0, 2, c.addr, c.flags_addr, [[1, 0, 0]], [], [])
+    with pytest.raises(RuntimeError, match="no transport attached"):
+        p.start()
+    shm = N.ShmTransport()
+    assert shm.kind == "shm" and isinstance(shm, N.TransportFactory)
+    p.attach(shm)
+    with pytest.raises(ValueError, match=r"attach\(shm\): a transport is attached already"):
+        p.attach(N.ShmTransport())
+    p.start()
+    p.stop()
+    q = N.Proxy(0, 2, c.addr, c.flags_addr, [[1, 0, 0]], [], [])
+    q.stop()
+    with pytest.raises(ValueError, match="started or stopped"):
+        q.attach(N.ShmTransport())
 
 
 # ---------------------------------------------------------------- separate processes
@@ -414,8 +432,8 @@ def _rank_main(tag, topology, world, rank, slice_, stride, barrier, results, lea
             return
         plan = build_plan(topology, world, rank, 2)
         t = plan.to_tables()
-        p = N.Proxy(rank, world, ctl, flags, t["connections"], t["streams"], t["items"],
-                    SLOTS, spin_us=1000, nap_us=50)
+        p = shm_proxy(rank, world, ctl, flags, t["connections"], t["streams"], t["items"],
+                      SLOTS, spin_us=1000, nap_us=50)
         for g in range(3):
             p.set_region(g, addr[rank][g + 1], stride[g])
         for q in range(world):
@@ -635,7 +653,7 @@ def test_set_gpu_streams_arguments():
     plan = build_plan("ring", 4, 0, 2)
     t = plan.to_tables()
     c = Ctl(4)
-    p = N.Proxy(0, 4, c.addr, c.flags_addr, t["connections"], t["streams"], t["items"], SLOTS)
+    p = shm_proxy(0, 4, c.addr, c.flags_addr, t["connections"], t["streams"], t["items"], SLOTS)
     relay = next(k for k, row in enumerate(t["streams"]) if row[3] == 1)
     with pytest.raises(ValueError, match="relay-triggered"):
         p.set_gpu_streams([relay])
@@ -704,8 +722,8 @@ def test_direct_entry_needs_set_gpu_streams():
     plan = build_plan("mesh", 2, 0, 2)
     t = plan.to_tables()
     c0, c1 = Ctl(2), Ctl(2)
-    p = N.Proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"], SLOTS,
-                2000, 50)
+    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"], SLOTS,
+                  2000, 50)
     p.set_peer(1, c1.addr, c1.flags_addr, PID)
     p.start()
     try:

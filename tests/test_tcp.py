@@ -46,12 +46,12 @@ class OneRank:
         self.regions = [Buf(SLOTS[g] * stride) for g in range(3)]
         t = build_plan("mesh", 2, 0, 1).to_tables()
         self.p = N.Proxy(0, 2, self.ctl.addr, self.ctl.addr + L.FLAGS_OFFSET, t["connections"],
-                         t["streams"], t["items"], SLOTS, 1000, 50, transport="tcp")
+                         t["streams"], t["items"], SLOTS, 1000, 50)
         for g in range(3):
             self.p.set_region(g, self.regions[g].addr, stride)
         out_near, self.out_far = socket.socketpair()
         in_near, self.in_far = socket.socketpair()
-        self.p.set_tcp_fds([out_near.detach()], [[in_near.detach(), 1, 0, 0]])
+        self.p.attach(N.TcpTransport([out_near.detach()], [[in_near.detach(), 1, 0, 0]]))
         self.p.start()
 
     def send(self, kind, region, a, b, payload=b""):
@@ -191,26 +191,39 @@ def test_native_stop_unblocks_a_full_socket():
         assert time.monotonic() - t0 < 5
 
 
-def test_native_set_tcp_fds_checks():
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def test_native_tcp_transport_checks():
     ctl = Buf(L.control_bytes(num_flag_words(2)))
     N.init_control(ctl.addr, os.getpid())
     t = build_plan("mesh", 2, 0, 2).to_tables()
-    mk = lambda kind: N.Proxy(0, 2, ctl.addr, ctl.addr + L.FLAGS_OFFSET, t["connections"],  # noqa: E731
-                              t["streams"], t["items"], SLOTS, 1000, 50, transport=kind)
-    with pytest.raises(ValueError, match="transport must be"):
-        mk("udp")
-    p = mk("tcp")
-    with pytest.raises(RuntimeError, match="set_tcp_fds"):
+    p = N.Proxy(0, 2, ctl.addr, ctl.addr + L.FLAGS_OFFSET, t["connections"], t["streams"],
+                t["items"], SLOTS, 1000, 50)
+    with pytest.raises(RuntimeError, match=r"no transport attached before start\(\) \(Proxy.attach\)"):
         p.start()
-    a, b = socket.socketpair()
-    fd = a.detach()
+    pairs = [socket.socketpair() for _ in range(3)]
+    fds = [a.detach() for a, _ in pairs]
+    with pytest.raises(ValueError, match="negative send fd"):
+        N.TcpTransport([fds[0], -1], [])
+    assert _closed(fds[0])  # refused at construction: closed there
+    tcp = N.TcpTransport([fds[1]], [[fds[2], 1, 0, 0]])
+    assert tcp.kind == "tcp"
     with pytest.raises(ValueError, match="1 send fds for 2 connections"):
-        p.set_tcp_fds([fd], [])
-    with pytest.raises(OSError):  # the proxy closed it even though it refused it
-        os.fstat(fd)
-    b.close()
-    with pytest.raises(ValueError, match="needs transport='tcp'"):
-        mk("shm").set_tcp_fds([], [])
+        p.attach(tcp)
+    assert _closed(fds[1]) and _closed(fds[2])  # refused by the proxy: closed too
+    more = [socket.socketpair() for _ in range(3)]
+    fds = [a.detach() for a, _ in more]
+    with pytest.raises(ValueError, match="peer, channel, root in range"):
+        p.attach(N.TcpTransport(fds[:2], [[fds[2], 0, 0, 0]]))  # "from" rank 0 itself
+    assert all(_closed(fd) for fd in fds)
+    for _, b in pairs + more:
+        b.close()
 
 
 # ---------------------------------------------------------------- Python setup

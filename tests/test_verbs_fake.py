@@ -19,6 +19,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -136,7 +137,7 @@ def in_threads(world, fn, timeout=60):
 
 class VWorld(ProxyWorld):
     """W ranks in this process over the fake verbs fabric: control block, flags, regions,
-    one Proxy(transport='verbs') and one VerbsLink each, brought up in threads through a
+    one Proxy (its transport attached by VerbsLink) and one VerbsLink each, brought up in threads through a
     store like a communicator does."""
 
     def __init__(self, topology, world, roots, max_slice, *, settings=None, selections=None,
@@ -816,12 +817,20 @@ def test_endpoint_argument_checks(fake):
     ep.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         ep.register_memory(1, buf.addr, 4096)
-    p = N.Proxy(0, 2, Buf(L.control_bytes(16)).addr, 1 << 20, [[1, 0, 0]], [], [], transport="verbs")
-    with pytest.raises(RuntimeError, match="verbs transport is not set up"):
+    p = N.Proxy(0, 2, Buf(L.control_bytes(16)).addr, 1 << 20, [[1, 0, 0]], [], [])
+    with pytest.raises(RuntimeError, match="no transport attached"):
         p.start()
-    with pytest.raises(ValueError, match="set_transport needs transport='verbs'"):
-        q = N.Proxy(0, 2, Buf(L.control_bytes(16)).addr, 1 << 20, [[1, 0, 0]], [], [])
-        N.verbs_attach(q, N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0]))
+    other = N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 1, 0]], [0])
+    assert other.kind == "verbs" and isinstance(other, N.TransportFactory)
+    with pytest.raises(ValueError, match="connections differ from the proxy's plan"):
+        p.attach(other)
+    # The transport the proxy makes borrows the endpoint: attach keeps it alive with the proxy.
+    ep = N.VerbsEndpoint(0, 2, [("rocep1s0f1", 1, 3)], [[1, 0, 0]], [0])
+    refs = sys.getrefcount(ep)
+    p.attach(ep)
+    assert sys.getrefcount(ep) == refs + 1
+    with pytest.raises(ValueError, match=r"attach\(shm\): a transport is attached already"):
+        p.attach(N.ShmTransport())
 
 
 # ------------------------------------------------------------------------- real library, ABI
@@ -928,7 +937,7 @@ def _failing_job(comm, r):
     comm.all_gather(torch.ones(4096))
     _both_done.wait(10)  # every write of that collective has landed on both ranks
     if r == 0:
-        link = comm._link.link
+        link = comm._wiring.link.link
         qpn = link.endpoint.connections()[0]["qpn"]
         FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 0)
     try:

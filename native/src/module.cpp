@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "control.h"
+#include "dict_of.h"
 #include "geometry.h"
 #include "layout.h"
 #include "proxy.h"
@@ -85,6 +86,15 @@ nb::dict protocol_dict() {
   SPARKCCL_PUT(GPU_FAIL_POISON);
   SPARKCCL_PUT(POISON_BYTE);
   SPARKCCL_PUT(ACK_WAIT_NS);
+  SPARKCCL_PUT(STATE_PROGRESS);
+  SPARKCCL_PUT(STATE_DEAD);
+  SPARKCCL_PUT(STATE_SEQ);
+  SPARKCCL_PUT(STATE_RING);
+  SPARKCCL_PUT(STATE_GATE);
+  SPARKCCL_PUT(STATE_TIMEOUT);
+  SPARKCCL_PUT(STATE_EXITS);
+  SPARKCCL_PUT(STATE_WORDS);
+  SPARKCCL_PUT(SLOT_SHIFT);
 #undef SPARKCCL_PUT
   return d;
 }
@@ -106,7 +116,7 @@ void bind_cuda_ops(nb::module_& m);  // cuda_ops.cpp: the copy-engine data plane
 
 NB_MODULE(_native, m) {
   m.doc() = "sparkccl native layer: control block, publish/wait helpers, the proxy, and its shm, tcp and verbs transports";
-  m.attr("ABI_VERSION") = 2;
+  m.attr("ABI_VERSION") = 3;
 
   m.def("layout", &layout_dict, "The control-segment layout constants (names as in sparkccl/layout.py).");
   m.def("protocol", &protocol_dict, "Every constant of sparkccl/include/sparkccl/protocol.h.");
@@ -201,22 +211,34 @@ NB_MODULE(_native, m) {
       },
       "ctl_addr"_a);
 
+  // Every transport reaches the proxy the same way: one of these, given to Proxy.attach.
+  nb::class_<TransportFactory>(m, "TransportFactory")
+      .def_prop_ro("kind", [](const TransportFactory& f) { return std::string(f.kind()); });
+  nb::class_<ShmFactory, TransportFactory>(m, "ShmTransport")
+      .def(nb::init<>(), "Copies into the peers' regions mapped here (Proxy.set_peer_region).");
+  nb::class_<TcpFactory, TransportFactory>(m, "TcpTransport")
+      .def(nb::init<std::vector<int>, const std::vector<std::vector<int64_t>>&>(), "send_fds"_a,
+           "recv"_a,
+           "Connected sockets: send_fds[i] for connection i, recv rows [fd, peer, channel, "
+           "root]. Owns (and closes) them from here on; Proxy.attach hands them over.");
+
   nb::class_<Proxy>(m, "Proxy")
       .def(nb::init<int, int, uint64_t, uint64_t, const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&,
                     const std::vector<std::vector<int64_t>>&, const std::vector<int>&, uint64_t,
-                    uint64_t, const std::string&>(),
+                    uint64_t>(),
            "rank"_a, "world"_a, "ctl_addr"_a, "flags_addr"_a, "connections"_a, "streams"_a,
            "items"_a, "slots"_a = std::vector<int>{3, 2, 2}, "spin_us"_a = 200000,
-           "nap_us"_a = 200, "transport"_a = "shm")
+           "nap_us"_a = 200)
+      // keep_alive: the transport made may borrow its factory (VerbsEndpoint's queue pairs).
+      .def("attach", &Proxy::attach, "transport"_a, nb::keep_alive<1, 2>(),
+           "The proxy's transport, from a TransportFactory (ShmTransport, TcpTransport, "
+           "VerbsEndpoint); once, before start().")
       .def("set_region", &Proxy::set_region, "region"_a, "base"_a, "stride"_a, "size"_a = 0,
            "Local region base address and slot stride; size 0 means slots * stride.")
       .def("set_peer", &Proxy::set_peer, "peer"_a, "ctl_addr"_a, "flags_addr"_a, "pid"_a)
       .def("set_peer_region", &Proxy::set_peer_region, "peer"_a, "region"_a, "base"_a,
            "size"_a = 0, "Peer's region base mapped here; size 0 means slots * our stride.")
-      .def("set_tcp_fds", &Proxy::set_tcp_fds, "send_fds"_a, "recv"_a,
-           "tcp: connected sockets, send_fds[i] for connection i, recv rows [fd, peer, channel, "
-           "root]; the proxy owns (and closes) them from here on.")
       .def("set_gpu_streams", &Proxy::set_gpu_streams, "streams"_a,
            "Publish-triggered streams (indices into the stream table) the data plane may "
            "execute itself (GPU-direct); skipped for collectives published with chunk -2. "
@@ -230,23 +252,22 @@ NB_MODULE(_native, m) {
       .def_prop_ro("running", &Proxy::running)
       .def("stats", [](Proxy& p) {
         ProxyStats s = p.stats();
-        nb::dict d;
-        d["entries"] = s.entries;
-        d["stale_entries"] = s.stale_entries;
-        d["writes"] = s.writes;
-        d["bytes"] = s.bytes;
-        d["flags"] = s.flags;
-        d["turns"] = s.turns;
-        d["naps"] = s.naps;
-        d["delay_samples"] = s.delay_samples;
-        d["delay_p50_ns"] = s.delay_p50_ns;
-        d["delay_p99_ns"] = s.delay_p99_ns;
-        d["gpu_pieces"] = s.gpu_pieces;
-        d["publish_samples"] = s.publish_samples;
-        d["publish_p50_ns"] = s.publish_p50_ns;
-        d["publish_p99_ns"] = s.publish_p99_ns;
-        d["post_ns"] = s.post_ns;
-        return d;
+        return dict_of(s,
+                       SPARKCCL_FIELD(entries),
+                       SPARKCCL_FIELD(stale_entries),
+                       SPARKCCL_FIELD(writes),
+                       SPARKCCL_FIELD(bytes),
+                       SPARKCCL_FIELD(flags),
+                       SPARKCCL_FIELD(turns),
+                       SPARKCCL_FIELD(naps),
+                       SPARKCCL_FIELD(delay_samples),
+                       SPARKCCL_FIELD(delay_p50_ns),
+                       SPARKCCL_FIELD(delay_p99_ns),
+                       SPARKCCL_FIELD(gpu_pieces),
+                       SPARKCCL_FIELD(publish_samples),
+                       SPARKCCL_FIELD(publish_p50_ns),
+                       SPARKCCL_FIELD(publish_p99_ns),
+                       SPARKCCL_FIELD(post_ns));
       });
 
   sparkccl::bind_verbs(m);

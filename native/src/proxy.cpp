@@ -59,7 +59,7 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
              const std::vector<std::vector<int64_t>>& connections,
              const std::vector<std::vector<int64_t>>& streams,
              const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
-             uint64_t spin_us, uint64_t nap_us, const std::string& transport)
+             uint64_t spin_us, uint64_t nap_us)
     : rank_(rank), world_(world), ctl_(ctl), flags_(flags), spin_ns_(spin_us * 1000),
       nap_ns_(nap_us * 1000),
       reg_((need(world >= 1 && world <= 1024, "world out of range"),
@@ -102,53 +102,16 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
       if (own.kind == 0 && streams_[k].kind == 1 && streams_[k].op == own.op &&
           streams_[k].conn == own.conn)
         own.relays.push_back(k);
-  need(transport == "shm" || transport == "tcp" || transport == "verbs",
-       "transport must be 'shm', 'tcp' or 'verbs'");
-  transport_kind_ = transport;
-  // tcp: set_tcp_fds; verbs: set_transport (verbs_attach)
-  if (transport == "shm") transport_ = make_shm_transport(&reg_, conns_);
   samples_.reserve(MAX_SAMPLES);
 }
 
-void Proxy::set_tcp_fds(const std::vector<int>& send_fds,
-                        const std::vector<std::vector<int64_t>>& recv) {
-  auto close_all = [&] {
-    for (int fd : send_fds)
-      if (fd >= 0) ::close(fd);
-    for (auto& r : recv)
-      if (!r.empty() && r[0] >= 0) ::close(int(r[0]));
-  };
+void Proxy::attach(TransportFactory& source) {
   std::lock_guard<std::mutex> lk(life_mu_);
-  std::string bad;
-  std::vector<TcpRecvConn> in;
-  if (transport_kind_ != "tcp") bad = "set_tcp_fds needs transport='tcp'";
-  else if (transport_ || started_ || stop_.load()) bad = "set_tcp_fds: already set, started or stopped";
-  else if (send_fds.size() != conns_.size())
-    bad = "set_tcp_fds: " + std::to_string(send_fds.size()) + " send fds for " +
-          std::to_string(conns_.size()) + " connections";
-  for (int fd : send_fds)
-    if (bad.empty() && fd < 0) bad = "set_tcp_fds: negative send fd";
-  for (auto& r : recv) {
-    if (!bad.empty()) break;
-    if (r.size() != 4 || r[0] < 0 || r[1] < 0 || r[1] >= world_ || r[1] == rank_ || r[2] < 0 ||
-        r[2] >= CHANNELS || r[3] < 0 || r[3] >= MAX_ROOTS)
-      bad = "set_tcp_fds: incoming rows are [fd >= 0, peer, channel, root] in range";
-    else
-      in.push_back(TcpRecvConn{int(r[0]), int(r[1]), int(r[2]), int(r[3])});
-  }
-  if (!bad.empty()) {
-    close_all();
-    throw std::invalid_argument("Proxy: " + bad);
-  }
-  transport_ = make_tcp_transport(&reg_, ctl_, flags_, send_fds, in);
-}
-
-void Proxy::set_transport(std::unique_ptr<Transport> t) {
-  std::lock_guard<std::mutex> lk(life_mu_);
-  if (transport_kind_ != "verbs") throw std::invalid_argument("Proxy: set_transport needs transport='verbs'");
   if (transport_ || started_ || stop_.load())
-    throw std::invalid_argument("Proxy: set_transport: already set, started or stopped");
-  transport_ = std::move(t);
+    throw std::invalid_argument(std::string("Proxy: attach(") + source.kind() +
+                                "): a transport is attached already, or the proxy has started "
+                                "or stopped");
+  transport_ = source.make(ProxySide{&reg_, conns_, ctl_, flags_});
 }
 
 void Proxy::set_relay_lead(int pieces) {
@@ -205,8 +168,7 @@ void Proxy::start() {
   if (stop_.load()) throw std::runtime_error("Proxy: cannot start a stopped proxy");
   if (started_) return;
   if (!transport_)
-    throw std::runtime_error("Proxy: the " + transport_kind_ + " transport is not set up before "
-                             "start() (tcp: set_tcp_fds; verbs: verbs_attach)");
+    throw std::runtime_error("Proxy: no transport attached before start() (Proxy.attach)");
   started_ = true;
   tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
   transport_->start();

@@ -34,7 +34,7 @@ class Proxy {
         const std::vector<std::vector<int64_t>>& connections,
         const std::vector<std::vector<int64_t>>& streams,
         const std::vector<std::vector<int64_t>>& items, const std::vector<int>& slots,
-        uint64_t spin_us, uint64_t nap_us, const std::string& transport = "shm");
+        uint64_t spin_us, uint64_t nap_us);
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -42,14 +42,9 @@ class Proxy {
   void set_region(int region, uint64_t base, uint64_t stride, uint64_t size);
   void set_peer(int peer, uint64_t ctl, uint64_t flags, uint64_t pid);
   void set_peer_region(int peer, int region, uint64_t base, uint64_t size);
-  // tcp: the sockets of every connection (send_fds[i] = connections[i]) and the incoming
-  // ones as [fd, peer, channel, root]; before start(). The proxy owns them from here on
-  // (closed on stop, also if this call throws).
-  void set_tcp_fds(const std::vector<int>& send_fds,
-                   const std::vector<std::vector<int64_t>>& recv);
-  // verbs: the transport built on this proxy's registry() (verbs_attach); before start().
-  void set_transport(std::unique_ptr<Transport> t);
-  Registry* registry() { return &reg_; }
+  // The transport, built from `source` on this proxy's registry and connections; once,
+  // before start() (docs/ARCHITECTURE.md "Where to add things").
+  void attach(TransportFactory& source);
   Transport* transport() { return transport_.get(); }  // null until set up
   bool started() const { return started_; }
   // Publish-triggered streams the data plane may execute itself (GPU-direct: it writes the
@@ -131,7 +126,6 @@ class Proxy {
   bool aborted_ = false;
   bool abort_told_ = false;  // transport_->on_abort() called
   bool stopped_ = false;     // stop() has run (once is enough)
-  std::string transport_kind_;
   uint64_t tail_ = 0;
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},

@@ -130,8 +130,8 @@ class ShmTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInfo> conns) {
-  return std::unique_ptr<Transport>(new ShmTransport(reg, std::move(conns)));
+std::unique_ptr<Transport> ShmFactory::make(const ProxySide& side) {
+  return std::unique_ptr<Transport>(new ShmTransport(side.reg, side.conns));
 }
 
 }  // namespace sparkccl

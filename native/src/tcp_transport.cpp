@@ -190,6 +190,10 @@ struct Sender : OrderedQueue<SendOp> {
   }
 };
 
+struct TcpRecvConn {
+  int fd, peer, channel, root;
+};
+
 struct Receiver {
   TcpRecvConn info;
   std::thread thread;
@@ -436,10 +440,53 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_tcp_transport(Registry* reg, uint64_t ctl, uint64_t flags,
-                                              const std::vector<int>& send_fds,
-                                              const std::vector<TcpRecvConn>& recv) {
-  return std::unique_ptr<Transport>(new TcpTransport(reg, ctl, flags, send_fds, recv));
+TcpFactory::TcpFactory(std::vector<int> send_fds, const std::vector<std::vector<int64_t>>& recv)
+    : send_fds_(std::move(send_fds)), recv_(recv) {
+  std::string bad;
+  for (int fd : send_fds_)
+    if (fd < 0) bad = "negative send fd";
+  for (auto& r : recv_)
+    if (r.size() != 4 || r[0] < 0) bad = "incoming rows are [fd >= 0, peer, channel, root]";
+  if (!bad.empty()) {
+    close_all();
+    throw std::invalid_argument("TcpTransport: " + bad);
+  }
+}
+
+TcpFactory::~TcpFactory() { close_all(); }
+
+void TcpFactory::close_all() {
+  for (int fd : send_fds_)
+    if (fd >= 0) ::close(fd);
+  for (auto& r : recv_)
+    if (!r.empty() && r[0] >= 0) ::close(int(r[0]));
+  send_fds_.clear();
+  recv_.clear();
+}
+
+std::unique_ptr<Transport> TcpFactory::make(const ProxySide& side) {
+  const Registry& reg = *side.reg;
+  std::string bad;
+  std::vector<TcpRecvConn> in;
+  if (send_fds_.size() != side.conns.size())
+    bad = std::to_string(send_fds_.size()) + " send fds for " +
+          std::to_string(side.conns.size()) + " connections";
+  for (auto& r : recv_) {
+    if (!bad.empty()) break;
+    if (r[1] < 0 || r[1] >= reg.world || r[1] == reg.rank || r[2] < 0 ||
+        r[2] >= layout::CHANNELS || r[3] < 0 || r[3] >= layout::MAX_ROOTS)
+      bad = "incoming rows are [fd, peer, channel, root] with peer, channel, root in range";
+    else
+      in.push_back(TcpRecvConn{int(r[0]), int(r[1]), int(r[2]), int(r[3])});
+  }
+  if (!bad.empty()) {
+    close_all();  // refused: nobody else will close them
+    throw std::invalid_argument("TcpTransport: " + bad);
+  }
+  std::unique_ptr<Transport> t(new TcpTransport(side.reg, side.ctl, side.flags, send_fds_, in));
+  send_fds_.clear();  // the transport owns them now
+  recv_.clear();
+  return t;
 }
 
 }  // namespace sparkccl

@@ -128,18 +128,52 @@ class Transport {
   virtual void finish() {}
 };
 
-// shm: peers' segments are mapped in this process; one ordered copy worker per connection.
-std::unique_ptr<Transport> make_shm_transport(Registry* reg, std::vector<ConnInfo> conns);
-
-// tcp: connected, authenticated sockets from Python (sparkccl/transport/tcp.py); the transport owns
-// (and closes) the descriptors. send_fds[i] carries connection i; each incoming socket is
-// described by the peer that sends on it and the local channel / root it arrives on.
-struct TcpRecvConn {
-  int fd, peer, channel, root;
+// What a transport is built on: the proxy's registry (rank, world, memory), its connection
+// table, and its control block and flag words (tcp stores arriving flags and abort records).
+struct ProxySide {
+  Registry* reg;
+  const std::vector<ConnInfo>& conns;
+  uint64_t ctl, flags;
 };
-std::unique_ptr<Transport> make_tcp_transport(Registry* reg, uint64_t ctl, uint64_t flags,
-                                              const std::vector<int>& send_fds,
-                                              const std::vector<TcpRecvConn>& recv);
+
+// The one way a proxy takes a transport (Proxy::attach), in the manner of NCCL's
+// `struct ncclTransport` table: Python sets the transport up (sparkccl/transport/), then
+// hands the proxy one of these, and the proxy builds its Transport from it, once, before
+// start(). shm and tcp below; verbs: VerbsEndpoint (verbs_transport.h).
+class TransportFactory {
+ public:
+  virtual ~TransportFactory() = default;
+  virtual const char* kind() const = 0;
+  // Throws std::invalid_argument when the factory does not fit the proxy.
+  virtual std::unique_ptr<Transport> make(const ProxySide& side) = 0;
+};
+
+// shm: peers' segments are mapped in this process; one ordered copy worker per connection.
+class ShmFactory final : public TransportFactory {
+ public:
+  const char* kind() const override { return "shm"; }
+  std::unique_ptr<Transport> make(const ProxySide& side) override;
+};
+
+// tcp: connected, authenticated sockets from Python (sparkccl/transport/tcp.py): send_fds[i]
+// carries connection i; each incoming socket is a row [fd, peer, channel, root] (the peer
+// that sends on it, the local channel / root it arrives on). The factory owns the
+// descriptors from its construction: the transport made from it takes them; a refused
+// make() closes them, and so does the destructor of a factory never used.
+class TcpFactory final : public TransportFactory {
+ public:
+  TcpFactory(std::vector<int> send_fds, const std::vector<std::vector<int64_t>>& recv);
+  ~TcpFactory() override;
+  TcpFactory(const TcpFactory&) = delete;
+  TcpFactory& operator=(const TcpFactory&) = delete;
+  const char* kind() const override { return "tcp"; }
+  std::unique_ptr<Transport> make(const ProxySide& side) override;
+
+ private:
+  void close_all();
+  std::vector<int> send_fds_;
+  std::vector<std::vector<int64_t>> recv_;
+};
 
 // The queue in front of one connection's worker thread (shm copy worker, tcp sender): the
 // proxy pushes operations in stream order, the worker takes them in batches under `mu`

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "control.h"
+#include "dict_of.h"
 #include "proxy.h"
 #include "verbs_transport.h"
 
@@ -139,7 +140,7 @@ void bind_verbs(nb::module_& m) {
       },
       "(loadable, library name or the reason it cannot be loaded)");
 
-  nb::class_<VerbsEndpoint>(m, "VerbsEndpoint")
+  nb::class_<VerbsEndpoint, TransportFactory>(m, "VerbsEndpoint")
       .def(
           "__init__",
           [](VerbsEndpoint* self, int rank, int world,
@@ -162,30 +163,22 @@ void bind_verbs(nb::module_& m) {
       .def("lanes",
            [](const VerbsEndpoint& e) {
              nb::list out;
-             for (auto& l : e.lanes()) {
-               nb::dict d;
-               d["device"] = l.device;
-               d["port"] = l.port;
-               d["gid_index"] = l.gid_index;
-               d["state"] = l.state;
-               d["active_mtu"] = l.active_mtu;
-               d["link_layer"] = l.link_layer;
-               d["lid"] = l.lid;
-               d["gid"] = as_bytes(l.gid);
-               out.append(d);
-             }
+             for (auto& l : e.lanes())
+               out.append(dict_of(l, SPARKCCL_FIELD(device), SPARKCCL_FIELD(port),
+                                  SPARKCCL_FIELD(gid_index), SPARKCCL_FIELD(state),
+                                  SPARKCCL_FIELD(active_mtu), SPARKCCL_FIELD(link_layer),
+                                  SPARKCCL_FIELD(lid),
+                                  dict_field("gid", [](const VerbsLaneInfo& i) {
+                                    return as_bytes(i.gid);  // bytes, not str
+                                  })));
              return out;
            })
       .def("connections",
            [](const VerbsEndpoint& e) {
              nb::list out;
-             for (auto& c : e.connections()) {
-               nb::dict d;
-               d["qpn"] = c.qpn;
-               d["psn"] = c.psn;
-               d["lane"] = c.lane;
-               out.append(d);
-             }
+             for (auto& c : e.connections())
+               out.append(
+                   dict_of(c, SPARKCCL_FIELD(qpn), SPARKCCL_FIELD(psn), SPARKCCL_FIELD(lane)));
              return out;
            })
       .def("register_memory", &VerbsEndpoint::register_memory, "key"_a, "addr"_a, "size"_a,
@@ -208,11 +201,6 @@ void bind_verbs(nb::module_& m) {
       .def("qp_states", &VerbsEndpoint::qp_states)
       .def("close", &VerbsEndpoint::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("library", &VerbsEndpoint::library);
-
-  m.def(
-      "verbs_attach",
-      [](Proxy& p, VerbsEndpoint& e) { p.set_transport(e.make_transport(p.registry())); },
-      "proxy"_a, "endpoint"_a, "Make the endpoint the proxy's transport (before start()).");
 
   m.def("check_lanes", &check_lanes, "proxy"_a, "rows"_a, "expect"_a, "value"_a,
         "flags_addr"_a, "timeout_s"_a,

@@ -91,6 +91,11 @@ EventScope fatal_scope(int t) {
   }
 }
 
+}  // namespace
+
+// The endpoint's internals, declared in verbs_transport.h.
+namespace verbs_detail {
+
 // What a posted WR was, to describe it if it fails.
 struct WrDesc {
   enum Kind : uint8_t { NONE, WRITE, FLAG_INLINE, FLAG_IMM } kind = NONE;
@@ -156,76 +161,20 @@ struct Qp {
   std::atomic<bool> inbox_set{false};
 };
 
-}  // namespace
+}  // namespace verbs_detail
 
-class VerbsCore {
- public:
-  VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
-            const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
-            const VerbsSettings& s);
-  ~VerbsCore() { close(); }
-
-  void close();
-  std::vector<VerbsLaneInfo> lane_info() const;
-  std::vector<VerbsConnInfo> conn_info() const;
-  std::vector<std::pair<uint32_t, uint32_t>> register_memory(int key, uint64_t addr,
-                                                             uint64_t size);
-  void set_remote_key(int conn, int key, uint32_t rkey);
-  void set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey);
-  void notify_abort(const std::string& text);
-  void connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& g,
-               int path_mtu, bool global_route);
-  std::vector<int> qp_states() const;
-  const std::string& library() const { return api_->source; }
-
-  bool write(Registry* reg, int conn, int src_region, uint64_t src_off, int dst_region,
-             uint64_t dst_off, uint64_t len, std::string* cause);
-  bool flag(Registry* reg, int conn, uint64_t word, uint64_t value, std::string* cause);
-  bool poll(int* conn, std::string* cause);
-  uint64_t outstanding() const;
-
- private:
-  [[noreturn]] void setup_error(const std::string& what);
-  std::string where(int conn) const;
-  bool fail(int conn, const std::string& cause);
-  bool usable(int conn, std::string* cause) const;
-  bool room(int conn, uint64_t n, std::string* cause);
-  bool post(int conn, send_wr* wr, const WrDesc& d, uint64_t reserve_after, std::string* cause);
-  bool post_imm(int conn, uint64_t word, uint64_t value, uint64_t remote, uint32_t rkey,
-                std::string* cause);
-  bool drain();
-  void check_async();
-  int conn_of_qp(const qp* q) const;
-  int first_conn_on(int dev, int port) const;
-
-  const Api* api_ = nullptr;
-  const int rank_;
-  const VerbsSettings s_;
-  const uint64_t num_flags_;
-  int value_bits_ = 32;
-  std::vector<std::unique_ptr<Dev>> devs_;
-  std::vector<Lane> lanes_;
-  std::vector<ConnInfo> conns_;
-  std::vector<std::unique_ptr<Qp>> qps_;
-  mutable std::mutex setup_mu_;  // setup calls from Python threads
-  std::atomic<bool> closed_{false};
-  bool failed_ = false;
-  int fail_conn_ = 0;
-  std::string fail_cause_;
-  uint64_t last_async_ns_ = 0;
-  bool abort_notices_ = false;  // notify_abort posted something
-};
+using namespace verbs_detail;
 
 // ---------------------------------------------------------------------------- setup
 
-void VerbsCore::setup_error(const std::string& what) {
+void VerbsEndpoint::setup_error(const std::string& what) {
   close();
   throw std::runtime_error("verbs transport: rank " + std::to_string(rank_) + ": " + what);
 }
 
-VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
-                     const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
-                     const VerbsSettings& s)
+VerbsEndpoint::VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& lanes,
+                             const std::vector<ConnInfo>& conns,
+                             const std::vector<int>& conn_lane, const VerbsSettings& s)
     : rank_(rank), s_(s), num_flags_(layout::num_flag_words(world)),
       conns_(conns) {
   if (world < 1 || rank < 0 || rank >= world) throw std::invalid_argument("verbs: bad rank/world");
@@ -396,7 +345,9 @@ VerbsCore::VerbsCore(int rank, int world, const std::vector<VerbsLane>& lanes,
   }
 }
 
-void VerbsCore::close() {
+VerbsEndpoint::~VerbsEndpoint() { close(); }
+
+void VerbsEndpoint::close() {
   std::lock_guard<std::mutex> lk(setup_mu_);
   if (closed_.load()) return;
   if (api_ && abort_notices_) {
@@ -448,7 +399,7 @@ void VerbsCore::close() {
   }
 }
 
-std::string VerbsCore::where(int conn) const {
+std::string VerbsEndpoint::where(int conn) const {
   const Qp& q = *qps_[size_t(conn)];
   const Lane& lane = lanes_[size_t(q.lane)];
   std::string s = "device " + devs_[size_t(q.dev)]->name + " port " + std::to_string(lane.port) +
@@ -458,7 +409,7 @@ std::string VerbsCore::where(int conn) const {
   return s + ")";
 }
 
-std::vector<VerbsLaneInfo> VerbsCore::lane_info() const {
+std::vector<VerbsLaneInfo> VerbsEndpoint::lanes() const {
   std::vector<VerbsLaneInfo> out;
   for (const Lane& l : lanes_) {
     VerbsLaneInfo i;
@@ -475,21 +426,21 @@ std::vector<VerbsLaneInfo> VerbsCore::lane_info() const {
   return out;
 }
 
-std::vector<VerbsConnInfo> VerbsCore::conn_info() const {
+std::vector<VerbsConnInfo> VerbsEndpoint::connections() const {
   std::vector<VerbsConnInfo> out;
   for (auto& q : qps_) out.push_back(VerbsConnInfo{q->q ? q->q->qp_num : 0, q->psn, q->lane});
   return out;
 }
 
-std::vector<int> VerbsCore::qp_states() const {
+std::vector<int> VerbsEndpoint::qp_states() const {
   std::lock_guard<std::mutex> lk(setup_mu_);
   std::vector<int> out;
   for (auto& q : qps_) out.push_back(q->state);
   return out;
 }
 
-std::vector<std::pair<uint32_t, uint32_t>> VerbsCore::register_memory(int key, uint64_t addr,
-                                                                      uint64_t size) {
+std::vector<std::pair<uint32_t, uint32_t>> VerbsEndpoint::register_memory(int key, uint64_t addr,
+                                                                          uint64_t size) {
   std::lock_guard<std::mutex> lk(setup_mu_);
   if (closed_) throw std::runtime_error("verbs transport: endpoint is closed");
   if (key < 0 || key >= VERBS_KEYS) throw std::invalid_argument("verbs: memory key out of range");
@@ -527,7 +478,7 @@ std::vector<std::pair<uint32_t, uint32_t>> VerbsCore::register_memory(int key, u
   return out;
 }
 
-void VerbsCore::set_remote_key(int conn, int key, uint32_t rkey) {
+void VerbsEndpoint::set_remote_key(int conn, int key, uint32_t rkey) {
   std::lock_guard<std::mutex> lk(setup_mu_);
   if (conn < 0 || size_t(conn) >= qps_.size()) throw std::invalid_argument("verbs: conn out of range");
   if (key < 0 || key >= VERBS_KEYS) throw std::invalid_argument("verbs: memory key out of range");
@@ -536,7 +487,7 @@ void VerbsCore::set_remote_key(int conn, int key, uint32_t rkey) {
   q.key_set[key].store(true, std::memory_order_release);
 }
 
-void VerbsCore::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
+void VerbsEndpoint::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
   std::lock_guard<std::mutex> lk(setup_mu_);
   if (conn < 0 || size_t(conn) >= qps_.size()) throw std::invalid_argument("verbs: conn out of range");
   Qp& q = *qps_[size_t(conn)];
@@ -549,7 +500,7 @@ void VerbsCore::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
 // write the text into our inbox slot at the peer, then the abort word (inline). No waiting:
 // a full send queue or a broken QP just skips that connection (the peer has another one,
 // or finds out by its own timeout).
-void VerbsCore::notify_abort(const std::string& text) {
+void VerbsEndpoint::notify_abort(const std::string& text) {
   if (closed_.load(std::memory_order_acquire)) return;
   const size_t n = std::min(text.size(), size_t(layout::ERROR_BYTES - 1));
   for (size_t i = 0; i < qps_.size(); ++i) {
@@ -607,8 +558,8 @@ void VerbsCore::notify_abort(const std::string& text) {
   }
 }
 
-void VerbsCore::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, const std::string& g,
-                        int path_mtu, bool global_route) {
+void VerbsEndpoint::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid,
+                            const std::string& g, int path_mtu, bool global_route) {
   std::lock_guard<std::mutex> lk(setup_mu_);
   if (closed_) throw std::runtime_error("verbs transport: endpoint is closed");
   if (conn < 0 || size_t(conn) >= qps_.size()) throw std::invalid_argument("verbs: conn out of range");
@@ -666,7 +617,7 @@ void VerbsCore::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid, cons
 
 // ---------------------------------------------------------------------------- data path
 
-bool VerbsCore::fail(int conn, const std::string& cause) {
+bool VerbsEndpoint::fail(int conn, const std::string& cause) {
   if (!failed_) {
     failed_ = true;
     fail_conn_ = conn;
@@ -675,7 +626,7 @@ bool VerbsCore::fail(int conn, const std::string& cause) {
   return false;
 }
 
-bool VerbsCore::usable(int conn, std::string* cause) const {
+bool VerbsEndpoint::usable(int conn, std::string* cause) const {
   if (failed_) {
     *cause = fail_cause_;
     return false;
@@ -692,7 +643,7 @@ bool VerbsCore::usable(int conn, std::string* cause) const {
   return true;
 }
 
-bool VerbsCore::room(int conn, uint64_t n, std::string* cause) {
+bool VerbsEndpoint::room(int conn, uint64_t n, std::string* cause) {
   Qp& q = *qps_[size_t(conn)];
   const uint64_t depth = uint64_t(s_.send_depth);
   if (q.posted - q.completed.load(std::memory_order_acquire) + n <= depth) return true;
@@ -712,8 +663,8 @@ bool VerbsCore::room(int conn, uint64_t n, std::string* cause) {
   }
 }
 
-bool VerbsCore::post(int conn, send_wr* wr, const WrDesc& d, uint64_t reserve_after,
-                     std::string* cause) {
+bool VerbsEndpoint::post(int conn, send_wr* wr, const WrDesc& d, uint64_t reserve_after,
+                         std::string* cause) {
   Qp& q = *qps_[size_t(conn)];
   if (!room(conn, 1 + reserve_after, cause)) return false;
   const uint64_t idx = q.posted;
@@ -737,8 +688,8 @@ bool VerbsCore::post(int conn, send_wr* wr, const WrDesc& d, uint64_t reserve_af
   return true;
 }
 
-bool VerbsCore::write(Registry* reg, int conn, int src_region, uint64_t src_off, int dst_region,
-                      uint64_t dst_off, uint64_t len, std::string* cause) {
+bool VerbsEndpoint::write(Registry* reg, int conn, int src_region, uint64_t src_off,
+                          int dst_region, uint64_t dst_off, uint64_t len, std::string* cause) {
   if (!usable(conn, cause)) return false;
   Qp& q = *qps_[size_t(conn)];
   const ConnInfo& c = conns_[size_t(conn)];
@@ -809,8 +760,8 @@ bool VerbsCore::write(Registry* reg, int conn, int src_region, uint64_t src_off,
   return true;
 }
 
-bool VerbsCore::post_imm(int conn, uint64_t word, uint64_t value, uint64_t remote, uint32_t rkey,
-                         std::string* cause) {
+bool VerbsEndpoint::post_imm(int conn, uint64_t word, uint64_t value, uint64_t remote,
+                             uint32_t rkey, std::string* cause) {
   const uint64_t mask = (uint64_t(1) << value_bits_) - 1;
   send_wr wr;
   std::memset(&wr, 0, sizeof wr);
@@ -830,7 +781,8 @@ bool VerbsCore::post_imm(int conn, uint64_t word, uint64_t value, uint64_t remot
   return post(conn, &wr, d, 0, cause);
 }
 
-bool VerbsCore::flag(Registry* reg, int conn, uint64_t word, uint64_t value, std::string* cause) {
+bool VerbsEndpoint::flag(Registry* reg, int conn, uint64_t word, uint64_t value,
+                         std::string* cause) {
   if (!usable(conn, cause)) return false;
   Qp& q = *qps_[size_t(conn)];
   const ConnInfo& c = conns_[size_t(conn)];
@@ -880,7 +832,7 @@ bool VerbsCore::flag(Registry* reg, int conn, uint64_t word, uint64_t value, std
   return true;
 }
 
-bool VerbsCore::drain() {
+bool VerbsEndpoint::drain() {
   if (failed_) return false;
   wc w[POLL_BATCH];
   for (size_t di = 0; di < devs_.size(); ++di) {
@@ -959,20 +911,20 @@ bool VerbsCore::drain() {
   return true;
 }
 
-int VerbsCore::conn_of_qp(const qp* x) const {
+int VerbsEndpoint::conn_of_qp(const qp* x) const {
   for (size_t i = 0; i < qps_.size(); ++i)
     if (qps_[i]->q == x) return int(i);
   return -1;
 }
 
-int VerbsCore::first_conn_on(int dev, int port) const {
+int VerbsEndpoint::first_conn_on(int dev, int port) const {
   for (size_t i = 0; i < qps_.size(); ++i)
     if (qps_[i]->dev == dev && (port < 0 || lanes_[size_t(qps_[i]->lane)].port == port))
       return int(i);
   return qps_.empty() ? 0 : -1;
 }
 
-void VerbsCore::check_async() {
+void VerbsEndpoint::check_async() {
   for (size_t di = 0; di < devs_.size() && !failed_; ++di) {
     Dev& d = *devs_[di];
     if (!d.async_ok) continue;
@@ -1005,7 +957,7 @@ void VerbsCore::check_async() {
   }
 }
 
-bool VerbsCore::poll(int* conn, std::string* cause) {
+bool VerbsEndpoint::poll(int* conn, std::string* cause) {
   if (!failed_ && !closed_.load(std::memory_order_acquire)) {
     drain();
     uint64_t t = now_ns();
@@ -1022,7 +974,7 @@ bool VerbsCore::poll(int* conn, std::string* cause) {
   return true;
 }
 
-uint64_t VerbsCore::outstanding() const {
+uint64_t VerbsEndpoint::outstanding() const {
   uint64_t n = 0;
   for (auto& q : qps_)
     n += q->posted_a.load(std::memory_order_acquire) - q->completed.load(std::memory_order_acquire);
@@ -1035,57 +987,38 @@ namespace {
 
 class VerbsTransport final : public Transport {
  public:
-  VerbsTransport(std::shared_ptr<VerbsCore> core, Registry* reg)
-      : core_(std::move(core)), reg_(reg) {}
+  VerbsTransport(VerbsEndpoint* ep, Registry* reg) : ep_(ep), reg_(reg) {}
   const char* name() const override { return "verbs"; }
   void start() override {}
   void stop() override {}
   bool write(int conn, int src_region, uint64_t src_off, int dst_region, uint64_t dst_off,
              uint64_t len, std::string* cause) override {
-    return core_->write(reg_, conn, src_region, src_off, dst_region, dst_off, len, cause);
+    return ep_->write(reg_, conn, src_region, src_off, dst_region, dst_off, len, cause);
   }
   bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) override {
-    return core_->flag(reg_, conn, word, value, cause);
+    return ep_->flag(reg_, conn, word, value, cause);
   }
-  bool poll(int* conn, std::string* cause) override { return core_->poll(conn, cause); }
-  void on_abort(const std::string& text) override { core_->notify_abort(text); }
-  uint64_t outstanding() const override { return core_->outstanding(); }
+  bool poll(int* conn, std::string* cause) override { return ep_->poll(conn, cause); }
+  void on_abort(const std::string& text) override { ep_->notify_abort(text); }
+  uint64_t outstanding() const override { return ep_->outstanding(); }
 
  private:
-  std::shared_ptr<VerbsCore> core_;
+  VerbsEndpoint* ep_;  // outlives this: see VerbsEndpoint in verbs_transport.h
   Registry* reg_;
 };
 
 }  // namespace
 
-VerbsEndpoint::VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& lanes,
-                             const std::vector<ConnInfo>& conns,
-                             const std::vector<int>& conn_lane, const VerbsSettings& settings)
-    : core_(std::make_shared<VerbsCore>(rank, world, lanes, conns, conn_lane, settings)) {}
-
-VerbsEndpoint::~VerbsEndpoint() = default;
-
-std::vector<VerbsLaneInfo> VerbsEndpoint::lanes() const { return core_->lane_info(); }
-std::vector<VerbsConnInfo> VerbsEndpoint::connections() const { return core_->conn_info(); }
-std::vector<std::pair<uint32_t, uint32_t>> VerbsEndpoint::register_memory(int key, uint64_t addr,
-                                                                          uint64_t size) {
-  return core_->register_memory(key, addr, size);
+std::unique_ptr<Transport> VerbsEndpoint::make(const ProxySide& side) {
+  // Connection i of the proxy's plan must be this endpoint's QP i.
+  const auto& mine = conns_;
+  bool same = mine.size() == side.conns.size();
+  for (size_t i = 0; same && i < mine.size(); ++i)
+    same = mine[i].peer == side.conns[i].peer && mine[i].channel == side.conns[i].channel &&
+           mine[i].root == side.conns[i].root;
+  if (!same)
+    throw std::invalid_argument("VerbsEndpoint: its connections differ from the proxy's plan");
+  return std::unique_ptr<Transport>(new VerbsTransport(this, side.reg));
 }
-void VerbsEndpoint::set_remote_key(int conn, int key, uint32_t rkey) {
-  core_->set_remote_key(conn, key, rkey);
-}
-void VerbsEndpoint::set_abort_inbox(int conn, uint64_t remote_addr, uint32_t rkey) {
-  core_->set_abort_inbox(conn, remote_addr, rkey);
-}
-void VerbsEndpoint::connect(int conn, uint32_t qpn, uint32_t psn, uint32_t lid,
-                            const std::string& g, int path_mtu, bool global_route) {
-  core_->connect(conn, qpn, psn, lid, g, path_mtu, global_route);
-}
-std::vector<int> VerbsEndpoint::qp_states() const { return core_->qp_states(); }
-std::unique_ptr<Transport> VerbsEndpoint::make_transport(Registry* reg) {
-  return std::unique_ptr<Transport>(new VerbsTransport(core_, reg));
-}
-void VerbsEndpoint::close() { core_->close(); }
-const std::string& VerbsEndpoint::library() const { return core_->library(); }
 
 }  // namespace sparkccl

@@ -10,12 +10,13 @@
 // Setup is driven from Python (sparkccl/transport/verbs.py: Python computes, native
 // executes): open the lanes and create the QPs (RESET -> INIT), register memory, exchange
 // connection records through the store, then connect() each QP (INIT -> RTR -> RTS) with
-// the peer's record. make_transport() gives the proxy its Transport; the proxy thread is
-// then the only one posting and polling.
+// the peer's record. The endpoint is then handed to Proxy::attach like any transport
+// factory; the proxy thread is then the only one posting and polling.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -63,15 +64,22 @@ constexpr int VERBS_KEY_FLAGS = layout::NUM_REGIONS;
 constexpr int VERBS_KEY_INBOX = layout::NUM_REGIONS + 1;
 constexpr int VERBS_KEYS = layout::NUM_REGIONS + 2;
 
-class VerbsCore;
+namespace verbs_detail {  // defined in verbs_transport.cpp
+struct Dev;
+struct Lane;
+struct Qp;
+struct WrDesc;
+}  // namespace verbs_detail
 
-// The endpoint object Python holds (shared with the proxy's transport).
-class VerbsEndpoint {
+// The endpoint object Python holds; the transport make() returns posts and polls on it.
+// That transport only borrows the endpoint: Proxy.attach keeps the factory's Python object
+// alive as long as the proxy (module.cpp), so one object serves setup and the data path.
+class VerbsEndpoint final : public TransportFactory {
  public:
   VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& lanes,
                 const std::vector<ConnInfo>& conns, const std::vector<int>& conn_lane,
                 const VerbsSettings& settings);
-  ~VerbsEndpoint();
+  ~VerbsEndpoint() override;
   std::vector<VerbsLaneInfo> lanes() const;
   std::vector<VerbsConnInfo> connections() const;
   // Register [addr, addr + size) on every lane's device: (lkey, rkey) per lane.
@@ -85,12 +93,50 @@ class VerbsEndpoint {
                int path_mtu, bool global_route);
   // QP states as this side believes them (RESET/INIT/RTR/RTS/ERR per connection).
   std::vector<int> qp_states() const;
-  std::unique_ptr<Transport> make_transport(Registry* reg);
+  const char* kind() const override { return "verbs"; }
+  std::unique_ptr<Transport> make(const ProxySide& side) override;
   void close();  // destroy QPs, MRs, CQs, PDs, contexts; idempotent
-  const std::string& library() const;
+  const std::string& library() const { return api_->source; }
+
+  // The data path, called by the transport from make() on the proxy thread only.
+  bool write(Registry* reg, int conn, int src_region, uint64_t src_off, int dst_region,
+             uint64_t dst_off, uint64_t len, std::string* cause);
+  bool flag(Registry* reg, int conn, uint64_t word, uint64_t value, std::string* cause);
+  bool poll(int* conn, std::string* cause);
+  uint64_t outstanding() const;
+  void notify_abort(const std::string& text);
 
  private:
-  std::shared_ptr<VerbsCore> core_;
+  [[noreturn]] void setup_error(const std::string& what);
+  std::string where(int conn) const;
+  bool fail(int conn, const std::string& cause);
+  bool usable(int conn, std::string* cause) const;
+  bool room(int conn, uint64_t n, std::string* cause);
+  bool post(int conn, ibv::send_wr* wr, const verbs_detail::WrDesc& d, uint64_t reserve_after,
+            std::string* cause);
+  bool post_imm(int conn, uint64_t word, uint64_t value, uint64_t remote, uint32_t rkey,
+                std::string* cause);
+  bool drain();
+  void check_async();
+  int conn_of_qp(const ibv::qp* q) const;
+  int first_conn_on(int dev, int port) const;
+
+  const ibv::Api* api_ = nullptr;
+  const int rank_;
+  const VerbsSettings s_;
+  const uint64_t num_flags_;
+  int value_bits_ = 32;
+  std::vector<std::unique_ptr<verbs_detail::Dev>> devs_;
+  std::vector<verbs_detail::Lane> lanes_;
+  std::vector<ConnInfo> conns_;
+  std::vector<std::unique_ptr<verbs_detail::Qp>> qps_;
+  mutable std::mutex setup_mu_;  // setup calls from Python threads
+  std::atomic<bool> closed_{false};
+  bool failed_ = false;
+  int fail_conn_ = 0;
+  std::string fail_cause_;
+  uint64_t last_async_ns_ = 0;
+  bool abort_notices_ = false;  // notify_abort posted something
 };
 
 }  // namespace sparkccl

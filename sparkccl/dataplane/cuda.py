@@ -3,10 +3,16 @@
 Kernels live in ``kernels/``, compiled at run time with NVRTC (``nvrtc.py``, cached on
 disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
 
-1. the host reserves the collective's 8 publish-ring indices (``_reserve_ring``: waits while
-   the ring is full; the GPU cannot do a system-scope fetch-add on host memory over PCIe);
+1. the collective's seq and first publish-ring index come from the device state
+   (``self.state``, protocol.h ``STATE_*``), not from kernel arguments: every kernel reads
+   them, and the collective's last kernel (or ``sccl_advance`` queued after it, modes split
+   and ce) moves them on, so a collective captured in a CUDA graph takes fresh values at
+   every replay; slots and counter sets are chosen by
+   ``seq`` on the GPU (slot base + code, kernels/common.cuh ``slot_at``);
 2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
-   to finish piece c writes ring entry ``first + c`` (fields, system fence, tag);
+   to finish piece c waits until ring entry ``first + c`` is free (the proxy consumed the
+   one 256 before; abort word and timeout watched) and writes it (fields, system fence,
+   tag);
 3. ``sccl_ag_wait`` / ``sccl_rs_wait_*``: one block polls the pinned flag words (acquire,
    system scope) and relays progress through a device word; the other blocks copy each
    arrived piece into the device result (all-gather) or sum the sources in rank order in
@@ -38,7 +44,10 @@ prints the error on stderr and acknowledges it, and the kernel traps: the CUDA c
 lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
 every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
 way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
-raise the error (docs/PROTOCOL.md "Failure").
+raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
+communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
+release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
+RELEASE_GRACE_S more (:meth:`CudaDataPlane._wait_last`).
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
@@ -90,9 +99,27 @@ NO_WORD = _P["NO_WORD"]
 MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
+STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
+SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
+# After the ack, how long the watchdog waits for the trap to end this process's GPU work
+# before it says on stderr that the GPU is wedged (see _watch_trap).
+TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
+PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
+# Once the communicator failed, a failing wait traps (stop) or returns (poison) within
+# ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
+# data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
+# at the abort word (see _wait_last).
+STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
+# After _release_waits, before the host gives up on the GPU: what a released kernel may take
+# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps).
+RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
+# What _release_waits writes to the progress word: above seq * PROG_STRIDE + PROG_FAILED of
+# any seq, so every waiter of every collective sees FAILED (the host does not know the
+# device's seq once graphs replay).
+RELEASED_PROGRESS = 1 << 62
 POISON_THREADS = 256
 MAX_WORLD = 64
 
@@ -154,9 +181,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._closed = False
         self.on_failure = on_failure
         self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
+        self.trap_grace_s = TRAP_GRACE_S
+        self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
+        self._last_seq = 0  # the latest collective's seq (_release_waits)
+        self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
+        self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
@@ -175,16 +207,28 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self.close()
             raise
         self.ag = self._view(self.ag_dev, ag.numel())
-        # Device state: [0] progress word, [1] dead; publish counters per (seq % 4, piece).
-        self.state = self._to_device(torch.zeros(2, dtype=torch.int64))
+        # Device state (protocol.h STATE_*): progress word, dead, the next collective's seq
+        # and first ring index, the finalize gate's bumps, the timeout. Publish counters
+        # per (seq % 4, piece).
+        head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
+        init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
+        init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
+        self.state = self._to_device(init)
+        # The host's copy of the next seq and ring index: true until a collective is
+        # captured in a CUDA graph (replays advance only the device's; see seq_on_host).
+        self._seq_next, self._ring_next = 0, head
+        self._graph = False   # a collective was captured: the host's copy is stale
+        self._in_capture = False  # the current call is being captured
+        self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
+        self._ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
         self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
         self.fin_counters = self._to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
         self.fin_bad = self._to_device(torch.zeros(4, dtype=torch.int32))
-        # GPU-direct finalize: own-rows gate per piece (monotonic; _fin_gate_base counts the
-        # bumps of every launch so far: each publish block bumps each piece once).
+        # GPU-direct finalize: own-rows gate per piece (monotonic; the device state's
+        # STATE_GATE counts the bumps of every launch so far: each publish block bumps each
+        # piece once).
         self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
-        self._fin_gate_base = 0
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
@@ -221,8 +265,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
         self.timeout_ns = int(timeout_s * 1e9)
-        # WAIT_PARAMS of kernels/wait.cu per op, but for seq (each collective's): the rest is
-        # fixed.
+        # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
         self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
                                 self.ctl_dev + layout.CTL_GPU_STATUS,
                                 self.wait_table[int(op)].data_ptr(),
@@ -246,6 +289,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.device = dev
         self.kernels = kernels_for(dev.index)
         self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        # _release_waits: made now, because after a failure nothing may wait on the GPU.
+        self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._release_stream = torch.cuda.Stream(dev)
 
     def _register(self, addr: int, size: int) -> int:
         with torch.cuda.device(self.device):
@@ -295,17 +341,94 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         with torch.cuda.device(self.device):  # this device's primary context is current
             cc.launch(stream, cfg, self.kernels[name], *args)
 
+    def _capturing(self) -> bool:
+        """Is the caller's stream being captured into a CUDA graph?"""
+        return torch.cuda.is_current_stream_capturing()
+
     def _end(self, ts) -> None:
         ev = torch.cuda.Event()
         ev.record(ts)
         self._last_event = ev
 
+    def _event_done(self, ev) -> bool:
+        """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
+        return ev.query()
+
+    def _release_waits_once(self) -> None:
+        """_release_waits, once per data plane (the watchdog and _wait_last both may)."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+            try:
+                self._release_waits()
+            except RuntimeError:
+                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
+
+    def _release_waits(self) -> None:
+        """Write what every wait of this data plane waits for: the dead word, then the
+        progress word at FAILED of the latest seq (above every unit of every collective so
+        far), so that stream value waits (mode "ce") and consumer blocks move on and every
+        kernel after them fails at once. From the host, on a stream of its own: the
+        caller's streams are the ones that are stuck."""
+        src = self._release_src
+        src[0] = RELEASED_PROGRESS
+        src[1] = 1
+        with torch.cuda.device(self.device), torch.cuda.stream(self._release_stream):
+            self.state[1:2].copy_(src[1:2], non_blocking=True)  # dead first: in stream order
+            self.state[0:1].copy_(src[0:1], non_blocking=True)
+
     def _wait_last(self) -> None:
-        if self._last_event is not None:
-            self._last_event.synchronize()
+        """Wait until the GPU passed the latest collective. While the communicator is
+        healthy that takes as long as it takes (the caller's own work queued before it
+        counts too; every sparkccl wait has its own GPU-clock timeout). Once it failed
+        (abort word or GPU record), the GPU has STOP_GRACE_S to get there; past that,
+        something waits that does not watch the abort word (a stream value wait, whose
+        releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
+        CollectiveError (a survivor never blocks without bound) and mark the data plane
+        stuck, so that close() leaves the pinned memory the GPU may still use alone."""
+        if self._graph:  # replays of a captured graph leave no event of ours
+            self._device_synchronize()
+            return
+        ev = self._last_event
+        if ev is None:
+            return
+        deadline, released, spins = None, False, 0
+        while not self._event_done(ev):
+            now = time.monotonic()
+            if self._gpu_stuck:  # it was released already: no second grace
+                raise self._stuck_error()
+            if deadline is None:
+                if self._failure_known():
+                    deadline = now + STOP_GRACE_S
+            elif now > deadline:
+                if released:
+                    self._gpu_stuck = True
+                    raise self._stuck_error()
+                self._release_waits_once()  # (or the watchdog did, a moment ago)
+                released, deadline = True, now + RELEASE_GRACE_S
+            # Yield at first (a collective's last microseconds), then naps of at most
+            # 200 us: what a synchronization may lose to the polling.
+            spins += 1
+            time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
+
+    def _failure_known(self) -> bool:
+        return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)
+
+    def _stuck_error(self) -> CollectiveError:
+        code, source, word, piece, seq = self.gpu_status()
+        cause = self.nat.error_text(self.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
+                                                  if code else "aborted")
+        record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "
+                  f"flag word {word}" if code else "no GPU failure record")
+        return CollectiveError(
+            f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
+            f"{self._last_seq}) still had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
+            f"also after the host released its waits ({record}); the GPU is stuck: restart "
+            "the process", rank=self.rank, cause=cause)
 
     def _busy(self) -> bool:
-        return self._last_event is not None and not self._last_event.query()
+        return self._last_event is not None and not self._event_done(self._last_event)
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
@@ -322,6 +445,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.rs_send = self._view(send_dev, n)
         self.rs_recv = self._view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
+        self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
+        self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
 
     def close(self, *, abort_if_busy: bool = True) -> None:
         """Wait for this data plane's kernels, then unpin the regions (call before the
@@ -345,6 +470,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         except Exception:
             pass
         self._registered = []
+        if self._gpu_stuck:
+            # Unpinning memory a kernel or copy may still write would be worse than the leak:
+            # it stays pinned until the process exits (which it must: the GPU is stuck).
+            return
         for addr in regs:
             try:
                 self._unregister(addr)
@@ -442,24 +571,21 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self._retired.append(buf)
             buf = self._scratch_bufs[name] = torch.empty(max(nbytes, 16), dtype=torch.uint8,
                                                          device=self.device)
+        if self._in_capture and not any(b is buf for b in self._graph_bufs):
+            # A captured graph keeps using this address at every replay: never freed.
+            self._graph_bufs.append(buf)
         return buf
 
 
     def _direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
-    def _dcounters(self, seq: int) -> int:
-        return self.dcounters.data_ptr() + 4 * (MAX_DIRECT + 1) * PIECES * (seq % COUNTER_SETS)
-
     # ---- launch helpers --------------------------------------------------------------
-    def _reserve_ring(self, op: Op, seq: int, n: int = PIECES) -> int:
-        """Claim ring indices for the collective's n entries (8 pieces, or 8 per destination
-        for the finalize); wait until they are free."""
-        # This host thread is the ring's only producer for a CUDA communicator, so a plain
-        # store of head is enough (tail is the proxy's).
-        head = _u64(self.ctl + layout.CTL_RING_HEAD)
+    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+        """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
+        (the host writes those entries' fields itself); every kernel waits on the GPU
+        (kernels/wait.cu ring_room)."""
         tail = _u64(self.ctl + layout.CTL_RING_TAIL)
-        first = int(head.value)
         last = first + n - 1
         if last - int(tail.value) >= layout.RING_ENTRIES:
             deadline = time.monotonic() + self.timeout_s
@@ -470,8 +596,6 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                     self._ring_timeout(op, seq)
                 spins += 1
                 time.sleep(0 if spins < 100 else 50e-6)
-        head.value = first + n
-        return first
 
     def _ring_timeout(self, op: Op, seq: int) -> None:
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
@@ -479,8 +603,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, seq: int) -> tuple:
-        return (*self._wait_head[op], _n(seq), *self._wait_tail)
+    def _wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
+        """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
+        collective's last and moves the device state on itself (kernels/common.cuh
+        last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
+        return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
     def _publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
@@ -489,18 +616,59 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES) -> int:
+    def seq_on_host(self) -> bool:
+        """Does the host know the next collective's seq (and so its slots)? False while the
+        caller's stream is being captured into a CUDA graph and ever after one collective
+        was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
+        return not self._graph and not self._capturing()
+
+    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
+               zero_copy: str | None = None) -> int:
+        """Checks before a collective's first launch; returns the host's copy of its first
+        ring index (valid while seq_on_host(); only mode "ce" uses it). zero_copy names a
+        feature that needs the slot of seq on the host: refused once the host no longer
+        knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
+        self._in_capture = self._capturing()
+        if self._in_capture and not self._graph:
+            self._graph = True
+            self._ops.clear()
+            self._unchecked = []
+        if zero_copy and self._graph:
+            raise RuntimeError(f"rank {self.rank}: {OP_NAMES[op]}: {zero_copy} needs the "
+                               "collective's slot on the host, which it no longer knows once a "
+                               "collective of this communicator was captured in a CUDA graph "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
+        if not self._graph and seq != self._seq_next:
+            raise ValueError(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: the CUDA data plane "
+                             f"expected seq {self._seq_next} (the GPU numbers collectives one "
+                             "per call, in call order)")
         self.check_status()
         self.check_abort()
         self.check_sizes()
-        self._ops[seq] = op
-        self._ops.pop(seq - 512, None)
-        if self.peer_rings is not None:
-            self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
-            del self._unchecked[:-64]
-        return self._reserve_ring(op, seq, entries)
+        if not self._graph:
+            self._ops[seq] = op
+            self._ops.pop(seq - 512, None)
+            if self.peer_rings is not None:
+                self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
+                del self._unchecked[:-64]
+            self._last_seq = max(self._last_seq, seq)
+        first = self._ring_next
+        self._seq_next += 1
+        self._ring_next += entries
+        return first
+
+    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
+                advanced: bool = False) -> None:
+        """After the collective's last kernel: unless it advanced the device state itself
+        (``advanced``), sccl_advance moves it on to the next collective (seq + 1, ring +
+        entries, the finalize gate + gate_add)."""
+        if not advanced:
+            self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
+                         _n(gate_add))
+        if not self._in_capture:  # (an event of a capture cannot be waited for)
+            self._end(ts)
 
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
@@ -527,14 +695,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """Gather ``src`` (CUDA uint8, L bytes) of every rank: rank i's bytes land at
         ``dst[i * dst_stride + dst_off : ... + L]``. ``dst=None``: zero-copy, the result
         stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
-        :meth:`ag_slot`); the launch then only waits for the pieces."""
+        :meth:`ag_slot`); the launch then only waits for the pieces. The kernels take the
+        slot from the device state's seq (slot base + code, kernels/common.cuh slot_at)."""
         L = src.numel()
         S = round_up(L, ALIGN)
-        first = self._begin(Op.AG, seq, S)
+        first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self._stream()
-        slot = self.ag_dev + (seq % 3) * self.ag_stride
+        slot0, code = self.ag_dev, self._ag_code
+        slot = slot0 + (seq % 3) * self.ag_stride  # (the host's view: zero-copy and mode ce)
         me = self.rank
         res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
+        dst_ptr = 0 if dst is None else dst.data_ptr() + dst_off
+        out = self._ag_output(slot, dst, dst_off, dst_stride, L, S)
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
@@ -544,29 +716,35 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             own_dst = slot + me * S if dst is None else 0
             self._run_direct(DirectCall(
                 Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-                publish=(src.data_ptr(), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(), own_dst,
+                publish=(src.data_ptr(), _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                         slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
                          res_me),
-                consume=(slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride)),
+                consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
                 wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
-                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d]))
+                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d],
+                ce_consume=(slot, dst_ptr, dst_stride), output=out))
             return
         bpp = self._publish_blocks(piece)
         if "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         src.data_ptr(), _n(0), slot + me * S, _n(S), res_me, _n(1), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.AG)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+                         src.data_ptr(), _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1),
+                         _n(L), _n(S), self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(),
+                         _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         nb = 1 if dst is None else self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                         slot, 0 if dst is None else dst.data_ptr() + dst_off, _n(dst_stride),
-                         _n(L), _n(S), *self._wait_args(Op.AG, seq))
-        self._poison_if_failed(stream, *self._ag_output(slot, dst, dst_off, dst_stride, L, S))
-        self._end(ts)
+                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
+                         *self._wait_args(Op.AG, (PIECES, 0)))
+        self._poison_if_failed(stream, *out)
+        self._finish(ts, stream, advanced=waited)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
         valid until three more all-gathers have been issued)."""
+        if self._graph:
+            raise RuntimeError(f"rank {self.rank}: ag_slot: the host no longer knows the slots "
+                               "once a collective was captured in a CUDA graph")
         base = (seq % 3) * self.ag_stride
         return self.ag[base:base + nbytes]
 
@@ -584,59 +762,65 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        first = self._begin(Op.RS, seq, S)
+        first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
         ts, stream = self._stream()
         W, me = self.world, self.rank
-        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
+        send0, recv0 = self.rs_send_dev, self.rs_recv_dev
+        scode, rcode = self._send_code, self._recv_code
+        send = send0 + (seq % 2) * self.rs_send_stride  # (the host's view: mode ce)
+        recv = recv0 + (seq % 2) * self.rs_recv_stride
+        dst_ptr = dst.data_ptr() + dst_off
         piece = piece_bounds(S, 0)[1]
         if src is not None:
             base = src.data_ptr() + src_off
             bpp = self._publish_blocks(W * piece)
-            own, own_sys = base + me * src_stride, 0
+            own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
             bpp = 1
-            own, own_sys = send + me * S, 1
+            own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
         dtab = self._direct(Op.RS, S)
         if dtab is not None:  # GPU-direct: chunks straight to the peers
-            sbase, sstride, ssys = (base, src_stride, 0) if src is not None else (send, S, 1)
+            sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
+                                             else (send0, scode, S, 1))
             self._run_direct(DirectCall(
                 Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
-                publish=(sbase, _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(), 0, 0),
-                consume=(recv, own, _n(own_sys), dst.data_ptr() + dst_off),
+                publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
+                         0, _n(0), 0),
+                consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
                 wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(piece),
                                                       self.max_direct_wait_blocks),
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
                 ce_src=(base, src_stride) if src is not None else None, own=[],
-                sum_kernel=_RS_SUM_UNIT[dtype]))
+                sum_kernel=_RS_SUM_UNIT[dtype],
+                ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
             return
+        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         base, _n(src_stride), send, _n(S), 0, _n(W), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(bpp))
+                         base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W), _n(L), _n(S),
+                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
         elif "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES, 32,
-                         0, _n(0), send, _n(S), 0, _n(0), _n(L), _n(S),
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.counters.data_ptr() + 4 * PIECES * (seq % COUNTER_SETS), _n(1))
+                         0, _n(0), send0, _n(scode), _n(S), 0, _n(0), _n(L), _n(S),
+                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(1))
         nb = self._wait_blocks(piece)
-        if "wait" in self.phases:
+        waited = "wait" in self.phases
+        if waited:
             self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
-                         recv, own, _n(own_sys), dst.data_ptr() + dst_off, _n(L), _n(S),
-                         *self._wait_args(Op.RS, seq))
-        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+                         recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S),
+                         *self._wait_args(Op.RS, (PIECES, 0)))
+        self._poison_if_failed(stream, dst_ptr, 0, 1, L)
+        self._finish(ts, stream, advanced=waited)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:
-        """The CUDA twin of :meth:`.cpu.CpuDataPlane.moe_finalize_reduce_scatter`: the host
-        reserves (W - 1) * 8 ring entries; ``sccl_finalize`` computes the rows piece-major
-        into the send slot (own chunk into device memory) and publishes each (row piece,
-        destination) as it completes; the bf16 reduce-scatter wait kernel then sums this
-        rank's rows over ranks in rank order into ``dst``."""
+        """The CUDA twin of :meth:`.cpu.CpuDataPlane.moe_finalize_reduce_scatter`:
+        ``sccl_finalize`` computes the rows piece-major into the send slot (own chunk into
+        device memory) and publishes each (row piece, destination) as it completes, in
+        (W - 1) * 8 ring entries; the bf16 reduce-scatter wait kernel then sums this rank's
+        rows over ranks in rank order into ``dst``."""
         if self.rs_send is None:
             raise RuntimeError("moe_finalize_reduce_scatter: attach_rs() was not called")
         W, me = self.world, self.rank
@@ -647,10 +831,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             if dtab is not None:
                 self._finalize_direct(seq, f, row_lo, rows, dst, dst_off, dtab)
                 return
-        first = self._begin(Op.RS, seq, S, entries=PIECES * (W - 1))
+        entries = PIECES * (W - 1)
+        self._begin(Op.RS, seq, S, entries=entries)
         ts, stream = self._stream()
-        send = self.rs_send_dev + (seq % 2) * self.rs_send_stride
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
         own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         if "publish" in self.phases:
@@ -662,16 +845,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens),
                          _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
                          _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
-                         send, own,
-                         self.ctl_dev + layout.RING_OFFSET, _n(first), _n(seq), _n(int(Op.RS)),
-                         self.fin_counters.data_ptr() + 4 * FIN_SET * (seq % COUNTER_SETS))
-        if "wait" in self.phases:
+                         self.rs_send_dev, _n(self._send_code), own,
+                         self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(), _n(int(Op.RS)),
+                         self.fin_counters.data_ptr())
+        waited = "wait" in self.phases
+        if waited:
             nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
             self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
-                         recv, own, _n(0), dst.data_ptr() + dst_off, _n(L), _n(S),
-                         *self._wait_args(Op.RS, seq))
+                         self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
+                         dst.data_ptr() + dst_off, _n(L), _n(S),
+                         *self._wait_args(Op.RS, (entries, 0)))
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+        self._finish(ts, stream, entries, advanced=waited)
 
     def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
                          dst_off: int, dtab) -> None:
@@ -680,32 +865,28 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
         other blocks sum this rank's rows over ranks as they arrive. Every collective of
         the op then has the same writer (the GPU) for each flag word."""
-        W = self.world
         RB = 2 * f.H
         S, L = fin_slice(rows, RB)
-        first = self._begin(Op.RS, seq, S)
+        self._begin(Op.RS, seq, S)
         ts, stream = self._stream()
-        recv = self.rs_recv_dev + (seq % 2) * self.rs_recv_stride
         own = self._scratch("finalize own", L).data_ptr()
         self._fin_used = True
         piece = piece_bounds(S, 0)[1]
-        units = -(-piece * W // 16)  # 16-byte row units of one piece, every destination
+        units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
         nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        target = (self._fin_gate_base + npub) & 0xFFFFFFFF
         scales = f.scales.data_ptr() if f.scales is not None else 0
         self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                      f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
                      f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens), _n(f.topk),
                      _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
                      _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
-                     _n(first), _n(int(Op.RS)), self._dcounters(seq), _n(npub),
-                     self.fin_gate.data_ptr(), _n(target), recv, own,
-                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, seq))
-        self._fin_gate_base = target
+                     _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
+                     self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
+                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, (PIECES, npub)))
         self.direct_launches += 1
         self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
-        self._end(ts)
+        self._finish(ts, stream, advanced=True)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
@@ -729,6 +910,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         error is raised as the :class:`CollectiveError` that caused it."""
         try:
             self._wait_last()
+        except CollectiveError:
+            raise  # the GPU did not stop after the failure (_wait_last)
         except RuntimeError as cuda_error:
             if not self.gpu_status()[0]:
                 raise
@@ -765,7 +948,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
             if source == NO_SOURCE:
                 self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
-                          "already failed, or the wait ran past its timeout)", int(code))
+                          "already failed, or the wait ran past its timeout: for a peer's "
+                          "flag, or for space in the publish ring)", int(code))
             self.fail(f"rank {self.rank}: {what} piece {piece}: the GPU wait saw abort code "
                       f"{code}", int(code))
         if word == NO_WORD or op is None:
@@ -796,12 +980,55 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         one, builds the :class:`CollectiveError` (which also sets the abort word, so the
         proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
         about to trap, and the caller will only see a generic CUDA error), then sets the
-        acknowledgement word the kernel waits for."""
+        acknowledgement word the kernel waits for. Once the communicator failed, it also
+        releases the GPU's waits if the GPU work has not ended STOP_GRACE_S later; it ends
+        when the failure was reported and nothing of this data plane runs any more."""
         status = _u64(self.ctl + layout.CTL_GPU_STATUS)
+        reported, failed_at, reported_at = False, None, 0.0
         while not self._watch_stop.wait(WATCHDOG_POLL_S):
-            if status.value:
+            if not reported and status.value:
                 self._report_gpu_failure()
-                return
+                reported, reported_at = True, time.monotonic()
+            # Then the host's bound (see _wait_last), from here too: the caller may be blocked
+            # in a synchronization of its own (.cpu(), a stream or event wait), which only
+            # ends when the GPU work does.
+            if failed_at is None:
+                if self._failure_known():
+                    failed_at = time.monotonic()
+                continue
+            try:
+                busy = self._busy()
+            except RuntimeError:
+                busy = False  # the context is lost (a trap): nothing of it runs any more
+            if not busy:
+                if reported:
+                    return
+                continue
+            now = time.monotonic()
+            if not self._released and now > failed_at + STOP_GRACE_S:
+                self._release_waits_once()
+            if (reported and self.on_failure == "stop" and not self.trap_wedged
+                    and now > reported_at + self.trap_grace_s):
+                self._say_trap_wedged()
+
+    def _say_trap_wedged(self) -> None:
+        """Mode "stop": the GPU is still busy trap_grace_s after the report, so the trap was
+        not acted on -- seen on one GPU time-sliced by several processes without MPS, when
+        ranks of two processes trapped at about the same time: each warp sat halted just
+        past its trap and the caller's next synchronization waited forever inside the CUDA
+        driver. Nothing in this process can end that wait (library code never kills the
+        process), so say so on stderr, next to the CollectiveError already printed."""
+        line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
+                f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
+                "work is wedged and every synchronization will wait forever; kill the "
+                "process. (Seen when several processes time-slice one GPU without MPS "
+                "and two of them trap at once; run one rank per GPU, use MPS, or "
+                "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
+        try:
+            os.write(2, line.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        self.trap_wedged = True
 
     def _report_gpu_failure(self) -> None:
         # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here

@@ -15,6 +15,12 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
 rank, its reduce-scatter even there, both behind at 8 MiB;
 benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
 
+Once a collective of the data plane was captured in a CUDA graph, "ce" runs as "fused":
+its stream memory operations carry values the host computed from its own seq (flag and
+progress values, ring indices), which a replay would repeat, and the host's seq is stale
+after replays (docs/CONTRACT.md "CUDA graphs"). "fused" and "split" are kernels only; they
+take seq and the ring index from the device state (docs/PROTOCOL.md "Sequence state").
+
 :class:`DirectEngines` is a part of :class:`~.cuda.CudaDataPlane` (it uses the plane's
 launch and stream operations, which the CPU emulation in tests/ replaces); each collective
 describes itself to it with one :class:`DirectCall`.
@@ -66,7 +72,10 @@ class DirectCall:
     ce_src: (input pointer, chunk stride) for the copy engines, or None (a zero-copy input,
     already pinned: the publish kernel sends it); own: (dst, src, bytes) copies of the own
     slice; sum_kernel: the reduce-scatter's sum per unit (piece, wait word) in mode "ce"
-    (sccl_rs_sum_unit_*)."""
+    (sccl_rs_sum_unit_*). The kernels take slots as base + code (kernels/common.cuh
+    slot_at); mode "ce" issues host-computed values instead: ce_consume is consume with the
+    slots of the host's seq, (slot, dst, dst stride) or (recv, own, own_sys, dst); output:
+    (pointer, stride, count, bytes) of the result (sccl_poison)."""
 
     op: Op
     seq: int
@@ -84,6 +93,8 @@ class DirectCall:
     ce_src: tuple | None
     own: list
     sum_kernel: str | None = None
+    ce_consume: tuple = ()
+    output: tuple = ()
 
 
 class DirectEngines:
@@ -94,20 +105,25 @@ class DirectEngines:
         op, seq, ts, stream, S, L = call.op, call.seq, call.ts, call.stream, call.S, call.L
         first, kernel, publish, consume = call.first, call.kernel, call.publish, call.consume
         nb, npub, ce_src, own = call.nb, call.npub, call.ce_src, call.own
-        ring = (self.ctl_dev + layout.RING_OFFSET, _n(first), _n(int(op)), self._dcounters(seq))
-        waits = self._wait_args(op, seq)
+        ring = (self.ctl_dev + layout.RING_OFFSET, _n(int(op)), self.dcounters.data_ptr())
+        waits = self._wait_args(op)
         mode = self.direct_mode
         if mode == "auto":
             mode = "ce" if S >= self.ce_min_slice else "fused"
         if mode == "ce" and not self._can_write_values():
             mode = "split"
+        if mode == "ce" and self._graph:
+            # Stream memory operations carry host-computed values (seq, ring indices), which
+            # a replay would repeat: a captured communicator's collectives run "fused".
+            mode = "fused"
         if mode == "fused" or "wait" not in self.phases:
             grid = npub + (1 + nb if "wait" in self.phases else 0)
+            # The one kernel of the collective: it advances the device state itself.
             self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *waits)
+                         *consume, *self._wait_args(op, (PIECES, 0)))
             self.direct_launches += 1
-            self._poison_if_failed(stream, *self._direct_output(call))
-            self._end(ts)
+            self._poison_if_failed(stream, *call.output)
+            self._finish(ts, stream, advanced=True)
             return
         # The two roles on two streams: the publish side starts after everything queued
         # before on the caller's stream, and the caller's stream joins it at the end, so
@@ -116,7 +132,8 @@ class DirectEngines:
         # slower on two H200s: ~0.9 ms per collective at any size, against ~0.45 ms.)
         side_ts, side = self._fork(ts)
         ce_pub = mode == "ce" and ce_src is not None  # (a zero-copy input is already pinned)
-        ce_wait = mode == "ce" and (op == Op.RS or int(consume[1]) != 0)  # (zero-copy AG: waits)
+        hc = call.ce_consume
+        ce_wait = mode == "ce" and (op == Op.RS or int(hc[1]) != 0)  # (zero-copy AG: waits)
         if not ce_pub:
             self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
                          *consume, *waits)
@@ -130,12 +147,13 @@ class DirectEngines:
                 sums = self._sum_stream()
                 stage = self._scratch("ce stage", self.world * S).data_ptr()
                 reduce_parts = self.parts_table[int(op)][self.world].data_ptr()
-                kernels.append((call.sum_kernel, WAIT_THREADS, (0, stage, *consume[1:], L, S,
+                kernels.append((call.sum_kernel, WAIT_THREADS, (0, stage, *hc[1:], L, S,
                                                            self.rank, self.world, reduce_parts,
                                                            self.maxw)))
             # The own slice first, on the receiving stream (idle until the first piece lands).
             ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
             if ce_pub:
+                self._host_ring_room(op, seq, first, PIECES)
                 self._ring_fields(first, seq, S, op, L)
             # Both sides piece by piece, so each stream starts at once; and a piece's wait is
             # queued after that piece's sends (a stream sharing a hardware queue with another
@@ -145,7 +163,7 @@ class DirectEngines:
                     self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
                 if ce_wait:
                     ops.append((OP_LAUNCH, watch, 0, c, 1))
-                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=consume,
+                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=hc,
                                      stage=stage, nb=nb, sums=sums)
             self._issue(ops, kernels)
             if sums is not None:
@@ -156,18 +174,15 @@ class DirectEngines:
             self._launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                          *waits)
         self._join(ts, side_ts)
+        if ce_wait and self.on_failure == "stop":
+            # The value waits above end when the progress word says so, also when the host
+            # released them (_release_waits: no kernel of theirs ran to fail); the copies
+            # then moved whatever was there. Before anything after the collective can read
+            # it: trap if this data plane failed (mode poison: sccl_poison overwrites it).
+            self._launch(stream, "sccl_fail_guard", 1, 32, *waits)
         self.direct_launches += 1
-        self._poison_if_failed(stream, *self._direct_output(call))
-        self._end(ts)
-
-    def _direct_output(self, call: DirectCall) -> tuple:
-        """(pointer, stride, count, bytes) of the collective's output (see consume)."""
-        if call.op == Op.AG:
-            slot, dst, stride = (int(v) for v in call.consume)
-            if not dst:  # zero-copy: the result is the slot
-                return slot, call.S, self.world, call.L
-            return dst, stride, self.world, call.L
-        return int(call.consume[3]), 0, 1, call.L
+        self._poison_if_failed(stream, *call.output)
+        self._finish(ts, stream)
 
     def _ce_plan(self, op: Op, S: int, L: int) -> CePlan:
         """The launch plan of mode "ce" for (op, S, L): the same operations, in the same

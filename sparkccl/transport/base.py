@@ -13,8 +13,10 @@ formats are in docs/PROTOCOL.md):
    processes alive?), or None.
 2. ``connect()``: exchange and connect, before the proxy exists (shm: map the peers'
    segments; tcp: the sockets; verbs: nothing yet).
-3. ``attach(proxy)``: hand the (not yet started) native proxy its transport and the
-   peers' regions. The native ``Proxy`` is built with ``native_kind``.
+3. ``attach(proxy)``: hand the (not yet started) native proxy its transport, the one way
+   for every transport: ``proxy.attach(factory)`` with a native ``TransportFactory``
+   (``_native.ShmTransport``, ``_native.TcpTransport``, ``_native.VerbsEndpoint``), and
+   tell it the peers' regions.
 4. ``add_segment(proxy, kind, abort_check)``: a segment created later (the reduce-scatter
    buffers on first use), after this rank's proxy knows its own regions in it.
 5. ``close()``: after the proxy stopped.
@@ -55,7 +57,6 @@ class Context:
 
 class Transport:
     name: ClassVar[str]
-    native_kind: ClassVar[str]
     maps_peers: ClassVar[bool] = False  # True: the peers' segments are mapped here
     # True: a dead or silent peer may go unnoticed for seconds (sparkccl/liveness.py)
     needs_liveness: ClassVar[bool] = False

@@ -18,7 +18,6 @@ from .base import Transport
 
 class ShmTransport(Transport):
     name = "shm"
-    native_kind = "shm"
     maps_peers = True
 
     def __init__(self, ctx):
@@ -96,7 +95,8 @@ class ShmTransport(Transport):
                 proxy.set_peer_region(p, int(reg), base + off, size)
 
     def attach(self, proxy) -> None:
-        # The native shm transport was built with the proxy (native_kind "shm").
+        from .. import _native
+        proxy.attach(_native.ShmTransport())
         for p in self.peers():
             pc = self.peer_segs[(p, "ctl")]
             proxy.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self.pids[p])

@@ -289,7 +289,7 @@ def _connect_one(rank, world, secret, peer, ch, root, arr, src: Endpoint, dst, t
 
 @dataclass
 class Links:
-    """Connected sockets, ready for ``Proxy.set_tcp_fds``."""
+    """Connected sockets, ready for ``_native.TcpTransport``."""
 
     send: list[socket.socket]                               # per plan connection
     recv: list[tuple[socket.socket, int, int, int]]         # (sock, peer, arrival ch, root)
@@ -434,7 +434,6 @@ class TcpTransport(Transport):
     :meth:`attach` on. Only this process maps its segments."""
 
     name = "tcp"
-    native_kind = "tcp"
     needs_liveness = True  # a link down or a stalled peer shows only at the timeout
 
     def __init__(self, ctx):
@@ -448,8 +447,10 @@ class TcpTransport(Transport):
                              c.bootstrap_timeout_s, c.timeout_s)
 
     def attach(self, proxy) -> None:
+        from .. import _native
         links, self.links = self.links, None
-        proxy.set_tcp_fds(*links.detach())  # the proxy owns the sockets from here on
+        # The native transport owns the sockets from here on (closes them if refused).
+        proxy.attach(_native.TcpTransport(*links.detach()))
 
     def add_segment(self, proxy, kind, abort_check) -> None:
         self.ctx.buffers.unlink()

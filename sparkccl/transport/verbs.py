@@ -411,7 +411,7 @@ class VerbsLink:
         if failed:
             _raise_all(CollectiveError, "could not connect every queue pair", failed, self.rank)
         self._wire(proxy, paired)
-        _native().verbs_attach(proxy, self.endpoint)
+        proxy.attach(self.endpoint)
 
     def _wire(self, proxy, paired: list[dict]) -> None:
         seen = set()
@@ -506,7 +506,6 @@ class VerbsTransport(Transport):
     registry); the reduce-scatter buffers are registered when they are created."""
 
     name = "verbs"
-    native_kind = "verbs"
     needs_liveness = True  # RC retries take ~8.6 s
 
     def __init__(self, ctx):

@@ -39,14 +39,15 @@ static void run_grid(unsigned grid, F f) {
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
-// WAIT_PARAMS of kernels/wait.cu from argument i on (11 arguments).
+// WAIT_PARAMS of kernels/wait.cu from argument i on (12 arguments).
 #define WAIT_ARGS(i)                                                                          \
   P(i, const u64*), P(i + 1, const u64*), P(i + 2, u64*), P(i + 3, const int*),               \
-      P(i + 4, const int*), a[i + 5], P(i + 6, u64*), a[i + 7], a[i + 8], a[i + 9], a[i + 10]
-// DIRECT_PARAMS of kernels/direct.cu (13 arguments, from 0).
+      P(i + 4, const int*), a[i + 5], P(i + 6, u64*), a[i + 7], a[i + 8], a[i + 9],           \
+      a[i + 10], a[i + 11]
+// DIRECT_PARAMS of kernels/direct.cu (14 arguments, from 0).
 #define DIRECT_ARGS                                                                           \
-  P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const u64*), P(6, u8*), P(7, u8*), P(8, u8*), \
-      a[9], a[10], P(11, u32*), a[12]
+  P(0, const u8*), a[1], a[2], a[3], a[4], a[5], P(6, const u64*), P(7, u8*), a[8], P(9, u8*), \
+      P(10, u8*), a[11], P(12, u32*), a[13]
 
 // 0: ran; 1: a block trapped (__trap); -1: unknown kernel.
 extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
@@ -54,22 +55,27 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   launch_trapped = false;
   if (n == "sccl_poison") {
     run_grid(grid, [=] { sccl_poison(P(0, const u64*), P(1, u8*), a[2], a[3], a[4]); });
+  } else if (n == "sccl_advance") {
+    run_grid(grid, [=] { sccl_advance(P(0, u64*), a[1], a[2]); });
   } else if (n == "sccl_publish") {
     run_grid(grid, [=] {
-      sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], P(4, u8*), a[5], a[6], a[7], P(8, u8*),
-                   a[9], a[10], a[11], P(12, u32*), a[13]);
+      sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], a[4], P(5, u8*), a[6], a[7], a[8],
+                   P(9, u8*), P(10, u64*), a[11], P(12, u32*), a[13]);
     });
+  } else if (n == "sccl_fail_guard") {
+    run_grid(grid, [=] { sccl_fail_guard(WAIT_ARGS(0)); });
   } else if (n == "sccl_wait_piece") {
     run_grid(grid, [=] { sccl_wait_piece(a[0], WAIT_ARGS(1)); });
   } else if (n == "sccl_ag_wait") {
     run_grid(grid, [=] {
-      sccl_ag_wait(P(0, const u8*), P(1, u8*), a[2], a[3], a[4], WAIT_ARGS(5));
+      sccl_ag_wait(P(0, const u8*), a[1], P(2, u8*), a[3], a[4], a[5], WAIT_ARGS(6));
     });
   }
 #define RS(K)                                                                               \
   else if (n == #K) {                                                                       \
     run_grid(grid, [=] {                                                                    \
-      K(P(0, const u8*), P(1, const u8*), a[2], P(3, u8*), a[4], a[5], WAIT_ARGS(6));       \
+      K(P(0, const u8*), a[1], P(2, const u8*), a[3], a[4], P(5, u8*), a[6], a[7],          \
+        WAIT_ARGS(8));                                                                      \
     });                                                                                     \
   }
   RS(sccl_rs_wait_bf16) RS(sccl_rs_wait_f16) RS(sccl_rs_wait_f32)
@@ -85,8 +91,8 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     run_grid(grid, [=] {
       sccl_finalize(P(0, const u8*), P(1, const float*), P(2, const int*), P(3, const float*),
                     P(4, const u8*), P(5, u32*), a[6], a[7], a[8], a[9], a[10], a[11], a[12],
-                    a[13], a[14], a[15], a[16], P(17, u8*), P(18, u8*), P(19, u8*), a[20], a[21],
-                    a[22], P(23, u32*));
+                    a[13], a[14], a[15], a[16], P(17, u8*), a[18], P(19, u8*), P(20, u8*),
+                    P(21, u64*), a[22], P(23, u32*));
     });
   }
   else if (n == "sccl_finalize_direct") {
@@ -94,19 +100,20 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
       sccl_finalize_direct(P(0, const u8*), P(1, const float*), P(2, const int*),
                            P(3, const float*), P(4, const u8*), P(5, u32*), a[6], a[7], a[8],
                            a[9], a[10], a[11], a[12], a[13], a[14], P(15, const u64*),
-                           P(16, u8*), a[17], a[18], P(19, u32*), a[20], P(21, u32*), a[22],
-                           P(23, const u8*), P(24, u8*), P(25, u8*), WAIT_ARGS(26));
+                           P(16, u8*), a[17], P(18, u32*), a[19], P(20, u32*),
+                           P(21, const u8*), a[22], P(23, u8*), P(24, u8*), WAIT_ARGS(25));
     });
   }
   else if (n == "sccl_ag_direct") {
     run_grid(grid, [=] {
-      sccl_ag_direct(DIRECT_ARGS, P(13, const u8*), P(14, u8*), a[15], WAIT_ARGS(16));
+      sccl_ag_direct(DIRECT_ARGS, P(14, const u8*), a[15], P(16, u8*), a[17], WAIT_ARGS(18));
     });
   }
 #define RSD(K)                                                                              \
   else if (n == #K) {                                                                       \
     run_grid(grid, [=] {                                                                    \
-      K(DIRECT_ARGS, P(13, const u8*), P(14, const u8*), a[15], P(16, u8*), WAIT_ARGS(17)); \
+      K(DIRECT_ARGS, P(14, const u8*), a[15], P(16, const u8*), a[17], a[18], P(19, u8*),   \
+        WAIT_ARGS(20));                                                                     \
     });                                                                                     \
   }
   RSD(sccl_rs_direct_bf16) RSD(sccl_rs_direct_f16) RSD(sccl_rs_direct_f32)

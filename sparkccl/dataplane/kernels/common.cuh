@@ -206,3 +206,40 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
     if (dst2) dst2[k] = v;
   }
 }
+
+// ---------------------------------------------------------------- sequence state
+//
+// A collective's seq and first ring index (protocol.h STATE_*): written only by
+// sccl_advance, queued after every kernel of the previous collective on the same stream,
+// so a plain load at any point of a launch sees this collective's values.
+__device__ __forceinline__ u64 state_word(const u64* state, int k) {
+  return *(volatile const u64*)(state + k);
+}
+// The next collective's state: seq + 1, ring index + entries (the ring entries this one
+// used), the finalize gate + gate_add (sccl_finalize_direct's publish blocks, else 0).
+__device__ __forceinline__ void advance_state(u64* state, u64 entries, u64 gate_add) {
+  st_volatile_u64(state + STATE_SEQ, state_word(state, STATE_SEQ) + 1);
+  st_volatile_u64(state + STATE_RING, state_word(state, STATE_RING) + entries);
+  st_volatile_u64(state + STATE_GATE, state_word(state, STATE_GATE) + gate_add);
+}
+// Every thread of every block, at the end of a collective's last kernel (entries != 0; 0
+// where another of its kernels may still run, and the host then queues sccl_advance): the
+// last block to finish advances the state. Safe because every block read seq at its start,
+// and the next kernel on the stream starts only after this one ended; it saves a launch.
+__device__ __forceinline__ void last_block_advances(u64* state, u64 entries, u64 gate_add) {
+  if (!entries) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd((u32*)(state + STATE_EXITS), 1u) != gridDim.x - 1) return;
+  __threadfence();  // every other block's reads of the state came before their counts
+  st_volatile_u64(state + STATE_EXITS, 0);
+  advance_state(state, entries, gate_add);
+}
+// Slot seq % slots of a region (code: slots << SLOT_SHIFT | stride, 0 for a plain pointer).
+template <class T>
+__device__ __forceinline__ T* slot_at(T* base, u64 code, u64 seq) {
+  const u64 slots = code >> SLOT_SHIFT;
+  if (!base || !slots) return base;
+  return (T*)((u8*)base + (seq % slots) * (code & ((1ull << SLOT_SHIFT) - 1)));
+}

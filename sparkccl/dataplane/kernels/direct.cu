@@ -31,8 +31,9 @@ struct PubArgs {
   u8* own_dst;  // own AG block of the slot (or null)
   u8* dst2;     // own slice of the device result (or null)
   u8* ring;
+  u64* state;
   u64 first_index, seq, op;
-  u32* counters;
+  u32* counters;  // this seq's set
 };
 
 __device__ __forceinline__ void arrive_flag(u32* counter, u32 n, u64* flag, u64 value) {
@@ -72,43 +73,51 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
     if ((p.own_dst || p.dst2) && e > a)
       copy_any(p.own_dst ? p.own_dst + a : p.dst2 + a, p.own_dst && p.dst2 ? p.dst2 + a : (u8*)0,
                p.src + a, e - a, p.src_sys != 0, b, nb);
-    finish_piece(p.counters + MAX_DIRECT * PIECES + c, nb, p.ring, p.first_index + c, p.seq, p.S,
-                 (u32)p.op, c, (u32)CHUNK_DIRECT);
+    finish_piece(p.counters + MAX_DIRECT * PIECES + c, nb, p.ring, p.state, p.first_index + c,
+                 p.seq, p.S, (u32)p.op, c, (u32)CHUNK_DIRECT);
   }
 }
 
+// src and own_dst are slotted (src_code, own_dst_code: see slot_at); counters: COUNTER_SETS
+// sets of (MAX_DIRECT + 1) * PIECES, by seq.
 #define DIRECT_PARAMS                                                                       \
-  const u8 *src, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab, u8 *own_dst,   \
-      u8 *dst2, u8 *ring, u64 first_index, u64 op, u32 *counters, u64 npub
+  const u8 *src, u64 src_code, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab,  \
+      u8 *own_dst, u64 own_dst_code, u8 *dst2, u8 *ring, u64 op, u32 *counters, u64 npub
 #define PUB_ARGS_INIT                                                                       \
   PubArgs p;                                                                                \
-  p.src = src; p.src_stride = src_stride; p.src_sys = src_sys; p.L = L; p.S = S;            \
-  p.dtab = dtab; p.own_dst = own_dst; p.dst2 = dst2; p.ring = ring;                         \
-  p.first_index = first_index; p.seq = seq; p.op = op; p.counters = counters;
+  p.src = slot_at(src, src_code, w.seq); p.src_stride = src_stride; p.src_sys = src_sys;    \
+  p.L = L; p.S = S; p.dtab = dtab; p.own_dst = slot_at(own_dst, own_dst_code, w.seq);         \
+  p.dst2 = dst2; p.ring = ring; p.state = state;                                            \
+  p.first_index = state_word(state, STATE_RING); p.seq = w.seq; p.op = op;                  \
+  p.counters = counters + (w.seq % COUNTER_SETS) * (MAX_DIRECT + 1) * PIECES;
 
 // Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
-    DIRECT_PARAMS, const u8* slot, u8* dst, u64 dst_stride, WAIT_PARAMS) {
+    DIRECT_PARAMS, const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (blockIdx.x < npub) {
     PUB_ARGS_INIT
     direct_publish(p, blockIdx.x, (u32)npub);
   } else {
-    ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);
+    ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x - (u32)npub,
+            gridDim.x - (u32)npub);
   }
+  last_block_advances(state, adv_entries, adv_gate);
 }
 
 #define RS_DIRECT_KERNEL(NAME, E)                                                            \
   extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                 \
-      DIRECT_PARAMS, const u8* recv, const u8* own, u64 own_sys, u8* dst, WAIT_PARAMS) {     \
+      DIRECT_PARAMS, const u8* recv, u64 recv_code, const u8* own, u64 own_code,             \
+      u64 own_sys, u8* dst, WAIT_PARAMS) {                                                   \
     WAIT_ARGS_INIT                                                                           \
     if (blockIdx.x < npub) {                                                                 \
       PUB_ARGS_INIT                                                                          \
       direct_publish(p, blockIdx.x, (u32)npub);                                              \
     } else {                                                                                 \
-      rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x - (u32)npub,                   \
-                 gridDim.x - (u32)npub);                                                     \
+      rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys,    \
+                 dst, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);               \
     }                                                                                        \
+    last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
 RS_DIRECT_KERNEL(sccl_rs_direct_bf16, BF16)

@@ -152,8 +152,8 @@ __device__ __forceinline__ V16 fin_unit(const FinArgs& a, u64 t, u64 cu) {
 // Called by every thread of every block after its share of item x: the last block claims a
 // ring index and publishes (piece c, chunk j).
 __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8* ring,
-                                            u64 first_index, u64 seq, u64 S, u64 RB, u32 op,
-                                            int c, u64 j) {
+                                            u64* state, u64 first_index, u64 seq, u64 S, u64 RB,
+                                            u32 op, int c, u64 j) {
   __threadfence_system();  // this thread's row stores before the count (and the tag)
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -166,7 +166,7 @@ __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8*
       const u64 index = first_index + k;
       u64 lo, hi;
       piece_bounds_g(S, c, RB, &lo, &hi);
-      write_entry(ring, index, seq, S, lo, hi, op, (u32)c, (u32)j, (u32)RB);
+      write_entry(ring, state, index, seq, S, lo, hi, op, (u32)c, (u32)j, (u32)RB);
     }
   }
 }
@@ -174,7 +174,8 @@ __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8*
 template <bool FP8>
 __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u64 rows,
                                          u64 rows_pad, u64 world, u64 rank, u8* send, u8* own, u8* ring,
-                                         u64 first_index, u64 seq, u64 op, u32* counters) {
+                                         u64* state, u64 first_index, u64 seq, u64 op,
+                                         u32* counters) {
   const u64 RB = 2 * a.H;       // row bytes: the piece granule
   const u64 S = rows_pad * RB;  // this collective's slice (rows per destination, padded)
   const u64 upr = a.H / 8;  // 16-byte output units per row
@@ -195,7 +196,7 @@ __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u
       const u64 t = r0 + r < rows ? j * Rr + row_lo + r0 + r : ~0ull;  // padding rows: zero
       st16(out + r * RB + cu * 16, fin_unit<FP8>(a, t, cu));
     }
-    fin_publish(counters, x, items, ring, first_index, seq, S, RB, (u32)op, c, j);
+    fin_publish(counters, x, items, ring, state, first_index, seq, S, RB, (u32)op, c, j);
   }
   const u64 tbase = rank * Rr + row_lo;
   const u64 n = rows * upr;
@@ -206,21 +207,26 @@ __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u
 }
 
 // Grid: any number of blocks (all resident for the best overlap: the host launches at most
-// one per SM), 512 threads or fewer.
+// one per SM), 512 threads or fewer. send: slotted (send_code, see slot_at); counters:
+// COUNTER_SETS sets of FIN_SET, by seq.
 extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
     const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
     u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    u64 world, u64 rank, u8* send, u8* own, u8* ring, u64 first_index, u64 seq, u64 op,
+    u64 world, u64 rank, u8* send, u64 send_code, u8* own, u8* ring, u64* state, u64 op,
     u32* counters) {
+  const u64 seq = state_word(state, STATE_SEQ);
+  const u64 first_index = state_word(state, STATE_RING);
+  send = slot_at(send, send_code, seq);
+  counters += (seq % COUNTER_SETS) * FIN_SET;
   FinArgs a;
   a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
   a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
   if (fp8)
-    fin_body<true>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, first_index, seq,
-                   op, counters);
+    fin_body<true>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
+                   first_index, seq, op, counters);
   else
-    fin_body<false>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, first_index,
-                    seq, op, counters);
+    fin_body<false>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
+                    first_index, seq, op, counters);
 }
 
 // ---------------------------------------------------------------- MoE finalize, GPU-direct
@@ -235,8 +241,9 @@ extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
 // reduces piece c once every source's piece arrived and gate[c] reached gate_target.
 template <bool FP8>
 __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-                                   u64 rank, const u64* dtab, u8* own, u8* ring, u64 first_index,
-                                   u64 seq, u64 op, u32* counters, u32* gate, u32 b, u32 nb) {
+                                   u64 rank, const u64* dtab, u8* own, u8* ring, u64* state,
+                                   u64 first_index, u64 seq, u64 op, u32* counters, u32* gate,
+                                   u32 b, u32 nb) {
   const u64 RB = 2 * a.H, S = rows_pad * RB, L = rows * RB;
   const u64 ns = dtab[0];
   const u64* items = dtab + 1 + ns * DT_STREAM;
@@ -271,30 +278,38 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
     __threadfence();  // this thread's own rows before the bump
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(gate + c, 1u);
-    finish_piece(counters + MAX_DIRECT * PIECES + c, nb, ring, first_index + c, seq, S, (u32)op,
-                 c, (u32)CHUNK_DIRECT);
+    finish_piece(counters + MAX_DIRECT * PIECES + c, nb, ring, state, first_index + c, seq, S,
+                 (u32)op, c, (u32)CHUNK_DIRECT);
   }
 }
 
 // Grid: npub publish blocks, then 1 poller + consumer blocks (all resident: 2 per SM).
+// counters: as sccl_*_direct's; recv: slotted (recv_code). The gate's target is the bumps of
+// every earlier launch (STATE_GATE) plus this launch's npub.
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
     u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    const u64* dtab, u8* ring, u64 first_index, u64 op, u32* counters, u64 npub, u32* gate,
-    u64 gate_target, const u8* recv, u8* own, u8* dst, WAIT_PARAMS) {
+    const u64* dtab, u8* ring, u64 op, u32* counters, u64 npub, u32* gate, const u8* recv,
+    u64 recv_code, u8* own, u8* dst, WAIT_PARAMS) {
   WAIT_ARGS_INIT
+  const u64 seq = w.seq;
+  const u64 first_index = state_word(state, STATE_RING);
+  const u64 gate_target = state_word(state, STATE_GATE) + npub;
+  counters += (seq % COUNTER_SETS) * (MAX_DIRECT + 1) * PIECES;
+  recv = slot_at(recv, recv_code, seq);
   if (blockIdx.x < npub) {
     FinArgs a;
     a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
     a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
     if (fp8)
-      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, first_index,
-                               seq, op, counters, gate, blockIdx.x, (u32)npub);
+      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
+                               first_index, seq, op, counters, gate, blockIdx.x, (u32)npub);
     else
-      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring,
+      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
                                 first_index, seq, op, counters, gate, blockIdx.x, (u32)npub);
   } else {
     rs_wait<BF16>(recv, own, 0, dst, rows * 2 * H, rows_pad * 2 * H, w, blockIdx.x - (u32)npub,
                   gridDim.x - (u32)npub, gate, (u32)gate_target);
   }
+  last_block_advances(state, adv_entries, adv_gate);
 }

@@ -1,13 +1,16 @@
 // Publish: copy the input into the send region, hand each piece to the proxy.
 #pragma once
 #include "common.cuh"
+#include "wait.cu"
 
 // ---------------------------------------------------------------- publish
 
 // One thread: write publish-ring entry `index` (every field, a system fence, then the tag
-// that hands it to the proxy).
-__device__ __forceinline__ void write_entry(u8* ring, u64 index, u64 seq, u64 S, u64 lo, u64 hi,
-                                            u32 op, u32 piece, u32 chunk, u32 granule) {
+// that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
+__device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64 seq, u64 S,
+                                            u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
+                                            u32 granule) {
+  if (!ring_room(ring, state, index, seq, piece)) return;
   u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
   st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
   st_volatile_u64((u64*)(ent + ENT_SLICE), S);
@@ -38,25 +41,31 @@ __device__ __forceinline__ bool last_block_arrives(u32* counter, u32 n) {
 // `bpp` blocks to get here writes ring entry `index`.
 // chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
 // every chunk, and this data plane already executed its publish-triggered streams).
-__device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64 index, u64 seq,
-                                             u64 S, u32 op, int c, u32 chunk = (u32)CHUNK_ALL) {
+__device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64* state,
+                                             u64 index, u64 seq, u64 S, u32 op, int c,
+                                             u32 chunk = (u32)CHUNK_ALL) {
   if (last_block_arrives(counter, bpp)) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    write_entry(ring, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
+    write_entry(ring, state, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
   }
 }
 
 // Copy + publish. Chunk j (j < nchunks) of the input is src + j * src_stride (L bytes);
-// it goes to dst + j * dst_stride (and, if dst2, also to dst2: all-gather's own slice of
-// the result). Grid: PIECES * bpp blocks, piece c served by blocks [c * bpp, (c+1) * bpp).
-// nchunks == 0: nothing to copy (zero-copy reduce-scatter input), publish only.
+// it goes to dst + j * dst_stride (dst: slotted by dst_code, see slot_at; and, if dst2,
+// also to dst2: all-gather's own slice of the result). Grid: PIECES * bpp blocks, piece c
+// served by blocks [c * bpp, (c+1) * bpp). nchunks == 0: nothing to copy (zero-copy
+// reduce-scatter input), publish only. counters: COUNTER_SETS sets of PIECES, by seq.
 extern "C" __global__ void __launch_bounds__(512) sccl_publish(
-    const u8* src, u64 src_stride, u8* dst, u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
-    u8* ring, u64 first_index, u64 seq, u64 op, u32* counters, u64 bpp) {
+    const u8* src, u64 src_stride, u8* dst, u64 dst_code, u64 dst_stride, u8* dst2, u64 nchunks,
+    u64 L, u64 S, u8* ring, u64* state, u64 op, u32* counters, u64 bpp) {
   const int c = blockIdx.x / (u32)bpp;
   const u32 b = blockIdx.x % (u32)bpp;
   if (c >= PIECES) return;
+  const u64 seq = state_word(state, STATE_SEQ);
+  const u64 first_index = state_word(state, STATE_RING);
+  dst = slot_at(dst, dst_code, seq);
+  counters += (seq % COUNTER_SETS) * PIECES;
   u64 lo, hi;
   piece_bounds(S, c, &lo, &hi);
   const u64 a = lo < L ? lo : L;
@@ -66,5 +75,13 @@ extern "C" __global__ void __launch_bounds__(512) sccl_publish(
       team_copy<false>(dst + j * dst_stride + a, j == 0 && dst2 ? dst2 + a : (u8*)0,
                        src + j * src_stride + a, e - a, b, (u32)bpp);
   }
-  finish_piece(counters + c, (u32)bpp, ring, first_index + c, seq, S, (u32)op, c);
+  finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, (u32)op, c);
+}
+
+// Queued after every other kernel of a collective on its stream where its last kernel does
+// not advance the state itself (modes split and ce: kernels on other streams; a phase
+// alone): see advance_state.
+extern "C" __global__ void sccl_advance(u64* state, u64 entries, u64 gate_add) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  advance_state(state, entries, gate_add);
 }

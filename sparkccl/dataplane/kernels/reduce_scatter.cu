@@ -122,7 +122,7 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
 // Finalize (sccl_finalize_direct): the own chunk is computed in the same launch, so the
 // consumers wait until gate[c] (bumped once by each of the launch's publish blocks after
 // its share of own piece c) reaches target (wrap-safe u32 compare). Returns false if the
-// wait failed or ran past the timeout (recorded like a flag wait's).
+// wait failed, saw the abort word or ran past the timeout (backstop_failed).
 __device__ __forceinline__ bool wait_gate(const WaitArgs& w, const u32* gate, u32 target,
                                           u64 t0) {
   __shared__ int gok;
@@ -134,12 +134,7 @@ __device__ __forceinline__ bool wait_gate(const WaitArgs& w, const u32* gate, u3
         nanosleep(200);
         if ((spins & 1023) == 0) {
           const u64 p = ld_acquire_gpu(w.state);
-          if (p >= w.seq * PROG_STRIDE + FAILED) { r = 0; break; }
-          if (globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
-            record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
-            r = 0;
-            break;
-          }
+          if (p >= w.seq * PROG_STRIDE + FAILED || backstop_failed(w, t0)) { r = 0; break; }
         }
       }
     }
@@ -183,11 +178,15 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
   }
 }
 
+// recv and own are slotted (recv_code, own_code: see slot_at).
 #define RS_KERNEL(NAME, E)                                                                   \
   extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
-      const u8* recv, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S, WAIT_PARAMS) {      \
+      const u8* recv, u64 recv_code, const u8* own, u64 own_code, u64 own_sys, u8* dst,      \
+      u64 L, u64 S, WAIT_PARAMS) {                                                           \
     WAIT_ARGS_INIT                                                                           \
-    rs_wait<E>(recv, own, own_sys, dst, L, S, w, blockIdx.x, gridDim.x);                     \
+    rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys, dst, \
+               L, S, w, blockIdx.x, gridDim.x);                                              \
+    last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
 RS_KERNEL(sccl_rs_wait_bf16, BF16)

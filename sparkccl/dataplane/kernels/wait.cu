@@ -72,6 +72,34 @@ __device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
   return true;
 }
 
+// One thread: wait until publish-ring entry `index` is free (the proxy consumed entry
+// index - RING_ENTRIES), watching the abort word and the timeout like every wait. The GPU
+// does the ring's backpressure because the host no longer knows the indices of a captured
+// collective (docs/PROTOCOL.md "Sequence state"). False: the failure is recorded.
+__device__ bool ring_room(u8* ring, u64* state, u64 index, u64 seq, u32 piece) {
+  u8* ctl = ring - RING_OFFSET;
+  const u64* tail = (const u64*)(ctl + CTL_RING_TAIL);
+  // Signed: a tail ahead of every index (benchmarks/kernel_roofline.py, no proxy) is room.
+  if ((i64)(index - ld_acquire_sys(tail)) < (i64)RING_ENTRIES) return true;
+  WaitArgs w = {};
+  w.abort_w = (const u64*)(ctl + CTL_ABORT);
+  w.status = (u64*)(ctl + CTL_GPU_STATUS);
+  w.state = state;
+  w.seq = seq;
+  w.timeout_ns = state_word(state, STATE_TIMEOUT);
+  const u64 t0 = globaltimer();
+  u32 spins = 0;
+  while ((i64)(index - ld_acquire_sys(tail)) >= (i64)RING_ENTRIES) {
+    const u64 code = ld_relaxed_sys(w.abort_w);
+    if (code || globaltimer() - t0 > w.timeout_ns) {
+      record_failure(w, code ? code : ABORT_TIMEOUT, NO_SOURCE, NO_WORD, piece);
+      return false;
+    }
+    if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
+  }
+  return true;
+}
+
 // One thread: fail at once if an earlier wait of this data plane failed.
 __device__ bool earlier_wait_failed(const WaitArgs& w) {
   if (!*(volatile u64*)(w.state + 1)) return false;
@@ -102,6 +130,23 @@ __device__ void poller(const WaitArgs& w) {
     if (!relay_piece(w, c, t0)) return;
 }
 
+// One thread of a block that waits for another block of its launch (the progress word, a
+// gate): true once the abort word is set or the timeout passed by 2 s (recorded). The
+// block it waits for normally records first and so names the piece; this bounds the wait
+// when that block never runs.
+__device__ SCCL_COLD bool backstop_failed(const WaitArgs& w, u64 t0) {
+  const u64 code = ld_relaxed_sys(w.abort_w);
+  if (code) {
+    record_failure(w, code, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  if (globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
+    record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+    return true;
+  }
+  return false;
+}
+
 // Consumer blocks: thread 0 waits until the progress word reaches `need`, the block then
 // proceeds. Returns false if the wait failed (every consumer then exits).
 __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* seen, u64 t0) {
@@ -115,10 +160,11 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
       if (p >= base + FAILED) { r = 0; break; }
       if (++spins > 16) {
         nanosleep(200);
-        // Backstop: the poller records the timeout; if it cannot (never scheduled), give
-        // up a little later on our own.
-        if ((spins & 1023) == 0 && globaltimer() - t0 > w.timeout_ns + 2000000000ull) {
-          record_failure(w, ABORT_TIMEOUT, 0xFFFFFFFFull, NO_WORD, 0xFF);
+        // Backstop: the poller records the abort or the timeout; if it cannot (never
+        // scheduled), give up on our own, at the abort word (checked less often than the
+        // poller does, which so records first, naming the piece) or a little after the
+        // timeout.
+        if ((spins & 1023) == 0 && backstop_failed(w, t0)) {
           r = 0;
           break;
         }
@@ -136,12 +182,16 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 
 #define WAIT_PARAMS                                                                        \
   const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
-      u64 maxw, u64 *state, u64 seq, u64 rank, u64 world, u64 timeout_ns
+      u64 maxw, u64 *state, u64 rank, u64 world, u64 timeout_ns, u64 adv_entries,          \
+      u64 adv_gate
 #define WAIT_ARGS_INIT                                                                      \
   WaitArgs w;                                                                               \
   w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
-  w.parts = parts; w.state = state; w.seq = seq; w.rank = (int)rank; w.world = (int)world;  \
+  w.parts = parts; w.state = state; w.seq = state_word(state, STATE_SEQ);                     \
+  w.rank = (int)rank; w.world = (int)world;                                                 \
   w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+
+// WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 
 // sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
 // ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
@@ -154,6 +204,16 @@ extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
   relay_piece(w, (int)piece, globaltimer());
+}
+
+// sccl_fail_guard (one thread; mode "ce" in GPU_FAIL_STOP, on the caller's stream after the
+// collective's joins): fail, and so trap, if this data plane failed. The caller's stream only
+// waited for values; once the host released those waits (cuda.py _release_waits: the kernels
+// that would have failed never ran), the copies after them moved whatever had arrived, and
+// nothing queued after the collective may read that as a result.
+extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
+  WAIT_ARGS_INIT
+  if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
 }
 
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
@@ -191,9 +251,10 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
 
 // Grid: 1 poller block + consumer blocks.
 extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
-    const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+    const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
   WAIT_ARGS_INIT
-  ag_wait(slot, dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  last_block_advances(state, adv_entries, adv_gate);
 }
 
 // Mode GPU_FAIL_POISON, queued on the caller's stream after every collective: once any wait

@@ -33,7 +33,8 @@ constexpr pu64 PAGE = 4096;
 // Control block (byte offsets from the start of the control segment).
 constexpr pu64 CTL_MAGIC = 0;        // u64: CTL_MAGIC_VALUE once initialised
 constexpr pu64 CTL_ABORT = 8;        // u64: 0 while healthy, else an ABORT_* code
-constexpr pu64 CTL_RING_HEAD = 16;   // u64: ring entries claimed by producers (next index)
+constexpr pu64 CTL_RING_HEAD = 16;   // u64: ring entries claimed by producers (next index;
+                                     // a CUDA data plane keeps it in STATE_RING instead)
 constexpr pu64 CTL_RING_TAIL = 24;   // u64: ring entries consumed by the proxy
 constexpr pu64 CTL_PID = 32;         // u64: owning process id (peers check it is alive)
 // GPU failure record, written by a failing wait kernel (the code last).
@@ -182,6 +183,22 @@ constexpr pu64 GPU_FAIL_STOP = 0;
 constexpr pu64 GPU_FAIL_POISON = 1;
 constexpr pu64 POISON_BYTE = 0xFF;
 constexpr pu64 ACK_WAIT_NS = 1500000000;  // STOP: how long the kernel waits for the host's ack
+// Device state of a CUDA data plane (u64 words in device memory). The collective's seq and
+// first publish-ring index live here, not in kernel arguments, so a captured CUDA graph
+// replays with fresh values: every kernel of a collective reads them, and sccl_advance,
+// queued last, moves them on (stream order makes that a ticket; docs/PROTOCOL.md
+// "Sequence state").
+constexpr int STATE_PROGRESS = 0;  // progress word (see PROG_STRIDE)
+constexpr int STATE_DEAD = 1;      // 1 once any wait of this data plane failed
+constexpr int STATE_SEQ = 2;       // the next (or running) collective's seq
+constexpr int STATE_RING = 3;      // its first publish-ring index
+constexpr int STATE_GATE = 4;      // finalize gate bumps of every launch so far
+constexpr int STATE_TIMEOUT = 5;   // the waits' timeout in ns (set once)
+constexpr int STATE_EXITS = 6;     // blocks of the running last kernel that finished
+constexpr int STATE_WORDS = 8;
+// A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
+// the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
+constexpr int SLOT_SHIFT = 56;
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu

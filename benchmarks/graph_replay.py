@@ -1,0 +1,189 @@
+"""Captured vs eager: 10 collectives issued one by one against one replay of a CUDA graph of
+the same 10 (issue 17's bar: the replay at least as fast), through the Communicator, one
+process per rank.
+
+Each round is 10 collectives per rank (all-gathers and reduce-scatters alternating, bf16,
+``--kib`` per rank each); a round is timed from before its first call to the end of a
+stream synchronization, median over ``--rounds``; "host" is the time until the calls (or
+the replay) returned, before the synchronization. Rank 0 prints; every rank checks the
+last round's outputs against the references bit for bit.
+
+    python benchmarks/graph_replay.py [--world 2] [--kib 64 1024 4096] [--rounds 50]
+    SPARKCCL_GPU_DIRECT=0 python benchmarks/graph_replay.py   # the proxy path
+    python benchmarks/graph_replay.py --inproc                # one process, a stream per rank
+
+Ranks sharing one GPU time-slice unless MPS runs (see issue 17: ``nvidia-cuda-mps-control
+-d`` first); on two GPUs each rank takes its own (rank % device count). ``--inproc`` puts
+every rank in this process on one GPU, each on its own stream (the tests' in-process world:
+data planes and proxies, no Communicator), so the ranks run concurrently without MPS; a
+round there is every rank's 10 calls (or every rank's replay), timed together.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _job(rank, world, store, kibs, rounds, topology):
+    import torch as T
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import all_gather_reference as agr
+    from sparkccl.reference import bits as B
+    from sparkccl.reference import make_input as mk
+    from sparkccl.reference import reduce_scatter_reference as rsr
+    T.cuda.set_device(rank % T.cuda.device_count())
+    W = world
+    rows = []
+    bad = []
+    with sparkccl.Communicator(store=dist.PrefixStore("graph_replay", store), rank=rank,
+                               world_size=W, device="cuda", topology=topology,
+                               slot_bytes=max(8 << 20, 2 * W * max(kibs) << 10),
+                               timeout_s=60) as g:
+        for kib in kibs:
+            n = (kib << 10) // 2  # bf16 elements per rank
+            xs = [T.zeros((n,), dtype=T.bfloat16, device="cuda") if k % 2 == 0 else
+                  T.zeros((W * n,), dtype=T.bfloat16, device="cuda") for k in range(10)]
+
+            def ten():
+                return [g.all_gather(x) if k % 2 == 0 else g.reduce_scatter(x)
+                        for k, x in enumerate(xs)]
+
+            def timed(fn):
+                T.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = fn()
+                t1 = time.perf_counter()
+                g.synchronize()
+                return out, t1 - t0, time.perf_counter() - t0
+
+            for _ in range(3):  # warm-up: launch plans, buffers, first-use costs
+                timed(ten)
+            graph = T.cuda.CUDAGraph()
+            with T.cuda.graph(graph):
+                gouts = ten()
+            eager_t, eager_h, rep_t, rep_h = [], [], [], []
+            for _ in range(rounds):  # alternate, so drift hits both alike
+                _, h, t = timed(ten)
+                eager_h.append(h)
+                eager_t.append(t)
+                _, h, t = timed(graph.replay)
+                rep_h.append(h)
+                rep_t.append(t)
+            # Exactness of the last replay and an eager round on fresh inputs.
+            ins = [[mk(kib * 100 + k, r, tuple(x.shape), T.bfloat16) for r in range(W)]
+                   for k, x in enumerate(xs)]
+            for x, v in zip(xs, ins):
+                x.copy_(v[rank])
+            graph.replay()
+            eouts = ten()
+            g.synchronize()
+            for k in range(10):
+                ref = agr(ins[k]) if k % 2 == 0 else rsr(ins[k], rank)
+                for what, o in (("replay", gouts[k]), ("eager", eouts[k])):
+                    if not (B(o.cpu()) == ref).all():
+                        bad.append(f"{kib} KiB collective {k} ({what}) differs")
+            med = statistics.median
+            rows.append((kib, med(eager_t), med(rep_t), med(eager_h), med(rep_h)))
+            del graph
+    return rows, bad
+
+
+def _inproc(world: int, kibs: list, rounds: int, topology: str) -> tuple[list, list]:
+    """The same rounds with every rank in this process (tests/test_cuda_dataplane.World)."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # a hardware queue per stream
+    import torch
+
+    from tests.test_cuda_dataplane import GraphCase, Graphs, World
+    direct = os.environ.get("SPARKCCL_GPU_DIRECT") != "0"
+    rows, bad = [], []
+    for kib in kibs:
+        n = (kib << 10) // 2
+        specs = [("ag", (n,), torch.bfloat16) if k % 2 == 0 else
+                 ("rs", (world * n,), torch.bfloat16) for k in range(10)]
+        with World("cuda", topology, world, max_slice=kib << 10, timeout_s=60,
+                   direct=direct) as w:
+            case = GraphCase(w, specs)
+
+            def eager():
+                for r in range(world):
+                    with w.be.on(r):
+                        case.issue(r)
+                w.seq += len(specs)
+
+            def timed(fn):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                return t1 - t0, time.perf_counter() - t0
+
+            for _ in range(3):
+                timed(eager)
+            graphs = Graphs(w)
+            graphs.capture(case.issue)
+            et, eh, rt, rh = [], [], [], []
+            for _ in range(rounds):
+                h, t = timed(eager)
+                eh.append(h)
+                et.append(t)
+                h, t = timed(graphs.replay)
+                rh.append(h)
+                rt.append(t)
+            xs = case.fill(kib)
+            graphs.replay()
+            w.sync()
+            try:
+                case.check(xs, f"{kib} KiB replay")
+            except AssertionError as e:
+                bad.append(str(e))
+        med = statistics.median
+        # Per rank: the host issued every rank's calls in a round.
+        rows.append((kib, med(et), med(rt), med(eh) / world, med(rh) / world))
+    return rows, bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--kib", type=int, nargs="+", default=[64, 1024, 4096])
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--topology", default="mesh")
+    ap.add_argument("--inproc", action="store_true",
+                    help="every rank in this process, a stream each (no MPS needed)")
+    args = ap.parse_args()
+    if args.inproc:
+        rows, bad = _inproc(args.world, args.kib, args.rounds, args.topology)
+        values = [(rows, bad)]
+        where = "one process, a stream per rank, host time per rank"
+    else:
+        from sparkccl.localrun import check, run_ranks
+        values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology),
+                                 timeout_s=480))
+        bad = [f"rank {r}: {x}" for r, (_, xs) in enumerate(values) for x in xs]
+        where = (f"a process per rank, rank 0, MPS pipe "
+                 f"{os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'unset')}")
+    import torch
+    path = "proxy" if os.environ.get("SPARKCCL_GPU_DIRECT") == "0" else "GPU-direct"
+    print(f"graph_replay: world {args.world}, {args.topology}, {path}, "
+          f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {where}; "
+          f"10 collectives (AG/RS alternating, bf16), median of {args.rounds} rounds")
+    print(f"{'KiB/rank':>9} {'eager 10 ms':>12} {'replay ms':>10} {'eager/replay':>13} "
+          f"{'eager host us/call':>19} {'replay host us':>15}")
+    for kib, et, rt, eh, rh in values[0][0]:
+        print(f"{kib:>9} {et * 1e3:>12.3f} {rt * 1e3:>10.3f} {et / rt:>12.2f}x "
+              f"{eh / 10 * 1e6:>19.1f} {rh * 1e6:>15.1f}")
+    print("exact: all outputs equal the references" if not bad else "\n".join(bad))
+    if bad:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
