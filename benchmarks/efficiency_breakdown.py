@@ -107,8 +107,10 @@ def analyse(ranks: list[dict], rate_gbps: float, ideal_ns: float) -> dict:
     crit_r = max(mine, key=lambda x: x["landed"])
     crit = sends[(crit_r["src"], crit_r["seq"])]
     s, dev = crit["rank"], crit["dev"]
+    # (a late trace line of the previous call's last requests is not this call's)
     line = sorted((w for w in sends.values() if w["rank"] == s and w["dev"] == dev
-                   and w["slot"] <= crit["slot"]), key=lambda w: w["slot"])
+                   and w["slot"] <= crit["slot"] and w["posted"] >= ranks[s]["start"]),
+                  key=lambda w: w["slot"])
     p = dict.fromkeys(PARTS, 0.0)
     p["skew"] = ranks[s]["start"] - start  # < 0: the sender started first
     p["first_post"] = line[0]["posted"] - ranks[s]["start"]
