@@ -31,6 +31,29 @@ def max_port_load(topology: str, world: int, roots: int, collective: str) -> flo
     return report.max_port_load(COLLECTIVES[collective])
 
 
+def common_start(store, rank: int, world: int):
+    """A barrier that releases every rank at one instant of CLOCK_MONOTONIC (one clock for
+    every process on this host): after the store barrier, rank 0 names a start 20 ms ahead
+    and every rank sleeps until then. The store barrier alone lets ranks go up to several
+    ms apart on a loaded host, and the earliest rank's call then waits for the latest's
+    data: that skew is the harness's, not the collective's."""
+    n = [0]
+
+    def barrier():
+        n[0] += 1
+        store.add(f"b{n[0]}", 1)
+        while store.add(f"b{n[0]}", 0) < world:
+            time.sleep(0.001)
+        if rank == 0:
+            store.set(f"go{n[0]}", str(time.monotonic_ns() + 20_000_000))
+        go = int(store.get(f"go{n[0]}"))
+        while time.monotonic_ns() < go - 1_000_000:
+            time.sleep(0.0005)
+        while time.monotonic_ns() < go:
+            pass
+    return barrier
+
+
 def _job(rank, world, store, topology, sizes, iters):
     import torch
     import torch.distributed as dist
@@ -39,13 +62,7 @@ def _job(rank, world, store, topology, sizes, iters):
     out = {}
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport="verbs", timeout_s=300) as comm:
-        n = [0]
-
-        def barrier():
-            n[0] += 1
-            store.add(f"b{n[0]}", 1)
-            while store.add(f"b{n[0]}", 0) < world:
-                time.sleep(0.001)
+        barrier = common_start(store, rank, world)
 
         for size in sizes:
             ag_in = torch.full((size,), rank, dtype=torch.uint8)
@@ -75,11 +92,19 @@ def main(argv=None) -> int:
     ap.add_argument("--topologies", default="mesh,ring")
     ap.add_argument("--sizes", default="1M,4M,16M", help="slice per rank")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--pace-on-wake", action="store_true",
+                    help="the emulated NIC's old limiter (a late sender thread loses link time)")
     a = ap.parse_args(argv)
     sizes = [parse_bytes(s, "--sizes") for s in a.sizes.split(",")]
     root = tempfile.mkdtemp(prefix="emunic-bench-")
-    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us),
+    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us,
+                             pace_on_wake=a.pace_on_wake),
            "SPARKCCL_ROOTS": str(a.roots)}
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"# python benchmarks/emunic_efficiency.py {' '.join(argv or sys.argv[1:])}")
+    print(f"# load average at start: {load}" + ("; old limiter (pace_on_wake)"
+                                                 if a.pace_on_wake else ""))
     print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
           f"{a.latency_us:g} us latency; "
           f"{os.cpu_count()} CPUs; median of {a.iters} calls")
@@ -98,8 +123,11 @@ def main(argv=None) -> int:
                     per_call = [max(r[(name, size)][i] for r in res) for i in range(a.iters)]
                     t = statistics.median(per_call)
                     got = (world - 1) * size * 8 / t / 1e9
+                    with open("/proc/loadavg") as f:
+                        now = f.read().split()[0]
                     print(f"{topology:<8} {world:>5} {name:<14} {size >> 20:>5}M {t * 1e3:>9.1f} "
-                          f"{got:>9.3f} {bound:>7.3f} {got / bound:>7.0%}", flush=True)
+                          f"{got:>9.3f} {bound:>7.3f} {got / bound:>7.0%}  load {now}",
+                          flush=True)
     return 0
 
 

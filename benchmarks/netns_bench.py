@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=_size, default=16 << 20)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--congestion", default=None,
+                    help="TCP congestion control in the boxes, e.g. cubic (default: the host's)")
     a = ap.parse_args(argv)
     why = netns.unavailable_reason()
     if why:
@@ -49,10 +51,12 @@ def main(argv=None) -> int:
         return 2
     topology = "mesh" if a.fabric == "switch" else "ring"
     gloo_if = "rt0" if a.fabric == "switch" else "mg"
-    with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, delay=a.delay) as fab:
+    with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, delay=a.delay,
+                      congestion=a.congestion) as fab:
         print(f"netns harness: {a.fabric} fabric of {a.world} boxes, {a.roots} root link(s) per "
               f"port" + (f", {a.rate} per link" if a.rate else ", unshaped")
               + (f", {a.delay} delay" if a.delay else "")
+              + (f", TCP {a.congestion}" if a.congestion else "")
               + f"; gloo over {gloo_if}")
 
         def runner(fn, args, env):
@@ -110,7 +114,9 @@ def _against_line_rate(table: str, topology: str, world: int, roots: int, rate: 
             bound = (world - 1) * _rate_gbps(rate) * roots / max_port_load(topology, world,
                                                                             roots, section)
         elif section and words and words[0].isdigit():
-            got = float(words[4]) * 8  # busbw (GB/s): what each rank received
+            # what each rank received, from the time column (us; the busbw column's 3
+            # decimals of GB/s would round the result in steps of 2% of the bound)
+            got = (world - 1) / world * int(words[0]) * 8 / (float(words[1]) * 1e3)
             print(f"{section:<15} {int(words[0]):>10} {got:>9.3f} {bound:>7.3f} "
                   f"{got / bound:>7.0%}")
 

@@ -200,6 +200,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_PROXY_NAP_US", "int", None, "proxy",
        "then naps this long per idle turn",
        default_text=f"{DEFAULT_NAP_US} ({OVERSUBSCRIBED_NAP_US} when oversubscribed)", lo=0),
+    _v("SPARKCCL_RELAY_LEAD", "int", -1, "proxy",
+       "ring: own pieces a connection may carry ahead of the pieces relayed on it, so relays "
+       "are not queued behind them; -1 = no limit", lo=-1, hi=7),
     _v("SPARKCCL_CHECK_SIZES", "bool", True, "data plane",
        "0: skip the cross-rank size check done on each collective's first piece"),
     _v("SPARKCCL_GPU_DIRECT", "bool", True, "data plane (CUDA)",
@@ -306,6 +309,7 @@ class Settings:
     check_sizes: bool
     oversubscribed: bool
     gpu_direct: bool = True
+    relay_lead: int = -1
 
 
 def check_seconds(value, arg: str) -> float:
@@ -353,7 +357,8 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     OVERSUBSCRIBED_NAP_US if oversub else DEFAULT_NAP_US,
                     check_sizes=get("SPARKCCL_CHECK_SIZES", env),
                     oversubscribed=oversub,
-                    gpu_direct=get("SPARKCCL_GPU_DIRECT", env))
+                    gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
+                    relay_lead=get("SPARKCCL_RELAY_LEAD", env))
 
 
 # ---- where each effective setting comes from (sparkccl doctor) ---------------------------

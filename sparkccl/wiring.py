@@ -103,6 +103,8 @@ class Wiring:
         t = self.plan.to_tables()
         self.proxy = px = nat.Proxy(r, w, self.ctl_addr, self.flags_addr, t["connections"],
                                     t["streams"], t["items"], SLOTS, s.spin_us, s.nap_us)
+        if s.relay_lead >= 0:
+            px.set_relay_lead(s.relay_lead)
         for kind in bufs.segments:
             bufs.wire(px, kind)
         link.attach(px)

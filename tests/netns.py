@@ -116,13 +116,18 @@ def ring_link_ifname(role: str, root: int) -> str:
 
 class Fabric:
     def __init__(self, kind: str, world: int, roots: int = 2, *, mtu: int = 9000,
-                 rate: str | None = None, delay: str | None = None, hostnames: bool = False):
+                 rate: str | None = None, delay: str | None = None, hostnames: bool = False,
+                 congestion: str | None = None):
         if kind not in ("switch", "ring"):
             raise ValueError(f"kind must be 'switch' or 'ring', got {kind!r}")
         if not 2 <= world <= 16:
             raise ValueError("world must be 2..16")
         self.kind, self.world, self.roots = kind, world, roots
         self.mtu, self.rate, self.delay = mtu, rate, delay
+        # TCP congestion control in every box (None: the host's default). The host's may be
+        # bbr, which paces below a tbf-shaped link's rate (benchmarks/netns_raw_tcp.py:
+        # 79-87% of it here; cubic fills it).
+        self.congestion = congestion
         # Ranks in their own UTS namespace with host name "box<r>" (look like separate hosts).
         self.hostnames = hostnames
         self.tag = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
@@ -160,6 +165,9 @@ class Fabric:
         cleanup_stale()
         for ns in [self.sw, *self.boxes]:
             self._add_ns(ns)
+        if self.congestion:
+            for ns in self.boxes:
+                in_ns(ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={self.congestion}")
         sw = self.sw
         bridges = ["brmg"] + ([f"br{k}" for k in range(self.roots)] if self.kind == "switch" else [])
         for br in bridges:

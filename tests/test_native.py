@@ -542,6 +542,60 @@ def test_separate_processes_peer_exits():
         assert "peer 2" in text and ("exited" in text or "aborted" in text), text
 
 
+@pytest.mark.parametrize("world,lead", [(4, 0), (5, 2), (6, 1), (6, 7)])
+def test_end_to_end_relay_lead(world, lead):
+    """Proxy.set_relay_lead: own pieces wait for the relays on their connection; every
+    collective is still exact, and none hangs."""
+    w = World("ring", world, 2, max(SLICES))
+    for p in w.proxies:
+        p.set_relay_lead(lead)
+    w.start()
+    try:
+        for slice_ in SLICES:
+            run_ag(w, slice_)
+            run_rs(w, slice_)
+            run_rs(w, slice_)
+            run_ag(w, slice_)
+        w.check_healthy()
+    finally:
+        w.stop()
+
+
+def test_relay_lead_holds_own_pieces_back():
+    """Ring 4, lead 1: rank 0 alone publishes; its pieces beyond the lead wait for the
+    pieces it relays on the same connection (rank 3's, not published yet), so rank 1 sees
+    only pieces 0 and 1 of rank 0; once every rank published, all of it arrives."""
+    from sparkccl.plan.model import PREV, flag_word
+    W, slice_, lead = 4, 4096, 1
+    w = World("ring", W, 2, slice_)
+    for p in w.proxies:
+        p.set_relay_lead(lead)
+    w.start()
+    try:
+        seq = 0
+        for r in range(W):
+            w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
+        for c in range(G.PIECES):
+            assert N.publish(w.ctl[0].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        words1 = [flag_word(W, Op.AG, 0, PREV, k) for k in range(2)]
+        assert N.wait_flags(w.ctl[1].addr, w.ctl[1].flags_addr, words1,
+                            G.flag_value(seq, lead), 5.0) == (0, -1)
+        time.sleep(0.1)
+        assert [int(w.ctl[1].flags[x]) for x in words1] == [G.flag_value(seq, lead)] * 2
+        for r in (1, 2, 3):
+            for c in range(G.PIECES):
+                assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        w.wait_all(Op.AG, seq)
+        for r in range(W):
+            for b in range(W):
+                assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+        w.check_healthy()
+    finally:
+        w.stop()
+    with pytest.raises(ValueError, match="set_relay_lead"):
+        w.proxies[0].set_relay_lead(8)
+
+
 def test_relay_waits_for_own_entry():
     """Ring 4: rank 1 relays rank 0's data to rank 2, but only once rank 1 itself has seen
     the collective in its own ring (it takes the piece bounds from there)."""

@@ -243,6 +243,9 @@ NB_MODULE(_native, m) {
            "Publish-triggered streams (indices into the stream table) the data plane may "
            "execute itself (GPU-direct); skipped for collectives published with chunk -2. "
            "Before start().")
+      .def("set_relay_lead", &Proxy::set_relay_lead, "pieces"_a,
+           "Own pieces a connection may carry ahead of the pieces relayed on it (-1: no "
+           "limit). Before start().")
       .def("start", &Proxy::start, nb::call_guard<nb::gil_scoped_release>())
       .def("stop", &Proxy::stop, "graceful"_a = false, nb::call_guard<nb::gil_scoped_release>())
       .def("outstanding", &Proxy::outstanding)
@@ -263,7 +266,8 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(gpu_pieces),
                        SPARKCCL_FIELD(publish_samples),
                        SPARKCCL_FIELD(publish_p50_ns),
-                       SPARKCCL_FIELD(publish_p99_ns));
+                       SPARKCCL_FIELD(publish_p99_ns),
+                       SPARKCCL_FIELD(post_ns));
       });
 
   sparkccl::bind_verbs(m);

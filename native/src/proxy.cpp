@@ -97,6 +97,11 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
     ops_[row.op].streams.push_back(streams_.size());
     streams_.push_back(row);
   }
+  for (auto& own : streams_)
+    for (size_t k = 0; k < streams_.size(); ++k)
+      if (own.kind == 0 && streams_[k].kind == 1 && streams_[k].op == own.op &&
+          streams_[k].conn == own.conn)
+        own.relays.push_back(k);
   samples_.reserve(MAX_SAMPLES);
 }
 
@@ -107,6 +112,13 @@ void Proxy::attach(TransportFactory& source) {
                                 "): a transport is attached already, or the proxy has started "
                                 "or stopped");
   transport_ = source.make(ProxySide{&reg_, conns_, ctl_, flags_});
+}
+
+void Proxy::set_relay_lead(int pieces) {
+  std::lock_guard<std::mutex> lk(life_mu_);
+  need(!started_ && !stop_.load(), "set_relay_lead: before start()");
+  need(pieces >= -1 && pieces < geom::PIECES, "set_relay_lead: -1 (off) .. PIECES - 1");
+  relay_lead_ = pieces;
 }
 
 void Proxy::set_gpu_streams(const std::vector<int64_t>& streams) {
@@ -348,6 +360,14 @@ bool Proxy::advance_streams() {
       ready = load_acquire(word_at(flags_, s.arg * FLAG_BYTES)) >= geom::flag_value(c.seq, p);
     }
     if (!ready) continue;
+    // set_relay_lead: a publish stream's pieces all become ready at once (the data plane
+    // publishes faster than a link drains), and a connection's queue is FIFO: posted
+    // together they hold back the pieces this rank relays on the same connection, and with
+    // them every rank further along the ring (benchmarks/efficiency_breakdown.txt, ring
+    // world 6). So an own piece goes out only while the connection's relay streams are at
+    // most relay_lead_ pieces behind it. No cycle: a relay's piece i waits only for the
+    // upstream's piece i, which waits only for relays at piece i - relay_lead_.
+    if (s.kind == 0 && relay_lead_ >= 0 && !relays_caught_up(s, p)) continue;
     if (s.kind == 0 && s.gpu && ((c.direct >> p) & 1u)) {
       // The data plane wrote this piece's data and flag itself: nothing to post.
       n_gpu_pieces_.fetch_add(1, std::memory_order_relaxed);
@@ -376,10 +396,20 @@ bool Proxy::advance_streams() {
   return progress;
 }
 
+bool Proxy::relays_caught_up(const StreamRow& s, int piece) const {
+  for (size_t k : s.relays) {
+    const StreamRow& r = streams_[k];
+    if (r.coll > s.coll) continue;
+    if (r.coll < s.coll || r.piece + relay_lead_ < piece) return false;
+  }
+  return true;
+}
+
 bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
   auto pb = geom::piece_bounds(c.slice, piece, c.granule);
   std::string cause;
   bool ok = true;
+  const uint64_t t0 = now_ns();
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
     auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
@@ -398,6 +428,7 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
     }
   }
   if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, piece), &cause);
+  n_post_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   if (!ok) {
     const ConnInfo& cn = conns_[size_t(s.conn)];
     fail(ABORT_TRANSPORT,
@@ -465,6 +496,7 @@ ProxyStats Proxy::stats() {
   st.turns = n_turns_.load();
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
+  st.post_ns = n_post_ns_.load();
   std::vector<uint64_t> s, pub;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);

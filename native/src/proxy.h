@@ -22,6 +22,10 @@ struct ProxyStats {
   uint64_t gpu_pieces;  // stream pieces skipped: the data plane sent them (GPU-direct)
   // publish (data plane's clock stamp in the ring entry) -> first post of the piece
   uint64_t publish_samples, publish_p50_ns, publish_p99_ns;
+  // time inside the transport's write() and flag() calls of post_piece: what posting costs
+  // the proxy (verbs: building and posting the work requests, the NIC library's share
+  // included), divided by writes + flags for a per-work-request figure
+  uint64_t post_ns;
 };
 
 class Proxy {
@@ -48,6 +52,9 @@ class Proxy {
   // entries carry chunk -2 (CHUNK_DIRECT) the proxy skips these streams (still consuming
   // the entries, which relays need); other collectives go out as usual.
   void set_gpu_streams(const std::vector<int64_t>& streams);
+  // Own pieces a connection may carry ahead of the pieces this rank relays on it (-1: no
+  // limit, the default); before start(). See advance_streams.
+  void set_relay_lead(int pieces);
   void start();
   // graceful: every rank is done (close() after its barrier): the transport flushes and
   // says goodbye, so that peers do not take the close for a failure.
@@ -66,6 +73,8 @@ class Proxy {
     uint64_t coll = 0;  // cursor: collective index within its op
     int piece = 0;
     bool gpu = false;   // set_gpu_streams: skipped for GPU-direct collectives
+    std::vector<size_t> relays;  // publish streams: the relay streams of the same op and
+                                 // connection (their pieces go first, see advance_streams)
   };
   struct ItemRow {
     int src_region, src_block, dst_region, dst_block, root, roots, half, halves;
@@ -92,6 +101,7 @@ class Proxy {
   bool consume_ring();
   bool advance_streams();
   bool post_piece(StreamRow& s, Coll& c, int piece);
+  bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void watch();
   void fail(uint64_t code, const std::string& message);
@@ -112,13 +122,14 @@ class Proxy {
   std::atomic<bool> stop_{false};
   std::mutex life_mu_;  // start/stop from several Python threads
   bool started_ = false;
+  int relay_lead_ = -1;
   bool aborted_ = false;
   bool abort_told_ = false;  // transport_->on_abort() called
   bool stopped_ = false;     // stop() has run (once is enough)
   uint64_t tail_ = 0;
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
-      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0};
+      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0};
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;

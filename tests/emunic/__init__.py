@@ -25,12 +25,14 @@ def library_path() -> str:
 
 
 def host_env(root, *, rate_gbps: float | None = None, latency_us: float | None = None,
-             reorder_ms: float | None = None, **gb10) -> dict[str, str]:
+             reorder_ms: float | None = None, trace: bool = False, pace_on_wake: bool = False,
+             **gb10) -> dict[str, str]:
     """A GB10 tree under ``root`` (``gb10``: tests/fakesysfs.gb10's options; an existing
     tree is reused) and the
     environment that runs the verbs transport on it. ``rate_gbps``: every root's send rate;
     ``latency_us``: one-way latency of a write; ``reorder_ms``: PCIe reordering (non-inline
-    write data lands this much later)."""
+    write data lands this much later); ``trace``: record every work request (:func:`take_trace`); ``pace_on_wake``:
+    the limiter before it credited a late sender thread (emunic.cpp: pace)."""
     root = str(root)
     if not os.path.isdir(os.path.join(root, "class", "infiniband")):  # else: reuse the host
         fakesysfs.gb10(root, **gb10)
@@ -41,10 +43,33 @@ def host_env(root, *, rate_gbps: float | None = None, latency_us: float | None =
         conf.append(f"latency_us={latency_us}")
     if reorder_ms:
         conf.append(f"reorder_ms={reorder_ms}")
+    if trace:
+        conf.append("trace=1")
+    if pace_on_wake:
+        conf.append("pace_on_wake=1")
     with open(os.path.join(root, "emunic.conf"), "w") as f:
         f.write("".join(c + "\n" for c in conf))
     return {"SPARKCCL_IBVERBS_LIB": library_path(), "SPARKCCL_EMUNIC_CONFIG": root,
             "SPARKCCL_SYSFS_ROOT": root, "SPARKCCL_IB_GID_INDEX": str(GID_INDEX)}
+
+
+def take_trace() -> list[list[str]]:
+    """This process's emulated-NIC trace (``host_env(trace=True)``) since the last call, as
+    split lines: ``S dev qpn seq opcode len posted slot go sent`` per work request sent
+    (``slot``: the start of its time on the rate-limited root), ``R qpn src_qpn seq opcode
+    len sent arrived landed`` per one received, and a last ``P calls wrs ns``: the time spent
+    inside ``ibv_post_send`` so far. Times: CLOCK_MONOTONIC ns, the same in every process."""
+    import ctypes
+    lib = ctypes.CDLL(library_path())
+    lib.emunic_trace.restype = ctypes.c_size_t
+    lib.emunic_trace.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    cap = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        need = lib.emunic_trace(buf, cap)
+        if need <= cap:
+            return [line.split() for line in buf.value.decode().splitlines()]
+        cap = need
 
 
 def set_port_state(root, device: str, active: bool, port: int = 1) -> None:

@@ -11,8 +11,14 @@
 // link layer, GIDs and the active MTU (from the netdev MTU, as mlx5 derives it) are read
 // from it, so a GB10 tree gives one ConnectX with two ports, two PCIe functions (roots)
 // each. An optional <root>/emunic.conf holds key=value lines:
-//   rate_gbps=R     every root (device) sends at most R Gb/s (token bucket); 0 = unlimited
+//   rate_gbps=R     every root (device) sends at most R Gb/s (token bucket, see pace());
+//                   0 = unlimited
+//   pace_on_wake=1  a slot starts no earlier than the sender thread runs (the old limiter,
+//                   for before/after measurements: it loses the time a late thread costs)
 //   latency_us=L    a write lands L us after it was sent (one way; acks are not delayed)
+//   trace=1         keep a record of every work request (when posted, when its bytes went out
+//                   under the rate limit, when they landed at the responder) for
+//                   benchmarks/efficiency_breakdown.py, read with emunic_trace() below
 //   reorder_ms=D    PCIe reordering: the bytes of a non-inline RDMA WRITE become visible D ms
 //                   after they arrive; inline writes (the inline-mode flag) at once; the
 //                   receive completion of a WRITE_WITH_IMM only after every earlier write of
@@ -41,6 +47,7 @@
 // Async events: IBV_EVENT_PORT_ERR / IBV_EVENT_PORT_ACTIVE when a port's sysfs state file
 // changes (tests flip it), IBV_EVENT_DEVICE_FATAL when <root>/emunic/fatal-<device> exists.
 #include <arpa/inet.h>
+#include <stdarg.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -164,6 +171,8 @@ struct Conf {
   double rate_gbps = 0;
   double latency_us = 0;
   double reorder_ms = 0;
+  bool trace = false;
+  bool pace_on_wake = false;
   std::string error;  // why there are no devices
 };
 
@@ -216,6 +225,8 @@ Conf load_conf() {
       if (std::sscanf(line, "rate_gbps=%lf", &v) == 1) c.rate_gbps = v;
       else if (std::sscanf(line, "latency_us=%lf", &v) == 1) c.latency_us = v;
       else if (std::sscanf(line, "reorder_ms=%lf", &v) == 1) c.reorder_ms = v;
+      else if (std::sscanf(line, "trace=%lf", &v) == 1) c.trace = v != 0;
+      else if (std::sscanf(line, "pace_on_wake=%lf", &v) == 1) c.pace_on_wake = v != 0;
     }
     std::fclose(f);
   }
@@ -254,6 +265,7 @@ struct Cq {
 
 struct Wr {
   uint64_t wr_id = 0, seq = 0;
+  uint64_t posted_ns = 0;  // ibv_post_send: the earliest its slot on the link can start
   int opcode = 0;
   bool signaled = false, inline_ = false;
   std::string inline_data;
@@ -334,6 +346,11 @@ struct Nic {
     uint64_t next_free_ns = 0;
   };
   std::map<std::string, std::unique_ptr<Bucket>> buckets;
+  // trace=1: one line per event, handed out (and cleared) by emunic_trace()
+  std::mutex tmu;
+  std::string trace_text;
+  std::atomic<uint64_t> post_calls{0}, post_wrs{0}, post_ns{0};  // inside ibv_post_send
+  void trace(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
   int listen_fd = -1;
   bool started = false;
 
@@ -345,6 +362,16 @@ struct Nic {
   }
   void start();
 };
+
+void Nic::trace(const char* fmt, ...) {
+  char line[256];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = std::vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  std::lock_guard<std::mutex> lk(tmu);
+  trace_text.append(line, size_t(std::min<int>(n, int(sizeof line) - 1)));
+}
 
 // Never destroyed: engine threads may run until the process exits.
 Nic& nic() {
@@ -452,19 +479,25 @@ uint64_t retry_ns(const Qp* q) {
   return uint64_t(4096.0 * double(uint64_t(1) << t) * (q->retry_cnt + 1));
 }
 
-void pace(const std::string& dev, uint64_t bytes) {
+// Returns when the bytes may go: the start of their slot on the root's link. The slot starts
+// when the link is free and the work request was posted, as on a NIC: not when this
+// process's sender thread got round to it. A thread that runs late (a busy host) sends
+// the backlog at once and the link loses no time; it can never get ahead of the link,
+// since every slot starts after the previous one ended (benchmarks/efficiency_breakdown.py
+// measured what a late thread used to cost: up to 3.6% of a call on 2 busy CPUs).
+uint64_t pace(const std::string& dev, uint64_t bytes, uint64_t posted_ns) {
   Nic& n = nic();
-  if (n.conf.rate_gbps <= 0) return;
+  if (n.conf.rate_gbps <= 0) return now_ns();
   Nic::Bucket& b = *n.buckets[dev];
   uint64_t start;
   {
     std::lock_guard<std::mutex> lk(b.mu);
-    const uint64_t now = now_ns();
-    start = std::max(now, b.next_free_ns);
+    start = std::max(n.conf.pace_on_wake ? now_ns() : posted_ns, b.next_free_ns);
     b.next_free_ns = start + uint64_t(double(bytes) * 8.0 / n.conf.rate_gbps);
   }
   const uint64_t now = now_ns();
   if (start > now) sleep_ns(start - now);
+  return start;
 }
 
 Mr* find_mr(std::map<uint32_t, Mr*>& table, uint32_t key, Pd* prot, uint64_t addr, uint64_t len,
@@ -559,7 +592,8 @@ void sender_main(Qp* q) {
     }
     const int fd = q->fd;
     lk.unlock();
-    pace(q->owner->dev->name, w.len + 64);
+    const uint64_t slot_ns = pace(q->owner->dev->name, w.len + 64, w.posted_ns);
+    const uint64_t go_ns = now_ns();
     Wire::Header h{};
     h.seq = w.seq;
     h.raddr = w.raddr;
@@ -576,6 +610,11 @@ void sender_main(Qp* q) {
       std::shared_lock<std::shared_mutex> ml(nic().mr_mu);
       ok = write_full(fd, &h, sizeof h, reinterpret_cast<const void*>(w.laddr), w.len);
     }
+    if (nic().conf.trace)  // S dev qpn seq opcode len posted slot go sent
+      nic().trace("S %s %u %llu %d %u %llu %llu %llu %llu\n", q->owner->dev->name.c_str(),
+                  q->q.qp_num, (unsigned long long)w.seq, w.opcode, w.len,
+                  (unsigned long long)w.posted_ns, (unsigned long long)slot_ns,
+                  (unsigned long long)go_ns, (unsigned long long)now_ns());
     lk.lock();
     if (!ok && !q->broken) {
       q->broken = true;
@@ -710,6 +749,7 @@ void engine_conn(int fd) {
   for (;;) {
     Wire::Header m{};
     if (!read_full(fd, &m, sizeof m)) break;
+    const uint64_t arrive_ns = now_ns();
     int status = WC_SUCCESS;
     if (q->destroyed || q->state.load() == QPS_ERR) break;  // dropped: the sender retries
     if (n.conf.latency_us > 0) {  // in flight until then (later writes queue behind it)
@@ -734,6 +774,10 @@ void engine_conn(int fd) {
         if (!read_full(fd, reinterpret_cast<void*>(m.raddr), m.len)) break;
       }
     }
+    if (n.conf.trace)  // R qpn src_qpn seq opcode len sent arrived landed
+      n.trace("R %u %u %llu %d %u %llu %llu %llu\n", q->q.qp_num, h.src_qpn,
+              (unsigned long long)m.seq, int(m.opcode), m.len, (unsigned long long)m.sent_ns,
+              (unsigned long long)arrive_ns, (unsigned long long)now_ns());
     if (status == WC_SUCCESS && m.opcode == WR_RDMA_WRITE_WITH_IMM) {
       uint64_t wr_id = 0;
       bool got = false;
@@ -818,6 +862,17 @@ Cq* cq_of(cq* c) { return reinterpret_cast<Cq*>(c); }
 
 int e_post_send(qp* x, send_wr* wr, send_wr** bad) {
   Qp* q = qp_of(x);
+  const uint64_t t0 = now_ns();
+  struct Count {  // the call's own cost, for the per-work-request figure (trace=1)
+    uint64_t t0, wrs = 0;
+    ~Count() {
+      Nic& n = nic();
+      if (!n.conf.trace) return;
+      n.post_calls.fetch_add(1);
+      n.post_wrs.fetch_add(wrs);
+      n.post_ns.fetch_add(now_ns() - t0);
+    }
+  } count{t0};
   std::lock_guard<std::mutex> lk(q->smu);
   for (; wr; wr = wr->next) {
     int e = 0;
@@ -850,6 +905,8 @@ int e_post_send(qp* x, send_wr* wr, send_wr** bad) {
       return e;
     }
     w.seq = q->next_seq++;
+    w.posted_ns = t0;
+    ++count.wrs;
     q->sq.push_back(std::move(w));
   }
   q->scv.notify_all();
@@ -1198,6 +1255,24 @@ int ibv_get_async_event(context* x, async_event* ev) {
 }
 
 void ibv_ack_async_event(async_event*) {}
+
+// Test harness (trace=1 in emunic.conf): this process's trace lines since the last call,
+// then "P calls wrs ns" (the time spent inside ibv_post_send, lock to notify). Copies at
+// most cap - 1 bytes into buf and returns the length the whole text needs: call again with
+// a larger buf if it did not fit (the text is kept until it fits).
+size_t emunic_trace(char* buf, size_t cap) {
+  Nic& n = nic();
+  std::lock_guard<std::mutex> lk(n.tmu);
+  char tail[96];
+  std::snprintf(tail, sizeof tail, "P %llu %llu %llu\n",
+                (unsigned long long)n.post_calls.load(), (unsigned long long)n.post_wrs.load(),
+                (unsigned long long)n.post_ns.load());
+  const std::string text = n.trace_text + tail;
+  if (text.size() + 1 > cap) return text.size() + 1;
+  std::memcpy(buf, text.c_str(), text.size() + 1);
+  n.trace_text.clear();
+  return text.size() + 1;
+}
 
 const char* ibv_wc_status_str(int s) { return wc_status_text(s); }
 const char* ibv_event_type_str(int t) { return event_type_text(t); }
