@@ -369,14 +369,13 @@ class Communicator:
         if self.device.type != "cuda" or self.single:
             return True
         if dp is None or not hasattr(dp, "seq_on_host"):
-            return not torch.cuda.is_current_stream_capturing()
+            return not _capturing(self.device)
         return dp.seq_on_host()
 
     def _check_setup_capturable(self, what: str) -> None:
         """The first reduce-scatter sets its buffers up (pins memory, talks to the peers):
         nothing a CUDA graph can capture."""
-        if (not self._rs_ready and self.device.type == "cuda"
-                and torch.cuda.is_current_stream_capturing()):
+        if not self._rs_ready and self.device.type == "cuda" and _capturing(self.device):
             raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
                                "reduce-scatter sets up its buffers and cannot be captured in a "
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
@@ -590,3 +589,9 @@ class Communicator:
         return (f"<sparkccl.Communicator rank {self.rank}/{self.world_size} {self.topology}/"
                 f"{getattr(self, 'transport', '?')} {state}>")
 
+
+def _capturing(device: torch.device) -> bool:
+    """Is the current stream of ``device`` being captured into a CUDA graph? (torch asks the
+    current device's stream: make it the communicator's.)"""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()

@@ -209,9 +209,13 @@ class EmuDataPlane(C.CudaDataPlane):
             return
         stream.submit(name, grid, args)
 
+    def _mark(self, ts):
+        return ts.record()
+
     def _end(self, ts):
-        self._last_event = ts.record()
+        self._last_event = self._mark(ts)
         self._last_ctx = ts.ctx
+        self._last_ts = ts
 
     def _event_done(self, ev):
         if not ev.is_set():

@@ -105,7 +105,7 @@ CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
 # After the ack, how long the watchdog waits for the trap to end this process's GPU work
-# before it says on stderr that the GPU is wedged (see _watch_trap).
+# before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
 TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
 PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
 # Once the communicator failed, a failing wait traps (stop) or returns (poison) within
@@ -195,7 +195,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
-        self._last_seq = 0  # the latest collective's seq (_release_waits)
+        self._last_seq = 0  # the latest eager collective's seq (messages; host count)
         self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
         self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
@@ -351,13 +351,27 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             cc.launch(stream, cfg, self.kernels[name], *args)
 
     def _capturing(self) -> bool:
-        """Is the caller's stream being captured into a CUDA graph?"""
-        return torch.cuda.is_current_stream_capturing()
+        """Is the caller's stream (of this data plane's device) being captured into a CUDA
+        graph? (torch asks the current device's stream: make it this one.)"""
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
 
-    def _end(self, ts) -> None:
+    def _mark(self, ts):
+        """An event recorded now on torch stream ``ts``."""
         ev = torch.cuda.Event()
         ev.record(ts)
-        self._last_event = ev
+        return ev
+
+    def _end(self, ts) -> None:
+        self._last_event = self._mark(ts)
+        self._last_ts = ts
+
+    def _replay_mark(self):
+        """After a capture: a fresh event on the stream of the latest eager call. Replays
+        leave no event of ours, but by the one-stream rule they ran on that stream, so the
+        event lies after them (None: no eager call yet, see _wait_last)."""
+        ts = getattr(self, "_last_ts", None)
+        return None if ts is None else self._mark(ts)
 
     def _event_done(self, ev) -> bool:
         """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
@@ -376,9 +390,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def _release_waits(self) -> None:
         """Write what every wait of this data plane waits for: the dead word, then the
-        progress word at FAILED of the latest seq (above every unit of every collective so
-        far), so that stream value waits (mode "ce") and consumer blocks move on and every
-        kernel after them fails at once. From the host, on a stream of its own: the
+        progress word at RELEASED_PROGRESS (above FAILED of any seq, also of replays the host
+        did not count), so that stream value waits (mode "ce") and consumer blocks move on
+        and every kernel after them fails at once. From the host, on a stream of its own: the
         caller's streams are the ones that are stuck."""
         src = self._release_src
         src[0] = RELEASED_PROGRESS
@@ -396,10 +410,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
         CollectiveError (a survivor never blocks without bound) and mark the data plane
         stuck, so that close() leaves the pinned memory the GPU may still use alone."""
-        if self._graph:  # replays of a captured graph leave no event of ours
-            self._device_synchronize()
-            return
         ev = self._last_event
+        if self._graph:  # replays of a captured graph leave no event of ours
+            ev = self._replay_mark()
+            if ev is None:  # nothing eager to find the stream by: the whole device
+                self._device_synchronize()
+                return
+            self._last_event = ev
         if ev is None:
             return
         deadline, released, spins = None, False, 0
@@ -432,12 +449,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   f"flag word {word}" if code else "no GPU failure record")
         return CollectiveError(
             f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
-            f"{self._last_seq}) still had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
+            f"{self._last_seq}{', and graph replays after it' if self._graph else ''}) still "
+            f"had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
             f"also after the host released its waits ({record}); the GPU is stuck: restart "
             "the process", rank=self.rank, cause=cause)
 
     def _busy(self) -> bool:
-        return self._last_event is not None and not self._event_done(self._last_event)
+        ev = self._replay_mark() if self._graph else None  # (the watchdog, after a failure)
+        ev = ev if ev is not None else self._last_event
+        return ev is not None and not self._event_done(ev)
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,

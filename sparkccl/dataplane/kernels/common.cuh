@@ -209,9 +209,10 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
 
 // ---------------------------------------------------------------- sequence state
 //
-// A collective's seq and first ring index (protocol.h STATE_*): written only by
-// sccl_advance, queued after every kernel of the previous collective on the same stream,
-// so a plain load at any point of a launch sees this collective's values.
+// A collective's seq and first ring index (protocol.h STATE_*): moved on only by the last
+// block of the previous collective's last kernel (or sccl_advance after it, modes split
+// and ce), earlier on the same stream, so a plain load at any point of a launch sees this
+// collective's values.
 __device__ __forceinline__ u64 state_word(const u64* state, int k) {
   return *(volatile const u64*)(state + k);
 }

@@ -185,9 +185,9 @@ constexpr pu64 POISON_BYTE = 0xFF;
 constexpr pu64 ACK_WAIT_NS = 1500000000;  // STOP: how long the kernel waits for the host's ack
 // Device state of a CUDA data plane (u64 words in device memory). The collective's seq and
 // first publish-ring index live here, not in kernel arguments, so a captured CUDA graph
-// replays with fresh values: every kernel of a collective reads them, and sccl_advance,
-// queued last, moves them on (stream order makes that a ticket; docs/PROTOCOL.md
-// "Sequence state").
+// replays with fresh values: every kernel of a collective reads them, and the last block of
+// the collective's last kernel (or sccl_advance, queued last in modes split and ce) moves
+// them on (stream order makes that a ticket; docs/PROTOCOL.md "Sequence state").
 constexpr int STATE_PROGRESS = 0;  // progress word (see PROG_STRIDE)
 constexpr int STATE_DEAD = 1;      // 1 once any wait of this data plane failed
 constexpr int STATE_SEQ = 2;       // the next (or running) collective's seq
