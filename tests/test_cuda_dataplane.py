@@ -904,10 +904,7 @@ def test_direct_entry_without_gpu_streams_fails_clearly():
         nfw = num_flag_words(world)
         w.dps[0].map_peers(ctl={1: (w.ctl[1].addr, L.control_bytes(nfw))},
                            ag={1: (w.ag[1].addr, len(w.ag[1].mm))})
-        with w.be.on(0):
-            src = w.keep(torch.zeros(64, dtype=torch.uint8))
-            out = w.keep(torch.zeros(128, dtype=torch.uint8))
-            w.dps[0].all_gather(0, src, out, 0, 64)
+        _lone_all_gathers(w, 64, 1, torch.uint8)
         with pytest.raises(CollectiveError, match="GPU-direct"):
             w.dps[0].synchronize()
 
@@ -1232,10 +1229,7 @@ def test_ring_wait_times_out_on_the_gpu():
     host raises a CollectiveError that says so."""
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5) as w:
         w.dps[0].state[C.STATE_RING] = 300
-        with w.be.on(0):
-            src = w.keep(torch.zeros(64, dtype=torch.uint8))
-            out = w.keep(torch.zeros(128, dtype=torch.uint8))
-            w.dps[0].all_gather(0, src, out, 0, 64)
+        _lone_all_gathers(w, 64, 1, torch.uint8)
         with pytest.raises(CollectiveError, match="space in the publish ring"):
             w.dps[0].synchronize()
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT

@@ -219,17 +219,22 @@ CONFIGS = ([("mesh", w, roots) for w in (2, 3, 4, 8) for roots in (1, 2)]
            + [("ring", w, roots) for w in (2, 3, 4, 5, 6) for roots in (1, 2)])
 
 
+def run_every_slot(w) -> None:
+    """AG, RS, RS, AG per size of SLICES, each checked: sequence numbers rotate through
+    every slot."""
+    for slice_ in SLICES:
+        run_ag(w, slice_)
+        run_rs(w, slice_)
+        run_rs(w, slice_)
+        run_ag(w, slice_)
+
+
 @pytest.mark.parametrize("topology,world,roots", CONFIGS)
 def test_end_to_end(topology, world, roots):
     w = World(topology, world, roots, max(SLICES))
     w.start()
     try:
-        for slice_ in SLICES:
-            # AG, RS, RS, AG per size: sequence numbers rotate through every slot.
-            run_ag(w, slice_)
-            run_rs(w, slice_)
-            run_rs(w, slice_)
-            run_ag(w, slice_)
+        run_every_slot(w)
         w.check_healthy()
         st = w.proxies[0].stats()
         assert st["entries"] == 8 * w.seq and st["flags"] > 0 and st["writes"] > 0
@@ -551,11 +556,7 @@ def test_end_to_end_relay_lead(world, lead):
         p.set_relay_lead(lead)
     w.start()
     try:
-        for slice_ in SLICES:
-            run_ag(w, slice_)
-            run_rs(w, slice_)
-            run_rs(w, slice_)
-            run_ag(w, slice_)
+        run_every_slot(w)
         w.check_healthy()
     finally:
         w.stop()
