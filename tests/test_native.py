@@ -258,6 +258,25 @@ def test_finalize_style_publishes(topology, world):
         w.stop()
 
 
+def fill_own_ag(w, seq: int, slice_: int) -> None:
+    """Every rank's own block of all-gather slot ``seq`` holds its pattern."""
+    for r in range(w.world):
+        w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
+
+
+def publish_ag(w, r: int, seq: int, slice_: int) -> None:
+    """Rank ``r`` publishes every piece of all-gather ``seq``."""
+    for c in range(G.PIECES):
+        assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+
+
+def check_ag(w, seq: int, slice_: int) -> None:
+    """Every rank holds every origin's pattern in all-gather slot ``seq``."""
+    for r in range(w.world):
+        for b in range(w.world):
+            assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+
+
 def test_many_collectives_in_flight():
     """Publishes of several collectives before any wait (the proxy keeps a history)."""
     w = World("ring", 4, 2, 4096)
@@ -267,17 +286,14 @@ def test_many_collectives_in_flight():
         base = w.seq
         for k in range(3):  # three all-gathers published back to back: slots 0,1,2
             seq = base + k
-            for r in range(4):
-                w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
+            fill_own_ag(w, seq, slice_)
             for c in range(G.PIECES):
                 for r in range(4):
                     assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
         for k in range(3):
             seq = base + k
             w.wait_all(Op.AG, seq)
-            for r in range(4):
-                for b in range(4):
-                    assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+            check_ag(w, seq, slice_)
         w.check_healthy()
     finally:
         w.stop()
@@ -574,22 +590,17 @@ def test_relay_lead_holds_own_pieces_back():
     w.start()
     try:
         seq = 0
-        for r in range(W):
-            w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
-        for c in range(G.PIECES):
-            assert N.publish(w.ctl[0].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        fill_own_ag(w, seq, slice_)
+        publish_ag(w, 0, seq, slice_)
         words1 = [flag_word(W, Op.AG, 0, PREV, k) for k in range(2)]
         assert N.wait_flags(w.ctl[1].addr, w.ctl[1].flags_addr, words1,
                             G.flag_value(seq, lead), 5.0) == (0, -1)
         time.sleep(0.1)
         assert [int(w.ctl[1].flags[x]) for x in words1] == [G.flag_value(seq, lead)] * 2
         for r in (1, 2, 3):
-            for c in range(G.PIECES):
-                assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+            publish_ag(w, r, seq, slice_)
         w.wait_all(Op.AG, seq)
-        for r in range(W):
-            for b in range(W):
-                assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+        check_ag(w, seq, slice_)
         w.check_healthy()
     finally:
         w.stop()
@@ -606,10 +617,8 @@ def test_relay_waits_for_own_entry():
     w.start()
     try:
         seq = 0
-        for r in range(W):
-            w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
-        for c in range(G.PIECES):
-            assert N.publish(w.ctl[0].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+        fill_own_ag(w, seq, slice_)
+        publish_ag(w, 0, seq, slice_)
         # Rank 1 gets rank 0's data (arriving on its port facing prev)...
         words1 = [flag_word(W, Op.AG, 0, PREV, k) for k in range(2)]
         assert N.wait_flags(w.ctl[1].addr, w.ctl[1].flags_addr, words1, G.flag_value(seq, 7), 5.0) == (0, -1)
@@ -618,13 +627,10 @@ def test_relay_waits_for_own_entry():
         time.sleep(0.1)
         assert [int(w.ctl[2].flags[x]) for x in words2] == [0, 0]
         for r in (1, 2, 3):
-            for c in range(G.PIECES):
-                assert N.publish(w.ctl[r].addr, 0, seq, c, -1, slice_, 16, 5.0) == 0
+            publish_ag(w, r, seq, slice_)
         w.wait_all(Op.AG, seq)
         assert [int(w.ctl[2].flags[x]) for x in words2] == [G.flag_value(seq, 7)] * 2
-        for r in range(W):
-            for b in range(W):
-                assert np.array_equal(w.block(r, Region.AG, seq, b, slice_), pattern(seq, b, 0, slice_))
+        check_ag(w, seq, slice_)
         w.check_healthy()
         st = w.proxies[1].stats()
         assert st["delay_samples"] > 0 and st["delay_p99_ns"] >= st["delay_p50_ns"] > 0
