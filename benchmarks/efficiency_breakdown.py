@@ -37,7 +37,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +44,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 import emunic  # noqa: E402
-from emunic_efficiency import common_start, max_port_load  # noqa: E402
+from emunic_efficiency import (add_nic_arguments, common_start, load_average,  # noqa: E402
+                               max_port_load, nic_env)
 
 PARTS = ("skew", "first_post", "pickup", "busy", "gap_post", "gap_emu", "land", "tail")
 HEADER_BYTES = 64  # what the emulated NIC's token bucket charges per work request on top
@@ -146,31 +146,15 @@ def _emu_post(ranks):
     return tot
 
 
-def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def main(argv=None) -> int:
     from sparkccl.config import parse_bytes
     from sparkccl.localrun import check, run_ranks
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate-gbps", type=float, default=0.2, help="per root (device)")
-    ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
-    ap.add_argument("--roots", type=int, default=2)
-    ap.add_argument("--worlds", default="2,3,4")
-    ap.add_argument("--topologies", default="mesh,ring")
+    add_nic_arguments(ap, rate_gbps=0.2, sizes="16M", iters=5)
     ap.add_argument("--collectives", default="all_gather,reduce_scatter")
-    ap.add_argument("--sizes", default="16M", help="slice per rank")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--pace-on-wake", action="store_true",
-                    help="the emulated NIC's old limiter (a late sender thread loses link time)")
     a = ap.parse_args(argv)
     sizes = [parse_bytes(s, "--sizes") for s in a.sizes.split(",")]
-    root = tempfile.mkdtemp(prefix="emunic-breakdown-")
-    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us, trace=True,
-                             pace_on_wake=a.pace_on_wake),
-           "SPARKCCL_ROOTS": str(a.roots)}
+    env = nic_env(a, "emunic-breakdown-", trace=True)
     print(f"# python benchmarks/efficiency_breakdown.py {' '.join(argv or sys.argv[1:])}")
     print(f"# {os.cpu_count()} CPUs, load average {load_average()} at start; emulated roots at "
           f"{a.rate_gbps:g} Gb/s, {a.roots} per port, {a.latency_us:g} us latency"

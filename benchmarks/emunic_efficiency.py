@@ -25,6 +25,34 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import emunic  # noqa: E402
 
 
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages, printed beside every figure (this host is
+    shared, and contention moves the results)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def add_nic_arguments(ap: argparse.ArgumentParser, *, rate_gbps: float, sizes: str,
+                      iters: int) -> None:
+    """The emulated NIC and the sweep, as every benchmark over it takes them."""
+    ap.add_argument("--rate-gbps", type=float, default=rate_gbps, help="per root (device)")
+    ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
+    ap.add_argument("--roots", type=int, default=2)
+    ap.add_argument("--worlds", default="2,3,4")
+    ap.add_argument("--topologies", default="mesh,ring")
+    ap.add_argument("--sizes", default=sizes, help="slice per rank")
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--pace-on-wake", action="store_true",
+                    help="the emulated NIC's old limiter (a late sender thread loses link time)")
+
+
+def nic_env(a: argparse.Namespace, prefix: str, **extra) -> dict:
+    """The environment of ranks that run over one emulated GB10 host set up from ``a``."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    return {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us,
+                              pace_on_wake=a.pace_on_wake, **extra),
+            "SPARKCCL_ROOTS": str(a.roots)}
+
+
 def max_port_load(topology: str, world: int, roots: int, collective: str) -> float:
     from sparkccl.plan.report import COLLECTIVES, build_all, default_sequence, verify_plans
     report = verify_plans(build_all(topology, world, roots), default_sequence())
@@ -85,23 +113,11 @@ def main(argv=None) -> int:
     from sparkccl.config import parse_bytes
     from sparkccl.localrun import check, run_ranks
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate-gbps", type=float, default=0.5, help="per root (device)")
-    ap.add_argument("--latency-us", type=float, default=0, help="one way, per write")
-    ap.add_argument("--roots", type=int, default=2)
-    ap.add_argument("--worlds", default="2,3,4")
-    ap.add_argument("--topologies", default="mesh,ring")
-    ap.add_argument("--sizes", default="1M,4M,16M", help="slice per rank")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--pace-on-wake", action="store_true",
-                    help="the emulated NIC's old limiter (a late sender thread loses link time)")
+    add_nic_arguments(ap, rate_gbps=0.5, sizes="1M,4M,16M", iters=3)
     a = ap.parse_args(argv)
     sizes = [parse_bytes(s, "--sizes") for s in a.sizes.split(",")]
-    root = tempfile.mkdtemp(prefix="emunic-bench-")
-    env = {**emunic.host_env(root, rate_gbps=a.rate_gbps, latency_us=a.latency_us,
-                             pace_on_wake=a.pace_on_wake),
-           "SPARKCCL_ROOTS": str(a.roots)}
-    with open("/proc/loadavg") as f:
-        load = " ".join(f.read().split()[:3])
+    env = nic_env(a, "emunic-bench-")
+    load = load_average()
     print(f"# python benchmarks/emunic_efficiency.py {' '.join(argv or sys.argv[1:])}")
     print(f"# load average at start: {load}" + ("; old limiter (pace_on_wake)"
                                                  if a.pace_on_wake else ""))
@@ -123,8 +139,7 @@ def main(argv=None) -> int:
                     per_call = [max(r[(name, size)][i] for r in res) for i in range(a.iters)]
                     t = statistics.median(per_call)
                     got = (world - 1) * size * 8 / t / 1e9
-                    with open("/proc/loadavg") as f:
-                        now = f.read().split()[0]
+                    now = load_average().split()[0]
                     print(f"{topology:<8} {world:>5} {name:<14} {size >> 20:>5}M {t * 1e3:>9.1f} "
                           f"{got:>9.3f} {bound:>7.3f} {got / bound:>7.0%}  load {now}",
                           flush=True)

@@ -144,8 +144,7 @@ def main(argv=None) -> int:
     sl = parse_bytes(a.slice, "--slice")
     peers_per_link = 1 if a.fabric == "ring" else a.world - 1
     per_link = sl // a.roots  # per peer; a switch link carries it to every peer
-    with open("/proc/loadavg") as f:
-        load = " ".join(f.read().split()[:3])
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with netns.Fabric(a.fabric, a.world, a.roots, rate=a.rate, congestion=a.congestion) as fab:
         res = check(fab.run(_job, (a.fabric, a.roots, per_link, a.iters), timeout_s=600))
     ideal = peers_per_link * per_link * 8 / (_rate_gbps(a.rate) * 1e9)
