@@ -88,7 +88,7 @@ from .cpu import fin_slice
 from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, OP_COPY, OP_LAUNCH, OP_RECORD,
                            OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE, WAIT_THREADS,
                            DirectCall, DirectEngines)
-from .cuda_runtime import (AlreadyRegistered, check_available, device_view, host_device_pointer,
+from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view, host_device_pointer,
                            kernels_for, register_host, set_current, unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
@@ -216,7 +216,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
-        self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
+        # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
+        self._unchecked: list[tuple[Op, int, int, int, set]] = []
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
         self._setup_backend(device)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
@@ -724,11 +725,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if not self._graph:
             self._ops[seq] = op
             self._ops.pop(seq - 512, None)
-            if self.peer_rings is not None:
-                self._unchecked.append((op, seq, S, set(range(self.world)) - {self.rank}))
-                del self._unchecked[:-64]
             self._last_seq = max(self._last_seq, seq)
         first = self._ring_next
+        if not self._graph and self.peer_rings is not None:
+            self._unchecked.append((op, seq, S, first, set(range(self.world)) - {self.rank}))
+            del self._unchecked[:-64]
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -792,21 +793,50 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
         the peers' own publish entries once those appear (the GPU cannot do it before it
-        waits, so a mismatch is reported at the next call or at synchronize())."""
-        if self.peer_rings is None or not self._unchecked:
+        waits, so a mismatch is reported at a later call or at synchronize()).
+
+        Cheap enough for every call while the host runs ahead of the GPU: oldest first, one
+        row per peer (:meth:`_probe_size`), and a peer whose entry is not there yet is not
+        asked about later collectives (a rank publishes its collectives in order)."""
+        pending = self._unchecked
+        if self.peer_rings is None or not pending:
             return
-        keep = []
-        for op, seq, S, peers in self._unchecked:
-            for p in sorted(peers):
+        keep, waiting, others = [], set(), self.world - 1
+        for k, item in enumerate(pending):
+            if len(waiting) == others:
+                keep.extend(pending[k:])
+                break
+            op, seq, S, first, peers = item
+            for p in sorted(peers - waiting):
                 try:
-                    if self._check_size(op, seq, p, S):
-                        peers.discard(p)
+                    seen = self._probe_size(op, seq, S, first, p)
                 except CollectiveError:
                     self._unchecked = []
                     raise
+                if seen:
+                    peers.discard(p)
+                else:
+                    waiting.add(p)
             if peers:
-                keep.append((op, seq, S, peers))
+                keep.append(item)
         self._unchecked = keep
+
+    def _probe_size(self, op: Op, seq: int, S: int, first: int, peer: int) -> bool:
+        """:meth:`_check_size` reading one row: every rank takes the same ring entries per
+        collective, so the peer's entry of seq sits at this rank's index ``first`` (tag
+        first + 1). An older tag there: not published yet. A newer one: the rings went
+        apart (e.g. ranks of a finalize on different engines), so scan the whole ring."""
+        ring = self.peer_rings[peer]
+        if ring is None:
+            return True
+        row = ring[first % len(ring)]
+        tag, theirs = int(row[0]), int(row[1])
+        if tag == first + 1 and theirs == seq:
+            if int(row[2]) == S:
+                return True
+        elif tag < first + 1 or (tag == first + 1 and theirs < seq):
+            return False
+        return self._check_size(op, seq, peer, S)  # (also for the message of a mismatch)
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
