@@ -65,8 +65,8 @@ def _job(rank, world, store, kibs, rounds, topology, profile=0):
 
             for _ in range(3):  # warm-up: launch plans, buffers, first-use costs
                 timed(ten)
-            if profile and rank == 0 and kib == kibs[0]:
-                _profile(lambda: timed(ten), profile)
+            if profile and kib == kibs[0]:  # (every rank runs the rounds; rank 0 reports)
+                _profile(lambda: timed(ten), profile, report=rank == 0)
             graph = T.cuda.CUDAGraph()
             with T.cuda.graph(graph):
                 gouts = ten()
@@ -97,9 +97,9 @@ def _job(rank, world, store, kibs, rounds, topology, profile=0):
     return rows, bad
 
 
-def _profile(fn, rounds: int) -> None:
+def _profile(fn, rounds: int, report: bool) -> None:
     """Where the host time of eager calls goes: cProfile over ``rounds`` eager rounds, the
-    functions with the most time of their own (on stderr)."""
+    functions with the most time of their own (on stderr, if ``report``)."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
@@ -107,6 +107,8 @@ def _profile(fn, rounds: int) -> None:
     for _ in range(rounds):
         fn()
     prof.disable()
+    if not report:
+        return
     print(f"graph_replay --profile: {rounds} eager rounds of 10 calls, rank 0", file=sys.stderr)
     pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
