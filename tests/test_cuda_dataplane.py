@@ -48,6 +48,7 @@ PID = os.getpid()
 HAVE_GPU = torch.cuda.is_available()
 EMU_DIR = Path(__file__).parent / "cuda_emu"
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+EMU_TRAP_LOCK = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sparkccl-emu-trap-{PID}.lock")
 
 cuda_only = [pytest.mark.cuda,
              pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "
@@ -178,6 +179,8 @@ class EmuDataPlane(C.CudaDataPlane):
         self.device = torch.device("cpu")
         self.kernels = {}
         self.sms = 4
+        # Every emulated rank of this test process "shares one GPU": one trap lock.
+        self.trap_lock_path = EMU_TRAP_LOCK
 
     def _register(self, addr, size):
         self._registered.append(addr)
@@ -227,8 +230,11 @@ class EmuDataPlane(C.CudaDataPlane):
         self.state[1] = 1
         self.state[0] = C.RELEASED_PROGRESS
 
-    def _busy(self):
-        return self._last_event is not None and not self._last_event.is_set()
+    def _busy(self):  # as an event query: a lost context raises
+        if self._last_event is None:
+            return False
+        self._last_ctx.check()
+        return not self._last_event.is_set()
 
     def _fork(self, ts, name="side"):
         st = self._side_streams.get(name)
