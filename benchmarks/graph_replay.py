@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _job(rank, world, store, kibs, rounds, topology):
+def _job(rank, world, store, kibs, rounds, topology, profile=0):
     import torch as T
     import torch.distributed as dist
 
@@ -65,6 +65,8 @@ def _job(rank, world, store, kibs, rounds, topology):
 
             for _ in range(3):  # warm-up: launch plans, buffers, first-use costs
                 timed(ten)
+            if profile and rank == 0 and kib == kibs[0]:
+                _profile(lambda: timed(ten), profile)
             graph = T.cuda.CUDAGraph()
             with T.cuda.graph(graph):
                 gouts = ten()
@@ -93,6 +95,20 @@ def _job(rank, world, store, kibs, rounds, topology):
             rows.append((kib, med(eager_t), med(rep_t), med(eager_h), med(rep_h)))
             del graph
     return rows, bad
+
+
+def _profile(fn, rounds: int) -> None:
+    """Where the host time of eager calls goes: cProfile over ``rounds`` eager rounds, the
+    functions with the most time of their own (on stderr)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(rounds):
+        fn()
+    prof.disable()
+    print(f"graph_replay --profile: {rounds} eager rounds of 10 calls, rank 0", file=sys.stderr)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
 
 def _inproc(world: int, kibs: list, rounds: int, topology: str) -> tuple[list, list]:
@@ -156,6 +172,8 @@ def main() -> None:
     ap.add_argument("--kib", type=int, nargs="+", default=[64, 1024, 4096])
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--topology", default="mesh")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
+                    help="rank 0 profiles ROUNDS eager rounds of the first size (stderr)")
     ap.add_argument("--inproc", action="store_true",
                     help="every rank in this process, a stream each (no MPS needed)")
     args = ap.parse_args()
@@ -165,8 +183,8 @@ def main() -> None:
         where = "one process, a stream per rank, host time per rank"
     else:
         from sparkccl.localrun import check, run_ranks
-        values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology),
-                                 timeout_s=480))
+        values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology,
+                                                         args.profile), timeout_s=480))
         bad = [f"rank {r}: {x}" for r, (_, xs) in enumerate(values) for x in xs]
         where = (f"a process per rank, rank 0, MPS pipe "
                  f"{os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'unset')}")

@@ -37,7 +37,7 @@ from sparkccl import layout as L
 from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import REGION_SLOTS, Region, num_flag_words
+from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
@@ -205,12 +205,24 @@ class EmuDataPlane(C.CudaDataPlane):
     def _capturing(self):
         return getattr(_emu_current, "capture", None) is not None
 
-    def _launch(self, stream, name, grid, block, *args):
+    def _launch_kernel(self, stream, name, grid, block, *args):
         capture = getattr(_emu_current, "capture", None)
         if capture is not None:  # an emulated graph capture: recorded, not run
             capture.append((stream, name, grid, [int(a) for a in args]))
             return
         stream.submit(name, grid, args)
+
+    def _make_plan(self, rec):
+        return rec  # replayed launch by launch (_issue_plan)
+
+    def _issue_plan(self, rec, args):
+        if self._capturing():
+            return False
+        ts = _emu_current.stream
+        for name, grid, block, params in rec.launches_for(args):
+            self._launch(ts, name, grid, block, *params)
+        self._end(ts)
+        return True
 
     def _mark(self, ts):
         return ts.record()
@@ -1874,3 +1886,56 @@ def test_poison_covers_a_zero_copy_result(mode):
         slot = w.dps[0].ag_slot(seq, world * S)
         for i in range(world):
             assert bytes(slot[i * S:i * S + n].numpy()) == b"\xff" * n
+
+
+# ---------------------------------------------------------------- launch plans (eager fast path)
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [None, "fused", "split", "ce"])
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2)])
+def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, world, roots):
+    """The first call of a shape plans it; later calls of that shape replay its launch plan
+    with their own pointers (every call writes a fresh output buffer and reads a fresh
+    input: a parameter left at the first call's pointer would read or write the old ones),
+    through every slot (seq % 3, seq % 2) more than twice. Another dtype of the same bytes,
+    or another size, is another plan; new tables (peers mapped again) drop the plans.
+    Engines with host-side stream operations (split, ce) and zero-copy results never plan.
+    Every output equals the rank-order reference bit for bit."""
+    planned = mode in (None, "fused")
+    with World(backend, topology, world, roots, max_slice=1 << 14, direct=mode is not None,
+               mode=mode) as w:
+        pending = []
+        for k in range(7):
+            xs = inputs(700 + k, world, (1000,), torch.uint8)
+            pending.append((check_ag, xs, w.all_gather(xs)))
+            rs = inputs(720 + k, world, (world * 64,), torch.bfloat16)
+            pending.append((check_rs, rs, w.reduce_scatter(rs)))
+            if k in (2, 5):  # other shapes in between: the plans stay apart
+                ys = inputs(740 + k, world, (1001,), torch.uint8)
+                pending.append((check_ag, ys, w.all_gather(ys)))
+                fs = inputs(760 + k, world, (world * 32,), torch.float32)  # bf16's bytes
+                pending.append((check_rs, fs, w.reduce_scatter(fs)))
+        zs = inputs(780, world, (64,), torch.float32)
+        zero = w.all_gather(zs, zero_copy=True)
+        w.sync()
+        for check, xs, outs in pending:
+            check(w, xs, outs)
+        for r, (seq, n) in enumerate(zero):
+            got = w.dps[r].ag_slot(seq, world * 256).cpu().view(torch.float32)
+            assert torch.equal(got, torch.cat(zs)), f"zero-copy all_gather rank {r}"
+        for dp in w.dps:
+            st = dp.plans.stats
+            if planned:  # 4 shapes planned (the zero-copy result is not): 14 + 4 - 4 hits
+                assert (st["misses"], st["hits"], len(dp.plans.plans)) == (4, 14, 4), st
+            else:
+                assert st["hits"] == 0 and not dp.plans.plans, st
+        if mode == "fused":
+            for dp in w.dps:
+                dp._build_direct(Op.AG)  # (what map_peers does): the tables are new
+                assert not dp.plans.plans and dp.plans.stats["invalidations"] == 1
+            xs = inputs(790, world, (1000,), torch.uint8)
+            outs = w.all_gather(xs)
+            w.sync()
+            check_ag(w, xs, outs)
+            assert all(dp.plans.stats["misses"] == 5 for dp in w.dps)
+        w.healthy()

@@ -348,6 +348,40 @@ def test_finalize_graph_replay(backend, topology, world, roots, direct):
         w.healthy()
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finalize_launch_plans(backend, direct):
+    """Later finalizes of a shape run from its launch plan with their own six pointers
+    (fresh y, pos, weights, shared, scales and result every call), through every slot; a
+    call of other rows is another plan. Bit-exact every time."""
+    W = 2
+    T, Tpad, H, topk = 8 * W - 3, 16 * W, 256, 4
+    with World(backend, "mesh", W, 2, max_slice=1 << 16, direct=direct) as w:
+        pending = []
+        for it in range(6):
+            fp8 = it % 2 == 1  # (fp8 and bf16 alternate: two shapes, each planned once)
+            inputs = [make_finalize_input(30 + it, r, tokens=T, hidden=H, topk=topk,
+                                          experts_rows=T + 5, fp8=fp8) for r in range(W)]
+            pending.append((inputs, run_finalize(w, inputs, T, Tpad)))
+        w.sync()
+        for inputs, outs in pending:
+            check_finalize(w, inputs, T, Tpad, outs)
+        for dp in w.dps:
+            assert (dp.plans.stats["misses"], dp.plans.stats["hits"]) == (2, 4), dp.plans.stats
+            assert dp.direct_launches == (6 if direct else 0)
+        # Wider rows outgrow the own-rows scratch buffer the plans point into: they are
+        # dropped, and the first shape is planned again (against the new buffer).
+        for it, hidden in enumerate((2 * H, H)):
+            inputs = [make_finalize_input(40 + it, r, tokens=T, hidden=hidden, topk=topk,
+                                          experts_rows=T + 5) for r in range(W)]
+            outs = run_finalize(w, inputs, T, Tpad)
+            w.sync()
+            check_finalize(w, inputs, T, Tpad, outs)
+        for dp in w.dps:
+            assert dp.plans.stats["invalidations"] == 1 and dp.plans.stats["misses"] == 4
+        w.healthy()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_finalize_direct_and_proxy_ranks_mix(backend):
     """A rank whose finalize goes through its proxy and ranks whose GPUs write directly

@@ -1,8 +1,11 @@
-// Copy-engine data plane ("ce" mode of sparkccl/dataplane/cuda.py): issues one collective's
-// stream operations (copies, 64-bit value writes and waits, launches of the piece-wait and
-// unit-sum kernels, event records and waits; 80-130 of them per collective at world 2) in one call,
-// without the GIL. From Python each costs 5-20 us, which for collectives under ~64 MiB is
-// longer than the copies take; here each is one driver call.
+// Stream operations of the CUDA data plane (sparkccl/dataplane/cuda.py), issued without the
+// GIL, one driver call each (from Python each costs 5-20 us):
+// - cuda_issue: one collective's copy-engine operations ("ce" mode: copies, 64-bit value
+//   writes and waits, launches of the piece-wait and unit-sum kernels, event records and
+//   waits; 80-130 of them per collective at world 2);
+// - LaunchPlan: the kernels of one collective shape with their parameters, replayed per call
+//   with the call's pointers patched in (sparkccl/dataplane/launch_plan.py), then an event
+//   record: the eager fast path.
 //
 // libcuda is loaded with dlopen on first use (the module is never linked to CUDA: CPU users
 // need no driver). The caller's thread must have the device's context current (the Python
@@ -28,6 +31,8 @@ using CUresult = int;
 using CUstream = void*;
 using CUfunction = void*;
 using CUevent = void*;
+using CUcontext = void*;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 
 struct CudaApi {
   CUresult (*memcpy_async)(uint64_t dst, uint64_t src, size_t n, CUstream s) = nullptr;
@@ -39,6 +44,11 @@ struct CudaApi {
   CUresult (*event_record)(CUevent e, CUstream s) = nullptr;
   CUresult (*wait_event)(CUstream s, CUevent e, unsigned flags) = nullptr;
   CUresult (*error_string)(CUresult e, const char** s) = nullptr;
+  CUresult (*is_capturing)(CUstream s, int* status) = nullptr;
+  CUresult (*ctx_get)(CUcontext* c) = nullptr;
+  CUresult (*ctx_push)(CUcontext c) = nullptr;
+  CUresult (*ctx_pop)(CUcontext* c) = nullptr;
+  CUresult (*event_query)(CUevent e) = nullptr;
   std::string error;
 };
 
@@ -66,13 +76,27 @@ const CudaApi& api() {
               find(lib, &a.launch, "cuLaunchKernel") &&
               find(lib, &a.event_record, "cuEventRecord") &&
               find(lib, &a.wait_event, "cuStreamWaitEvent") &&
-              find(lib, &a.error_string, "cuGetErrorString");
+              find(lib, &a.error_string, "cuGetErrorString") &&
+              find(lib, &a.is_capturing, "cuStreamIsCapturing") &&
+              find(lib, &a.ctx_get, "cuCtxGetCurrent") &&
+              find(lib, &a.ctx_push, "cuCtxPushCurrent_v2", "cuCtxPushCurrent") &&
+              find(lib, &a.ctx_pop, "cuCtxPopCurrent_v2", "cuCtxPopCurrent") &&
+              find(lib, &a.event_query, "cuEventQuery");
     if (!ok)
       a.error = "libcuda.so.1 lacks one of cuMemcpyAsync, cuStreamWriteValue64, "
-                "cuStreamWaitValue64, cuLaunchKernel, cuEventRecord, cuStreamWaitEvent";
+                "cuStreamWaitValue64, cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, "
+                "cuStreamIsCapturing, cuCtxGetCurrent, cuCtxPushCurrent, cuCtxPopCurrent, "
+                "cuEventQuery";
   });
   if (!a.error.empty()) throw std::runtime_error("sparkccl: " + a.error);
   return a;
+}
+
+[[noreturn]] void fail(const CudaApi& cu, const std::string& what, CUresult r) {
+  const char* text = nullptr;
+  cu.error_string(r, &text);
+  throw std::runtime_error("sparkccl: " + what + " failed: " +
+                           (text ? text : ("CUresult " + std::to_string(r))));
 }
 
 // Operation kinds of the flat op list: 5 words per op (kind, stream, a, b, c).
@@ -156,14 +180,109 @@ void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t
                     static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, ptrs[a].data(),
                     nullptr);
     }
-    if (r != 0) {
-      const char* text = nullptr;
-      cu.error_string(r, &text);
-      throw std::runtime_error("sparkccl: " + describe(kind) + " failed (operation " +
-                               std::to_string(k / OP_WORDS) + "): " +
-                               (text ? text : ("CUresult " + std::to_string(r))));
-    }
+    if (r != 0) fail(cu, describe(kind) + " (operation " + std::to_string(k / OP_WORDS) + ")", r);
   }
+}
+
+// The kernels of one collective shape (sparkccl/dataplane/launch_plan.py): per launch a
+// function, grid and block and its 64-bit parameters; `patches` (launch, parameter, call
+// argument, addend) set a parameter to one of the call's pointers (at most ARGS) plus a
+// constant.
+// issue() launches them in order on the stream and records `event` after them, in the
+// context the plan was made for (pushed only when another one is current: torch's notion of
+// the current device stays as it was).
+class LaunchPlan {
+ public:
+  static constexpr size_t ARGS = 6;
+  using KernelRow = std::tuple<uint64_t, unsigned, unsigned, std::vector<uint64_t>>;
+  using Patch = std::tuple<size_t, size_t, size_t, uint64_t>;
+
+  LaunchPlan(uint64_t context, uint64_t event, const std::vector<KernelRow>& kernels,
+             const std::vector<Patch>& patches)
+      : ctx_(reinterpret_cast<CUcontext>(static_cast<uintptr_t>(context))),
+        event_(reinterpret_cast<CUevent>(static_cast<uintptr_t>(event))) {
+    if (!ctx_ || !event_) throw std::invalid_argument("LaunchPlan: needs a context and an event");
+    if (kernels.empty()) throw std::invalid_argument("LaunchPlan: no kernels");
+    for (const auto& [fn, grid, block, params] : kernels) {
+      if (!fn || !grid || !block || grid > 0x7FFFFFFFu || block > 1024)
+        throw std::invalid_argument("LaunchPlan: a launch needs a function, 1..2^31-1 blocks "
+                                    "and 1..1024 threads per block");
+      launches_.push_back({reinterpret_cast<CUfunction>(static_cast<uintptr_t>(fn)), grid, block,
+                           params, {}});
+    }
+    for (const auto& [l, p, arg, add] : patches) {
+      if (l >= launches_.size() || p >= launches_[l].params.size() || arg >= ARGS)
+        throw std::invalid_argument("LaunchPlan: patch (" + std::to_string(l) + ", " +
+                                    std::to_string(p) + ", " + std::to_string(arg) +
+                                    ") names no parameter or no call argument");
+      patches_.push_back({l, p, arg, add});
+    }
+    // The pointer arrays last: params no longer moves.
+    for (auto& ln : launches_)
+      for (auto& v : ln.params) ln.ptrs.push_back(&v);
+  }
+
+  // False, issuing nothing: the stream is being captured (the caller takes its capture path).
+  bool issue(uint64_t stream, uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4,
+             uint64_t a5) {
+    const CudaApi& cu = api();
+    CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream));
+    const uint64_t args[ARGS] = {a0, a1, a2, a3, a4, a5};
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
+    CUcontext cur = nullptr;
+    CUresult r = cu.ctx_get(&cur);
+    if (r != 0) fail(cu, "cuCtxGetCurrent", r);
+    const bool pushed = cur != ctx_;
+    if (pushed && (r = cu.ctx_push(ctx_)) != 0) fail(cu, "cuCtxPushCurrent", r);
+    struct Pop {
+      const CudaApi& cu;
+      bool on;
+      ~Pop() {
+        CUcontext c;
+        if (on) cu.ctx_pop(&c);
+      }
+    } pop{cu, pushed};
+    int capture = 0;
+    if ((r = cu.is_capturing(s, &capture)) != 0) fail(cu, "cuStreamIsCapturing", r);
+    if (capture != 0) return false;
+    for (const auto& [l, p, arg, add] : patches_) launches_[l].params[p] = args[arg] + add;
+    for (size_t i = 0; i < launches_.size(); ++i) {
+      Launch& ln = launches_[i];
+      r = cu.launch(ln.fn, ln.grid, 1, 1, ln.block, 1, 1, 0, s, ln.ptrs.data(), nullptr);
+      if (r != 0) fail(cu, "cuLaunchKernel (launch " + std::to_string(i) + " of a launch plan)", r);
+    }
+    if ((r = cu.event_record(event_, s)) != 0) fail(cu, "cuEventRecord", r);
+    return true;
+  }
+
+  size_t launches() const { return launches_.size(); }
+
+ private:
+  struct Launch {
+    CUfunction fn;
+    unsigned grid, block;
+    std::vector<uint64_t> params;
+    std::vector<void*> ptrs;
+  };
+  CUcontext ctx_;
+  CUevent event_;
+  std::vector<Launch> launches_;
+  std::vector<Patch> patches_;
+  std::mutex mu_;
+};
+
+// Has the GPU passed the event? Raises the CUDA error of a lost context.
+bool event_query(uint64_t event) {
+  const CudaApi& cu = api();
+  CUresult r;
+  {
+    nb::gil_scoped_release nogil;
+    r = cu.event_query(reinterpret_cast<CUevent>(static_cast<uintptr_t>(event)));
+  }
+  if (r == 0) return true;
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  fail(cu, "cuEventQuery", r);
 }
 
 }  // namespace
@@ -172,5 +291,16 @@ namespace sparkccl {
 void bind_cuda_ops(nb::module_& m) {
   m.def("cuda_issue", &issue, "kernels"_a, "ops"_a,
         "Issue copy-engine data-plane stream operations (see native/src/cuda_ops.cpp).");
+  nb::class_<LaunchPlan>(m, "LaunchPlan")
+      .def(nb::init<uint64_t, uint64_t, const std::vector<LaunchPlan::KernelRow>&,
+                    const std::vector<LaunchPlan::Patch>&>(),
+           "context"_a, "event"_a, "kernels"_a, "patches"_a)
+      .def("issue", &LaunchPlan::issue, "stream"_a, "a0"_a, "a1"_a = 0, "a2"_a = 0, "a3"_a = 0,
+           "a4"_a = 0, "a5"_a = 0,
+           "Launch the plan's kernels with the call's pointers and record its event; False "
+           "(nothing issued) while the stream is being captured.")
+      .def_prop_ro("launches", &LaunchPlan::launches);
+  m.def("cuda_event_query", &event_query, "event"_a,
+        "cuEventQuery: True once the GPU passed the event, False before; raises otherwise.");
 }
 }  // namespace sparkccl

@@ -66,7 +66,6 @@ cuda-python is imported only when a :class:`CudaDataPlane` is created: CPU users
 need it.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import ctypes
 import os
@@ -83,6 +82,7 @@ from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
                           wait_parts, wait_table)
 from . import nvrtc
+from .launch_plan import CallPtr, PlanCache, Recording, plain
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, OP_COPY, OP_LAUNCH, OP_RECORD,
@@ -183,6 +183,22 @@ def _write_stderr(line: str) -> None:
 
 # ---------------------------------------------------------------- the data plane
 
+class _RawEvent:
+    """The data plane's own CUDA event, recorded by its launch plans; queried like torch's."""
+
+    __slots__ = ("nat", "handle")
+
+    def __init__(self, nat, handle: int):
+        self.nat, self.handle = nat, handle
+
+    def query(self) -> bool:
+        return self.nat.cuda_event_query(self.handle)
+
+    def destroy(self) -> None:
+        from cuda.bindings import driver as drv
+        drv.cuEventDestroy(drv.CUevent(self.handle))
+
+
 class CudaDataPlane(DirectEngines, DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
@@ -226,6 +242,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         self._unchecked: list[tuple[Op, int, int, set]] = []  # (op, seq, S, peers not seen)
+        self.plans = PlanCache()  # the eager fast path (launch_plan.py)
         self._setup_backend(device)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
@@ -326,6 +343,17 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # _release_waits: made now, because after a failure nothing may wait on the GPU.
         self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
         self._release_stream = torch.cuda.Stream(dev)
+        # Launch plans run in torch's primary context of the device, and record one event
+        # of this data plane (re-recorded by every planned call: the latest is the one
+        # _wait_last and the watchdog ask about).
+        from cuda.bindings import driver as drv
+        with torch.cuda.device(dev):
+            torch.cuda.current_stream(dev).synchronize()  # (torch made its context current)
+            self._context = int(check("cuCtxGetCurrent", drv.cuCtxGetCurrent())[0])
+            flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._done_event = _RawEvent(self.nat,
+                                         int(check("cuEventCreate", drv.cuEventCreate(flags))[0]))
+        self._fast_stream = (None, None)  # (raw handle, torch stream) of the latest planned call
         self.trap_lock_path = lock_path(gpu_key(dev))
 
     def _register(self, addr: int, size: int) -> int:
@@ -371,6 +399,12 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         return s
 
     def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
+        """Launch kernel ``name``; recorded into the launch plan being built, if any
+        (parameters may be :class:`~.launch_plan.CallPtr`)."""
+        self.plans.record(name, grid, block, args)
+        self._launch_kernel(stream, name, grid, block, *plain(args))
+
+    def _launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
         cc = nvrtc.import_cuda_core()
         cfg = cc.LaunchConfig(grid=grid, block=block)
         with torch.cuda.device(self.device):  # this device's primary context is current
@@ -511,6 +545,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
         self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
         self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
+        self.plans.invalidate()
 
     def close(self, *, abort_if_busy: bool = True) -> None:
         """Wait for this data plane's kernels, then unpin the regions (call before the
@@ -547,6 +582,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._free_events()
         except Exception:
             pass
+        self.plans.invalidate()  # (they record the event freed here)
+        ev, self._done_event = getattr(self, "_done_event", None), None
+        if ev is not None:
+            ev.destroy()
 
     # ---- GPU-direct: peers' regions mapped here -----------------------------------------
     def map_peers(self, ctl: dict[int, tuple[int, int]], ag: dict[int, tuple[int, int]]) -> None:
@@ -612,6 +651,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._dtab[op] = (self._to_device(torch.tensor(flat, dtype=torch.int64)),
                           (slots - 1) * stride, blocks, room or 0)
         self._dhost[op] = host
+        self.plans.invalidate()
 
     def _direct(self, op: Op, S: int):
         """The direct table for a collective of slice S, or None (then the proxy sends)."""
@@ -633,6 +673,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if buf is None or buf.numel() < nbytes:
             if buf is not None:
                 self._retired.append(buf)
+                self.plans.invalidate()  # plans hold the address of the buffer replaced
             buf = self._scratch_bufs[name] = torch.empty(max(nbytes, 16), dtype=torch.uint8,
                                                          device=self.device)
         if self._in_capture and not any(b is buf for b in self._graph_bufs):
@@ -711,6 +752,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.check_status()
         self.check_abort()
         self.check_sizes()
+        return self._count(op, seq, S, entries)
+
+    def _count(self, op: Op, seq: int, S: int, entries: int) -> int:
+        """The host's account of a collective about to be issued (its first ring index)."""
         if not self._graph:
             self._ops[seq] = op
             self._ops.pop(seq - 512, None)
@@ -722,6 +767,51 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._seq_next += 1
         self._ring_next += entries
         return first
+
+    # ---- the eager fast path (launch_plan.py) ----------------------------------------
+    def _plan_key(self, *shape):
+        """The launch-plan key of a collective: its shape and every setting its planning
+        reads (the tables and buffers count through plans.generation)."""
+        return (shape, self.direct_mode, self.phases, self.on_failure, self._graph,
+                self.max_publish_blocks, self.max_wait_blocks, self.max_direct_blocks,
+                self.max_direct_wait_blocks, self.ce_min_slice, self.plans.generation)
+
+    def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
+        """Issue the collective from its launch plan, if there is one: the checks of
+        :meth:`_begin`, one native call, the host's account. False (nothing done): no plan,
+        or the stream is being captured (the planning path then handles the capture), or
+        something the planning path reports."""
+        found = self.plans.plans.get(key)
+        if found is None or self._closed or (not self._graph and seq != self._seq_next):
+            return False
+        plan, entries, direct = found
+        self.check_status()
+        self.check_abort()
+        self.check_sizes()
+        if not self._issue_plan(plan, args):
+            return False
+        self.plans.stats["hits"] += 1
+        self.direct_launches += direct
+        self._in_capture = False
+        self._count(op, seq, S, entries)
+        return True
+
+    def _make_plan(self, rec: Recording):
+        """The native launch plan of a recording (the CPU emulation keeps the recording)."""
+        with torch.cuda.device(self.device):
+            rows = [(self._function(name), grid, block, list(params))
+                    for name, grid, block, params in rec.rows]
+        return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
+                                   list(rec.patches))
+
+    def _issue_plan(self, plan, args: tuple) -> bool:
+        h = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if not plan.issue(h, *args):
+            return False
+        if self._fast_stream[0] != h:
+            self._fast_stream = (h, torch.cuda.current_stream(self.device))
+        self._last_event, self._last_ts = self._done_event, self._fast_stream[1]
+        return True
 
     def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
                 advanced: bool = False) -> None:
@@ -754,23 +844,38 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._unchecked = keep
 
     # ---- collectives -----------------------------------------------------------------
+    typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
+
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                    dst_stride: int) -> None:
-        """Gather ``src`` (CUDA uint8, L bytes) of every rank: rank i's bytes land at
-        ``dst[i * dst_stride + dst_off : ... + L]``. ``dst=None``: zero-copy, the result
+        """Gather ``src`` (CUDA, contiguous, L bytes) of every rank: rank i's bytes land at
+        byte ``i * dst_stride + dst_off`` of ``dst``. ``dst=None``: zero-copy, the result
         stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
         :meth:`ag_slot`); the launch then only waits for the pieces. The kernels take the
-        slot from the device state's seq (slot base + code, kernels/common.cuh slot_at)."""
-        L = src.numel()
+        slot from the device state's seq (slot base + code, kernels/common.cuh slot_at).
+        Later calls of the same shape run from its launch plan."""
+        L = src.numel() * src.element_size()
+        key = None
+        if dst is not None:
+            key = self._plan_key(Op.AG, L, dst_stride)
+            src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
+            if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
+                return
+        with self.plans.planning(key, self._make_plan):
+            self._all_gather(seq, src, dst, dst_off, dst_stride, L)
+
+    def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
+                    dst_stride: int, L: int) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self._stream()
         slot0, code = self.ag_dev, self._ag_code
         slot = slot0 + (seq % 3) * self.ag_stride  # (the host's view: zero-copy and mode ce)
         me = self.rank
-        res_me = 0 if dst is None else dst.data_ptr() + dst_off + me * dst_stride
-        dst_ptr = 0 if dst is None else dst.data_ptr() + dst_off
-        out = self._ag_output(slot, dst, dst_off, dst_stride, L, S)
+        src_p = CallPtr(src.data_ptr(), 0)
+        dst_ptr = 0 if dst is None else CallPtr(dst.data_ptr() + dst_off, 1)
+        res_me = 0 if dst is None else dst_ptr + me * dst_stride
+        out = (slot, S, self.world, L) if dst is None else (dst_ptr, dst_stride, self.world, L)
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
@@ -780,18 +885,20 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             own_dst = slot + me * S if dst is None else 0
             self._run_direct(DirectCall(
                 Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-                publish=(src.data_ptr(), _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
                          slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
                          res_me),
                 consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
                 wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
-                ce_src=(src.data_ptr(), 0), own=[(d, src.data_ptr(), L) for d in (own_dst, res_me) if d],
+                ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
                 ce_consume=(slot, dst_ptr, dst_stride), output=out))
             return
+        if dst is not None:
+            self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
         bpp = self._publish_blocks(piece)
         if "publish" in self.phases:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         src.data_ptr(), _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1),
+                         src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1),
                          _n(L), _n(S), self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(),
                          _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         nb = 1 if dst is None else self._wait_blocks(piece)
@@ -814,10 +921,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                        L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
-        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (CUDA uint8) is
-        ``src[j * src_stride + src_off : ... + L]``; this rank's sum lands at
-        ``dst[dst_off : dst_off + L]``. ``src=None``: the chunks are already in the send slot
-        (zero-copy input) at ``j * L``, L a multiple of 16."""
+        """Reduce-scatter chunks of L bytes: chunk j of ``src`` (CUDA, contiguous) starts at
+        its byte ``j * src_stride + src_off``; this rank's sum lands at byte ``dst_off`` of
+        ``dst``. ``src=None``: the chunks are already in the send slot (zero-copy input) at
+        ``j * L``, L a multiple of 16. Later calls of the same shape run from its launch
+        plan."""
         if dtype not in _RS_KERNELS:
             raise TypeError(f"reduce_scatter: dtype {dtype} is not supported")
         if self.rs_send is None:
@@ -826,6 +934,17 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
+        key = self._plan_key(Op.RS, L, src_stride, dtype, src is None)
+        src_p = 0 if src is None else src.data_ptr() + src_off
+        dst_p = dst.data_ptr() + dst_off
+        if self._planned(key, Op.RS, seq, S, src_p, dst_p):
+            return
+        with self.plans.planning(key, self._make_plan):
+            self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
+
+    def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
+                        dtype: torch.dtype) -> None:
+        S = round_up(L, ALIGN)
         first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
         ts, stream = self._stream()
         W, me = self.world, self.rank
@@ -833,10 +952,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         scode, rcode = self._send_code, self._recv_code
         send = send0 + (seq % 2) * self.rs_send_stride  # (the host's view: mode ce)
         recv = recv0 + (seq % 2) * self.rs_recv_stride
-        dst_ptr = dst.data_ptr() + dst_off
+        dst_ptr = CallPtr(dst_p, 1)
         piece = piece_bounds(S, 0)[1]
         if src is not None:
-            base = src.data_ptr() + src_off
+            base = CallPtr(src_p, 0)
             bpp = self._publish_blocks(W * piece)
             own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
@@ -859,6 +978,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 sum_kernel=_RS_SUM_UNIT[dtype],
                 ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
             return
+        self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
         ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         if "publish" in self.phases and src is not None:
             self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
@@ -887,26 +1007,40 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         rows over ranks in rank order into ``dst``."""
         if self.rs_send is None:
             raise RuntimeError("moe_finalize_reduce_scatter: attach_rs() was not called")
+        S, _ = fin_slice(rows, 2 * f.H)
+        key = self._plan_key("finalize", f.num_tokens, f.topk, f.H, f.R, f.fp8, f.rows_per_rank,
+                             row_lo, rows, f.scales is None)
+        args = (f.y.data_ptr(), 0 if f.scales is None else f.scales.data_ptr(),
+                f.pos.data_ptr(), f.weights.data_ptr(), f.shared.data_ptr(),
+                dst.data_ptr() + dst_off)
+        self._fin_used = True
+        if self._planned(key, Op.RS, seq, S, *args):
+            return
+        with self.plans.planning(key, self._make_plan):
+            self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
+                                                       for i, a in enumerate(args)))
+
+    def _finalize(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
+        """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
         W, me = self.world, self.rank
         RB = 2 * f.H
         S, L = fin_slice(rows, RB)
+        y, scales, pos, weights, shared, dst = ptrs
         if all(p in self.phases for p in ("publish", "wait")):
             dtab = self._direct(Op.RS, S)
             if dtab is not None:
-                self._finalize_direct(seq, f, row_lo, rows, dst, dst_off, dtab)
+                self._finalize_direct(seq, f, row_lo, rows, ptrs, dtab)
                 return
         entries = PIECES * (W - 1)
         self._begin(Op.RS, seq, S, entries=entries)
         ts, stream = self._stream()
         own = self._scratch("finalize own", L).data_ptr()
-        self._fin_used = True
+        self.plans.plannable(entries)
         if "publish" in self.phases:
             units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
             nb = max(1, min(self.sms, self.max_publish_blocks, -(-units // FIN_THREADS)))
-            scales = f.scales.data_ptr() if f.scales is not None else 0
             self._launch(stream, "sccl_finalize", nb, FIN_THREADS,
-                         f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
-                         f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens),
+                         y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
                          _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
                          _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
                          self.rs_send_dev, _n(self._send_code), own,
@@ -917,13 +1051,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
             self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
                          self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
-                         dst.data_ptr() + dst_off, _n(L), _n(S),
-                         *self._wait_args(Op.RS, (entries, 0)))
-        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
+                         dst, _n(L), _n(S), *self._wait_args(Op.RS, (entries, 0)))
+        self._poison_if_failed(stream, dst, 0, 1, L)
         self._finish(ts, stream, entries, advanced=waited)
 
-    def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, dst: torch.Tensor,
-                         dst_off: int, dtab) -> None:
+    def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple, dtab) -> None:
         """GPU-direct (this rank's reduce-scatter streams run on the GPU): one launch of
         ``sccl_finalize_direct`` computes the rows straight into the peers' mapped receive
         regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
@@ -934,22 +1066,22 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._begin(Op.RS, seq, S)
         ts, stream = self._stream()
         own = self._scratch("finalize own", L).data_ptr()
-        self._fin_used = True
+        self.plans.plannable(direct=True)
+        y, scales, pos, weights, shared, dst = ptrs
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
         nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        scales = f.scales.data_ptr() if f.scales is not None else 0
         self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
-                     f.y.data_ptr(), scales, f.pos.data_ptr(), f.weights.data_ptr(),
-                     f.shared.data_ptr(), self.fin_bad.data_ptr(), _n(f.num_tokens), _n(f.topk),
+                     y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
+                     _n(f.topk),
                      _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
                      _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
                      _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
                      self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
-                     dst.data_ptr() + dst_off, *self._wait_args(Op.RS, (PIECES, npub)))
+                     dst, *self._wait_args(Op.RS, (PIECES, npub)))
         self.direct_launches += 1
-        self._poison_if_failed(stream, dst.data_ptr() + dst_off, 0, 1, L)
+        self._poison_if_failed(stream, dst, 0, 1, L)
         self._finish(ts, stream, advanced=True)
 
     def check_finalize_inputs(self) -> None:
@@ -1026,13 +1158,6 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._timed_out(what, piece, word, "; GPU wait")
 
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
-    def _ag_output(self, slot: int, dst, dst_off: int, dst_stride: int, L: int, S: int) -> tuple:
-        """(pointer, stride, count, bytes) of an all-gather's output: the result, or the
-        slot itself for a zero-copy result."""
-        if dst is None:
-            return slot, S, self.world, L
-        return dst.data_ptr() + dst_off, dst_stride, self.world, L
-
     def _poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
         """Mode "poison": queue ``sccl_poison`` after the collective, which overwrites its
         output with 0xFF bytes (NaN in every floating type) if any wait of this data plane

@@ -117,6 +117,8 @@ class DirectEngines:
             # a replay would repeat: a captured communicator's collectives run "fused".
             mode = "fused"
         if mode == "fused" or "wait" not in self.phases:
+            if not (op == Op.AG and call.consume[2] == 0):  # (not a zero-copy result)
+                self.plans.plannable(direct=True)  # one kernel of constants and call pointers
             grid = npub + (1 + nb if "wait" in self.phases else 0)
             # The one kernel of the collective: it advances the device state itself.
             self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),

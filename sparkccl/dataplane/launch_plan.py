@@ -1,0 +1,139 @@
+"""Launch plans: the eager fast path of the CUDA data plane (issue: host time per call).
+
+A collective's kernels and their parameters depend on its shape (operation, bytes, strides,
+dtype, engine, grid caps), on the data plane's tables, and on the caller's pointers; since
+the sequence number, the slots and the ring indices live in device memory (docs/PROTOCOL.md
+"Sequence state"), on nothing else. So the first call of a shape runs the planning code of
+:mod:`.cuda` with the call's pointers marked (:class:`CallPtr`), and the launches it makes
+are recorded; later calls of the same key replay the recording with their own pointers
+patched in, in one native call (``_native.LaunchPlan.issue``: the launches, then the
+completion event), with no Python planning.
+
+What may be recorded is decided by the planning code: only kernel launches whose parameters
+are constants or call pointers (the "fused" GPU-direct engine and the proxy path's publish
+and wait kernels). Engines with host-side stream operations or values of the host's seq
+(mode "ce", mode "split"'s stream joins, zero-copy results) never are.
+
+A plan is stale when what its constants came from changes: the key holds the shape and the
+settings read per call (:meth:`PlanCache.salt`), and the data plane bumps ``generation``
+when its tables or buffers change (peer mappings, attach_rs, an outgrown scratch buffer).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..plan.geometry import PIECES
+
+U64 = (1 << 64) - 1
+MAX_ARGS = 6  # call pointers per plan (native/src/cuda_ops.cpp LaunchPlan::ARGS)
+
+
+class CallPtr(int):
+    """A launch parameter that is call argument ``arg`` (a pointer of the call) plus
+    ``add``. Adding an int keeps the mark, so offsets computed from a call pointer are
+    recorded as patches too."""
+
+    def __new__(cls, value: int, arg: int, add: int = 0):
+        p = super().__new__(cls, value)
+        p.arg, p.add = arg, add
+        return p
+
+    def __add__(self, other):
+        if type(other) is not int:
+            return int(self) + int(other)  # (two call pointers added make no pointer)
+        return CallPtr(int(self) + other, self.arg, self.add + other)
+
+    __radd__ = __add__
+
+
+def plain(args) -> tuple:
+    """Launch parameters without the marks (what the kernel launch takes)."""
+    return tuple(int(a) if type(a) is CallPtr else a for a in args)
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The launches of one call: rows (kernel name, grid, block, parameters as ints) and
+    patches (launch, parameter, call argument, addend mod 2**64)."""
+
+    rows: tuple
+    patches: tuple
+
+    @staticmethod
+    def of(launches: list) -> "Recording":
+        rows, patches = [], []
+        for i, (name, grid, block, args) in enumerate(launches):
+            for j, a in enumerate(args):
+                if type(a) is CallPtr:
+                    if not 0 <= a.arg < MAX_ARGS:
+                        raise ValueError(f"launch plan: call argument {a.arg} of {name}")
+                    patches.append((i, j, a.arg, a.add & U64))
+            rows.append((name, int(grid), int(block), tuple(int(a) for a in args)))
+        return Recording(tuple(rows), tuple(patches))
+
+    def launches_for(self, args: tuple) -> list:
+        """The rows with ``args`` patched in (the CPU emulation's replay, and tests)."""
+        out = [list(params) for _, _, _, params in self.rows]
+        for i, j, arg, add in self.patches:
+            out[i][j] = (args[arg] + add) & U64
+        return [(name, grid, block, out[i]) for i, (name, grid, block, _) in enumerate(self.rows)]
+
+
+class PlanCache:
+    """Plans by key, with the counts a benchmark or test reads (``stats``). ``limit`` bounds
+    the shapes kept: when full, every plan is dropped (shapes of a serving engine are few)."""
+
+    def __init__(self, limit: int = 128):
+        self.limit = limit
+        self.plans: dict = {}
+        self.generation = 0
+        self.stats = {"hits": 0, "misses": 0, "invalidations": 0}
+        self._recording: list | None = None
+        self._entries: int | None = None  # ring entries of the collective being planned
+        self._direct = False  # ... and whether it is a GPU-direct launch (direct_launches)
+
+    def invalidate(self) -> None:
+        """What the plans' constants came from changed: drop them all."""
+        self.generation += 1
+        if self.plans:
+            self.plans.clear()
+            self.stats["invalidations"] += 1
+
+    def recording(self) -> bool:
+        return self._recording is not None
+
+    def record(self, name: str, grid: int, block: int, args: tuple) -> None:
+        if self._recording is not None:
+            self._recording.append((name, grid, block, args))
+
+    def plannable(self, entries: int = PIECES, direct: bool = False) -> None:
+        """Called by the planning code on a path whose launches may be replayed; entries:
+        the publish-ring entries the collective takes (the host's account of the ring);
+        direct: a GPU-direct engine's launch (the data plane counts those)."""
+        self._entries, self._direct = entries, direct
+
+    @contextmanager
+    def planning(self, key, make):
+        """Record the launches of the block; if it declared itself plannable and ended
+        without an exception, store ``(make(Recording), ring entries, direct)`` under
+        ``key``.
+        ``key`` None records nothing."""
+        if key is None or self._recording is not None:
+            yield
+            return
+        self.stats["misses"] += 1
+        generation = self.generation
+        self._recording, self._entries = [], None
+        try:
+            yield
+            launches, entries, direct = self._recording, self._entries, self._direct
+        finally:
+            self._recording, self._entries = None, None
+        if entries is not None and launches and generation == self.generation:
+            # (a plan whose constants changed while it was made is not kept: e.g. a scratch
+            # buffer outgrown by this very call)
+            plan = make(Recording.of(launches))
+            if len(self.plans) >= self.limit:
+                self.plans.clear()
+            self.plans[key] = (plan, entries, direct)

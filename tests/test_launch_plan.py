@@ -1,0 +1,73 @@
+"""Launch plans (sparkccl/dataplane/launch_plan.py and the native LaunchPlan): how a call's
+pointers are marked, recorded and patched; what the native plan refuses. The plans'
+replays themselves are tested with the data planes (tests/test_cuda_dataplane.py
+test_launch_plans_*, on the CPU emulation and on the GPU)."""
+import pytest
+
+from sparkccl import _native as N
+from sparkccl.dataplane.launch_plan import U64, CallPtr, PlanCache, Recording, plain
+
+
+def test_offsets_of_a_call_pointer_stay_marked():
+    p = CallPtr(1000, 1)
+    q = p + 24
+    assert type(q) is CallPtr and (int(q), q.arg, q.add) == (1024, 1, 24)
+    r = 8 + q
+    assert type(r) is CallPtr and (int(r), r.add) == (1032, 32)
+    assert type(p + CallPtr(5, 0)) is int  # the sum of two call pointers is no pointer
+    assert plain((p, 7, q)) == (1000, 7, 1024) and all(type(a) is int for a in plain((p, q)))
+
+
+def test_recording_patches_only_the_marked_parameters():
+    src, dst = CallPtr(0x1000, 0), CallPtr(0x9000, 1)
+    rec = Recording.of([("k1", 4, 256, (src, 5, dst + 64)), ("k2", 1, 32, (7, dst))])
+    assert rec.rows == (("k1", 4, 256, (0x1000, 5, 0x9040)), ("k2", 1, 32, (7, 0x9000)))
+    assert rec.patches == ((0, 0, 0, 0), (0, 2, 1, 64), (1, 1, 1, 0))
+    assert rec.launches_for((0x2000, 0xA000)) == [("k1", 4, 256, [0x2000, 5, 0xA040]),
+                                                  ("k2", 1, 32, [7, 0xA000])]
+    neg = Recording.of([("k", 1, 32, (CallPtr(100, 0) + -16,))])  # an offset below the pointer
+    assert neg.patches == ((0, 0, 0, (-16) & U64),)
+    assert neg.launches_for((200,))[0][3] == [184]
+
+
+def test_cache_stores_only_declared_plannable_paths():
+    cache = PlanCache(limit=2)
+    with cache.planning("a", lambda rec: rec):
+        cache.record("k", 1, 32, (CallPtr(1, 0),))  # not declared plannable
+    assert "a" not in cache.plans and cache.stats["misses"] == 1
+    with cache.planning("b", lambda rec: rec):
+        cache.plannable()
+        cache.record("k", 1, 32, (CallPtr(1, 0),))
+    plan, entries, direct = cache.plans["b"]
+    assert plan.patches == ((0, 0, 0, 0),) and (entries, direct) == (8, False)
+    with pytest.raises(RuntimeError):
+        with cache.planning("c", lambda rec: rec):
+            cache.plannable()
+            cache.record("k", 1, 32, ())
+            raise RuntimeError("the planning path failed")
+    assert "c" not in cache.plans and not cache.recording()
+    with cache.planning("d", lambda rec: rec):
+        cache.plannable()
+        cache.record("k", 1, 32, ())
+    with cache.planning("e", lambda rec: rec):  # full (limit 2): all dropped, then e kept
+        cache.plannable()
+        cache.record("k", 1, 32, ())
+    assert set(cache.plans) == {"e"}
+    cache.invalidate()
+    assert not cache.plans and cache.generation == 1 and cache.stats["invalidations"] == 1
+
+
+def test_native_plan_refuses_what_it_cannot_launch():
+    ok = [(1, 2, 32, [0, 0])]
+    N.LaunchPlan(1, 1, ok, [(0, 1, 5, 8)])  # (made without CUDA: nothing is launched yet)
+    for ctx, ev, kernels, patches in [
+            (0, 1, ok, []),                     # no context
+            (1, 1, [], []),                     # no kernels
+            (1, 1, [(0, 2, 32, [0])], []),      # no function
+            (1, 1, [(1, 0, 32, [0])], []),      # no blocks
+            (1, 1, [(1, 2, 2048, [0])], []),    # too many threads
+            (1, 1, ok, [(1, 0, 0, 0)]),         # no launch 1
+            (1, 1, ok, [(0, 2, 0, 0)]),         # no parameter 2
+            (1, 1, ok, [(0, 0, 6, 0)])]:        # no call argument 6
+        with pytest.raises(ValueError):
+            N.LaunchPlan(ctx, ev, kernels, patches)
