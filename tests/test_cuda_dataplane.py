@@ -17,6 +17,7 @@ bottom (``cuda`` only).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import mmap
@@ -49,6 +50,7 @@ HAVE_GPU = torch.cuda.is_available()
 EMU_DIR = Path(__file__).parent / "cuda_emu"
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 EMU_TRAP_LOCK = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sparkccl-emu-trap-{PID}.lock")
+atexit.register(lambda: os.path.exists(EMU_TRAP_LOCK) and os.unlink(EMU_TRAP_LOCK))
 
 cuda_only = [pytest.mark.cuda,
              pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "

@@ -40,8 +40,9 @@ clock; it then records what it waited for in the control block's GPU status reco
 A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
 rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
 proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
-prints the error on stderr and acknowledges it, and the kernel traps: the CUDA context is
-lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
+prints the error on stderr and acknowledges it, and the kernel traps (processes sharing a
+GPU one at a time: :mod:`.trap_lock`): the CUDA context is lost and the caller's next
+synchronization raises; "poison": ``sccl_poison``, queued after
 every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
 way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
 raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
