@@ -1653,6 +1653,8 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
         err = capfd.readouterr().err
         for r in (0, 1):
             assert f"sparkccl: CollectiveError: rank {r}:" in err, err
+            assert (f"sparkccl: rank {r}: fail-stop: trapping after " in err
+                    and "waiting for the GPU's trap lock" in err), err
         assert "without the GPU's trap lock" not in err
 
 

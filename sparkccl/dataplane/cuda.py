@@ -117,6 +117,7 @@ ACK_GO, ACK_HOLD = _P["ACK_GO"], _P["ACK_HOLD"]
 HOLD_WAIT_S = _P["HOLD_WAIT_NS"] / 1e9
 TRAP_LOCK_WAIT_S = HOLD_WAIT_S - 5.0
 TRAP_SETTLE_S = 0.2
+TRAP_WAIT_SAID_S = 0.01  # a wait for the lock this long is said on stderr
 # After the GO, how long the watchdog waits for the trap to end this process's GPU work
 # before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
 TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
@@ -1248,6 +1249,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._trap_lock = TrapLock(self.trap_lock_path)
         lock = self._trap_lock
         if lock.try_acquire():
+            waited = now - self.trap_held_at
+            if waited >= TRAP_WAIT_SAID_S:  # (the serialization shows in the ranks' stderr)
+                _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping after "
+                              f"{waited:.2f} s waiting for the GPU's trap lock (another "
+                              "process of this GPU trapped first)\n")
             self._give_go()
             return
         if lock.error is None and now < self.trap_held_at + self.trap_lock_wait_s:
