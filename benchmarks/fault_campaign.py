@@ -13,8 +13,9 @@ and a moment:
   4 or more, where every rank relays for others), ``finalize`` (inside a fused MoE finalize).
 
 Checks per case: every survivor raises CollectiveError (at the call or, on CUDA, at the
-next synchronization -- or its process dies of a CUDA error after printing the
-CollectiveError text) within the collective timeout + 1 s of the fault; no rank hangs;
+next synchronization -- or its process dies of a CUDA error after its watchdog printed
+``sparkccl: CollectiveError: rank R: ...``, the report or, for a context another process's
+trap ended under MPS, the note with the cause the host knew) within the collective timeout + 1 s of the fault; no rank hangs;
 every result a survivor got back is bit-exact (a wrong result returned as valid fails the
 case); no /dev/shm segment of the communicator is left once the processes exited; a new
 communicator in fresh processes works afterwards.
@@ -288,8 +289,12 @@ def run_case(case: Case, device: str = "cpu",
             if not r.ok:
                 with open(os.path.join(tmp, f"rank{r.rank}.err"), errors="replace") as f:
                     err = f.read()
-                if device.startswith("cuda") and "CollectiveError" in err:
-                    continue  # fail-stop: died of the CUDA error after printing the cause
+                # Fail-stop: died of the CUDA error after its watchdog printed the cause --
+                # the report, or (the context lost by another process's trap under MPS)
+                # the note with the cause the host knew; a note that knows no cause is not
+                # one (CudaDataPlane._say_context_lost).
+                if device.startswith("cuda") and f"sparkccl: CollectiveError: rank {r.rank}:" in err:
+                    continue
                 problems.append(f"rank {r.rank}: {r.error_type}: {r.message}")
                 continue
             v = r.value

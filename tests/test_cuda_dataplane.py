@@ -17,6 +17,7 @@ bottom (``cuda`` only).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import mmap
@@ -48,6 +49,8 @@ PID = os.getpid()
 HAVE_GPU = torch.cuda.is_available()
 EMU_DIR = Path(__file__).parent / "cuda_emu"
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+EMU_TRAP_LOCK = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sparkccl-emu-trap-{PID}.lock")
+atexit.register(lambda: os.path.exists(EMU_TRAP_LOCK) and os.unlink(EMU_TRAP_LOCK))
 
 cuda_only = [pytest.mark.cuda,
              pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() "
@@ -178,6 +181,8 @@ class EmuDataPlane(C.CudaDataPlane):
         self.device = torch.device("cpu")
         self.kernels = {}
         self.sms = 4
+        # Every emulated rank of this test process "shares one GPU": one trap lock.
+        self.trap_lock_path = EMU_TRAP_LOCK
 
     def _register(self, addr, size):
         self._registered.append(addr)
@@ -239,8 +244,11 @@ class EmuDataPlane(C.CudaDataPlane):
         self.state[1] = 1
         self.state[0] = C.RELEASED_PROGRESS
 
-    def _busy(self):
-        return self._last_event is not None and not self._last_event.is_set()
+    def _busy(self):  # as an event query: a lost context raises
+        if self._last_event is None:
+            return False
+        self._last_ctx.check()
+        return not self._last_event.is_set()
 
     def _fork(self, ts, name="side"):
         st = self._side_streams.get(name)
@@ -1532,6 +1540,216 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
         time.sleep(0.8)
         assert not dp.trap_wedged
         assert "did not stop" not in capfd.readouterr().err
+
+
+def _ack(w: World, r: int) -> int:
+    return ctypes.c_uint64.from_address(w.ctl[r].addr + C.CTL_GPU_ACK).value
+
+
+def _record_goes(dp, goes: list) -> None:
+    """Record (rank, time, ack word before) whenever dp's watchdog gives the kernel its GO."""
+    give = dp._give_go
+
+    def give_go():
+        goes.append((dp.rank, time.monotonic(), ctypes.c_uint64.from_address(
+            dp.ctl + C.CTL_GPU_ACK).value))
+        give()
+    dp._give_go = give_go
+
+
+def _failing_all_gathers(w: World, ranks, n: int = 25):
+    """One all-gather on each of `ranks` (the others never call: every one fails)."""
+    xs = inputs(1, w.world, (n,), torch.float32)
+    nbytes = n * xs[0].element_size()
+    seq = w.seq
+    w.seq += 1
+    for r in ranks:
+        with w.be.on(r):
+            src = w.keep(w.be.to_dev(xs[r]).view(torch.uint8))
+            out = w.keep(w.be.to_dev(torch.zeros(w.world * nbytes, dtype=torch.uint8)))
+            w.dps[r].all_gather(seq, src, out, 0, nbytes)
+    return seq
+
+
+def _wait_for(cond, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
+    """Mode stop: after the report the watchdog writes ACK_HOLD; the kernel, held, waits
+    past ACK_WAIT_NS (the trap lock is taken by "another process" here for longer than
+    that) and traps only after the watchdog took the lock and wrote ACK_GO; the lock is
+    free again once the context is lost. The host's bound counts from the GO meanwhile:
+    synchronize() raises the CollectiveError, not "the GPU is stuck"."""
+    other = C.TrapLock(EMU_TRAP_LOCK)
+    assert other.try_acquire()
+    hold_s = C._P["ACK_WAIT_NS"] / 1e9 + 1.0
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        goes = []
+        _record_goes(dp, goes)
+        try:
+            seq = _failing_all_gathers(w, [0])
+            assert _wait_for(lambda: dp.trap_held_at is not None)
+            assert _ack(w, 0) == C.ACK_HOLD
+            time.sleep(hold_s)
+            assert not w.be.streams[0].ctx.trapped  # still held, past ACK_WAIT_NS
+            assert not goes
+        finally:
+            other.release()
+        with pytest.raises(CollectiveError, match=f"all_gather seq {seq} piece 0 from rank 1"):
+            dp.synchronize()
+        ctx = w.be.streams[0].ctx
+        assert ctx.trapped and not dp._gpu_stuck
+        assert len(goes) == 1 and goes[0][2] == C.ACK_HOLD  # GO after HOLD, once
+        assert goes[0][1] >= dp.trap_held_at + hold_s
+        assert ctx.trapped_at >= goes[0][1]  # the trap came after the GO
+        assert _ack(w, 0) == C.ACK_GO
+        assert _wait_for(lambda: not dp._watchdog_thread.is_alive())
+        assert other.try_acquire()  # the watchdog let the lock go
+        other.release()
+        err = capfd.readouterr().err
+        assert f"sparkccl: CollectiveError: rank 0: timed out after 0.3 s waiting for all_gather " \
+               f"seq {seq} piece 0 from rank 1" in err, err
+        assert "without the GPU's trap lock" not in err
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
+    """Two emulated processes "on one GPU" (one trap lock) fail (world 3, rank 2 never
+    calls) while a third holds the lock, so both are held at once; once it is free, one
+    takes it, gives its GO and traps, and the other's GO comes only after that context was
+    lost (and TRAP_SETTLE_S more); both trap."""
+    other = C.TrapLock(EMU_TRAP_LOCK)
+    assert other.try_acquire()
+    with World("emu", "mesh", 3, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        goes = []
+        try:
+            for r in (0, 1):
+                _record_goes(w.dps[r], goes)
+            _failing_all_gathers(w, [0, 1])
+            assert _wait_for(lambda: all(w.dps[r].trap_held_at for r in (0, 1)))
+            time.sleep(0.1)
+            assert not goes
+        finally:
+            free_at = time.monotonic()
+            other.release()
+        for r in (0, 1):
+            with pytest.raises(CollectiveError):
+                w.dps[r].synchronize()
+        assert _wait_for(lambda: len(goes) == 2), goes
+        (first, t_first, ack_first), (second, t_second, ack_second) = sorted(goes, key=lambda g: g[1])
+        assert ack_first == ack_second == C.ACK_HOLD
+        assert t_first >= free_at
+        ctx = [w.be.streams[r].ctx for r in range(3)]
+        assert ctx[0].trapped and ctx[1].trapped
+        assert t_first <= ctx[first].trapped_at <= t_second, (goes, ctx[first].trapped_at)
+        assert t_second >= t_first + C.TRAP_SETTLE_S
+        assert ctx[second].trapped_at >= t_second
+        err = capfd.readouterr().err
+        for r in (0, 1):
+            assert f"sparkccl: CollectiveError: rank {r}:" in err, err
+            assert (f"sparkccl: rank {r}: fail-stop: trapping after " in err
+                    and "waiting for the GPU's trap lock" in err), err
+        assert "without the GPU's trap lock" not in err
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_traps_anyway_when_the_trap_lock_is_not_free_in_time(capfd):
+    """The watchdog tries the trap lock for trap_lock_wait_s at most: past that it writes
+    ACK_GO anyway and says so; the kernel traps, and synchronize() raises."""
+    other = C.TrapLock(EMU_TRAP_LOCK)
+    assert other.try_acquire()  # held by "another process" throughout
+    try:
+        with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+            dp = w.dps[0]
+            dp.trap_lock_wait_s = 0.4
+            goes = []
+            _record_goes(dp, goes)
+            _failing_all_gathers(w, [0])
+            with pytest.raises(CollectiveError, match="from rank 1"):
+                dp.synchronize()
+            assert w.be.streams[0].ctx.trapped
+            assert len(goes) == 1 and goes[0][1] >= dp.trap_held_at + 0.4
+            err = capfd.readouterr().err
+            assert (f"sparkccl: rank 0: fail-stop: trapping without the GPU's trap lock "
+                    f"{EMU_TRAP_LOCK}: another process of this GPU held it for 0.4 s") in err, err
+    finally:
+        other.release()
+    # A lock file that cannot be opened: GO at once, said too.
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
+        dp = w.dps[0]
+        dp.trap_lock_path = "/nonexistent-dir/sparkccl-trap.lock"
+        _failing_all_gathers(w, [0])
+        with pytest.raises(CollectiveError, match="from rank 1"):
+            dp.synchronize()
+        assert w.be.streams[0].ctx.trapped
+        err = capfd.readouterr().err
+        assert "trapping without the GPU's trap lock /nonexistent-dir/sparkccl-trap.lock: " \
+               "it cannot be used" in err, err
+
+
+def _lose_context_before_any_report(w: World, r: int):
+    """Rank r's stream is busy with work of its own (the collective queued behind it never
+    runs) when its context is lost from outside: as under MPS, where another process's
+    trap ends every client's context. Returns the blocker to release."""
+    stream = w.be.streams[r]
+    blocker = threading.Event()
+    stream.put(lambda: blocker.wait(30))
+    _failing_all_gathers(w, [r])
+    stream.ctx.trapped, stream.ctx.trapped_at = "another process (MPS)", time.monotonic()
+    return blocker
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_explains_a_context_lost_before_the_report(capfd):
+    """The context is lost before this rank's GPU wait recorded anything: the watchdog
+    prints a CollectiveError line with the cause the host knows (here the proxy's abort
+    word), saying the context was lost; synchronize() raises that CollectiveError from the
+    CUDA error."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=30, on_failure="stop") as w:
+        dp = w.dps[0]
+        blocker = _lose_context_before_any_report(w, 0)
+        try:
+            time.sleep(0.1)
+            assert "sparkccl" not in capfd.readouterr().err  # nothing known yet: nothing said
+            N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
+            assert _wait_for(lambda: dp.failure_report is not None)
+            err = capfd.readouterr().err
+            assert ("sparkccl: CollectiveError: rank 0: communicator aborted: rank 0: peer 1 "
+                    "(pid 4242) exited; the CUDA context of this process was lost before this "
+                    "rank's GPU wait reported anything") in err, err
+            assert "MPS" in err and "restart the process" in err
+            assert not C.CudaDataPlane.gpu_status(dp)[0]  # no GPU record: the host's cause
+        finally:
+            blocker.set()
+        with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited") as ei:
+            dp.synchronize()
+        assert "emulated device trap" in str(ei.value.__cause__)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+def test_fail_stop_says_when_a_lost_context_has_no_known_cause(capfd):
+    """A context lost while the host knows no failure of the communicator: nothing is
+    invented -- when the data plane closes, its watchdog says the context was lost and that
+    no failure is known (not a CollectiveError), and synchronize() raises the CUDA error."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=30, on_failure="stop") as w:
+        dp = w.dps[0]
+        blocker = _lose_context_before_any_report(w, 0)
+        blocker.set()
+        with pytest.raises(RuntimeError, match="emulated device trap") as ei:
+            dp.synchronize()
+        assert not isinstance(ei.value, CollectiveError)
+        dp._stop_watchdog()
+        err = capfd.readouterr().err
+        assert ("sparkccl: rank 0: the CUDA context of this process was lost before this rank's "
+                "GPU wait reported anything") in err, err
+        assert "no failure of this communicator is known to the host" in err
+        assert "CollectiveError" not in err
 
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")

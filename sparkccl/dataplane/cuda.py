@@ -40,8 +40,9 @@ clock; it then records what it waited for in the control block's GPU status reco
 A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
 rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
 proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
-prints the error on stderr and acknowledges it, and the kernel traps: the CUDA context is
-lost and the caller's next synchronization raises; "poison": ``sccl_poison``, queued after
+prints the error on stderr and acknowledges it, and the kernel traps (processes sharing a
+GPU one at a time: :mod:`.trap_lock`): the CUDA context is lost and the caller's next
+synchronization raises; "poison": ``sccl_poison``, queued after
 every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
 way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
 raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
@@ -92,6 +93,7 @@ from .cuda_runtime import (AlreadyRegistered, check, check_available, device_vie
                            kernels_for, register_host, set_current, unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
+from .trap_lock import TrapLock, gpu_key, lock_path
 
 _P = layout.protocol_constants()
 NO_SOURCE = _P["NO_SOURCE"]
@@ -104,17 +106,35 @@ SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
-# After the ack, how long the watchdog waits for the trap to end this process's GPU work
+# Mode stop, after the report: the watchdog writes ACK_HOLD, which keeps the failing kernel
+# waiting (up to HOLD_WAIT_NS from the start of its wait) until this process's turn of the
+# GPU's trap lock (.trap_lock: two processes time-slicing a GPU that trap at once can wedge
+# the driver); then ACK_GO, and the kernel traps. The watchdog tries the lock for at most
+# TRAP_LOCK_WAIT_S (then GO anyway, said on stderr), so GO comes before the kernel's own bound,
+# and keeps it until its context is lost, TRAP_SETTLE_S more (the driver's handling of the
+# trap done before the next process's trap), or TRAP_GRACE_S after GO.
+ACK_GO, ACK_HOLD = _P["ACK_GO"], _P["ACK_HOLD"]
+HOLD_WAIT_S = _P["HOLD_WAIT_NS"] / 1e9
+TRAP_LOCK_WAIT_S = HOLD_WAIT_S - 5.0
+TRAP_SETTLE_S = 0.2
+TRAP_WAIT_SAID_S = 0.01  # a wait for the lock this long is said on stderr
+# After the GO, how long the watchdog waits for the trap to end this process's GPU work
 # before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
 TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
+# The context was lost before this data plane reported anything (another process's trap
+# under MPS): how long the watchdog waits for the cause (the abort word the proxy sets when
+# a peer failed) before it prints what the host knows (_say_context_lost).
+CAUSE_WAIT_S = 0.5
 PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
 # Once the communicator failed, a failing wait traps (stop) or returns (poison) within
 # ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
 # data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
-# at the abort word (see _wait_last).
+# at the abort word (see _wait_last). While the fail-stop handshake holds the kernel for its
+# turn to trap (ACK_HOLD, at most HOLD_WAIT_S), the grace counts from the GO instead.
 STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
 # After _release_waits, before the host gives up on the GPU: what a released kernel may take
-# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps).
+# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps; a
+# hold extends this one as well).
 RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
 # What _release_waits writes to the progress word: above seq * PROG_STRIDE + PROG_FAILED of
 # any seq, so every waiter of every collective sees FAILED (the host does not know the
@@ -208,6 +228,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
         self.trap_grace_s = TRAP_GRACE_S
         self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
+        # The fail-stop handshake (_watchdog): when ACK_HOLD and ACK_GO were written
+        # (monotonic s), and the GPU's trap lock (its path is set by _setup_backend).
+        self.trap_lock_path: str | None = None
+        self.trap_lock_wait_s = TRAP_LOCK_WAIT_S
+        self.trap_held_at: float | None = None
+        self.trap_go_at: float | None = None
+        self._trap_lock: TrapLock | None = None
         self._watch_stop = threading.Event()
         self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
@@ -330,6 +357,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._done_event = _RawEvent(self.nat,
                                          int(check("cuEventCreate", drv.cuEventCreate(flags))[0]))
         self._fast_stream = (None, None)  # (raw handle, torch stream) of the latest planned call
+        self.trap_lock_path = lock_path(gpu_key(dev))
 
     def _register(self, addr: int, size: int) -> int:
         with torch.cuda.device(self.device):
@@ -462,6 +490,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             if deadline is None:
                 if self._failure_known():
                     deadline = now + STOP_GRACE_S
+            elif self._trap_held(now):  # the grace counts from the GO (see STOP_GRACE_S)
+                deadline = max(deadline, now + (RELEASE_GRACE_S if released else STOP_GRACE_S))
             elif now > deadline:
                 if released:
                     self._gpu_stuck = True
@@ -472,6 +502,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             # 200 us: what a synchronization may lose to the polling.
             spins += 1
             time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
+
+    def _trap_held(self, now: float) -> bool:
+        """Is the failing kernel held for its turn to trap (ACK_HOLD written, no GO yet)?
+        Bounded by the kernel's own HOLD_WAIT_NS, so a watchdog that stopped does not
+        stretch the host's bounds for longer than the kernel waits."""
+        held = self.trap_held_at
+        return held is not None and self.trap_go_at is None and now < held + HOLD_WAIT_S
 
     def _failure_known(self) -> bool:
         return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)
@@ -1104,10 +1141,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         except CollectiveError:
             raise  # the GPU did not stop after the failure (_wait_last)
         except RuntimeError as cuda_error:
-            if not self.gpu_status()[0]:
+            # A lost context after a known failure: this rank's trap, or under MPS another
+            # process's, which ends every client's context (then the abort word may be all
+            # the host knows). Without a known failure the CUDA error is all there is.
+            if not self._failure_known():
                 raise
             try:
                 self.check_status()
+                self.check_abort()
             except CollectiveError as failure:
                 raise failure from cuda_error
             raise
@@ -1163,45 +1204,142 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """A daemon thread per data plane: polls the GPU failure record; once a kernel wrote
         one, builds the :class:`CollectiveError` (which also sets the abort word, so the
         proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
-        about to trap, and the caller will only see a generic CUDA error), then sets the
-        acknowledgement word the kernel waits for. Once the communicator failed, it also
-        releases the GPU's waits if the GPU work has not ended STOP_GRACE_S later; it ends
-        when the failure was reported and nothing of this data plane runs any more."""
+        about to trap, and the caller will only see a generic CUDA error), then answers the
+        kernel: ACK_GO in mode "poison"; in mode "stop" ACK_HOLD, then ACK_GO once this
+        process holds the GPU's trap lock (:meth:`_trap_turn`). Once the communicator
+        failed, it also releases the GPU's waits if the GPU work has not ended STOP_GRACE_S
+        later (from the GO, if the kernel was held); if the context is lost before anything
+        was reported, it says so with the cause the host knows (:meth:`_say_context_lost`).
+        It ends when the failure was reported, the trap's turn is over and nothing of this
+        data plane runs any more."""
         status = _u64(self.ctl + layout.CTL_GPU_STATUS)
-        reported, failed_at, reported_at = False, None, 0.0
-        while not self._watch_stop.wait(WATCHDOG_POLL_S):
-            if not reported and status.value:
-                self._report_gpu_failure()
-                reported, reported_at = True, time.monotonic()
-            # Then the host's bound (see _wait_last), from here too: the caller may be blocked
-            # in a synchronization of its own (.cpu(), a stream or event wait), which only
-            # ends when the GPU work does.
-            if failed_at is None:
-                if self._failure_known():
-                    failed_at = time.monotonic()
-                continue
+        reported, failed_at = False, None
+        try:
+            while not self._watch_stop.wait(WATCHDOG_POLL_S):
+                if not reported and status.value:
+                    self._report_gpu_failure()
+                    reported = True
+                now = time.monotonic()
+                if self.trap_held_at is not None and self.trap_go_at is None:
+                    self._trap_turn(now)
+                # Then the host's bound (see _wait_last), from here too: the caller may be
+                # blocked in a synchronization of its own (.cpu(), a stream or event wait),
+                # which only ends when the GPU work does.
+                if failed_at is None:
+                    if self._failure_known():
+                        failed_at = now
+                    continue
+                lost = False
+                try:
+                    busy = self._busy()
+                except RuntimeError:
+                    busy, lost = False, True  # the context is lost: nothing of it runs any more
+                if lost and not reported:
+                    self._say_context_lost()
+                    reported = True
+                if not busy:
+                    if self._trap_lock is not None and self._trap_lock.held:
+                        self._watch_stop.wait(TRAP_SETTLE_S)  # the driver done with the trap
+                        self._trap_lock.release()
+                    if reported and (self.trap_held_at is None or self.trap_go_at is not None
+                                     or lost):
+                        return
+                    continue
+                if self._trap_held(now):
+                    failed_at = now  # (STOP_GRACE_S from the GO)
+                elif not self._released and now > failed_at + STOP_GRACE_S:
+                    self._release_waits_once()
+                if (self.on_failure == "stop" and self.trap_go_at is not None
+                        and not self.trap_wedged and now > self.trap_go_at + self.trap_grace_s):
+                    self._say_trap_wedged()
+                    if self._trap_lock is not None:
+                        self._trap_lock.release()  # holding it helps no other process now
+            # Stopped (close()): no kernel is left held for a turn that will not come, and a
+            # lost context is still explained.
+            if self.trap_held_at is not None and self.trap_go_at is None:
+                self._give_go()
+            if not reported:
+                try:
+                    self._busy()
+                except RuntimeError:
+                    self._say_context_lost()
+        finally:
+            if self._trap_lock is not None:
+                self._trap_lock.release()
+
+    def _trap_turn(self, now: float) -> None:
+        """Mode "stop", the kernel held (ACK_HOLD): ACK_GO once this process holds the GPU's
+        trap lock (processes sharing the GPU trap one at a time), or, said on stderr, once
+        trap_lock_wait_s passed or the lock cannot be used (a hang then is still not
+        silent: _say_trap_wedged)."""
+        if self._trap_lock is None:
+            if self.trap_lock_path is None:  # no GPU to share (a backend without one)
+                self._give_go()
+                return
+            self._trap_lock = TrapLock(self.trap_lock_path)
+        lock = self._trap_lock
+        if lock.try_acquire():
+            waited = now - self.trap_held_at
+            if waited >= TRAP_WAIT_SAID_S:  # (the serialization shows in the ranks' stderr)
+                _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping after "
+                              f"{waited:.2f} s waiting for the GPU's trap lock (another "
+                              "process of this GPU trapped first)\n")
+            self._give_go()
+            return
+        if lock.error is None and now < self.trap_held_at + self.trap_lock_wait_s:
+            return
+        why = (f"it cannot be used ({lock.error})" if lock.error is not None else
+               f"another process of this GPU held it for {self.trap_lock_wait_s:g} s")
+        _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping without the GPU's trap "
+                      f"lock {lock.path}: {why}\n")
+        self._give_go()
+
+    def _give_go(self) -> None:
+        self.trap_go_at = time.monotonic()
+        _u64(self.ctl + CTL_GPU_ACK).value = ACK_GO
+
+    def _say_context_lost(self) -> None:
+        """The CUDA context is lost and this data plane reported nothing: under MPS (one
+        context server for every process of the GPU) another process's fail-stop trap ends
+        every client's context, often before this rank's own wait failed. The caller only
+        sees a generic CUDA error; say on stderr what the host knows: the communicator's
+        failure (abort word, error text; waited for CAUSE_WAIT_S, as the proxy may be
+        telling it right now) as a CollectiveError, or that none is known."""
+        deadline = time.monotonic() + CAUSE_WAIT_S
+        while not self._failure_known() and time.monotonic() < deadline:
+            time.sleep(WATCHDOG_POLL_S)
+        lost = ("the CUDA context of this process was lost before this rank's GPU wait "
+                "reported anything (under MPS another process's fail-stop trap on the same GPU "
+                "ends every process's context)")
+        cause = None
+        if self._failure_known():
             try:
-                busy = self._busy()
-            except RuntimeError:
-                busy = False  # the context is lost (a trap): nothing of it runs any more
-            if not busy:
-                if reported:
-                    return
-                continue
-            now = time.monotonic()
-            if not self._released and now > failed_at + STOP_GRACE_S:
-                self._release_waits_once()
-            if (reported and self.on_failure == "stop" and not self.trap_wedged
-                    and now > reported_at + self.trap_grace_s):
-                self._say_trap_wedged()
+                self.check_status()
+                self.check_abort()
+            except CollectiveError as e:
+                cause = str(e)
+            except Exception as e:  # the note must not die: say what failed
+                cause = f"rank {self.rank}: the communicator failed ({e!r})"
+        if cause is not None:
+            text = f"{cause}; {lost}"
+            line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: every CUDA "
+                    "synchronization in this process raises a CUDA error; restart the process\n")
+        else:
+            text = (f"rank {self.rank}: {lost}, and no failure of this communicator is known to "
+                    "the host (no abort, no GPU failure record): the cause is outside its "
+                    "collectives")
+            line = f"sparkccl: {text}\n"
+        self.failure_report = text
+        _write_stderr(line)
 
     def _say_trap_wedged(self) -> None:
-        """Mode "stop": the GPU is still busy trap_grace_s after the report, so the trap was
+        """Mode "stop": the GPU is still busy trap_grace_s after the GO, so the trap was
         not acted on -- seen on one GPU time-sliced by several processes without MPS, when
-        ranks of two processes trapped at about the same time: each warp sat halted just
-        past its trap and the caller's next synchronization waited forever inside the CUDA
-        driver. Nothing in this process can end that wait (library code never kills the
-        process), so say so on stderr, next to the CollectiveError already printed."""
+        ranks of two processes trapped at about the same time (what the trap lock is for:
+        _trap_turn): each warp sat halted just past its trap and the caller's next
+        synchronization waited forever inside the CUDA driver. Nothing in this process can
+        end that wait (library code never kills the process), so say so on stderr, next to
+        the CollectiveError already printed."""
         line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
                 f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
                 "work is wedged and every synchronization will wait forever; kill the "
@@ -1215,7 +1353,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here
         # may wait on the main thread. So no Python io object (sys.stderr's buffer lock may
         # be held by a thread that is itself waiting), and the ack in `finally`, whatever
-        # the report did.
+        # the report did: HOLD in mode stop (the trap waits for this process's turn of the
+        # GPU, _trap_turn), GO otherwise.
         try:
             try:
                 self.check_status()
@@ -1232,7 +1371,12 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                         "process\n")
                 _write_stderr(line)
         finally:
-            _u64(self.ctl + CTL_GPU_ACK).value = 1
+            if self.on_failure == "stop":
+                self.trap_held_at = time.monotonic()
+                _u64(self.ctl + CTL_GPU_ACK).value = ACK_HOLD
+            else:
+                self.trap_go_at = time.monotonic()
+                _u64(self.ctl + CTL_GPU_ACK).value = ACK_GO
 
     def _stop_watchdog(self) -> None:
         """Before the control segment may be unmapped: the thread reads it."""

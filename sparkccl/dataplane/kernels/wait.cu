@@ -23,14 +23,21 @@ __device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
 }
 
 // Fail-stop (mode GPU_FAIL_STOP, the default): the record is published; give the host's
-// watchdog a bounded time to print it (it then sets the ack word), and trap. The trap
-// makes the context unusable, so nothing queued after this collective runs, and every later
-// synchronization of the process raises: a failed collective's output is never consumed
-// as valid. Without the ack (a host thread that cannot run) the trap comes after
-// ACK_WAIT_NS and the host reports at its next call instead.
+// watchdog a bounded time to print it, and trap. The trap makes the context unusable, so
+// nothing queued after this collective runs, and every later synchronization of the process
+// raises: a failed collective's output is never consumed as valid. The watchdog answers
+// ACK_HOLD once it printed the report, then ACK_GO once this process may trap (its turn of
+// the GPU's trap lock: two processes time-slicing a GPU that trap at once can wedge the
+// driver); HOLD extends the wait to HOLD_WAIT_NS. Without any ack (a host thread that cannot
+// run) the trap comes after ACK_WAIT_NS and the host reports at its next call instead.
 __device__ SCCL_COLD void stop_after_report(const WaitArgs& w) {
   const u64 t0 = globaltimer();
-  while (ld_acquire_sys(w.status + 3) == 0 && globaltimer() - t0 < ACK_WAIT_NS) nanosleep(2000);
+  for (;;) {
+    const u64 ack = ld_acquire_sys(w.status + 3);
+    if (ack != 0 && ack != ACK_HOLD) break;  // GO
+    if (globaltimer() - t0 >= (ack == ACK_HOLD ? HOLD_WAIT_NS : ACK_WAIT_NS)) break;
+    nanosleep(2000);
+  }
   __trap();
 }
 

@@ -44,7 +44,7 @@ constexpr pu64 CTL_GPU_SEQ = 56;     // u64: seq of the failed wait
 // Fail-stop handshake (docs/CONTRACT.md "Failure behaviour"): the host's watchdog sets ACK
 // once it printed the failure; in mode GPU_FAIL_STOP the failing kernel waits (bounded) for
 // it, then traps. MODE is written by the host before the first launch.
-constexpr pu64 CTL_GPU_ACK = 64;     // u64: 0, then 1 once the host reported the failure
+constexpr pu64 CTL_GPU_ACK = 64;     // u64: 0, then ACK_HOLD / ACK_GO (see ACK_WAIT_NS)
 constexpr pu64 CTL_GPU_MODE = 72;    // u64: GPU_FAIL_STOP or GPU_FAIL_POISON
 constexpr pu64 CTL_ERROR = 1024;     // char[ERROR_BYTES]: NUL-terminated text of the first failure
 constexpr pu64 ERROR_BYTES = 1024;
@@ -182,7 +182,15 @@ constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
 constexpr pu64 GPU_FAIL_STOP = 0;
 constexpr pu64 GPU_FAIL_POISON = 1;
 constexpr pu64 POISON_BYTE = 0xFF;
-constexpr pu64 ACK_WAIT_NS = 1500000000;  // STOP: how long the kernel waits for the host's ack
+// STOP: the kernel waits ACK_WAIT_NS for the host's ack, then traps. The watchdog writes
+// ACK_HOLD once it printed the report: the kernel then waits up to HOLD_WAIT_NS (from the
+// start of its wait) for ACK_GO, which the watchdog writes once it holds the GPU's trap lock
+// (sparkccl/dataplane/trap_lock.py): processes time-slicing one GPU trap one at a time, as
+// two traps at once can leave the driver wedged. Any other nonzero ack is GO.
+constexpr pu64 ACK_WAIT_NS = 1500000000;
+constexpr pu64 ACK_GO = 1;
+constexpr pu64 ACK_HOLD = 2;
+constexpr pu64 HOLD_WAIT_NS = 30000000000ull;
 // Device state of a CUDA data plane (u64 words in device memory). The collective's seq and
 // first publish-ring index live here, not in kernel arguments, so a captured CUDA graph
 // replays with fresh values: every kernel of a collective reads them, and the last block of
