@@ -1943,3 +1943,32 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
             check_ag(w, xs, outs)
             assert all(dp.plans.stats["misses"] == 5 for dp in w.dps)
         w.healthy()
+
+
+def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
+    """check_sizes probes one row of the peer's publish ring per pending collective, oldest
+    first: a matching entry is checked off, one not written yet stays pending (and so do
+    the later ones of that peer, unasked), and one so far back that the peer's next lap may
+    be rewriting it is dropped unread (a torn read once reported a mismatch that was not
+    there: the new entry's size beside the old one's seq)."""
+    dp = object.__new__(C.CudaDataPlane)
+    E = L.RING_ENTRY_BYTES // 8
+    ring = np.zeros((L.RING_ENTRIES, E), dtype=np.uint64)
+    dp.world, dp.rank, dp.peer_rings, dp._ring_next = 2, 0, [None, ring], 4000
+    P = G.PIECES
+
+    def row(first, seq, S):
+        ring[first % L.RING_ENTRIES, :3] = (first + 1, seq, S)
+
+    old = 4000 - L.RING_ENTRIES + P  # further back than the ring less two collectives each
+    row(old, 400, 999)  # (mid-rewrite: the next lap's size beside this seq)
+    row(3976, 497, 64)
+    row(3984, 498 - 32, 128)  # seq 498's row not written yet: the previous lap's entry
+    dp._unchecked = [(Op.AG, 400, 64, old, {1}), (Op.AG, 497, 64, 3976, {1}),
+                     (Op.RS, 498, 128, 3984, {1}), (Op.AG, 499, 64, 3992, {1})]
+    dp.check_sizes()
+    assert [u[1] for u in dp._unchecked] == [498, 499]
+    row(3984, 498, 128)
+    row(3992, 499, 64)
+    dp.check_sizes()
+    assert dp._unchecked == []

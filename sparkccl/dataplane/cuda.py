@@ -834,16 +834,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
         Cheap enough for every call while the host runs ahead of the GPU: oldest first, one
         row per peer (:meth:`_probe_size`), and a peer whose entry is not there yet is not
-        asked about later collectives (a rank publishes its collectives in order)."""
+        asked about later collectives (a rank publishes its collectives in order).
+
+        Only while the entry cannot be overwritten: a peer's GPU publishes collective s + 1
+        only after its s ended, which needed this rank's pieces, so its ring index is at most
+        about two collectives past this host's; an entry further back than RING_ENTRIES less
+        that margin may be being rewritten by the peer's next lap (a torn read would report
+        a mismatch that is not there) and is dropped unverified."""
         pending = self._unchecked
         if self.peer_rings is None or not pending:
             return
+        oldest = self._ring_next - layout.RING_ENTRIES + 2 * PIECES * self.world
         keep, waiting, others = [], set(), self.world - 1
         for k, item in enumerate(pending):
             if len(waiting) == others:
                 keep.extend(pending[k:])
                 break
             op, seq, S, first, peers = item
+            if first < oldest:
+                continue
             for p in sorted(peers - waiting):
                 try:
                     seen = self._probe_size(op, seq, S, first, p)
@@ -862,7 +871,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """:meth:`_check_size` reading one row: every rank takes the same ring entries per
         collective, so the peer's entry of seq sits at this rank's index ``first`` (tag
         first + 1). An older tag there: not published yet. A newer one: the rings went
-        apart (e.g. ranks of a finalize on different engines), so scan the whole ring."""
+        apart (e.g. ranks of a finalize on different engines), so scan the whole ring; a
+        tag a lap or more newer: the entry is gone (nothing to compare)."""
         ring = self.peer_rings[peer]
         if ring is None:
             return True
@@ -873,6 +883,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 return True
         elif tag < first + 1 or (tag == first + 1 and theirs < seq):
             return False
+        elif tag > first + len(ring):
+            return True
         return self._check_size(op, seq, peer, S)  # (also for the message of a mismatch)
 
     # ---- collectives -----------------------------------------------------------------
