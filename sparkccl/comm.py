@@ -311,6 +311,8 @@ class Communicator:
             for off in range(0, n, self.max_slice):
                 L = min(self.max_slice, n - off)
                 self._dp.all_gather(self._next_seq(), src[off:off + L], dst, off, n)
+            if n > self.max_slice:
+                self._dp.poison_call(out)
         return out
 
     def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,6 +361,8 @@ class Communicator:
                     L = min(self.max_slice, chunk - off)
                     self._dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off,
                                             x.dtype)
+                if chunk > self.max_slice:
+                    self._dp.poison_call(out)
             self._rs_count += 1
             self._handout = None
         return out
@@ -497,6 +501,8 @@ class Communicator:
             for a in range(0, Rr, per):
                 rows = min(per, Rr - a)
                 self._dp.moe_finalize_reduce_scatter(self._next_seq(), f, a, rows, dst, a * RB)
+            if Rr > per:
+                self._dp.poison_call(out)
             self._rs_count += 1
             self._handout = None
         return out

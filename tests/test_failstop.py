@@ -172,6 +172,12 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
                 break
             rec["outputs"].append("exact" if got == want else
                                   "poison" if got == b"\xff" * len(got) else "WRONG")
+            if rec["outputs"][-1] == "WRONG":  # what kind of wrong: the judge's evidence
+                same = sum(a == b for a, b in zip(got, want))
+                ff = got.count(0xFF)
+                rec.setdefault("wrong", []).append(
+                    f"output {i}: {same} of {len(got)} bytes exact, {ff} bytes 0xFF, first "
+                    f"difference at byte {next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)}")
         rec["elapsed_s"] = time.monotonic() - t0
         if os.environ.get("SPARKCCL_ON_FAILURE") == "poison":
             if device == "cuda":
@@ -306,7 +312,7 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
             problems.append(f"rank {r}: an output neither completed nor failed on the GPU "
                             f"within {READ_LIMIT_S:g} s; fail-stop words: {rec.get('stuck')}")
         if "WRONG" in rec["outputs"]:
-            problems.append(f"rank {r}: wrong data read silently: {rec['outputs']}")
+            problems.append(f"rank {r}: wrong data read silently: {rec['outputs']} {rec.get('wrong')}")
         if rec["raised_at"] is None and "poison" not in rec["outputs"]:
             problems.append(f"rank {r}: nothing raised and nothing poisoned: {rec['outputs']}")
         if device == "cpu" and rec["raised_at"] != "call":

@@ -35,6 +35,11 @@ class DataPlaneBase:
         self.rs_send_stride = self.rs_recv_stride = 0
 
     # ---- failure -------------------------------------------------------------------
+    def poison_call(self, out) -> None:
+        """After the collectives of one call that was split into several: mode "poison"
+        of the CUDA plane poisons the whole output if any of them failed (a caller never
+        sees half a result beside half NaN). Nothing to do on the CPU: a failure raises."""
+
     def check_abort(self) -> None:
         code = self.nat.abort_code(self.ctl)
         if code:

@@ -1202,6 +1202,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._timed_out(what, piece, word, "; GPU wait")
 
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
+    def poison_call(self, out: torch.Tensor) -> None:
+        if self.on_failure == "poison" and out.numel():
+            self._poison_if_failed(self._stream()[1], out.data_ptr(), 0, 1,
+                                   out.numel() * out.element_size())
+
     def _poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
         """Mode "poison": queue ``sccl_poison`` after the collective, which overwrites its
         output with 0xFF bytes (NaN in every floating type) if any wait of this data plane
