@@ -354,11 +354,14 @@ class World:
     """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
     and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
-    fail-stop trap would lose the CUDA context of this (the test) process."""
+    fail-stop trap would lose the CUDA context of this (the test) process; "stop" with mode
+    "ce", which mode poison runs as "fused" (cuda_engines._run_direct)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None, on_failure: str = "poison", hold: tuple = ()):
+                 mode: str | None = None, on_failure: str | None = None, hold: tuple = ()):
+        if on_failure is None:
+            on_failure = "stop" if mode == "ce" else "poison"
         self.world = world
         self.be = Backend(backend, world)
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
@@ -1804,7 +1807,8 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
     queued after the collective reads its output as valid: mode stop traps first
     (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
     also shows that the host's release (a copy on a stream of its own) gets past the
-    blocked stream."""
+    blocked stream. (Mode poison runs "ce" as "fused", cuda_engines._run_direct: there the
+    same bounds hold for the kernel's own wait.)"""
     world, n = 2, 64
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
@@ -1972,3 +1976,37 @@ def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
     row(3992, 499, 64)
     dp.check_sizes()
     assert dp._unchecked == []
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
+def test_a_failed_plane_publishes_nothing_more(direct):
+    """Mode poison: collectives queued after a failure still run, but skip their waits; if
+    they also published, a peer still reading a slot of an earlier collective would find it
+    rewritten under flags that say it is complete (seen on the H200: a survivor's
+    reduce-scatter, its waits passed, 75% of its bytes wrong, not poisoned). So once a wait
+    of the data plane failed, its later collectives write nothing to the peers (GPU-direct)
+    and nothing to its send slots or ring (the proxy path): the peer's flag words never show
+    a seq after the failed one."""
+    with World("emu", "mesh", 2, max_slice=4096, timeout_s=30, direct=direct,
+               on_failure="poison") as w:
+        xs = inputs(5, 2, (256,), torch.uint8)
+        check = [w.all_gather(xs)]
+        w.sync()
+        check_ag(w, xs, check[0])
+        seq, outs = _lone_all_gathers(w, 64, 4)  # rank 1 never calls: the first one waits
+        time.sleep(0.1)
+        N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
+        with pytest.raises(CollectiveError):
+            w.dps[0].synchronize()
+        w.be.streams[0].synchronize()
+        flags = np.frombuffer((ctypes.c_uint64 * num_flag_words(2)).from_address(
+            w.ctl[1].addr + L.FLAGS_OFFSET), dtype=np.uint64)
+        assert int(flags.max()) // G.FLAG_STRIDE <= seq, (flags, seq)
+        ring = np.frombuffer((ctypes.c_uint64 * (L.RING_ENTRIES * L.RING_ENTRY_BYTES // 8))
+                             .from_address(w.ctl[0].addr + L.RING_OFFSET), dtype=np.uint64)
+        seqs = ring.reshape(L.RING_ENTRIES, -1)[:, L.ENT_SEQ // 8]
+        tags = ring.reshape(L.RING_ENTRIES, -1)[:, L.ENT_TAG // 8]
+        assert int(seqs[tags != 0].max()) <= seq  # no entry of a later collective either
+        for out in outs:  # and every output of the failed plane is poisoned
+            assert (out.numpy() == 0xFF).all()

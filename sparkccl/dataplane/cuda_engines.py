@@ -15,6 +15,7 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
 rank, its reduce-scatter even there, both behind at 8 MiB;
 benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
 
+In mode poison (``SPARKCCL_ON_FAILURE=poison``), "ce" runs as "fused" (see _run_direct).
 Once a collective of the data plane was captured in a CUDA graph, "ce" runs as "fused":
 its stream memory operations carry values the host computed from its own seq (flag and
 progress values, ring indices), which a replay would repeat, and the host's seq is stale
@@ -112,9 +113,12 @@ class DirectEngines:
             mode = "ce" if S >= self.ce_min_slice else "fused"
         if mode == "ce" and not self._can_write_values():
             mode = "split"
-        if mode == "ce" and self._graph:
+        if mode == "ce" and (self._graph or self.on_failure == "poison"):
             # Stream memory operations carry host-computed values (seq, ring indices), which
-            # a replay would repeat: a captured communicator's collectives run "fused".
+            # a replay would repeat: a captured communicator's collectives run "fused". And
+            # in mode poison, where collectives queued after a failure still run, a failed
+            # data plane must send nothing more (kernels/common.cuh plane_failed), which its
+            # copy engines cannot be told.
             mode = "fused"
         if mode == "fused" or "wait" not in self.phases:
             if not (op == Op.AG and call.consume[2] == 0):  # (not a zero-copy result)

@@ -237,6 +237,13 @@ __device__ __forceinline__ void last_block_advances(u64* state, u64 entries, u64
   st_volatile_u64(state + STATE_EXITS, 0);
   advance_state(state, entries, gate_add);
 }
+// Has a wait of this data plane failed (state[1], the dead word)? Then its later collectives
+// publish nothing (mode poison, where they still run): a peer still reading a slot of an
+// earlier collective must not see it rewritten by one whose waits were skipped (the reuse
+// chain of docs/PROTOCOL.md "Slot reuse" holds only while every wait really waited).
+__device__ __forceinline__ bool plane_failed(const u64* state) {
+  return *(volatile const u64*)(state + 1) != 0;
+}
 // Slot seq % slots of a region (code: slots << SLOT_SHIFT | stride, 0 for a plain pointer).
 template <class T>
 __device__ __forceinline__ T* slot_at(T* base, u64 code, u64 seq) {

@@ -50,6 +50,7 @@ __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n
 }
 
 __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
+  if (plane_failed(p.state)) return;  // nothing to the peers, no ring entry (see plane_failed)
   const u64 ns = p.dtab[0];
   const u64* items = p.dtab + 1 + ns * DT_STREAM;
   for (int c = 0; c < PIECES; ++c) {

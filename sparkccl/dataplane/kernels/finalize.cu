@@ -214,6 +214,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
     u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
     u64 world, u64 rank, u8* send, u64 send_code, u8* own, u8* ring, u64* state, u64 op,
     u32* counters) {
+  if (plane_failed(state)) return;  // (the proxy may still send this slot; see plane_failed)
   const u64 seq = state_word(state, STATE_SEQ);
   const u64 first_index = state_word(state, STATE_RING);
   send = slot_at(send, send_code, seq);
@@ -245,7 +246,7 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
                                    u64 first_index, u64 seq, u64 op, u32* counters, u32* gate,
                                    u32 b, u32 nb) {
   const u64 RB = 2 * a.H, S = rows_pad * RB, L = rows * RB;
-  const u64 ns = dtab[0];
+  const u64 ns = plane_failed(state) ? 0 : dtab[0];  // failed: nothing to the peers
   const u64* items = dtab + 1 + ns * DT_STREAM;
   const u64 tid = (u64)b * blockDim.x + threadIdx.x;
   const u64 nthreads = (u64)nb * blockDim.x;

@@ -61,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_publish(
     u64 L, u64 S, u8* ring, u64* state, u64 op, u32* counters, u64 bpp) {
   const int c = blockIdx.x / (u32)bpp;
   const u32 b = blockIdx.x % (u32)bpp;
-  if (c >= PIECES) return;
+  if (c >= PIECES || plane_failed(state)) return;  // (the proxy may still send this slot)
   const u64 seq = state_word(state, STATE_SEQ);
   const u64 first_index = state_word(state, STATE_RING);
   dst = slot_at(dst, dst_code, seq);
