@@ -83,16 +83,17 @@ from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
                           wait_parts, wait_table)
 from . import nvrtc
-from .launch_plan import CallPtr, PlanCache, Recording, plain
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, OP_COPY, OP_LAUNCH, OP_RECORD,
                            OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE, WAIT_THREADS,
                            DirectCall, DirectEngines)
-from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view, host_device_pointer,
-                           kernels_for, register_host, set_current, unregister_host)
+from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
+                           host_device_pointer, kernels_for, register_host, set_current,
+                           unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
+from .launch_plan import CallPtr, PlanCache, Recording, plain
 from .trap_lock import TrapLock, gpu_key, lock_path
 
 _P = layout.protocol_constants()
