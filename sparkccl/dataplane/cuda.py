@@ -753,9 +753,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             raise ValueError(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: the CUDA data plane "
                              f"expected seq {self._seq_next} (the GPU numbers collectives one "
                              "per call, in call order)")
-        self.check_status()
-        self.check_abort()
-        self.check_sizes()
+        self.check_failures()
         return self._count(op, seq, S, entries)
 
     def _count(self, op: Op, seq: int, S: int, entries: int) -> int:
@@ -789,9 +787,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if found is None or self._closed or (not self._graph and seq != self._seq_next):
             return False
         plan, entries, direct = found
-        self.check_status()
-        self.check_abort()
-        self.check_sizes()
+        self.check_failures()
         if not self._issue_plan(plan, args):
             return False
         self.plans.stats["hits"] += 1
@@ -1166,10 +1162,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 raise failure from cuda_error
             raise
         self._retired.clear()
+        self.check_failures()
+        self.check_finalize_inputs()
+
+    def check_failures(self) -> None:
+        """Raise what the host sees without waiting for the GPU: a GPU failure record, the
+        abort word, a peer's different size (before every collective and after a
+        synchronization)."""
         self.check_status()
         self.check_abort()
         self.check_sizes()
-        self.check_finalize_inputs()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
