@@ -62,10 +62,21 @@ def shm_leftovers(token: str) -> list[str]:
         return []
 
 
+def _gone(pid: int) -> bool:
+    """Has process ``pid`` died (exited or a zombie not reaped yet)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def killed_peer_job(rank, world, store, transport, numel):
-    """Every rank gets one all-gather right, then rank 1 kills itself (SIGKILL) and the
-    survivors go on calling. Returns (the survivor's CollectiveError text or None, seconds
-    from the kill to it)."""
+    """Every rank gets one all-gather right, then rank 1 kills itself (SIGKILL) and, once it
+    is dead, the survivors go on calling: their next collective's writes to it are never
+    acknowledged (had they started while it still ran, its NIC could have acknowledged them
+    and the survivors would only wait for its data, until the collective timeout). Returns
+    (the survivor's CollectiveError text or None, seconds from the death to it)."""
     import signal
     import time
 
@@ -76,11 +87,17 @@ def killed_peer_job(rank, world, store, transport, numel):
                                transport=transport, timeout_s=60) as comm:
         x = torch.ones(numel)
         comm.all_gather(x)
+        if rank == 1:
+            store.set("victim-pid", str(os.getpid()))
         store.add("first-done", 1)  # every rank has its first result
         while store.add("first-done", 0) < world:
             time.sleep(0.01)
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        victim = int(store.get("victim-pid"))
+        deadline = time.monotonic() + 30
+        while not _gone(victim) and time.monotonic() < deadline:
+            time.sleep(0.005)
         t0 = time.monotonic()
         try:
             for _ in range(100):
