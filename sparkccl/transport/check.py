@@ -94,6 +94,9 @@ def lane_check(nat, proxy, plans, rank: int, topology: str, transport: str, ag, 
             if c.peer == rank and j in theirs:
                 expect[theirs[j]] = (p, c)
 
+    # Everyone ready first: timeout_s is for the lanes, not for a peer still building its
+    # data plane (on a GPU machine a rank's kernel loading once outlasted a 2 s timeout).
+    rv.barrier("lane-check-ready", "get ready for the lane check", abort_check=abort_check)
     res = nat.check_lanes(proxy, rows, sorted(expect), CHECK_VALUE, flags_addr, timeout_s)
     errors = []
     if res["error"] and res["conn"] >= 0:
