@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _job(rank, world, store, kibs, rounds, topology, profile=0):
+def _job(rank, world, store, kibs, rounds, topology, profile=0, breakdown=0):
     import torch as T
     import torch.distributed as dist
 
@@ -67,6 +67,8 @@ def _job(rank, world, store, kibs, rounds, topology, profile=0):
                 timed(ten)
             if profile and kib == kibs[0]:  # (every rank runs the rounds; rank 0 reports)
                 _profile(lambda: timed(ten), profile, report=rank == 0)
+            if breakdown:
+                _breakdown(g, lambda: timed(ten), breakdown, kib, report=rank == 0)
             graph = T.cuda.CUDAGraph()
             with T.cuda.graph(graph):
                 gouts = ten()
@@ -111,6 +113,57 @@ def _profile(fn, rounds: int, report: bool) -> None:
         return
     print(f"graph_replay --profile: {rounds} eager rounds of 10 calls, rank 0", file=sys.stderr)
     pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
+def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
+    """Where an eager call's host time goes, layer by layer: each function below is wrapped
+    to add its own perf_counter_ns time to its row (a wrapper costs ~0.1-0.3 us, counted in
+    the rows around it); per collective call, means over ``rounds`` rounds of 10 calls."""
+    import sparkccl.checks as checks
+    dp = comm._dp
+    spent: dict[str, int] = {}
+    undo = []
+
+    def wrap(owner, name: str, row: str) -> None:
+        inner = getattr(owner, name)
+        spent[row] = 0
+
+        def timed(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[row] += time.perf_counter_ns() - t0
+        setattr(owner, name, timed)
+        undo.append((owner, name, inner))
+
+    # Outer to inner: the Communicator call, its output allocation, the data plane's call,
+    # its checks, the native issue of the launch plan.
+    wrap(comm, "all_gather", "Communicator.all_gather (AG total)")
+    wrap(comm, "reduce_scatter", "Communicator.reduce_scatter (RS total)")
+    wrap(checks, "out", "  checks.out (torch.empty of the result)")
+    wrap(dp, "all_gather", "  data plane all_gather")
+    wrap(dp, "reduce_scatter", "  data plane reduce_scatter")
+    wrap(dp, "check_failures", "    check_failures (GPU record, abort, sizes)")
+    wrap(dp, "check_sizes", "      check_sizes")
+    wrap(dp, "_issue_plan", "    _issue_plan (native LaunchPlan.issue)")
+    try:
+        for _ in range(rounds):
+            fn()
+    finally:
+        for owner, name, inner in reversed(undo):
+            if owner is checks:
+                setattr(owner, name, inner)
+            else:
+                delattr(owner, name)
+    if report:
+        calls = rounds * 10
+        print(f"graph_replay --breakdown: {kib} KiB/rank, rank 0, {rounds} rounds; us per "
+              f"collective call (AG and RS rows: per call of their own kind)", file=sys.stderr)
+        for row, ns in spent.items():
+            per = calls // 2 if ("AG" in row or "RS" in row or "all_gather" in row
+                                 or "reduce_scatter" in row) else calls
+            print(f"  {row:<52} {ns / per / 1e3:8.2f}", file=sys.stderr)
 
 
 def _inproc(world: int, kibs: list, rounds: int, topology: str) -> tuple[list, list]:
@@ -176,6 +229,8 @@ def main() -> None:
     ap.add_argument("--topology", default="mesh")
     ap.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                     help="rank 0 profiles ROUNDS eager rounds of the first size (stderr)")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="ROUNDS",
+                    help="rank 0 times the layers of ROUNDS eager rounds per size (stderr)")
     ap.add_argument("--inproc", action="store_true",
                     help="every rank in this process, a stream each (no MPS needed)")
     args = ap.parse_args()
@@ -186,7 +241,8 @@ def main() -> None:
     else:
         from sparkccl.localrun import check, run_ranks
         values = check(run_ranks(_job, args.world, args=(args.kib, args.rounds, args.topology,
-                                                         args.profile), timeout_s=480))
+                                                         args.profile, args.breakdown),
+                                         timeout_s=480))
         bad = [f"rank {r}: {x}" for r, (_, xs) in enumerate(values) for x in xs]
         where = (f"a process per rank, rank 0, MPS pipe "
                  f"{os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'unset')}")

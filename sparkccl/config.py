@@ -215,6 +215,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "a failed collective on the GPU: stop (print the error, trap: the process must be "
        "restarted) or poison (outputs set to NaN / 0xFF bytes, later calls raise, check())",
        choices=("stop", "poison")),
+    _v("SPARKCCL_GPU_STAMPS", "bool", False, "data plane (CUDA)",
+       "1: the GPU stamps each publish-ring entry with the proxy's clock (calibrated once), "
+       "for the proxy's publish -> first post figure (proxy_stats, sparkccl bench)"),
     _v("SPARKCCL_CE_MIN_BYTES", "bytes", 16 << 20, "data plane (CUDA)",
        "auto: the smallest per-rank slice that uses the copy engines", lo=0),
     _v("SPARKCCL_DIRECT_BLOCKS", "list", None, "data plane (CUDA)",

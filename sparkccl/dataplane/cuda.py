@@ -103,6 +103,8 @@ MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
+STATE_CLOCK = _P["STATE_CLOCK"]
+CLOCK_ROUNDS = 32  # handshakes of the clock calibration (the tightest one counts)
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
@@ -246,6 +248,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
         self._unchecked: list[tuple[Op, int, int, int, set]] = []
+        self._peers = frozenset(range(self.world)) - {self.rank}
+        self._gpu_code = _u64(ctl_addr + layout.CTL_GPU_STATUS)  # the GPU record's code word
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
         self._setup_backend(device)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
@@ -330,10 +334,57 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
         _u64(ctl_addr + CTL_GPU_ACK).value = 0
         _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
+        # The GPU's publish stamps (SPARKCCL_GPU_STAMPS): CLOCK_MONOTONIC - %globaltimer, and
+        # half the round trip of the handshake that measured it (its uncertainty), in ns.
+        self.clock_offset_ns = self.clock_error_ns = None
+        if config.get("SPARKCCL_GPU_STAMPS"):
+            self._calibrate_clock()
         self._device_synchronize()
         self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
                                                  name=f"sparkccl-gpu-watchdog-{self.rank}")
         self._watchdog_thread.start()
+
+    def _calibrate_clock(self, rounds: int = CLOCK_ROUNDS, timeout_s: float = 2.0) -> None:
+        """Measure CLOCK_MONOTONIC - %globaltimer and hand it to the publish kernels (device
+        state STATE_CLOCK), so that the GPU's ring entries carry publish stamps on the
+        proxy's clock (native/src/proxy.cpp: publish -> first post). Round k: the host notes
+        its clock t0 and writes go[k]; sccl_clock_probe, spinning, writes its %globaltimer g;
+        the host sees it at t1. The GPU read the clock within [t0, t1]: the offset is
+        (t0 + t1) / 2 - g, within half the round trip, from the round of the shortest one.
+        Not found in time (no stamps then): said on stderr, never an error."""
+        buf = self._clock_buf = np.zeros(2 * rounds, dtype=np.uint64)
+        dev = self._register(buf.ctypes.data, buf.nbytes)
+        go = [_u64(buf.ctypes.data + 8 * k) for k in range(rounds)]
+        stamp = [_u64(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
+        ts, stream = self._probe_stream()
+        self._launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
+                            _n(rounds), _n(int(timeout_s * 1e9)))
+        best = None
+        deadline = time.monotonic() + timeout_s
+        try:
+            for k in range(rounds):
+                t0 = time.monotonic_ns()
+                go[k].value = 1
+                while stamp[k].value == 0 and time.monotonic() < deadline:
+                    pass
+                t1 = time.monotonic_ns()
+                g = stamp[k].value
+                if g == 0:
+                    break
+                if best is None or t1 - t0 < best[0]:
+                    best = (t1 - t0, (t0 + t1) // 2 - g)
+        finally:
+            for w in go:  # (the probe ends also when a round was not seen)
+                w.value = 1
+            ts.synchronize()
+        if best is None:
+            _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
+                          f"probe did not answer within {timeout_s:g} s: no publish stamps\n")
+            return
+        rtt, offset = best
+        self.clock_offset_ns, self.clock_error_ns = offset, (rtt + 1) // 2
+        word = (offset % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
+        self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
 
     # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
     def _setup_backend(self, device) -> None:
@@ -392,6 +443,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """(torch stream, cuda.core stream) of the caller's current stream."""
         set_current(self.device.index)
         ts = torch.cuda.current_stream(self.device)
+        return ts, self._cc_stream(ts)
+
+    def _probe_stream(self):
+        """(torch stream, cuda.core stream) of a stream of its own (the clock probe's)."""
+        ts = torch.cuda.Stream(self.device)
         return ts, self._cc_stream(ts)
 
     def _cc_stream(self, ts):
@@ -764,8 +820,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._last_seq = max(self._last_seq, seq)
         first = self._ring_next
         if not self._graph and self.peer_rings is not None:
-            self._unchecked.append((op, seq, S, first, set(range(self.world)) - {self.rank}))
-            del self._unchecked[:-64]
+            pending = self._unchecked
+            pending.append((op, seq, S, first, set(self._peers)))
+            if len(pending) > 64:
+                del pending[:-64]
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -1169,13 +1227,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """Raise what the host sees without waiting for the GPU: a GPU failure record, the
         abort word, a peer's different size (before every collective and after a
         synchronization)."""
-        self.check_status()
-        self.check_abort()
-        self.check_sizes()
+        if self._gpu_code.value:  # (the three checks of every call: only what is needed)
+            self.check_status()
+        if self.nat.abort_code(self.ctl):
+            self.check_abort()
+        if self._unchecked:
+            self.check_sizes()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
-        code = _u64(self.ctl + layout.CTL_GPU_STATUS).value
+        code = self._gpu_code.value
         if not code:
             return 0, 0, 0, 0, 0
         detail = _u64(self.ctl + layout.CTL_GPU_DETAIL).value

@@ -117,7 +117,9 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });                                                                                     \
   }
   RSD(sccl_rs_direct_bf16) RSD(sccl_rs_direct_f16) RSD(sccl_rs_direct_f32)
-  else if (n == "sccl_piece_bounds") {
+  else if (n == "sccl_clock_probe") {
+    run_grid(grid, [=] { sccl_clock_probe(P(0, const u64*), P(1, u64*), a[2], a[3]); });
+  } else if (n == "sccl_piece_bounds") {
     run_grid(grid, [=] { sccl_piece_bounds(P(0, const u64*), a[1], P(2, u64*)); });
   } else {
     return -1;

@@ -20,8 +20,24 @@ __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64
   st_volatile_u32((u32*)(ent + ENT_PIECE), piece);
   st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
   st_volatile_u32((u32*)(ent + ENT_GRANULE), granule);
+  const u64 clock = state[STATE_CLOCK];  // the proxy's clock, for its publish -> post figure
+  if (clock) st_volatile_u64((u64*)(ent + ENT_PUBLISH_NS), globaltimer() + clock);
   __threadfence_system();
   st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+}
+
+// Clock calibration (CudaDataPlane._calibrate_clock): round k waits for the host's go[k],
+// then writes %globaltimer to stamp[k]; the host's clock when it wrote go[k] and when it saw
+// the stamp bracket it. Gives up after timeout_ns (the host then sets every go word).
+extern "C" __global__ void sccl_clock_probe(const u64* go, u64* stamp, u64 rounds,
+                                            u64 timeout_ns) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const u64 t0 = globaltimer();
+  for (u64 k = 0; k < rounds; ++k) {
+    while (ld_acquire_sys(go + k) == 0)
+      if (globaltimer() - t0 > timeout_ns) return;
+    st_release_sys(stamp + k, globaltimer());
+  }
 }
 
 // Called by every thread of a block after its writes of a piece. True in thread 0 of the

@@ -203,6 +203,8 @@ constexpr int STATE_RING = 3;      // its first publish-ring index
 constexpr int STATE_GATE = 4;      // finalize gate bumps of every launch so far
 constexpr int STATE_TIMEOUT = 5;   // the waits' timeout in ns (set once)
 constexpr int STATE_EXITS = 6;     // blocks of the running last kernel that finished
+constexpr int STATE_CLOCK = 7;     // CLOCK_MONOTONIC - %globaltimer (ns, mod 2^64): ring
+                                   // entries carry publish stamps; 0: none (SPARKCCL_GPU_STAMPS)
 constexpr int STATE_WORDS = 8;
 // A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
 // the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
