@@ -155,6 +155,8 @@ _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_dir
               torch.float32: "sccl_rs_direct_f32"}
 _RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
                torch.float32: "sccl_rs_wait_f32"}
+_RS_PROXY = {torch.bfloat16: "sccl_rs_proxy_bf16", torch.float16: "sccl_rs_proxy_f16",
+             torch.float32: "sccl_rs_proxy_f32"}
 _RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
                 torch.float32: "sccl_rs_sum_unit_f32"}
 
@@ -995,13 +997,21 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if dst is not None:
             self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
         bpp = self._publish_blocks(piece)
-        if "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1),
-                         _n(L), _n(S), self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(),
-                         _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
+        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
+        publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
         nb = 1 if dst is None else self._wait_blocks(piece)
         waited = "wait" in self.phases
+        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
+            self._launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+                         *publish, ring, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp),
+                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
+                         *self._wait_args(Op.AG, (PIECES, 0)))
+            self._poison_if_failed(stream, *out)
+            self._finish(ts, stream, advanced=True)
+            return
+        if "publish" in self.phases:
+            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, *publish, _n(L),
+                         _n(S), ring, state, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         if waited:
             self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
                          slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
@@ -1079,19 +1089,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return
         self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
         ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
-        if "publish" in self.phases and src is not None:
-            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                         base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W), _n(L), _n(S),
-                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
-        elif "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES, 32,
-                         0, _n(0), send0, _n(scode), _n(S), 0, _n(0), _n(L), _n(S),
-                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(1))
+        # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
+        publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
+                   else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
         nb = self._wait_blocks(piece)
         waited = "wait" in self.phases
+        consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
+        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
+            self._launch(stream, _RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+                         *publish, ring, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp),
+                         *consume, *self._wait_args(Op.RS, (PIECES, 0)))
+            self._poison_if_failed(stream, dst_ptr, 0, 1, L)
+            self._finish(ts, stream, advanced=True)
+            return
+        if "publish" in self.phases:
+            self._launch(stream, "sccl_publish", PIECES * bpp,
+                         PUBLISH_THREADS if src is not None else 32, *publish, _n(L), _n(S),
+                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
         if waited:
-            self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS,
-                         recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S),
+            self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS, *consume,
                          *self._wait_args(Op.RS, (PIECES, 0)))
         self._poison_if_failed(stream, dst_ptr, 0, 1, L)
         self._finish(ts, stream, advanced=waited)

@@ -117,6 +117,22 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });                                                                                     \
   }
   RSD(sccl_rs_direct_bf16) RSD(sccl_rs_direct_f16) RSD(sccl_rs_direct_f32)
+#define PUB_ROLE_ARGS                                                                       \
+  P(0, const u8*), a[1], P(2, u8*), a[3], a[4], P(5, u8*), a[6], P(7, u8*), a[8], P(9, u32*), a[10]
+  else if (n == "sccl_ag_proxy") {
+    run_grid(grid, [=] {
+      sccl_ag_proxy(PUB_ROLE_ARGS, P(11, const u8*), a[12], P(13, u8*), a[14], a[15], a[16],
+                    WAIT_ARGS(17));
+    });
+  }
+#define RSX(K)                                                                              \
+  else if (n == #K) {                                                                       \
+    run_grid(grid, [=] {                                                                    \
+      K(PUB_ROLE_ARGS, P(11, const u8*), a[12], P(13, const u8*), a[14], a[15], P(16, u8*),  \
+        a[17], a[18], WAIT_ARGS(19));                                                       \
+    });                                                                                     \
+  }
+  RSX(sccl_rs_proxy_bf16) RSX(sccl_rs_proxy_f16) RSX(sccl_rs_proxy_f32)
   else if (n == "sccl_clock_probe") {
     run_grid(grid, [=] { sccl_clock_probe(P(0, const u64*), P(1, u64*), a[2], a[3]); });
   } else if (n == "sccl_piece_bounds") {

@@ -51,6 +51,7 @@
 #include "wait.cu"
 #include "reduce_scatter.cu"
 #include "direct.cu"
+#include "proxy_path.cu"
 #include "finalize.cu"
 
 // ---------------------------------------------------------------- self-test helpers

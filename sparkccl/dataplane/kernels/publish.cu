@@ -72,11 +72,14 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
 // also to dst2: all-gather's own slice of the result). Grid: PIECES * bpp blocks, piece c
 // served by blocks [c * bpp, (c+1) * bpp). nchunks == 0: nothing to copy (zero-copy
 // reduce-scatter input), publish only. counters: COUNTER_SETS sets of PIECES, by seq.
-extern "C" __global__ void __launch_bounds__(512) sccl_publish(
-    const u8* src, u64 src_stride, u8* dst, u64 dst_code, u64 dst_stride, u8* dst2, u64 nchunks,
-    u64 L, u64 S, u8* ring, u64* state, u64 op, u32* counters, u64 bpp) {
-  const int c = blockIdx.x / (u32)bpp;
-  const u32 b = blockIdx.x % (u32)bpp;
+// publish_role: the same for block `block` of a grid whose first PIECES * bpp blocks publish
+// (sccl_ag_proxy, sccl_rs_proxy_*).
+__device__ __forceinline__ void publish_role(const u8* src, u64 src_stride, u8* dst, u64 dst_code,
+                                             u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
+                                             u8* ring, u64* state, u64 op, u32* counters,
+                                             u64 bpp, u32 block) {
+  const int c = block / (u32)bpp;
+  const u32 b = block % (u32)bpp;
   if (c >= PIECES || plane_failed(state)) return;  // (the proxy may still send this slot)
   const u64 seq = state_word(state, STATE_SEQ);
   const u64 first_index = state_word(state, STATE_RING);
@@ -92,6 +95,13 @@ extern "C" __global__ void __launch_bounds__(512) sccl_publish(
                        src + j * src_stride + a, e - a, b, (u32)bpp);
   }
   finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, (u32)op, c);
+}
+
+extern "C" __global__ void __launch_bounds__(512) sccl_publish(
+    const u8* src, u64 src_stride, u8* dst, u64 dst_code, u64 dst_stride, u8* dst2, u64 nchunks,
+    u64 L, u64 S, u8* ring, u64* state, u64 op, u32* counters, u64 bpp) {
+  publish_role(src, src_stride, dst, dst_code, dst_stride, dst2, nchunks, L, S, ring, state, op,
+               counters, bpp, blockIdx.x);
 }
 
 // Queued after every other kernel of a collective on its stream where its last kernel does
