@@ -5,7 +5,8 @@
 // below (and their includes, sparkccl/include/sparkccl/protocol.h among them) into the
 // source NVRTC compiles, so the compiled-kernel cache key covers every one of them.
 //
-// Two kernels per collective, launched on the caller's stream:
+// The proxy path: two roles, launched on the caller's stream as one kernel (proxy_path.cu:
+// sccl_ag_proxy, sccl_rs_proxy_*), or as these two where one phase is timed alone:
 //
 //   *_publish: copy piece c of the input into the send region (all-gather: own block of AG
 //      slot seq%3, and the own slice of the device result; reduce-scatter: chunk j's piece
