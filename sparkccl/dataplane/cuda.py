@@ -933,10 +933,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ring = self.peer_rings[peer]
         if ring is None:
             return True
-        row = ring[first % len(ring)]
-        tag, theirs = int(row[0]), int(row[1])
+        i = first % len(ring)
+        tag, theirs = ring.item(i, 0), ring.item(i, 1)  # (item: no row view, no numpy scalar)
         if tag == first + 1 and theirs == seq:
-            if int(row[2]) == S:
+            if ring.item(i, 2) == S:
                 return True
         elif tag < first + 1 or (tag == first + 1 and theirs < seq):
             return False
