@@ -109,6 +109,8 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
             rows.append((size, t))
             _progress(rank, "sparkccl", len(rows), len(sizes))
         stats = comm.proxy_stats()
+        # SPARKCCL_GPU_STAMPS: how well the GPU's stamps sit on the proxy's clock
+        stats["clock_error_ns"] = getattr(comm._dp, "clock_error_ns", None)
     return {"rows": rows, "proxy": stats}
 
 
@@ -257,9 +259,17 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
         print_overhead(ours, via_torch, sizes)
     stats = ours[0]["proxy"]
     if stats.get("publish_samples"):
+        if stats.get("clock_error_ns") is not None:
+            print(f"\nGPU publish stamps (SPARKCCL_GPU_STAMPS): the GPU clock on the proxy's "
+                  f"within +-{stats['clock_error_ns'] / 1e3:.1f} us (half the calibration's "
+                  "shortest round trip)", end="")
         print(f"\nproxy (rank 0): data plane publish -> first write posted: p50 "
               f"{stats['publish_p50_ns'] / 1e3:.1f} us, p99 {stats['publish_p99_ns'] / 1e3:.1f} us "
               f"over {stats['publish_samples']} pieces")
+    if stats.get("first_samples"):
+        print(f"proxy (rank 0): the same for each collective's piece 0 (no earlier piece of it "
+              f"queued first): p50 {stats['first_p50_ns'] / 1e3:.1f} us, p99 "
+              f"{stats['first_p99_ns'] / 1e3:.1f} us over {stats['first_samples']} collectives")
     if stats.get("delay_samples"):
         print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "
               f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "

@@ -271,6 +271,9 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(publish_samples),
                        SPARKCCL_FIELD(publish_p50_ns),
                        SPARKCCL_FIELD(publish_p99_ns),
+                       SPARKCCL_FIELD(first_samples),
+                       SPARKCCL_FIELD(first_p50_ns),
+                       SPARKCCL_FIELD(first_p99_ns),
                        SPARKCCL_FIELD(post_ns));
       });
 

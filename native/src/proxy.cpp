@@ -384,7 +384,7 @@ bool Proxy::advance_streams() {
       uint64_t t = now_ns();
       if (c.seen_ns[p])
         record_delay(t - c.seen_ns[p],
-                     c.publish_ns[p] && c.publish_ns[p] <= t ? t - c.publish_ns[p] : 0);
+                     c.publish_ns[p] && c.publish_ns[p] <= t ? t - c.publish_ns[p] : 0, p == 0);
     }
     progress = true;
     if (++s.piece == geom::PIECES) {
@@ -473,7 +473,7 @@ void Proxy::watch() {
   }
 }
 
-void Proxy::record_delay(uint64_t ns, uint64_t publish_ns) {
+void Proxy::record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece) {
   auto keep = [](std::vector<uint64_t>& v, uint64_t& total, uint64_t x) {
     if (v.size() < MAX_SAMPLES)
       v.push_back(x);
@@ -484,6 +484,7 @@ void Proxy::record_delay(uint64_t ns, uint64_t publish_ns) {
   std::lock_guard<std::mutex> lk(samples_mu_);
   keep(samples_, samples_total_, ns);
   if (publish_ns) keep(publish_samples_, publish_total_, publish_ns);
+  if (publish_ns && first_piece) keep(first_samples_, first_total_, publish_ns);
 }
 
 ProxyStats Proxy::stats() {
@@ -497,13 +498,15 @@ ProxyStats Proxy::stats() {
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
   st.post_ns = n_post_ns_.load();
-  std::vector<uint64_t> s, pub;
+  std::vector<uint64_t> s, pub, first;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);
     s = samples_;
     st.delay_samples = samples_total_;
     pub = publish_samples_;
     st.publish_samples = publish_total_;
+    first = first_samples_;
+    st.first_samples = first_total_;
   }
   auto percentiles = [](std::vector<uint64_t>& v, uint64_t* p50, uint64_t* p99) {
     if (v.empty()) return;
@@ -513,6 +516,7 @@ ProxyStats Proxy::stats() {
   };
   percentiles(s, &st.delay_p50_ns, &st.delay_p99_ns);
   percentiles(pub, &st.publish_p50_ns, &st.publish_p99_ns);
+  percentiles(first, &st.first_p50_ns, &st.first_p99_ns);
   return st;
 }
 

@@ -22,6 +22,9 @@ struct ProxyStats {
   uint64_t gpu_pieces;  // stream pieces skipped: the data plane sent them (GPU-direct)
   // publish (data plane's clock stamp in the ring entry) -> first post of the piece
   uint64_t publish_samples, publish_p50_ns, publish_p99_ns;
+  // the same for each collective's piece 0 only: no earlier piece of its collective queued
+  // before it (the others wait for those posts too), so nearest the proxy's own latency
+  uint64_t first_samples, first_p50_ns, first_p99_ns;
   // time inside the transport's write() and flag() calls of post_piece: what posting costs
   // the proxy (verbs: building and posting the work requests, the NIC library's share
   // included), divided by writes + flags for a per-work-request figure
@@ -107,7 +110,7 @@ class Proxy {
   void fail(uint64_t code, const std::string& message);
   // consume -> first post, and publish -> first post (0: no stamp); under one lock so that
   // stats() sees both or neither.
-  void record_delay(uint64_t ns, uint64_t publish_ns);
+  void record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece);
 
   const int rank_, world_;
   const uint64_t ctl_, flags_;
@@ -135,6 +138,8 @@ class Proxy {
   uint64_t samples_total_ = 0;
   std::vector<uint64_t> publish_samples_;
   uint64_t publish_total_ = 0;
+  std::vector<uint64_t> first_samples_;  // publish -> first post of piece 0
+  uint64_t first_total_ = 0;
 };
 
 }  // namespace sparkccl
