@@ -195,7 +195,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
        "1: create the reduce-scatter buffers at construction instead of on first use"),
     _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
-       "the proxy keeps spinning this long after its last work",
+       "the proxy keeps spinning this long after its last work (so do the shm copy workers, "
+       "unless the host is oversubscribed: then they sleep at once)",
        default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
     _v("SPARKCCL_PROXY_NAP_US", "int", None, "proxy",
        "then naps this long per idle turn",

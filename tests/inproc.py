@@ -49,7 +49,8 @@ class ProxyWorld:
     Subclasses connect the ranks."""
 
     def __init__(self, topology: str, world: int, roots: int, max_slice: int,
-                 spin_us: int = 2000, nap_us: int = 50, transport: str = "shm"):
+                 spin_us: int = 2000, nap_us: int = 50, transport: str = "shm",
+                 worker_spin_us: int = 0):
         self.topology, self.world, self.roots = topology, world, roots
         self.plans = [build_plan(topology, world, r, roots) for r in range(world)]
         self.ctl = [Ctl(world) for _ in range(world)]
@@ -62,7 +63,7 @@ class ProxyWorld:
             p = N.Proxy(r, world, self.ctl[r].addr, self.ctl[r].flags_addr, t["connections"],
                         t["streams"], t["items"], SLOTS, spin_us, nap_us)
             if transport == "shm":
-                p.attach(N.ShmTransport())
+                p.attach(N.ShmTransport(worker_spin_us))
             for g in range(3):
                 p.set_region(g, self.regions[r][g].addr, self.stride[g])
             self.proxies.append(p)

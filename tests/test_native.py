@@ -203,8 +203,9 @@ class World(ProxyWorld):
     """W ranks in this process over shm: every rank's Proxy maps every other's memory."""
 
     def __init__(self, topology: str, world: int, roots: int, max_slice: int,
-                 spin_us: int = 2000, nap_us: int = 50):
-        super().__init__(topology, world, roots, max_slice, spin_us, nap_us)
+                 spin_us: int = 2000, nap_us: int = 50, worker_spin_us: int = 0):
+        super().__init__(topology, world, roots, max_slice, spin_us, nap_us,
+                         worker_spin_us=worker_spin_us)
         for r, p in enumerate(self.proxies):
             for q in range(world):
                 if q == r:
@@ -240,6 +241,21 @@ def test_end_to_end(topology, world, roots):
         assert st["entries"] == 8 * w.seq and st["flags"] > 0 and st["writes"] > 0
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 4)])
+def test_spinning_copy_workers(topology, world):
+    """shm copy workers that spin after their last operation (where the host has the cores)
+    before they sleep: the same results, and stop() ends them while they spin."""
+    w = World(topology, world, 2, max(SLICES), worker_spin_us=500_000)
+    w.start()
+    try:
+        run_every_slot(w)
+        w.check_healthy()
+    finally:
+        t0 = time.monotonic()
+        w.stop()
+        assert time.monotonic() - t0 < 0.4, "stop() waited for the workers' spin to end"
 
 
 @pytest.mark.parametrize("topology,world", [("mesh", 4), ("mesh", 8), ("ring", 4), ("ring", 5), ("ring", 6)])

@@ -219,7 +219,9 @@ NB_MODULE(_native, m) {
   nb::class_<TransportFactory>(m, "TransportFactory")
       .def_prop_ro("kind", [](const TransportFactory& f) { return std::string(f.kind()); });
   nb::class_<ShmFactory, TransportFactory>(m, "ShmTransport")
-      .def(nb::init<>(), "Copies into the peers' regions mapped here (Proxy.set_peer_region).");
+      .def(nb::init<uint64_t>(), "spin_us"_a = 0,
+           "Copies into the peers' regions mapped here (Proxy.set_peer_region); each copy "
+           "worker spins spin_us after its last operation before it sleeps.");
   nb::class_<TcpFactory, TransportFactory>(m, "TcpTransport")
       .def(nb::init<std::vector<int>, const std::vector<std::vector<int64_t>>&>(), "send_fds"_a,
            "recv"_a,

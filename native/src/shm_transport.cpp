@@ -1,7 +1,10 @@
 // shm transport (docs/PROTOCOL.md "The transport contract"): ranks on one host. Each connection has one copy worker thread
 // that performs its operations in order: memcpy for a write, and for a flag a full fence
-// then a release store of the value into the peer's flag word. Idle workers block on a
-// condition variable (many ranks may share few cores: no busy waiting here).
+// then a release store of the value into the peer's flag word. An idle worker spins for
+// spin_ns after its last operation (the proxy's own spin, where the host has the cores:
+// waking a sleeping worker is a futex call in the proxy's post, several microseconds of its
+// publish -> post latency on the H200 machine, benchmarks/proxy_latency_h200.txt), then
+// blocks on a condition variable (0 where many ranks share few cores: no busy waiting).
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -25,10 +28,18 @@ struct Worker : OrderedQueue<CopyOp> {
   bool stopping = false;
   std::atomic<bool> quit{false};
   std::thread thread;
+  uint64_t spin_ns = 0;
 
   void run() {
     std::vector<CopyOp> batch;
+    uint64_t taken = 0;  // operations taken from the queue (posted counts those pushed)
     for (;;) {
+      if (spin_ns) {
+        const uint64_t t0 = now_ns();
+        while (posted.load(std::memory_order_acquire) == taken &&
+               !quit.load(std::memory_order_relaxed) && now_ns() - t0 < spin_ns)
+          cpu_relax();
+      }
       {
         std::unique_lock<std::mutex> lk(mu);
         while (queue.empty() && !stopping) {
@@ -39,6 +50,7 @@ struct Worker : OrderedQueue<CopyOp> {
         if (stopping) return;
         batch.swap(queue);
       }
+      taken += batch.size();
       for (const CopyOp& op : batch) {
         if (quit.load(std::memory_order_relaxed)) return;
         if (op.flag) {
@@ -56,9 +68,13 @@ struct Worker : OrderedQueue<CopyOp> {
 
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Registry* reg, std::vector<ConnInfo> conns) : reg_(reg), conns_(std::move(conns)) {
+  ShmTransport(Registry* reg, std::vector<ConnInfo> conns, uint64_t spin_ns)
+      : reg_(reg), conns_(std::move(conns)) {
     workers_.reserve(conns_.size());
-    for (size_t i = 0; i < conns_.size(); ++i) workers_.emplace_back(new Worker);
+    for (size_t i = 0; i < conns_.size(); ++i) {
+      workers_.emplace_back(new Worker);
+      workers_.back()->spin_ns = spin_ns;
+    }
   }
   ~ShmTransport() override { stop(); }
 
@@ -131,7 +147,7 @@ class ShmTransport final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> ShmFactory::make(const ProxySide& side) {
-  return std::unique_ptr<Transport>(new ShmTransport(side.reg, side.conns));
+  return std::unique_ptr<Transport>(new ShmTransport(side.reg, side.conns, spin_ns_));
 }
 
 }  // namespace sparkccl

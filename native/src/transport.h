@@ -151,8 +151,12 @@ class TransportFactory {
 // shm: peers' segments are mapped in this process; one ordered copy worker per connection.
 class ShmFactory final : public TransportFactory {
  public:
+  explicit ShmFactory(uint64_t spin_us = 0) : spin_ns_(spin_us * 1000) {}
   const char* kind() const override { return "shm"; }
   std::unique_ptr<Transport> make(const ProxySide& side) override;
+
+ private:
+  uint64_t spin_ns_;  // each copy worker's spin after its last operation (then it sleeps)
 };
 
 // tcp: connected, authenticated sockets from Python (sparkccl/transport/tcp.py): send_fds[i]

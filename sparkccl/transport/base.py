@@ -53,6 +53,7 @@ class Context:
     flags_addr: int
     bootstrap_timeout_s: float
     timeout_s: float
+    worker_spin_us: int = 0  # shm copy workers: spin this long before sleeping (0: sleep)
 
 
 class Transport:

@@ -96,7 +96,7 @@ class ShmTransport(Transport):
 
     def attach(self, proxy) -> None:
         from .. import _native
-        proxy.attach(_native.ShmTransport())
+        proxy.attach(_native.ShmTransport(self.ctx.worker_spin_us))
         for p in self.peers():
             pc = self.peer_segs[(p, "ctl")]
             proxy.set_peer(p, pc.addr, pc.addr + layout.FLAGS_OFFSET, self.pids[p])
