@@ -195,9 +195,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
        "1: create the reduce-scatter buffers at construction instead of on first use"),
     _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
-       "the proxy keeps spinning this long after its last work (so do the shm copy workers, "
-       "unless the host is oversubscribed: then they sleep at once)",
+       "the proxy keeps spinning this long after its last work",
        default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
+    _v("SPARKCCL_SHM_WORKER_SPIN_US", "int", None, "transport shm",
+       "a copy worker keeps spinning this long after its last operation, then sleeps (a "
+       "sleeping worker costs the proxy a wake-up per post)",
+       default_text="SPARKCCL_PROXY_SPIN_US's value (0 when oversubscribed)", lo=0),
     _v("SPARKCCL_PROXY_NAP_US", "int", None, "proxy",
        "then naps this long per idle turn",
        default_text=f"{DEFAULT_NAP_US} ({OVERSUBSCRIBED_NAP_US} when oversubscribed)", lo=0),
@@ -312,6 +315,7 @@ class Settings:
     nap_us: int
     check_sizes: bool
     oversubscribed: bool
+    worker_spin_us: int  # shm copy workers (SPARKCCL_SHM_WORKER_SPIN_US)
     gpu_direct: bool = True
     relay_lead: int = -1
 
@@ -351,6 +355,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
         boot = timeout
     oversub = local_ranks * PROXY_THREADS_PER_RANK > usable_cpus()
     spin = get("SPARKCCL_PROXY_SPIN_US", env)
+    worker_spin = get("SPARKCCL_SHM_WORKER_SPIN_US", env)
     nap = get("SPARKCCL_PROXY_NAP_US", env)
     return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot,
                     roots=get("SPARKCCL_ROOTS", env),
@@ -361,6 +366,8 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     OVERSUBSCRIBED_NAP_US if oversub else DEFAULT_NAP_US,
                     check_sizes=get("SPARKCCL_CHECK_SIZES", env),
                     oversubscribed=oversub,
+                    worker_spin_us=worker_spin if worker_spin is not None else
+                    0 if oversub else (spin if spin is not None else DEFAULT_SPIN_US),
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
                     relay_lead=get("SPARKCCL_RELAY_LEAD", env))
 

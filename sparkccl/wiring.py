@@ -98,8 +98,7 @@ class Wiring:
             rv=rv, rank=r, world=w, topology=self.topology, roots=s.roots, plans=plans,
             infos=self.infos, buffers=bufs, flags_addr=self.flags_addr,
             bootstrap_timeout_s=s.bootstrap_timeout_s, timeout_s=s.timeout_s,
-            # (the proxy's spin for its copy workers too, unless the cores are shared)
-            worker_spin_us=0 if s.oversubscribed else s.spin_us))
+            worker_spin_us=s.worker_spin_us))
         link.connect()
 
         t = self.plan.to_tables()
