@@ -200,7 +200,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_SHM_WORKER_SPIN_US", "int", None, "transport shm",
        "a copy worker keeps spinning this long after its last operation, then sleeps (a "
        "sleeping worker costs the proxy a wake-up per post)",
-       default_text="SPARKCCL_PROXY_SPIN_US's value (0 when oversubscribed)", lo=0),
+       default_text="SPARKCCL_PROXY_SPIN_US's value (0 unless every rank's proxy, caller and "
+       "copy workers have a core)", lo=0),
     _v("SPARKCCL_PROXY_NAP_US", "int", None, "proxy",
        "then naps this long per idle turn",
        default_text=f"{DEFAULT_NAP_US} ({OVERSUBSCRIBED_NAP_US} when oversubscribed)", lo=0),
@@ -356,9 +357,14 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
     oversub = local_ranks * PROXY_THREADS_PER_RANK > usable_cpus()
     spin = get("SPARKCCL_PROXY_SPIN_US", env)
     worker_spin = get("SPARKCCL_SHM_WORKER_SPIN_US", env)
+    roots = get("SPARKCCL_ROOTS", env)
+    # Spinning copy workers need cores of their own too: one per connection (mesh: every
+    # peer, each root), beside each rank's proxy and caller.
+    workers_fit = (local_ranks * (PROXY_THREADS_PER_RANK + max(1, local_ranks - 1) * roots)
+                   <= usable_cpus())
     nap = get("SPARKCCL_PROXY_NAP_US", env)
     return Settings(slot_bytes=slot, timeout_s=timeout, bootstrap_timeout_s=boot,
-                    roots=get("SPARKCCL_ROOTS", env),
+                    roots=roots,
                     rs_up_front=get("SPARKCCL_RS_UP_FRONT", env),
                     spin_us=spin if spin is not None else
                     OVERSUBSCRIBED_SPIN_US if oversub else DEFAULT_SPIN_US,
@@ -367,7 +373,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     check_sizes=get("SPARKCCL_CHECK_SIZES", env),
                     oversubscribed=oversub,
                     worker_spin_us=worker_spin if worker_spin is not None else
-                    0 if oversub else (spin if spin is not None else DEFAULT_SPIN_US),
+                    (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
                     relay_lead=get("SPARKCCL_RELAY_LEAD", env))
 

@@ -172,3 +172,16 @@ def test_package_metadata():
     assert meta["license"] == {"text": "Apache-2.0"} and meta["authors"]
     assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
     assert {"plot", "cuda", "test"} <= set(meta["optional-dependencies"])
+
+
+def test_shm_workers_spin_only_where_they_have_cores(monkeypatch):
+    """SPARKCCL_SHM_WORKER_SPIN_US unset: the copy workers spin for the proxy's spin time
+    only where every rank's proxy, caller and copy workers (one per peer and root) have a
+    core; else they sleep at once. Set: as given."""
+    monkeypatch.setattr(config, "usable_cpus", lambda: 16)
+    assert config.resolve(local_ranks=2, env={}).worker_spin_us == config.DEFAULT_SPIN_US
+    assert config.resolve(local_ranks=2, env={"SPARKCCL_PROXY_SPIN_US": "70"}).worker_spin_us == 70
+    assert config.resolve(local_ranks=4, env={}).worker_spin_us == 0  # 4 * (2 + 3 * 2) > 16
+    monkeypatch.setattr(config, "usable_cpus", lambda: 2)
+    assert config.resolve(local_ranks=2, env={}).worker_spin_us == 0
+    assert config.resolve(local_ranks=2, env={"SPARKCCL_SHM_WORKER_SPIN_US": "9"}).worker_spin_us == 9
