@@ -269,7 +269,9 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
     if stats.get("first_samples"):
         print(f"proxy (rank 0): the same for each collective's piece 0 (no earlier piece of it "
               f"queued first): p50 {stats['first_p50_ns'] / 1e3:.1f} us, p99 "
-              f"{stats['first_p99_ns'] / 1e3:.1f} us over {stats['first_samples']} collectives")
+              f"{stats['first_p99_ns'] / 1e3:.1f} us over {stats['first_samples']} collectives; "
+              f"of it ring entry consumed -> posted: p50 {stats['first_delay_p50_ns'] / 1e3:.1f} "
+              f"us, p99 {stats['first_delay_p99_ns'] / 1e3:.1f} us")
     if stats.get("delay_samples"):
         print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "
               f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "

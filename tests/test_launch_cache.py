@@ -110,6 +110,7 @@ def test_proxy_reports_publish_to_post_latency():
             # Piece 0 of each collective alone (one in 8 of the samples).
             assert 5 <= st["first_samples"] <= 6, (transport, st)
             assert 0 < st["first_p50_ns"] <= st["first_p99_ns"], (transport, st)
+            assert 0 < st["first_delay_p50_ns"] <= st["first_delay_p99_ns"], (transport, st)
 
 
 def test_ce_launch_plans_hit_and_go_stale():

@@ -484,7 +484,11 @@ void Proxy::record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece) {
   std::lock_guard<std::mutex> lk(samples_mu_);
   keep(samples_, samples_total_, ns);
   if (publish_ns) keep(publish_samples_, publish_total_, publish_ns);
-  if (publish_ns && first_piece) keep(first_samples_, first_total_, publish_ns);
+  if (publish_ns && first_piece) {
+    uint64_t total = first_total_;  // (both vectors fill in step)
+    keep(first_samples_, first_total_, publish_ns);
+    keep(first_delays_, total, ns);
+  }
 }
 
 ProxyStats Proxy::stats() {
@@ -498,7 +502,7 @@ ProxyStats Proxy::stats() {
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
   st.post_ns = n_post_ns_.load();
-  std::vector<uint64_t> s, pub, first;
+  std::vector<uint64_t> s, pub, first, first_delay;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);
     s = samples_;
@@ -506,6 +510,7 @@ ProxyStats Proxy::stats() {
     pub = publish_samples_;
     st.publish_samples = publish_total_;
     first = first_samples_;
+    first_delay = first_delays_;
     st.first_samples = first_total_;
   }
   auto percentiles = [](std::vector<uint64_t>& v, uint64_t* p50, uint64_t* p99) {
@@ -517,6 +522,7 @@ ProxyStats Proxy::stats() {
   percentiles(s, &st.delay_p50_ns, &st.delay_p99_ns);
   percentiles(pub, &st.publish_p50_ns, &st.publish_p99_ns);
   percentiles(first, &st.first_p50_ns, &st.first_p99_ns);
+  percentiles(first_delay, &st.first_delay_p50_ns, &st.first_delay_p99_ns);
   return st;
 }
 

@@ -25,6 +25,8 @@ struct ProxyStats {
   // the same for each collective's piece 0 only: no earlier piece of its collective queued
   // before it (the others wait for those posts too), so nearest the proxy's own latency
   uint64_t first_samples, first_p50_ns, first_p99_ns;
+  // and of it, piece 0's ring entry consumed -> first post (the proxy's own turn)
+  uint64_t first_delay_p50_ns, first_delay_p99_ns;
   // time inside the transport's write() and flag() calls of post_piece: what posting costs
   // the proxy (verbs: building and posting the work requests, the NIC library's share
   // included), divided by writes + flags for a per-work-request figure
@@ -139,6 +141,7 @@ class Proxy {
   std::vector<uint64_t> publish_samples_;
   uint64_t publish_total_ = 0;
   std::vector<uint64_t> first_samples_;  // publish -> first post of piece 0
+  std::vector<uint64_t> first_delays_;   // its consume -> first post (same samples)
   uint64_t first_total_ = 0;
 };
 
