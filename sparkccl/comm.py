@@ -281,9 +281,8 @@ class Communicator:
         and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
         what = "all_gather"
-        if self._closed:
-            self._check_open(what)
-        checks.tensor(x, self.device, what)
+        self._check_open(what)
+        self._check_tensor(x, what)
         shape = x.shape if x.dim() > 0 else (1,)
         out_shape = (self.world_size * shape[0], *shape[1:])
         n = x.numel() * x.element_size()
@@ -295,15 +294,14 @@ class Communicator:
                 self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0)
                 view = self._dp.ag_slot(seq, self.world_size * n)
             return view.view(x.dtype).view(out_shape)
-        out = checks.out(out, self.device, what, out_shape, x.dtype)
+        out = self._check_out(out, what, out_shape, x.dtype)
         if n == 0:
             return out
         if self.single:
             out.view(-1).copy_(x.detach().reshape(-1))
             return out
         with self._lock:
-            if self._nat.abort_code(self._ctl_addr):
-                self._check_alive(what)
+            self._check_alive(what)
             if n <= self.max_slice and getattr(self._dp, "typed_io", False):
                 # One collective, and the plane counts bytes itself: no views per call.
                 self._dp.all_gather(self._next_seq(), x, out, 0, n)
@@ -323,9 +321,8 @@ class Communicator:
         rounded once to ``x.dtype``. If ``x`` came from :meth:`reduce_scatter_input`, the
         input copy is skipped."""
         what = "reduce_scatter"
-        if self._closed:
-            self._check_open(what)
-        checks.tensor(x, self.device, what)
+        self._check_open(what)
+        self._check_tensor(x, what)
         if x.dtype not in RS_DTYPES:
             raise TypeError(f"{what}: dtype {x.dtype} is not supported; use torch.bfloat16, "
                             "torch.float16 or torch.float32 (e.g. x.to(torch.bfloat16))")
@@ -338,7 +335,7 @@ class Communicator:
                              f"size {W} (x is [world * m, ...]); pad it to "
                              f"{round_up(x.shape[0], W)} rows")
         m = x.shape[0] // W
-        out = checks.out(out, self.device, what, (m, *x.shape[1:]), x.dtype)
+        out = self._check_out(out, what, (m, *x.shape[1:]), x.dtype)
         chunk = x.numel() * x.element_size() // W
         handout = self._match_handout(x, what)
         if chunk == 0:
@@ -347,11 +344,9 @@ class Communicator:
             out.copy_(x.detach().to(torch.float32))
             return out
         with self._lock:
-            if self._nat.abort_code(self._ctl_addr):
-                self._check_alive(what)
-            if not self._rs_ready:
-                self._check_setup_capturable(what)
-                self._ensure_rs()
+            self._check_alive(what)
+            self._check_setup_capturable(what)
+            self._ensure_rs()
             dp = self._dp
             if chunk <= self.max_slice and getattr(dp, "typed_io", False):
                 dst = out  # the plane counts bytes itself: no views per call
@@ -365,10 +360,9 @@ class Communicator:
                 src = x.detach().reshape(-1).view(torch.uint8)
                 for off in range(0, chunk, self.max_slice):
                     L = min(self.max_slice, chunk - off)
-                    self._dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off,
-                                            x.dtype)
+                    dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off, x.dtype)
                 if chunk > self.max_slice:
-                    self._dp.poison_call(out)
+                    dp.poison_call(out)
             self._rs_count += 1
             self._handout = None
         return out

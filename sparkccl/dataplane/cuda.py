@@ -575,7 +575,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         return held is not None and self.trap_go_at is None and now < held + HOLD_WAIT_S
 
     def _failure_known(self) -> bool:
-        return bool(self.nat.abort_code(self.ctl) or _u64(self.ctl + layout.CTL_GPU_STATUS).value)
+        return bool(self.nat.abort_code(self.ctl) or self._gpu_code.value)
 
     def _stuck_error(self) -> CollectiveError:
         code, source, word, piece, seq = self.gpu_status()
@@ -1248,12 +1248,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         """Raise what the host sees without waiting for the GPU: a GPU failure record, the
         abort word, a peer's different size (before every collective and after a
         synchronization)."""
-        if self._gpu_code.value:  # (the three checks of every call: only what is needed)
-            self.check_status()
-        if self.nat.abort_code(self.ctl):
-            self.check_abort()
-        if self._unchecked:
-            self.check_sizes()
+        self.check_status()
+        self.check_abort()
+        self.check_sizes()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
@@ -1314,7 +1311,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         was reported, it says so with the cause the host knows (:meth:`_say_context_lost`).
         It ends when the failure was reported, the trap's turn is over and nothing of this
         data plane runs any more."""
-        status = _u64(self.ctl + layout.CTL_GPU_STATUS)
+        status = self._gpu_code
         reported, failed_at = False, None
         try:
             while not self._watch_stop.wait(WATCHDOG_POLL_S):
@@ -1477,8 +1474,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self.trap_held_at = time.monotonic()
                 _u64(self.ctl + CTL_GPU_ACK).value = ACK_HOLD
             else:
-                self.trap_go_at = time.monotonic()
-                _u64(self.ctl + CTL_GPU_ACK).value = ACK_GO
+                self._give_go()
 
     def _stop_watchdog(self) -> None:
         """Before the control segment may be unmapped: the thread reads it."""

@@ -10,12 +10,12 @@ patched in, in one native call (``_native.LaunchPlan.issue``: the launches, then
 completion event), with no Python planning.
 
 What may be recorded is decided by the planning code: only kernel launches whose parameters
-are constants or call pointers (the "fused" GPU-direct engine and the proxy path's publish
-and wait kernels). Engines with host-side stream operations or values of the host's seq
+are constants or call pointers (the "fused" GPU-direct engine, the proxy path's kernel and
+the finalize's). Engines with host-side stream operations or values of the host's seq
 (mode "ce", mode "split"'s stream joins, zero-copy results) never are.
 
 A plan is stale when what its constants came from changes: the key holds the shape and the
-settings read per call (:meth:`PlanCache.salt`), and the data plane bumps ``generation``
+settings its planning reads (``CudaDataPlane._plan_key``), and the data plane bumps ``generation``
 when its tables or buffers change (peer mappings, attach_rs, an outgrown scratch buffer).
 """
 from __future__ import annotations

@@ -242,7 +242,7 @@ __device__ __forceinline__ void last_block_advances(u64* state, u64 entries, u64
 // earlier collective must not see it rewritten by one whose waits were skipped (the reuse
 // chain of docs/PROTOCOL.md "Slot reuse" holds only while every wait really waited).
 __device__ __forceinline__ bool plane_failed(const u64* state) {
-  return *(volatile const u64*)(state + 1) != 0;
+  return *(volatile const u64*)(state + STATE_DEAD) != 0;
 }
 // Slot seq % slots of a region (code: slots << SLOT_SHIFT | stride, 0 for a plain pointer).
 template <class T>

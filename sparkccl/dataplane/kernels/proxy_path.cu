@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(
     WAIT_ARGS_INIT                                                                           \
     const u32 npub = PIECES * (u32)bpp;                                                      \
     if (blockIdx.x < npub) {                                                                 \
-      PUBLISH_ROLE;                                                       \
+      PUBLISH_ROLE;                                                                          \
     } else {                                                                                 \
       rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys,    \
                  dst, L, S, w, blockIdx.x - npub, gridDim.x - npub);                         \
