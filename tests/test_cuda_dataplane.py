@@ -28,6 +28,7 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
+from sparkccl.dataplane import cuda_engines as E  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -173,6 +175,15 @@ def emu_wait_value(addr: int, value: int, timeout: float = 120.0) -> bool:
     return not (word.value - value) & (1 << 63)
 
 
+EMU_DONE_EVENT = 1 << 40  # the done event's handle (no event _new_events gives)
+
+
+@dataclass
+class EmuProgram:
+    native: object  # the native OpProgram (evaluated, not issued: no CUDA here)
+    names: list     # its kernel table's names
+
+
 class EmuDataPlane(C.CudaDataPlane):
     """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
     addresses, launches go to the emulated kernels."""
@@ -254,42 +265,78 @@ class EmuDataPlane(C.CudaDataPlane):
         st = self._probe = EmuStream()
         return st, st
 
-    def _fork(self, ts, name="side"):
+    def _side_stream(self, name):
         st = self._side_streams.get(name)
         if st is None:
-            st = self._side_streams[name] = EmuStream(ts.ctx)
+            st = self._side_streams[name] = EmuStream(_emu_current.stream.ctx)
+        return st
+
+    def _fork(self, ts, name="side"):
+        st = self._side_stream(name)
         st.wait_event(ts.record())
         return st, st
 
     def _join(self, ts, side_ts):
         ts.wait_event(side_ts.record())
 
-    def _issue(self, ops, kernels):
-        for kind, stream, a, b, c in ops:
+    def _stream_term(self, st):
+        if st is None:
+            return 0
+        self.__dict__.setdefault("_emu_streams", {})[id(st)] = st
+        return id(st)
+
+    def _new_events(self, n):
+        first = self.__dict__.get("_emu_next_event", 1)
+        self._emu_next_event = first + n
+        return list(range(first, first + n))
+
+    def _done_handle(self):
+        return EMU_DONE_EVENT
+
+    def _new_program(self, kernels, patches, rows):
+        table = [(k + 1, block, ps) for k, (_, block, ps) in enumerate(kernels)]
+        return EmuProgram(N.OpProgram(1, C.N_TERMS, table, patches, rows),
+                          [name for name, _, _ in kernels])
+
+    def _run_program(self, program, terms, ts):
+        """The program's operations as the native OpProgram evaluates them, run on the
+        emulated streams (launches whose kernel is in ``self.emu_skip`` are dropped)."""
+        ops = program.native.evaluate(terms)
+        params = program.native.parameters(terms)
+        events = self.__dict__.setdefault("_emu_events", {})
+        skip = getattr(self, "emu_skip", ())
+        for k in range(0, len(ops), 5):
+            kind, st, a, b, c = ops[k:k + 5]
+            stream = self._emu_streams[st]
             if kind == C.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
             elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
             elif kind == C.OP_RECORD:
-                self._emu_events[a] = stream.record()
+                if a == EMU_DONE_EVENT:
+                    self._end(stream)
+                else:
+                    events[a] = stream.record()
             elif kind == C.OP_WAIT_EVENT:
-                stream.wait_event(self._emu_events[a])
+                stream.wait_event(events[a])
             elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
                 stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
                            or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
                 assert kind == C.OP_LAUNCH, kind
-                name, _, params = kernels[a]
-                stream.submit(name, c, [b, *(int(v) for v in params[1:])])
+                if program.names[a] not in skip:
+                    self.__dict__.setdefault("emu_launched", []).append(program.names[a])
+                    stream.submit(program.names[a], c, [b, *params[a][1:]])
+        self.emu_programs_run = getattr(self, "emu_programs_run", 0) + 1
+        self.emu_ops_run = getattr(self, "emu_ops_run", 0) + len(ops) // 5
 
     def _sum_stream(self):
         if self._sums is None:
-            self._sums = (EmuStream(_emu_current.stream.ctx),
-                          list(range(1, C.PIECES * self.maxw + 1)))
-            self._emu_events = {}
+            self._sums = (EmuStream(_emu_current.stream.ctx), self._new_events(C.PIECES * self.maxw))
         return self._sums
 
     def _free_events(self):
+        self.__dict__.pop("_ce_plans", None)
         if self._sums is not None:
             self._sums[0].close()
             self._sums = None
@@ -858,8 +905,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            issue, launch = dp._issue, dp._launch
-            dp._issue = lambda ops, kernels, f=issue: (issued.append(len(ops)), f(ops, kernels))
+            run, launch = dp._run_program, dp._launch
+            dp._run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))
             dp._launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
@@ -871,9 +918,10 @@ def test_auto_mode_picks_the_engine_by_slice():
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
-        # copies and piece waits in one issue; launched only: the guard of mode stop, then
-        # the advance of the device's sequence state (ce runs on side streams)
-        assert len(issued) == world and launched == ["sccl_fail_guard", "sccl_advance"] * world
+        # one program per rank: copies, piece waits, the guard of mode stop, then the
+        # advance of the device's sequence state; nothing launched beside it
+        assert issued == [["sccl_wait_piece", "sccl_fail_guard", "sccl_advance"]] * world
+        assert launched == []
         issued.clear()
         launched.clear()
         for dp in w.dps:
@@ -900,15 +948,21 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         parts[1][0] = C.PART_WHOLE
         parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
         dp._ce_words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
-        ops = []
-        seq = 5
-        dp._ce_receive(ops, C.Op.RS, seq, "ts", 0, S=4096, L=4096, consume=(0, 0, 0, 0),
-                       stage=0, nb=1, sums=("sums", list(range(1, 8 * maxw + 1))))
-        waits = [b for kind, st, a, b, c in ops if kind == C.OP_WAIT_VALUE]
-        unit_done = [seq * C.PROG_STRIDE + (k + 1) * W for k in range(maxw)]
+        rows, launches = [], []
+
+        def row(kind, st, a=(0, E.T_ZERO, 0), b=(0, E.T_ZERO, 0), c=0):
+            rows.append((kind, st, a, b, c))
+
+        def launch(st, k, unit=None, blocks=1):
+            launches.append((st, k, unit))
+        units = dp._ce_pieces(C.Op.RS, 4096, 4096, None, dp._ce_words[C.Op.RS])[1][0]
+        dp._ce_receive_rows(row, launch, units, (0, 0, 0, 0),
+                            ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
+        waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
+        # the progress word of unit (0, k): seq * PROG_STRIDE (term T_PROG) + (k + 1) * W
+        unit_done = [((k + 1) * W, E.T_PROG, 1) for k in range(maxw)]
         assert waits == [unit_done[0], unit_done[maxw - 1]], waits  # word 0, the summing word
-        launches = [(st, a, b) for kind, st, a, b, c in ops if kind == C.OP_LAUNCH]
-        assert launches == [("sums", 1, maxw - 1)], launches  # the sum at the last word
+        assert launches == [(E.T_SUMS, E.K_SUM, maxw - 1)], launches  # the sum at the last word
         w.healthy()
 
 
@@ -1213,6 +1267,7 @@ def test_last_kernel_advances_the_state(mode, extra):
         w.sync()
         for check, xs, outs in pend:
             check(w, xs, outs)
+        names += [n for dp in w.dps for n in dp.__dict__.get("emu_launched", [])]  # (mode ce)
         assert names.count("sccl_advance") == extra * 6 * world, names
         assert [device_seq(w, r) for r in range(world)] == [6] * world
 
@@ -1828,12 +1883,7 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
         dp = w.dps[0]
-        issue = dp._issue
-
-        def without_piece_waits(ops, kernels):
-            waits = [i for i, k in enumerate(kernels) if k[0] == "sccl_wait_piece"]
-            issue([op for op in ops if not (op[0] == C.OP_LAUNCH and op[2] in waits)], kernels)
-        dp._issue = without_piece_waits
+        dp.emu_skip = {"sccl_wait_piece"}
         seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
         stream = w.be.streams[0]
         seen = []

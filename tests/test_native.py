@@ -758,29 +758,51 @@ def test_direct_entry_needs_set_gpu_streams():
         p.stop()
 
 
-def test_cuda_issue_refuses_bad_operations():
-    """The copy-engine data plane's native issuer checks its whole operation list before it
-    issues anything (a copy before a bad entry is not issued either), and names what is
-    missing where there is no driver."""
+def test_op_program_evaluates_terms_and_refuses_bad_operations():
+    """The copy-engine data plane's native program: each row's values are add + mult *
+    term, kernel parameters are patched alike (the first is each launch's own), and a bad
+    program is refused when built, or before anything is issued when a term makes it bad
+    (a copy before a bad entry is not issued either); where there is no driver, issuing
+    names what is missing."""
     import ctypes
-    with pytest.raises(ValueError, match="5-word operations"):
-        N.cuda_issue([], [0, 0, 0])
-    copy = [0, 0, 0, 0, 0]
-    with pytest.raises(ValueError, match="unknown operation kind 9"):
-        N.cuda_issue([], copy + [9, 0, 0, 0, 0])
-    with pytest.raises(ValueError, match="names no kernel of the call"):
-        N.cuda_issue([], copy + [2, 0, 0, 0, 1])  # a launch, but no kernel table
-    kernel = (0x1234, 32, [0, 7])
-    with pytest.raises(ValueError, match="names no kernel of the call or no blocks"):
-        N.cuda_issue([kernel], copy + [2, 0, 0, 0, 0])  # kernel 0, no blocks
-    with pytest.raises(ValueError, match="needs a function, a block size"):
-        N.cuda_issue([(0, 32, [0])], copy)
-    with pytest.raises(ValueError, match="names no event"):
-        N.cuda_issue([kernel], copy + [4, 0, 0, 0, 0])  # a stream waits for event 0
+
+    def row(kind, st=0, a=(0, 0, 0), b=(0, 0, 0), c=0):
+        return [kind, st, *a, *b, c]
+    kernel = (0x1234, 32, [0, 7, 0])
+    copy = row(0, 1, (0x100, 2, 8), (0x40, 3, 1), 64)  # dst 0x100 + 8 * t2, src 0x40 + t3
+    wait = row(5, 1, (0x1000, 0, 0), (3, 4, 1))         # word 0x1000 reaches 3 + t4
+    launch = row(2, 1, (0, 0, 0), (5, 0, 0), 2)         # kernel 0, first parameter 5, 2 blocks
+    p = N.OpProgram(1, 5, [kernel], [(0, 2, 3, 2, 1)], copy + wait + launch)
+    assert p.operations == 3
+    terms = [0, 0xAB, 3, 0x7000, 10 << 20]
+    assert p.evaluate(terms) == [0, 0xAB, 0x100 + 24, 0x7040, 64,
+                                 5, 0xAB, 0x1000, 3 + (10 << 20), 0,
+                                 2, 0xAB, 0, 5, 2]
+    assert p.parameters(terms) == [[0, 7, 1 + 2 * 0x7000]]
+    with pytest.raises(ValueError, match="4 terms, not 5"):
+        p.evaluate(terms[:4])
     with pytest.raises(ValueError, match="no aligned 64-bit word"):
-        N.cuda_issue([kernel], copy + [5, 0, 0x1004, 1, 0])  # a value wait, misaligned
+        N.OpProgram(1, 5, [], [], row(5, 0, (0x1000, 2, 1))).evaluate([0, 0, 4, 0, 0])
+    with pytest.raises(ValueError, match="9-word operations"):
+        N.OpProgram(1, 5, [], [], [0, 0, 0])
+    with pytest.raises(ValueError, match="unknown kind 9"):
+        N.OpProgram(1, 5, [], [], copy + row(9))
+    with pytest.raises(ValueError, match="names no term"):
+        N.OpProgram(1, 5, [], [], row(0, 5))
+    with pytest.raises(ValueError, match="launches no kernel of the program"):
+        N.OpProgram(1, 5, [], [], copy + launch)  # no kernel table
+    with pytest.raises(ValueError, match="or no blocks"):
+        N.OpProgram(1, 5, [kernel], [], copy + row(2, 1, c=0))
+    with pytest.raises(ValueError, match="needs a function"):
+        N.OpProgram(1, 5, [(0, 32, [0])], [], copy)
+    with pytest.raises(ValueError, match="after the first"):
+        N.OpProgram(1, 5, [kernel], [(0, 0, 1, 1, 0)], copy)  # the first is the launch's
+    with pytest.raises(ValueError, match="names no event"):
+        N.OpProgram(1, 5, [kernel], [], copy + row(4, 1))  # a stream waits for event 0
+    with pytest.raises(ValueError, match="needs a context"):
+        N.OpProgram(0, 5, [kernel], [], copy)
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:  # no driver here (CI): refused with the reason
         with pytest.raises(RuntimeError, match="libcuda.so.1"):
-            N.cuda_issue([kernel], copy + [2, 0, 0, 3, 1])
+            p.issue(terms)

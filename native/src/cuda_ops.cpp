@@ -1,8 +1,8 @@
 // Stream operations of the CUDA data plane (sparkccl/dataplane/cuda.py), issued without the
 // GIL, one driver call each (from Python each costs 5-20 us):
-// - cuda_issue: one collective's copy-engine operations ("ce" mode: copies, 64-bit value
-//   writes and waits, launches of the piece-wait and unit-sum kernels, event records and
-//   waits; 80-130 of them per collective at world 2);
+// - OpProgram: one collective shape's copy-engine operations ("ce" mode: copies, 64-bit
+//   value writes and waits, kernel launches, event records and waits; 80-130 of them per
+//   collective at world 2), issued per call with the call's terms in one native call;
 // - LaunchPlan: the kernels of one collective shape with their parameters, replayed per call
 //   with the call's pointers patched in (sparkccl/dataplane/launch_plan.py), then an event
 //   record: the eager fast path.
@@ -118,71 +118,163 @@ std::string describe(uint64_t kind) {
   }
 }
 
-// A kernel of the call: CUfunction, threads per block, and its 64-bit parameters; a launch
-// sets the first of them (the unit) and keeps the rest.
-struct Kernel {
-  uint64_t fn;
-  unsigned block;
-  std::vector<uint64_t> params;
+// Pushes a context for the scope where another one is current (torch's notion of the
+// current device stays as it was).
+class ContextScope {
+ public:
+  ContextScope(const CudaApi& cu, CUcontext ctx) : cu_(cu) {
+    CUcontext cur = nullptr;
+    CUresult r = cu.ctx_get(&cur);
+    if (r != 0) fail(cu, "cuCtxGetCurrent", r);
+    if (cur != ctx) {
+      if ((r = cu.ctx_push(ctx)) != 0) fail(cu, "cuCtxPushCurrent", r);
+      pushed_ = true;
+    }
+  }
+  ~ContextScope() {
+    CUcontext c;
+    if (pushed_) cu_.ctx_pop(&c);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  const CudaApi& cu_;
+  bool pushed_ = false;
 };
 
-// ops: OP_COPY (dst a, src b, bytes c), OP_WRITE64 (address a, value b), OP_LAUNCH (kernel
-// a of `kernels`, first parameter b, c blocks), OP_RECORD (event a recorded on the stream),
-// OP_WAIT_EVENT (the stream waits for event a), OP_WAIT_VALUE (the stream waits until the
-// 64-bit word at address a reaches value b).
-void issue(const std::vector<std::tuple<uint64_t, unsigned, std::vector<uint64_t>>>& kernels,
-           const std::vector<uint64_t>& ops) {
-  if (ops.size() % OP_WORDS) throw std::invalid_argument("cuda_issue: ops is not a list of 5-word operations");
-  std::vector<Kernel> ks;
-  for (const auto& [fn, block, params] : kernels) {
-    if (!fn || !block || params.empty())
-      throw std::invalid_argument("cuda_issue: a kernel needs a function, a block size and at least one parameter");
-    ks.push_back({fn, block, params});
-  }
-  // Refuse a bad list before anything is issued (a half-issued collective would hang peers).
-  for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
-    if (ops[k] > OP_WAIT_VALUE)
-      throw std::invalid_argument("cuda_issue: unknown operation kind " + std::to_string(ops[k]));
-    if (ops[k] == OP_LAUNCH && (ops[k + 2] >= ks.size() || ops[k + 4] == 0 || ops[k + 4] > 0x7FFFFFFFu))
-      throw std::invalid_argument("cuda_issue: launch " + std::to_string(k / OP_WORDS) +
-                                  " names no kernel of the call or no blocks");
-    if ((ops[k] == OP_RECORD || ops[k] == OP_WAIT_EVENT) && !ops[k + 2])
-      throw std::invalid_argument("cuda_issue: operation " + std::to_string(k / OP_WORDS) +
-                                  " names no event");
-    if (ops[k] == OP_WAIT_VALUE && (!ops[k + 2] || ops[k + 2] % 8))
-      throw std::invalid_argument("cuda_issue: value wait " + std::to_string(k / OP_WORDS) +
-                                  " names no aligned 64-bit word");
-  }
-  const CudaApi& cu = api();
-  std::vector<std::vector<void*>> ptrs(ks.size());
-  for (size_t i = 0; i < ks.size(); ++i)
-    for (auto& v : ks[i].params) ptrs[i].push_back(&v);
-  nb::gil_scoped_release nogil;
-  for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
-    const uint64_t kind = ops[k];
-    CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(ops[k + 1]));
-    const uint64_t a = ops[k + 2], b = ops[k + 3], c = ops[k + 4];
-    CUresult r = 1;
-    if (kind == OP_COPY) {
-      r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
-    } else if (kind == OP_WRITE64) {
-      r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
-    } else if (kind == OP_RECORD) {
-      r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
-    } else if (kind == OP_WAIT_EVENT) {
-      r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
-    } else if (kind == OP_WAIT_VALUE) {
-      r = cu.wait_value64(s, a, b, WAIT_VALUE_GEQ);
-    } else {  // OP_LAUNCH (checked above); the driver copies the parameters at launch
-      Kernel& kern = ks[a];
-      kern.params[0] = b;
-      r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kern.fn)),
-                    static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, ptrs[a].data(),
-                    nullptr);
+// One collective's copy-engine operations as a program ("ce" mode; 80-130 operations at
+// world 2), built once per collective shape and issued per call with that call's terms:
+// seq's flag and progress values, ring entries, slots, pointers, streams. Each row is
+// (kind, stream term, a: add + mult * terms[t], b: likewise, c); kernel parameters are
+// constants or patched alike. The operations: OP_COPY (dst a, src b, bytes c), OP_WRITE64
+// (address a, value b), OP_LAUNCH (kernel a of the table, first parameter b, c blocks),
+// OP_RECORD (event a recorded on the stream), OP_WAIT_EVENT (the stream waits for event
+// a), OP_WAIT_VALUE (the stream waits until the 64-bit word at address a reaches value b).
+class OpProgram {
+ public:
+  static constexpr size_t ROW_WORDS = 9;
+  using KernelRow = std::tuple<uint64_t, unsigned, std::vector<uint64_t>>;
+  using Patch = std::tuple<size_t, size_t, size_t, uint64_t, uint64_t>;
+
+  OpProgram(uint64_t context, size_t terms, const std::vector<KernelRow>& kernels,
+            const std::vector<Patch>& patches, const std::vector<uint64_t>& rows)
+      : ctx_(reinterpret_cast<CUcontext>(static_cast<uintptr_t>(context))), terms_(terms),
+        rows_(rows) {
+    if (!ctx_ || !terms_) throw std::invalid_argument("OpProgram: needs a context and terms");
+    for (const auto& [fn, block, params] : kernels) {
+      if (!fn || !block || block > 1024 || params.empty())
+        throw std::invalid_argument("OpProgram: a kernel needs a function, 1..1024 threads per "
+                                    "block and at least one parameter");
+      kernels_.push_back({fn, block, params, {}});
     }
-    if (r != 0) fail(cu, describe(kind) + " (operation " + std::to_string(k / OP_WORDS) + ")", r);
+    for (const auto& [k, p, t, mult, add] : patches) {
+      if (k >= kernels_.size() || p == 0 || p >= kernels_[k].params.size() || t >= terms_)
+        throw std::invalid_argument("OpProgram: patch (" + std::to_string(k) + ", " +
+                                    std::to_string(p) + ", " + std::to_string(t) +
+                                    ") names no parameter after the first, or no term");
+      patches_.push_back({k, p, t, mult, add});
+    }
+    // Refuse a bad program before anything is issued (a half-issued collective would hang
+    // peers): what does not depend on the terms here, the rest in evaluate().
+    if (rows_.empty() || rows_.size() % ROW_WORDS)
+      throw std::invalid_argument("OpProgram: rows is not a list of 9-word operations");
+    for (size_t k = 0; k < rows_.size(); k += ROW_WORDS) {
+      const uint64_t* r = &rows_[k];
+      const std::string at = "OpProgram: operation " + std::to_string(k / ROW_WORDS);
+      if (r[0] > OP_WAIT_VALUE) throw std::invalid_argument(at + ": unknown kind " + std::to_string(r[0]));
+      if (r[1] >= terms_ || r[3] >= terms_ || r[6] >= terms_)
+        throw std::invalid_argument(at + " names no term");
+      if (r[0] == OP_LAUNCH && (r[3] != 0 || r[2] >= kernels_.size() || r[8] == 0 || r[8] > 0x7FFFFFFFu))
+        throw std::invalid_argument(at + " launches no kernel of the program or no blocks");
+      if ((r[0] == OP_RECORD || r[0] == OP_WAIT_EVENT) && (r[3] != 0 || r[2] == 0))
+        throw std::invalid_argument(at + " names no event");
+    }
+    for (auto& kern : kernels_)  // (the pointer arrays last: params no longer moves)
+      for (auto& v : kern.params) kern.ptrs.push_back(&v);
   }
-}
+
+  // The operations with these terms, 5 words each (kind, stream, a, b, c): what issue()
+  // issues (the CPU emulation in tests/ runs them).
+  std::vector<uint64_t> evaluate(const std::vector<uint64_t>& terms) const {
+    if (terms.size() != terms_)
+      throw std::invalid_argument("OpProgram: " + std::to_string(terms.size()) + " terms, not " +
+                                  std::to_string(terms_));
+    std::vector<uint64_t> ops;
+    ops.reserve(rows_.size() / ROW_WORDS * OP_WORDS);
+    for (size_t k = 0; k < rows_.size(); k += ROW_WORDS) {
+      const uint64_t* r = &rows_[k];
+      const uint64_t a = r[2] + r[4] * terms[r[3]], b = r[5] + r[7] * terms[r[6]];
+      if (r[0] == OP_WAIT_VALUE && (!a || a % 8))
+        throw std::invalid_argument("OpProgram: value wait " + std::to_string(k / ROW_WORDS) +
+                                    " names no aligned 64-bit word");
+      const uint64_t op[OP_WORDS] = {r[0], terms[r[1]], a, b, r[8]};
+      ops.insert(ops.end(), op, op + OP_WORDS);
+    }
+    return ops;
+  }
+
+  // Every kernel's parameters with these terms (the first, the unit, as built).
+  std::vector<std::vector<uint64_t>> parameters(const std::vector<uint64_t>& terms) {
+    std::lock_guard<std::mutex> hold(mu_);
+    patch(terms);
+    std::vector<std::vector<uint64_t>> out;
+    for (const auto& kern : kernels_) out.push_back(kern.params);
+    return out;
+  }
+
+  void issue(const std::vector<uint64_t>& terms) {
+    const std::vector<uint64_t> ops = evaluate(terms);
+    const CudaApi& cu = api();
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
+    ContextScope in(cu, ctx_);
+    patch(terms);
+    for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
+      const uint64_t kind = ops[k];
+      CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(ops[k + 1]));
+      const uint64_t a = ops[k + 2], b = ops[k + 3], c = ops[k + 4];
+      CUresult r = 1;
+      if (kind == OP_COPY) {
+        r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
+      } else if (kind == OP_WRITE64) {
+        r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
+      } else if (kind == OP_RECORD) {
+        r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
+      } else if (kind == OP_WAIT_EVENT) {
+        r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
+      } else if (kind == OP_WAIT_VALUE) {
+        r = cu.wait_value64(s, a, b, WAIT_VALUE_GEQ);
+      } else {  // OP_LAUNCH (checked when built); the driver copies the parameters at launch
+        Kernel& kern = kernels_[a];
+        kern.params[0] = b;
+        r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kern.fn)),
+                      static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, kern.ptrs.data(),
+                      nullptr);
+      }
+      if (r != 0) fail(cu, describe(kind) + " (operation " + std::to_string(k / OP_WORDS) + ")", r);
+    }
+  }
+
+  size_t operations() const { return rows_.size() / ROW_WORDS; }
+
+ private:
+  struct Kernel {
+    uint64_t fn;
+    unsigned block;
+    std::vector<uint64_t> params;
+    std::vector<void*> ptrs;
+  };
+  void patch(const std::vector<uint64_t>& terms) {
+    for (const auto& [k, p, t, mult, add] : patches_) kernels_[k].params[p] = add + mult * terms[t];
+  }
+  CUcontext ctx_;
+  size_t terms_;
+  std::vector<uint64_t> rows_;
+  std::vector<Kernel> kernels_;
+  std::vector<Patch> patches_;
+  std::mutex mu_;
+};
 
 // The kernels of one collective shape (sparkccl/dataplane/launch_plan.py): per launch a
 // function, grid and block and its 64-bit parameters; `patches` (launch, parameter, call
@@ -230,21 +322,10 @@ class LaunchPlan {
     const uint64_t args[ARGS] = {a0, a1, a2, a3, a4, a5};
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
-    CUcontext cur = nullptr;
-    CUresult r = cu.ctx_get(&cur);
-    if (r != 0) fail(cu, "cuCtxGetCurrent", r);
-    const bool pushed = cur != ctx_;
-    if (pushed && (r = cu.ctx_push(ctx_)) != 0) fail(cu, "cuCtxPushCurrent", r);
-    struct Pop {
-      const CudaApi& cu;
-      bool on;
-      ~Pop() {
-        CUcontext c;
-        if (on) cu.ctx_pop(&c);
-      }
-    } pop{cu, pushed};
+    ContextScope in(cu, ctx_);
     int capture = 0;
-    if ((r = cu.is_capturing(s, &capture)) != 0) fail(cu, "cuStreamIsCapturing", r);
+    CUresult r = cu.is_capturing(s, &capture);
+    if (r != 0) fail(cu, "cuStreamIsCapturing", r);
     if (capture != 0) return false;
     for (const auto& [l, p, arg, add] : patches_) launches_[l].params[p] = args[arg] + add;
     for (size_t i = 0; i < launches_.size(); ++i) {
@@ -289,8 +370,17 @@ bool event_query(uint64_t event) {
 
 namespace sparkccl {
 void bind_cuda_ops(nb::module_& m) {
-  m.def("cuda_issue", &issue, "kernels"_a, "ops"_a,
-        "Issue copy-engine data-plane stream operations (see native/src/cuda_ops.cpp).");
+  nb::class_<OpProgram>(m, "OpProgram")
+      .def(nb::init<uint64_t, size_t, const std::vector<OpProgram::KernelRow>&,
+                    const std::vector<OpProgram::Patch>&, const std::vector<uint64_t>&>(),
+           "context"_a, "terms"_a, "kernels"_a, "patches"_a, "rows"_a)
+      .def("issue", &OpProgram::issue, "terms"_a,
+           "Issue the operations with these terms (see native/src/cuda_ops.cpp).")
+      .def("evaluate", &OpProgram::evaluate, "terms"_a,
+           "The operations with these terms, 5 words each (kind, stream, a, b, c).")
+      .def("parameters", &OpProgram::parameters, "terms"_a,
+           "Every kernel's parameters with these terms.")
+      .def_prop_ro("operations", &OpProgram::operations);
   nb::class_<LaunchPlan>(m, "LaunchPlan")
       .def(nb::init<uint64_t, uint64_t, const std::vector<LaunchPlan::KernelRow>&,
                     const std::vector<LaunchPlan::Patch>&>(),

@@ -85,9 +85,9 @@ from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_
 from . import nvrtc
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
-from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, OP_COPY, OP_LAUNCH, OP_RECORD,
-                           OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE, WAIT_THREADS,
-                           DirectCall, DirectEngines)
+from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, N_TERMS, OP_COPY, OP_LAUNCH,
+                           OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE,
+                           WAIT_THREADS, DirectCall, DirectEngines)
 from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, set_current,
                            unregister_host)
@@ -163,7 +163,7 @@ _RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs
 __all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "register_host",
            "unregister_host", "host_device_pointer", "device_view", "part_code", "PART_NONE",
            "PART_WHOLE", "ce_words", "wait_parts", "OP_COPY", "OP_WRITE64", "OP_LAUNCH",
-           "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES"]
+           "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES", "N_TERMS"]
 
 
 def direct_blocks_setting() -> tuple[int, int] | None:

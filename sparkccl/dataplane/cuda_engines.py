@@ -37,6 +37,7 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds
 from ..plan.model import Op
 from .cuda_runtime import check, kernel_u64 as _n
+from .launch_plan import CallPtr
 
 DIRECT_MODES = ("fused", "split", "ce")
 WAIT_THREADS = 256
@@ -47,21 +48,52 @@ OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 
 MAX_CE_PLANS = 64  # mode "ce" launch plans kept per data plane (all dropped when full)
 
 
+# Terms of a mode "ce" program: what a call fills in. A program row's values and a
+# kernel's patched parameters are add + mult * term (native OpProgram).
+(T_ZERO, T_TS, T_SIDE, T_WATCH, T_SUMS, T_FLAG, T_PROG, T_FIRST, T_RECV, T_OWN_HOST,
+ T_STAGE) = range(11)
+T_TAG = T_STAGE + 1      # + c: the tag word of ring entry first + c
+T_OWN = T_TAG + PIECES   # + j: the destination of own copy j
+MAX_OWN = 2
+T_ARG = T_OWN + MAX_OWN  # + k: the call's pointer k (launch_plan.CallPtr arg k)
+MAX_ARGS = 6
+CE_MODS = (2, 3)         # slot counts of the regions: term T_MOD + i is seq % CE_MODS[i]
+T_MOD = T_ARG + MAX_ARGS
+N_TERMS = T_MOD + len(CE_MODS)
+# the kernels of a program's table, by index (only those the program uses are launched)
+K_PIECE, K_SUM, K_PUBLISH, K_WAIT, K_GUARD, K_ADVANCE = range(6)
+_MASK = (1 << 64) - 1
+
+
+def _sym(v) -> tuple:
+    """A row value (add, term, mult) of a launch parameter: a CallPtr is its call pointer's
+    term plus its offset; anything else a constant."""
+    if type(v) is CallPtr:
+        return v.add & _MASK, T_ARG + v.arg, 1
+    return int(v) & _MASK, T_ZERO, 0
+
+
+def _call_params(call) -> tuple:
+    """What of a call shapes its mode "ce" program: the kernels' parameters, the copy
+    engines' source, the consume side's constants (its slot, and a reduce-scatter's own
+    slice, are terms: they follow seq)."""
+    hc = call.ce_consume
+    return (*call.publish, *call.consume, *(call.ce_src or ()),
+            *(hc[2:] if call.op == Op.RS else hc[1:]))
+
+
 @dataclass
-class CePlan:
-    """Mode "ce": what a collective of (op, S, L) does that does not depend on seq, the
-    pointers or the streams: per piece, the sending side's copies and flags and the
-    receiving side's units, and the ring entries' fields but seq. Built by the first call
-    from ``_dhost[op]`` and ``_ce_words[op]`` (kept as ``host`` and ``words``: a plan built
-    from other tables than the current ones is stale, e.g. after _build_direct)."""
+class CeProgram:
+    """Mode "ce": a collective shape's stream operations as a native OpProgram, built by its
+    first call (``_ce_program``), issued by every call with that call's terms. ``host``
+    and ``words``: the tables it was built from (``_dhost[op]``, ``_ce_words[op]``; a
+    program of other tables than the current ones is stale, e.g. after _build_direct).
+    ``ring_rows``: the ring entries' fields but seq, which the host writes per call."""
     host: list
     words: list
-    # pub[c]: (OP_COPY, dst without the slot term, slots, slot stride, chunk, a, bytes) or
-    # (OP_WRITE64, flag pointer, value - seq * FLAG_STRIDE)
-    pub: list
-    # recv[c]: (unit u, [(source i, a, bytes)], sum here)
-    recv: list
+    program: object
     ring_rows: np.ndarray  # [PIECES, 6] uint64, column 0 (seq) filled per call
+    args: tuple            # the call-parameter positions that hold CallPtr values
 
 
 @dataclass(frozen=True)
@@ -131,78 +163,191 @@ class DirectEngines:
             self._poison_if_failed(stream, *call.output)
             self._finish(ts, stream, advanced=True)
             return
-        # The two roles on two streams: the publish side starts after everything queued
-        # before on the caller's stream, and the caller's stream joins it at the end, so
-        # collectives stay in order and every region is reused as with one launch. (Mode ce
-        # with two sending and two receiving streams, words alternating between them, was
-        # slower on two H200s: ~0.9 ms per collective at any size, against ~0.45 ms.)
+        if mode == "ce":
+            self._run_ce(call, ring, waits)
+            return
+        # Mode split, the two roles on two streams: the publish side starts after everything
+        # queued before on the caller's stream, and the caller's stream joins it at the end,
+        # so collectives stay in order and every region is reused as with one launch.
         side_ts, side = self._fork(ts)
-        ce_pub = mode == "ce" and ce_src is not None  # (a zero-copy input is already pinned)
-        hc = call.ce_consume
-        ce_wait = mode == "ce" and (op == Op.RS or int(hc[1]) != 0)  # (zero-copy AG: waits)
-        if not ce_pub:
-            self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *waits)
-        if ce_pub or ce_wait:
-            # Kernels of the operation list: 0 waits for piece c (the first parameter), 1 sums
-            # a reduce-scatter unit (the first parameter, unit = c * maxw + k).
-            kernels = [("sccl_wait_piece", 32, (0, *waits))]
-            watch = self._fork(ts, "watch")[0] if ce_wait else None
-            stage, sums = 0, None
-            if op == Op.RS and ce_wait:
-                sums = self._sum_stream()
-                stage = self._scratch("ce stage", self.world * S).data_ptr()
-                reduce_parts = self.parts_table[int(op)][self.world].data_ptr()
-                kernels.append((call.sum_kernel, WAIT_THREADS, (0, stage, *hc[1:], L, S,
-                                                           self.rank, self.world, reduce_parts,
-                                                           self.maxw)))
-            # The own slice first, on the receiving stream (idle until the first piece lands).
-            ops = [(OP_COPY, ts, d, src, n) for d, src, n in own] if ce_pub else []
-            if ce_pub:
-                self._host_ring_room(op, seq, first, PIECES)
-                self._ring_fields(first, seq, S, op, L)
-            # Both sides piece by piece, so each stream starts at once; and a piece's wait is
-            # queued after that piece's sends (a stream sharing a hardware queue with another
-            # of this rank then waits behind nothing a peer's wait needs: no cycle).
-            for c in range(PIECES):
-                if ce_pub:
-                    self._ce_publish(ops, op, seq, side_ts, c, S=S, L=L, first=first, src=ce_src)
-                if ce_wait:
-                    ops.append((OP_LAUNCH, watch, 0, c, 1))
-                    self._ce_receive(ops, op, seq, ts, c, S=S, L=L, consume=hc,
-                                     stage=stage, nb=nb, sums=sums)
-            self._issue(ops, kernels)
-            if sums is not None:
-                self._join(ts, sums[0])
-            if watch is not None:
-                self._join(ts, watch)
-        if not ce_wait:
-            self._launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
-                         *waits)
+        self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub), *consume,
+                     *waits)
+        self._launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
+                     *waits)
         self._join(ts, side_ts)
-        if ce_wait and self.on_failure == "stop":
-            # The value waits above end when the progress word says so, also when the host
-            # released them (_release_waits: no kernel of theirs ran to fail); the copies
-            # then moved whatever was there. Before anything after the collective can read
-            # it: trap if this data plane failed (mode poison: sccl_poison overwrites it).
-            self._launch(stream, "sccl_fail_guard", 1, 32, *waits)
         self.direct_launches += 1
         self._poison_if_failed(stream, *call.output)
         self._finish(ts, stream)
 
-    def _ce_plan(self, op: Op, S: int, L: int) -> CePlan:
-        """The launch plan of mode "ce" for (op, S, L): the same operations, in the same
-        order, as planning each call afresh (``ce_plan_stats`` counts hits and misses)."""
+    def _run_ce(self, call: DirectCall, ring: tuple, waits: tuple) -> None:
+        """Mode "ce": the collective's program (:meth:`_ce_program`) with this call's terms,
+        in one native call. The ring entries' fields are the host's to write (the GPU
+        streams write only the tags), so the host first waits for their room."""
+        op, seq, S, L, first = call.op, call.seq, call.S, call.L, call.first
+        p = self._ce_program(call, ring, waits)
+        if call.ce_src is not None:
+            self._host_ring_room(op, seq, first, PIECES)
+            idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
+            p.ring_rows[:, 0] = seq
+            self._ring_host[idx, 1:7] = p.ring_rows
+        self._run_program(p.program, self._ce_terms(call, p.args), call.ts)
+        self.direct_launches += 1
+
+    def _ce_terms(self, call: DirectCall, args: tuple) -> list:
+        """The terms of this call (see T_*)."""
+        seq, first, hc = call.seq, call.first, call.ce_consume
+        streams = self._ce_streams()
+        t = [0] * N_TERMS
+        t[T_TS] = self._stream_term(call.ts)
+        t[T_SIDE], t[T_WATCH], t[T_SUMS] = (self._stream_term(st) for st in streams)
+        t[T_FLAG] = (flag_value(seq, 0) - flag_value(0, 0)) & _MASK
+        t[T_PROG] = (seq * PROG_STRIDE) & _MASK
+        t[T_FIRST] = first
+        tags = self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
+        for c in range(PIECES):
+            t[T_TAG + c] = tags + ((first + c) % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES
+        if hc:
+            t[T_RECV] = int(hc[0])
+            if call.op == Op.RS:
+                t[T_OWN_HOST] = int(hc[1])
+                t[T_STAGE] = self._scratch("ce stage", self.world * call.S).data_ptr()
+        for j, (d, _, _) in enumerate(call.own):
+            t[T_OWN + j] = int(d)
+        params = _call_params(call)
+        for i in args:
+            v = params[i]
+            t[T_ARG + v.arg] = int(v) - v.add
+        for i, m in enumerate(CE_MODS):
+            t[T_MOD + i] = seq % m
+        return t
+
+    def _ce_program(self, call: DirectCall, ring: tuple, waits: tuple) -> CeProgram:
+        """The program of this call's shape, from the cache or built now (``ce_plan_stats``
+        counts hits and misses). Its key holds every constant that shapes it: the shape, the
+        kernels' constant parameters; what varies per call is a term (T_*)."""
+        op, S, L = call.op, call.S, call.L
         plans = self.__dict__.setdefault("_ce_plans", {})
         stats = self.__dict__.setdefault("ce_plan_stats", {"hits": 0, "misses": 0})
         host, words = self._dhost.get(op), self._ce_words[op]
-        p = plans.get((op, S, L))
+        params = _call_params(call)
+        key = (op, S, L, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
+               len(call.own), self.on_failure,
+               tuple((v.arg, v.add) if type(v) is CallPtr else int(v) for v in params))
+        p = plans.get(key)
         if p is not None and p.host is host and p.words is words:
             stats["hits"] += 1
             return p
         stats["misses"] += 1
         if len(plans) >= MAX_CE_PLANS:
             plans.clear()
+        p = plans[key] = self._build_ce_program(call, ring, waits, host, words, params)
+        return p
+
+    def _build_ce_program(self, call: DirectCall, ring: tuple, waits: tuple, host, words,
+                          params: tuple) -> CeProgram:
+        """Mode "ce" for the shape of ``call``, as program rows (what each stream does is
+        described in the module docstring and in :meth:`_ce_publish_rows` /
+        :meth:`_ce_receive_rows`):
+
+        * the caller's stream records the fork event; the sending stream and the watch stream
+          wait for it (each starts after everything queued before the collective);
+        * the own slice on the receiving stream (idle until the first piece lands);
+        * piece by piece, both sides, so each stream starts at once; a piece's wait is
+          queued after that piece's sends (a stream sharing a hardware queue with another of
+          this rank then waits behind nothing a peer's wait needs: no cycle);
+        * the caller's stream joins the sums', watch and sending streams (events), then
+          sccl_fail_guard, sccl_advance and the data plane's done event.
+
+        A zero-copy input (``ce_src`` None: already pinned) is sent by the direct kernel's
+        publish role on the sending stream; a zero-copy result (AG ``hc[1]`` 0) is waited
+        for by the wait kernel on the caller's stream."""
+        op, S, L, nb, npub = call.op, call.S, call.L, call.nb, call.npub
+        hc = call.ce_consume
+        ce_pub = call.ce_src is not None
+        ce_wait = op == Op.RS or int(hc[1]) != 0
+        sums = self._sum_stream() if op == Op.RS and ce_wait else None
+        fork, side_end, watch_end, sums_end = self._ce_sync_events()
+        state = self.state.data_ptr()
+        # The kernel table: parameters with CallPtr marks become patches (the first
+        # parameter is each launch's own value).
+        table = {K_PIECE: ("sccl_wait_piece", 32, (0, *waits)),
+                 K_PUBLISH: (call.kernel, DIRECT_THREADS, (*call.publish, *ring, npub,
+                                                           *call.consume, *waits)),
+                 K_WAIT: (call.wait_kernel, WAIT_THREADS, (*call.consume, L, S, *waits)),
+                 K_GUARD: ("sccl_fail_guard", 32, waits),
+                 K_ADVANCE: ("sccl_advance", 32, (state, PIECES, 0))}
+        if sums is not None:  # stage, own (host view), dst: terms
+            table[K_SUM] = (call.sum_kernel, WAIT_THREADS,
+                            (0, 0, 0, hc[2], hc[3], L, S, self.rank, self.world,
+                             self.parts_table[int(op)][self.world].data_ptr(), self.maxw))
+        kernels, patches, slot, firsts = [], [], {}, {}
+
+        def kernel(k: int) -> int:
+            """Index of kernel K_* in the program's table (added on first use)."""
+            if k not in slot:
+                name, block, ps = table[k]
+                i = slot[k] = len(kernels)
+                for j, v in enumerate(ps[1:], 1):
+                    if type(v) is CallPtr:
+                        patches.append((i, j, T_ARG + v.arg, 1, v.add & _MASK))
+                if k == K_SUM:
+                    patches.extend([(i, 1, T_STAGE, 1, 0), (i, 2, T_OWN_HOST, 1, 0)])
+                kernels.append((name, block, [int(v) & _MASK for v in ps]))
+                firsts[k] = _sym(ps[0])
+            return slot[k]
+
+        rows = []
+
+        def row(kind, st, a=(0, T_ZERO, 0), b=(0, T_ZERO, 0), c=0):
+            rows.extend((kind, st, *a, *b, c))
+
+        def launch(st, k, unit=None, blocks=1):
+            i = kernel(k)
+            row(OP_LAUNCH, st, (i, T_ZERO, 0), firsts[k] if unit is None else (unit, T_ZERO, 0),
+                blocks)
+
+        row(OP_RECORD, T_TS, (fork, T_ZERO, 0))
+        row(OP_WAIT_EVENT, T_SIDE, (fork, T_ZERO, 0))
+        if ce_wait:
+            row(OP_WAIT_EVENT, T_WATCH, (fork, T_ZERO, 0))
+        if not ce_pub:
+            launch(T_SIDE, K_PUBLISH, blocks=npub)
+        if ce_pub:
+            for j, (_, src, n) in enumerate(call.own):
+                row(OP_COPY, T_TS, (0, T_OWN + j, 1), _sym(src), n)
+        pub, recv, ring_rows = self._ce_pieces(op, S, L, host, words)
+        for c in range(PIECES):
+            if ce_pub:
+                self._ce_publish_rows(row, pub[c], c, _sym(call.ce_src[0]), call.ce_src[1])
+            if ce_wait:
+                launch(T_WATCH, K_PIECE, unit=c)
+                self._ce_receive_rows(row, launch, recv[c], hc, sums, S, nb)
+        if sums is not None:
+            row(OP_RECORD, T_SUMS, (sums_end, T_ZERO, 0))
+            row(OP_WAIT_EVENT, T_TS, (sums_end, T_ZERO, 0))
+        if ce_wait:
+            row(OP_RECORD, T_WATCH, (watch_end, T_ZERO, 0))
+            row(OP_WAIT_EVENT, T_TS, (watch_end, T_ZERO, 0))
+        else:
+            launch(T_TS, K_WAIT, blocks=1 + nb)
+        row(OP_RECORD, T_SIDE, (side_end, T_ZERO, 0))
+        row(OP_WAIT_EVENT, T_TS, (side_end, T_ZERO, 0))
+        if ce_wait and self.on_failure == "stop":
+            # The value waits end when the progress word says so, also when the host
+            # released them (_release_waits: no kernel of theirs ran to fail); the copies
+            # then moved whatever was there. Before anything after the collective can read
+            # it: trap if this data plane failed. (Mode poison runs ce as fused.)
+            launch(T_TS, K_GUARD)
+        launch(T_TS, K_ADVANCE)
+        row(OP_RECORD, T_TS, (self._done_handle(), T_ZERO, 0))
+        args = tuple(i for i, v in enumerate(params) if type(v) is CallPtr)
+        program = self._new_program(kernels, patches, rows)
+        return CeProgram(host=host, words=words, program=program, ring_rows=ring_rows,
+                         args=args)
+
+    def _ce_pieces(self, op: Op, S: int, L: int, host, words) -> tuple:
+        """Per piece, what the sending side copies and flags and what the receiving side's
+        units move, and the ring entries' fields (seq filled per call)."""
         pub, recv, rows = [], [], []
         for c in range(PIECES):
             lo, hi = piece_bounds(S, c)
@@ -226,43 +371,36 @@ class DirectEngines:
             recv.append(units)
             rows.append([0, S, lo, hi, int(op) | c << 32,
                          (layout.CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
-        p = plans[(op, S, L)] = CePlan(host=host, words=words, pub=pub, recv=recv,
-                                       ring_rows=np.array(rows, dtype=np.uint64))
-        return p
+        return pub, recv, np.array(rows, dtype=np.uint64)
 
-    def _ce_publish(self, ops: list, op: Op, seq: int, side_ts, c: int, *, S: int, L: int,
-                    first: int, src: tuple) -> None:
-        """Mode "ce", piece c of the sending side: the same writes as direct_publish in
-        kernels/direct.cu, as copy-engine operations: each item's bytes straight into the peer's
-        mapped region, then the stream's flag word; then the tag of ring entry first + c
-        (its other fields are written by :meth:`_ring_fields` before anything is issued).
+    def _ce_publish_rows(self, row, sends: list, c: int, src: tuple, stride: int) -> None:
+        """Piece c of the sending side: the same writes as direct_publish in
+        kernels/direct.cu, as copy-engine operations: each item's bytes straight into the
+        peer's mapped region, then the stream's flag word; then the tag of ring entry
+        first + c (its other fields are written by the host before the program is issued).
         A written value carries a system-wide fence (cuStreamWriteValue64 without
         NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store."""
-        base, stride = src
-        seq_value = flag_value(seq, 0) - flag_value(0, 0)
-        for t in self._ce_plan(op, S, L).pub[c]:
+        for t in sends:
             if t[0] == OP_COPY:
                 _, dst, slots, dstride, chunk, a, n = t
-                ops.append((OP_COPY, side_ts, dst + (seq % slots) * dstride,
-                            base + chunk * stride + a, n))
+                row(OP_COPY, T_SIDE, (dst, T_MOD + CE_MODS.index(slots), dstride),
+                    (src[0] + chunk * stride + a, src[1], src[2]), n)
             else:
-                ops.append((OP_WRITE64, side_ts, t[1], t[2] + seq_value, 0))
-        index = first + c
-        ops.append((OP_WRITE64, side_ts, self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
-                    + (index % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES, index + 1, 0))
+                row(OP_WRITE64, T_SIDE, (t[1], T_ZERO, 0), (t[2], T_FLAG, 1))
+        row(OP_WRITE64, T_SIDE, (0, T_TAG + c, 1), (c + 1, T_FIRST, 1))
 
-    def _ce_receive(self, ops: list, op: Op, seq: int, ts, c: int, *, S: int, L: int,
-                    consume: tuple, stage: int, nb: int, sums: tuple | None) -> None:
-        """Mode "ce", piece c of the receiving side, one unit (wait word k) at a time: the
-        caller's stream waits (``cuStreamWaitValue64``) until the progress word says word k
-        of the piece came from every source (``sccl_wait_piece`` on the watch stream relays
-        it there, watching the abort word and the GPU-clock timeout; a failure sets the word
+    def _ce_receive_rows(self, row, launch, units: list, hc: tuple, sums, S: int,
+                         nb: int) -> None:
+        """A piece of the receiving side, one unit (wait word k) at a time: the caller's
+        stream waits (``cuStreamWaitValue64``) until the progress word says word k of the
+        piece came from every source (``sccl_wait_piece`` on the watch stream relays it
+        there, watching the abort word and the GPU-clock timeout; a failure sets the word
         past every unit of the collective), then the copy engines move the part of the piece
         that word carries off the link: into the all-gather result, or into the device
-        staging slot of the reduce-scatter. There nb blocks of
-        ``sccl_rs_sum_unit_*`` sum it in rank order on the sums' stream (``sums`` = (stream,
-        events)), which waits for an event recorded after the unit's copies, so the receiving
-        stream moves on to the next unit at once.
+        staging slot of the reduce-scatter. There nb blocks of ``sccl_rs_sum_unit_*`` sum it
+        in rank order on the sums' stream (``sums`` = (stream, events)), which waits for an
+        event recorded after the unit's copies, so the receiving stream moves on to the next
+        unit at once.
 
         Why so: waiting per word rather than per piece halves the pipeline's fill and drain
         where each source sends a piece in two parts (two roots per port); SMs reading
@@ -276,48 +414,52 @@ class DirectEngines:
         kernel; moving a world-2 collective's bytes in 16 units this way took 0.91-0.92 ms
         for 32 MiB each way per GPU, against 0.95-1.09 ms with a spinning kernel per unit
         (two H200s, benchmarks/pcie_duplex.py --wait)."""
-        if op == Op.AG:
-            src, dst, dst_stride = int(consume[0]), int(consume[1]), int(consume[2])
-        else:
-            src, dst, dst_stride = int(consume[0]), stage, S
+        if sums is None:  # all-gather: into the result
+            dst, dst_stride = _sym(hc[1]), int(hc[2])
         progress = self.state.data_ptr()
-        for u, moves, sum_here in self._ce_plan(op, S, L).recv[c]:
+        for u, moves, sum_here in units:
             # unit (c, k, last source) of kernels/wait.cu: the relay's last step for word k
-            ops.append((OP_WAIT_VALUE, ts, progress, seq * PROG_STRIDE + (u + 1) * self.world, 0))
+            row(OP_WAIT_VALUE, T_TS, (progress, T_ZERO, 0), ((u + 1) * self.world, T_PROG, 1))
             for i, a, n in moves:
-                ops.append((OP_COPY, ts, dst + i * dst_stride + a, src + i * S + a, n))
-            if op == Op.RS:
+                to = ((dst[0] + i * dst_stride + a, dst[1], dst[2]) if sums is None
+                      else (i * S + a, T_STAGE, 1))
+                row(OP_COPY, T_TS, to, (i * S + a, T_RECV, 1), n)
+            if sums is not None:
                 # The sums' stream follows every unit's copies, also those without a sum of
                 # their own (a whole-piece sum after the last word, where sources split
                 # pieces differently, reads the parts of every word).
-                sum_ts, events = sums
-                ops.append((OP_RECORD, ts, events[u], 0, 0))
-                ops.append((OP_WAIT_EVENT, sum_ts, events[u], 0, 0))
+                events = sums[1]
+                row(OP_RECORD, T_TS, (events[u], T_ZERO, 0))
+                row(OP_WAIT_EVENT, T_SUMS, (events[u], T_ZERO, 0))
                 if sum_here:
-                    ops.append((OP_LAUNCH, sum_ts, 1, u, nb))
-
-    def _ring_fields(self, first: int, seq: int, S: int, op: Op, L: int) -> None:
-        """Every field but the tag of the collective's ring entries first .. first + 7 (the
-        GPU stream writes each tag once its piece is sent; the host wrote these before it
-        issued that write, so the proxy, which reads the fields after the tag, finds them)."""
-        idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
-        rows = self._ce_plan(op, S, L).ring_rows
-        rows[:, 0] = seq
-        self._ring_host[idx, 1:7] = rows
+                    launch(T_SUMS, K_SUM, unit=u, blocks=nb)
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
-    def _fork(self, ts, name: str = "side"):
-        """(torch stream, cuda.core stream) of this data plane's stream ``name`` ("side":
-        the sending side of modes split and ce; "watch": mode ce's piece waits), made on
-        first use, ordered after everything queued on ``ts`` so far."""
+    def _side_stream(self, name: str):
+        """This data plane's torch stream ``name`` ("side": the sending side of modes split
+        and ce; "watch": mode ce's piece waits), made on first use."""
         st = self._side_streams.get(name)
         if st is None:
             st = self._side_streams[name] = torch.cuda.Stream(self.device)
+        return st
+
+    def _fork(self, ts, name: str = "side"):
+        """(torch stream, cuda.core stream) of stream ``name``, ordered after everything
+        queued on ``ts`` so far."""
+        st = self._side_stream(name)
         st.wait_stream(ts)
         return st, self._cc_stream(st)
 
     def _join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
+
+    def _ce_streams(self) -> tuple:
+        """Mode "ce": the sending, watch and (reduce-scatter, once made) sums' streams."""
+        return (self._side_stream("side"), self._side_stream("watch"),
+                self._sums[0] if self._sums is not None else None)
+
+    def _stream_term(self, st) -> int:
+        return st.cuda_stream if st is not None else 0
 
     def _sum_stream(self) -> tuple:
         """Mode "ce": the reduce-scatter sums' stream and one event per unit (piece, wait
@@ -328,6 +470,14 @@ class DirectEngines:
             self._sums = (torch.cuda.Stream(self.device), self._new_events(PIECES * self.maxw))
         return self._sums
 
+    def _ce_sync_events(self) -> list[int]:
+        """Mode "ce": the events of a program's fork (caller's stream -> sending and watch
+        streams) and joins (sending, watch, sums' stream -> caller's), made on first use."""
+        ev = self.__dict__.get("_ce_events")
+        if ev is None:
+            ev = self._ce_events = self._new_events(4)
+        return ev
+
     def _new_events(self, n: int) -> list[int]:
         from cuda.bindings import driver as drv
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
@@ -335,22 +485,32 @@ class DirectEngines:
             return [int(check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
 
     def _free_events(self) -> None:
-        if self._sums is None:
-            return
-        from cuda.bindings import driver as drv
-        for e in self._sums[1]:
-            drv.cuEventDestroy(drv.CUevent(e))
-        self._sums = None
+        self.__dict__.pop("_ce_plans", None)  # (their programs name these events)
+        events = list(self.__dict__.pop("_ce_events", None) or ())
+        if self._sums is not None:
+            events += self._sums[1]
+            self._sums = None
+        if events:
+            from cuda.bindings import driver as drv
+            for e in events:
+                drv.cuEventDestroy(drv.CUevent(e))
 
-    def _issue(self, ops: list, kernels: list) -> None:
-        """Issue mode "ce" operations (kind, torch stream, a, b, c) in order, in one native
-        call (native/src/cuda_ops.cpp). kernels: (name, threads per block, parameters) of
-        the OP_LAUNCH operations (a: index in this list, b: first parameter, c: blocks)."""
-        flat = [int(v) for kind, st, a, b, c in ops for v in (kind, st.cuda_stream, a, b, c)]
-        with torch.cuda.device(self.device):  # (the function handles are per context too)
-            table = [(self._function(name), block, [int(v) for v in params])
-                     for name, block, params in kernels]
-            self.nat.cuda_issue(table, flat)
+    def _new_program(self, kernels: list, patches: list, rows: list):
+        """The native OpProgram (native/src/cuda_ops.cpp); kernels: (name, threads per
+        block, parameters)."""
+        with torch.cuda.device(self.device):  # (the function handles are per context)
+            table = [(self._function(name), block, ps) for name, block, ps in kernels]
+        return self.nat.OpProgram(self._context, N_TERMS, table, patches, rows)
+
+    def _done_handle(self) -> int:
+        """The event a program records last: the data plane's done event (as a launch
+        plan's), which _wait_last and the watchdog ask about."""
+        return self._done_event.handle
+
+    def _run_program(self, program, terms: list, ts) -> None:
+        """Issue a program in one native call; its last operation records the done event."""
+        program.issue(terms)
+        self._last_event, self._last_ts = self._done_event, ts
 
     def _function(self, name: str) -> int:
         """CUfunction handle of kernel ``name`` in this device's context."""

@@ -5,8 +5,8 @@
 
 // ---------------------------------------------------------------- publish
 
-// One thread: write publish-ring entry `index` (every field, a system fence, then the tag
-// that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
+// One thread: write publish-ring entry `index` (every field, then the tag, by a release
+// store that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
 __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64 seq, u64 S,
                                             u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
                                             u32 granule) {
@@ -20,9 +20,13 @@ __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64
   st_volatile_u32((u32*)(ent + ENT_PIECE), piece);
   st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
   st_volatile_u32((u32*)(ent + ENT_GRANULE), granule);
-  const u64 clock = state[STATE_CLOCK];  // the proxy's clock, for its publish -> post figure
+  // The proxy's clock, for its publish -> post figure: the stamp is the last write before
+  // the tag's.
+  const u64 clock = state[STATE_CLOCK];
   if (clock) st_volatile_u64((u64*)(ent + ENT_PUBLISH_NS), globaltimer() + clock);
-  __threadfence_system();
+  // The release is the system fence: every field (and, through the blocks' counts in
+  // last_block_arrives, the piece's data) is visible before the tag. (A fence of its own
+  // before it cost a second wait for host memory per entry.)
   st_release_sys((u64*)(ent + ENT_TAG), index + 1);
 }
 

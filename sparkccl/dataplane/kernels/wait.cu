@@ -87,7 +87,14 @@ __device__ bool ring_room(u8* ring, u64* state, u64 index, u64 seq, u32 piece) {
   u8* ctl = ring - RING_OFFSET;
   const u64* tail = (const u64*)(ctl + CTL_RING_TAIL);
   // Signed: a tail ahead of every index (benchmarks/kernel_roofline.py, no proxy) is room.
-  if ((i64)(index - ld_acquire_sys(tail)) < (i64)RING_ENTRIES) return true;
+  // A tail read before (by any thread) is a lower bound of today's: where it already leaves
+  // room, the read of host memory (a PCIe round trip, ~1 us, before every entry) is saved.
+  // The acquire pairs with the release below, which follows the acquire of the proxy's tail
+  // store: the proxy read the entry before this thread overwrites it.
+  if ((i64)(index - ld_acquire_gpu(state + STATE_TAIL)) < (i64)RING_ENTRIES) return true;
+  const u64 seen = ld_acquire_sys(tail);
+  st_release_gpu(state + STATE_TAIL, seen);  // (an older value stored over it: still a bound)
+  if ((i64)(index - seen) < (i64)RING_ENTRIES) return true;
   WaitArgs w = {};
   w.abort_w = (const u64*)(ctl + CTL_ABORT);
   w.status = (u64*)(ctl + CTL_GPU_STATUS);

@@ -205,7 +205,9 @@ constexpr int STATE_TIMEOUT = 5;   // the waits' timeout in ns (set once)
 constexpr int STATE_EXITS = 6;     // blocks of the running last kernel that finished
 constexpr int STATE_CLOCK = 7;     // CLOCK_MONOTONIC - %globaltimer (ns, mod 2^64): ring
                                    // entries carry publish stamps; 0: none (SPARKCCL_GPU_STAMPS)
-constexpr int STATE_WORDS = 8;
+constexpr int STATE_TAIL = 8;      // a ring tail the GPU read before: the proxy's tail only
+                                   // grows, so it bounds the room without a read across PCIe
+constexpr int STATE_WORDS = 9;
 // A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
 // the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
 constexpr int SLOT_SHIFT = 56;
