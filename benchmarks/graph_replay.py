@@ -146,6 +146,7 @@ def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
     wrap(dp, "reduce_scatter", "  data plane reduce_scatter")
     wrap(dp, "check_failures", "    check_failures (GPU record, abort, sizes)")
     wrap(dp, "check_sizes", "      check_sizes")
+    wrap(dp, "_probe_size", "        _probe_size (a peer's ring row)")
     wrap(dp, "_issue_plan", "    _issue_plan (native LaunchPlan.issue)")
     wrap(dp, "_run_direct", "    _run_direct (GPU-direct engines off the launch plan)")
     wrap(dp, "_run_program", "      _run_program (mode ce: native OpProgram.issue)")

@@ -2024,6 +2024,7 @@ def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
     E = L.RING_ENTRY_BYTES // 8
     ring = np.zeros((L.RING_ENTRIES, E), dtype=np.uint64)
     dp.world, dp.rank, dp.peer_rings, dp._ring_next = 2, 0, [None, ring], 4000
+    dp._peer_words = None
     P = G.PIECES
 
     def row(first, seq, S):

@@ -104,6 +104,7 @@ COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNT
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
 STATE_CLOCK = _P["STATE_CLOCK"]
+ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
 CLOCK_ROUNDS = 32  # handshakes of the clock calibration (the tightest one counts)
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
@@ -250,6 +251,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
         self._unchecked: list[tuple[Op, int, int, int, set]] = []
+        self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
         self._peers = frozenset(range(self.world)) - {self.rank}
         self._gpu_code = _u64(ctl_addr + layout.CTL_GPU_STATUS)  # the GPU record's code word
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
@@ -908,25 +910,24 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return
         oldest = self._ring_next - layout.RING_ENTRIES + 2 * PIECES * self.world
         keep, waiting, others = [], set(), self.world - 1
-        for k, item in enumerate(pending):
-            if len(waiting) == others:
-                keep.extend(pending[k:])
-                break
-            op, seq, S, first, peers = item
-            if first < oldest:
-                continue
-            for p in sorted(peers - waiting):
-                try:
-                    seen = self._probe_size(op, seq, S, first, p)
-                except CollectiveError:
-                    self._unchecked = []
-                    raise
-                if seen:
-                    peers.discard(p)
-                else:
-                    waiting.add(p)
-            if peers:
-                keep.append(item)
+        try:
+            for k, item in enumerate(pending):
+                if len(waiting) == others:
+                    keep.extend(pending[k:])
+                    break
+                op, seq, S, first, peers = item
+                if first < oldest:
+                    continue
+                for p in sorted(peers - waiting) if waiting else sorted(peers):
+                    if self._probe_size(op, seq, S, first, p):
+                        peers.discard(p)
+                    else:
+                        waiting.add(p)
+                if peers:
+                    keep.append(item)
+        except CollectiveError:
+            self._unchecked = []
+            raise
         self._unchecked = keep
 
     def _probe_size(self, op: Op, seq: int, S: int, first: int, peer: int) -> bool:
@@ -935,17 +936,21 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         first + 1). An older tag there: not published yet. A newer one: the rings went
         apart (e.g. ranks of a finalize on different engines), so scan the whole ring; a
         tag a lap or more newer: the entry is gone (nothing to compare)."""
-        ring = self.peer_rings[peer]
+        words = self._peer_words
+        if words is None:  # (indexing a flat memoryview costs a third of numpy's item())
+            words = self._peer_words = [None if r is None else memoryview(r).cast("B").cast("Q")
+                                        for r in self.peer_rings]
+        ring = words[peer]
         if ring is None:
             return True
-        i = first % len(ring)
-        tag, theirs = ring.item(i, 0), ring.item(i, 1)  # (item: no row view, no numpy scalar)
+        i = (first % layout.RING_ENTRIES) * ROW_WORDS
+        tag, theirs = ring[i], ring[i + 1]
         if tag == first + 1 and theirs == seq:
-            if ring.item(i, 2) == S:
+            if ring[i + 2] == S:
                 return True
         elif tag < first + 1 or (tag == first + 1 and theirs < seq):
             return False
-        elif tag > first + len(ring):
+        elif tag > first + layout.RING_ENTRIES:
             return True
         return self._check_size(op, seq, peer, S)  # (also for the message of a mismatch)
 

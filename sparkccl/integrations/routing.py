@@ -8,7 +8,11 @@ between ranks (contiguity, the tensor's address) is therefore never part of the 
 the adapters cope with it (a copy) instead.
 
 Graph capture is the one runtime condition, passed in by the caller: every rank captures
-the same graphs, and sparkccl does not capture itself yet, so captured calls decline.
+the same graphs, and captured calls decline. The Communicator can be captured
+(docs/CONTRACT.md "CUDA graphs"), but from its first capture on a
+``reduce_scatter_input`` buffer handed out before it raises when passed, and the engines'
+MoE combine holds such a buffer (vLLM's ``get_symmetric_memory_buffer``); routing captured
+calls waits until that path is shown safe with the engines themselves.
 """
 from __future__ import annotations
 
