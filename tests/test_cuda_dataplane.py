@@ -1312,6 +1312,10 @@ def test_ring_full_waits_on_the_gpu():
         w.sync()
         for xs, outs in pend:
             check_ag(w, xs, outs)
+        # The tail the GPU keeps (STATE_TAIL, to spare reads across PCIe): one it read,
+        # so never past the proxy's; the collectives after the wait read a moving one.
+        kept = int(w.dps[1].state[L.protocol_constants()["STATE_TAIL"]])
+        assert 0 < kept <= tail.value, (kept, tail.value)
         w.healthy()
 
 
