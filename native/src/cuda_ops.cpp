@@ -182,10 +182,12 @@ class OpProgram {
     for (size_t k = 0; k < rows_.size(); k += ROW_WORDS) {
       const uint64_t* r = &rows_[k];
       const std::string at = "OpProgram: operation " + std::to_string(k / ROW_WORDS);
-      if (r[0] > OP_WAIT_VALUE) throw std::invalid_argument(at + ": unknown kind " + std::to_string(r[0]));
+      if (r[0] > OP_WAIT_VALUE)
+        throw std::invalid_argument(at + ": unknown kind " + std::to_string(r[0]));
       if (r[1] >= terms_ || r[3] >= terms_ || r[6] >= terms_)
         throw std::invalid_argument(at + " names no term");
-      if (r[0] == OP_LAUNCH && (r[3] != 0 || r[2] >= kernels_.size() || r[8] == 0 || r[8] > 0x7FFFFFFFu))
+      if (r[0] == OP_LAUNCH &&
+          (r[3] != 0 || r[2] >= kernels_.size() || r[8] == 0 || r[8] > 0x7FFFFFFFu))
         throw std::invalid_argument(at + " launches no kernel of the program or no blocks");
       if ((r[0] == OP_RECORD || r[0] == OP_WAIT_EVENT) && (r[3] != 0 || r[2] == 0))
         throw std::invalid_argument(at + " names no event");
