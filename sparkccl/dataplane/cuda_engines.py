@@ -7,7 +7,8 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
   flag and the ring tag by cuStreamWriteValue64; on a watch stream sccl_wait_piece per
   piece (the waits, relayed to the progress word); on the caller's stream per piece and
   wait word cuStreamWaitValue64 on that word, then copies of that part out of the own
-  region (reduce-scatter: into device staging, then sccl_rs_sum_unit_*).
+  region (reduce-scatter: into device staging, then sccl_rs_sum_unit_*). All of it is a
+  native OpProgram per collective shape, issued per call with that call's terms (T_*).
 
 "auto" (the default) takes "ce" from ``SPARKCCL_CE_MIN_BYTES`` (16 MiB) per rank and
 "fused" below, where one launch beats 80-130 stream operations and a chain of 16 unit waits
