@@ -337,6 +337,7 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _free_events(self):
         self.__dict__.pop("_ce_plans", None)
+        self.__dict__.pop("_ce_stream_handles", None)
         if self._sums is not None:
             self._sums[0].close()
             self._sums = None

@@ -185,22 +185,22 @@ class DirectEngines:
         in one native call. The ring entries' fields are the host's to write (the GPU
         streams write only the tags), so the host first waits for their room."""
         op, seq, first = call.op, call.seq, call.first
-        p = self._ce_program(call, ring, waits)
+        params = _call_params(call)
+        p = self._ce_program(call, ring, waits, params)
         if call.ce_src is not None:
             self._host_ring_room(op, seq, first, PIECES)
             idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
             p.ring_rows[:, 0] = seq
             self._ring_host[idx, 1:7] = p.ring_rows
-        self._run_program(p.program, self._ce_terms(call, p.args), call.ts)
+        self._run_program(p.program, self._ce_terms(call, p.args, params), call.ts)
         self.direct_launches += 1
 
-    def _ce_terms(self, call: DirectCall, args: tuple) -> list:
-        """The terms of this call (see T_*)."""
+    def _ce_terms(self, call: DirectCall, args: tuple, params: tuple) -> list:
+        """The terms of this call (see T_*); ``params``: _call_params(call)."""
         seq, first, hc = call.seq, call.first, call.ce_consume
-        streams = self._ce_streams()
         t = [0] * N_TERMS
         t[T_TS] = self._stream_term(call.ts)
-        t[T_SIDE], t[T_WATCH], t[T_SUMS] = (self._stream_term(st) for st in streams)
+        t[T_SIDE], t[T_WATCH], t[T_SUMS] = self._ce_stream_terms()
         t[T_FLAG] = (flag_value(seq, 0) - flag_value(0, 0)) & _MASK
         t[T_PROG] = (seq * PROG_STRIDE) & _MASK
         t[T_FIRST] = first
@@ -214,7 +214,6 @@ class DirectEngines:
                 t[T_STAGE] = self._scratch("ce stage", self.world * call.S).data_ptr()
         for j, (d, _, _) in enumerate(call.own):
             t[T_OWN + j] = int(d)
-        params = _call_params(call)
         for i in args:
             v = params[i]
             t[T_ARG + v.arg] = int(v) - v.add
@@ -222,18 +221,20 @@ class DirectEngines:
             t[T_MOD + i] = seq % m
         return t
 
-    def _ce_program(self, call: DirectCall, ring: tuple, waits: tuple) -> CeProgram:
+    def _ce_program(self, call: DirectCall, ring: tuple, waits: tuple,
+                    params: tuple) -> CeProgram:
         """The program of this call's shape, from the cache or built now (``ce_plan_stats``
         counts hits and misses). Its key holds every constant that shapes it: the shape, the
-        kernels' constant parameters; what varies per call is a term (T_*)."""
+        kernels' constant parameters (``params``: _call_params(call)); what varies per call
+        is a term (T_*)."""
         op, S, L = call.op, call.S, call.L
         plans = self.__dict__.setdefault("_ce_plans", {})
         stats = self.__dict__.setdefault("ce_plan_stats", {"hits": 0, "misses": 0})
         host, words = self._dhost.get(op), self._ce_words[op]
-        params = _call_params(call)
+        # (a numpy integer hashes and compares as the int of its value)
         key = (op, S, L, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
                len(call.own), self.on_failure,
-               tuple((v.arg, v.add) if type(v) is CallPtr else int(v) for v in params))
+               tuple((v.arg, v.add) if type(v) is CallPtr else v for v in params))
         p = plans.get(key)
         if p is not None and p.host is host and p.words is words:
             stats["hits"] += 1
@@ -458,10 +459,18 @@ class DirectEngines:
     def _join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
 
-    def _ce_streams(self) -> tuple:
-        """Mode "ce": the sending, watch and (reduce-scatter, once made) sums' streams."""
-        return (self._side_stream("side"), self._side_stream("watch"),
-                self._sums[0] if self._sums is not None else None)
+    def _ce_stream_terms(self) -> tuple:
+        """Mode "ce": the terms of the sending, watch and (reduce-scatter, once made) sums'
+        streams (the streams live as long as the data plane: kept once the sums' is made)."""
+        kept = self.__dict__.get("_ce_stream_handles")
+        if kept is not None:
+            return kept
+        handles = (self._stream_term(self._side_stream("side")),
+                   self._stream_term(self._side_stream("watch")),
+                   self._stream_term(self._sums[0] if self._sums is not None else None))
+        if self._sums is not None:
+            self._ce_stream_handles = handles
+        return handles
 
     def _stream_term(self, st) -> int:
         return st.cuda_stream if st is not None else 0
@@ -491,6 +500,7 @@ class DirectEngines:
 
     def _free_events(self) -> None:
         self.__dict__.pop("_ce_plans", None)  # (their programs name these events)
+        self.__dict__.pop("_ce_stream_handles", None)
         events = list(self.__dict__.pop("_ce_events", None) or ())
         if self._sums is not None:
             events += self._sums[1]
