@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 
+def usable(x, device: torch.device) -> bool:
+    """Would :func:`tensor` pass? The collectives' first question, answered without its
+    messages (it then tells what failed)."""
+    return (isinstance(x, torch.Tensor) and x.layout is torch.strided and x.device == device
+            and not x.is_quantized and x.is_contiguous())
+
+
 def tensor(x, device: torch.device, what: str, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")

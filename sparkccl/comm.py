@@ -26,6 +26,7 @@ abort-aware) so that an early exit does not look like a crash to a peer's proxy.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import math
@@ -33,7 +34,7 @@ import threading
 
 import torch
 
-from . import bootstrap, checks, config, lifetime, wiring
+from . import bootstrap, checks, config, layout, lifetime, wiring
 from . import finalize as _finalize
 from .buffers import Sizes, mib
 from .errors import CollectiveError
@@ -184,6 +185,7 @@ class Communicator:
             self._teardown(barrier=False)
             raise
         rv.timeout_s, rv.setting = s.timeout_s, "timeout_s"  # from here on, collectives wait
+        self._calls_ready()
         self._closed = False
         lifetime.track(self)
         rs_note = ("reduce-scatter buffers held" if self._rs_ready else
@@ -208,6 +210,7 @@ class Communicator:
         self.transport = SINGLE_RANK
         self.plan = None
         self.max_slice = s.slot_bytes // ALIGN * ALIGN
+        self._calls_ready()
         self._closed = False
 
     @property
@@ -234,11 +237,23 @@ class Communicator:
 
     def _ensure_rs(self) -> None:
         self._wiring.ensure_rs()
+        self._note_send_slots()
 
     # ---- internal interface (finalize, selftest, bench, tests) -----------------------
     def proxy_stats(self) -> dict:
         """The native proxy's counters ({} without a proxy: world 1, or closed)."""
         return self._wiring.proxy_stats() if self._wiring is not None else {}
+
+    def _calls_ready(self) -> None:
+        """What every collective reads, found once: the abort word (read in place: cheaper
+        than a native call), the data plane if it takes typed tensors, the send slots'
+        bounds (see _match_handout; set with the reduce-scatter buffers)."""
+        self._abort_word = None if self.single else memoryview(
+            (ctypes.c_uint8 * 8).from_address(self._ctl_addr + layout.CTL_ABORT)).cast("B").cast("Q")
+        dp = self._dp
+        self._typed_dp = dp if getattr(dp, "typed_io", False) else None
+        self._send_bounds = (0, 0)
+        self._note_send_slots()
 
     # ---- checks ----------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -252,7 +267,12 @@ class Communicator:
         return checks.out(out, self.device, what, shape, dtype)
 
     def _check_alive(self, what: str) -> None:
-        if self.single:
+        word = self._abort_word
+        if word is None:
+            return
+        if self._closed:  # (raises; the word may be unmapped by now)
+            self._check_open(what)
+        if not word[0]:
             return
         code = self._nat.abort_code(self._ctl_addr)
         if code:
@@ -280,13 +300,18 @@ class Communicator:
         have been issued. Only when the slice is a multiple of 16 bytes and fits one slot,
         and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
+        # (The checks are written for the call that passes them: a few tensor properties
+        # read once each; what failed is then told by the checks module.)
         what = "all_gather"
-        self._check_open(what)
-        self._check_tensor(x, what)
-        shape = x.shape if x.dim() > 0 else (1,)
+        if self._closed:
+            self._check_open(what)
+        device = self.device
+        if not checks.usable(x, device):
+            self._check_tensor(x, what)
+        shape = x.shape or (1,)  # (a 0-dim x counts as [1])
         out_shape = (self.world_size * shape[0], *shape[1:])
-        n = x.numel() * x.element_size()
-        if (zero_copy and out is None and self.device.type == "cuda" and n
+        n = x.nbytes
+        if (zero_copy and out is None and device.type == "cuda" and n
                 and n % ALIGN == 0 and n <= self.max_slice and self._seq_on_host()):
             with self._lock:
                 self._check_alive(what)
@@ -294,7 +319,10 @@ class Communicator:
                 self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0)
                 view = self._dp.ag_slot(seq, self.world_size * n)
             return view.view(x.dtype).view(out_shape)
-        out = self._check_out(out, what, out_shape, x.dtype)
+        if out is None:
+            out = torch.empty(out_shape, dtype=x.dtype, device=device)
+        elif not (checks.usable(out, device) and out.dtype == x.dtype and out.shape == out_shape):
+            self._check_out(out, what, out_shape, x.dtype)
         if n == 0:
             return out
         if self.single:
@@ -302,9 +330,12 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
-            if n <= self.max_slice and getattr(self._dp, "typed_io", False):
+            dp = self._typed_dp
+            if dp is not None and n <= self.max_slice:
                 # One collective, and the plane counts bytes itself: no views per call.
-                self._dp.all_gather(self._next_seq(), x, out, 0, n)
+                seq = self.seq
+                self.seq = seq + 1
+                dp.all_gather(seq, x, out, 0, n)
                 return out
             src = x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
@@ -320,24 +351,32 @@ class Communicator:
         ``rank`` (``[m, ...]``) of the sum, taken in fp32 in rank order 0..world-1 and
         rounded once to ``x.dtype``. If ``x`` came from :meth:`reduce_scatter_input`, the
         input copy is skipped."""
-        what = "reduce_scatter"
-        self._check_open(what)
-        self._check_tensor(x, what)
-        if x.dtype not in RS_DTYPES:
-            raise TypeError(f"{what}: dtype {x.dtype} is not supported; use torch.bfloat16, "
+        what = "reduce_scatter"  # (checks written as in all_gather)
+        if self._closed:
+            self._check_open(what)
+        device = self.device
+        if not checks.usable(x, device):
+            self._check_tensor(x, what)
+        dtype, shape = x.dtype, x.shape
+        if dtype not in RS_DTYPES:
+            raise TypeError(f"{what}: dtype {dtype} is not supported; use torch.bfloat16, "
                             "torch.float16 or torch.float32 (e.g. x.to(torch.bfloat16))")
-        if x.dim() == 0:
+        if not shape:
             raise ValueError(f"{what}: x must have at least one dimension ([world * m, ...]), "
                              "got a 0-dim tensor")
         W = self.world_size
-        if x.shape[0] % W:
-            raise ValueError(f"{what}: x.shape[0] = {x.shape[0]} must be a multiple of the world "
+        if shape[0] % W:
+            raise ValueError(f"{what}: x.shape[0] = {shape[0]} must be a multiple of the world "
                              f"size {W} (x is [world * m, ...]); pad it to "
-                             f"{round_up(x.shape[0], W)} rows")
-        m = x.shape[0] // W
-        out = self._check_out(out, what, (m, *x.shape[1:]), x.dtype)
-        chunk = x.numel() * x.element_size() // W
-        handout = self._match_handout(x, what)
+                             f"{round_up(shape[0], W)} rows")
+        out_shape = (shape[0] // W, *shape[1:])
+        if out is None:
+            out = torch.empty(out_shape, dtype=dtype, device=device)
+        elif not (checks.usable(out, device) and out.dtype == dtype and out.shape == out_shape):
+            self._check_out(out, what, out_shape, dtype)
+        chunk = x.nbytes // W
+        lo, hi = self._send_bounds
+        handout = self._match_handout(x, what) if lo <= x.data_ptr() < hi else None
         if chunk == 0:
             return out
         if self.single:  # the sum of one term in fp32, rounded once (as the data planes do)
@@ -345,17 +384,20 @@ class Communicator:
             return out
         with self._lock:
             self._check_alive(what)
-            self._check_setup_capturable(what)
-            self._ensure_rs()
+            if not self._rs_ready:
+                self._check_setup_capturable(what)
+                self._ensure_rs()
             dp = self._dp
-            if chunk <= self.max_slice and getattr(dp, "typed_io", False):
+            if chunk <= self.max_slice and self._typed_dp is not None:
                 dst = out  # the plane counts bytes itself: no views per call
             else:
                 dst = out.detach().reshape(-1).view(torch.uint8)
             if handout is not None and handout == self.seq % RS_SLOTS:
-                dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, x.dtype)
+                dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, dtype)
             elif dst is out:
-                dp.reduce_scatter(self._next_seq(), x, 0, chunk, chunk, out, 0, x.dtype)
+                seq = self.seq
+                self.seq = seq + 1
+                dp.reduce_scatter(seq, x, 0, chunk, chunk, out, 0, dtype)
             else:
                 src = x.detach().reshape(-1).view(torch.uint8)
                 for off in range(0, chunk, self.max_slice):
@@ -385,13 +427,19 @@ class Communicator:
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
                                "(docs/CONTRACT.md \"CUDA graphs\")")
 
+    def _note_send_slots(self) -> None:
+        """The bounds of the reduce-scatter send slots, once they exist: an input inside
+        them is a handout (_match_handout); one outside is not, known from two compares."""
+        if self._rs_ready:
+            send = self._dp.rs_send
+            lo = send.data_ptr()
+            self._send_bounds = (lo, lo + send.numel())
+
     def _match_handout(self, x: torch.Tensor, what: str):
         """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
         if not self._rs_ready:
             return None
-        send = self._dp.rs_send
-        lo = send.data_ptr()
-        hi = lo + send.numel()
+        lo, hi = self._send_bounds
         p = x.data_ptr()
         if not lo <= p < hi:
             return None

@@ -2049,6 +2049,31 @@ def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
     assert dp._unchecked == []
 
 
+def test_checks_before_a_call_read_the_words_and_compare_sizes_every_few_calls():
+    """Before each collective: the GPU record and the abort word (read in place; the
+    raising checks run only once one is set), and the sizes every SIZE_CHECK_CALLS-th
+    call (each comparison reads rows the peers' GPUs write)."""
+    dp = object.__new__(C.CudaDataPlane)
+    dp._ctl_words = [0] * (L.CTL_BYTES // 8)
+    calls = []
+    dp.check_sizes = lambda: calls.append(("sizes", dp._seq_next))
+    dp.check_status = lambda: calls.append(("status", dp._seq_next))
+    dp.check_abort = lambda: calls.append(("abort", dp._seq_next))
+    K = C.SIZE_CHECK_CALLS
+    for seq in range(1, 2 * K + 1):
+        dp._seq_next = seq
+        dp._check_call()
+    assert calls == [("sizes", K), ("sizes", 2 * K)]
+    calls.clear()
+    dp._seq_next = 2 * K + 1
+    for word in (L.CTL_ABORT, L.CTL_GPU_STATUS):
+        dp._ctl_words[word // 8] = 7
+        dp._check_call()
+        assert calls == [("status", 2 * K + 1), ("abort", 2 * K + 1)], word
+        dp._ctl_words[word // 8] = 0
+        calls.clear()
+
+
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
 def test_a_failed_plane_publishes_nothing_more(direct):

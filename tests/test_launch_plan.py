@@ -57,6 +57,28 @@ def test_cache_stores_only_declared_plannable_paths():
     assert not cache.plans and cache.generation == 1 and cache.stats["invalidations"] == 1
 
 
+def test_a_new_setting_drops_the_plans():
+    """A plan's key is the collective's shape alone: every setting the planning reads drops
+    the plans when it takes a new value (and only then), so no plan of the old value is
+    replayed."""
+    from sparkccl.dataplane import cuda as C
+    dp = object.__new__(C.CudaDataPlane)
+    dp.direct_mode = "auto"  # (before any plans exist: nothing to drop)
+    dp.plans = PlanCache()
+    for name in ("direct_mode", "phases", "on_failure", "max_publish_blocks", "max_wait_blocks",
+                 "max_direct_blocks", "max_direct_wait_blocks", "ce_min_slice"):
+        assert isinstance(getattr(C.CudaDataPlane, name), C._PlanSetting), name
+        setattr(dp, name, 1)
+        dp.plans.plans["shape"] = ("plan", 8, False)
+        before = dp.plans.stats["invalidations"]
+        setattr(dp, name, 1)  # the same value: kept
+        assert "shape" in dp.plans.plans and getattr(dp, name) == 1, name
+        setattr(dp, name, 2)
+        assert not dp.plans.plans and dp.plans.stats["invalidations"] == before + 1, name
+        assert getattr(dp, name) == 2
+    assert getattr(object.__new__(C.CudaDataPlane), "phases", None) is None  # unset: no value
+
+
 def test_native_plan_refuses_what_it_cannot_launch():
     ok = [(1, 2, 32, [0, 0])]
     N.LaunchPlan(1, 1, ok, [(0, 1, 5, 8)])  # (made without CUDA: nothing is launched yet)

@@ -105,10 +105,16 @@ FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the cl
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
 STATE_CLOCK = _P["STATE_CLOCK"]
 ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
+_GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
+_ABORT_WORD = layout.CTL_ABORT // 8
 CLOCK_ROUNDS = 32  # handshakes of the clock calibration (the tightest one counts)
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
+# Before a collective the peers' sizes are compared every SIZE_CHECK_CALLS-th call only: each
+# comparison reads rows the peers' GPUs write (cache misses across PCIe, microseconds per
+# call), and a mismatch said a few calls later is as clear (synchronize() checks them all).
+SIZE_CHECK_CALLS = 8
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
 # Mode stop, after the report: the watchdog writes ACK_HOLD, which keeps the failing kernel
 # waiting (up to HOLD_WAIT_NS from the start of its wait) until this process's turn of the
@@ -191,6 +197,33 @@ def _write_stderr(line: str) -> None:
 
 # ---------------------------------------------------------------- the data plane
 
+class _PlanSetting:
+    """A setting the launch plans are made from (benchmarks and tests change some): a new
+    value drops the plans, so that a plan's key is the collective's shape alone and a call
+    does not read every setting to build it."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_setting_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute "
+                                 f"{self.name!r}") from None
+
+    def __set__(self, obj, value):
+        d = obj.__dict__
+        if self.slot in d and d[self.slot] == value:
+            return
+        d[self.slot] = value
+        plans = d.get("plans")
+        if plans is not None:
+            plans.invalidate()
+
+
 class _RawEvent:
     """The data plane's own CUDA event, recorded by its launch plans; queried like torch's."""
 
@@ -212,6 +245,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
     over the shared segments; ``self.ag`` / ``self.rs_send`` / ``self.rs_recv`` become CUDA
     views of the same memory."""
+
+    # What the planning code reads besides the shape (launch plans are keyed by shape).
+    direct_mode = _PlanSetting()
+    phases = _PlanSetting()
+    on_failure = _PlanSetting()
+    max_publish_blocks = _PlanSetting()
+    max_wait_blocks = _PlanSetting()
+    max_direct_blocks = _PlanSetting()
+    max_direct_wait_blocks = _PlanSetting()
+    ce_min_slice = _PlanSetting()
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
@@ -250,12 +293,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
-        self._unchecked: list[tuple[Op, int, int, int, set]] = []
+        self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
         self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
         self._peers = frozenset(range(self.world)) - {self.rank}
         self._gpu_code = _u64(ctl_addr + layout.CTL_GPU_STATUS)  # the GPU record's code word
+        # The control block's words, for the checks before every collective (a plain read
+        # each: cheaper than ctypes or a native call; x86 and arm64 loads of aligned words
+        # are atomic).
+        self._ctl_words = memoryview(
+            (ctypes.c_uint8 * layout.CTL_BYTES).from_address(ctl_addr)).cast("B").cast("Q")
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
         self._setup_backend(device)
+        self._device_index = self.device.index
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
@@ -807,6 +856,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._in_capture = self._capturing()
         if self._in_capture and not self._graph:
             self._graph = True
+            self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
             self._ops.clear()
             self._unchecked = []
         if zero_copy and self._graph:
@@ -818,43 +868,40 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             raise ValueError(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: the CUDA data plane "
                              f"expected seq {self._seq_next} (the GPU numbers collectives one "
                              "per call, in call order)")
-        self.check_failures()
+        self._check_call()
         return self._count(op, seq, S, entries)
 
     def _count(self, op: Op, seq: int, S: int, entries: int) -> int:
         """The host's account of a collective about to be issued (its first ring index)."""
-        if not self._graph:
-            self._ops[seq] = op
-            self._ops.pop(seq - 512, None)
-            self._last_seq = max(self._last_seq, seq)
         first = self._ring_next
-        if not self._graph and self.peer_rings is not None:
-            pending = self._unchecked
-            pending.append((op, seq, S, first, set(self._peers)))
-            if len(pending) > 64:
-                del pending[:-64]
+        if not self._graph:
+            ops = self._ops
+            ops[seq] = op
+            ops.pop(seq - 512, None)
+            if seq > self._last_seq:
+                self._last_seq = seq
+            if self.peer_rings is not None:
+                pending = self._unchecked
+                pending.append((op, seq, S, first, self._peers))
+                if len(pending) > 64:
+                    del pending[:-64]
         self._seq_next += 1
         self._ring_next += entries
         return first
 
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
-    def _plan_key(self, *shape):
-        """The launch-plan key of a collective: its shape and every setting its planning
-        reads (the tables and buffers count through plans.generation)."""
-        return (shape, self.direct_mode, self.phases, self.on_failure, self._graph,
-                self.max_publish_blocks, self.max_wait_blocks, self.max_direct_blocks,
-                self.max_direct_wait_blocks, self.ce_min_slice, self.plans.generation)
-
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
         """Issue the collective from its launch plan, if there is one: the checks of
         :meth:`_begin`, one native call, the host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
-        something the planning path reports."""
+        something the planning path reports. ``key`` is the collective's shape: whatever else
+        its planning reads drops every plan when it changes (a setting, see _PlanSetting;
+        the tables, the buffers, the first capture: plans.invalidate())."""
         found = self.plans.plans.get(key)
         if found is None or self._closed or (not self._graph and seq != self._seq_next):
             return False
         plan, entries, direct = found
-        self.check_failures()
+        self._check_call()
         if not self._issue_plan(plan, args):
             return False
         self.plans.stats["hits"] += 1
@@ -872,7 +919,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                                    list(rec.patches))
 
     def _issue_plan(self, plan, args: tuple) -> bool:
-        h = torch._C._cuda_getCurrentRawStream(self.device.index)
+        h = torch._C._cuda_getCurrentRawStream(self._device_index)
         if not plan.issue(h, *args):
             return False
         if self._fast_stream[0] != h:
@@ -918,13 +965,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 op, seq, S, first, peers = item
                 if first < oldest:
                     continue
-                for p in sorted(peers - waiting) if waiting else sorted(peers):
-                    if self._probe_size(op, seq, S, first, p):
-                        peers.discard(p)
-                    else:
-                        waiting.add(p)
-                if peers:
+                left = [p for p in sorted(peers)
+                        if p in waiting or not self._probe_size(op, seq, S, first, p)]
+                waiting.update(left)
+                if len(left) == len(peers):
                     keep.append(item)
+                elif left:
+                    keep.append((op, seq, S, first, frozenset(left)))
         except CollectiveError:
             self._unchecked = []
             raise
@@ -965,10 +1012,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         :meth:`ag_slot`); the launch then only waits for the pieces. The kernels take the
         slot from the device state's seq (slot base + code, kernels/common.cuh slot_at).
         Later calls of the same shape run from its launch plan."""
-        L = src.numel() * src.element_size()
+        L = src.nbytes
         key = None
         if dst is not None:
-            key = self._plan_key(Op.AG, L, dst_stride)
+            key = (Op.AG, L, dst_stride)
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
@@ -1045,6 +1092,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ``dst``. ``src=None``: the chunks are already in the send slot (zero-copy input) at
         ``j * L``, L a multiple of 16. Later calls of the same shape run from its launch
         plan."""
+        key = (Op.RS, L, src_stride, dtype, src is None)
+        src_p = 0 if src is None else src.data_ptr() + src_off
+        dst_p = dst.data_ptr() + dst_off
+        if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p):
+            return  # (a key with a plan passed the checks below when it was planned)
         if dtype not in _RS_KERNELS:
             raise TypeError(f"reduce_scatter: dtype {dtype} is not supported")
         if self.rs_send is None:
@@ -1053,11 +1105,6 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        key = self._plan_key(Op.RS, L, src_stride, dtype, src is None)
-        src_p = 0 if src is None else src.data_ptr() + src_off
-        dst_p = dst.data_ptr() + dst_off
-        if self._planned(key, Op.RS, seq, S, src_p, dst_p):
-            return
         with self.plans.planning(key, self._make_plan):
             self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
 
@@ -1133,8 +1180,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if self.rs_send is None:
             raise RuntimeError("moe_finalize_reduce_scatter: attach_rs() was not called")
         S, _ = fin_slice(rows, 2 * f.H)
-        key = self._plan_key("finalize", f.num_tokens, f.topk, f.H, f.R, f.fp8, f.rows_per_rank,
-                             row_lo, rows, f.scales is None)
+        key = ("finalize", f.num_tokens, f.topk, f.H, f.R, f.fp8, f.rows_per_rank, row_lo, rows,
+               f.scales is None)
         args = (f.y.data_ptr(), 0 if f.scales is None else f.scales.data_ptr(),
                 f.pos.data_ptr(), f.weights.data_ptr(), f.shared.data_ptr(),
                 dst.data_ptr() + dst_off)
@@ -1256,6 +1303,17 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.check_status()
         self.check_abort()
         self.check_sizes()
+
+    def _check_call(self) -> None:
+        """check_failures before a collective: the GPU record and the abort word read in
+        place (check_status and check_abort raise when one is set), the sizes every
+        SIZE_CHECK_CALLS-th collective."""
+        words = self._ctl_words
+        if words[_GPU_STATUS_WORD] or words[_ABORT_WORD]:
+            self.check_status()
+            self.check_abort()
+        if not self._seq_next % SIZE_CHECK_CALLS:
+            self.check_sizes()
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""

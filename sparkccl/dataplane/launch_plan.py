@@ -14,9 +14,10 @@ are constants or call pointers (the "fused" GPU-direct engine, the proxy path's 
 the finalize's). Engines with host-side stream operations or values of the host's seq
 (mode "ce", mode "split"'s stream joins, zero-copy results) never are.
 
-A plan is stale when what its constants came from changes: the key holds the shape and the
-settings its planning reads (``CudaDataPlane._plan_key``), and the data plane bumps ``generation``
-when its tables or buffers change (peer mappings, attach_rs, an outgrown scratch buffer).
+A plan is stale when what its constants came from changes: the key is the collective's
+shape, and the data plane drops every plan (``invalidate``, which bumps ``generation``) when
+a setting its planning reads, its tables or its buffers change (a new value of a
+``_PlanSetting``, peer mappings, attach_rs, an outgrown scratch buffer, the first capture).
 """
 from __future__ import annotations
 
