@@ -294,6 +294,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_ENGINE_TRANSPORT", "choice", "auto", "integrations",
        "vLLM / SGLang: transport of the communicators built for the engine's groups",
        choices=("auto", "shm", "tcp", "verbs")),
+    _v("SPARKCCL_ENGINE_CAPTURED", "bool", False, "integrations",
+       "vLLM / SGLang: 1: calls under CUDA graph capture route like eager ones (the graphs then "
+       "replay sparkccl collectives; from the first capture on, eager reduce-scatters copy "
+       "their input and mode ce runs as fused); 0: captured calls stay on the engine's NCCL"),
     _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
        "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent "
        "through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),

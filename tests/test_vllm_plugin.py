@@ -66,11 +66,33 @@ def test_rule(op, shape, dtype, dim, world, sizes, capturing, reason):
     assert d == routing.Decision(reason == "sparkccl", reason)
 
 
+def test_captured_calls_route_only_with_the_setting():
+    """SPARKCCL_ENGINE_CAPTURED=1: a captured call meets the same rule as an eager one,
+    except a reduce-scatter before the communicator's reduce-scatter buffers exist (their
+    setup cannot be captured)."""
+    on = routing.RouteSettings(MIN, "mesh", "auto", captured=True)
+    for op, shape, dtype, dim, world, sizes, _, reason in RULE_CASES:
+        eager = routing.should_route(op, shape, dtype, dim, world, on, sizes=sizes)
+        captured = routing.should_route(op, shape, dtype, dim, world, on, capturing=True,
+                                        sizes=sizes)
+        assert captured == eager, (op, shape, dtype, dim, world, sizes)
+        assert routing.should_route(op, shape, dtype, dim, world, SETTINGS, capturing=True,
+                                    sizes=sizes) == routing.Decision(False, "graph capture")
+    args = ("reduce_scatter", (128, 256), bf16, 0, 2)
+    assert routing.should_route(*args, on, capturing=True, rs_ready=False) == routing.Decision(
+        False, "graph capture before the first reduce-scatter")
+    assert routing.should_route(*args, on, rs_ready=False).route      # eager: it sets them up
+    assert routing.should_route("all_gather", (64, 256), bf16, 0, 2, on, capturing=True,
+                                rs_ready=False).route
+
+
 def test_rule_settings_from_env():
     s = routing.RouteSettings.from_env({"SPARKCCL_ENGINE_MIN_BYTES": "1M",
                                         "SPARKCCL_ENGINE_TOPOLOGY": "ring"})
     assert s == routing.RouteSettings(1 << 20, "ring", "auto")
     assert routing.RouteSettings.from_env({}).min_bytes == 32 << 20
+    assert not routing.RouteSettings.from_env({}).captured
+    assert routing.RouteSettings.from_env({"SPARKCCL_ENGINE_CAPTURED": "1"}).captured
     from sparkccl.errors import ConfigError
     with pytest.raises(ConfigError, match="SPARKCCL_ENGINE_TRANSPORT='ib'"):
         routing.RouteSettings.from_env({"SPARKCCL_ENGINE_TRANSPORT": "ib"})
@@ -113,6 +135,15 @@ def test_ranks_with_different_settings_refuse_alike():
     for r in res:
         assert r.error_type == "ValueError", (r.rank, r.error_type, r.message)
         assert "rank 0: min_bytes=65536" in r.message and "rank 1: min_bytes=1048576" in r.message
+
+
+def test_ranks_that_disagree_on_captured_calls_refuse_alike():
+    res = run_ranks(_rule_job, world=2, env={"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)},
+                    rank_env={1: {"SPARKCCL_ENGINE_CAPTURED": "1"}}, timeout_s=120)
+    for r in res:
+        assert r.error_type == "ValueError", (r.rank, r.error_type, r.message)
+        assert "rank 0: min_bytes=65536 topology=mesh transport=auto captured=0" in r.message
+        assert "rank 1: min_bytes=65536 topology=mesh transport=auto captured=1" in r.message
 
 
 def test_a_bad_setting_on_one_rank_fails_every_rank():

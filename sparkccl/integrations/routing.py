@@ -7,12 +7,17 @@ peer went to NCCL would wait for that peer until a timeout: anything that could 
 between ranks (contiguity, the tensor's address) is therefore never part of the rule;
 the adapters cope with it (a copy) instead.
 
-Graph capture is the one runtime condition, passed in by the caller: every rank captures
-the same graphs, and captured calls decline. The Communicator can be captured
-(docs/CONTRACT.md "CUDA graphs"), but from its first capture on a
-``reduce_scatter_input`` buffer handed out before it raises when passed, and the engines'
-MoE combine holds such a buffer (vLLM's ``get_symmetric_memory_buffer``); routing captured
-calls waits until that path is shown safe with the engines themselves.
+Graph capture is the one runtime condition, passed in by the caller (every rank captures
+the same graphs). Captured calls decline unless ``SPARKCCL_ENGINE_CAPTURED=1``: the
+Communicator can be captured (docs/CONTRACT.md "CUDA graphs"), but from its first capture
+on the host no longer knows which slot a call uses, so every later eager reduce-scatter
+copies its input (``reduce_scatter_input`` hands out plain tensors) and mode "ce" runs as
+"fused" — a cost to eager prefill, against graphs that replay sparkccl collectives. Which
+is better depends on the engine's graphs; it has not been measured with an engine, so it
+is a setting, off by default. A captured reduce-scatter also declines while the
+communicator's reduce-scatter buffers do not exist yet (their setup cannot be captured):
+the caller says so (``rs_ready``), alike on every rank, since every rank made the same
+calls before.
 """
 from __future__ import annotations
 
@@ -35,14 +40,16 @@ class RouteSettings:
     min_bytes: int    # whole collective (all ranks' bytes), as sparkccl bench's "size"
     topology: str
     transport: str
+    captured: bool = False  # calls under CUDA graph capture route too
 
     @classmethod
     def from_env(cls, env=None) -> "RouteSettings":
-        """From ``SPARKCCL_ENGINE_MIN_BYTES`` / ``_TOPOLOGY`` / ``_TRANSPORT`` (raises
-        ``ConfigError`` naming a bad value)."""
+        """From ``SPARKCCL_ENGINE_MIN_BYTES`` / ``_TOPOLOGY`` / ``_TRANSPORT`` /
+        ``_CAPTURED`` (raises ``ConfigError`` naming a bad value)."""
         return cls(min_bytes=config.get("SPARKCCL_ENGINE_MIN_BYTES", env),
                    topology=config.get("SPARKCCL_ENGINE_TOPOLOGY", env),
-                   transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env))
+                   transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env),
+                   captured=config.get("SPARKCCL_ENGINE_CAPTURED", env))
 
 
 def agreed_settings(group, what: str, env=None) -> RouteSettings:
@@ -53,7 +60,7 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
     import torch.distributed as dist
     try:
         s, error = RouteSettings.from_env(env), None
-        mine = (s.min_bytes, s.topology, s.transport)
+        mine = (s.min_bytes, s.topology, s.transport, s.captured)
     except ConfigError as e:
         s, mine, error = None, None, str(e)
     seen: list = [None] * dist.get_world_size(group)
@@ -62,11 +69,12 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
     if errors:
         raise ConfigError(f"sparkccl: {what}: " + "; ".join(errors))
     if any(m != seen[0][0] for m, _ in seen):
-        rows = "; ".join(f"rank {i}: min_bytes={m[0]} topology={m[1]} transport={m[2]}"
-                         for i, (m, _) in enumerate(seen))
+        rows = "; ".join(f"rank {i}: min_bytes={m[0]} topology={m[1]} transport={m[2]} "
+                         f"captured={int(m[3])}" for i, (m, _) in enumerate(seen))
         raise ValueError(f"sparkccl: {what}: the ranks disagree on SPARKCCL_ENGINE_MIN_BYTES "
-                         f"/ _TOPOLOGY / _TRANSPORT ({rows}); set them alike on every rank, "
-                         "or ranks would pick different paths for one collective and hang")
+                         f"/ _TOPOLOGY / _TRANSPORT / _CAPTURED ({rows}); set them alike on "
+                         "every rank, or ranks would pick different paths for one collective "
+                         "and hang")
     return s
 
 
@@ -80,9 +88,10 @@ class Decision(NamedTuple):
 
 def should_route(op: str, shape: Sequence[int], dtype: torch.dtype, dim: int, world: int,
                  settings: RouteSettings, *, capturing: bool = False,
-                 sizes: Sequence[int] | None = None) -> Decision:
+                 sizes: Sequence[int] | None = None, rs_ready: bool = True) -> Decision:
     """Whether ``op`` on a per-rank input of ``shape`` / ``dtype`` along ``dim`` goes to
     sparkccl. ``sizes``: per-rank row counts of a ``*v`` collective (None: equal).
+    ``rs_ready``: the communicator's reduce-scatter buffers exist (asked under capture).
 
     all-gather: ``shape`` is one rank's input; reduce-scatter: the full input
     ``[world * m, ...]``. The size compared with ``settings.min_bytes`` is the whole
@@ -91,7 +100,10 @@ def should_route(op: str, shape: Sequence[int], dtype: torch.dtype, dim: int, wo
     if op not in OPS:
         raise ValueError(f"op={op!r}: must be one of {', '.join(OPS)}")
     if capturing:
-        return Decision(False, "graph capture")
+        if not settings.captured:
+            return Decision(False, "graph capture")
+        if op == "reduce_scatter" and not rs_ready:
+            return Decision(False, "graph capture before the first reduce-scatter")
     if world < 2:
         return Decision(False, "single rank")
     ndim = len(shape)
@@ -132,10 +144,13 @@ def stream_capturing() -> bool:
 
 def describe(group: str, world: int, comm, settings: RouteSettings) -> str:
     """The one start-up line per group: what goes where."""
-    return (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
+    head = (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
             f"{_size(settings.min_bytes)} (whole buffer) on sparkccl, topology {comm.topology}, "
-            f"transport {comm.transport}; smaller, captured, other-dim and uneven calls stay "
-            "on the engine's NCCL")
+            f"transport {comm.transport}; ")
+    if settings.captured:
+        return head + ("captured calls too (SPARKCCL_ENGINE_CAPTURED=1); smaller, other-dim "
+                       "and uneven calls stay on the engine's NCCL")
+    return head + "smaller, captured, other-dim and uneven calls stay on the engine's NCCL"
 
 
 def _size(n: int) -> str:
