@@ -17,13 +17,14 @@ VENV=${VENV:-.venv-engines}
 VLLM=${VLLM:-vllm==0.33.0}
 SGLANG=${SGLANG:-sglang==0.5.23}
 # What `import vllm.distributed...` / `sglang.srt.distributed...` needs beyond torch and
-# numpy, found by importing until nothing was missing (vLLM 0.33.0, SGLang 0.5.23).
+# numpy, found by importing until nothing was missing (vLLM 0.33.0, SGLang 0.5.23; httpx2,
+# httpcore2 and truststore since huggingface_hub's later releases import them).
 DEPS="aiohappyeyeballs aiohttp aiosignal annotated-doc anyio apache-tvm-ffi==0.1.11 blake3
-cachetools cbor2 fastapi frozenlist h11 huggingface_hub llguidance msgspec multidict openai
+cachetools cbor2 fastapi frozenlist h11 httpcore2 httpx2 huggingface_hub llguidance msgspec multidict openai
 openai-harmony opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
 partial-json-parser pillow prometheus_client propcache psutil pybase64 pyzmq
 safetensors>=0.8.0 starlette tokenizers>=0.23.2 tqdm transformers>=5.16.1,<5.21.0
-typing_extensions>=4.16 uvloop xgrammar yarl"
+truststore typing_extensions>=4.16 uvloop xgrammar yarl"
 
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv --system-site-packages "$VENV"

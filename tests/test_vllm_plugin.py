@@ -341,3 +341,48 @@ def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm
         assert c[("reduce_scatter", "dim != 0")] == 1
         assert c[("reduce_scatter", "uneven sizes")] == 1
         assert c[("reduce_scatter", "dtype torch.int32")] == 1
+
+
+def _captured_job(rank, world, store):
+    """SPARKCCL_ENGINE_CAPTURED=1, capture faked as in _on_job: captured calls route (exact);
+    a captured reduce-scatter before the communicator's first one declines."""
+    out = {"log": _log_lines("sparkccl.vllm")}
+    _load_plugins_as_on_cuda()
+    tp = _tp_group(rank, world, store)
+    dc = tp.device_communicator
+    inputs = lambda seed, shape, dtype: [make_input(seed, r, shape, dtype) for r in range(world)]
+    routing.stream_capturing = lambda: True
+    try:
+        calls = []
+        _record_base("reduce_scatter", calls)
+        x = inputs(1, (128, 256), bf16)[rank]
+        out["rs_before_setup"] = tp.reduce_scatter(x, dim=0)        # -> vLLM's own path
+        out["rs_before_setup_calls"] = list(calls)
+        routing.stream_capturing = lambda: False
+        xs = inputs(2, (128, 256), bf16)                              # eager: sets RS up
+        out["rs_eager"] = bool((bits(tp.reduce_scatter(xs[rank], dim=0))
+                                == reduce_scatter_reference(xs, rank)).all())
+        routing.stream_capturing = lambda: True
+        xs = inputs(3, (64, 256), bf16)
+        out["captured_ag"] = bool((bits(tp.all_gather(xs[rank], dim=0))
+                                   == all_gather_reference(xs)).all())
+        xs = inputs(4, (128, 256), bf16)
+        out["captured_rs"] = bool((bits(tp.reduce_scatter(xs[rank], dim=0))
+                                   == reduce_scatter_reference(xs, rank)).all())
+        out["counts"] = dict(dc.route_counts)
+    finally:
+        routing.stream_capturing = lambda: False
+    tp.destroy()
+    return out
+
+
+def test_vllm_plugin_routes_captured_calls_with_the_setting(vllm_ok):
+    env = {**VLLM_ENV, "SPARKCCL_VLLM": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
+    for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):
+        assert "captured calls too (SPARKCCL_ENGINE_CAPTURED=1)" in r["log"][-1], r["log"]
+        assert r["rs_before_setup"] == "base"
+        assert r["rs_before_setup_calls"] == [("reduce_scatter", (torch.Size([128, 256]), 0))]
+        assert r["rs_eager"] and r["captured_ag"] and r["captured_rs"], r
+        c = r["counts"]
+        assert c[("reduce_scatter", "graph capture before the first reduce-scatter")] == 1
+        assert c[("all_gather", "sparkccl")] == 1 and c[("reduce_scatter", "sparkccl")] == 2
