@@ -195,3 +195,46 @@ def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sgla
         assert c[("reduce_scatter", "below threshold")] == 1
         assert c[("all_gather", "graph capture")] == 1
         assert c[("reduce_scatter", "graph capture")] == 1
+
+
+def _captured_job(rank, world, store):
+    """SPARKCCL_ENGINE_CAPTURED=1, capture faked: captured calls route (exact), but a
+    captured reduce-scatter before the communicator's first one stays on SGLang's path."""
+    tp = _tp_group(rank, world, store)
+    st = tp._sparkccl
+    inputs = lambda seed, shape, dtype: [make_input(seed, r, shape, dtype) for r in range(world)]
+
+    def rs(seed):
+        xs = inputs(seed, (128, 256), bf16)
+        o = torch.empty((128 // world, 256), dtype=bf16)
+        tp._reduce_scatter_tensor(o, xs[rank])
+        return bool((bits(o) == reduce_scatter_reference(xs, rank)).all())
+
+    out = {}
+    routing.stream_capturing = lambda: True
+    try:
+        out["rs_before_setup"] = rs(1)
+        out["counts_before_setup"] = dict(st.counts)
+        routing.stream_capturing = lambda: False
+        out["rs_eager"] = rs(2)
+        routing.stream_capturing = lambda: True
+        xs = inputs(3, (64, 256), bf16)
+        o = torch.empty((world * 64, 256), dtype=bf16)
+        tp._all_gather_into_tensor(o, xs[rank])
+        out["ag_captured"] = bool((bits(o) == all_gather_reference(xs)).all())
+        out["rs_captured"] = rs(4)
+    finally:
+        routing.stream_capturing = lambda: False
+    out["counts"] = dict(st.counts)
+    return out
+
+
+def test_sglang_hook_routes_captured_calls_with_the_setting(sglang_env):
+    env = {**sglang_env, "SPARKCCL_SGLANG": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
+    for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):
+        assert all(r[k] is True for k in ("rs_before_setup", "rs_eager", "ag_captured",
+                                          "rs_captured")), r
+        assert r["counts_before_setup"] == {
+            ("reduce_scatter", "graph capture before the first reduce-scatter"): 1}
+        c = r["counts"]
+        assert c[("all_gather", "sparkccl")] == 1 and c[("reduce_scatter", "sparkccl")] == 2
