@@ -137,11 +137,12 @@ def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
         setattr(owner, name, timed)
         undo.append((owner, name, inner))
 
-    # Outer to inner: the Communicator call, its tensor checks, the data plane's call, its
-    # checks, the native issue of the launch plan.
+    # Outer to inner: the Communicator call, its input's checks and its output allocation,
+    # the data plane's call, its checks, the native issue of the launch plan.
     wrap(comm, "all_gather", "Communicator.all_gather (AG total)")
     wrap(comm, "reduce_scatter", "Communicator.reduce_scatter (RS total)")
     wrap(checks, "usable", "  checks.usable (the input's checks)")
+    wrap(checks, "out", "  checks.out (torch.empty of the result)")
     wrap(dp, "all_gather", "  data plane all_gather")
     wrap(dp, "reduce_scatter", "  data plane reduce_scatter")
     wrap(dp, "_check_call", "    _check_call (GPU record, abort; sizes every 8th call)")

@@ -6,13 +6,15 @@ import torch
 
 
 def usable(x, device: torch.device) -> bool:
-    """Would :func:`tensor` pass? The collectives' first question, answered without its
-    messages (it then tells what failed)."""
+    """Would :func:`tensor` pass? Asked first, so that a tensor that passes (every call of a
+    collective) has each property read once; the checks one by one only tell what failed."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided and x.device == device
             and not x.is_quantized and x.is_contiguous())
 
 
 def tensor(x, device: torch.device, what: str, name: str = "x") -> None:
+    if usable(x, device):
+        return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.layout != torch.strided:
@@ -31,6 +33,8 @@ def out(t, device: torch.device, what: str, shape: tuple, dtype: torch.dtype) ->
     """``t`` checked against the result's shape and dtype, or a fresh result tensor."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
+    if usable(t, device) and t.dtype == dtype and t.shape == shape:
+        return t
     tensor(t, device, what, "out")
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{what}: out must have shape {list(shape)} and dtype {dtype}, got "

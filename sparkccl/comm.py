@@ -236,8 +236,9 @@ class Communicator:
         return self._wiring.pinned_bytes if self._wiring is not None else 0
 
     def _ensure_rs(self) -> None:
-        self._wiring.ensure_rs()
-        self._note_send_slots()
+        if not self._rs_ready:
+            self._wiring.ensure_rs()
+            self._note_send_slots()
 
     # ---- internal interface (finalize, selftest, bench, tests) -----------------------
     def proxy_stats(self) -> dict:
@@ -300,8 +301,8 @@ class Communicator:
         have been issued. Only when the slice is a multiple of 16 bytes and fits one slot,
         and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
-        # (The checks are written for the call that passes them: a few tensor properties
-        # read once each; what failed is then told by the checks module.)
+        # (The checks are written for the call that passes them, without a helper call
+        # each: checks.usable reads each tensor property once; the helpers say what failed.)
         what = "all_gather"
         if self._closed:
             self._check_open(what)
@@ -319,10 +320,7 @@ class Communicator:
                 self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0)
                 view = self._dp.ag_slot(seq, self.world_size * n)
             return view.view(x.dtype).view(out_shape)
-        if out is None:
-            out = torch.empty(out_shape, dtype=x.dtype, device=device)
-        elif not (checks.usable(out, device) and out.dtype == x.dtype and out.shape == out_shape):
-            self._check_out(out, what, out_shape, x.dtype)
+        out = checks.out(out, device, what, out_shape, x.dtype)
         if n == 0:
             return out
         if self.single:
@@ -369,13 +367,9 @@ class Communicator:
             raise ValueError(f"{what}: x.shape[0] = {shape[0]} must be a multiple of the world "
                              f"size {W} (x is [world * m, ...]); pad it to "
                              f"{round_up(shape[0], W)} rows")
-        out_shape = (shape[0] // W, *shape[1:])
-        if out is None:
-            out = torch.empty(out_shape, dtype=dtype, device=device)
-        elif not (checks.usable(out, device) and out.dtype == dtype and out.shape == out_shape):
-            self._check_out(out, what, out_shape, dtype)
+        out = checks.out(out, device, what, (shape[0] // W, *shape[1:]), dtype)
         chunk = x.nbytes // W
-        lo, hi = self._send_bounds
+        lo, hi = self._send_bounds  # ((0, 0) until the reduce-scatter buffers exist)
         handout = self._match_handout(x, what) if lo <= x.data_ptr() < hi else None
         if chunk == 0:
             return out
@@ -436,13 +430,9 @@ class Communicator:
             self._send_bounds = (lo, lo + send.numel())
 
     def _match_handout(self, x: torch.Tensor, what: str):
-        """Slot parity if ``x`` is the current zero-copy buffer; None if not one at all."""
-        if not self._rs_ready:
-            return None
-        lo, hi = self._send_bounds
+        """Slot parity if ``x``, which lies in the send slots, is the current zero-copy
+        buffer (raises if it is not)."""
         p = x.data_ptr()
-        if not lo <= p < hi:
-            return None
         if not self._seq_on_host():
             # The slot it lies in may be the one a replayed collective before this one still
             # sends from (the parity follows the device's seq): never copied from.

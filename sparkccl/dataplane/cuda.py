@@ -296,10 +296,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
         self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
         self._peers = frozenset(range(self.world)) - {self.rank}
-        self._gpu_code = _u64(ctl_addr + layout.CTL_GPU_STATUS)  # the GPU record's code word
-        # The control block's words, for the checks before every collective (a plain read
-        # each: cheaper than ctypes or a native call; x86 and arm64 loads of aligned words
-        # are atomic).
+        # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
+        # for the checks before every collective and the watchdog (a plain read each:
+        # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
+        # atomic).
         self._ctl_words = memoryview(
             (ctypes.c_uint8 * layout.CTL_BYTES).from_address(ctl_addr)).cast("B").cast("Q")
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
@@ -626,7 +626,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         return held is not None and self.trap_go_at is None and now < held + HOLD_WAIT_S
 
     def _failure_known(self) -> bool:
-        return bool(self.nat.abort_code(self.ctl) or self._gpu_code.value)
+        return bool(self.nat.abort_code(self.ctl) or self._ctl_words[_GPU_STATUS_WORD])
 
     def _stuck_error(self) -> CollectiveError:
         code, source, word, piece, seq = self.gpu_status()
@@ -1317,7 +1317,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def gpu_status(self) -> tuple[int, int, int, int, int]:
         """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
-        code = self._gpu_code.value
+        code = self._ctl_words[_GPU_STATUS_WORD]
         if not code:
             return 0, 0, 0, 0, 0
         detail = _u64(self.ctl + layout.CTL_GPU_DETAIL).value
@@ -1374,11 +1374,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         was reported, it says so with the cause the host knows (:meth:`_say_context_lost`).
         It ends when the failure was reported, the trap's turn is over and nothing of this
         data plane runs any more."""
-        status = self._gpu_code
+        words = self._ctl_words
         reported, failed_at = False, None
         try:
             while not self._watch_stop.wait(WATCHDOG_POLL_S):
-                if not reported and status.value:
+                if not reported and words[_GPU_STATUS_WORD]:
                     self._report_gpu_failure()
                     reported = True
                 now = time.monotonic()
