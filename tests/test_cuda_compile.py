@@ -90,7 +90,8 @@ def test_python_constants_equal_the_compiled_header():
     assert N.protocol() == L.protocol_constants()
     assert (G.PIECES, G.ALIGN, G.FLAG_STRIDE) == (N.protocol()["PIECES"], N.protocol()["ALIGN"],
                                                  N.protocol()["FLAG_STRIDE"])
-    for name in ("PROG_STRIDE", "MAX_DIRECT", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE"):
+    for name in ("PROG_STRIDE", "MAX_DIRECT", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE",
+                 "ONE_HANDOFF_SLICE"):
         assert getattr(C, name) == N.protocol()[name], name
 
 

@@ -837,6 +837,58 @@ DIRECT_CONFIGS = [("mesh", 2, 2), ("mesh", 3, 2), ("mesh", 4, 2), ("mesh", 4, 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("mesh", 3, 1),
+                                                  ("ring", 4, 2)])
+def test_both_sides_of_the_one_handoff_slice(backend, topology, world, roots, direct):
+    """Slices up to ONE_HANDOFF_SLICE go in one hand-off (the GPU-direct publish flags the
+    last piece only; the waits take the whole slice at once), larger ones piece by piece:
+    the same bits on both sides of the bound and at it, tails included, back to back."""
+    oh = C.ONE_HANDOFF_SLICE
+    ag_sizes = [oh - 21, oh, oh + 1]  # S = oh - 16, oh (one hand-off); oh + 16 (pieces)
+    rs_cases = [(torch.bfloat16, (world * (oh // 2),)), (torch.bfloat16, (world * (oh // 2 + 1),)),
+                (torch.float32, (world * (oh // 4 - 3),))]
+    with World(backend, topology, world, roots, max_slice=oh + 16, direct=direct) as w:
+        pending = []
+        for k, n in enumerate(ag_sizes):
+            xs = inputs(700 + k, world, (n,), torch.uint8)
+            pending.append((check_ag, xs, w.all_gather(xs)))
+        for k, (dtype, shape) in enumerate(rs_cases):
+            xs = inputs(710 + k, world, shape, dtype)
+            pending.append((check_rs, xs, w.reduce_scatter(xs)))
+        w.sync()
+        for check, xs, outs in pending:
+            check(w, xs, outs)
+        w.healthy()
+
+
+def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
+    """The wait role's blocks: enough for the whole slice where it goes in one hand-off (the
+    kernels wait once, then move all of it), for a piece above; and by default never more
+    than MAX_WAIT_BLOCKS, however many SMs (they spin: ranks sharing a GPU need SMs left for
+    each other's publishing blocks)."""
+    setup, init, defaults = EmuDataPlane._setup_backend, EmuDataPlane.__init__, []
+
+    def many_sms(self, device):
+        setup(self, device)
+        self.sms = 200
+
+    def recording(self, *a, **kw):
+        init(self, *a, **kw)
+        defaults.append(self.max_wait_blocks)
+    monkeypatch.setattr(EmuDataPlane, "_setup_backend", many_sms)
+    monkeypatch.setattr(EmuDataPlane, "__init__", recording)
+    with World("emu", "mesh", 2, max_slice=4096) as w:
+        assert defaults == [C.MAX_WAIT_BLOCKS] * 2
+        dp = w.dps[0]
+        dp.max_wait_blocks = C.MAX_WAIT_BLOCKS
+        oh, per = C.ONE_HANDOFF_SLICE, C.WAIT_BYTES_PER_BLOCK
+        assert dp._wait_blocks(dp._wait_work(oh)) == oh // per
+        assert dp._wait_blocks(dp._wait_work(oh + 16)) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
+        assert dp._wait_blocks(dp._wait_work(1 << 30)) == C.MAX_WAIT_BLOCKS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", C.DIRECT_MODES)
 @pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
 def test_direct_exact(backend, topology, world, roots, mode):

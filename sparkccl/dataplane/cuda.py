@@ -102,6 +102,8 @@ NO_WORD = _P["NO_WORD"]
 MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
+# Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
+ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
 STATE_CLOCK = _P["STATE_CLOCK"]
 ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
@@ -156,6 +158,12 @@ MAX_WORLD = 64
 PUBLISH_THREADS = 512
 PUBLISH_BYTES_PER_BLOCK = 64 << 10
 WAIT_BYTES_PER_BLOCK = 32 << 10
+# The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
+# one 512-thread block per SM (127 registers): a grid of waiters on most SMs leaves another
+# rank's kernel on the same GPU no room to publish what they wait for (two ranks on one
+# H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
+# each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
+MAX_WAIT_BLOCKS = 32
 FIN_THREADS = 512
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
@@ -308,7 +316,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
-        self.max_wait_blocks = self.sms
+        self.max_wait_blocks = min(self.sms, MAX_WAIT_BLOCKS)
         self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
         try:
             ctl_bytes = layout.control_bytes(plan.num_flag_words)
@@ -839,6 +847,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
+    @staticmethod
+    def _wait_work(S: int) -> int:
+        """Bytes per source that the consumers move after one wait: a piece, or the whole
+        slice where it goes in one hand-off (the kernels then wait once, for its last unit,
+        and need the blocks for all of it in flight at once)."""
+        return S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1]
+
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective
@@ -1037,7 +1052,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
-            nb = 1 if dst is None else min(self._wait_blocks(piece), self.max_direct_wait_blocks)
+            nb = 1 if dst is None else min(self._wait_blocks(self._wait_work(S)),
+                                           self.max_direct_wait_blocks)
             # The own block of the slot is only written when the result stays there
             # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
             own_dst = slot + me * S if dst is None else 0
@@ -1056,7 +1072,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         bpp = self._publish_blocks(piece)
         ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
-        nb = 1 if dst is None else self._wait_blocks(piece)
+        nb = 1 if dst is None else self._wait_blocks(self._wait_work(S))
         waited = "wait" in self.phases
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
             self._launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
@@ -1136,7 +1152,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
                          0, _n(0), 0),
                 consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-                wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(piece),
+                wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(self._wait_work(S)),
                                                       self.max_direct_wait_blocks),
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
@@ -1149,7 +1165,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
         publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
                    else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
-        nb = self._wait_blocks(piece)
+        nb = self._wait_blocks(self._wait_work(S))
         waited = "wait" in self.phases
         consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)

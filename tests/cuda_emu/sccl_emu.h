@@ -35,6 +35,7 @@ inline u64 ld_relaxed_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_REL
 inline u64 ld_acquire_gpu(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void st_release_gpu(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 inline void st_release_sys(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void st_relaxed_sys(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline void st_volatile_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline void st_volatile_u32(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline u64 globaltimer() {

@@ -79,6 +79,11 @@ __device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// After a __threadfence_system() by the same thread: the fence orders every earlier write
+// (this block's, through __syncthreads, and other blocks', through the counters) before it.
+__device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void st_volatile_u64(u64* p, u64 v) { *(volatile u64*)p = v; }
 __device__ __forceinline__ void st_volatile_u32(u32* p, u32 v) { *(volatile u32*)p = v; }
 

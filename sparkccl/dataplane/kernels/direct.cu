@@ -16,13 +16,16 @@
 // Item t of stream s, piece c: bytes part_range(piece_bounds(S, c), part), cut at L, go from
 // src + chunk * src_stride to base + (seq % slots) * stride + block * S (+ the same offset).
 // Streams go in table order within a piece, pieces in order; every block takes a share of
-// every item. The last block to finish (stream s, piece c) writes the stream's flag
-// (seq * 16 + c + 1) after a system fence, with a system-scope release store: one writer
-// per flag word, as with the proxy. Then piece c's own copies (all-gather: own slice of the
-// device result, and the own AG block when the result stays there) and the ring entry
-// (chunk CHUNK_DIRECT: the proxy skips these streams for this collective and runs the rest).
+// every item. The last block to finish piece c hands it off (hand_off): the ring entry's
+// fields (chunk CHUNK_DIRECT: the proxy skips these streams for this collective and runs
+// the rest), one system fence, then every stream's flag (seq * 16 + c + 1; one writer per
+// flag word, as with the proxy) and the entry's tag. Then piece c's own copies (all-gather:
+// own slice of the device result, and the own AG block when the result stays there).
+// A slice of at most ONE_HANDOFF_SLICE bytes is handed off once, after its last piece:
+// the flags then carry the last piece's value, which says every piece before it too.
 //
-// counters: [MAX_DIRECT][PIECES] per (stream, piece), then [PIECES] for the ring entries.
+// counters: [MAX_DIRECT][PIECES], unused since a piece's streams are handed off together
+// (the set keeps the layout the host allocates), then [PIECES] for the hand-offs.
 
 struct PubArgs {
   const u8* src;
@@ -36,11 +39,32 @@ struct PubArgs {
   u32* counters;  // this seq's set
 };
 
-__device__ __forceinline__ void arrive_flag(u32* counter, u32 n, u64* flag, u64 value) {
-  if (last_block_arrives(counter, n)) {
-    __threadfence_system();
-    st_release_sys(flag, value);
+// Pieces c0..c1 of a GPU-direct publish are written by every one of the n blocks: the last
+// to arrive hands them off. Each step that waits for host memory costs 0.6-1.4 us on an
+// H200 (benchmarks/sysmem_sync.cu), so all of it sits behind one system fence: first the
+// ring entries' fields (they depend on nothing written here), then the fence, which orders
+// every block's data (through the counter) and those fields before what follows, then
+// each stream's flag and the entries' tags. (A flag and a tag per piece, each behind its
+// own release, took four such waits per piece.) dtab: the direct table, or null where
+// nothing goes to the peers (a failed data plane: sccl_finalize_direct).
+__device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
+                                         u64* state, u64 first_index, u64 seq, u64 S, u32 op,
+                                         int c0, int c1, u32 granule) {
+  if (!last_block_arrives(counter, n)) return;
+  u32 room = 0;  // bit c: entry first_index + c has its fields (its ring wait passed)
+  for (int c = c0; c <= c1; ++c) {
+    u64 lo, hi;
+    piece_bounds_g(S, c, granule, &lo, &hi);
+    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, op, (u32)c,
+                     (u32)CHUNK_DIRECT, granule))
+      room |= 1u << c;
   }
+  __threadfence_system();
+  const u64 ns = dtab ? dtab[0] : 0;
+  for (u64 s = 0; s < ns; ++s)
+    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM], seq * FLAG_STRIDE + c1 + 1);
+  for (int c = c0; c <= c1; ++c)
+    if (room & (1u << c)) st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
 }
 
 __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,
@@ -53,6 +77,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
   if (plane_failed(p.state)) return;  // nothing to the peers, no ring entry (see plane_failed)
   const u64 ns = p.dtab[0];
   const u64* items = p.dtab + 1 + ns * DT_STREAM;
+  const int group = p.S <= ONE_HANDOFF_SLICE ? PIECES : 1;  // pieces per hand-off
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(p.S, c, &lo, &hi);
@@ -67,15 +92,15 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
           copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
         }
       }
-      arrive_flag(p.counters + s * PIECES + c, nb, (u64*)row[0], p.seq * FLAG_STRIDE + c + 1);
     }
+    if ((c + 1) % group == 0)
+      hand_off(p.counters + MAX_DIRECT * PIECES + c, nb, p.dtab, p.ring, p.state,
+               p.first_index, p.seq, p.S, (u32)p.op, c + 1 - group, c, ALIGN);
     const u64 a = lo < p.L ? lo : p.L;
     const u64 e = hi < p.L ? hi : p.L;
     if ((p.own_dst || p.dst2) && e > a)
       copy_any(p.own_dst ? p.own_dst + a : p.dst2 + a, p.own_dst && p.dst2 ? p.dst2 + a : (u8*)0,
                p.src + a, e - a, p.src_sys != 0, b, nb);
-    finish_piece(p.counters + MAX_DIRECT * PIECES + c, nb, p.ring, p.state, p.first_index + c,
-                 p.seq, p.S, (u32)p.op, c, (u32)CHUNK_DIRECT);
   }
 }
 

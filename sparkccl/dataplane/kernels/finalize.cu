@@ -235,8 +235,9 @@ extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
 // sccl_finalize_direct: the finalize when this rank's reduce-scatter streams run on the GPU
 // (GPU-direct, see sccl_rs_direct_*): the publish blocks compute each row unit straight into
 // the peer's mapped receive region (or a ring neighbour's staging block), item by item of
-// the direct table, piece by piece; after each (stream, piece) the last block writes the
-// stream's flag, and after each piece one ring entry (chunk -2: the proxy only relays).
+// the direct table, piece by piece; after each piece the last block hands it off
+// (hand_off in direct.cu: every stream's flag and one ring entry, chunk -2: the proxy only
+// relays).
 // The own chunk's rows of piece c go to `own` (device memory), then gate[c] is bumped;
 // the launch's other blocks run the reduce-scatter wait (1 poller + consumers), which
 // reduces piece c once every source's piece arrived and gate[c] reached gate_target.
@@ -246,7 +247,8 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
                                    u64 first_index, u64 seq, u64 op, u32* counters, u32* gate,
                                    u32 b, u32 nb) {
   const u64 RB = 2 * a.H, S = rows_pad * RB, L = rows * RB;
-  const u64 ns = plane_failed(state) ? 0 : dtab[0];  // failed: nothing to the peers
+  const bool failed = plane_failed(state);  // then nothing to the peers
+  const u64 ns = failed ? 0 : dtab[0];
   const u64* items = dtab + 1 + ns * DT_STREAM;
   const u64 tid = (u64)b * blockDim.x + threadIdx.x;
   const u64 nthreads = (u64)nb * blockDim.x;
@@ -268,8 +270,9 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
           st16(d + off, fin_unit<FP8>(a, tb + lr, (off - lr * RB) / 16));
         }
       }
-      arrive_flag(counters + s * PIECES + c, nb, (u64*)row[0], seq * FLAG_STRIDE + c + 1);
     }
+    hand_off(counters + MAX_DIRECT * PIECES + c, nb, failed ? (const u64*)0 : dtab, ring, state,
+             first_index, seq, S, (u32)op, c, c, ALIGN);
     const u64 e = hi < L ? hi : L;
     const u64 tb = rank * Rr + row_lo;
     for (u64 off = (lo < L ? lo : L) + 16 * tid; off < e; off += 16 * nthreads) {
@@ -279,8 +282,6 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
     __threadfence();  // this thread's own rows before the bump
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(gate + c, 1u);
-    finish_piece(counters + MAX_DIRECT * PIECES + c, nb, ring, state, first_index + c, seq, S,
-                 (u32)op, c, (u32)CHUNK_DIRECT);
   }
 }
 

@@ -5,12 +5,12 @@
 
 // ---------------------------------------------------------------- publish
 
-// One thread: write publish-ring entry `index` (every field, then the tag, by a release
-// store that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
-__device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64 seq, u64 S,
-                                            u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
-                                            u32 granule) {
-  if (!ring_room(ring, state, index, seq, piece)) return;
+// One thread: write the fields of publish-ring entry `index` but its tag, once the proxy
+// freed it. False if that wait failed (recorded): nothing written, no tag to write then.
+__device__ __forceinline__ bool entry_fields(u8* ring, u64* state, u64 index, u64 seq, u64 S,
+                                             u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
+                                             u32 granule) {
+  if (!ring_room(ring, state, index, seq, piece)) return false;
   u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
   st_volatile_u64((u64*)(ent + ENT_SEQ), seq);
   st_volatile_u64((u64*)(ent + ENT_SLICE), S);
@@ -24,10 +24,23 @@ __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64
   // the tag's.
   const u64 clock = state[STATE_CLOCK];
   if (clock) st_volatile_u64((u64*)(ent + ENT_PUBLISH_NS), globaltimer() + clock);
+  return true;
+}
+
+__device__ __forceinline__ u64* entry_tag(u8* ring, u64 index) {
+  return (u64*)(ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES + ENT_TAG);
+}
+
+// One thread: write publish-ring entry `index` (every field, then the tag, by a release
+// store that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
+__device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64 seq, u64 S,
+                                            u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
+                                            u32 granule) {
+  if (!entry_fields(ring, state, index, seq, S, lo, hi, op, piece, chunk, granule)) return;
   // The release is the system fence: every field (and, through the blocks' counts in
   // last_block_arrives, the piece's data) is visible before the tag. (A fence of its own
   // before it cost a second wait for host memory per entry.)
-  st_release_sys((u64*)(ent + ENT_TAG), index + 1);
+  st_release_sys(entry_tag(ring, index), index + 1);
 }
 
 // Clock calibration (CudaDataPlane._calibrate_clock): round k waits for the host's go[k],

@@ -163,6 +163,12 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
   const u32 b = blk - 1, nb = nblk - 1;
   u64 seen = 0;
   const u64 t0 = globaltimer();
+  if (!gate && S <= ONE_HANDOFF_SLICE) {  // one wait for the last unit, then one sum of L bytes
+    if (w.world > 1 && !wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0))
+      return;
+    team_reduce<E>(dst, recv, own, own_sys != 0, S, 0, L, w.rank, w.world, b, nb);
+    return;
+  }
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);

@@ -56,15 +56,29 @@ __device__ SCCL_COLD void record_failure(const WaitArgs& w, u64 code, u64 source
   if (ld_relaxed_sys(w.status + 4) != GPU_FAIL_POISON) stop_after_report(w);
 }
 
+// The flag values a poller read last, by (source, word index) (i * maxw + k < FLAG_SEEN):
+// a flag says its piece and every one before it, so a value read once answers the waits
+// for those pieces without another read of host memory (1.4 us each on an H200,
+// benchmarks/sysmem_sync.cu). Where a sender hands off a whole slice at once, the first
+// read of each word answers all of its pieces.
+#define FLAG_SEEN 64
+struct FlagsSeen {
+  u64 v[FLAG_SEEN];
+};
+
 // One thread: wait until source i's wait word k carries piece c (nothing to wait for when
 // the source is this rank or has no word k). False: the abort word was set or the timeout
 // (from t0) passed; the failure is recorded.
-__device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
+__device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0, FlagsSeen& seen) {
   const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
   if (word < 0) return true;
   const u64 value = w.seq * FLAG_STRIDE + c + 1;
+  const int at = i * w.maxw + k;
+  u64* last = at < FLAG_SEEN ? &seen.v[at] : (u64*)0;
+  if (last && *last >= value) return true;  // (that read was an acquire too)
   u32 spins = 0;
-  while (ld_acquire_sys(w.flags + word) < value) {
+  u64 v;
+  while ((v = ld_acquire_sys(w.flags + word)) < value) {
     const u64 code = ld_relaxed_sys(w.abort_w);
     if (code) {
       record_failure(w, code, (u64)i, (u64)word, (u64)c);
@@ -76,6 +90,7 @@ __device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0) {
     }
     if (++spins > 64) nanosleep(spins > 4096 ? 2000 : 100);
   }
+  if (last) *last = v;
   return true;
 }
 
@@ -124,11 +139,11 @@ __device__ bool earlier_wait_failed(const WaitArgs& w) {
 // One thread: wait for every (word index, source) of piece c in order and relay progress
 // to the device word: every unit (c, k, i) with a word, and (c, k, world - 1) for every k.
 // False: the wait failed (recorded; the progress word then says FAILED).
-__device__ bool relay_piece(const WaitArgs& w, int c, u64 t0) {
+__device__ bool relay_piece(const WaitArgs& w, int c, u64 t0, FlagsSeen& seen) {
   const u64 base = w.seq * PROG_STRIDE;
   for (int k = 0; k < w.maxw; ++k) {
     for (int i = 0; i < w.world; ++i) {
-      if (!wait_word(w, c, k, i, t0)) return false;
+      if (!wait_word(w, c, k, i, t0, seen)) return false;
       const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
       if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
     }
@@ -140,8 +155,9 @@ __device__ bool relay_piece(const WaitArgs& w, int c, u64 t0) {
 __device__ void poller(const WaitArgs& w) {
   if (earlier_wait_failed(w)) return;
   const u64 t0 = globaltimer();
+  FlagsSeen seen = {};
   for (int c = 0; c < PIECES; ++c)
-    if (!relay_piece(w, c, t0)) return;
+    if (!relay_piece(w, c, t0, seen)) return;
 }
 
 // One thread of a block that waits for another block of its launch (the progress word, a
@@ -217,7 +233,8 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
-  relay_piece(w, (int)piece, globaltimer());
+  FlagsSeen seen = {};
+  relay_piece(w, (int)piece, globaltimer(), seen);
 }
 
 // sccl_fail_guard (one thread; mode "ce" in GPU_FAIL_STOP, on the caller's stream after the
@@ -245,6 +262,12 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
   const u64 t0 = globaltimer();
   if (!dst) {  // zero-copy: the launch completes once every piece arrived
     wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0);
+    return;
+  }
+  if (S <= ONE_HANDOFF_SLICE) {  // one wait for the last unit, then each source's L bytes
+    if (!wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0)) return;
+    for (int i = 0; i < w.world; ++i)
+      if (i != w.rank) team_copy<true>(dst + i * dst_stride, (u8*)0, slot + i * S, L, b, nb);
     return;
   }
   for (int c = 0; c < PIECES; ++c) {

@@ -176,6 +176,12 @@ constexpr int DT_STREAM = 4;            // u64 per stream row of the direct tabl
 constexpr int DT_ITEM = 6;              // u64 per item row of the direct table
 constexpr int FIN_CLAIM = 256;          // finalize: item counters per set, then the claim counter
 constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
+// Slices of at most this many bytes go in one hand-off: the GPU-direct publish writes every
+// piece, then the flags and ring entries of all of them behind one system fence, and the
+// wait roles wait for the last unit and move (or sum) the whole slice at once. Each
+// hand-off of a piece is a chain of waits for host memory (0.6-1.4 us each on an H200,
+// benchmarks/sysmem_sync.cu), which costs more than pipelining small pieces saves.
+constexpr pu64 ONE_HANDOFF_SLICE = 512 << 10;
 // What a failed wait does (CTL_GPU_MODE): STOP reports, then traps (the context is lost, so
 // every later synchronization raises); POISON sets every output of the failed collective
 // and of the ones queued after it to POISON_BYTE (NaN in every floating type).
