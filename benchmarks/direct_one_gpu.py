@@ -57,15 +57,7 @@ def main() -> None:
                     dp.direct_mode = mode
                 for op in ("ag", "rs"):
                     def once():
-                        seq = w.seq
-                        w.seq += 1
-                        for r in range(W):
-                            with w.be.on(r):
-                                if op == "ag":
-                                    w.dps[r].all_gather(seq, x[r], out[r], 0, L)
-                                else:
-                                    w.dps[r].reduce_scatter(seq, xr[r], 0, L, L, outr[r], 0,
-                                                            torch.bfloat16)
+                        w.issue(op, x if op == "ag" else xr, out if op == "ag" else outr, L)
                         w.be.sync()
                     once()
                     ts = []

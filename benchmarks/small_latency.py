@@ -66,15 +66,7 @@ def run(engine: str, kib: list[int], calls: int, rounds: int, backend: str = "cu
                             with w.be.on(r):
                                 starts[r].record()
                     for _ in range(n):
-                        seq = w.seq
-                        w.seq += 1
-                        for r in range(W):
-                            with w.be.on(r):
-                                if op == "ag":
-                                    w.dps[r].all_gather(seq, x[r], out[r], 0, L)
-                                else:
-                                    w.dps[r].reduce_scatter(seq, xr[r], 0, L, L, outr[r], 0,
-                                                            torch.bfloat16)
+                        w.issue(op, x if op == "ag" else xr, out if op == "ag" else outr, L)
                     if cuda:
                         for r in range(W):
                             with w.be.on(r):

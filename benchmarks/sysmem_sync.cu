@@ -4,15 +4,20 @@
 // median of 5 launches). Small collectives are a chain of 8 such pieces, so these costs,
 // not the bytes, set their time.
 //
-//   nvcc -O2 -arch=sm_90 -o /tmp/sysmem_sync benchmarks/sysmem_sync.cu && /tmp/sysmem_sync
+//   nvcc -O2 -arch=sm_90 -I sparkccl/include -o /tmp/sysmem_sync benchmarks/sysmem_sync.cu \
+//     && /tmp/sysmem_sync
 //
 // Rows (bytes: per round, 16 per thread, to or from mapped pinned memory):
 //   store 4 KiB                       256 x 16-byte stores, no ordering
 //   + fence.sys per thread            each thread's __threadfence_system() after its store
 //   + bar, one fence.sys              __syncthreads(), then one thread's fence
 //   + bar, st.release.sys             __syncthreads(), then one thread's release store
-//   piece as published (1 block)      direct_publish's steps for one stream and one block:
-//                                     per-thread fences twice, two counters, flag, entry
+//   piece as published (1 block)      direct_publish's steps for one stream and one block
+//                                     before hand_off (kernels/direct.cu): per-thread
+//                                     fences twice, two counters, a release for the flag
+//                                     and one for the entry's tag
+//   piece as handed off (1 block)     hand_off's: per-thread fence, one counter, the
+//                                     entry's fields, one fence, two flags and the tag
 //   ld.acquire.sys (1 thread)         one acquire load of a pinned word
 //   load 4 KiB                        256 x 16-byte ld.cv loads + __syncthreads()
 //   fence.sys, nothing outstanding    one thread's fence with no store before it
@@ -23,61 +28,43 @@
 #include <cstdio>
 #include <vector>
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
+// The kernels' own memory operations (ld.acquire.sys, st.release.sys, the 16-byte pinned
+// loads and stores, %globaltimer).
+#include "../sparkccl/dataplane/kernels/common.cuh"
 
-__device__ __forceinline__ u64 gtime() {
-  u64 t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void st16(void* p, u32 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1,%1,%1,%1};" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ u32 ld16(const void* p) {
-  u32 a, b, c, d;
-  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
-               : "l"(p));
-  return a ^ b ^ c ^ d;
-}
-__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-enum { STORE, FENCE_EACH, BAR_FENCE, BAR_RELEASE, PIECE, ACQUIRE, LOAD, FENCE_IDLE, ATOMIC, N };
+enum {
+  STORE, FENCE_EACH, BAR_FENCE, BAR_RELEASE, PIECE, HAND_OFF, ACQUIRE, LOAD, FENCE_IDLE, ATOMIC, N
+};
 const char* NAMES[N] = {"store 4 KiB", "+ fence.sys per thread", "+ bar, one fence.sys",
                         "+ bar, st.release.sys", "piece as published (1 block)",
+                        "piece as handed off (1 block)",
                         "ld.acquire.sys (1 thread)", "load 4 KiB", "fence.sys, nothing outstanding",
                         "atomicAdd + fence (device)"};
 
-__global__ void probe(int test, int rounds, unsigned char* pin, u64* pin_words, u32* counter,
+__global__ void probe(int test, int rounds, u8* pin, u64* pin_words, u32* counter,
                       u64* out) {
   const u32 t = threadIdx.x;
   u32 acc = 0;
   __syncthreads();
-  const u64 t0 = gtime();
+  const u64 t0 = globaltimer();
   for (int r = 0; r < rounds; ++r) {
-    unsigned char* mine = pin + 16 * t;
+    u8* mine = pin + 16 * t;
+    const V16 v = {(u32)r, (u32)r, (u32)r, (u32)r};
     switch (test) {
-      case STORE: st16(mine, r); break;
-      case FENCE_EACH: st16(mine, r); __threadfence_system(); break;
+      case STORE: st16(mine, v); break;
+      case FENCE_EACH: st16(mine, v); __threadfence_system(); break;
       case BAR_FENCE:
-        st16(mine, r);
+        st16(mine, v);
         __syncthreads();
         if (t == 0) __threadfence_system();
         break;
       case BAR_RELEASE:
-        st16(mine, r);
+        st16(mine, v);
         __syncthreads();
         if (t == 0) st_release_sys(pin_words, r);
         break;
-      case PIECE:  // arrive_flag + finish_piece of kernels/direct.cu, one block
-        st16(mine, r);
+      case PIECE:  // arrive_flag + finish_piece, as direct_publish did before hand_off
+        st16(mine, v);
         __threadfence_system();
         __syncthreads();
         if (t == 0 && atomicAdd(counter, 1u) == (u32)r * 2) {
@@ -94,10 +81,29 @@ __global__ void probe(int test, int rounds, unsigned char* pin, u64* pin_words, 
           st_release_sys(pin_words + 16, r);
         }
         break;
+      case HAND_OFF:  // hand_off of kernels/direct.cu, one block, two streams
+        st16(mine, v);
+        __threadfence_system();
+        __syncthreads();
+        if (t == 0 && atomicAdd(counter, 1u) == (u32)r) {
+          __threadfence();
+          volatile u64* e = pin_words + 8;
+          for (int k = 0; k < 8; ++k) e[k] = r + k;
+          __threadfence_system();
+          st_relaxed_sys(pin_words, r);
+          st_relaxed_sys(pin_words + 1, r);
+          st_relaxed_sys(pin_words + 16, r);
+        }
+        break;
       case ACQUIRE:
         if (t == 0) acc += (u32)ld_acquire_sys(pin_words);
         break;
-      case LOAD: acc += ld16(mine); __syncthreads(); break;
+      case LOAD: {
+        const V16 got = ld_sys16(mine);
+        acc += got.x ^ got.y ^ got.z ^ got.w;
+        __syncthreads();
+        break;
+      }
       case FENCE_IDLE:
         if (t == 0) __threadfence_system();
         break;
@@ -110,7 +116,7 @@ __global__ void probe(int test, int rounds, unsigned char* pin, u64* pin_words, 
     }
   }
   __syncthreads();
-  if (t == 0) out[0] = gtime() - t0;
+  if (t == 0) out[0] = globaltimer() - t0;
   if (acc == 0xFFFFFFFFu) out[1] = acc;  // (keeps the loads)
 }
 

@@ -534,6 +534,19 @@ class World:
                     outs.append(buf)
         return outs
 
+    def issue(self, op: str, srcs, outs, L: int, dtype=torch.bfloat16) -> None:
+        """One collective of every rank on tensors already on the device, nothing kept or
+        checked (the benchmarks' loop): "ag" gathers L bytes per rank into outs, "rs" sums
+        chunks of L bytes (dtype) into outs."""
+        seq = self.seq
+        self.seq += 1
+        for r in range(self.world):
+            with self.be.on(r):
+                if op == "ag":
+                    self.dps[r].all_gather(seq, srcs[r], outs[r], 0, L)
+                else:
+                    self.dps[r].reduce_scatter(seq, srcs[r], 0, L, L, outs[r], 0, dtype)
+
     def reduce_scatter(self, xs, *, zero_copy: bool = False, out_offset: int = 0):
         W = self.world
         chunk = xs[0].numel() * xs[0].element_size() // W
@@ -582,6 +595,21 @@ def check_rs(w: World, xs, outs, out_offset=0):
 
 def inputs(seed, world, shape, dtype):
     return [make_input(seed, r, shape, dtype) for r in range(world)]
+
+
+def check_queued(w: World, ag_inputs, rs_inputs, *, sync_every_other: bool = False):
+    """Queue the all-gathers, then the reduce-scatters (synchronizing after every other
+    all-gather if asked), then check every output against its reference."""
+    pending = []
+    for k, xs in enumerate(ag_inputs):
+        pending.append((check_ag, xs, w.all_gather(xs)))
+        if sync_every_other and k % 2:
+            w.sync()
+    for xs in rs_inputs:
+        pending.append((check_rs, xs, w.reduce_scatter(xs)))
+    w.sync()
+    for check, xs, outs in pending:
+        check(w, xs, outs)
 
 
 # ---------------------------------------------------------------- tests
@@ -849,16 +877,9 @@ def test_both_sides_of_the_one_handoff_slice(backend, topology, world, roots, di
     rs_cases = [(torch.bfloat16, (world * (oh // 2),)), (torch.bfloat16, (world * (oh // 2 + 1),)),
                 (torch.float32, (world * (oh // 4 - 3),))]
     with World(backend, topology, world, roots, max_slice=oh + 16, direct=direct) as w:
-        pending = []
-        for k, n in enumerate(ag_sizes):
-            xs = inputs(700 + k, world, (n,), torch.uint8)
-            pending.append((check_ag, xs, w.all_gather(xs)))
-        for k, (dtype, shape) in enumerate(rs_cases):
-            xs = inputs(710 + k, world, shape, dtype)
-            pending.append((check_rs, xs, w.reduce_scatter(xs)))
-        w.sync()
-        for check, xs, outs in pending:
-            check(w, xs, outs)
+        check_queued(w, [inputs(700 + k, world, (n,), torch.uint8) for k, n in enumerate(ag_sizes)],
+                     [inputs(710 + k, world, shape, dtype)
+                      for k, (dtype, shape) in enumerate(rs_cases)])
         w.healthy()
 
 
@@ -906,18 +927,9 @@ def test_direct_exact(backend, topology, world, roots, mode):
                                        // world for d, s in rs_cases))
     with World(backend, topology, world, roots, max_slice=max_slice, direct=True,
                mode=mode) as w:
-        pending = []
-        for k, n in enumerate(ag_sizes):
-            xs = inputs(300 + k, world, (n,), torch.uint8)
-            pending.append((check_ag, xs, w.all_gather(xs)))
-            if k % 2:
-                w.sync()
-        for k, (dtype, shape) in enumerate(rs_cases):
-            xs = inputs(400 + k, world, shape, dtype)
-            pending.append((check_rs, xs, w.reduce_scatter(xs)))
-        w.sync()
-        for check, xs, outs in pending:
-            check(w, xs, outs)
+        check_queued(w, [inputs(300 + k, world, (n,), torch.uint8) for k, n in enumerate(ag_sizes)],
+                     [inputs(400 + k, world, shape, dtype)
+                      for k, (dtype, shape) in enumerate(rs_cases)], sync_every_other=True)
         xs = inputs(500, world, (world * 512,), torch.bfloat16)  # zero-copy input, chunk 1 KiB
         outs = w.reduce_scatter(xs, zero_copy=True)
         ys = inputs(501, world, (640,), torch.float32)  # zero-copy result
