@@ -356,6 +356,28 @@ def test_dead_peer_sets_abort_peer():
         p.stop()
 
 
+def test_dead_peer_that_aborted_is_reported_with_its_cause():
+    """A peer that failed (on a third rank's death, say) and then exited: its cause, left in
+    its control segment, is what this rank reports, not only that it exited."""
+    proc = subprocess.Popen(["sleep", "0"])
+    proc.wait()
+    dead = proc.pid
+    c0, c1 = Ctl(2), Ctl(2)
+    N.set_abort(c1.addr, L.ABORT_PEER, "rank 1: peer 2 (pid 7) exited")
+    t = build_plan("mesh", 2, 0, 2).to_tables()
+    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
+                  spin_us=0, nap_us=200)
+    p.set_peer(1, c1.addr, c1.flags_addr, dead)
+    p.start()
+    try:
+        wait_abort(c0.addr, 2)
+        assert N.abort_code(c0.addr) == L.ABORT_PEER
+        assert N.error_text(c0.addr) == (f"rank 0: peer 1 (pid {dead}) exited after it aborted: "
+                                         "rank 1: peer 2 (pid 7) exited")
+    finally:
+        p.stop()
+
+
 def test_peer_abort_propagates():
     c0, c1 = Ctl(2), Ctl(2)
     t = build_plan("mesh", 2, 0, 2).to_tables()

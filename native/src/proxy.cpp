@@ -464,12 +464,17 @@ void Proxy::watch() {
     if (p == rank_) continue;
     auto& peer = reg_.peers[p];
     uint64_t pid = peer.pid.load(std::memory_order_acquire);
+    uint64_t pctl = peer.ctl.load(std::memory_order_acquire);
     if (pid && !pid_alive(pid)) {
-      fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
-                           " (pid " + std::to_string(pid) + ") exited");
+      // A peer that aborted and then exited left its cause in its control segment (still
+      // mapped here): name it, not just the exit (rank 0 failing on rank 2's death, then
+      // exiting, would otherwise be reported to rank 1 as rank 0's death).
+      std::string why = "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
+                        " (pid " + std::to_string(pid) + ") exited";
+      if (pctl && abort_code(pctl) != ABORT_NONE) why += " after it aborted: " + error_text(pctl);
+      fail(ABORT_PEER, why);
       break;
     }
-    uint64_t pctl = peer.ctl.load(std::memory_order_acquire);
     if (pctl && abort_code(pctl) != ABORT_NONE) {
       fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
                            " aborted: " + error_text(pctl));
