@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -336,46 +337,42 @@ def test_proxy_destructor_stops_running_proxy():
 
 # ---------------------------------------------------------------- failures
 
-def test_dead_peer_sets_abort_peer():
+@contextmanager
+def watching_a_dead_peer(peer_abort: str | None = None):
+    """Rank 0's proxy with peer 1's process gone (its abort set to ``peer_abort`` first):
+    yields (the dead pid, rank 0's control block) once rank 0 aborted."""
     proc = subprocess.Popen(["sleep", "0"])
     proc.wait()
-    dead = proc.pid
     c0, c1 = Ctl(2), Ctl(2)
+    if peer_abort is not None:
+        N.set_abort(c1.addr, L.ABORT_PEER, peer_abort)
     t = build_plan("mesh", 2, 0, 2).to_tables()
     p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
                   spin_us=0, nap_us=200)
-    p.set_peer(1, c1.addr, c1.flags_addr, dead)
+    p.set_peer(1, c1.addr, c1.flags_addr, proc.pid)
     p.start()
     try:
         wait_abort(c0.addr, 2)
+        yield proc.pid, c0
+    finally:
+        p.stop()
+
+
+def test_dead_peer_sets_abort_peer():
+    with watching_a_dead_peer() as (dead, c0):
         assert N.abort_code(c0.addr) == L.ABORT_PEER
         assert N.error_text(c0.addr) == f"rank 0: peer 1 (pid {dead}) exited"
         # A blocked data-plane wait sees it.
         assert N.wait_flags(c0.addr, c0.flags_addr, [4], 1, 5.0) == (L.ABORT_PEER, 0)
-    finally:
-        p.stop()
 
 
 def test_dead_peer_that_aborted_is_reported_with_its_cause():
     """A peer that failed (on a third rank's death, say) and then exited: its cause, left in
     its control segment, is what this rank reports, not only that it exited."""
-    proc = subprocess.Popen(["sleep", "0"])
-    proc.wait()
-    dead = proc.pid
-    c0, c1 = Ctl(2), Ctl(2)
-    N.set_abort(c1.addr, L.ABORT_PEER, "rank 1: peer 2 (pid 7) exited")
-    t = build_plan("mesh", 2, 0, 2).to_tables()
-    p = shm_proxy(0, 2, c0.addr, c0.flags_addr, t["connections"], t["streams"], t["items"],
-                  spin_us=0, nap_us=200)
-    p.set_peer(1, c1.addr, c1.flags_addr, dead)
-    p.start()
-    try:
-        wait_abort(c0.addr, 2)
+    with watching_a_dead_peer("rank 1: peer 2 (pid 7) exited") as (dead, c0):
         assert N.abort_code(c0.addr) == L.ABORT_PEER
         assert N.error_text(c0.addr) == (f"rank 0: peer 1 (pid {dead}) exited after it aborted: "
                                          "rank 1: peer 2 (pid 7) exited")
-    finally:
-        p.stop()
 
 
 def test_peer_abort_propagates():
