@@ -331,9 +331,7 @@ class Communicator:
             dp = self._typed_dp
             if dp is not None and n <= self.max_slice:
                 # One collective, and the plane counts bytes itself: no views per call.
-                seq = self.seq
-                self.seq = seq + 1
-                dp.all_gather(seq, x, out, 0, n)
+                dp.all_gather(self._next_seq(), x, out, 0, n)
                 return out
             src = x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
@@ -389,14 +387,12 @@ class Communicator:
             if handout is not None and handout == self.seq % RS_SLOTS:
                 dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, dtype)
             elif dst is out:
-                seq = self.seq
-                self.seq = seq + 1
-                dp.reduce_scatter(seq, x, 0, chunk, chunk, out, 0, dtype)
+                dp.reduce_scatter(self._next_seq(), x, 0, chunk, chunk, out, 0, dtype)
             else:
                 src = x.detach().reshape(-1).view(torch.uint8)
                 for off in range(0, chunk, self.max_slice):
                     L = min(self.max_slice, chunk - off)
-                    dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off, x.dtype)
+                    dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off, dtype)
                 if chunk > self.max_slice:
                     dp.poison_call(out)
             self._rs_count += 1

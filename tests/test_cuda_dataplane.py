@@ -904,9 +904,9 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
         dp = w.dps[0]
         dp.max_wait_blocks = C.MAX_WAIT_BLOCKS
         oh, per = C.ONE_HANDOFF_SLICE, C.WAIT_BYTES_PER_BLOCK
-        assert dp._wait_blocks(dp._wait_work(oh)) == oh // per
-        assert dp._wait_blocks(dp._wait_work(oh + 16)) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
-        assert dp._wait_blocks(dp._wait_work(1 << 30)) == C.MAX_WAIT_BLOCKS
+        assert dp._slice_wait_blocks(oh) == oh // per
+        assert dp._slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
+        assert dp._slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -847,12 +847,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     def _wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    @staticmethod
-    def _wait_work(S: int) -> int:
-        """Bytes per source that the consumers move after one wait: a piece, or the whole
-        slice where it goes in one hand-off (the kernels then wait once, for its last unit,
-        and need the blocks for all of it in flight at once)."""
-        return S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1]
+    def _slice_wait_blocks(self, S: int) -> int:
+        """Consumer blocks of a collective of slice S: for what they move after one wait, a
+        piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
+        for its last unit, and need the blocks for all of it in flight at once)."""
+        return self._wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
 
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
@@ -1052,7 +1051,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
-            nb = 1 if dst is None else min(self._wait_blocks(self._wait_work(S)),
+            nb = 1 if dst is None else min(self._slice_wait_blocks(S),
                                            self.max_direct_wait_blocks)
             # The own block of the slot is only written when the result stays there
             # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
@@ -1072,7 +1071,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         bpp = self._publish_blocks(piece)
         ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
-        nb = 1 if dst is None else self._wait_blocks(self._wait_work(S))
+        nb = 1 if dst is None else self._slice_wait_blocks(S)
         waited = "wait" in self.phases
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
             self._launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
@@ -1152,7 +1151,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
                          0, _n(0), 0),
                 consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-                wait_kernel=_RS_KERNELS[dtype], nb=min(self._wait_blocks(self._wait_work(S)),
+                wait_kernel=_RS_KERNELS[dtype], nb=min(self._slice_wait_blocks(S),
                                                       self.max_direct_wait_blocks),
                 npub=self._direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
@@ -1165,7 +1164,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
         publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
                    else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
-        nb = self._wait_blocks(self._wait_work(S))
+        nb = self._slice_wait_blocks(S)
         waited = "wait" in self.phases
         consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)

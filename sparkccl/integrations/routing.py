@@ -144,13 +144,12 @@ def stream_capturing() -> bool:
 
 def describe(group: str, world: int, comm, settings: RouteSettings) -> str:
     """The one start-up line per group: what goes where."""
-    head = (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
+    captured = ("captured calls too (SPARKCCL_ENGINE_CAPTURED=1); smaller, " if settings.captured
+                else "smaller, captured, ")
+    return (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
             f"{_size(settings.min_bytes)} (whole buffer) on sparkccl, topology {comm.topology}, "
-            f"transport {comm.transport}; ")
-    if settings.captured:
-        return head + ("captured calls too (SPARKCCL_ENGINE_CAPTURED=1); smaller, other-dim "
-                       "and uneven calls stay on the engine's NCCL")
-    return head + "smaller, captured, other-dim and uneven calls stay on the engine's NCCL"
+            f"transport {comm.transport}; {captured}other-dim and uneven calls stay on the "
+            "engine's NCCL")
 
 
 def _size(n: int) -> str:
