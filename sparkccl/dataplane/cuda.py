@@ -362,7 +362,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.wait_table = self._to_device(torch.tensor(table, dtype=torch.int32))
         self.parts_table = self._to_device(torch.tensor(parts, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
-        # counters per (seq % 4, stream, piece) plus per (seq % 4, piece) for the ring.
+        # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
         # for measurements: SPARKCCL_DIRECT_BLOCKS="publish,wait" (e.g. "132,131").
         self.max_direct_blocks, self.max_direct_wait_blocks = self.sms, max(1, self.sms - 1)
@@ -377,8 +377,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
             ctl_addr + layout.RING_OFFSET)
         self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
-        self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * (MAX_DIRECT + 1) * PIECES,
-                                                     dtype=torch.int32))
+        # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
+        self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
         self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
         self._dhost: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,

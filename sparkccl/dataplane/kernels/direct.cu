@@ -24,8 +24,7 @@
 // A slice of at most ONE_HANDOFF_SLICE bytes is handed off once, after its last piece:
 // the flags then carry the last piece's value, which says every piece before it too.
 //
-// counters: [MAX_DIRECT][PIECES], unused since a piece's streams are handed off together
-// (the set keeps the layout the host allocates), then [PIECES] for the hand-offs.
+// counters: [PIECES], one per hand-off (a piece's streams are handed off together).
 
 struct PubArgs {
   const u8* src;
@@ -49,14 +48,14 @@ struct PubArgs {
 // nothing goes to the peers (a failed data plane: sccl_finalize_direct).
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u32 op,
-                                         int c0, int c1, u32 granule) {
+                                         int c0, int c1) {
   if (!last_block_arrives(counter, n)) return;
   u32 room = 0;  // bit c: entry first_index + c has its fields (its ring wait passed)
   for (int c = c0; c <= c1; ++c) {
     u64 lo, hi;
-    piece_bounds_g(S, c, granule, &lo, &hi);
+    piece_bounds(S, c, &lo, &hi);
     if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, op, (u32)c,
-                     (u32)CHUNK_DIRECT, granule))
+                     (u32)CHUNK_DIRECT, ALIGN))
       room |= 1u << c;
   }
   __threadfence_system();
@@ -94,8 +93,8 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
       }
     }
     if ((c + 1) % group == 0)
-      hand_off(p.counters + MAX_DIRECT * PIECES + c, nb, p.dtab, p.ring, p.state,
-               p.first_index, p.seq, p.S, (u32)p.op, c + 1 - group, c, ALIGN);
+      hand_off(p.counters + c, nb, p.dtab, p.ring, p.state, p.first_index, p.seq, p.S,
+               (u32)p.op, c + 1 - group, c);
     const u64 a = lo < p.L ? lo : p.L;
     const u64 e = hi < p.L ? hi : p.L;
     if ((p.own_dst || p.dst2) && e > a)
@@ -105,7 +104,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
 }
 
 // src and own_dst are slotted (src_code, own_dst_code: see slot_at); counters: COUNTER_SETS
-// sets of (MAX_DIRECT + 1) * PIECES, by seq.
+// sets of PIECES, by seq.
 #define DIRECT_PARAMS                                                                       \
   const u8 *src, u64 src_code, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab,  \
       u8 *own_dst, u64 own_dst_code, u8 *dst2, u8 *ring, u64 op, u32 *counters, u64 npub
@@ -115,7 +114,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
   p.L = L; p.S = S; p.dtab = dtab; p.own_dst = slot_at(own_dst, own_dst_code, w.seq);         \
   p.dst2 = dst2; p.ring = ring; p.state = state;                                            \
   p.first_index = state_word(state, STATE_RING); p.seq = w.seq; p.op = op;                  \
-  p.counters = counters + (w.seq % COUNTER_SETS) * (MAX_DIRECT + 1) * PIECES;
+  p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
 
 // Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(

@@ -271,8 +271,8 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
         }
       }
     }
-    hand_off(counters + MAX_DIRECT * PIECES + c, nb, failed ? (const u64*)0 : dtab, ring, state,
-             first_index, seq, S, (u32)op, c, c, ALIGN);
+    hand_off(counters + c, nb, failed ? (const u64*)0 : dtab, ring, state, first_index, seq, S,
+             (u32)op, c, c);
     const u64 e = hi < L ? hi : L;
     const u64 tb = rank * Rr + row_lo;
     for (u64 off = (lo < L ? lo : L) + 16 * tid; off < e; off += 16 * nthreads) {
@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
   const u64 seq = w.seq;
   const u64 first_index = state_word(state, STATE_RING);
   const u64 gate_target = state_word(state, STATE_GATE) + npub;
-  counters += (seq % COUNTER_SETS) * (MAX_DIRECT + 1) * PIECES;
+  counters += (seq % COUNTER_SETS) * PIECES;
   recv = slot_at(recv, recv_code, seq);
   if (blockIdx.x < npub) {
     FinArgs a;
