@@ -176,6 +176,7 @@ def emu_wait_value(addr: int, value: int, timeout: float = 120.0) -> bool:
 
 
 EMU_DONE_EVENT = 1 << 40  # the done event's handle (no event _new_events gives)
+EMU_COPY_BATCH = 1  # OpProgram.calls: a cuMemcpyBatchAsync
 
 
 @dataclass
@@ -300,12 +301,18 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def _run_program(self, program, terms, ts):
         """The program's operations as the native OpProgram evaluates them, run on the
-        emulated streams (launches whose kernel is in ``self.emu_skip`` are dropped)."""
+        emulated streams (launches whose kernel is in ``self.emu_skip`` are dropped). The
+        copies of one batched driver call (OpProgram.calls) run last to first: the GPU
+        gives them no order among themselves, and no program may need one."""
         ops = program.native.evaluate(terms)
         params = program.native.parameters(terms)
         events = self.__dict__.setdefault("_emu_events", {})
         skip = getattr(self, "emu_skip", ())
-        for k in range(0, len(ops), 5):
+        order = []
+        for first, count, how in program.native.calls(terms):
+            run = range(first, first + count)
+            order.extend(reversed(run) if how == EMU_COPY_BATCH else run)
+        for k in (5 * i for i in order):
             kind, st, a, b, c = ops[k:k + 5]
             stream = self._emu_streams[st]
             if kind == C.OP_COPY:
@@ -998,6 +1005,48 @@ def test_auto_mode_picks_the_engine_by_slice():
         assert issued == [] and sorted(set(launched)) == ["sccl_advance", "sccl_ag_direct",
                                                           "sccl_ag_wait"]
         w.healthy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
+    """Mode "ce", the sending stream: every piece's copies (one per item) come before its
+    flags and tag, so the native issue makes one cuMemcpyBatchAsync and one
+    cuStreamBatchMemOp of each piece (OpProgram.calls), where it made one call per copy and
+    per value before; the results stay exact (the emulation runs a batch's copies last to
+    first)."""
+    L = 1 << 16
+    with World("emu", "mesh", world, max_slice=L, direct=True, mode="ce") as w:
+        dp = w.dps[0]
+        seen = []
+        run = dp._run_program
+
+        def watch(program, terms, ts):
+            seen.append((program.native.evaluate(terms), program.native.calls(terms), terms))
+            run(program, terms, ts)
+        dp._run_program = watch
+        xs = inputs(5, world, (world * L // 2,), torch.bfloat16)
+        ag = [x[:L // 2] for x in xs]
+        outs = w.all_gather(ag)
+        w.sync()
+        check_ag(w, ag, outs)
+        outs = w.reduce_scatter(xs)
+        w.sync()
+        check_rs(w, xs, outs)
+        w.healthy()
+        assert len(seen) == 2
+        for ops, calls, terms in seen:
+            side = terms[E.T_SIDE]
+            kinds = [(ops[5 * f], how, n) for f, n, how in calls if ops[5 * f + 1] == side]
+            # the fork's event wait; per piece the batch of its copies (one per item) and
+            # the batch of its flags (one per publish stream) and tag; the join's record
+            copies = sum(1 for k in range(0, len(ops), 5)
+                         if ops[k + 1] == side and ops[k] == C.OP_COPY) // C.PIECES
+            values = sum(1 for k in range(0, len(ops), 5)
+                         if ops[k + 1] == side and ops[k] == C.OP_WRITE64) // C.PIECES
+            assert copies >= 2 and values >= 3, (copies, values)
+            piece = [(C.OP_COPY, 1, copies), (C.OP_WRITE64, 2, values)]
+            assert kinds == ([(C.OP_WAIT_EVENT, 0, 1)] + piece * C.PIECES
+                             + [(C.OP_RECORD, 0, 1)]), kinds
 
 
 def test_ce_keeps_a_sum_whose_word_no_source_sends():

@@ -777,6 +777,31 @@ def test_direct_entry_needs_set_gpu_streams():
         p.stop()
 
 
+def test_op_program_batches_a_streams_consecutive_copies_and_value_operations():
+    """OpProgram.issue() makes one driver call of each run of consecutive operations of one
+    stream that one call can take (native/src/cuda_ops.cpp group()): copies as
+    cuMemcpyBatchAsync, but never on the legacy NULL stream (0 or 1), which refuses it;
+    value writes and waits, mixed, as cuStreamBatchMemOp, at most 255 per call; anything
+    else, or a run of one, as its own call. Another stream's operation ends a run."""
+    ONE, COPIES, MEMOPS = 0, 1, 2
+
+    def row(kind, st, c=64):  # stream term st; a value wait needs an aligned word
+        return [kind, st, 0x1000, 0, 0, 0, 0, 0, c]
+    copy, write, wait, record = (lambda st: row(0, st)), (lambda st: row(1, st)), \
+        (lambda st: row(5, st)), (lambda st: row(3, st))
+    terms = [0, 1, 7, 9]  # stream terms: 0 and 1 the legacy stream, 7 and 9 two others
+    ops = (copy(2) + copy(2) + copy(2) + write(2) + wait(2) + write(2)  # one stream
+           + copy(3) + copy(2)                                         # another between
+           + copy(0) + copy(0) + copy(1) + copy(1)                     # the legacy stream
+           + write(0) + write(0) + record(2) + write(2))
+    p = N.OpProgram(1, 4, [], [], ops)
+    assert p.calls(terms) == [(0, 3, COPIES), (3, 3, MEMOPS), (6, 1, ONE), (7, 1, ONE),
+                              (8, 1, ONE), (9, 1, ONE), (10, 1, ONE), (11, 1, ONE),
+                              (12, 2, MEMOPS), (14, 1, ONE), (15, 1, ONE)]
+    long = N.OpProgram(1, 4, [], [], write(2) * 300 + wait(3) * 2)
+    assert long.calls(terms) == [(0, 255, MEMOPS), (255, 45, MEMOPS), (300, 2, MEMOPS)]
+
+
 def test_op_program_evaluates_terms_and_refuses_bad_operations():
     """The copy-engine data plane's native program: each row's values are add + mult *
     term, kernel parameters are patched alike (the first is each launch's own), and a bad

@@ -1,8 +1,9 @@
 // Stream operations of the CUDA data plane (sparkccl/dataplane/cuda.py), issued without the
 // GIL, one driver call each (from Python each costs 5-20 us):
 // - OpProgram: one collective shape's copy-engine operations ("ce" mode: copies, 64-bit
-//   value writes and waits, kernel launches, event records and waits; 80-130 of them per
-//   collective at world 2), issued per call with the call's terms in one native call;
+//   value writes and waits, kernel launches, event records and waits; 90-120 of them per
+//   collective at world 2), issued per call with the call's terms in one native call, a
+//   stream's consecutive copies and value operations batched into one driver call each;
 // - LaunchPlan: the kernels of one collective shape with their parameters, replayed per call
 //   with the call's pointers patched in (sparkccl/dataplane/launch_plan.py), then an event
 //   record: the eager fast path.
@@ -49,6 +50,14 @@ struct CudaApi {
   CUresult (*ctx_push)(CUcontext c) = nullptr;
   CUresult (*ctx_pop)(CUcontext* c) = nullptr;
   CUresult (*event_query)(CUevent e) = nullptr;
+  // Optional (null where the driver lacks them: one call per operation then).
+  // cuMemcpyBatchAsync as CUDA 13 declares it (_v2), or CUDA 12.8's with failIdx.
+  CUresult (*memcpy_batch)(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
+                           void* attrs, size_t* attr_idx, size_t nattrs, CUstream s) = nullptr;
+  CUresult (*memcpy_batch_128)(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
+                               void* attrs, size_t* attr_idx, size_t nattrs, size_t* fail_idx,
+                               CUstream s) = nullptr;
+  CUresult (*batch_memop)(CUstream s, unsigned count, void* params, unsigned flags) = nullptr;
   std::string error;
 };
 
@@ -82,6 +91,9 @@ const CudaApi& api() {
               find(lib, &a.ctx_push, "cuCtxPushCurrent_v2", "cuCtxPushCurrent") &&
               find(lib, &a.ctx_pop, "cuCtxPopCurrent_v2", "cuCtxPopCurrent") &&
               find(lib, &a.event_query, "cuEventQuery");
+    if (!find(lib, &a.memcpy_batch, "cuMemcpyBatchAsync_v2"))
+      find(lib, &a.memcpy_batch_128, "cuMemcpyBatchAsync");
+    find(lib, &a.batch_memop, "cuStreamBatchMemOp_v2", "cuStreamBatchMemOp");
     if (!ok)
       a.error = "libcuda.so.1 lacks one of cuMemcpyAsync, cuStreamWriteValue64, "
                 "cuStreamWaitValue64, cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, "
@@ -105,6 +117,60 @@ enum : uint64_t {
 };
 constexpr unsigned WAIT_VALUE_GEQ = 0;  // CU_STREAM_WAIT_VALUE_GEQ: (int64_t)(*addr - value) >= 0
 constexpr size_t OP_WORDS = 5;
+
+// cuda.h's types of the batched calls, as far as they are used here.
+struct MemLocation { int type, id; };
+struct MemcpyAttributes {  // CUmemcpyAttributes
+  int src_access_order;     // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the source read in stream order
+  MemLocation src_hint, dst_hint;
+  unsigned flags;
+};
+constexpr int SRC_ACCESS_ORDER_STREAM = 1;
+union MemOp {  // CUstreamBatchMemOpParams: wait and write share the layout
+  struct {
+    unsigned operation;  // CU_STREAM_MEM_OP_WAIT_VALUE_64 4, CU_STREAM_MEM_OP_WRITE_VALUE_64 5
+    uint64_t address;
+    uint64_t value;
+    unsigned flags;      // as cuStreamWaitValue64's / cuStreamWriteValue64's
+    uint64_t alias;
+  } value;
+  uint64_t pad[6];
+};
+static_assert(sizeof(MemOp) == 48 && sizeof(MemcpyAttributes) == 24, "cuda.h layout");
+constexpr unsigned MEMOP_WAIT_VALUE_64 = 4, MEMOP_WRITE_VALUE_64 = 5;
+constexpr size_t MAX_MEMOPS = 255;  // cuStreamBatchMemOp: "count must be less than 256"
+
+// How issue() groups operations into driver calls: a run of consecutive operations of one
+// stream that one call can take. Copies go to cuMemcpyBatchAsync, except on the legacy NULL
+// stream (0 or CU_STREAM_LEGACY 1), which it refuses; value writes and waits, mixed, to
+// cuStreamBatchMemOp, which enqueues them in their order. Copies in one batch may run in
+// any order among themselves, which the program allows: no copy of a run reads what another
+// writes (a run is the copies between two value operations or launches of a stream).
+enum : uint64_t { CALL_ONE = 0, CALL_COPIES = 1, CALL_MEMOPS = 2 };
+struct Call { size_t first, count; uint64_t how; };
+
+std::vector<Call> group(const std::vector<uint64_t>& ops, bool copies, bool memops) {
+  std::vector<Call> calls;
+  const size_t n = ops.size() / OP_WORDS;
+  for (size_t i = 0; i < n;) {
+    const uint64_t kind = ops[i * OP_WORDS], st = ops[i * OP_WORDS + 1];
+    const bool memop = kind == OP_WRITE64 || kind == OP_WAIT_VALUE;
+    uint64_t how = CALL_ONE;
+    if (kind == OP_COPY && copies && st > 1) how = CALL_COPIES;
+    if (memop && memops) how = CALL_MEMOPS;
+    size_t j = i + 1;
+    if (how != CALL_ONE)
+      while (j < n && ops[j * OP_WORDS + 1] == st && (how == CALL_COPIES
+                 ? ops[j * OP_WORDS] == OP_COPY
+                 : (ops[j * OP_WORDS] == OP_WRITE64 || ops[j * OP_WORDS] == OP_WAIT_VALUE) &&
+                       j - i < MAX_MEMOPS))
+        ++j;
+    if (j - i == 1) how = CALL_ONE;
+    calls.push_back({i, j - i, how});
+    i = j;
+  }
+  return calls;
+}
 
 std::string describe(uint64_t kind) {
   switch (kind) {
@@ -143,7 +209,7 @@ class ContextScope {
   bool pushed_ = false;
 };
 
-// One collective's copy-engine operations as a program ("ce" mode; 80-130 operations at
+// One collective's copy-engine operations as a program ("ce" mode; 90-120 operations at
 // world 2), built once per collective shape and issued per call with that call's terms:
 // seq's flag and progress values, ring entries, slots, pointers, streams. Each row is
 // (kind, stream term, a: add + mult * terms[t], b: likewise, c); kernel parameters are
@@ -225,6 +291,15 @@ class OpProgram {
     return out;
   }
 
+  // The driver calls issue() makes with these terms: (first operation, operations, how:
+  // CALL_ONE, CALL_COPIES, CALL_MEMOPS), where the driver has the batched calls.
+  std::vector<std::tuple<size_t, size_t, uint64_t>> calls(const std::vector<uint64_t>& terms) {
+    std::vector<std::tuple<size_t, size_t, uint64_t>> out;
+    for (const Call& c : group(evaluate(terms), true, true))
+      out.emplace_back(c.first, c.count, c.how);
+    return out;
+  }
+
   void issue(const std::vector<uint64_t>& terms) {
     const std::vector<uint64_t> ops = evaluate(terms);
     const CudaApi& cu = api();
@@ -232,29 +307,49 @@ class OpProgram {
     std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
     ContextScope in(cu, ctx_);
     patch(terms);
-    for (size_t k = 0; k < ops.size(); k += OP_WORDS) {
-      const uint64_t kind = ops[k];
-      CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(ops[k + 1]));
-      const uint64_t a = ops[k + 2], b = ops[k + 3], c = ops[k + 4];
-      CUresult r = 1;
-      if (kind == OP_COPY) {
-        r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
-      } else if (kind == OP_WRITE64) {
-        r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
-      } else if (kind == OP_RECORD) {
-        r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
-      } else if (kind == OP_WAIT_EVENT) {
-        r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
-      } else if (kind == OP_WAIT_VALUE) {
-        r = cu.wait_value64(s, a, b, WAIT_VALUE_GEQ);
-      } else {  // OP_LAUNCH (checked when built); the driver copies the parameters at launch
-        Kernel& kern = kernels_[a];
-        kern.params[0] = b;
-        r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kern.fn)),
-                      static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, kern.ptrs.data(),
-                      nullptr);
+    const bool copies = cu.memcpy_batch || cu.memcpy_batch_128;
+    for (const Call& call : group(ops, copies, cu.batch_memop != nullptr)) {
+      if (call.how == CALL_ONE) {
+        one(cu, ops, call.first);
+        continue;
       }
-      if (r != 0) fail(cu, describe(kind) + " (operation " + std::to_string(k / OP_WORDS) + ")", r);
+      const uint64_t stream = ops[call.first * OP_WORDS + 1];
+      CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream));
+      CUresult r;
+      const char* what;
+      if (call.how == CALL_COPIES) {
+        dsts_.resize(call.count);
+        srcs_.resize(call.count);
+        sizes_.resize(call.count);
+        for (size_t i = 0; i < call.count; ++i) {
+          const uint64_t* op = &ops[(call.first + i) * OP_WORDS];
+          dsts_[i] = op[2];
+          srcs_[i] = op[3];
+          sizes_[i] = static_cast<size_t>(op[4]);
+        }
+        MemcpyAttributes attr = {SRC_ACCESS_ORDER_STREAM, {0, 0}, {0, 0}, 0};
+        size_t attr_idx = 0, fail_idx = 0;
+        r = cu.memcpy_batch ? cu.memcpy_batch(dsts_.data(), srcs_.data(), sizes_.data(),
+                                              call.count, &attr, &attr_idx, 1, s)
+                            : cu.memcpy_batch_128(dsts_.data(), srcs_.data(), sizes_.data(),
+                                                  call.count, &attr, &attr_idx, 1, &fail_idx, s);
+        what = "cuMemcpyBatchAsync";
+      } else {
+        memops_.assign(call.count, MemOp{});
+        for (size_t i = 0; i < call.count; ++i) {
+          const uint64_t* op = &ops[(call.first + i) * OP_WORDS];
+          auto& v = memops_[i].value;
+          v.operation = op[0] == OP_WRITE64 ? MEMOP_WRITE_VALUE_64 : MEMOP_WAIT_VALUE_64;
+          v.address = op[2];
+          v.value = op[3];
+          v.flags = op[0] == OP_WRITE64 ? 0 : WAIT_VALUE_GEQ;  // writes: with the fence
+        }
+        r = cu.batch_memop(s, static_cast<unsigned>(call.count), memops_.data(), 0);
+        what = "cuStreamBatchMemOp";
+      }
+      if (r != 0)
+        fail(cu, std::string(what) + " (operations " + std::to_string(call.first) + ".." +
+                     std::to_string(call.first + call.count - 1) + ")", r);
     }
   }
 
@@ -267,6 +362,31 @@ class OpProgram {
     std::vector<uint64_t> params;
     std::vector<void*> ptrs;
   };
+  // Operation k of ops, one driver call.
+  void one(const CudaApi& cu, const std::vector<uint64_t>& ops, size_t index) {
+    const uint64_t* op = &ops[index * OP_WORDS];
+    const uint64_t kind = op[0], a = op[2], b = op[3], c = op[4];
+    CUstream s = reinterpret_cast<CUstream>(static_cast<uintptr_t>(op[1]));
+    CUresult r = 1;
+    if (kind == OP_COPY) {
+      r = cu.memcpy_async(a, b, static_cast<size_t>(c), s);
+    } else if (kind == OP_WRITE64) {
+      r = cu.write_value64(s, a, b, 0);  // 0: with the fence before the write
+    } else if (kind == OP_RECORD) {
+      r = cu.event_record(reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), s);
+    } else if (kind == OP_WAIT_EVENT) {
+      r = cu.wait_event(s, reinterpret_cast<CUevent>(static_cast<uintptr_t>(a)), 0);
+    } else if (kind == OP_WAIT_VALUE) {
+      r = cu.wait_value64(s, a, b, WAIT_VALUE_GEQ);
+    } else {  // OP_LAUNCH (checked when built); the driver copies the parameters at launch
+      Kernel& kern = kernels_[a];
+      kern.params[0] = b;
+      r = cu.launch(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kern.fn)),
+                    static_cast<unsigned>(c), 1, 1, kern.block, 1, 1, 0, s, kern.ptrs.data(),
+                    nullptr);
+    }
+    if (r != 0) fail(cu, describe(kind) + " (operation " + std::to_string(index) + ")", r);
+  }
   void patch(const std::vector<uint64_t>& terms) {
     for (const auto& [k, p, t, mult, add] : patches_) kernels_[k].params[p] = add + mult * terms[t];
   }
@@ -275,6 +395,9 @@ class OpProgram {
   std::vector<uint64_t> rows_;
   std::vector<Kernel> kernels_;
   std::vector<Patch> patches_;
+  std::vector<uint64_t> dsts_, srcs_;  // a batch's arrays (issue() holds mu_)
+  std::vector<size_t> sizes_;
+  std::vector<MemOp> memops_;
   std::mutex mu_;
 };
 
@@ -382,6 +505,9 @@ void bind_cuda_ops(nb::module_& m) {
            "The operations with these terms, 5 words each (kind, stream, a, b, c).")
       .def("parameters", &OpProgram::parameters, "terms"_a,
            "Every kernel's parameters with these terms.")
+      .def("calls", &OpProgram::calls, "terms"_a,
+           "The driver calls issue() makes with these terms: (first operation, operations, "
+           "how: 0 one call, 1 cuMemcpyBatchAsync, 2 cuStreamBatchMemOp).")
       .def_prop_ro("operations", &OpProgram::operations);
   nb::class_<LaunchPlan>(m, "LaunchPlan")
       .def(nb::init<uint64_t, uint64_t, const std::vector<LaunchPlan::KernelRow>&,

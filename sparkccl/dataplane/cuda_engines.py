@@ -11,7 +11,7 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
   native OpProgram per collective shape, issued per call with that call's terms (T_*).
 
 "auto" (the default) takes "ce" from ``SPARKCCL_CE_MIN_BYTES`` (16 MiB) per rank and
-"fused" below, where one launch beats 80-130 stream operations and a chain of 16 unit waits
+"fused" below, where one launch beats 67-92 driver calls and a chain of 16 unit waits
 (two H200s, one process each, the first ce form: ce's all-gather ahead from 16 MiB per
 rank, its reduce-scatter even there, both behind at 8 MiB;
 benchmarks/bench_h200_x2_engines.txt, "where ce starts to pay").
@@ -285,7 +285,7 @@ class DirectEngines:
         if sums is not None:  # stage, own (host view), dst: terms
             table[K_SUM] = (call.sum_kernel, WAIT_THREADS,
                             (0, 0, 0, hc[2], hc[3], L, S, self.rank, self.world,
-                             self.parts_table[int(op)][self.world].data_ptr(), self.maxw))
+                             self.ce_sum_parts.data_ptr(), self.maxw))
         kernels, patches, slot, firsts = [], [], {}, {}
 
         def kernel(k: int) -> int:
@@ -381,17 +381,22 @@ class DirectEngines:
 
     def _ce_publish_rows(self, row, sends: list, c: int, src: tuple, stride: int) -> None:
         """Piece c of the sending side: the same writes as direct_publish in
-        kernels/direct.cu, as copy-engine operations: each item's bytes straight into the
-        peer's mapped region, then the stream's flag word; then the tag of ring entry
+        kernels/direct.cu, as copy-engine operations: every item's bytes straight into the
+        peers' mapped regions, then the streams' flag words and the tag of ring entry
         first + c (its other fields are written by the host before the program is issued).
         A written value carries a system-wide fence (cuStreamWriteValue64 without
-        NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store."""
+        NO_MEMORY_BARRIER), so each flag follows its data as the kernel's release store.
+        The copies come first and the values after them, so that the native issue makes
+        one cuMemcpyBatchAsync and one cuStreamBatchMemOp of the piece (cuda_ops.cpp
+        group()); a stream's flag then waits for the piece's other streams' copies too,
+        which are as long as its own."""
         for t in sends:
             if t[0] == OP_COPY:
                 _, dst, slots, dstride, chunk, a, n = t
                 row(OP_COPY, T_SIDE, (dst, T_MOD + CE_MODS.index(slots), dstride),
                     (src[0] + chunk * stride + a, src[1], src[2]), n)
-            else:
+        for t in sends:
+            if t[0] == OP_WRITE64:
                 row(OP_WRITE64, T_SIDE, (t[1], T_ZERO, 0), (t[2], T_FLAG, 1))
         row(OP_WRITE64, T_SIDE, (0, T_TAG + c, 1), (c + 1, T_FIRST, 1))
 
@@ -403,10 +408,11 @@ class DirectEngines:
         there, watching the abort word and the GPU-clock timeout; a failure sets the word
         past every unit of the collective), then the copy engines move the part of the piece
         that word carries off the link: into the all-gather result, or into the device
-        staging slot of the reduce-scatter. There nb blocks of ``sccl_rs_sum_unit_*`` sum it
-        in rank order on the sums' stream (``sums`` = (stream, events)), which waits for an
-        event recorded after the unit's copies, so the receiving stream moves on to the next
-        unit at once.
+        staging slot of the reduce-scatter. Once a piece's last word is staged, nb blocks of
+        ``sccl_rs_sum_unit_*`` sum the whole piece in rank order on the sums' stream (``sums``
+        = (stream, events)), which waits for an event recorded after that unit's copies (and
+        so after the piece's earlier words' copies, queued before them on the receiving
+        stream), so the receiving stream moves on to the next unit at once.
 
         Why so: waiting per word rather than per piece halves the pipeline's fill and drain
         where each source sends a piece in two parts (two roots per port); SMs reading
@@ -430,15 +436,11 @@ class DirectEngines:
                 to = ((dst[0] + i * dst_stride + a, dst[1], dst[2]) if sums is None
                       else (i * S + a, T_STAGE, 1))
                 row(OP_COPY, T_TS, to, (i * S + a, T_RECV, 1), n)
-            if sums is not None:
-                # The sums' stream follows every unit's copies, also those without a sum of
-                # their own (a whole-piece sum after the last word, where sources split
-                # pieces differently, reads the parts of every word).
+            if sums is not None and sum_here:
                 events = sums[1]
                 row(OP_RECORD, T_TS, (events[u], T_ZERO, 0))
                 row(OP_WAIT_EVENT, T_SUMS, (events[u], T_ZERO, 0))
-                if sum_here:
-                    launch(T_SUMS, K_SUM, unit=u, blocks=nb)
+                launch(T_SUMS, K_SUM, unit=u, blocks=nb)
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
     def _side_stream(self, name: str):

@@ -199,10 +199,10 @@ RS_KERNEL(sccl_rs_wait_bf16, BF16)
 RS_KERNEL(sccl_rs_wait_f16, F16)
 RS_KERNEL(sccl_rs_wait_f32, F32)
 
-// Copy-engine data plane ("ce" mode): the rank-order sum of the part that wait word k of
-// piece c carries (unit = c * maxw + k; reduce parts: row `world` of the parts table, see
-// rs_wait), once the copy engines staged it (stage: source i's chunk at stage + i * S,
-// device memory; own as in rs_wait). Launched on a stream of its own behind an event
+// Copy-engine data plane ("ce" mode): the rank-order sum of the part of piece c that
+// reduce_parts gives wait word k (unit = c * maxw + k; the host passes the whole piece at
+// the last word: cuda.py ce_sum_parts), once the copy engines staged it (stage: source i's
+// chunk at stage + i * S, device memory; own as in rs_wait). Launched on a stream of its own behind an event
 // recorded after the unit's staging copies, so it waits for nothing itself and runs while
 // the next unit travels.
 #define RS_SUM_UNIT_KERNEL(NAME, E)                                                          \
