@@ -362,7 +362,7 @@ class OpProgram {
     std::vector<uint64_t> params;
     std::vector<void*> ptrs;
   };
-  // Operation k of ops, one driver call.
+  // Operation `index` of ops, in a driver call of its own.
   void one(const CudaApi& cu, const std::vector<uint64_t>& ops, size_t index) {
     const uint64_t* op = &ops[index * OP_WORDS];
     const uint64_t kind = op[0], a = op[2], b = op[3], c = op[4];
