@@ -229,6 +229,12 @@ class EmuDataPlane(C.CudaDataPlane):
     def _make_plan(self, rec):
         return rec  # replayed launch by launch (_issue_plan)
 
+    def _caller_stream(self):
+        if self._capturing():
+            return None
+        ts = _emu_current.stream
+        return self._stream_term(ts), ts
+
     def _issue_plan(self, rec, args):
         if self._capturing():
             return False
@@ -2090,9 +2096,10 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
     input: a parameter left at the first call's pointer would read or write the old ones),
     through every slot (seq % 3, seq % 2) more than twice. Another dtype of the same bytes,
     or another size, is another plan; new tables (peers mapped again) drop the plans.
-    Engines with host-side stream operations (split, ce) and zero-copy results never plan.
-    Every output equals the rank-order reference bit for bit."""
-    planned = mode in (None, "fused")
+    Mode ce's plan is its program, issued with each call's seq, slots and pointers. Mode
+    split (host-side stream joins) and zero-copy results never plan. Every output equals
+    the rank-order reference bit for bit."""
+    planned = mode in (None, "fused", "ce")
     with World(backend, topology, world, roots, max_slice=1 << 14, direct=mode is not None,
                mode=mode) as w:
         pending = []
@@ -2120,7 +2127,7 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
                 assert (st["misses"], st["hits"], len(dp.plans.plans)) == (4, 14, 4), st
             else:
                 assert st["hits"] == 0 and not dp.plans.plans, st
-        if mode == "fused":
+        if mode in ("fused", "ce"):
             for dp in w.dps:
                 dp._build_direct(Op.AG)  # (what map_peers does): the tables are new
                 assert not dp.plans.plans and dp.plans.stats["invalidations"] == 1

@@ -115,8 +115,11 @@ def test_proxy_reports_publish_to_post_latency():
 
 def test_ce_launch_plans_hit_and_go_stale():
     """Mode "ce" (the copy-engine engine, on the kernels' CPU emulation): the per-piece
-    copies, flags and waits are planned once per (op, S, L); a rebuilt stream table makes
-    the plan stale. Results stay exact throughout."""
+    copies, flags and waits are planned once per (op, S, L) as a program; later calls of
+    the shape issue it from the plan cache (new pointers, seq, slots and ring indices every
+    time: both parities of the reduce-scatter's slots, all three of the all-gather's, a
+    zero-copy input too); a rebuilt stream table makes the plan stale. Results stay exact
+    throughout."""
     import pytest
     dataplane = pytest.importorskip("test_cuda_dataplane")
     if dataplane.CXX is None:
@@ -134,26 +137,32 @@ def test_ce_launch_plans_hit_and_go_stale():
         def misses():
             return [dp.__dict__.get("ce_plan_stats", {}).get("misses", 0) for dp in w.dps]
 
-        def hits():
-            return [dp.__dict__.get("ce_plan_stats", {}).get("hits", 0) for dp in w.dps]
+        def fast():  # calls issued from the plan cache
+            return [dp.plans.stats["hits"] for dp in w.dps]
+
+        def rs(seed, zero_copy=False):
+            xs = dataplane.inputs(seed, world, (world * 1000, 8), torch.bfloat16)
+            outs = w.reduce_scatter(xs, zero_copy=zero_copy)
+            w.sync()
+            dataplane.check_rs(w, xs, outs)
 
         ag(1, 5000)
-        assert misses() == [1] * world
-        h = hits()
+        assert misses() == [1] * world and fast() == [0] * world
         for k in range(3):
             ag(2 + k, 5000)
-        assert misses() == [1] * world and all(a > b for a, b in zip(hits(), h))
+        assert misses() == [1] * world and fast() == [3] * world
         ag(9, 3000)                                  # new length: a new plan
         assert misses() == [2] * world
-        xs = dataplane.inputs(10, world, (world * 1000, 8), torch.bfloat16)
-        outs = w.reduce_scatter(xs)                  # another op
-        w.sync()
-        dataplane.check_rs(w, xs, outs)
-        assert misses() == [3] * world
+        for k in range(3):
+            rs(10 + k)                               # another op, then from its plan
+        assert misses() == [3] * world and fast() == [5] * world
+        for k in range(3):
+            rs(20 + k, zero_copy=True)               # the input already in the send slot
+        assert misses() == [4] * world and fast() == [7] * world
         for dp in w.dps:
             dp._build_direct(Op.AG)                  # the stream table rebuilt: stale
         ag(11, 5000)
-        assert misses() == [4] * world
+        assert misses() == [5] * world and fast() == [7] * world
         w.healthy()
 
 

@@ -491,6 +491,21 @@ bool event_query(uint64_t event) {
   fail(cu, "cuEventQuery", r);
 }
 
+// Is the stream being captured into a CUDA graph (in the context given: the legacy stream is
+// the current context's)? Raises the CUDA error otherwise.
+bool stream_capturing(uint64_t context, uint64_t stream) {
+  const CudaApi& cu = api();
+  int capture = 0;
+  CUresult r;
+  {
+    nb::gil_scoped_release nogil;
+    ContextScope in(cu, reinterpret_cast<CUcontext>(static_cast<uintptr_t>(context)));
+    r = cu.is_capturing(reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream)), &capture);
+  }
+  if (r != 0) fail(cu, "cuStreamIsCapturing", r);
+  return capture != 0;
+}
+
 }  // namespace
 
 namespace sparkccl {
@@ -518,6 +533,8 @@ void bind_cuda_ops(nb::module_& m) {
            "Launch the plan's kernels with the call's pointers and record its event; False "
            "(nothing issued) while the stream is being captured.")
       .def_prop_ro("launches", &LaunchPlan::launches);
+  m.def("cuda_stream_capturing", &stream_capturing, "context"_a, "stream"_a,
+        "cuStreamIsCapturing: is the stream being captured into a CUDA graph?");
   m.def("cuda_event_query", &event_query, "event"_a,
         "cuEventQuery: True once the GPU passed the event, False before; raises otherwise.");
 }

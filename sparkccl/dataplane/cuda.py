@@ -87,13 +87,13 @@ from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, N_TERMS, OP_COPY, OP_LAUNCH,
                            OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE,
-                           WAIT_THREADS, DirectCall, DirectEngines)
+                           WAIT_THREADS, CePlan, DirectCall, DirectEngines)
 from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, set_current,
                            unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
-from .launch_plan import CallPtr, PlanCache, Recording, plain
+from .launch_plan import CallPtr, PlanCache, Recording, Slotted, plain
 from .trap_lock import TrapLock, gpu_key, lock_path
 
 _P = layout.protocol_constants()
@@ -910,8 +910,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
-        """Issue the collective from its launch plan, if there is one: the checks of
-        :meth:`_begin`, one native call, the host's account. False (nothing done): no plan,
+        """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
+        program: cuda_engines.CePlan): the checks of :meth:`_begin`, one native call, the
+        host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
         something the planning path reports. ``key`` is the collective's shape: whatever else
         its planning reads drops every plan when it changes (a setting, see _PlanSetting;
@@ -921,7 +922,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return False
         plan, entries, direct = found
         self._check_call()
-        if not self._issue_plan(plan, args):
+        if not (self._issue_ce_plan(plan, seq, args) if type(plan) is CePlan
+                else self._issue_plan(plan, args)):
             return False
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
@@ -941,10 +943,23 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         h = torch._C._cuda_getCurrentRawStream(self._device_index)
         if not plan.issue(h, *args):
             return False
+        self._last_event, self._last_ts = self._done_event, self._torch_stream(h)
+        return True
+
+    def _torch_stream(self, h: int):
+        """The torch stream of raw handle ``h``, the caller's current one (kept for the next
+        call: asking torch for it costs microseconds)."""
         if self._fast_stream[0] != h:
             self._fast_stream = (h, torch.cuda.current_stream(self.device))
-        self._last_event, self._last_ts = self._done_event, self._fast_stream[1]
-        return True
+        return self._fast_stream[1]
+
+    def _caller_stream(self):
+        """(stream term, torch stream) of the caller's current stream for a planned mode
+        "ce" call, or None while it is being captured (the planning path handles that)."""
+        h = torch._C._cuda_getCurrentRawStream(self._device_index)
+        if self.nat.cuda_stream_capturing(self._context, h):
+            return None
+        return h, self._torch_stream(h)
 
     def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
                 advanced: bool = False) -> None:
@@ -1047,7 +1062,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self._stream()
         slot0, code = self.ag_dev, self._ag_code
-        slot = slot0 + (seq % 3) * self.ag_stride  # (the host's view: zero-copy and mode ce)
+        slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
         me = self.rank
         src_p = CallPtr(src.data_ptr(), 0)
         dst_ptr = 0 if dst is None else CallPtr(dst.data_ptr() + dst_off, 1)
@@ -1136,8 +1151,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
         scode, rcode = self._send_code, self._recv_code
-        send = send0 + (seq % 2) * self.rs_send_stride  # (the host's view: mode ce)
-        recv = recv0 + (seq % 2) * self.rs_recv_stride
+        send = Slotted(send0, 2, self.rs_send_stride, seq)  # (the host's view: mode ce)
+        recv = Slotted(recv0, 2, self.rs_recv_stride, seq)
         dst_ptr = CallPtr(dst_p, 1)
         piece = piece_bounds(S, 0)[1]
         if src is not None:

@@ -8,7 +8,9 @@ run on this GPU is launched (``SPARKCCL_DIRECT_MODE``):
   piece (the waits, relayed to the progress word); on the caller's stream per piece and
   wait word cuStreamWaitValue64 on that word, then copies of that part out of the own
   region (reduce-scatter: into device staging, then sccl_rs_sum_unit_*). All of it is a
-  native OpProgram per collective shape, issued per call with that call's terms (T_*).
+  native OpProgram per collective shape, issued per call with that call's terms (T_*); a
+  shape's later calls issue it from the plan cache with their seq, ring index, stream and
+  pointers, without the planning code (:class:`CePlan`, cuda.py _planned).
 
 "auto" (the default) takes "ce" from ``SPARKCCL_CE_MIN_BYTES`` (16 MiB) per rank and
 "fused" below, where one launch beats 67-92 driver calls and a chain of 16 unit waits
@@ -38,7 +40,7 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds
 from ..plan.model import Op
 from .cuda_runtime import check, kernel_u64 as _n
-from .launch_plan import CallPtr
+from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
 DIRECT_MODES = ("fused", "split", "ce")
 WAIT_THREADS = 256
@@ -49,15 +51,12 @@ OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 
 MAX_CE_PLANS = 64  # mode "ce" launch plans kept per data plane (all dropped when full)
 
 
-# Terms of a mode "ce" program: what a call fills in. A program row's values and a
-# kernel's patched parameters are add + mult * term (native OpProgram).
-(T_ZERO, T_TS, T_SIDE, T_WATCH, T_SUMS, T_FLAG, T_PROG, T_FIRST, T_RECV, T_OWN_HOST,
- T_STAGE) = range(11)
+# Terms of a mode "ce" program: what a call fills in, from its seq, ring index, stream and
+# pointers alone. A program row's values and a kernel's patched parameters are add + mult *
+# term (native OpProgram).
+T_ZERO, T_TS, T_SIDE, T_WATCH, T_SUMS, T_FLAG, T_PROG, T_FIRST, T_STAGE = range(9)
 T_TAG = T_STAGE + 1      # + c: the tag word of ring entry first + c
-T_OWN = T_TAG + PIECES   # + j: the destination of own copy j
-MAX_OWN = 2
-T_ARG = T_OWN + MAX_OWN  # + k: the call's pointer k (launch_plan.CallPtr arg k)
-MAX_ARGS = 6
+T_ARG = T_TAG + PIECES   # + k: the call's pointer k (launch_plan.CallPtr arg k)
 CE_MODS = (2, 3)         # slot counts of the regions: term T_MOD + i is seq % CE_MODS[i]
 T_MOD = T_ARG + MAX_ARGS
 N_TERMS = T_MOD + len(CE_MODS)
@@ -67,20 +66,33 @@ _MASK = (1 << 64) - 1
 
 
 def _sym(v) -> tuple:
-    """A row value (add, term, mult) of a launch parameter: a CallPtr is its call pointer's
-    term plus its offset; anything else a constant."""
-    if type(v) is CallPtr:
+    """A row value (add, term, mult): a CallPtr is its call pointer's term plus its offset,
+    a Slotted address its region's base plus seq % slots times the slot stride (term
+    T_MOD), anything else a constant."""
+    t = type(v)
+    if t is CallPtr:
         return v.add & _MASK, T_ARG + v.arg, 1
+    if t is Slotted:
+        return (v.base + v.add) & _MASK, T_MOD + CE_MODS.index(v.mod), v.stride
     return int(v) & _MASK, T_ZERO, 0
 
 
 def _call_params(call) -> tuple:
     """What of a call shapes its mode "ce" program: the kernels' parameters, the copy
-    engines' source, the consume side's constants (its slot, and a reduce-scatter's own
-    slice, are terms: they follow seq)."""
-    hc = call.ce_consume
+    engines' source, the consume side's values and the own copies' destinations (as the
+    program's rows take them: _sym)."""
     return (*call.publish, *call.consume, *(call.ce_src or ()),
-            *(hc[2:] if call.op == Op.RS else hc[1:]))
+            *(_sym(v) for v in call.ce_consume), *(_sym(d) for d, _, _ in call.own))
+
+
+def _call_args(call, params: tuple) -> list:
+    """The call's pointers by argument (launch_plan.CallPtr arg k; what _planned's args
+    are for a planned call)."""
+    args = [0] * MAX_ARGS
+    for v in (*params, *call.ce_consume, *(x for own in call.own for x in own)):
+        if type(v) is CallPtr:
+            args[v.arg] = int(v) - v.add
+    return args
 
 
 @dataclass
@@ -89,12 +101,23 @@ class CeProgram:
     first call (``_ce_program``), issued by every call with that call's terms. ``host``
     and ``words``: the tables it was built from (``_dhost[op]``, ``_ce_words[op]``; a
     program of other tables than the current ones is stale, e.g. after _build_direct).
-    ``ring_rows``: the ring entries' fields but seq, which the host writes per call."""
+    ``ring_rows``: the ring entries' fields but seq, which the host writes per call where
+    the copy engines send (``host_ring``; a zero-copy input's kernel writes its own)."""
+    op: Op
     host: list
     words: list
     program: object
     ring_rows: np.ndarray  # [PIECES, 6] uint64, column 0 (seq) filled per call
-    args: tuple            # the call-parameter positions that hold CallPtr values
+    host_ring: bool
+
+
+@dataclass(frozen=True)
+class CePlan:
+    """A mode "ce" collective shape in the plan cache (launch_plan.PlanCache, cuda.py
+    _planned): its program and the address of the reduce-scatter staging buffer it was
+    planned with (an outgrown buffer drops every plan)."""
+    program: CeProgram
+    stage: int
 
 
 @dataclass(frozen=True)
@@ -182,41 +205,56 @@ class DirectEngines:
 
     def _run_ce(self, call: DirectCall, ring: tuple, waits: tuple) -> None:
         """Mode "ce": the collective's program (:meth:`_ce_program`) with this call's terms,
-        in one native call. The ring entries' fields are the host's to write (the GPU
-        streams write only the tags), so the host first waits for their room."""
-        op, seq, first = call.op, call.seq, call.first
+        in one native call; kept as the shape's plan when the call is being planned."""
         params = _call_params(call)
         p = self._ce_program(call, ring, waits, params)
-        if call.ce_src is not None:
-            self._host_ring_room(op, seq, first, PIECES)
-            idx = [(first + c) % layout.RING_ENTRIES for c in range(PIECES)]
-            p.ring_rows[:, 0] = seq
-            self._ring_host[idx, 1:7] = p.ring_rows
-        self._run_program(p.program, self._ce_terms(call, p.args, params), call.ts)
+        stage = (self._scratch("ce stage", self.world * call.S).data_ptr()
+                 if call.op == Op.RS and call.ce_consume else 0)
+        self._issue_ce(p, call.seq, call.first, self._stream_term(call.ts), call.ts,
+                       _call_args(call, params), stage)
         self.direct_launches += 1
+        if self.plans.recording():
+            self.plans.plannable(direct=True, plan=CePlan(p, stage))
 
-    def _ce_terms(self, call: DirectCall, args: tuple, params: tuple) -> list:
-        """The terms of this call (see T_*); ``params``: _call_params(call)."""
-        seq, first, hc = call.seq, call.first, call.ce_consume
+    def _issue_ce_plan(self, plan: CePlan, seq: int, args: tuple) -> bool:
+        """A planned mode "ce" call (cuda.py _planned): the program with this call's terms.
+        False, issuing nothing, while the caller's stream is being captured."""
+        caller = self._caller_stream()
+        if caller is None:
+            return False
+        self._issue_ce(plan.program, seq, self._ring_next, *caller, args, plan.stage)
+        return True
+
+    def _issue_ce(self, p: CeProgram, seq: int, first: int, stream_term: int, ts, args,
+                  stage: int) -> None:
+        """Issue program ``p`` for collective ``seq`` at ring index ``first`` on the caller's
+        stream. The ring entries' fields are the host's to write where the copy engines send
+        (their streams write only the tags), so the host first waits for their room."""
+        if p.host_ring:
+            self._host_ring_room(p.op, seq, first, PIECES)
+            p.ring_rows[:, 0] = seq
+            i = first % layout.RING_ENTRIES
+            if i + PIECES <= layout.RING_ENTRIES:
+                self._ring_host[i:i + PIECES, 1:7] = p.ring_rows
+            else:
+                self._ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
+                                1:7] = p.ring_rows
+        self._run_program(p.program, self._ce_terms(seq, first, stream_term, args, stage), ts)
+
+    def _ce_terms(self, seq: int, first: int, stream_term: int, args, stage: int) -> list:
+        """The terms of a call (see T_*): all of them follow from its seq, ring index,
+        stream and pointers (``args``, by CallPtr argument)."""
         t = [0] * N_TERMS
-        t[T_TS] = self._stream_term(call.ts)
+        t[T_TS] = stream_term
         t[T_SIDE], t[T_WATCH], t[T_SUMS] = self._ce_stream_terms()
         t[T_FLAG] = (flag_value(seq, 0) - flag_value(0, 0)) & _MASK
         t[T_PROG] = (seq * PROG_STRIDE) & _MASK
         t[T_FIRST] = first
+        t[T_STAGE] = stage
         tags = self.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
         for c in range(PIECES):
             t[T_TAG + c] = tags + ((first + c) % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES
-        if hc:
-            t[T_RECV] = int(hc[0])
-            if call.op == Op.RS:
-                t[T_OWN_HOST] = int(hc[1])
-                t[T_STAGE] = self._scratch("ce stage", self.world * call.S).data_ptr()
-        for j, (d, _, _) in enumerate(call.own):
-            t[T_OWN + j] = int(d)
-        for i in args:
-            v = params[i]
-            t[T_ARG + v.arg] = int(v) - v.add
+        t[T_ARG:T_ARG + len(args)] = args
         for i, m in enumerate(CE_MODS):
             t[T_MOD + i] = seq % m
         return t
@@ -266,8 +304,6 @@ class DirectEngines:
         streams, words alternating between them, were slower on two H200s: ~0.9 ms per
         collective at any size, against ~0.45 ms.)"""
         op, S, L, nb, npub = call.op, call.S, call.L, call.nb, call.npub
-        if len(call.own) > MAX_OWN:
-            raise ValueError(f"mode ce: {len(call.own)} own copies, at most {MAX_OWN} terms")
         hc = call.ce_consume
         ce_pub = call.ce_src is not None
         ce_wait = op == Op.RS or int(hc[1]) != 0
@@ -282,7 +318,7 @@ class DirectEngines:
                  K_WAIT: (call.wait_kernel, WAIT_THREADS, (*call.consume, L, S, *waits)),
                  K_GUARD: ("sccl_fail_guard", 32, waits),
                  K_ADVANCE: ("sccl_advance", 32, (state, PIECES, 0))}
-        if sums is not None:  # stage, own (host view), dst: terms
+        if sums is not None:  # stage, own (host view): terms (dst: a call pointer)
             table[K_SUM] = (call.sum_kernel, WAIT_THREADS,
                             (0, 0, 0, hc[2], hc[3], L, S, self.rank, self.world,
                              self.ce_sum_parts.data_ptr(), self.maxw))
@@ -297,7 +333,8 @@ class DirectEngines:
                     if type(v) is CallPtr:
                         patches.append((i, j, T_ARG + v.arg, 1, v.add & _MASK))
                 if k == K_SUM:
-                    patches.extend([(i, 1, T_STAGE, 1, 0), (i, 2, T_OWN_HOST, 1, 0)])
+                    add, term, mult = _sym(hc[1])
+                    patches.extend([(i, 1, T_STAGE, 1, 0), (i, 2, term, mult, add)])
                 kernels.append((name, block, [int(v) & _MASK for v in ps]))
                 firsts[k] = _sym(ps[0])
             return slot[k]
@@ -319,8 +356,8 @@ class DirectEngines:
         if not ce_pub:
             launch(T_SIDE, K_PUBLISH, blocks=npub)
         if ce_pub:
-            for j, (_, src, n) in enumerate(call.own):
-                row(OP_COPY, T_TS, (0, T_OWN + j, 1), _sym(src), n)
+            for dst, src, n in call.own:
+                row(OP_COPY, T_TS, _sym(dst), _sym(src), n)
         pub, recv, ring_rows = self._ce_pieces(op, S, L, host, words)
         for c in range(PIECES):
             if ce_pub:
@@ -346,10 +383,9 @@ class DirectEngines:
             launch(T_TS, K_GUARD)
         launch(T_TS, K_ADVANCE)
         row(OP_RECORD, T_TS, (self._done_handle(), T_ZERO, 0))
-        args = tuple(i for i, v in enumerate(params) if type(v) is CallPtr)
         program = self._new_program(kernels, patches, rows)
-        return CeProgram(host=host, words=words, program=program, ring_rows=ring_rows,
-                         args=args)
+        return CeProgram(op=op, host=host, words=words, program=program, ring_rows=ring_rows,
+                         host_ring=ce_pub)
 
     def _ce_pieces(self, op: Op, S: int, L: int, host, words) -> tuple:
         """Per piece, what the sending side copies and flags and what the receiving side's
@@ -435,7 +471,7 @@ class DirectEngines:
             for i, a, n in moves:
                 to = ((dst[0] + i * dst_stride + a, dst[1], dst[2]) if sums is None
                       else (i * S + a, T_STAGE, 1))
-                row(OP_COPY, T_TS, to, (i * S + a, T_RECV, 1), n)
+                row(OP_COPY, T_TS, to, _sym(hc[0] + i * S + a), n)
             if sums is not None and sum_here:
                 events = sums[1]
                 row(OP_RECORD, T_TS, (events[u], T_ZERO, 0))

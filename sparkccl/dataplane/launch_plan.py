@@ -11,8 +11,11 @@ completion event), with no Python planning.
 
 What may be recorded is decided by the planning code: only kernel launches whose parameters
 are constants or call pointers (the "fused" GPU-direct engine, the proxy path's kernel and
-the finalize's). Engines with host-side stream operations or values of the host's seq
-(mode "ce", mode "split"'s stream joins, zero-copy results) never are.
+the finalize's). Mode "ce" keeps its own kind of plan: its program (cuda_engines.CeProgram),
+whose values are constants, call pointers and terms of seq (:class:`Slotted` marks an
+address in slot ``seq % n``), stored here by ``plannable(plan=...)`` and issued with the
+call's seq, ring index, stream and pointers. Mode "split"'s stream joins and zero-copy
+results are never planned.
 
 A plan is stale when what its constants came from changes: the key is the collective's
 shape, and the data plane drops every plan (``invalidate``, which bumps ``generation``) when
@@ -21,6 +24,7 @@ a setting its planning reads, its tables or its buffers change (a new value of a
 """
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,6 +48,25 @@ class CallPtr(int):
         if type(other) is not int:
             return int(self) + int(other)  # (two call pointers added make no pointer)
         return CallPtr(int(self) + other, self.arg, self.add + other)
+
+    __radd__ = __add__
+
+
+class Slotted(int):
+    """A host-side address in slot ``seq % mod`` of a region of ``mod`` slots ``stride``
+    bytes apart: ``base + (seq % mod) * stride``, plus what is added to it later (``add``,
+    kept as with CallPtr), so that a mode "ce" program takes it as a term of seq
+    (cuda_engines._sym) instead of one call's value."""
+
+    def __new__(cls, base: int, mod: int, stride: int, seq: int, add: int = 0):
+        p = super().__new__(cls, base + (seq % mod) * stride + add)
+        p.base, p.mod, p.stride, p.seq, p.add = base, mod, stride, seq, add
+        return p
+
+    def __add__(self, other):
+        if isinstance(other, (CallPtr, Slotted)):
+            return int(self) + int(other)  # (no longer one slot's address)
+        return Slotted(self.base, self.mod, self.stride, self.seq, self.add + operator.index(other))
 
     __radd__ = __add__
 
@@ -93,6 +116,7 @@ class PlanCache:
         self._recording: list | None = None
         self._entries: int | None = None  # ring entries of the collective being planned
         self._direct = False  # ... and whether it is a GPU-direct launch (direct_launches)
+        self._ready = None  # ... or the plan its planning made itself (mode "ce")
 
     def invalidate(self) -> None:
         """What the plans' constants came from changed: drop them all."""
@@ -108,11 +132,12 @@ class PlanCache:
         if self._recording is not None:
             self._recording.append((name, grid, block, args))
 
-    def plannable(self, entries: int = PIECES, direct: bool = False) -> None:
+    def plannable(self, entries: int = PIECES, direct: bool = False, plan=None) -> None:
         """Called by the planning code on a path whose launches may be replayed; entries:
         the publish-ring entries the collective takes (the host's account of the ring);
-        direct: a GPU-direct engine's launch (the data plane counts those)."""
-        self._entries, self._direct = entries, direct
+        direct: a GPU-direct engine's launch (the data plane counts those); plan: the plan
+        to keep instead of the recorded launches (mode "ce"'s program)."""
+        self._entries, self._direct, self._ready = entries, direct, plan
 
     @contextmanager
     def planning(self, key, make):
@@ -125,16 +150,18 @@ class PlanCache:
             return
         self.stats["misses"] += 1
         generation = self.generation
-        self._recording, self._entries = [], None
+        self._recording, self._entries, self._ready = [], None, None
         try:
             yield
-            launches, entries, direct = self._recording, self._entries, self._direct
+            launches, entries, direct, ready = (self._recording, self._entries, self._direct,
+                                                self._ready)
         finally:
-            self._recording, self._entries = None, None
-        if entries is not None and launches and generation == self.generation:
+            self._recording, self._entries, self._ready = None, None, None
+        if entries is not None and (launches or ready is not None) \
+                and generation == self.generation:
             # (a plan whose constants changed while it was made is not kept: e.g. a scratch
             # buffer outgrown by this very call)
-            plan = make(Recording.of(launches))
+            plan = ready if ready is not None else make(Recording.of(launches))
             if len(self.plans) >= self.limit:
                 self.plans.clear()
             self.plans[key] = (plan, entries, direct)
