@@ -5,7 +5,7 @@ test_launch_plans_*, on the CPU emulation and on the GPU)."""
 import pytest
 
 from sparkccl import _native as N
-from sparkccl.dataplane.launch_plan import U64, CallPtr, PlanCache, Recording, plain
+from sparkccl.dataplane.launch_plan import U64, CallPtr, PlanCache, Recording, Slotted, plain
 
 
 def test_offsets_of_a_call_pointer_stay_marked():
@@ -16,6 +16,24 @@ def test_offsets_of_a_call_pointer_stay_marked():
     assert type(r) is CallPtr and (int(r), r.add) == (1032, 32)
     assert type(p + CallPtr(5, 0)) is int  # the sum of two call pointers is no pointer
     assert plain((p, 7, q)) == (1000, 7, 1024) and all(type(a) is int for a in plain((p, q)))
+
+
+def test_a_slot_address_stays_a_term_of_seq():
+    """Mode "ce" rows take an address in slot seq % n as base + (seq % n) * stride: offsets
+    added to it keep the mark (numpy integers too), so the program holds no one call's slot;
+    a call pointer added to it is no slot address any more."""
+    import numpy as np
+    from sparkccl.dataplane import cuda_engines as E
+    s = Slotted(0x10000, 3, 0x400, seq=7)
+    assert int(s) == 0x10000 + 0x400
+    t = 3 * 16 + (s + np.int64(8))
+    assert type(t) is Slotted and int(t) == 0x10438 and (t.base, t.mod, t.stride, t.add) == \
+        (0x10000, 3, 0x400, 56)
+    assert E._sym(t) == (0x10038, E.T_MOD + E.CE_MODS.index(3), 0x400)
+    assert E._sym(Slotted(0, 2, 64, seq=1) + 4) == (4, E.T_MOD + E.CE_MODS.index(2), 64)
+    assert E._sym(CallPtr(0x9000, 1) + 32) == (32, E.T_ARG + 1, 1)
+    assert E._sym(99) == (99, E.T_ZERO, 0)
+    assert type(s + CallPtr(5, 0)) is int
 
 
 def test_recording_patches_only_the_marked_parameters():
