@@ -111,6 +111,15 @@ const CudaApi& api() {
                            (text ? text : ("CUresult " + std::to_string(r))));
 }
 
+// Is stream s being captured into a CUDA graph? (The caller holds the context current: the
+// legacy stream is that context's.) Raises the CUDA error otherwise.
+bool capturing(const CudaApi& cu, CUstream s) {
+  int capture = 0;
+  CUresult r = cu.is_capturing(s, &capture);
+  if (r != 0) fail(cu, "cuStreamIsCapturing", r);
+  return capture != 0;
+}
+
 // Operation kinds of the flat op list: 5 words per op (kind, stream, a, b, c).
 enum : uint64_t {
   OP_COPY = 0, OP_WRITE64 = 1, OP_LAUNCH = 2, OP_RECORD = 3, OP_WAIT_EVENT = 4, OP_WAIT_VALUE = 5
@@ -448,11 +457,9 @@ class LaunchPlan {
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
     ContextScope in(cu, ctx_);
-    int capture = 0;
-    CUresult r = cu.is_capturing(s, &capture);
-    if (r != 0) fail(cu, "cuStreamIsCapturing", r);
-    if (capture != 0) return false;
+    if (capturing(cu, s)) return false;
     for (const auto& [l, p, arg, add] : patches_) launches_[l].params[p] = args[arg] + add;
+    CUresult r;
     for (size_t i = 0; i < launches_.size(); ++i) {
       Launch& ln = launches_[i];
       r = cu.launch(ln.fn, ln.grid, 1, 1, ln.block, 1, 1, 0, s, ln.ptrs.data(), nullptr);
@@ -491,19 +498,12 @@ bool event_query(uint64_t event) {
   fail(cu, "cuEventQuery", r);
 }
 
-// Is the stream being captured into a CUDA graph (in the context given: the legacy stream is
-// the current context's)? Raises the CUDA error otherwise.
+// capturing() for Python, in the context given (the legacy stream is that context's).
 bool stream_capturing(uint64_t context, uint64_t stream) {
   const CudaApi& cu = api();
-  int capture = 0;
-  CUresult r;
-  {
-    nb::gil_scoped_release nogil;
-    ContextScope in(cu, reinterpret_cast<CUcontext>(static_cast<uintptr_t>(context)));
-    r = cu.is_capturing(reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream)), &capture);
-  }
-  if (r != 0) fail(cu, "cuStreamIsCapturing", r);
-  return capture != 0;
+  nb::gil_scoped_release nogil;
+  ContextScope in(cu, reinterpret_cast<CUcontext>(static_cast<uintptr_t>(context)));
+  return capturing(cu, reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream)));
 }
 
 }  // namespace
