@@ -9,7 +9,8 @@ commands:
 
 Transports: shm (ranks on one host), tcp (any IP network), verbs (RDMA: RoCE v2 /
 InfiniBand), auto (shm on one host, else verbs where RDMA devices are usable, else tcp).
-Every argument is checked before any rank starts; bad ones exit with status 2.
+Every argument, every SPARKCCL_* setting and (--device cuda) the GPU are checked before
+any rank starts; a problem exits with status 2.
 """
 from __future__ import annotations
 
@@ -63,8 +64,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _check_before_start(args: argparse.Namespace) -> None:
+    """What every rank would find wrong, found once here before any rank starts (exit 2):
+    a setting that does not parse, ``--device cuda`` where the CUDA data plane cannot run
+    (the same check and text as the Communicator's)."""
+    if args.device == "cuda":
+        from .errors import CudaUnavailable
+        try:
+            from .dataplane.cuda_runtime import check_available
+            check_available()
+        except CudaUnavailable as e:
+            args.parser.error(f"--device cuda: CudaUnavailable: {e}")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+
+    _check_before_start(args)
 
     return run_demo(world=args.world, topology=args.topology, transport=args.transport,
                     device=args.device, quick=args.quick)
@@ -82,6 +98,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           f"{args.max_bytes}")
     if args.plot and not have_matplotlib():
         args.parser.error(PLOT_HINT)
+    _check_before_start(args)
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,

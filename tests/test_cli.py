@@ -56,6 +56,20 @@ def test_bad_arguments_exit_2_before_anything_starts(argv, message, capsys, noth
     assert err.count("error:") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_device_cuda_without_a_gpu_exits_2_with_the_communicators_text(command, monkeypatch,
+                                                                        capsys, nothing_starts):
+    import torch
+    from sparkccl.dataplane.cuda_runtime import check_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(sparkccl.CudaUnavailable) as e:  # what a rank's Communicator says
+        check_available()
+    code, err = _exit_code([command, "--device", "cuda"], capsys)
+    assert code == 2
+    assert f"sparkccl {command}: error: --device cuda: CudaUnavailable: {e.value}\n" in err
+    assert "a visible GPU" in err and err.count("error:") == 1 and "Traceback" not in err
+
+
 def test_transports_are_accepted_and_passed_through(monkeypatch):
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(kw) or 0)
