@@ -68,6 +68,10 @@ def _check_before_start(args: argparse.Namespace) -> None:
     """What every rank would find wrong, found once here before any rank starts (exit 2):
     a setting that does not parse, ``--device cuda`` where the CUDA data plane cannot run
     (the same check and text as the Communicator's)."""
+    from . import config
+    bad = config.invalid()
+    if bad:
+        args.parser.error("; ".join(bad))
     if args.device == "cuda":
         from .errors import CudaUnavailable
         try:

@@ -70,6 +70,18 @@ def test_device_cuda_without_a_gpu_exits_2_with_the_communicators_text(command, 
     assert "a visible GPU" in err and err.count("error:") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_bad_setting_is_one_message_before_any_rank_starts(command, monkeypatch, capsys,
+                                                            nothing_starts):
+    monkeypatch.setenv("SPARKCCL_TIMEOUT_S", "abc")
+    monkeypatch.setenv("SPARKCCL_ROOTS", "3")
+    code, err = _exit_code([command], capsys)
+    assert code == 2
+    assert (f"sparkccl {command}: error: SPARKCCL_TIMEOUT_S='abc': expected a number; "
+            "SPARKCCL_ROOTS='3': must be in [1, 2]\n") in err
+    assert err.count("SPARKCCL_TIMEOUT_S") == 1 and "Traceback" not in err
+
+
 def test_transports_are_accepted_and_passed_through(monkeypatch):
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(kw) or 0)
