@@ -180,3 +180,67 @@ def test_console_script_entry_point_is_the_cli():
                         "reduce_scatter", "--world", "3"], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0 and "verifier: passed" in r.stdout
+
+
+def _shm_tokens(pids) -> set[str]:
+    """The communicator tokens of the shared-memory segments these processes map."""
+    import re
+    tokens = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                tokens |= set(re.findall(r"/dev/shm/sparkccl-\d+-(\w+)-r\d+-", f.read()))
+        except OSError:
+            pass
+    return tokens
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("when", ["ranks starting", "collectives running"])
+def test_ctrl_c_on_demo_is_one_line_exit_130_nothing_left(when, tmp_path):
+    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it: while the ranks'
+    interpreters start, and once the collectives run."""
+    import glob
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "sparkccl.cli", "demo", "--world", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert p.stdout.readline().startswith("sparkccl demo: world 2")
+        if when == "ranks starting":  # both ranks (and the resource tracker) started
+            deadline = time.monotonic() + 60
+            while len(_children(p.pid)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        else:
+            first = p.stderr.readline()
+            assert first.startswith("demo: all_gather 1/"), first
+        children = _children(p.pid)
+        assert len(children) >= 3, children
+        tokens = _shm_tokens(children)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, (out, err)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("demo: ")]  # progress lines
+    assert lines == ["sparkccl demo: interrupted"], err
+    assert "demo: passed" not in out and "Traceback" not in out
+    time.sleep(0.5)  # (the resource tracker leaves once the demo's pipes close)
+    assert [c for c in children if _running(c)] == []
+    assert when == "ranks starting" or tokens, "the ranks mapped no segment"
+    assert [f for t in tokens for f in glob.glob(f"/dev/shm/sparkccl-*-{t}-*")] == []
