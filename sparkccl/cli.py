@@ -182,8 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import doctor, selftest
     for module in (doctor, selftest):
-        module.add_parser(sub).formatter_class = _Formatter
+        p = module.add_parser(sub)
+        p.formatter_class = _Formatter
+        p.description = plain_text(p.description)  # (their module docstrings)
     return ap
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as help text: reST roles and literals as plain `quoted` words."""
+    import re
+    doc = re.sub(r":(?:class|func|meth|mod|data|attr):`~?\.?([^`]+)`", r"`\1`", doc)
+    doc = re.sub(r"\*\*([^*]+)\*\*", r"\1", doc)  # bold
+    doc = re.sub(r"::$", ":", doc, flags=re.M)  # a literal block's marker
+    return doc.replace("``", "`")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,6 +136,18 @@ def test_help_lists_every_command_and_every_option_has_help(capsys):
                     f"sparkccl {name} {action.option_strings[0]}: default not shown"
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_plain_text(command, capsys):
+    """The doctor and selftest descriptions are module docstrings: no reST left in help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    for markup in ("``", ":class:", ":func:", ":mod:", ":meth:", "**", "::\n"):
+        assert markup not in out, (command, markup)
+    if command == "doctor":
+        assert "`sparkccl doctor`: what RDMA hardware" in out
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
