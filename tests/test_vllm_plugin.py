@@ -1,10 +1,10 @@
 """The vLLM plugin, against the real vLLM package, and the routing rule it shares with the
 SGLang hook (docs/VLLM_SGLANG.md).
 
-The rule's tests run everywhere (CI has no vLLM: too big to install). The plugin's tests
-need vLLM importable in this interpreter and skip, with the import error as the reason,
-where it is not; ``benchmarks/integrations_check.sh`` installs vLLM into a venv and runs
-them (output in ``benchmarks/integrations_cpu.txt``).
+The rule's tests run everywhere. The plugin's tests need vLLM importable in this
+interpreter and skip, with the import error as the reason, where it is not (they fail
+instead with TEST_REQUIRE_ENGINES=1); ``benchmarks/integrations_check.sh``, which CI runs,
+installs vLLM into a venv and runs them (output in ``benchmarks/integrations_cpu.txt``).
 
 How the real vLLM runs here, on a CPU-only machine: ranks are processes over gloo;
 vLLM's plugin loader (``vllm.plugins.load_general_plugins``) finds the ``sparkccl`` entry
@@ -23,6 +23,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import engine_missing
 from sparkccl.integrations import routing
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
@@ -171,7 +172,7 @@ def _vllm_unavailable() -> str | None:
 def vllm_ok():
     why = _vllm_unavailable()
     if why:
-        pytest.skip(why)
+        engine_missing(why)
 
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1", "SPARKCCL_ENGINE_MIN_BYTES": str(MIN),
