@@ -63,5 +63,5 @@ print("# entry points: " + "; ".join(
       f"{g}: " + ", ".join(f"{e.name} -> {e.value}" for e in md.entry_points(group=g))
       for g in ("vllm.general_plugins", "sglang.srt.plugins")))
 EOF
-TEST_REQUIRE_ENGINES=1 exec timeout 1800 "$PY" -m pytest -v -rs -p no:cacheprovider \
+TEST_REQUIRE_ENGINES=1 exec timeout 1800 "$PY" -m pytest -v -rs -p no:cacheprovider -m "" \
     tests/test_vllm_plugin.py tests/test_sglang_hook.py

@@ -177,6 +177,7 @@ def _reporting_job(rank, world, store, steps):
     return rank
 
 
+@pytest.mark.slow
 def test_run_ranks_delivers_progress_from_the_ranks():
     seen = []
     results = localrun.run_ranks(_reporting_job, 2, args=(3,), timeout_s=120,
@@ -220,6 +221,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["ranks starting", "collectives running"])
 def test_ctrl_c_on_demo_is_one_line_exit_130_nothing_left(when, tmp_path):
     """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it: while the ranks'

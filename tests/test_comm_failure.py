@@ -17,6 +17,9 @@ from helpers import shm_leftovers
 from sparkccl.localrun import KILLED, check, run_ranks
 from sparkccl.reference import bits, make_input, reduce_scatter_reference
 
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 3.0
 
 

@@ -118,6 +118,7 @@ def _inert_job(rank, world, store):
     return hooked, "_sparkccl" in tp.__dict__
 
 
+@pytest.mark.slow
 def test_sglang_hook_is_inert_when_off(sglang_env):
     res = check(run_ranks(_inert_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "0"},
                           timeout_s=600))
@@ -178,6 +179,7 @@ def _on_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sglang_env):
     res = check(run_ranks(_on_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "1"},
                           timeout_s=600))
@@ -230,6 +232,7 @@ def _captured_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_sglang_hook_routes_captured_calls_with_the_setting(sglang_env):
     env = {**sglang_env, "SPARKCCL_SGLANG": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):

@@ -236,6 +236,7 @@ def backend_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_backend_bit_exact_and_fallbacks_mesh_ring_world_2_and_4():
     world = 4
     values = check(run_ranks(backend_job, world, timeout_s=240,
@@ -346,6 +347,7 @@ def dist_error():
     return CollectiveError
 
 
+@pytest.mark.slow
 def test_compiled_functional_collectives_ddp_and_errors():
     values = check(run_ranks(compile_and_errors_job, 2, timeout_s=240))
     for v in values:
