@@ -12,6 +12,8 @@
 # TEST_REQUIRE_ENGINES=1: a package that does not import fails the run instead of skipping.
 #
 # VENV=path picks another venv (default .venv-engines); VLLM= / SGLANG= pin versions.
+# Arguments go to pytest (CI: -k "vllm_plugin_ or sglang_hook_", only the tests that need
+# the real packages; the others ran in the suite before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-engines}
@@ -64,4 +66,4 @@ print("# entry points: " + "; ".join(
       for g in ("vllm.general_plugins", "sglang.srt.plugins")))
 EOF
 TEST_REQUIRE_ENGINES=1 exec timeout 1800 "$PY" -m pytest -v -rs -p no:cacheprovider -m "" \
-    tests/test_vllm_plugin.py tests/test_sglang_hook.py
+    tests/test_vllm_plugin.py tests/test_sglang_hook.py "$@"
