@@ -8,10 +8,10 @@
 
 Each rank holds T / world tokens of the sequence. The block:
 
-    RMSNorm (this rank's tokens) -> all_gather_into_tensor (the whole sequence)
+    RMSNorm (this rank's tokens) -> all_gather_single (the whole sequence)
     -> column-parallel matmul, ReLU -> row-parallel matmul (partial sums)
-    -> reduce_scatter_tensor (this rank's tokens) -> residual add
-    -> all_gather_into_tensor (the output, for the digest)
+    -> reduce_scatter_single (this rank's tokens) -> residual add
+    -> all_gather_single (the output, for the digest)
 
 and, tensor-parallel style, all_reduce of the same partial sums (whose rows must equal the
 reduce-scattered ones bit for bit),
@@ -19,7 +19,7 @@ reduce-scattered ones bit for bit),
 then an MoE layer's finalize (weighted sum of the top-k expert outputs plus the shared
 expert, summed over the ranks that hold the experts) fused into the reduce-scatter
 (``Communicator.moe_finalize_reduce_scatter`` of the group's communicator; with another
-backend, the same sum through ``reduce_scatter_tensor``).
+backend, the same sum through ``reduce_scatter_single``).
 
 Every rank prints the same digests: sparkccl sums in fp32 in rank order on every topology.
 The digests also agree across world sizes and with gloo, because this example keeps its
@@ -39,6 +39,9 @@ import torch.distributed as dist
 T, H, F = 1024, 512, 1024      # tokens, hidden, FFN width (divisible by the world size)
 EXPERTS, TOPK = 8, 2
 SEED = 1234
+# torch 2.13's names; the older ones warn there on every call, and are all that torch < 2.13 has.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 DEVICE = torch.device("cpu")  # --device cuda: one GPU per rank (LOCAL_RANK), shared if fewer
 
 
@@ -69,17 +72,17 @@ def sp_block(x_local, group, rank, world):
 
     xn_local = rms_norm(x_local, norm_w)
     xn = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
-    dist.all_gather_into_tensor(xn, xn_local, group=group)
+    all_gather_single(xn, xn_local, group=group)
 
     h = torch.relu(xn.float() @ w1[:, cols])
     h = (h / 4).round().clamp(-32, 32)
     partial = h @ w2[cols, :]                     # fp32 partial sums, [T, H]
     out_local = torch.empty(T // world, H, dtype=torch.float32, device=DEVICE)
-    dist.reduce_scatter_tensor(out_local, partial, group=group)
+    reduce_scatter_single(out_local, partial, group=group)
 
     y_local = (x_local.float() + out_local).to(torch.bfloat16)
     y = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
-    dist.all_gather_into_tensor(y, y_local, group=group)
+    all_gather_single(y, y_local, group=group)
     # Tensor-parallel style instead: all_reduce the partial sums (reduce-scatter then
     # all-gather inside sparkccl): the same bits as the reduce-scattered rows above.
     full = partial.clone()
@@ -119,10 +122,10 @@ def moe_finalize(group, rank, world):
     else:
         rows = shared.float() + (weights[..., None] * y.float()[pos.long()].view(T, TOPK, H)).sum(1)
         part = torch.empty(T // world, H, dtype=torch.float32, device=DEVICE)
-        dist.reduce_scatter_tensor(part, rows.to(torch.bfloat16).float(), group=group)
+        reduce_scatter_single(part, rows.to(torch.bfloat16).float(), group=group)
         part = part.to(torch.bfloat16)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
-    dist.all_gather_into_tensor(out, part, group=group)
+    all_gather_single(out, part, group=group)
     return out
 
 

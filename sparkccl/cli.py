@@ -9,7 +9,8 @@ commands:
 
 Transports: shm (ranks on one host), tcp (any IP network), verbs (RDMA: RoCE v2 /
 InfiniBand), auto (shm on one host, else verbs where RDMA devices are usable, else tcp).
-Every argument is checked before any rank starts; bad ones exit with status 2.
+Every argument, every SPARKCCL_* setting and (--device cuda) the GPU are checked before
+any rank starts; a problem exits with status 2.
 """
 from __future__ import annotations
 
@@ -63,8 +64,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _check_before_start(args: argparse.Namespace) -> None:
+    """What every rank would find wrong, found once here before any rank starts (exit 2):
+    a setting that does not parse, ``--device cuda`` where the CUDA data plane cannot run
+    (the same check and text as the Communicator's)."""
+    from . import config
+    bad = config.invalid()
+    if bad:
+        args.parser.error("; ".join(bad))
+    if args.device == "cuda":
+        from .errors import CudaUnavailable
+        try:
+            from .dataplane.cuda_runtime import check_available
+            check_available()
+        except CudaUnavailable as e:
+            args.parser.error(f"--device cuda: CudaUnavailable: {e}")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+
+    _check_before_start(args)
 
     return run_demo(world=args.world, topology=args.topology, transport=args.transport,
                     device=args.device, quick=args.quick)
@@ -82,6 +102,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           f"{args.max_bytes}")
     if args.plot and not have_matplotlib():
         args.parser.error(PLOT_HINT)
+    _check_before_start(args)
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,
@@ -161,13 +182,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import doctor, selftest
     for module in (doctor, selftest):
-        module.add_parser(sub).formatter_class = _Formatter
+        p = module.add_parser(sub)
+        p.formatter_class = _Formatter
+        p.description = plain_text(p.description)  # (their module docstrings)
     return ap
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as help text: reST roles and literals as plain `quoted` words."""
+    import re
+    doc = re.sub(r":(?:class|func|meth|mod|data|attr):`~?\.?([^`]+)`", r"`\1`", doc)
+    doc = re.sub(r"\*\*([^*]+)\*\*", r"\1", doc)  # bold
+    doc = re.sub(r"::$", ":", doc, flags=re.M)  # a literal block's marker
+    return doc.replace("``", "`")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # run_ranks has stopped the ranks by now; the traceback would say nothing more.
+        print(f"sparkccl {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -419,6 +419,12 @@ def effective(arguments: dict[str, object] | None = None, env=None) -> list[tupl
     return rows
 
 
+def invalid(env=None) -> list[str]:
+    """The error of every declared variable whose value does not parse (what a
+    communicator would raise as :class:`ConfigError`), for checking before ranks start."""
+    return [source for _, value, source in effective(env=env) if value == "INVALID"]
+
+
 def variables_table() -> str:
     """The markdown table of every declared variable (module docstring, README)."""
     lines = ["| variable | default | read by | meaning |", "| --- | --- | --- | --- |"]

@@ -16,7 +16,9 @@ import ctypes
 import ctypes.util
 import os
 import resource
+import shutil
 import sys
+import textwrap
 from typing import Callable, Mapping, TextIO
 
 from . import config
@@ -201,9 +203,70 @@ def _memory(world: int, local_ranks: int, topology: str | None, slot_bytes: int,
 
 # -- report ------------------------------------------------------------------------------
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+def width() -> int:
+    """Columns of the report: the terminal's ($COLUMNS, else the terminal, else 100)."""
+    return max(60, shutil.get_terminal_size((100, 24)).columns)
+
+
+MIN_COLUMN = 24  # a wide column is narrowed to this at most (its cells wrap inside it)
+
+
+def _table(rows: list[list[str]], columns: int | None = None, header: bool = False) -> str:
+    """Rows aligned in columns (``columns=None``: as wide as they are). When they do not
+    fit, the columns wider than MIN_COLUMN are narrowed and their cells wrap; if that is
+    not enough and ``rows[0]`` is a header, each row becomes a block of ``header: value``
+    lines."""
+    n = len(rows[0])
+    widths = [max(len(r[i]) for r in rows) for i in range(n)]
+    limit = columns if columns is not None else sum(widths) + 2 * (n - 1)
+    while sum(widths) + 2 * (n - 1) > limit:
+        i = max(range(n), key=widths.__getitem__)
+        if widths[i] <= MIN_COLUMN:
+            break
+        widths[i] -= 1
+    if sum(widths) + 2 * (n - 1) > limit and header:
+        return "\n".join(f"{r[0]}:\n" + "\n".join(f"  {h}: {c}" for h, c in
+                                                     zip(rows[0][1:], r[1:]))
+                         for r in rows[1:])
+    lines = []
+    for r in rows:
+        cells = [textwrap.wrap(c, w, break_on_hyphens=False) or [""]
+                 for c, w in zip(r, widths)]
+        for k in range(max(map(len, cells))):
+            lines.append("  ".join((cell[k] if k < len(cell) else "").ljust(w)
+                                   for cell, w in zip(cells, widths)).rstrip())
+    return "\n".join(lines)
+
+
+class _Wrapping:
+    """A text stream that wraps each line it is given to ``columns``, continuation lines
+    indented two more spaces than the line (tables arrive already narrow enough)."""
+
+    def __init__(self, out: TextIO, columns: int):
+        self.out, self.columns, self._part = out, columns, ""
+
+    def __getattr__(self, name):  # (anything else a stream has)
+        return getattr(self.out, name)
+
+    def write(self, text: str) -> int:
+        *lines, self._part = (self._part + text).split("\n")
+        for line in lines:
+            self.out.write(self._wrap(line) + "\n")
+        return len(text)
+
+    def _wrap(self, line: str) -> str:
+        if len(line) <= self.columns:
+            return line
+        indent = line[:len(line) - len(line.lstrip())]
+        return textwrap.fill(line, self.columns, subsequent_indent=indent + "  ",
+                             break_on_hyphens=False, break_long_words=False)
+
+    def flush(self) -> None:
+        if self._part:
+            self.out.write(self._wrap(self._part))
+            self._part = ""
+        if hasattr(self.out, "flush"):
+            self.out.flush()
 
 
 def _port_row(fabric: Fabric, dev, port: Port, gid: tuple[int | None, str]) -> list[str]:
@@ -247,9 +310,28 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
            verbs: Callable[[], tuple[bool, str, list[str] | None]] = verbs_status,
            memlock: Callable[[int], tuple[bool, str]] = memlock_status,
            shm_space: Callable[[], int | None] = shm_free,
-           world: int = 4, local_ranks: int = 1) -> int:
-    """Print the report; return the exit status. Tests inject sysfs/env/ipv4/checks."""
+           world: int = 4, local_ranks: int = 1, columns: int | None = None) -> int:
+    """Print the report; return the exit status. Tests inject sysfs/env/ipv4/checks.
+    ``columns``: wrap the report to that width (default: :func:`width` on stdout, no
+    wrapping into a given ``out``)."""
+    if columns is None and out is None:
+        columns = width()
     out = out if out is not None else sys.stdout
+    if columns is not None:
+        out = _Wrapping(out, columns)
+    try:
+        return _report(out, columns, topology=topology, devices=devices,
+                       prev_devices=prev_devices, next_devices=next_devices,
+                       gid_index=gid_index, roots=roots, sysfs_root=sysfs_root, env=env,
+                       ipv4_of=ipv4_of, verbs=verbs, memlock=memlock, shm_space=shm_space,
+                       world=world, local_ranks=local_ranks)
+    finally:
+        out.flush()
+
+
+def _report(out: TextIO, columns: int | None, *, topology, devices, prev_devices, next_devices,
+            gid_index, roots, sysfs_root, env, ipv4_of, verbs, memlock, shm_space, world,
+            local_ranks) -> int:
     env = os.environ if env is None else env
     problems: list[str] = []
 
@@ -258,7 +340,7 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
                  "SPARKCCL_ROOTS": roots, "SPARKCCL_SYSFS_ROOT": sysfs_root}
     rows = config.effective(arguments, env)
     print("settings (value, where it comes from):", file=out)
-    print(_table([["  " + n, v, src] for n, v, src in rows]) + "\n", file=out)
+    print(_table([["  " + n, v, src] for n, v, src in rows], columns) + "\n", file=out)
     problems += [src for _, v, src in rows if v == "INVALID"]
     try:
         settings = config.resolve(env=env)
@@ -301,7 +383,7 @@ def doctor(*, topology: str | None = None, devices: str | None = None,
     rows = [["device", "QSFP/root", "port", "state", "speed", "link", "netdev", "IPv4",
              "MTU (netdev)", "GID", "why"]]
     rows += [_port_row(fabric, d, p, gid) for d, p in fabric.ports()]
-    print(_table(rows) + "\n", file=out)
+    print(_table(rows, columns, header=True) + "\n", file=out)
 
     ok, text = memlock(need)
     print(f"memlock: {text}", file=out)

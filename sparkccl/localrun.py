@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 KILLED = "killed"
+STOP_GRACE_S = 5.0  # how long stopped ranks get to leave before SIGKILL
 
 
 @dataclass
@@ -85,8 +86,20 @@ def report_progress(item) -> None:
         _progress_queue.put(("progress", _progress_rank, item, 0.0))
 
 
+def _stop_on_sigterm(signum, frame):
+    # Once: a second signal must not interrupt the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"stopped by the parent (signal {signum})")
+
+
 def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads):
     global _progress_queue, _progress_rank
+    # Ctrl-C is the parent's to handle (it stops the ranks with SIGTERM): a rank ignores
+    # it. It was blocked since before this process started (run_ranks), so none is lost
+    # half-way through the interpreter's start.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     _progress_queue, _progress_rank = q, rank
     os.environ.update(env or {})
     t0 = time.monotonic()
@@ -126,6 +139,11 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
     has not finished after ``timeout_s`` is killed (SIGKILL) and reported with
     ``error_type == "Timeout"``. ``env`` is applied in every rank, ``rank_env[r]`` in rank r.
     ``progress(rank, item)`` receives what ranks pass to :func:`report_progress`.
+
+    Ctrl-C (SIGINT) reaches only this process: ranks ignore it. When this function is left
+    by an exception (KeyboardInterrupt included) the ranks still running get SIGTERM, which
+    raises in them so that their communicators are left and their shared memory unlinked,
+    and SIGKILL after :data:`STOP_GRACE_S`.
     """
     import torch.distributed as dist
     ctx = mp.get_context("spawn")
@@ -133,16 +151,24 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
                            timeout=timedelta(seconds=300), wait_for_workers=False)
     q = ctx.Queue()
     procs = []
+    finished = False
     try:
-        for r in range(world):
-            e = dict(env or {})
-            e.update((rank_env or {}).get(r, {}))
-            p = ctx.Process(target=_rank_main, name=f"sparkccl-rank{r}",
-                            args=(fn, r, world, "127.0.0.1", server.port, args, kwargs or {},
-                                  e, q, torch_threads),
-                            daemon=True)
-            p.start()
-            procs.append(p)
+        # Started with SIGINT blocked (inherited): a Ctrl-C while a rank's interpreter
+        # starts stays pending there until _rank_main ignores it, and is delivered here
+        # when the mask is restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for r in range(world):
+                e = dict(env or {})
+                e.update((rank_env or {}).get(r, {}))
+                p = ctx.Process(target=_rank_main, name=f"sparkccl-rank{r}",
+                                args=(fn, r, world, "127.0.0.1", server.port, args,
+                                      kwargs or {}, e, q, torch_threads),
+                                daemon=True)
+                p.start()
+                procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         results = [RankResult(rank=r) for r in range(world)]
         pending = set(range(world))
         deadline = time.monotonic() + timeout_s
@@ -180,7 +206,10 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
             results[r].exitcode = p.exitcode
+        finished = True
     finally:
+        if not finished:
+            _stop(procs)
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
@@ -190,6 +219,23 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
     if raise_on_error:
         check(results)
     return results
+
+
+def _stop(procs) -> None:
+    """Leaving run_ranks early (an exception, Ctrl-C): SIGTERM to the ranks still running,
+    and a moment to leave their communicators (the caller SIGKILLs what remains)."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+        pass
 
 
 def _record(results, kind, rank, payload, elapsed):

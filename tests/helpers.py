@@ -105,3 +105,15 @@ def killed_peer_job(rank, world, store, transport, numel):
         except sparkccl.CollectiveError as e:
             return str(e), time.monotonic() - t0
         return None, time.monotonic() - t0
+
+
+REQUIRE_ENGINES = "TEST_REQUIRE_ENGINES"
+
+
+def engine_missing(why: str) -> None:
+    """vLLM / SGLang cannot be used here: skip, or fail where they must be
+    (TEST_REQUIRE_ENGINES=1: benchmarks/integrations_check.sh, which installs them)."""
+    import pytest
+    if os.environ.get(REQUIRE_ENGINES) == "1":
+        pytest.fail(f"{REQUIRE_ENGINES}=1 and {why}", pytrace=False)
+    pytest.skip(why)

@@ -56,6 +56,32 @@ def test_bad_arguments_exit_2_before_anything_starts(argv, message, capsys, noth
     assert err.count("error:") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_device_cuda_without_a_gpu_exits_2_with_the_communicators_text(command, monkeypatch,
+                                                                        capsys, nothing_starts):
+    import torch
+    from sparkccl.dataplane.cuda_runtime import check_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(sparkccl.CudaUnavailable) as e:  # what a rank's Communicator says
+        check_available()
+    code, err = _exit_code([command, "--device", "cuda"], capsys)
+    assert code == 2
+    assert f"sparkccl {command}: error: --device cuda: CudaUnavailable: {e.value}\n" in err
+    assert "a visible GPU" in err and err.count("error:") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_bad_setting_is_one_message_before_any_rank_starts(command, monkeypatch, capsys,
+                                                            nothing_starts):
+    monkeypatch.setenv("SPARKCCL_TIMEOUT_S", "abc")
+    monkeypatch.setenv("SPARKCCL_ROOTS", "3")
+    code, err = _exit_code([command], capsys)
+    assert code == 2
+    assert (f"sparkccl {command}: error: SPARKCCL_TIMEOUT_S='abc': expected a number; "
+            "SPARKCCL_ROOTS='3': must be in [1, 2]\n") in err
+    assert err.count("SPARKCCL_TIMEOUT_S") == 1 and "Traceback" not in err
+
+
 def test_transports_are_accepted_and_passed_through(monkeypatch):
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(kw) or 0)
@@ -110,6 +136,18 @@ def test_help_lists_every_command_and_every_option_has_help(capsys):
                     f"sparkccl {name} {action.option_strings[0]}: default not shown"
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_plain_text(command, capsys):
+    """The doctor and selftest descriptions are module docstrings: no reST left in help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    for markup in ("``", ":class:", ":func:", ":mod:", ":meth:", "**", "::\n"):
+        assert markup not in out, (command, markup)
+    if command == "doctor":
+        assert "`sparkccl doctor`: what RDMA hardware" in out
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
@@ -139,6 +177,7 @@ def _reporting_job(rank, world, store, steps):
     return rank
 
 
+@pytest.mark.slow
 def test_run_ranks_delivers_progress_from_the_ranks():
     seen = []
     results = localrun.run_ranks(_reporting_job, 2, args=(3,), timeout_s=120,
@@ -154,3 +193,68 @@ def test_console_script_entry_point_is_the_cli():
                         "reduce_scatter", "--world", "3"], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0 and "verifier: passed" in r.stdout
+
+
+def _shm_tokens(pids) -> set[str]:
+    """The communicator tokens of the shared-memory segments these processes map."""
+    import re
+    tokens = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                tokens |= set(re.findall(r"/dev/shm/sparkccl-\d+-(\w+)-r\d+-", f.read()))
+        except OSError:
+            pass
+    return tokens
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["ranks starting", "collectives running"])
+def test_ctrl_c_on_demo_is_one_line_exit_130_nothing_left(when, tmp_path):
+    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it: while the ranks'
+    interpreters start, and once the collectives run."""
+    import glob
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "sparkccl.cli", "demo", "--world", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert p.stdout.readline().startswith("sparkccl demo: world 2")
+        if when == "ranks starting":  # both ranks (and the resource tracker) started
+            deadline = time.monotonic() + 60
+            while len(_children(p.pid)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        else:
+            first = p.stderr.readline()
+            assert first.startswith("demo: all_gather 1/"), first
+        children = _children(p.pid)
+        assert len(children) >= 3, children
+        tokens = _shm_tokens(children)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, (out, err)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("demo: ")]  # progress lines
+    assert lines == ["sparkccl demo: interrupted"], err
+    assert "demo: passed" not in out and "Traceback" not in out
+    time.sleep(0.5)  # (the resource tracker leaves once the demo's pipes close)
+    assert [c for c in children if _running(c)] == []
+    assert when == "ranks starting" or tokens, "the ranks mapped no segment"
+    assert [f for t in tokens for f in glob.glob(f"/dev/shm/sparkccl-*-{t}-*")] == []

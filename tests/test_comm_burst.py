@@ -9,12 +9,16 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 
 import sparkccl
 from helpers import issue_ops
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
 
 N_PER_TOPOLOGY = 1200
 DTYPES_AG = (torch.uint8, torch.bfloat16, torch.float32, torch.int16)

@@ -7,12 +7,16 @@ once (round-to-nearest-even) for reduce-scatter. Mesh and ring run in the same p
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sparkccl
 from sparkccl.exact_checks import reduce_scatter_via_input
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
 

@@ -95,6 +95,7 @@ def bad_input_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_bad_inputs_raise_before_sending():
     values = check(run_ranks(bad_input_job, 2, timeout_s=120))
     assert_no_problems(values, at_least=25)
@@ -207,6 +208,7 @@ def process_group_job(rank, world, store):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bootstrap_over_process_groups():
     values = check(run_ranks(process_group_job, 3, timeout_s=120))
     for r, v in enumerate(values):

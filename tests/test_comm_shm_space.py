@@ -14,6 +14,9 @@ import sys
 
 import pytest
 
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
+
 SLOT = 1 << 20  # world 2: 3.0 MiB at creation, +4.0 MiB reduce-scatter buffers per rank
 
 

@@ -21,7 +21,9 @@ needs_nvrtc = pytest.mark.skipif(NVRTC is None, reason=f"cuda.core / NVRTC unava
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_121"])
+# GB10's sm_121 in the default run; the other two (a minute each on 2 cores) in the full one.
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow),
+                                  pytest.param("sm_90", marks=pytest.mark.slow), "sm_121"])
 def test_kernels_compile(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKCCL_CACHE_DIR", str(tmp_path))
     cubin = nvrtc.compile_cubin(arch)

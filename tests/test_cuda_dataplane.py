@@ -816,7 +816,12 @@ def test_size_mismatch_is_reported(backend):
                 out = w.keep(w.be.to_dev(torch.zeros(2 * n, dtype=torch.uint8)))
                 w.dps[r].all_gather(0, src, out, 0, n)
         w.be.sync()
-        with pytest.raises(CollectiveError, match="rank 1 passed a different size"):
+        # (The GPU plane's check does not know the caller's bytes: both are given as far as
+        # the padded slices tell.)
+        with pytest.raises(CollectiveError, match=r"rank 1 passed a different size than rank 0 "
+                           r"\(this rank\): rank 0 passed between 97 and 112 bytes per rank, "
+                           r"rank 1 between 193 and 208 \(the ranks exchange slices padded to "
+                           r"16 bytes: 112 vs 208\)"):
             w.dps[0].synchronize()
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_USER
 

@@ -5,6 +5,7 @@ import argparse
 import io
 import ipaddress
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -364,7 +365,7 @@ def test_doctor_on_this_machine_without_rdma_devices(monkeypatch, capsys):
     doctor_mod.add_parser(ap.add_subparsers(dest="command"))
     args = ap.parse_args(["doctor"])
     assert args.func(args) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # (wrapped to the terminal's width)
     assert "no RDMA devices found (/sys/class/infiniband does not exist)" in out
     assert "the shm transport (one host) remains available" in out
     assert "memlock:" in out and "libibverbs:" in out
@@ -402,6 +403,33 @@ def test_doctor_on_a_healthy_gb10(tmp_path):
     assert "mesh [automatic discovery]: rocep1s0f0:1 (GID 3" in out
     assert "  prev: rocep1s0f0:1" in out and "  next: rocep1s0f1:1" in out
     assert out.rstrip().endswith("OK: sparkccl can use RDMA here (mesh, ring)")
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_doctor_wraps_to_the_terminal(columns):
+    """`sparkccl doctor` on a terminal of `columns` (COLUMNS): no line longer; the same words
+    as the unwrapped report; the port table as one block per port where it does not fit."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="dr") as short:  # (the path is a value shown)
+        _doctor_wraps(pathlib.Path(short), columns)
+
+
+def _doctor_wraps(tmp_path, columns):
+    fs = gb10(tmp_path)
+    rc, wide = _doctor(tmp_path, fs, world=8)
+    rc2, narrow = _doctor(tmp_path, fs, world=8, columns=columns)
+    assert rc == rc2 == 0
+    assert max(map(len, wide.splitlines())) > 120  # (what there is to wrap)
+    assert max(map(len, narrow.splitlines())) <= columns, narrow
+    def outside_port_table(text):
+        head, rest = text.split("RDMA devices under")
+        return sorted((head + rest[rest.index("memlock:"):]).split())  # (cells wrap in place)
+    assert outside_port_table(narrow) == outside_port_table(wide)
+    assert "rocep1s0f1:\n  QSFP/root: p1s0f1/0\n  port: 1\n  state: ACTIVE/LinkUp" in narrow
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARKCCL_", "NCCL_IB_"))}
+    r = subprocess.run([sys.executable, "-m", "sparkccl.cli", "doctor"], capture_output=True,
+                       text=True, timeout=120, env={**env, "COLUMNS": str(columns)})
+    assert r.returncode == 0 and max(map(len, r.stdout.splitlines())) <= columns, r.stdout
 
 
 def test_doctor_shows_why_a_port_is_unusable_and_passes_if_mesh_works(tmp_path):

@@ -38,6 +38,9 @@ import torch.distributed as dist
 import sparkccl
 from sparkccl.localrun import check, run_ranks
 
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
+
 HAVE_GPU = torch.cuda.is_available()
 TIMEOUT_S = 2.0
 RUN = 8  # collectives each survivor queues without synchronizing

@@ -12,6 +12,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import fault_campaign as fc  # noqa: E402
 
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
+
 CASES = [
     fc.Case("tcp", "ring", 4, "kill", "relay", victim=2, call=3, delay_ms=5.0, seed=71),
     fc.Case("verbs", "mesh", 3, "kill", "before-publish", victim=1, call=2, delay_ms=0.0,

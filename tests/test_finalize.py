@@ -493,6 +493,7 @@ def _run_comm(nprocs, configs, device="cpu"):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_communicator_finalize_mesh():
     # 24 KiB slots (6 KiB per rank): rows of up to H = 256 go 8 per rank per collective,
     # so the 12- and 16-row cases split into several collectives (H = 4096 is skipped there).
@@ -500,6 +501,7 @@ def test_communicator_finalize_mesh():
                   (4, "mesh", 1 << 20, True), (4, "mesh", 24 << 10, False)])
 
 
+@pytest.mark.slow
 def test_communicator_finalize_ring():
     _run_comm(5, [(2, "ring", 1 << 20, True), (3, "ring", 1 << 20, False),
                   (4, "ring", 1 << 20, True), (4, "ring", 24 << 10, True),
@@ -578,6 +580,7 @@ def finalize_burst_job(rank, nprocs, store, configs, n, device):
     return bad
 
 
+@pytest.mark.slow
 def test_burst_finalize_mixed_cpu():
     # 64 KiB slot: the larger finalizes and reduce-scatters split into several collectives.
     bad = check(run_ranks(finalize_burst_job, 4, timeout_s=900,
@@ -687,6 +690,7 @@ def finalize_bad_input_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_bad_finalize_inputs_raise_before_sending():
     values = check(run_ranks(finalize_bad_input_job, 2, timeout_s=300))
     assert_no_problems(values, at_least=30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import sparkccl
@@ -65,6 +66,7 @@ def _cache_job(rank, world, store):
             "proxy": proxy}
 
 
+@pytest.mark.slow
 def test_launch_plan_hits_and_invalidation():
     values = check(run_ranks(_cache_job, 2, timeout_s=300))
     for v in values:
@@ -97,6 +99,7 @@ def _latency_job(rank, world, store, transport):
         return comm.proxy_stats()
 
 
+@pytest.mark.slow
 def test_proxy_reports_publish_to_post_latency():
     """Over tcp here; shm and the in-process proxies are covered by the tests around."""
     for transport in ("tcp",):

@@ -22,6 +22,9 @@ from sparkccl.localrun import run_ranks
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns  # noqa: E402
 
+# Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 60  # the collective timeout: far above what the liveness channel needs
 SLACK_S = 2.5   # scheduling on a loaded 2-core host, process teardown
 

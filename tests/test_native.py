@@ -580,12 +580,14 @@ def _run_processes(topology, world, leave_early=()):
                     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology,world", [("mesh", 3), ("ring", 4)])
 def test_separate_processes(topology, world):
     out = _run_processes(topology, world)
     assert out == {r: "ok" for r in range(world)}
 
 
+@pytest.mark.slow
 def test_separate_processes_peer_exits():
     """Rank 2 exits without taking part (a zombie until joined): the others fail fast."""
     t0 = time.monotonic()

@@ -1,8 +1,8 @@
 """The SGLang hook, against the real SGLang package (docs/VLLM_SGLANG.md).
 
 Skips, with the import error as the reason, where ``sglang.srt.distributed`` does not
-import (CI: not installed); ``benchmarks/integrations_check.sh`` installs it into a venv
-and runs this (output in ``benchmarks/integrations_cpu.txt``). The shared routing rule is
+import (fails instead with TEST_REQUIRE_ENGINES=1); ``benchmarks/integrations_check.sh``,
+which CI runs, installs it into a venv and runs this (output in ``benchmarks/integrations_cpu.txt``). The shared routing rule is
 tested without SGLang in tests/test_vllm_plugin.py.
 
 How the real SGLang runs here: ranks are processes over gloo; SGLang's plugin loader
@@ -26,6 +26,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import engine_missing
 from sparkccl.integrations import routing
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
@@ -82,8 +83,8 @@ def _import_job(rank, world, store):
 def sglang_env(tmp_path_factory):
     """The rank environment, or a skip naming why SGLang cannot be imported here."""
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed (benchmarks/integrations_check.sh installs it "
-                    "in a venv)")
+        engine_missing("SGLang is not installed (benchmarks/integrations_check.sh installs "
+                       "it in a venv)")
     env = dict(SGLANG_ENV)
     if importlib.util.find_spec("triton") is None:
         d = tmp_path_factory.mktemp("triton_placeholder")
@@ -92,7 +93,7 @@ def sglang_env(tmp_path_factory):
         env[PLACEHOLDER_ENV] = str(d)
     r = run_ranks(_import_job, world=1, env=env, timeout_s=300)[0]
     if r.error_type:
-        pytest.skip(f"SGLang does not import here: {r.error_type}: {r.message}")
+        engine_missing(f"SGLang does not import here: {r.error_type}: {r.message}")
     return env
 
 
@@ -117,6 +118,7 @@ def _inert_job(rank, world, store):
     return hooked, "_sparkccl" in tp.__dict__
 
 
+@pytest.mark.slow
 def test_sglang_hook_is_inert_when_off(sglang_env):
     res = check(run_ranks(_inert_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "0"},
                           timeout_s=600))
@@ -177,6 +179,7 @@ def _on_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sglang_env):
     res = check(run_ranks(_on_job, world=2, env={**sglang_env, "SPARKCCL_SGLANG": "1"},
                           timeout_s=600))
@@ -229,6 +232,7 @@ def _captured_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_sglang_hook_routes_captured_calls_with_the_setting(sglang_env):
     env = {**sglang_env, "SPARKCCL_SGLANG": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):

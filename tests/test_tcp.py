@@ -384,6 +384,7 @@ def same_as_shm_job(rank, world, store, topology, slot_bytes):
 # (Every world and fabric again, between namespaces: test_tcp_netns.py.)
 @pytest.mark.parametrize("topology,world,slot", [
     ("mesh", 2, None), ("ring", 3, 64 << 10), ("mesh", 4, None), ("ring", 4, None)])
+@pytest.mark.slow
 def test_loopback_exact_and_same_as_shm(topology, world, slot):
     values = check(run_ranks(same_as_shm_job, world, args=(topology, slot), timeout_s=300))
     for r, (bad, same) in enumerate(values):
@@ -409,6 +410,7 @@ def abort_job(rank, world, store):
         return None, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_loopback_abort_reaches_every_rank():
     """An abort on rank 0 reaches rank 2 of a ring of 4 through the abort frames (relayed
     by rank 1 or 3), long before the 60 s timeout."""
@@ -420,6 +422,7 @@ def test_loopback_abort_reaches_every_rank():
     assert "peer" in values[2][0] and "aborted" in values[2][0]
 
 
+@pytest.mark.slow
 def test_loopback_killed_peer_fails_fast():
     res = run_ranks(killed_peer_job, 3, args=("tcp", 1 << 16), timeout_s=120)
     assert res[1].killed

@@ -33,7 +33,8 @@ from sparkccl.reference import (all_gather_reference, bits, make_input,  # noqa:
                                 reduce_scatter_reference)
 
 _WHY = netns.unavailable_reason()
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"namespace testbed: {_WHY}")
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(_WHY is not None, reason=f"namespace testbed: {_WHY}")]
 
 MiB = 1 << 20
 DTYPES_AG = (torch.uint8, torch.bfloat16, torch.float32)

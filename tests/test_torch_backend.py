@@ -236,6 +236,7 @@ def backend_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_backend_bit_exact_and_fallbacks_mesh_ring_world_2_and_4():
     world = 4
     values = check(run_ranks(backend_job, world, timeout_s=240,
@@ -346,6 +347,7 @@ def dist_error():
     return CollectiveError
 
 
+@pytest.mark.slow
 def test_compiled_functional_collectives_ddp_and_errors():
     values = check(run_ranks(compile_and_errors_job, 2, timeout_s=240))
     for v in values:
@@ -399,6 +401,60 @@ def test_graph_capture_declined(monkeypatch):
                        ("all_reduce", out, out)):
         assert tb.decline_reason(kind, a, b, world=4, min_bytes=0, op=SUM) == \
             "CUDA graph capture"
+
+
+# ---- both generations of the public names --------------------------------------------
+
+# (new name, older name): torch 2.13 added the first and flags the second with a
+# FutureWarning on every call; earlier releases have only the second. README, "Use it from
+# torch.distributed".
+PUBLIC_NAMES = (("all_gather_single", "all_gather_into_tensor"),
+                ("reduce_scatter_single", "reduce_scatter_tensor"))
+
+
+def names_job(rank, world, store):
+    dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
+                            pg_options=tb.Options(min_bytes=0))
+    pg = dist.group.WORLD
+    xs = [make_input(1, r, (6, 5), torch.bfloat16) for r in range(world)]
+    ys = [make_input(2, r, (world * 4, 3), torch.float32) for r in range(world)]
+    out = {}
+    for (new, old), kind in zip(PUBLIC_NAMES, ("all_gather", "reduce_scatter")):
+        for name in (new, old):
+            call = getattr(dist, name, None)
+            if call is None:
+                out[name] = None  # this torch does not have it
+                continue
+            before = pg.routed[kind]
+            if kind == "all_gather":
+                res = torch.empty(world * 6, 5, dtype=torch.bfloat16)
+                want = all_gather_reference(xs)
+                args = (res, xs[rank])
+            else:
+                res = torch.empty(4, 3)
+                want = reduce_scatter_reference(ys, rank)
+                args = (res, ys[rank])
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                call(*args)
+            out[name] = {"routed": pg.routed[kind] - before,
+                         "exact": bool((bits(res) == want).all()),
+                         "future_warning": any(issubclass(w.category, FutureWarning)
+                                               for w in seen)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_both_public_names_reach_sparkccl():
+    values = check(run_ranks(names_job, 2, timeout_s=120))
+    torch_2_13 = hasattr(dist, "all_gather_single")
+    for v in values:
+        for new, old in PUBLIC_NAMES:
+            assert v[old] == {"routed": 1, "exact": True, "future_warning": torch_2_13}, v
+            if torch_2_13:
+                assert v[new] == {"routed": 1, "exact": True, "future_warning": False}, v
+            else:
+                assert v[new] is None
 
 
 def test_registered_by_import():

@@ -68,6 +68,7 @@ def _exact_job(rank, world, store, topology):
         return comm.transport, ag, rs
 
 
+@pytest.mark.slow
 def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
     """Rank 1 dies: the survivors' writes to it are never acknowledged, their QPs fail with
     retry-exceeded after timeout x retries, and each raises CollectiveError (long before the
@@ -144,6 +145,7 @@ def _reorder_job(rank, world, store):
     return _ordering_job(rank, world, store, "inline"), _ordering_job(rank, world, store, "strict")
 
 
+@pytest.mark.slow
 def test_reordering_pcie_breaks_inline_ordering_and_strict_fixes_it(tmp_path):
     """A host whose PCIe lets a data write land after the flag that follows it (the emulated
     NIC delays non-inline write data by 1 s): with the default inline ordering the lane
@@ -177,6 +179,7 @@ def _traced_job(rank, world, store):
         return ag, emunic.take_trace()
 
 
+@pytest.mark.slow
 def test_rate_limit_slots_follow_the_posts_and_never_overlap(tmp_path):
     """The emulated NIC's token bucket (emunic.cpp: pace): on every root, a work request's
     slot on the link starts no earlier than it was posted and than the previous slot ended
@@ -206,6 +209,7 @@ def test_rate_limit_slots_follow_the_posts_and_never_overlap(tmp_path):
     assert all(landed[k] >= sent[k] for k in sent)
 
 
+@pytest.mark.slow
 def test_relay_lead_ring_is_exact(emunic_env):
     """SPARKCCL_RELAY_LEAD (own pieces held back behind the relays on their connection)
     across processes over the emulated NIC: ring world 5, every collective bit-exact."""

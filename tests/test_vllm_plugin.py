@@ -1,10 +1,10 @@
 """The vLLM plugin, against the real vLLM package, and the routing rule it shares with the
 SGLang hook (docs/VLLM_SGLANG.md).
 
-The rule's tests run everywhere (CI has no vLLM: too big to install). The plugin's tests
-need vLLM importable in this interpreter and skip, with the import error as the reason,
-where it is not; ``benchmarks/integrations_check.sh`` installs vLLM into a venv and runs
-them (output in ``benchmarks/integrations_cpu.txt``).
+The rule's tests run everywhere. The plugin's tests need vLLM importable in this
+interpreter and skip, with the import error as the reason, where it is not (they fail
+instead with TEST_REQUIRE_ENGINES=1); ``benchmarks/integrations_check.sh``, which CI runs,
+installs vLLM into a venv and runs them (output in ``benchmarks/integrations_cpu.txt``).
 
 How the real vLLM runs here, on a CPU-only machine: ranks are processes over gloo;
 vLLM's plugin loader (``vllm.plugins.load_general_plugins``) finds the ``sparkccl`` entry
@@ -23,6 +23,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import engine_missing
 from sparkccl.integrations import routing
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
@@ -122,6 +123,7 @@ def _rule_job(rank, world, store):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_rule_is_the_same_on_every_rank():
     env = {"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)}
     res = check(run_ranks(_rule_job, world=3, env=env, timeout_s=120))
@@ -129,6 +131,7 @@ def test_rule_is_the_same_on_every_rank():
     assert [r for _, r in res[0]] == [c[-1] for c in RULE_CASES]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_settings_refuse_alike():
     res = run_ranks(_rule_job, world=2, env={"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)},
                     rank_env={1: {"SPARKCCL_ENGINE_MIN_BYTES": "1M"}}, timeout_s=120)
@@ -137,6 +140,7 @@ def test_ranks_with_different_settings_refuse_alike():
         assert "rank 0: min_bytes=65536" in r.message and "rank 1: min_bytes=1048576" in r.message
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_on_captured_calls_refuse_alike():
     res = run_ranks(_rule_job, world=2, env={"SPARKCCL_ENGINE_MIN_BYTES": str(MIN)},
                     rank_env={1: {"SPARKCCL_ENGINE_CAPTURED": "1"}}, timeout_s=120)
@@ -146,6 +150,7 @@ def test_ranks_that_disagree_on_captured_calls_refuse_alike():
         assert "rank 1: min_bytes=65536 topology=mesh transport=auto captured=1" in r.message
 
 
+@pytest.mark.slow
 def test_a_bad_setting_on_one_rank_fails_every_rank():
     res = run_ranks(_rule_job, world=2, rank_env={1: {"SPARKCCL_ENGINE_TOPOLOGY": "torus"}},
                     timeout_s=120)
@@ -171,7 +176,7 @@ def _vllm_unavailable() -> str | None:
 def vllm_ok():
     why = _vllm_unavailable()
     if why:
-        pytest.skip(why)
+        engine_missing(why)
 
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1", "SPARKCCL_ENGINE_MIN_BYTES": str(MIN),
@@ -205,6 +210,7 @@ def _inert_job(rank, world, store):
     return found, answer, type(dc).__name__, getattr(dc, "sparkccl", "absent")
 
 
+@pytest.mark.slow
 def test_vllm_plugin_is_inert_when_off(vllm_ok):
     res = check(run_ranks(_inert_job, world=2, env={**VLLM_ENV, "SPARKCCL_VLLM": "0"},
                           timeout_s=600))
@@ -308,6 +314,7 @@ def _on_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm_ok):
     res = check(run_ranks(_on_job, world=2, env={**VLLM_ENV, "SPARKCCL_VLLM": "1"},
                           timeout_s=600))
@@ -376,6 +383,7 @@ def _captured_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_vllm_plugin_routes_captured_calls_with_the_setting(vllm_ok):
     env = {**VLLM_ENV, "SPARKCCL_VLLM": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):

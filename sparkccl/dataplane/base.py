@@ -10,7 +10,7 @@ import torch
 
 from .. import layout
 from ..errors import CollectiveError
-from ..plan.geometry import FLAG_STRIDE
+from ..plan.geometry import ALIGN, FLAG_STRIDE
 from ..plan.model import PREV, Op, RankPlan, decode_flag_word
 
 OP_NAMES = {Op.AG: "all_gather", Op.RS: "reduce_scatter"}
@@ -84,9 +84,12 @@ class DataPlaneBase:
                   f"flag word {word} shows {last} arrived)",
                   layout.ABORT_TIMEOUT, peer=origin, connection=conn)
 
-    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int,
+                    caller_bytes: int | None = None) -> bool:
         """Every rank must pass the same sizes: compare with the source's own publish entry.
-        False while that entry has not appeared yet (nothing compared)."""
+        False while that entry has not appeared yet (nothing compared). ``caller_bytes``:
+        this rank's slice as its caller passed it, when the plane knows it (for the
+        message: the entries hold slices padded to ALIGN bytes)."""
         ring = self.peer_rings[source]
         if ring is None:
             return True
@@ -95,8 +98,16 @@ class DataPlaneBase:
             return False
         theirs = int(rows[0, 2])
         if theirs != slice_bytes:
+            mine = str(caller_bytes) if caller_bytes is not None else _unpadded(slice_bytes)
             self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {source} passed a "
-                      f"different size than this rank ({theirs} vs {slice_bytes} bytes per "
-                      "rank, padded to 16); every rank must pass the same shape",
+                      f"different size than rank {self.rank} (this rank): rank {self.rank} "
+                      f"passed {mine} bytes per rank, rank {source} {_unpadded(theirs)} (the "
+                      f"ranks exchange slices padded to {ALIGN} bytes: {slice_bytes} vs "
+                      f"{theirs}); every rank must pass the same shape",
                       layout.ABORT_USER, peer=source)
         return True
+
+
+def _unpadded(padded: int) -> str:
+    """What a caller's slice was, given it padded to ALIGN bytes."""
+    return f"between {max(1, padded - ALIGN + 1)} and {padded}" if padded else "0"

@@ -160,7 +160,8 @@ class CpuDataPlane(DataPlaneBase):
                   f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
 
-    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int) -> bool:
+    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int,
+                    caller_bytes: int | None = None) -> bool:
         """The base check, probing first the ring entries right after the source's last
         match (a source publishes its collectives in order): one row read instead of a
         scan of the whole ring."""
@@ -171,12 +172,12 @@ class CpuDataPlane(DataPlaneBase):
                 row = ring[(hint + k) % len(ring)]
                 if int(row[1]) == seq and int(row[0]) != 0:
                     self._ring_hint[source] = (hint + k + 1) % len(ring)
-                    return super()._check_size(op, seq, source, slice_bytes) \
+                    return super()._check_size(op, seq, source, slice_bytes, caller_bytes) \
                         if int(row[2]) != slice_bytes else True
-        return super()._check_size(op, seq, source, slice_bytes)
+        return super()._check_size(op, seq, source, slice_bytes, caller_bytes)
 
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
-              slice_bytes: int, first: bool = False) -> None:
+              slice_bytes: int, first: bool = False, caller_bytes: int | None = None) -> None:
         words = self.waits[op][source]
         if not words:
             return
@@ -185,7 +186,7 @@ class CpuDataPlane(DataPlaneBase):
         code, idx = self.nat.wait_flags(self.ctl, self.flags, words, value, remaining)
         if code == 0:
             if first and self.peer_rings is not None:
-                self._check_size(op, seq, source, slice_bytes)
+                self._check_size(op, seq, source, slice_bytes, caller_bytes)
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
             self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
@@ -235,7 +236,8 @@ class CpuDataPlane(DataPlaneBase):
                 move(dp + me * dst_stride + a, sp + a, b - a)
         for g, ((c0, c1, a, b), peers) in enumerate(zip(lp.groups, lp.peers)):
             for i, block in peers:
-                self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0)
+                self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0,
+                           caller_bytes=L)
                 if b > a:
                     move(dp + i * dst_stride + a, block, b - a)
 
@@ -264,10 +266,12 @@ class CpuDataPlane(DataPlaneBase):
         """:meth:`_rs_finish` from a launch plan: the same waits and the same fp32 sum in rank
         order, over the plan's views."""
         me, S = self.rank, lp.S
+        L = lp.groups[-1][3]  # the caller's chunk (the last piece ends there)
         for g, ((c0, c1, a, b), parts, acc) in enumerate(zip(lp.groups, lp.parts, lp.accs)):
             for i, part in parts:
                 if i != me:
-                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0)
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0,
+                               caller_bytes=L)
                 if b == a:
                     continue
                 if i == 0:
@@ -301,7 +305,8 @@ class CpuDataPlane(DataPlaneBase):
             n = (b - a) // esize
             for i in range(W):
                 if i != me:
-                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0)
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0,
+                               caller_bytes=L)
                 if n == 0:
                     continue
                 part = (send if i == me else recv)[i * S + a:i * S + b].view(dtype)

@@ -4,8 +4,8 @@
 
     import sparkccl.integrations.torch_backend          # registers "sparkccl"
     dist.init_process_group("sparkccl")                  # or dist.new_group(backend="sparkccl")
-    dist.all_gather_into_tensor(out, x)                  # -> sparkccl
-    dist.reduce_scatter_tensor(out, y)                   # -> sparkccl (SUM, AVG)
+    dist.all_gather_single(out, x)      # -> sparkccl (before torch 2.13: all_gather_into_tensor)
+    dist.reduce_scatter_single(out, y)  # -> sparkccl, SUM / AVG (before 2.13: reduce_scatter_tensor)
     dist.all_reduce(z)                                   # -> sparkccl: reduce-scatter + all-gather
     dist.broadcast(z, 0)                                 # -> the fallback group (gloo / NCCL)
 
