@@ -120,7 +120,7 @@ class Wiring:
                                     flags_addr=self.flags_addr, ag=ag.tensor,
                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                     peer_rings=rings, device=self.device)
-            if link.maps_peers and s.gpu_direct:
+            if link.maps_peers and s.gpu_direct and self.dp.maps_peers:
                 self._setup_gpu_direct()
         else:
             self.dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self.ctl_addr,
@@ -231,7 +231,7 @@ class Wiring:
         to ``bootstrap_timeout_s``, abort-aware) until every rank got here, so that the
         transport's goodbye is clean and no peer takes this rank's exit for a crash."""
         nat, ctl, dp = self.nat, self.ctl_addr, self.dp
-        if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
+        if barrier and dp is not None:  # GPU work of this rank finishes first
             try:
                 dp.synchronize()
             except CollectiveError as e:
@@ -266,7 +266,7 @@ class Wiring:
             text = nat.error_text(ctl) if code else None
             steps.append(("the liveness channel",
                           lambda lv=self.liveness: lv.stop(goodbye=clean, abort_text=text)))
-        if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
+        if dp is not None:  # unpin (stopping kernels still running) before unmapping
             steps.append(("the data plane", dp.close))
         if self.proxy is not None:  # tcp: a goodbye, so peers see no crash
             steps.append(("the proxy", lambda px=self.proxy: px.stop(graceful=clean)))

@@ -864,6 +864,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
         return not self._graph and not self._capturing()
 
+    def refuse_capture(self, what: str) -> None:
+        if self._capturing():
+            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
+                               "reduce-scatter sets up its buffers and cannot be captured in a "
+                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
+
     def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
                zero_copy: str | None = None) -> int:
         """Checks before a collective's first launch; returns the host's copy of its first
@@ -1037,6 +1044,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
+    zero_copy_results = True  # all_gather(..., dst=None): the result stays in the pinned slot
+    maps_peers = True  # GPU-direct: map_peers / map_peers_rs
 
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                    dst_stride: int) -> None:
