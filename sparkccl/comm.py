@@ -41,7 +41,7 @@ from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
-from .transport import base as transports
+from .transport import registry
 
 log = logging.getLogger("sparkccl")
 
@@ -200,9 +200,9 @@ class Communicator:
         """World 1: the settings are checked as for any world; nothing else is built."""
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-        if transport not in transports.names():
+        if transport not in registry.names():
             raise ValueError(f"transport={transport!r}: must be one of "
-                             f"{', '.join(transports.names())}")
+                             f"{', '.join(registry.names())}")
         s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=1)
         self.bootstrap_timeout_s = bootstrap.timeout(bootstrap_timeout_s, timeout_s)[0]
         self._nat = _native()
@@ -234,6 +234,29 @@ class Communicator:
     @property
     def pinned_bytes(self) -> int:
         return self._wiring.pinned_bytes if self._wiring is not None else 0
+
+    @property
+    def rs_ready(self) -> bool:
+        """Do the reduce-scatter buffers exist yet? (They are set up by the first
+        reduce-scatter, which a CUDA graph cannot capture: integrations warm it up first.)"""
+        return self._rs_ready
+
+    @property
+    def data_plane(self):
+        """The data plane (:class:`sparkccl.dataplane.base.DataPlaneBase`), or None (world
+        of one, or closed): for benchmarks and diagnostics (e.g. ``clock_error_ns``)."""
+        return self._dp
+
+    def lanes(self) -> dict:
+        """(channel, root) -> the RDMA lane this rank uses ({} for transports without
+        lanes, a world of one, or a closed communicator)."""
+        link = self._wiring.link if self._wiring is not None else None
+        return link.lanes() if link is not None else {}
+
+    def describe_lanes(self) -> list[str]:
+        """One line per RDMA lane this rank uses ([] without lanes)."""
+        link = self._wiring.link if self._wiring is not None else None
+        return link.describe() if link is not None else []
 
     def _ensure_rs(self) -> None:
         if not self._rs_ready:

@@ -22,6 +22,7 @@ from .errors import CollectiveError, ShmSpaceError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.model import REGION_SLOTS, Region
 from .transport import base as transports
+from .transport import registry
 from .transport import check as lane_check
 
 log = logging.getLogger("sparkccl")
@@ -42,7 +43,7 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     info = dict(version=PROTOCOL_VERSION, world=world, topology=topology, transport=transport,
                 slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                 host=host, boot_id=boot_id, uid=os.getuid(),
-                pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
+                pid=os.getpid(), **registry.join_record(transport, topology, s.roots))
     infos = rv.exchange("info", info, "join the communicator")
     failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
     if failed:
@@ -51,7 +52,7 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     bootstrap.validate(infos, AGREED)
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-    return infos, transports.select(transport, infos)  # the only place a name is looked at
+    return infos, registry.select(transport, infos)  # the only place a name is looked at
 
 
 class Wiring:
