@@ -58,7 +58,7 @@ def measure(iters: int, profile: bool) -> dict:
         def issue_nothing(plan, args):  # (rank 1 issues nothing: nothing may run)
             dp._last_event = None
             return True
-        dp._issue_plan = issue_nothing
+        dp.issue_plan = issue_nothing
         # A Communicator of rank 0 around the data plane, as wiring.py would build it.
         comm = object.__new__(Communicator)
         comm.device, comm.world_size, comm.rank = torch.device("cpu"), 2, 0

@@ -189,123 +189,123 @@ class EmuDataPlane(C.CudaDataPlane):
     """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
     addresses, launches go to the emulated kernels."""
 
-    def _setup_backend(self, device):
+    def setup_device(self, device):
         self.device = torch.device("cpu")
         self.kernels = {}
         self.sms = 4
         # Every emulated rank of this test process "shares one GPU": one trap lock.
         self.trap_lock_path = EMU_TRAP_LOCK
 
-    def _register(self, addr, size):
+    def register(self, addr, size):
         self._registered.append(addr)
         return addr
 
-    def _unregister(self, addr):
+    def unregister(self, addr):
         pass
 
-    def _view(self, ptr, nbytes):
+    def view(self, ptr, nbytes):
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
-    def _to_device(self, t):
+    def to_device(self, t):
         return t.clone()
 
-    def _device_synchronize(self):
+    def device_synchronize(self):
         pass
 
-    def _stream(self):
+    def current_stream(self):
         s = _emu_current.stream
         return s, s
 
-    def _capturing(self):
+    def capturing(self):
         return getattr(_emu_current, "capture", None) is not None
 
-    def _launch_kernel(self, stream, name, grid, block, *args):
+    def launch_kernel(self, stream, name, grid, block, *args):
         capture = getattr(_emu_current, "capture", None)
         if capture is not None:  # an emulated graph capture: recorded, not run
             capture.append((stream, name, grid, [int(a) for a in args]))
             return
         stream.submit(name, grid, args)
 
-    def _make_plan(self, rec):
+    def make_plan(self, rec):
         return rec  # replayed launch by launch (_issue_plan)
 
-    def _caller_stream(self):
-        if self._capturing():
+    def caller_stream(self):
+        if self.capturing():
             return None
         ts = _emu_current.stream
-        return self._stream_term(ts), ts
+        return self.stream_term(ts), ts
 
-    def _issue_plan(self, rec, args):
-        if self._capturing():
+    def issue_plan(self, rec, args):
+        if self.capturing():
             return False
         ts = _emu_current.stream
         for name, grid, block, params in rec.launches_for(args):
-            self._launch(ts, name, grid, block, *params)
-        self._end(ts)
+            self.launch(ts, name, grid, block, *params)
+        self.end(ts)
         return True
 
-    def _mark(self, ts):
+    def mark(self, ts):
         return ts.record()
 
-    def _end(self, ts):
-        self._last_event = self._mark(ts)
+    def end(self, ts):
+        self._last_event = self.mark(ts)
         self._last_ctx = ts.ctx
         self._last_ts = ts
 
-    def _event_done(self, ev):
+    def event_done(self, ev):
         if not ev.is_set():
             return False
         self._last_ctx.check()
         return True
 
-    def _release_waits(self):  # the state words are host memory here
+    def release_waits(self):  # the state words are host memory here
         self.state[1] = 1
         self.state[0] = C.RELEASED_PROGRESS
 
-    def _busy(self):  # as an event query: a lost context raises
+    def busy(self):  # as an event query: a lost context raises
         if self._last_event is None:
             return False
         self._last_ctx.check()
         return not self._last_event.is_set()
 
-    def _probe_stream(self):
+    def probe_stream(self):
         st = self._probe = EmuStream()
         return st, st
 
-    def _side_stream(self, name):
+    def side_stream(self, name):
         st = self._side_streams.get(name)
         if st is None:
             st = self._side_streams[name] = EmuStream(_emu_current.stream.ctx)
         return st
 
-    def _fork(self, ts, name="side"):
-        st = self._side_stream(name)
+    def fork(self, ts, name="side"):
+        st = self.side_stream(name)
         st.wait_event(ts.record())
         return st, st
 
-    def _join(self, ts, side_ts):
+    def join(self, ts, side_ts):
         ts.wait_event(side_ts.record())
 
-    def _stream_term(self, st):
+    def stream_term(self, st):
         if st is None:
             return 0
         self.__dict__.setdefault("_emu_streams", {})[id(st)] = st
         return id(st)
 
-    def _new_events(self, n):
+    def new_events(self, n):
         first = self.__dict__.get("_emu_next_event", 1)
         self._emu_next_event = first + n
         return list(range(first, first + n))
 
-    def _done_handle(self):
+    def done_handle(self):
         return EMU_DONE_EVENT
 
-    def _new_program(self, kernels, patches, rows):
+    def new_program(self, kernels, patches, rows):
         table = [(k + 1, block, ps) for k, (_, block, ps) in enumerate(kernels)]
         return EmuProgram(N.OpProgram(1, C.N_TERMS, table, patches, rows),
                           [name for name, _, _ in kernels])
 
-    def _run_program(self, program, terms, ts):
+    def run_program(self, program, terms, ts):
         """The program's operations as the native OpProgram evaluates them, run on the
         emulated streams (launches whose kernel is in ``self.emu_skip`` are dropped). The
         copies of one batched driver call (OpProgram.calls) run last to first: the GPU
@@ -327,7 +327,7 @@ class EmuDataPlane(C.CudaDataPlane):
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
             elif kind == C.OP_RECORD:
                 if a == EMU_DONE_EVENT:
-                    self._end(stream)
+                    self.end(stream)
                 else:
                     events[a] = stream.record()
             elif kind == C.OP_WAIT_EVENT:
@@ -343,19 +343,19 @@ class EmuDataPlane(C.CudaDataPlane):
         self.emu_programs_run = getattr(self, "emu_programs_run", 0) + 1
         self.emu_ops_run = getattr(self, "emu_ops_run", 0) + len(ops) // 5
 
-    def _sum_stream(self):
+    def sum_stream(self):
         if self._sums is None:
-            self._sums = (EmuStream(_emu_current.stream.ctx), self._new_events(C.PIECES * self.maxw))
+            self._sums = (EmuStream(_emu_current.stream.ctx), self.new_events(C.PIECES * self.maxw))
         return self._sums
 
-    def _free_events(self):
+    def free_events(self):
         self.__dict__.pop("_ce_plans", None)
         self.__dict__.pop("_ce_stream_handles", None)
         if self._sums is not None:
             self._sums[0].close()
             self._sums = None
 
-    def _can_write_values(self):
+    def can_write_values(self):
         return True
 
     def close(self, **kw):
@@ -901,7 +901,7 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
     kernels wait once, then move all of it), for a piece above; and by default never more
     than MAX_WAIT_BLOCKS, however many SMs (they spin: ranks sharing a GPU need SMs left for
     each other's publishing blocks)."""
-    setup, init, defaults = EmuDataPlane._setup_backend, EmuDataPlane.__init__, []
+    setup, init, defaults = EmuDataPlane.setup_device, EmuDataPlane.__init__, []
 
     def many_sms(self, device):
         setup(self, device)
@@ -910,16 +910,16 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
     def recording(self, *a, **kw):
         init(self, *a, **kw)
         defaults.append(self.max_wait_blocks)
-    monkeypatch.setattr(EmuDataPlane, "_setup_backend", many_sms)
+    monkeypatch.setattr(EmuDataPlane, "setup_device", many_sms)
     monkeypatch.setattr(EmuDataPlane, "__init__", recording)
     with World("emu", "mesh", 2, max_slice=4096) as w:
         assert defaults == [C.MAX_WAIT_BLOCKS] * 2
         dp = w.dps[0]
         dp.max_wait_blocks = C.MAX_WAIT_BLOCKS
         oh, per = C.ONE_HANDOFF_SLICE, C.WAIT_BYTES_PER_BLOCK
-        assert dp._slice_wait_blocks(oh) == oh // per
-        assert dp._slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
-        assert dp._slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
+        assert dp.slice_wait_blocks(oh) == oh // per
+        assert dp.slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
+        assert dp.slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -983,9 +983,9 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            run, launch = dp._run_program, dp._launch
-            dp._run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))
-            dp._launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
+            run, launch = dp.run_program, dp.launch
+            dp.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))
+            dp.launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
         w.sync()
@@ -1004,7 +1004,7 @@ def test_auto_mode_picks_the_engine_by_slice():
         launched.clear()
         for dp in w.dps:
             dp.direct_mode = "ce"
-            dp._can_write_values = lambda: False
+            dp.can_write_values = lambda: False
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
@@ -1024,12 +1024,12 @@ def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
     with World("emu", "mesh", world, max_slice=L, direct=True, mode="ce") as w:
         dp = w.dps[0]
         seen = []
-        run = dp._run_program
+        run = dp.run_program
 
         def watch(program, terms, ts):
             seen.append((program.native.evaluate(terms), program.native.calls(terms), terms))
             run(program, terms, ts)
-        dp._run_program = watch
+        dp.run_program = watch
         xs = inputs(5, world, (world * L // 2,), torch.bfloat16)
         ag = [x[:L // 2] for x in xs]
         outs = w.all_gather(ag)
@@ -1372,12 +1372,12 @@ def test_last_kernel_advances_the_state(mode, extra):
                mode=mode) as w:
         names = []
         for dp in w.dps:
-            launch = dp._launch
+            launch = dp.launch
 
             def counted(stream, name, *a, launch=launch):
                 names.append(name)
                 launch(stream, name, *a)
-            dp._launch = counted
+            dp.launch = counted
         pend = []
         for k in range(3):
             xs = inputs(800 + k, world, (world * 64,), torch.float32)
@@ -1711,8 +1711,8 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
         dp.trap_grace_s = 0.4
-        busy = dp._busy
-        dp._busy = lambda: True  # the emulated GPU "never stops" after the trap
+        busy = dp.busy
+        dp.busy = lambda: True  # the emulated GPU "never stops" after the trap
         try:
             _lone_all_gathers(w, 25, 2)
             deadline = time.monotonic() + 10
@@ -1720,7 +1720,7 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
                 time.sleep(0.05)
             assert dp.trap_wedged
         finally:
-            dp._busy = busy
+            dp.busy = busy
         err = capfd.readouterr().err
         assert "sparkccl: CollectiveError: rank 0: timed out after 0.3 s" in err, err
         assert ("sparkccl: rank 0: the GPU did not stop within 0.4 s of the fail-stop trap"

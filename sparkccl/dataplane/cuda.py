@@ -311,7 +311,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._ctl_words = memoryview(
             (ctypes.c_uint8 * layout.CTL_BYTES).from_address(ctl_addr)).cast("B").cast("Q")
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
-        self._setup_backend(device)
+        self.setup_device(device)
         self._device_index = self.device.index
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
@@ -320,20 +320,20 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
         try:
             ctl_bytes = layout.control_bytes(plan.num_flag_words)
-            self.ctl_dev = self._register(ctl_addr, ctl_bytes)
+            self.ctl_dev = self.register(ctl_addr, ctl_bytes)
             self.flags_dev = self.ctl_dev + (flags_addr - ctl_addr)
-            self.ag_dev = self._register(ag.data_ptr(), ag.numel())
+            self.ag_dev = self.register(ag.data_ptr(), ag.numel())
         except BaseException:
             self.close()
             raise
-        self.ag = self._view(self.ag_dev, ag.numel())
+        self.ag = self.view(self.ag_dev, ag.numel())
         # Device state (protocol.h STATE_*): progress word, dead, the next collective's seq
         # and first ring index, the finalize gate's bumps, the timeout. Publish counters
         # per (seq % 4, piece).
         head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
         init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
         init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
-        self.state = self._to_device(init)
+        self.state = self.to_device(init)
         # The host's copy of the next seq and ring index: true until a collective is
         # captured in a CUDA graph (replays advance only the device's; see seq_on_host).
         self._seq_next, self._ring_next = 0, head
@@ -341,14 +341,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._in_capture = False  # the current call is being captured
         self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
         self._ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
-        self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.counters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
-        self.fin_counters = self._to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
-        self.fin_bad = self._to_device(torch.zeros(4, dtype=torch.int32))
+        self.fin_counters = self.to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
+        self.fin_bad = self.to_device(torch.zeros(4, dtype=torch.int32))
         # GPU-direct finalize: own-rows gate per piece (monotonic; the device state's
         # STATE_GATE counts the bumps of every launch so far: each publish block bumps each
         # piece once).
-        self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
+        self.fin_gate = self.to_device(torch.zeros(PIECES, dtype=torch.int32))
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
@@ -363,9 +363,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ce_sums = [PART_NONE] * (self.maxw - 1) + [PART_WHOLE]
         self._ce_words = {op: ce_words(table[int(op)], parts[int(op)][:self.world] + [ce_sums],
                                        self.rank, op == Op.RS) for op in Op}
-        self.wait_table = self._to_device(torch.tensor(table, dtype=torch.int32))
-        self.parts_table = self._to_device(torch.tensor(parts, dtype=torch.int32))
-        self.ce_sum_parts = self._to_device(torch.tensor(ce_sums, dtype=torch.int32))
+        self.wait_table = self.to_device(torch.tensor(table, dtype=torch.int32))
+        self.parts_table = self.to_device(torch.tensor(parts, dtype=torch.int32))
+        self.ce_sum_parts = self.to_device(torch.tensor(ce_sums, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -383,7 +383,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             ctl_addr + layout.RING_OFFSET)
         self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
-        self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.dcounters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
         self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
         self._dhost: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
@@ -410,7 +410,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
                               f"calibration failed ({type(e).__name__}: {e}): no publish "
                               "stamps\n")
-        self._device_synchronize()
+        self.device_synchronize()
         self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
                                                  name=f"sparkccl-gpu-watchdog-{self.rank}")
         self._watchdog_thread.start()
@@ -424,11 +424,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         (t0 + t1) / 2 - g, within half the round trip, from the round of the shortest one.
         Not found in time (no stamps then): said on stderr, never an error."""
         buf = self._clock_buf = np.zeros(2 * rounds, dtype=np.uint64)
-        dev = self._register(buf.ctypes.data, buf.nbytes)
+        dev = self.register(buf.ctypes.data, buf.nbytes)
         go = [_u64(buf.ctypes.data + 8 * k) for k in range(rounds)]
         stamp = [_u64(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
-        ts, stream = self._probe_stream()
-        self._launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
+        ts, stream = self.probe_stream()
+        self.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
                             _n(rounds), _n(int(timeout_s * 1e9)))
         best = None
         deadline = time.monotonic() + timeout_s
@@ -458,7 +458,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
 
     # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
-    def _setup_backend(self, device) -> None:
+    def setup_device(self, device) -> None:
         check_available(device)
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if dev.index is None:
@@ -482,41 +482,41 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._fast_stream = (None, None)  # (raw handle, torch stream) of the latest planned call
         self.trap_lock_path = lock_path(gpu_key(dev))
 
-    def _register(self, addr: int, size: int) -> int:
+    def register(self, addr: int, size: int) -> int:
         with torch.cuda.device(self.device):
             dev = register_host(addr, size)
         self._registered.append(addr)
         return dev
 
-    def _unregister(self, addr: int) -> None:
+    def unregister(self, addr: int) -> None:
         with torch.cuda.device(self.device):
             unregister_host(addr)
 
-    def _register_peer(self, addr: int, size: int) -> int:
+    def register_peer(self, addr: int, size: int) -> int:
         """Like _register, for a peer's segment mapped here; a range this process pinned
         already (ranks of one process, as in the in-process tests) is used as it is."""
         try:
-            return self._register(addr, size)
+            return self.register(addr, size)
         except AlreadyRegistered:
             with torch.cuda.device(self.device):
                 return host_device_pointer(addr)
 
-    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
+    def view(self, ptr: int, nbytes: int) -> torch.Tensor:
         return device_view(ptr, nbytes, self.device)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def _device_synchronize(self) -> None:
+    def device_synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def _stream(self):
+    def current_stream(self):
         """(torch stream, cuda.core stream) of the caller's current stream."""
         set_current(self.device.index)
         ts = torch.cuda.current_stream(self.device)
         return ts, self._cc_stream(ts)
 
-    def _probe_stream(self):
+    def probe_stream(self):
         """(torch stream, cuda.core stream) of a stream of its own (the clock probe's)."""
         ts = torch.cuda.Stream(self.device)
         return ts, self._cc_stream(ts)
@@ -529,32 +529,32 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             s = self._cc_streams[h] = cc.Stream.from_handle(h)
         return s
 
-    def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
+    def launch(self, stream, name: str, grid: int, block: int, *args) -> None:
         """Launch kernel ``name``; recorded into the launch plan being built, if any
         (parameters may be :class:`~.launch_plan.CallPtr`)."""
         self.plans.record(name, grid, block, args)
-        self._launch_kernel(stream, name, grid, block, *plain(args))
+        self.launch_kernel(stream, name, grid, block, *plain(args))
 
-    def _launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
+    def launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
         cc = nvrtc.import_cuda_core()
         cfg = cc.LaunchConfig(grid=grid, block=block)
         with torch.cuda.device(self.device):  # this device's primary context is current
             cc.launch(stream, cfg, self.kernels[name], *args)
 
-    def _capturing(self) -> bool:
+    def capturing(self) -> bool:
         """Is the caller's stream (of this data plane's device) being captured into a CUDA
         graph? (torch asks the current device's stream: make it this one.)"""
         with torch.cuda.device(self.device):
             return torch.cuda.is_current_stream_capturing()
 
-    def _mark(self, ts):
+    def mark(self, ts):
         """An event recorded now on torch stream ``ts``."""
         ev = torch.cuda.Event()
         ev.record(ts)
         return ev
 
-    def _end(self, ts) -> None:
-        self._last_event = self._mark(ts)
+    def end(self, ts) -> None:
+        self._last_event = self.mark(ts)
         self._last_ts = ts
 
     def _replay_mark(self):
@@ -562,24 +562,24 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         leave no event of ours, but by the one-stream rule they ran on that stream, so the
         event lies after them (None: no eager call yet, see _wait_last)."""
         ts = getattr(self, "_last_ts", None)
-        return None if ts is None else self._mark(ts)
+        return None if ts is None else self.mark(ts)
 
-    def _event_done(self, ev) -> bool:
+    def event_done(self, ev) -> bool:
         """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
         return ev.query()
 
     def _release_waits_once(self) -> None:
-        """_release_waits, once per data plane (the watchdog and _wait_last both may)."""
+        """release_waits, once per data plane (the watchdog and _wait_last both may)."""
         with self._release_lock:
             if self._released:
                 return
             self._released = True
             try:
-                self._release_waits()
+                self.release_waits()
             except RuntimeError:
                 pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
 
-    def _release_waits(self) -> None:
+    def release_waits(self) -> None:
         """Write what every wait of this data plane waits for: the dead word, then the
         progress word at RELEASED_PROGRESS (above FAILED of any seq, also of replays the host
         did not count), so that stream value waits (mode "ce") and consumer blocks move on
@@ -605,13 +605,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if self._graph:  # replays of a captured graph leave no event of ours
             ev = self._replay_mark()
             if ev is None:  # nothing eager to find the stream by: the whole device
-                self._device_synchronize()
+                self.device_synchronize()
                 return
             self._last_event = ev
         if ev is None:
             return
         deadline, released, spins = None, False, 0
-        while not self._event_done(ev):
+        while not self.event_done(ev):
             now = time.monotonic()
             if self._gpu_stuck:  # it was released already: no second grace
                 raise self._stuck_error()
@@ -654,10 +654,10 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             f"also after the host released its waits ({record}); the GPU is stuck: restart "
             "the process", rank=self.rank, cause=cause)
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         ev = self._replay_mark() if self._graph else None  # (the watchdog, after a failure)
         ev = ev if ev is not None else self._last_event
-        return ev is not None and not self._event_done(ev)
+        return ev is not None and not self.event_done(ev)
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
@@ -665,14 +665,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         s, n = send.data_ptr(), send.numel()
         r, m = recv.data_ptr(), recv.numel()
         if r == s + n:  # one segment: register once
-            base = self._register(s, n + m)
+            base = self.register(s, n + m)
             send_dev, recv_dev = base, base + n
         else:
-            send_dev = self._register(s, n)
-            recv_dev = self._register(r, m)
+            send_dev = self.register(s, n)
+            recv_dev = self.register(r, m)
         self.rs_send_dev, self.rs_recv_dev = send_dev, recv_dev
-        self.rs_send = self._view(send_dev, n)
-        self.rs_recv = self._view(recv_dev, m)
+        self.rs_send = self.view(send_dev, n)
+        self.rs_recv = self.view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
         self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
         self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
@@ -688,7 +688,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if not regs:
             return
         try:
-            if abort_if_busy and self._busy():
+            if abort_if_busy and self.busy():
                 # A deliberate close stops the kernels without the fail-stop trap (which
                 # would lose the process's CUDA context): what they would have produced is
                 # undefined once the communicator is closed. The peers still fail-stop.
@@ -706,11 +706,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return
         for addr in regs:
             try:
-                self._unregister(addr)
+                self.unregister(addr)
             except Exception:
                 pass
         try:
-            self._free_events()
+            self.free_events()
         except Exception:
             pass
         self.plans.invalidate()  # (they record the event freed here)
@@ -727,7 +727,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         for kind, peers in (("ctl", ctl), ("ag", ag)):
             for p, (addr, n) in peers.items():
                 if (p, kind) not in self._peer_dev:
-                    self._peer_dev[(p, kind)] = (self._register_peer(addr, n), n)
+                    self._peer_dev[(p, kind)] = (self.register_peer(addr, n), n)
         self._build_direct(Op.AG)
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:
@@ -735,7 +735,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ``send_bytes`` on the receive slots); after :meth:`map_peers` and :meth:`attach_rs`."""
         for p, (addr, n) in rs.items():
             if (p, "rs") not in self._peer_dev:
-                dev = self._register_peer(addr, n)
+                dev = self.register_peer(addr, n)
                 self._peer_dev[(p, "rs")] = (dev, n)
                 self._peer_dev[(p, "rs_recv")] = (dev + send_bytes, n - send_bytes)
         self._build_direct(Op.RS)
@@ -779,7 +779,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         flat = [len(rows)] + [v for r in rows for v in r] + [v for r in items for v in r]
         # A collective of slice S may go direct while (slots - 1) * stride + blocks * S fits
         # every destination region (the proxy's transport checks the same per write).
-        self._dtab[op] = (self._to_device(torch.tensor(flat, dtype=torch.int64)),
+        self._dtab[op] = (self.to_device(torch.tensor(flat, dtype=torch.int64)),
                           (slots - 1) * stride, blocks, room or 0)
         self._dhost[op] = host
         self.plans.invalidate()
@@ -792,7 +792,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         table, reach, blocks, room = t
         return table if reach + blocks * S <= room else None
 
-    def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
+    def scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
         reused by every call: each use is written and read on the collectives' one stream,
         or on streams that stream joins before the call ends (the "ce" sums), so a later
@@ -813,11 +813,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         return buf
 
 
-    def _direct_blocks(self, work: int) -> int:
+    def direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
     # ---- launch helpers --------------------------------------------------------------
-    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+    def host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
         """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
         (the host writes those entries' fields itself); every kernel waits on the GPU
         (kernels/wait.cu ring_room)."""
@@ -839,33 +839,33 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
+    def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
         """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
         collective's last and moves the device state on itself (kernels/common.cuh
         last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
         return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
-    def _publish_blocks(self, work: int) -> int:
+    def publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
         return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
-    def _wait_blocks(self, work: int) -> int:
+    def wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _slice_wait_blocks(self, S: int) -> int:
+    def slice_wait_blocks(self, S: int) -> int:
         """Consumer blocks of a collective of slice S: for what they move after one wait, a
         piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
         for its last unit, and need the blocks for all of it in flight at once)."""
-        return self._wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
+        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
 
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective
         was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
-        return not self._graph and not self._capturing()
+        return not self._graph and not self.capturing()
 
     def refuse_capture(self, what: str) -> None:
-        if self._capturing():
+        if self.capturing():
             raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
                                "reduce-scatter sets up its buffers and cannot be captured in a "
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
@@ -879,7 +879,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
-        self._in_capture = self._capturing()
+        self._in_capture = self.capturing()
         if self._in_capture and not self._graph:
             self._graph = True
             self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
@@ -930,7 +930,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         plan, entries, direct = found
         self._check_call()
         if not (self._issue_ce_plan(plan, seq, args) if type(plan) is CePlan
-                else self._issue_plan(plan, args)):
+                else self.issue_plan(plan, args)):
             return False
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
@@ -938,15 +938,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._count(op, seq, S, entries)
         return True
 
-    def _make_plan(self, rec: Recording):
+    def make_plan(self, rec: Recording):
         """The native launch plan of a recording (the CPU emulation keeps the recording)."""
         with torch.cuda.device(self.device):
-            rows = [(self._function(name), grid, block, list(params))
+            rows = [(self.function(name), grid, block, list(params))
                     for name, grid, block, params in rec.rows]
         return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
                                    list(rec.patches))
 
-    def _issue_plan(self, plan, args: tuple) -> bool:
+    def issue_plan(self, plan, args: tuple) -> bool:
         h = torch._C._cuda_getCurrentRawStream(self._device_index)
         if not plan.issue(h, *args):
             return False
@@ -960,7 +960,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             self._fast_stream = (h, torch.cuda.current_stream(self.device))
         return self._fast_stream[1]
 
-    def _caller_stream(self):
+    def caller_stream(self):
         """(stream term, torch stream) of the caller's current stream for a planned mode
         "ce" call, or None while it is being captured (the planning path handles that)."""
         h = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -968,16 +968,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return None
         return h, self._torch_stream(h)
 
-    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
+    def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
                 advanced: bool = False) -> None:
         """After the collective's last kernel: unless it advanced the device state itself
         (``advanced``), sccl_advance moves it on to the next collective (seq + 1, ring +
         entries, the finalize gate + gate_add)."""
         if not advanced:
-            self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
+            self.launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
                          _n(gate_add))
         if not self._in_capture:  # (an event of a capture cannot be waited for)
-            self._end(ts)
+            self.end(ts)
 
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
@@ -1062,14 +1062,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.make_plan):
             self._all_gather(seq, src, dst, dst_off, dst_stride, L)
 
     def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                     dst_stride: int, L: int) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
-        ts, stream = self._stream()
+        ts, stream = self.current_stream()
         slot0, code = self.ag_dev, self._ag_code
         slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
         me = self.rank
@@ -1080,7 +1080,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         piece = piece_bounds(S, 0)[1]
         dtab = self._direct(Op.AG, S)
         if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
-            nb = 1 if dst is None else min(self._slice_wait_blocks(S),
+            nb = 1 if dst is None else min(self.slice_wait_blocks(S),
                                            self.max_direct_wait_blocks)
             # The own block of the slot is only written when the result stays there
             # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
@@ -1091,34 +1091,34 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
                          res_me),
                 consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-                wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
+                wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
                 ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
                 ce_consume=(slot, dst_ptr, dst_stride), output=out))
             return
         if dst is not None:
             self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
-        bpp = self._publish_blocks(piece)
+        bpp = self.publish_blocks(piece)
         ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
         publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
-        nb = 1 if dst is None else self._slice_wait_blocks(S)
+        nb = 1 if dst is None else self.slice_wait_blocks(S)
         waited = "wait" in self.phases
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self._launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+            self.launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
                          *publish, ring, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp),
                          slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self._wait_args(Op.AG, (PIECES, 0)))
-            self._poison_if_failed(stream, *out)
-            self._finish(ts, stream, advanced=True)
+                         *self.wait_args(Op.AG, (PIECES, 0)))
+            self.poison_if_failed(stream, *out)
+            self.finish(ts, stream, advanced=True)
             return
         if "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, *publish, _n(L),
+            self.launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, *publish, _n(L),
                          _n(S), ring, state, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
         if waited:
-            self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
+            self.launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
                          slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self._wait_args(Op.AG, (PIECES, 0)))
-        self._poison_if_failed(stream, *out)
-        self._finish(ts, stream, advanced=waited)
+                         *self.wait_args(Op.AG, (PIECES, 0)))
+        self.poison_if_failed(stream, *out)
+        self.finish(ts, stream, advanced=waited)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -1149,14 +1149,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.make_plan):
             self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
 
     def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
                         dtype: torch.dtype) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
-        ts, stream = self._stream()
+        ts, stream = self.current_stream()
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
         scode, rcode = self._send_code, self._recv_code
@@ -1166,7 +1166,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         piece = piece_bounds(S, 0)[1]
         if src is not None:
             base = CallPtr(src_p, 0)
-            bpp = self._publish_blocks(W * piece)
+            bpp = self.publish_blocks(W * piece)
             own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
             bpp = 1
@@ -1180,9 +1180,9 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
                          0, _n(0), 0),
                 consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-                wait_kernel=_RS_KERNELS[dtype], nb=min(self._slice_wait_blocks(S),
+                wait_kernel=_RS_KERNELS[dtype], nb=min(self.slice_wait_blocks(S),
                                                       self.max_direct_wait_blocks),
-                npub=self._direct_blocks(piece * (W - 1)),
+                npub=self.direct_blocks(piece * (W - 1)),
                 # A zero-copy input already lies in pinned memory: no copy engine for it.
                 ce_src=(base, src_stride) if src is not None else None, own=[],
                 sum_kernel=_RS_SUM_UNIT[dtype],
@@ -1193,25 +1193,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
         publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
                    else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
-        nb = self._slice_wait_blocks(S)
+        nb = self.slice_wait_blocks(S)
         waited = "wait" in self.phases
         consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
         if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self._launch(stream, _RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+            self.launch(stream, _RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
                          *publish, ring, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp),
-                         *consume, *self._wait_args(Op.RS, (PIECES, 0)))
-            self._poison_if_failed(stream, dst_ptr, 0, 1, L)
-            self._finish(ts, stream, advanced=True)
+                         *consume, *self.wait_args(Op.RS, (PIECES, 0)))
+            self.poison_if_failed(stream, dst_ptr, 0, 1, L)
+            self.finish(ts, stream, advanced=True)
             return
         if "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES * bpp,
+            self.launch(stream, "sccl_publish", PIECES * bpp,
                          PUBLISH_THREADS if src is not None else 32, *publish, _n(L), _n(S),
                          ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
         if waited:
-            self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS, *consume,
-                         *self._wait_args(Op.RS, (PIECES, 0)))
-        self._poison_if_failed(stream, dst_ptr, 0, 1, L)
-        self._finish(ts, stream, advanced=waited)
+            self.launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS, *consume,
+                         *self.wait_args(Op.RS, (PIECES, 0)))
+        self.poison_if_failed(stream, dst_ptr, 0, 1, L)
+        self.finish(ts, stream, advanced=waited)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -1232,7 +1232,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._fin_used = True
         if self._planned(key, Op.RS, seq, S, *args):
             return
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.make_plan):
             self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
                                                        for i, a in enumerate(args)))
 
@@ -1249,13 +1249,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 return
         entries = PIECES * (W - 1)
         self._begin(Op.RS, seq, S, entries=entries)
-        ts, stream = self._stream()
-        own = self._scratch("finalize own", L).data_ptr()
+        ts, stream = self.current_stream()
+        own = self.scratch("finalize own", L).data_ptr()
         self.plans.plannable(entries)
         if "publish" in self.phases:
             units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
             nb = max(1, min(self.sms, self.max_publish_blocks, -(-units // FIN_THREADS)))
-            self._launch(stream, "sccl_finalize", nb, FIN_THREADS,
+            self.launch(stream, "sccl_finalize", nb, FIN_THREADS,
                          y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
                          _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
                          _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
@@ -1264,12 +1264,12 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                          self.fin_counters.data_ptr())
         waited = "wait" in self.phases
         if waited:
-            nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
-            self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
+            nb = self.wait_blocks(piece_bounds(S, 0, RB)[1])
+            self.launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
                          self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
-                         dst, _n(L), _n(S), *self._wait_args(Op.RS, (entries, 0)))
-        self._poison_if_failed(stream, dst, 0, 1, L)
-        self._finish(ts, stream, entries, advanced=waited)
+                         dst, _n(L), _n(S), *self.wait_args(Op.RS, (entries, 0)))
+        self.poison_if_failed(stream, dst, 0, 1, L)
+        self.finish(ts, stream, entries, advanced=waited)
 
     def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple, dtab) -> None:
         """GPU-direct (this rank's reduce-scatter streams run on the GPU): one launch of
@@ -1280,25 +1280,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         RB = 2 * f.H
         S, L = fin_slice(rows, RB)
         self._begin(Op.RS, seq, S)
-        ts, stream = self._stream()
-        own = self._scratch("finalize own", L).data_ptr()
+        ts, stream = self.current_stream()
+        own = self.scratch("finalize own", L).data_ptr()
         self.plans.plannable(direct=True)
         y, scales, pos, weights, shared, dst = ptrs
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
-        nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
+        nb = min(self.wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
+        self.launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                      y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
                      _n(f.topk),
                      _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
                      _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
                      _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
                      self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
-                     dst, *self._wait_args(Op.RS, (PIECES, npub)))
+                     dst, *self.wait_args(Op.RS, (PIECES, npub)))
         self.direct_launches += 1
-        self._poison_if_failed(stream, dst, 0, 1, L)
-        self._finish(ts, stream, advanced=True)
+        self.poison_if_failed(stream, dst, 0, 1, L)
+        self.finish(ts, stream, advanced=True)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
@@ -1393,17 +1393,17 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
     def poison_call(self, out: torch.Tensor) -> None:
         if self.on_failure == "poison" and out.numel():
-            self._poison_if_failed(self._stream()[1], out.data_ptr(), 0, 1,
+            self.poison_if_failed(self.current_stream()[1], out.data_ptr(), 0, 1,
                                    out.numel() * out.element_size())
 
-    def _poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
+    def poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
         """Mode "poison": queue ``sccl_poison`` after the collective, which overwrites its
         output with 0xFF bytes (NaN in every floating type) if any wait of this data plane
         failed. Mode "stop" needs nothing: a failed wait traps, and the context is lost."""
         if self.on_failure != "poison" or not nbytes:
             return
         grid = max(1, min(self.sms, -(-count * nbytes // (POISON_THREADS * 64))))
-        self._launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
+        self.launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
                      _n(stride), _n(count), _n(nbytes))
 
     def _watchdog(self) -> None:
@@ -1437,7 +1437,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                     continue
                 lost = False
                 try:
-                    busy = self._busy()
+                    busy = self.busy()
                 except RuntimeError:
                     busy, lost = False, True  # the context is lost: nothing of it runs any more
                 if lost and not reported:
@@ -1466,7 +1466,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self._give_go()
             if not reported:
                 try:
-                    self._busy()
+                    self.busy()
                 except RuntimeError:
                     self._say_context_lost()
         finally:

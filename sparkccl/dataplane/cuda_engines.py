@@ -163,11 +163,11 @@ class DirectEngines:
         kernel, publish, consume = call.kernel, call.publish, call.consume
         nb, npub = call.nb, call.npub
         ring = (self.ctl_dev + layout.RING_OFFSET, _n(int(op)), self.dcounters.data_ptr())
-        waits = self._wait_args(op)
+        waits = self.wait_args(op)
         mode = self.direct_mode
         if mode == "auto":
             mode = "ce" if S >= self.ce_min_slice else "fused"
-        if mode == "ce" and not self._can_write_values():
+        if mode == "ce" and not self.can_write_values():
             mode = "split"
         if mode == "ce" and (self._graph or self.on_failure == "poison"):
             # Stream memory operations carry host-computed values (seq, ring indices), which
@@ -181,11 +181,11 @@ class DirectEngines:
                 self.plans.plannable(direct=True)  # one kernel of constants and call pointers
             grid = npub + (1 + nb if "wait" in self.phases else 0)
             # The one kernel of the collective: it advances the device state itself.
-            self._launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
-                         *consume, *self._wait_args(op, (PIECES, 0)))
+            self.launch(stream, kernel, grid, DIRECT_THREADS, *publish, *ring, _n(npub),
+                         *consume, *self.wait_args(op, (PIECES, 0)))
             self.direct_launches += 1
-            self._poison_if_failed(stream, *call.output)
-            self._finish(ts, stream, advanced=True)
+            self.poison_if_failed(stream, *call.output)
+            self.finish(ts, stream, advanced=True)
             return
         if mode == "ce":
             self._run_ce(call, ring, waits)
@@ -193,24 +193,24 @@ class DirectEngines:
         # Mode split, the two roles on two streams: the publish side starts after everything
         # queued before on the caller's stream, and the caller's stream joins it at the end,
         # so collectives stay in order and every region is reused as with one launch.
-        side_ts, side = self._fork(ts)
-        self._launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub), *consume,
+        side_ts, side = self.fork(ts)
+        self.launch(side, kernel, npub, DIRECT_THREADS, *publish, *ring, _n(npub), *consume,
                      *waits)
-        self._launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
+        self.launch(stream, call.wait_kernel, 1 + nb, WAIT_THREADS, *consume, _n(L), _n(S),
                      *waits)
-        self._join(ts, side_ts)
+        self.join(ts, side_ts)
         self.direct_launches += 1
-        self._poison_if_failed(stream, *call.output)
-        self._finish(ts, stream)
+        self.poison_if_failed(stream, *call.output)
+        self.finish(ts, stream)
 
     def _run_ce(self, call: DirectCall, ring: tuple, waits: tuple) -> None:
         """Mode "ce": the collective's program (:meth:`_ce_program`) with this call's terms,
         in one native call; kept as the shape's plan when the call is being planned."""
         params = _call_params(call)
         p = self._ce_program(call, ring, waits, params)
-        stage = (self._scratch("ce stage", self.world * call.S).data_ptr()
+        stage = (self.scratch("ce stage", self.world * call.S).data_ptr()
                  if call.op == Op.RS and call.ce_consume else 0)
-        self._issue_ce(p, call.seq, call.first, self._stream_term(call.ts), call.ts,
+        self._issue_ce(p, call.seq, call.first, self.stream_term(call.ts), call.ts,
                        _call_args(call, params), stage)
         self.direct_launches += 1
         if self.plans.recording():
@@ -219,7 +219,7 @@ class DirectEngines:
     def _issue_ce_plan(self, plan: CePlan, seq: int, args: tuple) -> bool:
         """A planned mode "ce" call (cuda.py _planned): the program with this call's terms.
         False, issuing nothing, while the caller's stream is being captured."""
-        caller = self._caller_stream()
+        caller = self.caller_stream()
         if caller is None:
             return False
         self._issue_ce(plan.program, seq, self._ring_next, *caller, args, plan.stage)
@@ -231,7 +231,7 @@ class DirectEngines:
         stream. The ring entries' fields are the host's to write where the copy engines send
         (their streams write only the tags), so the host first waits for their room."""
         if p.host_ring:
-            self._host_ring_room(p.op, seq, first, PIECES)
+            self.host_ring_room(p.op, seq, first, PIECES)
             p.ring_rows[:, 0] = seq
             i = first % layout.RING_ENTRIES
             if i + PIECES <= layout.RING_ENTRIES:
@@ -239,7 +239,7 @@ class DirectEngines:
             else:
                 self._ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
                                 1:7] = p.ring_rows
-        self._run_program(p.program, self._ce_terms(seq, first, stream_term, args, stage), ts)
+        self.run_program(p.program, self._ce_terms(seq, first, stream_term, args, stage), ts)
 
     def _ce_terms(self, seq: int, first: int, stream_term: int, args, stage: int) -> list:
         """The terms of a call (see T_*): all of them follow from its seq, ring index,
@@ -307,7 +307,7 @@ class DirectEngines:
         hc = call.ce_consume
         ce_pub = call.ce_src is not None
         ce_wait = op == Op.RS or int(hc[1]) != 0
-        sums = self._sum_stream() if op == Op.RS and ce_wait else None
+        sums = self.sum_stream() if op == Op.RS and ce_wait else None
         fork, side_end, watch_end, sums_end = self._ce_sync_events()
         state = self.state.data_ptr()
         # The kernel table: parameters with CallPtr marks become patches (the first
@@ -382,8 +382,8 @@ class DirectEngines:
             # it: trap if this data plane failed. (Mode poison runs ce as fused.)
             launch(T_TS, K_GUARD)
         launch(T_TS, K_ADVANCE)
-        row(OP_RECORD, T_TS, (self._done_handle(), T_ZERO, 0))
-        program = self._new_program(kernels, patches, rows)
+        row(OP_RECORD, T_TS, (self.done_handle(), T_ZERO, 0))
+        program = self.new_program(kernels, patches, rows)
         return CeProgram(op=op, host=host, words=words, program=program, ring_rows=ring_rows,
                          host_ring=ce_pub)
 
@@ -479,7 +479,7 @@ class DirectEngines:
                 launch(T_SUMS, K_SUM, unit=u, blocks=nb)
 
     # ---- streams and stream operations (overridden by the CPU emulation) -----------------
-    def _side_stream(self, name: str):
+    def side_stream(self, name: str):
         """This data plane's torch stream ``name`` ("side": the sending side of modes split
         and ce; "watch": mode ce's piece waits), made on first use."""
         st = self._side_streams.get(name)
@@ -487,14 +487,14 @@ class DirectEngines:
             st = self._side_streams[name] = torch.cuda.Stream(self.device)
         return st
 
-    def _fork(self, ts, name: str = "side"):
+    def fork(self, ts, name: str = "side"):
         """(torch stream, cuda.core stream) of stream ``name``, ordered after everything
         queued on ``ts`` so far."""
-        st = self._side_stream(name)
+        st = self.side_stream(name)
         st.wait_stream(ts)
         return st, self._cc_stream(st)
 
-    def _join(self, ts, side_ts) -> None:
+    def join(self, ts, side_ts) -> None:
         ts.wait_stream(side_ts)
 
     def _ce_stream_terms(self) -> tuple:
@@ -503,23 +503,23 @@ class DirectEngines:
         kept = self.__dict__.get("_ce_stream_handles")
         if kept is not None:
             return kept
-        handles = (self._stream_term(self._side_stream("side")),
-                   self._stream_term(self._side_stream("watch")),
-                   self._stream_term(self._sums[0] if self._sums is not None else None))
+        handles = (self.stream_term(self.side_stream("side")),
+                   self.stream_term(self.side_stream("watch")),
+                   self.stream_term(self._sums[0] if self._sums is not None else None))
         if self._sums is not None:
             self._ce_stream_handles = handles
         return handles
 
-    def _stream_term(self, st) -> int:
+    def stream_term(self, st) -> int:
         return st.cuda_stream if st is not None else 0
 
-    def _sum_stream(self) -> tuple:
+    def sum_stream(self) -> tuple:
         """Mode "ce": the reduce-scatter sums' stream and one event per unit (piece, wait
         word), made on first use. The sums of a collective follow the caller's stream's
         earlier work through the first event, and the caller's stream joins the sums' stream
         at the end of each collective (the staging slot is then free again)."""
         if self._sums is None:
-            self._sums = (torch.cuda.Stream(self.device), self._new_events(PIECES * self.maxw))
+            self._sums = (torch.cuda.Stream(self.device), self.new_events(PIECES * self.maxw))
         return self._sums
 
     def _ce_sync_events(self) -> list[int]:
@@ -527,16 +527,16 @@ class DirectEngines:
         streams) and joins (sending, watch, sums' stream -> caller's), made on first use."""
         ev = self.__dict__.get("_ce_events")
         if ev is None:
-            ev = self._ce_events = self._new_events(4)
+            ev = self._ce_events = self.new_events(4)
         return ev
 
-    def _new_events(self, n: int) -> list[int]:
+    def new_events(self, n: int) -> list[int]:
         from cuda.bindings import driver as drv
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         with torch.cuda.device(self.device):
             return [int(check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
 
-    def _free_events(self) -> None:
+    def free_events(self) -> None:
         self.__dict__.pop("_ce_plans", None)  # (their programs name these events)
         self.__dict__.pop("_ce_stream_handles", None)
         events = list(self.__dict__.pop("_ce_events", None) or ())
@@ -548,24 +548,24 @@ class DirectEngines:
             for e in events:
                 drv.cuEventDestroy(drv.CUevent(e))
 
-    def _new_program(self, kernels: list, patches: list, rows: list):
+    def new_program(self, kernels: list, patches: list, rows: list):
         """The native OpProgram (native/src/cuda_ops.cpp); kernels: (name, threads per
         block, parameters)."""
         with torch.cuda.device(self.device):  # (the function handles are per context)
-            table = [(self._function(name), block, ps) for name, block, ps in kernels]
+            table = [(self.function(name), block, ps) for name, block, ps in kernels]
         return self.nat.OpProgram(self._context, N_TERMS, table, patches, rows)
 
-    def _done_handle(self) -> int:
+    def done_handle(self) -> int:
         """The event a program records last: the data plane's done event (as a launch
         plan's), which _wait_last and the watchdog ask about."""
         return self._done_event.handle
 
-    def _run_program(self, program, terms: list, ts) -> None:
+    def run_program(self, program, terms: list, ts) -> None:
         """Issue a program in one native call; its last operation records the done event."""
         program.issue(terms)
         self._last_event, self._last_ts = self._done_event, ts
 
-    def _function(self, name: str) -> int:
+    def function(self, name: str) -> int:
         """CUfunction handle of kernel ``name`` in this device's context."""
         f = self._functions.get(name)
         if f is None:
@@ -576,7 +576,7 @@ class DirectEngines:
             f = self._functions[name] = int(h)
         return f
 
-    def _can_write_values(self) -> bool:
+    def can_write_values(self) -> bool:
         """Can this GPU's streams write and wait for 64-bit values (mode "ce")?"""
         if self._write_values is None:
             try:
