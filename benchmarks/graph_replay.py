@@ -149,7 +149,8 @@ def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
     wrap(dp, "check_sizes", "      check_sizes")
     wrap(dp, "_probe_size", "        _probe_size (a peer's ring row)")
     wrap(dp, "issue_plan", "    issue_plan (native LaunchPlan.issue)")
-    wrap(dp, "_run_direct", "    _run_direct (GPU-direct engines off the launch plan)")
+    for name, engine in dp.engines.direct.items():
+        wrap(engine, "run", f"    engines.{name}.run (GPU-direct engines off the launch plan)")
     wrap(dp, "run_program", "      run_program (mode ce: native OpProgram.issue)")
     try:
         for _ in range(rounds):

@@ -127,7 +127,7 @@ def test_every_launched_kernel_is_loaded_and_emulated():
     import re
     from pathlib import Path
     pkg = Path(nvrtc.__file__).parent
-    src = "".join((pkg / f).read_text() for f in ("cuda.py", "cuda_engines.py"))
+    src = "".join((pkg / f).read_text() for f in ("cuda.py", "engines.py", "ce_engine.py"))
     launched = set(re.findall(r'"(sccl_[a-z0-9_]+)"', src))
     assert "sccl_advance" in launched and "sccl_publish" in launched
     assert launched <= set(nvrtc.KERNEL_NAMES), launched - set(nvrtc.KERNEL_NAMES)

@@ -44,7 +44,7 @@ from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
-from sparkccl.dataplane import cuda_engines as E  # noqa: E402
+from sparkccl.dataplane import ce_engine as E  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -272,11 +272,11 @@ class EmuDataPlane(C.CudaDataPlane):
         st = self._probe = EmuStream()
         return st, st
 
-    def side_stream(self, name):
-        st = self._side_streams.get(name)
-        if st is None:
-            st = self._side_streams[name] = EmuStream(_emu_current.stream.ctx)
-        return st
+    def new_stream(self):
+        return EmuStream(_emu_current.stream.ctx)
+
+    def close_stream(self, st):
+        st.close()
 
     def fork(self, ts, name="side"):
         st = self.side_stream(name)
@@ -343,26 +343,12 @@ class EmuDataPlane(C.CudaDataPlane):
         self.emu_programs_run = getattr(self, "emu_programs_run", 0) + 1
         self.emu_ops_run = getattr(self, "emu_ops_run", 0) + len(ops) // 5
 
-    def sum_stream(self):
-        if self._sums is None:
-            self._sums = (EmuStream(_emu_current.stream.ctx), self.new_events(C.PIECES * self.maxw))
-        return self._sums
-
-    def free_events(self):
-        self.__dict__.pop("_ce_plans", None)
-        self.__dict__.pop("_ce_stream_handles", None)
-        if self._sums is not None:
-            self._sums[0].close()
-            self._sums = None
+    def destroy_events(self, events):
+        pass
 
     def can_write_values(self):
         return True
 
-    def close(self, **kw):
-        super().close(**kw)
-        for st in self._side_streams.values():
-            st.close()
-        self._side_streams.clear()
 
 
 class Backend:
@@ -420,7 +406,7 @@ class World:
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
     and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
     fail-stop trap would lose the CUDA context of this (the test) process; "stop" with mode
-    "ce", which mode poison runs as "fused" (cuda_engines._run_direct)."""
+    "ce", which mode poison runs as "fused" (engine_choice.Engines.choose)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
@@ -1067,7 +1053,8 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
         parts[1][0] = C.PART_WHOLE
         parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
-        dp._ce_words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
+        ce = dp.engines.ce
+        ce.words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
         rows, launches = [], []
 
         def row(kind, st, a=(0, E.T_ZERO, 0), b=(0, E.T_ZERO, 0), c=0):
@@ -1075,8 +1062,8 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
 
         def launch(st, k, unit=None, blocks=1):
             launches.append((st, k, unit))
-        units = dp._ce_pieces(C.Op.RS, 4096, 4096, None, dp._ce_words[C.Op.RS])[1][0]
-        dp._ce_receive_rows(row, launch, units, (0, 0, 0, 0),
+        units = ce._pieces(C.Op.RS, 4096, 4096, None, ce.words[C.Op.RS])[1][0]
+        ce._receive_rows(row, launch, units, (0, 0, 0, 0),
                             ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
         waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
         # the progress word of unit (0, k): seq * PROG_STRIDE (term T_PROG) + (k + 1) * W
@@ -2001,7 +1988,7 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
     queued after the collective reads its output as valid: mode stop traps first
     (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
     also shows that the host's release (a copy on a stream of its own) gets past the
-    blocked stream. (Mode poison runs "ce" as "fused", cuda_engines._run_direct: there the
+    blocked stream. (Mode poison runs "ce" as "fused", engine_choice.Engines.choose: there the
     same bounds hold for the kernel's own wait.)"""
     world, n = 2, 64
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",

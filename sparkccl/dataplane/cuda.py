@@ -27,7 +27,7 @@ the stream's flag word, piece by piece, while its other blocks already wait for 
 the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
 engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
 quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see :mod:`.cuda_engines` and docs/PROTOCOL.md
+"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and docs/PROTOCOL.md
 "GPU-direct"). The ring entries say
 ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
@@ -54,9 +54,11 @@ The regions are the same shared-memory segments the CPU path and the proxy use, 
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
 :func:`.cuda_runtime.unregister_host`.
 
-The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.cuda_engines` (the
-GPU-direct engines), :mod:`sparkccl.plan.waits` (what each wait word carries), this module
-(the data plane the Communicator drives: regions, ring, launches, failures).
+The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.engines` (how a collective
+is launched: the proxy path, fused and split) and :mod:`.ce_engine` (copy engines), chosen
+per collective in :mod:`.engine_choice`; :mod:`sparkccl.plan.waits` (what each wait word
+carries); this module (the data plane the Communicator drives: regions, ring, the device
+operations, failures).
 
 Collectives are asynchronous like NCCL's: they return once launched. All collectives of
 one communicator must run on one stream (or streams ordered with events): a collective's
@@ -82,12 +84,15 @@ from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
                           wait_parts, wait_table)
+
+DIRECT_MODES = config.DIRECT_ENGINES
 from . import nvrtc
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
-from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, N_TERMS, OP_COPY, OP_LAUNCH,
-                           OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE,
-                           WAIT_THREADS, CePlan, DirectCall, DirectEngines)
+from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
+                        OP_WRITE64, PROG_STRIDE, CePlan)
+from .engine_choice import Engines
+from .engines import RS_WAIT, DirectCall
 from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, set_current,
                            unregister_host)
@@ -155,7 +160,6 @@ RELEASED_PROGRESS = 1 << 62
 POISON_THREADS = 256
 MAX_WORLD = 64
 
-PUBLISH_THREADS = 512
 PUBLISH_BYTES_PER_BLOCK = 64 << 10
 WAIT_BYTES_PER_BLOCK = 32 << 10
 # The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
@@ -164,14 +168,9 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 # H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
 # each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
 MAX_WAIT_BLOCKS = 32
-FIN_THREADS = 512
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
               torch.float32: "sccl_rs_direct_f32"}
-_RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
-               torch.float32: "sccl_rs_wait_f32"}
-_RS_PROXY = {torch.bfloat16: "sccl_rs_proxy_bf16", torch.float16: "sccl_rs_proxy_f16",
-             torch.float32: "sccl_rs_proxy_f32"}
 _RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
                 torch.float32: "sccl_rs_sum_unit_f32"}
 
@@ -248,7 +247,7 @@ class _RawEvent:
         drv.cuEventDestroy(drv.CUevent(self.handle))
 
 
-class CudaDataPlane(DirectEngines, DataPlaneBase):
+class CudaDataPlane(DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
     over the shared segments; ``self.ag`` / ``self.rs_send`` / ``self.rs_recv`` become CUDA
@@ -340,7 +339,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._graph = False   # a collective was captured: the host's copy is stale
         self._in_capture = False  # the current call is being captured
         self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
-        self._ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
+        self.ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
         self.counters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
         self.fin_counters = self.to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
@@ -357,15 +356,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.maxw = max_wait_words(plan)
         table = wait_table(plan, self.maxw)
         parts = wait_parts(plan, self.maxw)
-        # Mode "ce" sums a reduce-scatter piece once, after its last word: one launch per
-        # piece instead of one per word (a launch costs the host ~4 us; the sum of a piece
-        # already in device memory is short beside the copies that bring the next one).
-        ce_sums = [PART_NONE] * (self.maxw - 1) + [PART_WHOLE]
-        self._ce_words = {op: ce_words(table[int(op)], parts[int(op)][:self.world] + [ce_sums],
-                                       self.rank, op == Op.RS) for op in Op}
         self.wait_table = self.to_device(torch.tensor(table, dtype=torch.int32))
         self.parts_table = self.to_device(torch.tensor(parts, dtype=torch.int32))
-        self.ce_sum_parts = self.to_device(torch.tensor(ce_sums, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -376,19 +368,19 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.direct_mode = direct_mode
         self.ce_min_slice = ce_min_slice
         self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
-        self._sums = None  # mode "ce": (stream, events) of the reduce-scatter sums
         self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
-        self._functions: dict[str, int] = {}  # CUfunction per kernel name (mode "ce")
+        self._functions: dict[str, int] = {}  # CUfunction per kernel name
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
             ctl_addr + layout.RING_OFFSET)
-        self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
+        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
         self.dcounters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
         self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
-        self._dhost: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
+        self.direct_host: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
         #                                     dst block, Part)])]: the table for mode "ce"
         self.direct_launches = 0
+        self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         self.timeout_ns = int(timeout_s * 1e9)
         # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
         self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
@@ -659,6 +651,96 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ev = ev if ev is not None else self._last_event
         return ev is not None and not self.event_done(ev)
 
+    def side_stream(self, name: str):
+        """This data plane's torch stream ``name`` ("side": the sending side of modes split
+        and ce; "watch": mode ce's piece waits), made on first use."""
+        st = self._side_streams.get(name)
+        if st is None:
+            st = self._side_streams[name] = self.new_stream()
+        return st
+
+    def new_stream(self):
+        """A torch stream of this device (side streams, the ce sums', the clock probe's)."""
+        return torch.cuda.Stream(self.device)
+
+    def close_stream(self, st) -> None:
+        """A stream of :meth:`new_stream` is no longer used (torch frees CUDA streams)."""
+
+    def fork(self, ts, name: str = "side"):
+        """(torch stream, cuda.core stream) of stream ``name``, ordered after everything
+        queued on ``ts`` so far."""
+        st = self.side_stream(name)
+        st.wait_stream(ts)
+        return st, self._cc_stream(st)
+
+    def join(self, ts, side_ts) -> None:
+        ts.wait_stream(side_ts)
+
+    def stream_term(self, st) -> int:
+        return st.cuda_stream if st is not None else 0
+
+    def new_events(self, n: int) -> list[int]:
+        from cuda.bindings import driver as drv
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        with torch.cuda.device(self.device):
+            return [int(check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
+
+    def destroy_events(self, events: list[int]) -> None:
+        from cuda.bindings import driver as drv
+        for e in events:
+            drv.cuEventDestroy(drv.CUevent(e))
+
+    def new_program(self, kernels: list, patches: list, rows: list):
+        """The native OpProgram (native/src/cuda_ops.cpp); kernels: (name, threads per
+        block, parameters)."""
+        with torch.cuda.device(self.device):  # (the function handles are per context)
+            table = [(self.function(name), block, ps) for name, block, ps in kernels]
+        return self.nat.OpProgram(self._context, N_TERMS, table, patches, rows)
+
+    def done_handle(self) -> int:
+        """The event a program records last: the data plane's done event (as a launch
+        plan's), which _wait_last and the watchdog ask about."""
+        return self._done_event.handle
+
+    def run_program(self, program, terms: list, ts) -> None:
+        """Issue a program in one native call; its last operation records the done event."""
+        program.issue(terms)
+        self._last_event, self._last_ts = self._done_event, ts
+
+    def function(self, name: str) -> int:
+        """CUfunction handle of kernel ``name`` in this device's context."""
+        f = self._functions.get(name)
+        if f is None:
+            from cuda.bindings import driver as drv
+            h = self.kernels[name].handle
+            if isinstance(h, drv.CUkernel):
+                h = check("cuKernelGetFunction", drv.cuKernelGetFunction(h))[0]
+            f = self._functions[name] = int(h)
+        return f
+
+    def can_write_values(self) -> bool:
+        """Can this GPU's streams write and wait for 64-bit values (mode "ce")?"""
+        if self._write_values is None:
+            try:
+                from cuda.bindings import driver as drv
+                attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+                err, v = drv.cuDeviceGetAttribute(attr, self.device.index)
+                self._write_values = int(err) == 0 and bool(v)
+            except Exception:
+                self._write_values = False
+        return self._write_values
+
+    @property
+    def captured(self) -> bool:
+        """Was a collective of this plane captured in a CUDA graph? (The host's seq and ring
+        index are stale from then on: replays advance the device's only.)"""
+        return self._graph
+
+    @property
+    def ring_next(self) -> int:
+        """The host's copy of the next collective's first publish-ring index."""
+        return self._ring_next
+
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
                   recv_stride: int) -> None:
@@ -674,8 +756,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.rs_send = self.view(send_dev, n)
         self.rs_recv = self.view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
-        self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
-        self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
+        self.send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
+        self.recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
         self.plans.invalidate()
 
     def close(self, *, abort_if_busy: bool = True) -> None:
@@ -684,6 +766,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         abort word (``abort_if_busy``), so closing never waits for a whole timeout."""
         self._closed = True
         self._stop_watchdog()
+        try:
+            self._release(abort_if_busy)
+        finally:
+            for st in getattr(self, "_side_streams", {}).values():
+                self.close_stream(st)
+
+    def _release(self, abort_if_busy: bool) -> None:
         regs = getattr(self, "_registered", None)
         if not regs:
             return
@@ -710,7 +799,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             except Exception:
                 pass
         try:
-            self.free_events()
+            self.engines.close()
         except Exception:
             pass
         self.plans.invalidate()  # (they record the event freed here)
@@ -781,13 +870,13 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         # every destination region (the proxy's transport checks the same per write).
         self._dtab[op] = (self.to_device(torch.tensor(flat, dtype=torch.int64)),
                           (slots - 1) * stride, blocks, room or 0)
-        self._dhost[op] = host
+        self.direct_host[op] = host
         self.plans.invalidate()
 
-    def _direct(self, op: Op, S: int):
+    def direct_table(self, op: Op, S: int):
         """The direct table for a collective of slice S, or None (then the proxy sends)."""
         t = self._dtab.get(op)
-        if t is None or "publish" not in self.phases:
+        if t is None:
             return None
         table, reach, blocks, room = t
         return table if reach + blocks * S <= room else None
@@ -918,7 +1007,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
         """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
-        program: cuda_engines.CePlan): the checks of :meth:`_begin`, one native call, the
+        program: ce_engine.CePlan): the checks of :meth:`_begin`, one native call, the
         host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
         something the planning path reports. ``key`` is the collective's shape: whatever else
@@ -929,7 +1018,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return False
         plan, entries, direct = found
         self._check_call()
-        if not (self._issue_ce_plan(plan, seq, args) if type(plan) is CePlan
+        if not (self.engines.ce.issue_plan(plan, seq, args) if type(plan) is CePlan
                 else self.issue_plan(plan, args)):
             return False
         self.plans.stats["hits"] += 1
@@ -1070,7 +1159,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         S = round_up(L, ALIGN)
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self.current_stream()
-        slot0, code = self.ag_dev, self._ag_code
+        slot0, code = self.ag_dev, self.ag_code
         slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
         me = self.rank
         src_p = CallPtr(src.data_ptr(), 0)
@@ -1078,47 +1167,26 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         res_me = 0 if dst is None else dst_ptr + me * dst_stride
         out = (slot, S, self.world, L) if dst is None else (dst_ptr, dst_stride, self.world, L)
         piece = piece_bounds(S, 0)[1]
-        dtab = self._direct(Op.AG, S)
-        if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
-            nb = 1 if dst is None else min(self.slice_wait_blocks(S),
-                                           self.max_direct_wait_blocks)
-            # The own block of the slot is only written when the result stays there
-            # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
-            own_dst = slot + me * S if dst is None else 0
-            self._run_direct(DirectCall(
-                Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-                publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                         slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                         res_me),
-                consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-                wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
-                ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
-                ce_consume=(slot, dst_ptr, dst_stride), output=out))
+        dtab = self.direct_table(Op.AG, S)
+        engine = self.engines.choose(Op.AG, S, dtab)
+        if not engine.direct:
+            self.engines.proxy.all_gather(ts, stream, S, L, src_p, dst_ptr, dst_stride, res_me, out,
+                                          zero_copy=dst is None)
             return
-        if dst is not None:
-            self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
-        bpp = self.publish_blocks(piece)
-        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
-        publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
-        nb = 1 if dst is None else self.slice_wait_blocks(S)
-        waited = "wait" in self.phases
-        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self.launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                         *publish, ring, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp),
-                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self.wait_args(Op.AG, (PIECES, 0)))
-            self.poison_if_failed(stream, *out)
-            self.finish(ts, stream, advanced=True)
-            return
-        if "publish" in self.phases:
-            self.launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, *publish, _n(L),
-                         _n(S), ring, state, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
-        if waited:
-            self.launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self.wait_args(Op.AG, (PIECES, 0)))
-        self.poison_if_failed(stream, *out)
-        self.finish(ts, stream, advanced=waited)
+        # GPU-direct: this rank's publish streams run on the GPU
+        nb = 1 if dst is None else min(self.slice_wait_blocks(S), self.max_direct_wait_blocks)
+        # The own block of the slot is only written when the result stays there (zero-copy):
+        # relays forward other origins' blocks, and no proxy reads it.
+        own_dst = slot + me * S if dst is None else 0
+        engine.run(DirectCall(
+            Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
+            publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                     slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
+                     res_me),
+            consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
+            wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
+            ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
+            ce_consume=(slot, dst_ptr, dst_stride), output=out))
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -1141,7 +1209,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         dst_p = dst.data_ptr() + dst_off
         if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p):
             return  # (a key with a plan passed the checks below when it was planned)
-        if dtype not in _RS_KERNELS:
+        if dtype not in RS_WAIT:
             raise TypeError(f"reduce_scatter: dtype {dtype} is not supported")
         if self.rs_send is None:
             raise RuntimeError("reduce_scatter: attach_rs() was not called")
@@ -1159,59 +1227,38 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ts, stream = self.current_stream()
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
-        scode, rcode = self._send_code, self._recv_code
+        scode, rcode = self.send_code, self.recv_code
         send = Slotted(send0, 2, self.rs_send_stride, seq)  # (the host's view: mode ce)
         recv = Slotted(recv0, 2, self.rs_recv_stride, seq)
         dst_ptr = CallPtr(dst_p, 1)
         piece = piece_bounds(S, 0)[1]
         if src is not None:
             base = CallPtr(src_p, 0)
-            bpp = self.publish_blocks(W * piece)
             own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
-            bpp = 1
+            base = None
             own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-        dtab = self._direct(Op.RS, S)
-        if dtab is not None:  # GPU-direct: chunks straight to the peers
-            sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
-                                             else (send0, scode, S, 1))
-            self._run_direct(DirectCall(
-                Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
-                publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                         0, _n(0), 0),
-                consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-                wait_kernel=_RS_KERNELS[dtype], nb=min(self.slice_wait_blocks(S),
-                                                      self.max_direct_wait_blocks),
-                npub=self.direct_blocks(piece * (W - 1)),
-                # A zero-copy input already lies in pinned memory: no copy engine for it.
-                ce_src=(base, src_stride) if src is not None else None, own=[],
-                sum_kernel=_RS_SUM_UNIT[dtype],
-                ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+        dtab = self.direct_table(Op.RS, S)
+        engine = self.engines.choose(Op.RS, S, dtab)
+        if not engine.direct:
+            self.engines.proxy.reduce_scatter(ts, stream, S, L, base, src_stride, own, own_code,
+                                              own_sys, dst_ptr, dtype)
             return
-        self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
-        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
-        # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
-        publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
-                   else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
-        nb = self.slice_wait_blocks(S)
-        waited = "wait" in self.phases
-        consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
-        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self.launch(stream, _RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                         *publish, ring, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp),
-                         *consume, *self.wait_args(Op.RS, (PIECES, 0)))
-            self.poison_if_failed(stream, dst_ptr, 0, 1, L)
-            self.finish(ts, stream, advanced=True)
-            return
-        if "publish" in self.phases:
-            self.launch(stream, "sccl_publish", PIECES * bpp,
-                         PUBLISH_THREADS if src is not None else 32, *publish, _n(L), _n(S),
-                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
-        if waited:
-            self.launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS, *consume,
-                         *self.wait_args(Op.RS, (PIECES, 0)))
-        self.poison_if_failed(stream, dst_ptr, 0, 1, L)
-        self.finish(ts, stream, advanced=waited)
+        # GPU-direct: chunks straight to the peers
+        sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
+                                         else (send0, scode, S, 1))
+        engine.run(DirectCall(
+            Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
+            publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
+                     0, _n(0), 0),
+            consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
+            wait_kernel=RS_WAIT[dtype], nb=min(self.slice_wait_blocks(S),
+                                               self.max_direct_wait_blocks),
+            npub=self.direct_blocks(piece * (W - 1)),
+            # A zero-copy input already lies in pinned memory: no copy engine for it.
+            ce_src=(base, src_stride) if src is not None else None, own=[],
+            sum_kernel=_RS_SUM_UNIT[dtype],
+            ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -1238,67 +1285,18 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def _finalize(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
         """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
-        W, me = self.world, self.rank
-        RB = 2 * f.H
-        S, L = fin_slice(rows, RB)
-        y, scales, pos, weights, shared, dst = ptrs
-        if all(p in self.phases for p in ("publish", "wait")):
-            dtab = self._direct(Op.RS, S)
-            if dtab is not None:
-                self._finalize_direct(seq, f, row_lo, rows, ptrs, dtab)
-                return
-        entries = PIECES * (W - 1)
+        S, L = fin_slice(rows, 2 * f.H)
+        dtab = self.direct_table(Op.RS, S)
+        engine = self.engines.choose(Op.RS, S, dtab, finalize=True)
+        # The proxy path publishes per (row piece, destination); GPU-direct per piece.
+        entries = PIECES if engine.direct else PIECES * (self.world - 1)
         self._begin(Op.RS, seq, S, entries=entries)
         ts, stream = self.current_stream()
         own = self.scratch("finalize own", L).data_ptr()
-        self.plans.plannable(entries)
-        if "publish" in self.phases:
-            units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
-            nb = max(1, min(self.sms, self.max_publish_blocks, -(-units // FIN_THREADS)))
-            self.launch(stream, "sccl_finalize", nb, FIN_THREADS,
-                         y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
-                         _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
-                         _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
-                         self.rs_send_dev, _n(self._send_code), own,
-                         self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(), _n(int(Op.RS)),
-                         self.fin_counters.data_ptr())
-        waited = "wait" in self.phases
-        if waited:
-            nb = self.wait_blocks(piece_bounds(S, 0, RB)[1])
-            self.launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
-                         self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
-                         dst, _n(L), _n(S), *self.wait_args(Op.RS, (entries, 0)))
-        self.poison_if_failed(stream, dst, 0, 1, L)
-        self.finish(ts, stream, entries, advanced=waited)
-
-    def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple, dtab) -> None:
-        """GPU-direct (this rank's reduce-scatter streams run on the GPU): one launch of
-        ``sccl_finalize_direct`` computes the rows straight into the peers' mapped receive
-        regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
-        other blocks sum this rank's rows over ranks as they arrive. Every collective of
-        the op then has the same writer (the GPU) for each flag word."""
-        RB = 2 * f.H
-        S, L = fin_slice(rows, RB)
-        self._begin(Op.RS, seq, S)
-        ts, stream = self.current_stream()
-        own = self.scratch("finalize own", L).data_ptr()
-        self.plans.plannable(direct=True)
-        y, scales, pos, weights, shared, dst = ptrs
-        piece = piece_bounds(S, 0)[1]
-        units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
-        npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
-        nb = min(self.wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        self.launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
-                     y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
-                     _n(f.topk),
-                     _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
-                     _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
-                     _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
-                     self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
-                     dst, *self.wait_args(Op.RS, (PIECES, npub)))
-        self.direct_launches += 1
-        self.poison_if_failed(stream, dst, 0, 1, L)
-        self.finish(ts, stream, advanced=True)
+        if engine.direct:
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, dtab)
+        else:
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, entries)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
