@@ -45,6 +45,7 @@ from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
 from sparkccl.dataplane import ce_engine as E  # noqa: E402
+from sparkccl.dataplane.device import Device  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -143,7 +144,7 @@ class EmuStream:
         self.q.put((name, grid, arr))
 
     def record(self) -> threading.Event:
-        ev = threading.Event()
+        ev = EmuEvent(self.ctx)
         self.q.put(ev)
         return ev
 
@@ -185,19 +186,36 @@ class EmuProgram:
     names: list     # its kernel table's names
 
 
-class EmuDataPlane(C.CudaDataPlane):
-    """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
-    addresses, launches go to the emulated kernels."""
+class EmuEvent(threading.Event):
+    """An event of an emulated stream; it knows the stream's context (a lost context raises
+    when asked, as a CUDA event query does)."""
 
-    def setup_device(self, device):
-        self.device = torch.device("cpu")
-        self.kernels = {}
-        self.sms = 4
-        # Every emulated rank of this test process "shares one GPU": one trap lock.
-        self.trap_lock_path = EMU_TRAP_LOCK
+    def __init__(self, ctx: EmuContext):
+        super().__init__()
+        self.ctx = ctx
+
+
+class EmuDevice(Device):
+    """The device seam (sparkccl/dataplane/device.py) on the CPU: 'device pointers' are host
+    addresses, launches go to the emulated kernels, streams are EmuStreams."""
+
+    device = torch.device("cpu")
+    sms = 4
+    trap_lock_path = EMU_TRAP_LOCK  # every emulated rank of this process "shares one GPU"
+
+    def __init__(self):
+        self.streams: dict[int, EmuStream] = {}  # stream term -> stream
+        self.events: dict[int, EmuEvent] = {}    # program event handle -> its latest record
+        self.next_event = 1
+        self.emu_skip: set = set()  # kernel names a program's launches drop (tests)
+        self.emu_launched: list[str] = []  # kernels launched by programs
+        self.emu_programs_run = self.emu_ops_run = 0
+        self.probe = None
 
     def register(self, addr, size):
-        self._registered.append(addr)
+        return addr
+
+    def host_pointer(self, addr):
         return addr
 
     def unregister(self, addr):
@@ -209,7 +227,7 @@ class EmuDataPlane(C.CudaDataPlane):
     def to_device(self, t):
         return t.clone()
 
-    def device_synchronize(self):
+    def synchronize(self):
         pass
 
     def current_stream(self):
@@ -227,7 +245,7 @@ class EmuDataPlane(C.CudaDataPlane):
         stream.submit(name, grid, args)
 
     def make_plan(self, rec):
-        return rec  # replayed launch by launch (_issue_plan)
+        return rec  # replayed launch by launch (issue_plan)
 
     def caller_stream(self):
         if self.capturing():
@@ -237,39 +255,25 @@ class EmuDataPlane(C.CudaDataPlane):
 
     def issue_plan(self, rec, args):
         if self.capturing():
-            return False
+            return None
         ts = _emu_current.stream
         for name, grid, block, params in rec.launches_for(args):
-            self.launch(ts, name, grid, block, *params)
-        self.end(ts)
-        return True
+            self.launch_kernel(ts, name, grid, block, *params)
+        return ts.record(), ts
 
     def mark(self, ts):
         return ts.record()
 
-    def end(self, ts):
-        self._last_event = self.mark(ts)
-        self._last_ctx = ts.ctx
-        self._last_ts = ts
-
     def event_done(self, ev):
-        if not ev.is_set():
-            return False
-        self._last_ctx.check()
-        return True
+        ev.ctx.check()  # (a lost context raises, as the query of a CUDA event does)
+        return ev.is_set()
 
-    def release_waits(self):  # the state words are host memory here
-        self.state[1] = 1
-        self.state[0] = C.RELEASED_PROGRESS
-
-    def busy(self):  # as an event query: a lost context raises
-        if self._last_event is None:
-            return False
-        self._last_ctx.check()
-        return not self._last_event.is_set()
+    def release_waits(self, state, dead, progress):  # the state words are host memory here
+        state[1] = dead
+        state[0] = progress
 
     def probe_stream(self):
-        st = self._probe = EmuStream()
+        st = self.probe = EmuStream()
         return st, st
 
     def new_stream(self):
@@ -278,24 +282,26 @@ class EmuDataPlane(C.CudaDataPlane):
     def close_stream(self, st):
         st.close()
 
-    def fork(self, ts, name="side"):
-        st = self.side_stream(name)
+    def fork(self, ts, st):
         st.wait_event(ts.record())
         return st, st
 
-    def join(self, ts, side_ts):
-        ts.wait_event(side_ts.record())
+    def join(self, ts, side):
+        ts.wait_event(side.record())
 
     def stream_term(self, st):
         if st is None:
             return 0
-        self.__dict__.setdefault("_emu_streams", {})[id(st)] = st
+        self.streams[id(st)] = st
         return id(st)
 
     def new_events(self, n):
-        first = self.__dict__.get("_emu_next_event", 1)
-        self._emu_next_event = first + n
+        first = self.next_event
+        self.next_event = first + n
         return list(range(first, first + n))
+
+    def destroy_events(self, events):
+        pass
 
     def done_handle(self):
         return EMU_DONE_EVENT
@@ -312,43 +318,43 @@ class EmuDataPlane(C.CudaDataPlane):
         gives them no order among themselves, and no program may need one."""
         ops = program.native.evaluate(terms)
         params = program.native.parameters(terms)
-        events = self.__dict__.setdefault("_emu_events", {})
-        skip = getattr(self, "emu_skip", ())
-        order = []
+        order, done = [], None
         for first, count, how in program.native.calls(terms):
             run = range(first, first + count)
             order.extend(reversed(run) if how == EMU_COPY_BATCH else run)
         for k in (5 * i for i in order):
             kind, st, a, b, c = ops[k:k + 5]
-            stream = self._emu_streams[st]
+            stream = self.streams[st]
             if kind == C.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
             elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
             elif kind == C.OP_RECORD:
                 if a == EMU_DONE_EVENT:
-                    self.end(stream)
+                    done = stream.record()
                 else:
-                    events[a] = stream.record()
+                    self.events[a] = stream.record()
             elif kind == C.OP_WAIT_EVENT:
-                stream.wait_event(events[a])
+                stream.wait_event(self.events[a])
             elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
                 stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
                            or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
                 assert kind == C.OP_LAUNCH, kind
-                if program.names[a] not in skip:
-                    self.__dict__.setdefault("emu_launched", []).append(program.names[a])
+                if program.names[a] not in self.emu_skip:
+                    self.emu_launched.append(program.names[a])
                     stream.submit(program.names[a], c, [b, *params[a][1:]])
-        self.emu_programs_run = getattr(self, "emu_programs_run", 0) + 1
-        self.emu_ops_run = getattr(self, "emu_ops_run", 0) + len(ops) // 5
-
-    def destroy_events(self, events):
-        pass
+        self.emu_programs_run += 1
+        self.emu_ops_run += len(ops) // 5
+        return done
 
     def can_write_values(self):
         return True
 
+
+def emu_data_plane(**kw) -> C.CudaDataPlane:
+    """The CUDA data plane over the emulated device."""
+    return C.CudaDataPlane(N, device_ops=EmuDevice(), **kw)
 
 
 class Backend:
@@ -364,7 +370,7 @@ class Backend:
     def make_dp(self, **kw):
         if self.name == "cuda":
             return C.CudaDataPlane(N, device=self.device, **kw)
-        return EmuDataPlane(N, **kw)
+        return emu_data_plane(**kw)
 
     @contextmanager
     def on(self, r: int):
@@ -887,17 +893,13 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
     kernels wait once, then move all of it), for a piece above; and by default never more
     than MAX_WAIT_BLOCKS, however many SMs (they spin: ranks sharing a GPU need SMs left for
     each other's publishing blocks)."""
-    setup, init, defaults = EmuDataPlane.setup_device, EmuDataPlane.__init__, []
-
-    def many_sms(self, device):
-        setup(self, device)
-        self.sms = 200
+    init, defaults = C.CudaDataPlane.__init__, []
 
     def recording(self, *a, **kw):
         init(self, *a, **kw)
         defaults.append(self.max_wait_blocks)
-    monkeypatch.setattr(EmuDataPlane, "setup_device", many_sms)
-    monkeypatch.setattr(EmuDataPlane, "__init__", recording)
+    monkeypatch.setattr(EmuDevice, "sms", 200)
+    monkeypatch.setattr(C.CudaDataPlane, "__init__", recording)
     with World("emu", "mesh", 2, max_slice=4096) as w:
         assert defaults == [C.MAX_WAIT_BLOCKS] * 2
         dp = w.dps[0]
@@ -969,8 +971,8 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            run, launch = dp.run_program, dp.launch
-            dp.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))
+            run, launch = dp.gpu.run_program, dp.launch
+            dp.gpu.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))[1]
             dp.launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
@@ -990,7 +992,7 @@ def test_auto_mode_picks_the_engine_by_slice():
         launched.clear()
         for dp in w.dps:
             dp.direct_mode = "ce"
-            dp.can_write_values = lambda: False
+            dp.gpu.can_write_values = lambda: False
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
@@ -1010,12 +1012,12 @@ def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
     with World("emu", "mesh", world, max_slice=L, direct=True, mode="ce") as w:
         dp = w.dps[0]
         seen = []
-        run = dp.run_program
+        run = dp.gpu.run_program
 
         def watch(program, terms, ts):
             seen.append((program.native.evaluate(terms), program.native.calls(terms), terms))
-            run(program, terms, ts)
-        dp.run_program = watch
+            return run(program, terms, ts)
+        dp.gpu.run_program = watch
         xs = inputs(5, world, (world * L // 2,), torch.bfloat16)
         ag = [x[:L // 2] for x in xs]
         outs = w.all_gather(ag)
@@ -1118,8 +1120,8 @@ def test_bad_engine_settings_are_refused_before_anything_is_pinned(monkeypatch, 
     pins or launches anything (the addresses here are not even valid)."""
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=f"{var}=.*{value}"):
-        EmuDataPlane(N, plan=build_plan("mesh", 2, 0, 2), ctl_addr=0, flags_addr=0,
-                     ag=torch.zeros(16, dtype=torch.uint8), ag_stride=4096, timeout_s=1.0)
+        emu_data_plane(plan=build_plan("mesh", 2, 0, 2), ctl_addr=0, flags_addr=0,
+                       ag=torch.zeros(16, dtype=torch.uint8), ag_stride=4096, timeout_s=1.0)
 
 
 def test_engine_settings_are_read_through_config(monkeypatch):
@@ -1374,7 +1376,7 @@ def test_last_kernel_advances_the_state(mode, extra):
         w.sync()
         for check, xs, outs in pend:
             check(w, xs, outs)
-        names += [n for dp in w.dps for n in dp.__dict__.get("emu_launched", [])]  # (mode ce)
+        names += [n for dp in w.dps for n in dp.gpu.emu_launched]  # (mode ce)
         assert names.count("sccl_advance") == extra * 6 * world, names
         assert [device_seq(w, r) for r in range(world)] == [6] * world
 
@@ -1994,7 +1996,7 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
         dp = w.dps[0]
-        dp.emu_skip = {"sccl_wait_piece"}
+        dp.gpu.emu_skip = {"sccl_wait_piece"}
         seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
         stream = w.be.streams[0]
         seen = []

@@ -23,9 +23,9 @@ which a replay would repeat, and the host's seq is stale after replays (docs/CON
 
 The engine owns its programs (the plan cache of mode "ce": ``programs``, counted in
 ``stats``), its streams' terms, the sums' stream and its events; it issues everything
-through the plane's device operations (``new_stream``, ``new_events``, ``new_program``,
-``run_program``, ``stream_term``, ``caller_stream``), which the CPU emulation in tests/
-implements on the host.
+through the plane's device seam (:mod:`.device`: ``new_stream``, ``new_events``,
+``new_program``, ``run_program``, ``stream_term``, ``caller_stream``), which the CPU
+emulation in tests/ implements on the host.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class CeEngine(Engine):
         self.sum_parts = [PART_NONE] * (p.maxw - 1) + [PART_WHOLE]
         self.words = {op: ce_words(table[int(op)], parts[int(op)][:p.world] + [self.sum_parts],
                                    p.rank, op == Op.RS) for op in Op}
-        self.sum_parts_dev = p.to_device(torch.tensor(self.sum_parts, dtype=torch.int32))
+        self.sum_parts_dev = p.gpu.to_device(torch.tensor(self.sum_parts, dtype=torch.int32))
         self.programs: dict = {}  # key -> CeProgram (all dropped when MAX_CE_PLANS are kept)
         self.stats = {"hits": 0, "misses": 0}
         self.sums = None  # (stream, events) of the reduce-scatter sums, made on first use
@@ -146,10 +146,10 @@ class CeEngine(Engine):
         self.events = None
         if self.sums is not None:
             events += self.sums[1]
-            self.plane.close_stream(self.sums[0])
+            self.plane.gpu.close_stream(self.sums[0])
             self.sums = None
         if events:
-            self.plane.destroy_events(events)
+            self.plane.gpu.destroy_events(events)
 
     def run(self, call: DirectCall) -> None:
         """The collective's program (:meth:`_program`) with this call's terms, in one native
@@ -159,7 +159,7 @@ class CeEngine(Engine):
         p = self._program(call, ring, waits, params)
         stage = (self.plane.scratch("ce stage", self.plane.world * call.S).data_ptr()
                  if call.op == Op.RS and call.ce_consume else 0)
-        self._issue(p, call.seq, call.first, self.plane.stream_term(call.ts), call.ts,
+        self._issue(p, call.seq, call.first, self.plane.gpu.stream_term(call.ts), call.ts,
                        _call_args(call, params), stage)
         self.plane.direct_launches += 1
         if self.plane.plans.recording():
@@ -168,7 +168,7 @@ class CeEngine(Engine):
     def issue_plan(self, plan: CePlan, seq: int, args: tuple) -> bool:
         """A planned mode "ce" call (cuda.py _planned): the program with this call's terms.
         False, issuing nothing, while the caller's stream is being captured."""
-        caller = self.plane.caller_stream()
+        caller = self.plane.gpu.caller_stream()
         if caller is None:
             return False
         self._issue(plan.program, seq, self.plane.ring_next, *caller, args, plan.stage)
@@ -188,7 +188,8 @@ class CeEngine(Engine):
             else:
                 self.plane.ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
                                 1:7] = p.ring_rows
-        self.plane.run_program(p.program, self._terms(seq, first, stream_term, args, stage), ts)
+        terms = self._terms(seq, first, stream_term, args, stage)
+        self.plane.issued(self.plane.gpu.run_program(p.program, terms, ts), ts)
 
     def _terms(self, seq: int, first: int, stream_term: int, args, stage: int) -> list:
         """The terms of a call (see T_*): all of them follow from its seq, ring index,
@@ -330,8 +331,8 @@ class CeEngine(Engine):
             # it: trap if this data plane failed. (Mode poison runs ce as fused.)
             launch(T_TS, K_GUARD)
         launch(T_TS, K_ADVANCE)
-        row(OP_RECORD, T_TS, (self.plane.done_handle(), T_ZERO, 0))
-        program = self.plane.new_program(kernels, patches, rows)
+        row(OP_RECORD, T_TS, (self.plane.gpu.done_handle(), T_ZERO, 0))
+        program = self.plane.gpu.new_program(kernels, patches, rows)
         return CeProgram(op=op, host=host, words=words, program=program, ring_rows=ring_rows,
                          host_ring=ce_pub)
 
@@ -426,16 +427,16 @@ class CeEngine(Engine):
                 row(OP_WAIT_EVENT, T_SUMS, (events[u], T_ZERO, 0))
                 launch(T_SUMS, K_SUM, unit=u, blocks=nb)
 
-    # ---- streams and stream operations (overridden by the CPU emulation) -----------------
+    # ---- its streams and events ------------------------------------------------------
     def _stream_terms(self) -> tuple:
         """Mode "ce": the terms of the sending, watch and (reduce-scatter, once made) sums'
         streams (the streams live as long as the data plane: kept once the sums' is made)."""
         kept = self.stream_handles
         if kept is not None:
             return kept
-        handles = (self.plane.stream_term(self.plane.side_stream("side")),
-                   self.plane.stream_term(self.plane.side_stream("watch")),
-                   self.plane.stream_term(self.sums[0] if self.sums is not None else None))
+        handles = (self.plane.gpu.stream_term(self.plane.side_stream("side")),
+                   self.plane.gpu.stream_term(self.plane.side_stream("watch")),
+                   self.plane.gpu.stream_term(self.sums[0] if self.sums is not None else None))
         if self.sums is not None:
             self.stream_handles = handles
         return handles
@@ -446,7 +447,8 @@ class CeEngine(Engine):
         earlier work through the first event, and the caller's stream joins the sums' stream
         at the end of each collective (the staging slot is then free again)."""
         if self.sums is None:
-            self.sums = (self.plane.new_stream(), self.plane.new_events(PIECES * self.plane.maxw))
+            gpu = self.plane.gpu
+            self.sums = (gpu.new_stream(), gpu.new_events(PIECES * self.plane.maxw))
         return self.sums
 
     def _sync_events(self) -> list[int]:
@@ -454,5 +456,5 @@ class CeEngine(Engine):
         streams) and joins (sending, watch, sums' stream -> caller's), made on first use."""
         ev = self.events
         if ev is None:
-            ev = self.events = self.plane.new_events(4)
+            ev = self.events = self.plane.gpu.new_events(4)
         return ev

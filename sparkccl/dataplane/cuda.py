@@ -27,9 +27,8 @@ the stream's flag word, piece by piece, while its other blocks already wait for 
 the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
 engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
 quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and docs/PROTOCOL.md
-"GPU-direct"). The ring entries say
-``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
+"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and
+docs/PROTOCOL.md "GPU-direct"). The ring entries say ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
 connection on the H200 test machine), the data crosses the link once each way at the
 GPU's own speed.
@@ -86,20 +85,20 @@ from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_
                           wait_parts, wait_table)
 
 DIRECT_MODES = config.DIRECT_ENGINES
-from . import nvrtc
+from . import nvrtc  # noqa: F401 - (tests reach the kernels' sources through it)
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
                         OP_WRITE64, PROG_STRIDE, CePlan)
 from .engine_choice import Engines
 from .engines import RS_WAIT, DirectCall
-from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
-                           host_device_pointer, kernels_for, register_host, set_current,
-                           unregister_host)
+from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
+                           host_device_pointer, kernels_for, register_host, unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
-from .launch_plan import CallPtr, PlanCache, Recording, Slotted, plain
-from .trap_lock import TrapLock, gpu_key, lock_path
+from .device import CudaDevice, Device
+from .launch_plan import CallPtr, PlanCache, Slotted, plain
+from .trap_lock import TrapLock
 
 _P = layout.protocol_constants()
 NO_SOURCE = _P["NO_SOURCE"]
@@ -231,22 +230,6 @@ class _PlanSetting:
             plans.invalidate()
 
 
-class _RawEvent:
-    """The data plane's own CUDA event, recorded by its launch plans; queried like torch's."""
-
-    __slots__ = ("nat", "handle")
-
-    def __init__(self, nat, handle: int):
-        self.nat, self.handle = nat, handle
-
-    def query(self) -> bool:
-        return self.nat.cuda_event_query(self.handle)
-
-    def destroy(self) -> None:
-        from cuda.bindings import driver as drv
-        drv.cuEventDestroy(drv.CUevent(self.handle))
-
-
 class CudaDataPlane(DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
@@ -265,7 +248,8 @@ class CudaDataPlane(DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None, device=None, on_failure: str | None = None):
+                 peer_rings: list | None = None, device=None, on_failure: str | None = None,
+                 device_ops: Device | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
         if on_failure is None:
@@ -285,8 +269,7 @@ class CudaDataPlane(DataPlaneBase):
         self.trap_grace_s = TRAP_GRACE_S
         self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
         # The fail-stop handshake (_watchdog): when ACK_HOLD and ACK_GO were written
-        # (monotonic s), and the GPU's trap lock (its path is set by _setup_backend).
-        self.trap_lock_path: str | None = None
+        # (monotonic s), and the GPU's trap lock (its path: the device's).
         self.trap_lock_wait_s = TRAP_LOCK_WAIT_S
         self.trap_held_at: float | None = None
         self.trap_go_at: float | None = None
@@ -297,7 +280,6 @@ class CudaDataPlane(DataPlaneBase):
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
         self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
         self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
-        self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
         self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
@@ -310,8 +292,10 @@ class CudaDataPlane(DataPlaneBase):
         self._ctl_words = memoryview(
             (ctypes.c_uint8 * layout.CTL_BYTES).from_address(ctl_addr)).cast("B").cast("Q")
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
-        self.setup_device(device)
-        self._device_index = self.device.index
+        # The device seam (device.py): the CUDA driver, or the tests' host emulation.
+        self.gpu = device_ops if device_ops is not None else CudaDevice(native, device)
+        self.device, self.sms = self.gpu.device, self.gpu.sms
+        self.trap_lock_path = self.gpu.trap_lock_path
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
@@ -319,20 +303,20 @@ class CudaDataPlane(DataPlaneBase):
         self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
         try:
             ctl_bytes = layout.control_bytes(plan.num_flag_words)
-            self.ctl_dev = self.register(ctl_addr, ctl_bytes)
+            self.ctl_dev = self._register(ctl_addr, ctl_bytes)
             self.flags_dev = self.ctl_dev + (flags_addr - ctl_addr)
-            self.ag_dev = self.register(ag.data_ptr(), ag.numel())
+            self.ag_dev = self._register(ag.data_ptr(), ag.numel())
         except BaseException:
             self.close()
             raise
-        self.ag = self.view(self.ag_dev, ag.numel())
+        self.ag = self.gpu.view(self.ag_dev, ag.numel())
         # Device state (protocol.h STATE_*): progress word, dead, the next collective's seq
         # and first ring index, the finalize gate's bumps, the timeout. Publish counters
         # per (seq % 4, piece).
         head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
         init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
         init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
-        self.state = self.to_device(init)
+        self.state = self.gpu.to_device(init)
         # The host's copy of the next seq and ring index: true until a collective is
         # captured in a CUDA graph (replays advance only the device's; see seq_on_host).
         self._seq_next, self._ring_next = 0, head
@@ -340,14 +324,15 @@ class CudaDataPlane(DataPlaneBase):
         self._in_capture = False  # the current call is being captured
         self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
         self.ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
-        self.counters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.counters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
-        self.fin_counters = self.to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
-        self.fin_bad = self.to_device(torch.zeros(4, dtype=torch.int32))
+        self.fin_counters = self.gpu.to_device(torch.zeros(COUNTER_SETS * FIN_SET,
+                                                           dtype=torch.int32))
+        self.fin_bad = self.gpu.to_device(torch.zeros(4, dtype=torch.int32))
         # GPU-direct finalize: own-rows gate per piece (monotonic; the device state's
         # STATE_GATE counts the bumps of every launch so far: each publish block bumps each
         # piece once).
-        self.fin_gate = self.to_device(torch.zeros(PIECES, dtype=torch.int32))
+        self.fin_gate = self.gpu.to_device(torch.zeros(PIECES, dtype=torch.int32))
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
@@ -356,8 +341,8 @@ class CudaDataPlane(DataPlaneBase):
         self.maxw = max_wait_words(plan)
         table = wait_table(plan, self.maxw)
         parts = wait_parts(plan, self.maxw)
-        self.wait_table = self.to_device(torch.tensor(table, dtype=torch.int32))
-        self.parts_table = self.to_device(torch.tensor(parts, dtype=torch.int32))
+        self.wait_table = self.gpu.to_device(torch.tensor(table, dtype=torch.int32))
+        self.parts_table = self.gpu.to_device(torch.tensor(parts, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -368,13 +353,11 @@ class CudaDataPlane(DataPlaneBase):
         self.direct_mode = direct_mode
         self.ce_min_slice = ce_min_slice
         self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
-        self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
-        self._functions: dict[str, int] = {}  # CUfunction per kernel name
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
             ctl_addr + layout.RING_OFFSET)
         self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
-        self.dcounters = self.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.dcounters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
         self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
         self.direct_host: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
@@ -402,7 +385,7 @@ class CudaDataPlane(DataPlaneBase):
                 _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
                               f"calibration failed ({type(e).__name__}: {e}): no publish "
                               "stamps\n")
-        self.device_synchronize()
+        self.gpu.synchronize()
         self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
                                                  name=f"sparkccl-gpu-watchdog-{self.rank}")
         self._watchdog_thread.start()
@@ -416,11 +399,11 @@ class CudaDataPlane(DataPlaneBase):
         (t0 + t1) / 2 - g, within half the round trip, from the round of the shortest one.
         Not found in time (no stamps then): said on stderr, never an error."""
         buf = self._clock_buf = np.zeros(2 * rounds, dtype=np.uint64)
-        dev = self.register(buf.ctypes.data, buf.nbytes)
+        dev = self._register(buf.ctypes.data, buf.nbytes)
         go = [_u64(buf.ctypes.data + 8 * k) for k in range(rounds)]
         stamp = [_u64(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
-        ts, stream = self.probe_stream()
-        self.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
+        ts, stream = self.gpu.probe_stream()
+        self.gpu.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
                             _n(rounds), _n(int(timeout_s * 1e9)))
         best = None
         deadline = time.monotonic() + timeout_s
@@ -449,116 +432,47 @@ class CudaDataPlane(DataPlaneBase):
         word = (offset % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
         self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
 
-    # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
-    def setup_device(self, device) -> None:
-        check_available(device)
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = dev
-        self.kernels = kernels_for(dev.index)
-        self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
-        # _release_waits: made now, because after a failure nothing may wait on the GPU.
-        self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        self._release_stream = torch.cuda.Stream(dev)
-        # Launch plans run in torch's primary context of the device, and record one event
-        # of this data plane (re-recorded by every planned call: the latest is the one
-        # _wait_last and the watchdog ask about).
-        from cuda.bindings import driver as drv
-        with torch.cuda.device(dev):
-            torch.cuda.current_stream(dev).synchronize()  # (torch made its context current)
-            self._context = int(check("cuCtxGetCurrent", drv.cuCtxGetCurrent())[0])
-            flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._done_event = _RawEvent(self.nat,
-                                         int(check("cuEventCreate", drv.cuEventCreate(flags))[0]))
-        self._fast_stream = (None, None)  # (raw handle, torch stream) of the latest planned call
-        self.trap_lock_path = lock_path(gpu_key(dev))
-
-    def register(self, addr: int, size: int) -> int:
-        with torch.cuda.device(self.device):
-            dev = register_host(addr, size)
+    # ---- on the device (through the seam, device.py) ---------------------------------
+    def _register(self, addr: int, size: int) -> int:
+        dev = self.gpu.register(addr, size)
         self._registered.append(addr)
         return dev
 
-    def unregister(self, addr: int) -> None:
-        with torch.cuda.device(self.device):
-            unregister_host(addr)
-
-    def register_peer(self, addr: int, size: int) -> int:
+    def _register_peer(self, addr: int, size: int) -> int:
         """Like _register, for a peer's segment mapped here; a range this process pinned
         already (ranks of one process, as in the in-process tests) is used as it is."""
         try:
-            return self.register(addr, size)
+            return self._register(addr, size)
         except AlreadyRegistered:
-            with torch.cuda.device(self.device):
-                return host_device_pointer(addr)
-
-    def view(self, ptr: int, nbytes: int) -> torch.Tensor:
-        return device_view(ptr, nbytes, self.device)
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
-    def device_synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def current_stream(self):
-        """(torch stream, cuda.core stream) of the caller's current stream."""
-        set_current(self.device.index)
-        ts = torch.cuda.current_stream(self.device)
-        return ts, self._cc_stream(ts)
-
-    def probe_stream(self):
-        """(torch stream, cuda.core stream) of a stream of its own (the clock probe's)."""
-        ts = torch.cuda.Stream(self.device)
-        return ts, self._cc_stream(ts)
-
-    def _cc_stream(self, ts):
-        h = int(ts.cuda_stream)
-        s = self._cc_streams.get(h)
-        if s is None:
-            cc = nvrtc.import_cuda_core()
-            s = self._cc_streams[h] = cc.Stream.from_handle(h)
-        return s
+            return self.gpu.host_pointer(addr)
 
     def launch(self, stream, name: str, grid: int, block: int, *args) -> None:
         """Launch kernel ``name``; recorded into the launch plan being built, if any
         (parameters may be :class:`~.launch_plan.CallPtr`)."""
         self.plans.record(name, grid, block, args)
-        self.launch_kernel(stream, name, grid, block, *plain(args))
-
-    def launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
-        cc = nvrtc.import_cuda_core()
-        cfg = cc.LaunchConfig(grid=grid, block=block)
-        with torch.cuda.device(self.device):  # this device's primary context is current
-            cc.launch(stream, cfg, self.kernels[name], *args)
-
-    def capturing(self) -> bool:
-        """Is the caller's stream (of this data plane's device) being captured into a CUDA
-        graph? (torch asks the current device's stream: make it this one.)"""
-        with torch.cuda.device(self.device):
-            return torch.cuda.is_current_stream_capturing()
-
-    def mark(self, ts):
-        """An event recorded now on torch stream ``ts``."""
-        ev = torch.cuda.Event()
-        ev.record(ts)
-        return ev
+        self.gpu.launch_kernel(stream, name, grid, block, *plain(args))
 
     def end(self, ts) -> None:
-        self._last_event = self.mark(ts)
-        self._last_ts = ts
+        self.issued(self.gpu.mark(ts), ts)
+
+    def issued(self, event, ts) -> None:
+        """The latest collective was issued on torch stream ``ts`` and ends at ``event`` (what
+        synchronize() and the watchdog ask about)."""
+        self._last_event, self._last_ts = event, ts
+
+    def _issue_plan(self, plan, args: tuple) -> bool:
+        got = self.gpu.issue_plan(plan, args)
+        if got is None:
+            return False
+        self._last_event, self._last_ts = got
+        return True
 
     def _replay_mark(self):
         """After a capture: a fresh event on the stream of the latest eager call. Replays
         leave no event of ours, but by the one-stream rule they ran on that stream, so the
         event lies after them (None: no eager call yet, see _wait_last)."""
         ts = getattr(self, "_last_ts", None)
-        return None if ts is None else self.mark(ts)
-
-    def event_done(self, ev) -> bool:
-        """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
-        return ev.query()
+        return None if ts is None else self.gpu.mark(ts)
 
     def _release_waits_once(self) -> None:
         """release_waits, once per data plane (the watchdog and _wait_last both may)."""
@@ -577,12 +491,7 @@ class CudaDataPlane(DataPlaneBase):
         did not count), so that stream value waits (mode "ce") and consumer blocks move on
         and every kernel after them fails at once. From the host, on a stream of its own: the
         caller's streams are the ones that are stuck."""
-        src = self._release_src
-        src[0] = RELEASED_PROGRESS
-        src[1] = 1
-        with torch.cuda.device(self.device), torch.cuda.stream(self._release_stream):
-            self.state[1:2].copy_(src[1:2], non_blocking=True)  # dead first: in stream order
-            self.state[0:1].copy_(src[0:1], non_blocking=True)
+        self.gpu.release_waits(self.state, 1, RELEASED_PROGRESS)
 
     def _wait_last(self) -> None:
         """Wait until the GPU passed the latest collective. While the communicator is
@@ -597,13 +506,13 @@ class CudaDataPlane(DataPlaneBase):
         if self._graph:  # replays of a captured graph leave no event of ours
             ev = self._replay_mark()
             if ev is None:  # nothing eager to find the stream by: the whole device
-                self.device_synchronize()
+                self.gpu.synchronize()
                 return
             self._last_event = ev
         if ev is None:
             return
         deadline, released, spins = None, False, 0
-        while not self.event_done(ev):
+        while not self.gpu.event_done(ev):
             now = time.monotonic()
             if self._gpu_stuck:  # it was released already: no second grace
                 raise self._stuck_error()
@@ -649,86 +558,23 @@ class CudaDataPlane(DataPlaneBase):
     def busy(self) -> bool:
         ev = self._replay_mark() if self._graph else None  # (the watchdog, after a failure)
         ev = ev if ev is not None else self._last_event
-        return ev is not None and not self.event_done(ev)
+        return ev is not None and not self.gpu.event_done(ev)
 
     def side_stream(self, name: str):
         """This data plane's torch stream ``name`` ("side": the sending side of modes split
         and ce; "watch": mode ce's piece waits), made on first use."""
         st = self._side_streams.get(name)
         if st is None:
-            st = self._side_streams[name] = self.new_stream()
+            st = self._side_streams[name] = self.gpu.new_stream()
         return st
-
-    def new_stream(self):
-        """A torch stream of this device (side streams, the ce sums', the clock probe's)."""
-        return torch.cuda.Stream(self.device)
-
-    def close_stream(self, st) -> None:
-        """A stream of :meth:`new_stream` is no longer used (torch frees CUDA streams)."""
 
     def fork(self, ts, name: str = "side"):
         """(torch stream, cuda.core stream) of stream ``name``, ordered after everything
         queued on ``ts`` so far."""
-        st = self.side_stream(name)
-        st.wait_stream(ts)
-        return st, self._cc_stream(st)
+        return self.gpu.fork(ts, self.side_stream(name))
 
     def join(self, ts, side_ts) -> None:
-        ts.wait_stream(side_ts)
-
-    def stream_term(self, st) -> int:
-        return st.cuda_stream if st is not None else 0
-
-    def new_events(self, n: int) -> list[int]:
-        from cuda.bindings import driver as drv
-        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        with torch.cuda.device(self.device):
-            return [int(check("cuEventCreate", drv.cuEventCreate(flags))[0]) for _ in range(n)]
-
-    def destroy_events(self, events: list[int]) -> None:
-        from cuda.bindings import driver as drv
-        for e in events:
-            drv.cuEventDestroy(drv.CUevent(e))
-
-    def new_program(self, kernels: list, patches: list, rows: list):
-        """The native OpProgram (native/src/cuda_ops.cpp); kernels: (name, threads per
-        block, parameters)."""
-        with torch.cuda.device(self.device):  # (the function handles are per context)
-            table = [(self.function(name), block, ps) for name, block, ps in kernels]
-        return self.nat.OpProgram(self._context, N_TERMS, table, patches, rows)
-
-    def done_handle(self) -> int:
-        """The event a program records last: the data plane's done event (as a launch
-        plan's), which _wait_last and the watchdog ask about."""
-        return self._done_event.handle
-
-    def run_program(self, program, terms: list, ts) -> None:
-        """Issue a program in one native call; its last operation records the done event."""
-        program.issue(terms)
-        self._last_event, self._last_ts = self._done_event, ts
-
-    def function(self, name: str) -> int:
-        """CUfunction handle of kernel ``name`` in this device's context."""
-        f = self._functions.get(name)
-        if f is None:
-            from cuda.bindings import driver as drv
-            h = self.kernels[name].handle
-            if isinstance(h, drv.CUkernel):
-                h = check("cuKernelGetFunction", drv.cuKernelGetFunction(h))[0]
-            f = self._functions[name] = int(h)
-        return f
-
-    def can_write_values(self) -> bool:
-        """Can this GPU's streams write and wait for 64-bit values (mode "ce")?"""
-        if self._write_values is None:
-            try:
-                from cuda.bindings import driver as drv
-                attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-                err, v = drv.cuDeviceGetAttribute(attr, self.device.index)
-                self._write_values = int(err) == 0 and bool(v)
-            except Exception:
-                self._write_values = False
-        return self._write_values
+        self.gpu.join(ts, side_ts)
 
     @property
     def captured(self) -> bool:
@@ -747,14 +593,14 @@ class CudaDataPlane(DataPlaneBase):
         s, n = send.data_ptr(), send.numel()
         r, m = recv.data_ptr(), recv.numel()
         if r == s + n:  # one segment: register once
-            base = self.register(s, n + m)
+            base = self._register(s, n + m)
             send_dev, recv_dev = base, base + n
         else:
-            send_dev = self.register(s, n)
-            recv_dev = self.register(r, m)
+            send_dev = self._register(s, n)
+            recv_dev = self._register(r, m)
         self.rs_send_dev, self.rs_recv_dev = send_dev, recv_dev
-        self.rs_send = self.view(send_dev, n)
-        self.rs_recv = self.view(recv_dev, m)
+        self.rs_send = self.gpu.view(send_dev, n)
+        self.rs_recv = self.gpu.view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
         self.send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
         self.recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
@@ -770,7 +616,7 @@ class CudaDataPlane(DataPlaneBase):
             self._release(abort_if_busy)
         finally:
             for st in getattr(self, "_side_streams", {}).values():
-                self.close_stream(st)
+                self.gpu.close_stream(st)
 
     def _release(self, abort_if_busy: bool) -> None:
         regs = getattr(self, "_registered", None)
@@ -795,7 +641,7 @@ class CudaDataPlane(DataPlaneBase):
             return
         for addr in regs:
             try:
-                self.unregister(addr)
+                self.gpu.unregister(addr)
             except Exception:
                 pass
         try:
@@ -803,9 +649,7 @@ class CudaDataPlane(DataPlaneBase):
         except Exception:
             pass
         self.plans.invalidate()  # (they record the event freed here)
-        ev, self._done_event = getattr(self, "_done_event", None), None
-        if ev is not None:
-            ev.destroy()
+        self.gpu.close()
 
     # ---- GPU-direct: peers' regions mapped here -----------------------------------------
     def map_peers(self, ctl: dict[int, tuple[int, int]], ag: dict[int, tuple[int, int]]) -> None:
@@ -816,7 +660,7 @@ class CudaDataPlane(DataPlaneBase):
         for kind, peers in (("ctl", ctl), ("ag", ag)):
             for p, (addr, n) in peers.items():
                 if (p, kind) not in self._peer_dev:
-                    self._peer_dev[(p, kind)] = (self.register_peer(addr, n), n)
+                    self._peer_dev[(p, kind)] = (self._register_peer(addr, n), n)
         self._build_direct(Op.AG)
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:
@@ -824,7 +668,7 @@ class CudaDataPlane(DataPlaneBase):
         ``send_bytes`` on the receive slots); after :meth:`map_peers` and :meth:`attach_rs`."""
         for p, (addr, n) in rs.items():
             if (p, "rs") not in self._peer_dev:
-                dev = self.register_peer(addr, n)
+                dev = self._register_peer(addr, n)
                 self._peer_dev[(p, "rs")] = (dev, n)
                 self._peer_dev[(p, "rs_recv")] = (dev + send_bytes, n - send_bytes)
         self._build_direct(Op.RS)
@@ -868,7 +712,7 @@ class CudaDataPlane(DataPlaneBase):
         flat = [len(rows)] + [v for r in rows for v in r] + [v for r in items for v in r]
         # A collective of slice S may go direct while (slots - 1) * stride + blocks * S fits
         # every destination region (the proxy's transport checks the same per write).
-        self._dtab[op] = (self.to_device(torch.tensor(flat, dtype=torch.int64)),
+        self._dtab[op] = (self.gpu.to_device(torch.tensor(flat, dtype=torch.int64)),
                           (slots - 1) * stride, blocks, room or 0)
         self.direct_host[op] = host
         self.plans.invalidate()
@@ -951,10 +795,10 @@ class CudaDataPlane(DataPlaneBase):
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective
         was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
-        return not self._graph and not self.capturing()
+        return not self._graph and not self.gpu.capturing()
 
     def refuse_capture(self, what: str) -> None:
-        if self.capturing():
+        if self.gpu.capturing():
             raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
                                "reduce-scatter sets up its buffers and cannot be captured in a "
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
@@ -968,7 +812,7 @@ class CudaDataPlane(DataPlaneBase):
         knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
-        self._in_capture = self.capturing()
+        self._in_capture = self.gpu.capturing()
         if self._in_capture and not self._graph:
             self._graph = True
             self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
@@ -1019,43 +863,13 @@ class CudaDataPlane(DataPlaneBase):
         plan, entries, direct = found
         self._check_call()
         if not (self.engines.ce.issue_plan(plan, seq, args) if type(plan) is CePlan
-                else self.issue_plan(plan, args)):
+                else self._issue_plan(plan, args)):
             return False
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
         self._in_capture = False
         self._count(op, seq, S, entries)
         return True
-
-    def make_plan(self, rec: Recording):
-        """The native launch plan of a recording (the CPU emulation keeps the recording)."""
-        with torch.cuda.device(self.device):
-            rows = [(self.function(name), grid, block, list(params))
-                    for name, grid, block, params in rec.rows]
-        return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
-                                   list(rec.patches))
-
-    def issue_plan(self, plan, args: tuple) -> bool:
-        h = torch._C._cuda_getCurrentRawStream(self._device_index)
-        if not plan.issue(h, *args):
-            return False
-        self._last_event, self._last_ts = self._done_event, self._torch_stream(h)
-        return True
-
-    def _torch_stream(self, h: int):
-        """The torch stream of raw handle ``h``, the caller's current one (kept for the next
-        call: asking torch for it costs microseconds)."""
-        if self._fast_stream[0] != h:
-            self._fast_stream = (h, torch.cuda.current_stream(self.device))
-        return self._fast_stream[1]
-
-    def caller_stream(self):
-        """(stream term, torch stream) of the caller's current stream for a planned mode
-        "ce" call, or None while it is being captured (the planning path handles that)."""
-        h = torch._C._cuda_getCurrentRawStream(self._device_index)
-        if self.nat.cuda_stream_capturing(self._context, h):
-            return None
-        return h, self._torch_stream(h)
 
     def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
                 advanced: bool = False) -> None:
@@ -1151,14 +965,14 @@ class CudaDataPlane(DataPlaneBase):
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
-        with self.plans.planning(key, self.make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._all_gather(seq, src, dst, dst_off, dst_stride, L)
 
     def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                     dst_stride: int, L: int) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
-        ts, stream = self.current_stream()
+        ts, stream = self.gpu.current_stream()
         slot0, code = self.ag_dev, self.ag_code
         slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
         me = self.rank
@@ -1217,14 +1031,14 @@ class CudaDataPlane(DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        with self.plans.planning(key, self.make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
 
     def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
                         dtype: torch.dtype) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
-        ts, stream = self.current_stream()
+        ts, stream = self.gpu.current_stream()
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
         scode, rcode = self.send_code, self.recv_code
@@ -1279,7 +1093,7 @@ class CudaDataPlane(DataPlaneBase):
         self._fin_used = True
         if self._planned(key, Op.RS, seq, S, *args):
             return
-        with self.plans.planning(key, self.make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
                                                        for i, a in enumerate(args)))
 
@@ -1291,7 +1105,7 @@ class CudaDataPlane(DataPlaneBase):
         # The proxy path publishes per (row piece, destination); GPU-direct per piece.
         entries = PIECES if engine.direct else PIECES * (self.world - 1)
         self._begin(Op.RS, seq, S, entries=entries)
-        ts, stream = self.current_stream()
+        ts, stream = self.gpu.current_stream()
         own = self.scratch("finalize own", L).data_ptr()
         if engine.direct:
             engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, dtab)
@@ -1391,7 +1205,7 @@ class CudaDataPlane(DataPlaneBase):
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
     def poison_call(self, out: torch.Tensor) -> None:
         if self.on_failure == "poison" and out.numel():
-            self.poison_if_failed(self.current_stream()[1], out.data_ptr(), 0, 1,
+            self.poison_if_failed(self.gpu.current_stream()[1], out.data_ptr(), 0, 1,
                                    out.numel() * out.element_size())
 
     def poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:

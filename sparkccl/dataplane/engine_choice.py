@@ -48,7 +48,7 @@ class Engines:
         mode = p.direct_mode
         if mode == "auto":
             mode = "ce" if S >= p.ce_min_slice else "fused"
-        if mode == "ce" and not p.can_write_values():
+        if mode == "ce" and not p.gpu.can_write_values():
             mode = "split"
         if mode == "ce" and (p.captured or p.on_failure == "poison"):
             mode = "fused"

@@ -16,9 +16,9 @@ state) to an engine.
 The contract with the plane: an engine reads the plane's public state (device pointers of
 the regions and tables, the settings, ``phases``) and calls its public operations
 (``launch``, ``wait_args``, ``poison_if_failed``, ``finish``, ``fork`` / ``join``,
-``scratch``, the block counts, and for mode "ce" the device operations of the stream
-programs); it owns whatever state is its own (mode "ce": its programs, streams and
-events). ``phases`` is a benchmark option of the plane (benchmarks/kernel_roofline.py
+``scratch``, the block counts, ``issued``; for mode "ce"'s stream programs the device seam
+``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode "ce": its programs,
+streams and events). ``phases`` is a benchmark option of the plane (benchmarks/kernel_roofline.py
 times the publish and the wait roles one at a time); the proxy path reads it in one place
 (:meth:`ProxyPathEngine.issue`), the choice of engine in another.
 """
@@ -130,7 +130,8 @@ class ProxyPathEngine(Engine):
             p.plans.plannable()  # (kernels of constants and call pointers)
         slot0, code, me = p.ag_dev, p.ag_code, p.rank
         bpp = p.publish_blocks(piece_bounds(S, 0)[1])
-        ring, state, counters = p.ctl_dev + layout.RING_OFFSET, p.state.data_ptr(), p.counters.data_ptr()
+        ring = p.ctl_dev + layout.RING_OFFSET
+        state, counters = p.state.data_ptr(), p.counters.data_ptr()
         publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
         nb = 1 if zero_copy else p.slice_wait_blocks(S)
         consume = (slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S))
@@ -153,7 +154,8 @@ class ProxyPathEngine(Engine):
         W = p.world
         send0 = p.rs_send_dev
         bpp = p.publish_blocks(W * piece_bounds(S, 0)[1]) if base is not None else 1
-        ring, state, counters = p.ctl_dev + layout.RING_OFFSET, p.state.data_ptr(), p.counters.data_ptr()
+        ring = p.ctl_dev + layout.RING_OFFSET
+        state, counters = p.state.data_ptr(), p.counters.data_ptr()
         publish = ((base, _n(src_stride), send0, _n(p.send_code), _n(S), 0, _n(W))
                    if base is not None else (0, _n(0), send0, _n(p.send_code), _n(S), 0, _n(0)))
         nb = p.slice_wait_blocks(S)
