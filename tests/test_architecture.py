@@ -16,6 +16,11 @@ The rules, precisely:
   outside the package (``torch._C``: a third party's API is its own business). The same
   for ``getattr``/``hasattr`` with a constant private name, and for
   ``from sparkccl.X import _name``. Anything else reads another module's private state.
+* **Layers** (docs/ARCHITECTURE.md): 1 ``plan/``, 2 ``transport/`` and ``fabric/``, 3
+  ``dataplane/``, 4 the communicator (the other top-level modules), 5 the command line and
+  ``integrations/``. No module imports a module of a higher layer; the shared modules
+  (``layout``, ``config``, ``errors``) may be imported by any layer and import only layer 1;
+  the transports may use ``buffers``, ``shm`` and ``bootstrap`` of layer 4 (LAYER_EXCEPTIONS).
 """
 from __future__ import annotations
 
@@ -190,6 +195,44 @@ def test_no_import_circle():
 def test_no_module_reads_another_modules_private_attributes():
     found = [r for m in PARSED.values() for r in m.private_reads()]
     assert found == [], "\n".join(found)
+
+
+SHARED = {"sparkccl.layout", "sparkccl.config", "sparkccl.errors"}
+COMMAND_LINE = {"cli", "demo", "bench", "bench_timing", "doctor", "selftest", "localrun",
+                "reference", "exact_checks", "progress"}
+# Layer-4 modules the transports use: segments and the rendezvous, no communicator logic.
+LAYER_EXCEPTIONS = {"sparkccl.buffers", "sparkccl.shm", "sparkccl.bootstrap"}
+
+
+def _layer(module: str) -> int:
+    if module in SHARED:
+        return 0
+    parts = module.split(".")
+    sub = parts[1] if len(parts) > 1 else ""
+    if sub == "plan":
+        return 1
+    if sub in ("transport", "fabric"):
+        return 2
+    if sub == "dataplane":
+        return 3
+    if sub == "integrations" or (len(parts) == 2 and sub in COMMAND_LINE):
+        return 5
+    return 4
+
+
+def test_no_layer_calls_up():
+    up = []
+    for name, m in PARSED.items():
+        if name == PKG:  # the package's __init__: exports Communicator (lazily)
+            continue
+        mine = _layer(name)
+        for target in m.imports:
+            theirs = _layer(target)
+            if mine == 0 and theirs > 1:
+                up.append(f"shared {name} -> {target}")
+            elif mine and theirs > mine and not (mine == 2 and target in LAYER_EXCEPTIONS):
+                up.append(f"{name} (layer {mine}) -> {target} (layer {theirs})")
+    assert up == [], "\n".join(up)
 
 
 def test_third_party_allowances_are_still_needed():

@@ -90,9 +90,11 @@ def test_python_constants_equal_the_compiled_header():
     assert N.protocol() == L.protocol_constants()
     assert (G.PIECES, G.ALIGN, G.FLAG_STRIDE) == (N.protocol()["PIECES"], N.protocol()["ALIGN"],
                                                  N.protocol()["FLAG_STRIDE"])
-    for name in ("PROG_STRIDE", "MAX_DIRECT", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE",
+    from sparkccl.dataplane import direct_tables as D
+    for name in ("PROG_STRIDE", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE",
                  "ONE_HANDOFF_SLICE"):
         assert getattr(C, name) == N.protocol()[name], name
+    assert D.MAX_DIRECT == N.protocol()["MAX_DIRECT"]
 
 
 def test_protocol_reader_refuses_what_it_cannot_read(tmp_path, monkeypatch):

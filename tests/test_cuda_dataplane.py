@@ -45,6 +45,7 @@ from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
 from sparkccl.dataplane import ce_engine as E  # noqa: E402
+from sparkccl.dataplane import monitor as M  # noqa: E402
 from sparkccl.dataplane.device import Device  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
@@ -1081,7 +1082,7 @@ def test_direct_and_proxy_ranks_mix(backend):
     whose GPUs write directly interoperate (the same flag words, the same bytes)."""
     world = 3
     with World(backend, "ring", world, max_slice=1 << 14, direct=True) as w:
-        w.dps[1]._dtab.clear()  # rank 1: back to the proxy (its entries say chunk -1)
+        w.dps[1].direct.tables.clear()  # rank 1: back to the proxy (its entries say chunk -1)
         xs = inputs(9, world, (3000,), torch.uint8)
         outs = w.all_gather(xs)
         zs = inputs(10, world, (world * 100, 3), torch.float32)
@@ -1658,12 +1659,12 @@ def test_fail_stop_reports_then_traps(mode, capfd):
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5, direct=mode is not None,
                mode=mode, on_failure="stop") as w:
         dp = w.dps[0]
-        report = dp._report_gpu_failure  # the watchdog looks it up when the record appears
+        report = dp.monitor._report_gpu_failure  # the watchdog looks it up when the record appears
 
         def timed_report():  # (it acks last: the kernel may trap before this returns)
             dp.reported_at = time.monotonic()
             report()
-        dp._report_gpu_failure = timed_report
+        dp.monitor._report_gpu_failure = timed_report
         seq, outs = _lone_all_gathers(w, 25, 3)
         with pytest.raises(CollectiveError) as ei:
             dp.synchronize()
@@ -1677,7 +1678,7 @@ def test_fail_stop_reports_then_traps(mode, capfd):
         assert f"sparkccl: CollectiveError: rank 0: timed out after 0.5 s waiting for all_gather " \
                f"seq {seq} piece 0 from rank 1 (connection: channel 0 root" in err, err
         assert "restart the process" in err
-        assert dp.failure_report and dp.failure_report in err
+        assert dp.monitor.failure_report and dp.monitor.failure_report in err
         # The abort word is set by the watchdog, so the peers learn of it at once.
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
         with pytest.raises(RuntimeError, match="unspecified launch failure"):
@@ -1699,17 +1700,17 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
     process is wedged and must be killed. A trap that works says nothing more."""
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_grace_s = 0.4
-        busy = dp.busy
-        dp.busy = lambda: True  # the emulated GPU "never stops" after the trap
+        dp.monitor.trap_grace_s = 0.4
+        busy = dp.monitor.busy
+        dp.monitor.busy = lambda: True  # the emulated GPU "never stops" after the trap
         try:
             _lone_all_gathers(w, 25, 2)
             deadline = time.monotonic() + 10
-            while not dp.trap_wedged and time.monotonic() < deadline:
+            while not dp.monitor.trap_wedged and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert dp.trap_wedged
+            assert dp.monitor.trap_wedged
         finally:
-            dp.busy = busy
+            dp.monitor.busy = busy
         err = capfd.readouterr().err
         assert "sparkccl: CollectiveError: rank 0: timed out after 0.3 s" in err, err
         assert ("sparkccl: rank 0: the GPU did not stop within 0.4 s of the fail-stop trap"
@@ -1719,12 +1720,12 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
             dp.synchronize()
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_grace_s = 0.4
+        dp.monitor.trap_grace_s = 0.4
         _lone_all_gathers(w, 25, 1)
         with pytest.raises(CollectiveError):
             dp.synchronize()
         time.sleep(0.8)
-        assert not dp.trap_wedged
+        assert not dp.monitor.trap_wedged
         assert "did not stop" not in capfd.readouterr().err
 
 
@@ -1734,13 +1735,13 @@ def _ack(w: World, r: int) -> int:
 
 def _record_goes(dp, goes: list) -> None:
     """Record (rank, time, ack word before) whenever dp's watchdog gives the kernel its GO."""
-    give = dp._give_go
+    give = dp.monitor._give_go
 
     def give_go():
         goes.append((dp.rank, time.monotonic(), ctypes.c_uint64.from_address(
             dp.ctl + C.CTL_GPU_ACK).value))
         give()
-    dp._give_go = give_go
+    dp.monitor._give_go = give_go
 
 
 def _failing_all_gathers(w: World, ranks, n: int = 25):
@@ -1771,7 +1772,7 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
     that) and traps only after the watchdog took the lock and wrote ACK_GO; the lock is
     free again once the context is lost. The host's bound counts from the GO meanwhile:
     synchronize() raises the CollectiveError, not "the GPU is stuck"."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()
     hold_s = C._P["ACK_WAIT_NS"] / 1e9 + 1.0
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
@@ -1780,8 +1781,8 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
         _record_goes(dp, goes)
         try:
             seq = _failing_all_gathers(w, [0])
-            assert _wait_for(lambda: dp.trap_held_at is not None)
-            assert _ack(w, 0) == C.ACK_HOLD
+            assert _wait_for(lambda: dp.monitor.trap_held_at is not None)
+            assert _ack(w, 0) == M.ACK_HOLD
             time.sleep(hold_s)
             assert not w.be.streams[0].ctx.trapped  # still held, past ACK_WAIT_NS
             assert not goes
@@ -1790,12 +1791,12 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
         with pytest.raises(CollectiveError, match=f"all_gather seq {seq} piece 0 from rank 1"):
             dp.synchronize()
         ctx = w.be.streams[0].ctx
-        assert ctx.trapped and not dp._gpu_stuck
-        assert len(goes) == 1 and goes[0][2] == C.ACK_HOLD  # GO after HOLD, once
-        assert goes[0][1] >= dp.trap_held_at + hold_s
+        assert ctx.trapped and not dp.monitor.stuck
+        assert len(goes) == 1 and goes[0][2] == M.ACK_HOLD  # GO after HOLD, once
+        assert goes[0][1] >= dp.monitor.trap_held_at + hold_s
         assert ctx.trapped_at >= goes[0][1]  # the trap came after the GO
-        assert _ack(w, 0) == C.ACK_GO
-        assert _wait_for(lambda: not dp._watchdog_thread.is_alive())
+        assert _ack(w, 0) == M.ACK_GO
+        assert _wait_for(lambda: not dp.monitor._thread.is_alive())
         assert other.try_acquire()  # the watchdog let the lock go
         other.release()
         err = capfd.readouterr().err
@@ -1810,7 +1811,7 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
     calls) while a third holds the lock, so both are held at once; once it is free, one
     takes it, gives its GO and traps, and the other's GO comes only after that context was
     lost (and TRAP_SETTLE_S more); both trap."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()
     with World("emu", "mesh", 3, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         goes = []
@@ -1818,7 +1819,7 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
             for r in (0, 1):
                 _record_goes(w.dps[r], goes)
             _failing_all_gathers(w, [0, 1])
-            assert _wait_for(lambda: all(w.dps[r].trap_held_at for r in (0, 1)))
+            assert _wait_for(lambda: all(w.dps[r].monitor.trap_held_at for r in (0, 1)))
             time.sleep(0.1)
             assert not goes
         finally:
@@ -1829,12 +1830,12 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
                 w.dps[r].synchronize()
         assert _wait_for(lambda: len(goes) == 2), goes
         (first, t_first, ack_first), (second, t_second, ack_second) = sorted(goes, key=lambda g: g[1])
-        assert ack_first == ack_second == C.ACK_HOLD
+        assert ack_first == ack_second == M.ACK_HOLD
         assert t_first >= free_at
         ctx = [w.be.streams[r].ctx for r in range(3)]
         assert ctx[0].trapped and ctx[1].trapped
         assert t_first <= ctx[first].trapped_at <= t_second, (goes, ctx[first].trapped_at)
-        assert t_second >= t_first + C.TRAP_SETTLE_S
+        assert t_second >= t_first + M.TRAP_SETTLE_S
         assert ctx[second].trapped_at >= t_second
         err = capfd.readouterr().err
         for r in (0, 1):
@@ -1848,19 +1849,19 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
 def test_fail_stop_traps_anyway_when_the_trap_lock_is_not_free_in_time(capfd):
     """The watchdog tries the trap lock for trap_lock_wait_s at most: past that it writes
     ACK_GO anyway and says so; the kernel traps, and synchronize() raises."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()  # held by "another process" throughout
     try:
         with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
             dp = w.dps[0]
-            dp.trap_lock_wait_s = 0.4
+            dp.monitor.trap_lock_wait_s = 0.4
             goes = []
             _record_goes(dp, goes)
             _failing_all_gathers(w, [0])
             with pytest.raises(CollectiveError, match="from rank 1"):
                 dp.synchronize()
             assert w.be.streams[0].ctx.trapped
-            assert len(goes) == 1 and goes[0][1] >= dp.trap_held_at + 0.4
+            assert len(goes) == 1 and goes[0][1] >= dp.monitor.trap_held_at + 0.4
             err = capfd.readouterr().err
             assert (f"sparkccl: rank 0: fail-stop: trapping without the GPU's trap lock "
                     f"{EMU_TRAP_LOCK}: another process of this GPU held it for 0.4 s") in err, err
@@ -1869,7 +1870,7 @@ def test_fail_stop_traps_anyway_when_the_trap_lock_is_not_free_in_time(capfd):
     # A lock file that cannot be opened: GO at once, said too.
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_lock_path = "/nonexistent-dir/sparkccl-trap.lock"
+        dp.monitor.trap_lock_path = "/nonexistent-dir/sparkccl-trap.lock"
         _failing_all_gathers(w, [0])
         with pytest.raises(CollectiveError, match="from rank 1"):
             dp.synchronize()
@@ -1904,7 +1905,7 @@ def test_fail_stop_explains_a_context_lost_before_the_report(capfd):
             time.sleep(0.1)
             assert "sparkccl" not in capfd.readouterr().err  # nothing known yet: nothing said
             N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
-            assert _wait_for(lambda: dp.failure_report is not None)
+            assert _wait_for(lambda: dp.monitor.failure_report is not None)
             err = capfd.readouterr().err
             assert ("sparkccl: CollectiveError: rank 0: communicator aborted: rank 0: peer 1 "
                     "(pid 4242) exited; the CUDA context of this process was lost before this "
@@ -1930,7 +1931,7 @@ def test_fail_stop_says_when_a_lost_context_has_no_known_cause(capfd):
         with pytest.raises(RuntimeError, match="emulated device trap") as ei:
             dp.synchronize()
         assert not isinstance(ei.value, CollectiveError)
-        dp._stop_watchdog()
+        dp.monitor.stop()
         err = capfd.readouterr().err
         assert ("sparkccl: rank 0: the CUDA context of this process was lost before this rank's "
                 "GPU wait reported anything") in err, err
@@ -2022,7 +2023,7 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
         t.join(20)
         elapsed = time.monotonic() - t0
         assert not t.is_alive(), "the synchronization blocked on stream waits nobody releases"
-        assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        assert elapsed < M.STOP_GRACE_S + M.RELEASE_GRACE_S + 1.0, elapsed
         err = result.get("error")
         if sync == "caller" and on_failure == "poison":
             assert err is None, err  # the stream ran on: the poison kernel, then our read
@@ -2031,12 +2032,12 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
         if sync == "comm" or on_failure == "poison":
             with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited"):
                 dp.synchronize()
-        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
+        assert not dp.monitor.stuck, err  # the release got the stream going: not stuck
         if on_failure == "stop":
             assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
             time.sleep(0.1)
             assert seen == []  # the lost context ran nothing after the guard
-            assert dp.failure_report and "peer 1 (pid 4242) exited" in dp.failure_report
+            assert dp.monitor.failure_report and "peer 1 (pid 4242) exited" in dp.monitor.failure_report
         else:
             stream.synchronize()
             got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())

@@ -96,7 +96,7 @@ class CeProgram:
     """Mode "ce": a collective shape's stream operations as a native OpProgram, built by its
     first call (``_ce_program``), issued by every call with that call's terms. ``host``
     and ``words``: the tables it was built from (``_dhost[op]``, ``_ce_words[op]``; a
-    program of other tables than the current ones is stale, e.g. after _build_direct).
+    program of other tables than the current ones is stale, e.g. after the plane's _build_direct).
     ``ring_rows``: the ring entries' fields but seq, which the host writes per call where
     the copy engines send (``host_ring``; a zero-copy input's kernel writes its own)."""
     op: Op
@@ -217,7 +217,7 @@ class CeEngine(Engine):
         is a term (T_*)."""
         op, S, L = call.op, call.S, call.L
         plans, stats = self.programs, self.stats
-        host, words = self.plane.direct_host.get(op), self.words[op]
+        host, words = self.plane.direct.host.get(op), self.words[op]
         # (a numpy integer hashes and compares as the int of its value)
         key = (op, S, L, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
                len(call.own), self.plane.on_failure,

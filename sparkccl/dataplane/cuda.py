@@ -47,7 +47,7 @@ way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.ch
 raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
 communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
 release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
-RELEASE_GRACE_S more (:meth:`CudaDataPlane._wait_last`).
+RELEASE_GRACE_S more (:mod:`.monitor`, :meth:`.monitor.FailureMonitor.wait_last`).
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
@@ -70,8 +70,6 @@ need it.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 import time
 
 import numpy as np
@@ -85,6 +83,7 @@ from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_
                           wait_parts, wait_table)
 
 DIRECT_MODES = config.DIRECT_ENGINES
+from . import clock
 from . import nvrtc  # noqa: F401 - (tests reach the kernels' sources through it)
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
@@ -97,13 +96,13 @@ from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
 from .device import CudaDevice, Device
+from .direct_tables import DirectTables
 from .launch_plan import CallPtr, PlanCache, Slotted, plain
-from .trap_lock import TrapLock
+from .monitor import FailureMonitor, write_stderr
 
 _P = layout.protocol_constants()
 NO_SOURCE = _P["NO_SOURCE"]
 NO_WORD = _P["NO_WORD"]
-MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 # Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
@@ -113,7 +112,6 @@ STATE_CLOCK = _P["STATE_CLOCK"]
 ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
 _ABORT_WORD = layout.CTL_ABORT // 8
-CLOCK_ROUNDS = 32  # handshakes of the clock calibration (the tightest one counts)
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
@@ -121,41 +119,6 @@ FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 # comparison reads rows the peers' GPUs write (cache misses across PCIe, microseconds per
 # call), and a mismatch said a few calls later is as clear (synchronize() checks them all).
 SIZE_CHECK_CALLS = 8
-WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
-# Mode stop, after the report: the watchdog writes ACK_HOLD, which keeps the failing kernel
-# waiting (up to HOLD_WAIT_NS from the start of its wait) until this process's turn of the
-# GPU's trap lock (.trap_lock: two processes time-slicing a GPU that trap at once can wedge
-# the driver); then ACK_GO, and the kernel traps. The watchdog tries the lock for at most
-# TRAP_LOCK_WAIT_S (then GO anyway, said on stderr), so GO comes before the kernel's own bound,
-# and keeps it until its context is lost, TRAP_SETTLE_S more (the driver's handling of the
-# trap done before the next process's trap), or TRAP_GRACE_S after GO.
-ACK_GO, ACK_HOLD = _P["ACK_GO"], _P["ACK_HOLD"]
-HOLD_WAIT_S = _P["HOLD_WAIT_NS"] / 1e9
-TRAP_LOCK_WAIT_S = HOLD_WAIT_S - 5.0
-TRAP_SETTLE_S = 0.2
-TRAP_WAIT_SAID_S = 0.01  # a wait for the lock this long is said on stderr
-# After the GO, how long the watchdog waits for the trap to end this process's GPU work
-# before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
-TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
-# The context was lost before this data plane reported anything (another process's trap
-# under MPS): how long the watchdog waits for the cause (the abort word the proxy sets when
-# a peer failed) before it prints what the host knows (_say_context_lost).
-CAUSE_WAIT_S = 0.5
-PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
-# Once the communicator failed, a failing wait traps (stop) or returns (poison) within
-# ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
-# data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
-# at the abort word (see _wait_last). While the fail-stop handshake holds the kernel for its
-# turn to trap (ACK_HOLD, at most HOLD_WAIT_S), the grace counts from the GO instead.
-STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
-# After _release_waits, before the host gives up on the GPU: what a released kernel may take
-# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps; a
-# hold extends this one as well).
-RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
-# What _release_waits writes to the progress word: above seq * PROG_STRIDE + PROG_FAILED of
-# any seq, so every waiter of every collective sees FAILED (the host does not know the
-# device's seq once graphs replay).
-RELEASED_PROGRESS = 1 << 62
 POISON_THREADS = 256
 MAX_WORLD = 64
 
@@ -190,15 +153,6 @@ def direct_blocks_setting() -> tuple[int, int] | None:
         raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
                           "'publish,wait'") from None
     return max(1, a), max(1, b)
-
-
-def _write_stderr(line: str) -> None:
-    """From the watchdog thread: straight to fd 2, never through sys.stderr (its buffer lock
-    may be held by a thread that is itself waiting for the GPU)."""
-    try:
-        os.write(2, line.encode("utf-8", "replace"))
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------- the data plane
@@ -265,28 +219,15 @@ class CudaDataPlane(DataPlaneBase):
         self._registered: list[int] = []
         self._closed = False
         self.on_failure = on_failure
-        self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
-        self.trap_grace_s = TRAP_GRACE_S
-        self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
-        # The fail-stop handshake (_watchdog): when ACK_HOLD and ACK_GO were written
-        # (monotonic s), and the GPU's trap lock (its path: the device's).
-        self.trap_lock_wait_s = TRAP_LOCK_WAIT_S
-        self.trap_held_at: float | None = None
-        self.trap_go_at: float | None = None
-        self._trap_lock: TrapLock | None = None
-        self._watch_stop = threading.Event()
-        self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
-        self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
-        self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
         self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
         self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
         self._peers = frozenset(range(self.world)) - {self.rank}
         # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
-        # for the checks before every collective and the watchdog (a plain read each:
+        # for the checks before every collective (a plain read each:
         # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
         # atomic).
         self._ctl_words = memoryview(
@@ -295,7 +236,8 @@ class CudaDataPlane(DataPlaneBase):
         # The device seam (device.py): the CUDA driver, or the tests' host emulation.
         self.gpu = device_ops if device_ops is not None else CudaDevice(native, device)
         self.device, self.sms = self.gpu.device, self.gpu.sms
-        self.trap_lock_path = self.gpu.trap_lock_path
+        # The watchdog, the fail-stop handshake, the release of stuck waits (monitor.py).
+        self.monitor = FailureMonitor(self, self.gpu.trap_lock_path)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
@@ -358,10 +300,8 @@ class CudaDataPlane(DataPlaneBase):
         self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
         self.dcounters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
-        self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
-        self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
-        self.direct_host: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
-        #                                     dst block, Part)])]: the table for mode "ce"
+        # The peers' regions mapped here and the GPU-direct stream tables (map_peers).
+        self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         self.timeout_ns = int(timeout_s * 1e9)
@@ -380,57 +320,19 @@ class CudaDataPlane(DataPlaneBase):
         self.clock_offset_ns = self.clock_error_ns = None
         if config.get("SPARKCCL_GPU_STAMPS"):
             try:
-                self._calibrate_clock()
+                # (the probe's buffer stays pinned, and registered, as long as the plane)
+                self._clock_buf = np.zeros(2 * clock.CLOCK_ROUNDS, dtype=np.uint64)
+                found = clock.calibrate(self.gpu, self._register, self.rank, self._clock_buf)
+                if found is not None:
+                    self.clock_offset_ns, self.clock_error_ns = found
+                    word = (found[0] % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
+                    self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
             except Exception as e:  # noqa: BLE001 - a measurement aid: never a failure
-                _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                              f"calibration failed ({type(e).__name__}: {e}): no publish "
-                              "stamps\n")
+                write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
+                             f"calibration failed ({type(e).__name__}: {e}): no publish "
+                             "stamps\n")
         self.gpu.synchronize()
-        self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
-                                                 name=f"sparkccl-gpu-watchdog-{self.rank}")
-        self._watchdog_thread.start()
-
-    def _calibrate_clock(self, rounds: int = CLOCK_ROUNDS, timeout_s: float = 2.0) -> None:
-        """Measure CLOCK_MONOTONIC - %globaltimer and hand it to the publish kernels (device
-        state STATE_CLOCK), so that the GPU's ring entries carry publish stamps on the
-        proxy's clock (native/src/proxy.cpp: publish -> first post). Round k: the host notes
-        its clock t0 and writes go[k]; sccl_clock_probe, spinning, writes its %globaltimer g;
-        the host sees it at t1. The GPU read the clock within [t0, t1]: the offset is
-        (t0 + t1) / 2 - g, within half the round trip, from the round of the shortest one.
-        Not found in time (no stamps then): said on stderr, never an error."""
-        buf = self._clock_buf = np.zeros(2 * rounds, dtype=np.uint64)
-        dev = self._register(buf.ctypes.data, buf.nbytes)
-        go = [_u64(buf.ctypes.data + 8 * k) for k in range(rounds)]
-        stamp = [_u64(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
-        ts, stream = self.gpu.probe_stream()
-        self.gpu.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
-                            _n(rounds), _n(int(timeout_s * 1e9)))
-        best = None
-        deadline = time.monotonic() + timeout_s
-        try:
-            for k in range(rounds):
-                t0 = time.monotonic_ns()
-                go[k].value = 1
-                while stamp[k].value == 0 and time.monotonic() < deadline:
-                    pass
-                t1 = time.monotonic_ns()
-                g = stamp[k].value
-                if g == 0:
-                    break
-                if best is None or t1 - t0 < best[0]:
-                    best = (t1 - t0, (t0 + t1) // 2 - g)
-        finally:
-            for w in go:  # (the probe ends also when a round was not seen)
-                w.value = 1
-            ts.synchronize()
-        if best is None:
-            _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                          f"probe did not answer within {timeout_s:g} s: no publish stamps\n")
-            return
-        rtt, offset = best
-        self.clock_offset_ns, self.clock_error_ns = offset, (rtt + 1) // 2
-        word = (offset % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
-        self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
+        self.monitor.start()
 
     # ---- on the device (through the seam, device.py) ---------------------------------
     def _register(self, addr: int, size: int) -> int:
@@ -467,98 +369,23 @@ class CudaDataPlane(DataPlaneBase):
         self._last_event, self._last_ts = got
         return True
 
-    def _replay_mark(self):
-        """After a capture: a fresh event on the stream of the latest eager call. Replays
-        leave no event of ours, but by the one-stream rule they ran on that stream, so the
-        event lies after them (None: no eager call yet, see _wait_last)."""
+    def latest_event(self, keep: bool = False):
+        """The event after this plane's latest collective, or None (nothing issued). Once a
+        collective was captured, replays leave no event of ours, but by the one-stream rule
+        they ran on the stream of the latest eager call: a fresh event there lies after them
+        (None: no eager call yet). ``keep``: it becomes the latest event."""
+        if not self._graph:
+            return self._last_event
         ts = getattr(self, "_last_ts", None)
-        return None if ts is None else self.gpu.mark(ts)
-
-    def _release_waits_once(self) -> None:
-        """release_waits, once per data plane (the watchdog and _wait_last both may)."""
-        with self._release_lock:
-            if self._released:
-                return
-            self._released = True
-            try:
-                self.release_waits()
-            except RuntimeError:
-                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
-
-    def release_waits(self) -> None:
-        """Write what every wait of this data plane waits for: the dead word, then the
-        progress word at RELEASED_PROGRESS (above FAILED of any seq, also of replays the host
-        did not count), so that stream value waits (mode "ce") and consumer blocks move on
-        and every kernel after them fails at once. From the host, on a stream of its own: the
-        caller's streams are the ones that are stuck."""
-        self.gpu.release_waits(self.state, 1, RELEASED_PROGRESS)
-
-    def _wait_last(self) -> None:
-        """Wait until the GPU passed the latest collective. While the communicator is
-        healthy that takes as long as it takes (the caller's own work queued before it
-        counts too; every sparkccl wait has its own GPU-clock timeout). Once it failed
-        (abort word or GPU record), the GPU has STOP_GRACE_S to get there; past that,
-        something waits that does not watch the abort word (a stream value wait, whose
-        releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
-        CollectiveError (a survivor never blocks without bound) and mark the data plane
-        stuck, so that close() leaves the pinned memory the GPU may still use alone."""
-        ev = self._last_event
-        if self._graph:  # replays of a captured graph leave no event of ours
-            ev = self._replay_mark()
-            if ev is None:  # nothing eager to find the stream by: the whole device
-                self.gpu.synchronize()
-                return
+        ev = None if ts is None else self.gpu.mark(ts)
+        if keep and ev is not None:
             self._last_event = ev
-        if ev is None:
-            return
-        deadline, released, spins = None, False, 0
-        while not self.gpu.event_done(ev):
-            now = time.monotonic()
-            if self._gpu_stuck:  # it was released already: no second grace
-                raise self._stuck_error()
-            if deadline is None:
-                if self._failure_known():
-                    deadline = now + STOP_GRACE_S
-            elif self._trap_held(now):  # the grace counts from the GO (see STOP_GRACE_S)
-                deadline = max(deadline, now + (RELEASE_GRACE_S if released else STOP_GRACE_S))
-            elif now > deadline:
-                if released:
-                    self._gpu_stuck = True
-                    raise self._stuck_error()
-                self._release_waits_once()  # (or the watchdog did, a moment ago)
-                released, deadline = True, now + RELEASE_GRACE_S
-            # Yield at first (a collective's last microseconds), then naps of at most
-            # 200 us: what a synchronization may lose to the polling.
-            spins += 1
-            time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
+        return ev
 
-    def _trap_held(self, now: float) -> bool:
-        """Is the failing kernel held for its turn to trap (ACK_HOLD written, no GO yet)?
-        Bounded by the kernel's own HOLD_WAIT_NS, so a watchdog that stopped does not
-        stretch the host's bounds for longer than the kernel waits."""
-        held = self.trap_held_at
-        return held is not None and self.trap_go_at is None and now < held + HOLD_WAIT_S
-
-    def _failure_known(self) -> bool:
-        return bool(self.nat.abort_code(self.ctl) or self._ctl_words[_GPU_STATUS_WORD])
-
-    def _stuck_error(self) -> CollectiveError:
-        code, source, word, piece, seq = self.gpu_status()
-        cause = self.nat.error_text(self.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
-                                                  if code else "aborted")
-        record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "
-                  f"flag word {word}" if code else "no GPU failure record")
-        return CollectiveError(
-            f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
-            f"{self._last_seq}{', and graph replays after it' if self._graph else ''}) still "
-            f"had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
-            f"also after the host released its waits ({record}); the GPU is stuck: restart "
-            "the process", rank=self.rank, cause=cause)
-
-    def busy(self) -> bool:
-        ev = self._replay_mark() if self._graph else None  # (the watchdog, after a failure)
-        ev = ev if ev is not None else self._last_event
-        return ev is not None and not self.gpu.event_done(ev)
+    @property
+    def last_seq(self) -> int:
+        """The latest eager collective's seq (as the host counted it)."""
+        return self._last_seq
 
     def side_stream(self, name: str):
         """This data plane's torch stream ``name`` ("side": the sending side of modes split
@@ -611,7 +438,9 @@ class CudaDataPlane(DataPlaneBase):
         segments are unmapped). Kernels still running are first told to stop through the
         abort word (``abort_if_busy``), so closing never waits for a whole timeout."""
         self._closed = True
-        self._stop_watchdog()
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.stop()
         try:
             self._release(abort_if_busy)
         finally:
@@ -623,7 +452,7 @@ class CudaDataPlane(DataPlaneBase):
         if not regs:
             return
         try:
-            if abort_if_busy and self.busy():
+            if abort_if_busy and self.monitor.busy():
                 # A deliberate close stops the kernels without the fail-stop trap (which
                 # would lose the process's CUDA context): what they would have produced is
                 # undefined once the communicator is closed. The peers still fail-stop.
@@ -631,11 +460,11 @@ class CudaDataPlane(DataPlaneBase):
                 self.nat.set_abort(self.ctl, layout.ABORT_USER,
                                    f"rank {self.rank}: communicator closed while collectives "
                                    "were still running on the GPU")
-            self._wait_last()
+            self.monitor.wait_last()
         except Exception:
             pass
         self._registered = []
-        if self._gpu_stuck:
+        if self.monitor.stuck:
             # Unpinning memory a kernel or copy may still write would be worse than the leak:
             # it stays pinned until the process exits (which it must: the GPU is stuck).
             return
@@ -657,73 +486,27 @@ class CudaDataPlane(DataPlaneBase):
         regions, given as ``{peer: (host address, bytes)}`` of their mappings in this
         process, and execute this rank's all-gather publish streams on the GPU from now on
         (the proxy must have been given :func:`gpu_streams` with ``set_gpu_streams``)."""
-        for kind, peers in (("ctl", ctl), ("ag", ag)):
-            for p, (addr, n) in peers.items():
-                if (p, kind) not in self._peer_dev:
-                    self._peer_dev[(p, kind)] = (self._register_peer(addr, n), n)
+        self.direct.map("ctl", ctl)
+        self.direct.map("ag", ag)
         self._build_direct(Op.AG)
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:
         """The same for the peers' reduce-scatter segments (send slots, then from
         ``send_bytes`` on the receive slots); after :meth:`map_peers` and :meth:`attach_rs`."""
-        for p, (addr, n) in rs.items():
-            if (p, "rs") not in self._peer_dev:
-                dev = self._register_peer(addr, n)
-                self._peer_dev[(p, "rs")] = (dev, n)
-                self._peer_dev[(p, "rs_recv")] = (dev + send_bytes, n - send_bytes)
+        self.direct.map_rs(rs, send_bytes)
         self._build_direct(Op.RS)
 
     def _build_direct(self, op: Op) -> None:
-        """The stream table of sccl_*_direct for op (layout in kernels/direct.cu), or nothing if a
-        peer it writes to is not mapped."""
-        plan, me = self.plan, self.rank
-        kind = "ag" if op == Op.AG else "rs_recv"
+        """The stream table of sccl_*_direct for op, once its regions are known."""
         if op == Op.RS and self.rs_send is None:  # attach_rs() not called yet
             return
         stride = self.ag_stride if op == Op.AG else self.rs_recv_stride
-        slots = REGION_SLOTS[Region.AG] if op == Op.AG else REGION_SLOTS[Region.RS_RECV]
-        rows, items, blocks, room, host = [], [], 1, None, []
-        for k in plan.publish_streams():
-            st = plan.streams[k]
-            if st.op != op:
-                continue
-            peer = plan.connections[st.conn].peer
-            if (peer, "ctl") not in self._peer_dev or (peer, kind) not in self._peer_dev:
-                return
-            flags = self._peer_dev[(peer, "ctl")][0] + layout.FLAGS_OFFSET
-            base, nbytes = self._peer_dev[(peer, kind)]
-            room = nbytes if room is None else min(room, nbytes)
-            rows.append([flags + layout.FLAG_BYTES * st.dst_flag, len(items), len(st.items), 0])
-            host.append((rows[-1][0], []))
-            for it in st.items:
-                if op == Op.AG:
-                    ok = it.src_region == Region.AG and it.src_block == me and it.dst_region == Region.AG
-                    chunk = 0
-                else:
-                    ok = it.src_region == Region.RS_SEND and it.dst_region == Region.RS_RECV
-                    chunk = it.src_block
-                if not ok:
-                    raise ValueError(f"GPU-direct: unexpected item {it} in {OP_NAMES[op]} stream {k}")
-                items.append([chunk, base, stride, slots, it.dst_block, part_code(it.part)])
-                host[-1][1].append((chunk, base, stride, slots, it.dst_block, it.part))
-                blocks = max(blocks, it.dst_block + 1)
-        if len(rows) > MAX_DIRECT:
-            raise ValueError(f"GPU-direct: {len(rows)} streams, at most {MAX_DIRECT}")
-        flat = [len(rows)] + [v for r in rows for v in r] + [v for r in items for v in r]
-        # A collective of slice S may go direct while (slots - 1) * stride + blocks * S fits
-        # every destination region (the proxy's transport checks the same per write).
-        self._dtab[op] = (self.gpu.to_device(torch.tensor(flat, dtype=torch.int64)),
-                          (slots - 1) * stride, blocks, room or 0)
-        self.direct_host[op] = host
-        self.plans.invalidate()
+        if self.direct.build(op, stride):
+            self.plans.invalidate()
 
     def direct_table(self, op: Op, S: int):
         """The direct table for a collective of slice S, or None (then the proxy sends)."""
-        t = self._dtab.get(op)
-        if t is None:
-            return None
-        table, reach, blocks, room = t
-        return table if reach + blocks * S <= room else None
+        return self.direct.table(op, S)
 
     def scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
@@ -1133,14 +916,14 @@ class CudaDataPlane(DataPlaneBase):
         ``pos`` value. After a fail-stop (a device trap: the CUDA context is lost) the CUDA
         error is raised as the :class:`CollectiveError` that caused it."""
         try:
-            self._wait_last()
+            self.monitor.wait_last()
         except CollectiveError:
-            raise  # the GPU did not stop after the failure (_wait_last)
+            raise  # the GPU did not stop after the failure (monitor.wait_last)
         except RuntimeError as cuda_error:
             # A lost context after a known failure: this rank's trap, or under MPS another
             # process's, which ends every client's context (then the abort word may be all
             # the host knows). Without a known failure the CUDA error is all there is.
-            if not self._failure_known():
+            if not self.monitor.failure_known():
                 raise
             try:
                 self.check_status()
@@ -1217,190 +1000,3 @@ class CudaDataPlane(DataPlaneBase):
         grid = max(1, min(self.sms, -(-count * nbytes // (POISON_THREADS * 64))))
         self.launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
                      _n(stride), _n(count), _n(nbytes))
-
-    def _watchdog(self) -> None:
-        """A daemon thread per data plane: polls the GPU failure record; once a kernel wrote
-        one, builds the :class:`CollectiveError` (which also sets the abort word, so the
-        proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
-        about to trap, and the caller will only see a generic CUDA error), then answers the
-        kernel: ACK_GO in mode "poison"; in mode "stop" ACK_HOLD, then ACK_GO once this
-        process holds the GPU's trap lock (:meth:`_trap_turn`). Once the communicator
-        failed, it also releases the GPU's waits if the GPU work has not ended STOP_GRACE_S
-        later (from the GO, if the kernel was held); if the context is lost before anything
-        was reported, it says so with the cause the host knows (:meth:`_say_context_lost`).
-        It ends when the failure was reported, the trap's turn is over and nothing of this
-        data plane runs any more."""
-        words = self._ctl_words
-        reported, failed_at = False, None
-        try:
-            while not self._watch_stop.wait(WATCHDOG_POLL_S):
-                if not reported and words[_GPU_STATUS_WORD]:
-                    self._report_gpu_failure()
-                    reported = True
-                now = time.monotonic()
-                if self.trap_held_at is not None and self.trap_go_at is None:
-                    self._trap_turn(now)
-                # Then the host's bound (see _wait_last), from here too: the caller may be
-                # blocked in a synchronization of its own (.cpu(), a stream or event wait),
-                # which only ends when the GPU work does.
-                if failed_at is None:
-                    if self._failure_known():
-                        failed_at = now
-                    continue
-                lost = False
-                try:
-                    busy = self.busy()
-                except RuntimeError:
-                    busy, lost = False, True  # the context is lost: nothing of it runs any more
-                if lost and not reported:
-                    self._say_context_lost()
-                    reported = True
-                if not busy:
-                    if self._trap_lock is not None and self._trap_lock.held:
-                        self._watch_stop.wait(TRAP_SETTLE_S)  # the driver done with the trap
-                        self._trap_lock.release()
-                    if reported and (self.trap_held_at is None or self.trap_go_at is not None
-                                     or lost):
-                        return
-                    continue
-                if self._trap_held(now):
-                    failed_at = now  # (STOP_GRACE_S from the GO)
-                elif not self._released and now > failed_at + STOP_GRACE_S:
-                    self._release_waits_once()
-                if (self.on_failure == "stop" and self.trap_go_at is not None
-                        and not self.trap_wedged and now > self.trap_go_at + self.trap_grace_s):
-                    self._say_trap_wedged()
-                    if self._trap_lock is not None:
-                        self._trap_lock.release()  # holding it helps no other process now
-            # Stopped (close()): no kernel is left held for a turn that will not come, and a
-            # lost context is still explained.
-            if self.trap_held_at is not None and self.trap_go_at is None:
-                self._give_go()
-            if not reported:
-                try:
-                    self.busy()
-                except RuntimeError:
-                    self._say_context_lost()
-        finally:
-            if self._trap_lock is not None:
-                self._trap_lock.release()
-
-    def _trap_turn(self, now: float) -> None:
-        """Mode "stop", the kernel held (ACK_HOLD): ACK_GO once this process holds the GPU's
-        trap lock (processes sharing the GPU trap one at a time), or, said on stderr, once
-        trap_lock_wait_s passed or the lock cannot be used (a hang then is still not
-        silent: _say_trap_wedged)."""
-        if self._trap_lock is None:
-            if self.trap_lock_path is None:  # no GPU to share (a backend without one)
-                self._give_go()
-                return
-            self._trap_lock = TrapLock(self.trap_lock_path)
-        lock = self._trap_lock
-        if lock.try_acquire():
-            waited = now - self.trap_held_at
-            if waited >= TRAP_WAIT_SAID_S:  # (the serialization shows in the ranks' stderr)
-                _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping after "
-                              f"{waited:.2f} s waiting for the GPU's trap lock (another "
-                              "process of this GPU trapped first)\n")
-            self._give_go()
-            return
-        if lock.error is None and now < self.trap_held_at + self.trap_lock_wait_s:
-            return
-        why = (f"it cannot be used ({lock.error})" if lock.error is not None else
-               f"another process of this GPU held it for {self.trap_lock_wait_s:g} s")
-        _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping without the GPU's trap "
-                      f"lock {lock.path}: {why}\n")
-        self._give_go()
-
-    def _give_go(self) -> None:
-        self.trap_go_at = time.monotonic()
-        _u64(self.ctl + CTL_GPU_ACK).value = ACK_GO
-
-    def _say_context_lost(self) -> None:
-        """The CUDA context is lost and this data plane reported nothing: under MPS (one
-        context server for every process of the GPU) another process's fail-stop trap ends
-        every client's context, often before this rank's own wait failed. The caller only
-        sees a generic CUDA error; say on stderr what the host knows: the communicator's
-        failure (abort word, error text; waited for CAUSE_WAIT_S, as the proxy may be
-        telling it right now) as a CollectiveError, or that none is known."""
-        deadline = time.monotonic() + CAUSE_WAIT_S
-        while not self._failure_known() and time.monotonic() < deadline:
-            time.sleep(WATCHDOG_POLL_S)
-        lost = ("the CUDA context of this process was lost before this rank's GPU wait "
-                "reported anything (under MPS another process's fail-stop trap on the same GPU "
-                "ends every process's context)")
-        cause = None
-        if self._failure_known():
-            try:
-                self.check_status()
-                self.check_abort()
-            except CollectiveError as e:
-                cause = str(e)
-            except Exception as e:  # the note must not die: say what failed
-                cause = f"rank {self.rank}: the communicator failed ({e!r})"
-        if cause is not None:
-            text = f"{cause}; {lost}"
-            line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: every CUDA "
-                    "synchronization in this process raises a CUDA error; restart the process\n")
-        else:
-            text = (f"rank {self.rank}: {lost}, and no failure of this communicator is known to "
-                    "the host (no abort, no GPU failure record): the cause is outside its "
-                    "collectives")
-            line = f"sparkccl: {text}\n"
-        self.failure_report = text
-        _write_stderr(line)
-
-    def _say_trap_wedged(self) -> None:
-        """Mode "stop": the GPU is still busy trap_grace_s after the GO, so the trap was
-        not acted on -- seen on one GPU time-sliced by several processes without MPS, when
-        ranks of two processes trapped at about the same time (what the trap lock is for:
-        _trap_turn): each warp sat halted just past its trap and the caller's next
-        synchronization waited forever inside the CUDA driver. Nothing in this process can
-        end that wait (library code never kills the process), so say so on stderr, next to
-        the CollectiveError already printed."""
-        line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
-                f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
-                "work is wedged and every synchronization will wait forever; kill the "
-                "process. (Seen when several processes time-slice one GPU without MPS "
-                "and two of them trap at once; run one rank per GPU, use MPS, or "
-                "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
-        _write_stderr(line)
-        self.trap_wedged = True
-
-    def _report_gpu_failure(self) -> None:
-        # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here
-        # may wait on the main thread. So no Python io object (sys.stderr's buffer lock may
-        # be held by a thread that is itself waiting), and the ack in `finally`, whatever
-        # the report did: HOLD in mode stop (the trap waits for this process's turn of the
-        # GPU, _trap_turn), GO otherwise.
-        try:
-            try:
-                self.check_status()
-                text = f"rank {self.rank}: a GPU wait failed"
-            except CollectiveError as e:
-                text = str(e)
-            except Exception as e:  # the report must not die before the ack
-                text = f"rank {self.rank}: a GPU wait failed ({e!r})"
-            self.failure_report = text
-            if self.on_failure == "stop":
-                line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: stopping "
-                        "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
-                        "synchronization in this process raises a CUDA error; restart the "
-                        "process\n")
-                _write_stderr(line)
-        finally:
-            if self.on_failure == "stop":
-                self.trap_held_at = time.monotonic()
-                _u64(self.ctl + CTL_GPU_ACK).value = ACK_HOLD
-            else:
-                self._give_go()
-
-    def _stop_watchdog(self) -> None:
-        """Before the control segment may be unmapped: the thread reads it."""
-        stop = getattr(self, "_watch_stop", None)
-        if stop is not None:
-            stop.set()
-        t = getattr(self, "_watchdog_thread", None)
-        if t is not None and t is not threading.current_thread():
-            # Bounded: at interpreter shutdown a daemon thread may never run again.
-            t.join(timeout=1.0)
