@@ -50,7 +50,7 @@ TRAP_LOCK_WAIT_S = HOLD_WAIT_S - 5.0
 TRAP_SETTLE_S = 0.2
 TRAP_WAIT_SAID_S = 0.01  # a wait for the lock this long is said on stderr
 # After the GO, how long the watchdog waits for the trap to end this process's GPU work
-# before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
+# before it says on stderr that the GPU is wedged (see _run, _say_trap_wedged).
 TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
 # The context was lost before this data plane reported anything (another process's trap
 # under MPS): how long the watchdog waits for the cause (the abort word the proxy sets when
@@ -60,7 +60,7 @@ PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = t
 # Once the communicator failed, a failing wait traps (stop) or returns (poison) within
 # ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
 # data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
-# at the abort word (see _wait_last). While the fail-stop handshake holds the kernel for its
+# at the abort word (see wait_last). While the fail-stop handshake holds the kernel for its
 # turn to trap (ACK_HOLD, at most HOLD_WAIT_S), the grace counts from the GO instead.
 STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
 # After _release_waits, before the host gives up on the GPU: what a released kernel may take
@@ -113,7 +113,7 @@ class FailureMonitor:
         self._thread.start()
 
     def _release_waits_once(self) -> None:
-        """release_waits, once per data plane (the watchdog and _wait_last both may)."""
+        """release_waits, once per data plane (the watchdog and wait_last both may)."""
         with self._release_lock:
             if self._released:
                 return
@@ -121,7 +121,7 @@ class FailureMonitor:
             try:
                 self._release_waits()
             except RuntimeError:
-                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
+                pass  # best effort: wait_last raises after RELEASE_GRACE_S either way
 
     def _release_waits(self) -> None:
         """Write what every wait of this data plane waits for: the dead word, then the
