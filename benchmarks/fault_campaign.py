@@ -163,10 +163,10 @@ def _hang_report(comm_box: list, every_s: float) -> None:
         w = {n: int(u64_at(dp.ctl + getattr(layout, n)).value)
              for n in ("CTL_ABORT", "CTL_GPU_STATUS", "CTL_GPU_DETAIL", "CTL_GPU_SEQ",
                        "CTL_GPU_ACK", "CTL_GPU_MODE")}
-        t = getattr(dp, "_watchdog_thread", None)
-        return (f"{w} last seq {getattr(dp, '_last_seq', '?')} report "
-                f"{getattr(dp, 'failure_report', None)!r} watchdog alive "
-                f"{bool(t and t.is_alive())} stuck {getattr(dp, '_gpu_stuck', '?')}")
+        t = dp.monitor._thread
+        return (f"{w} last seq {dp.last_seq} report "
+                f"{dp.monitor.failure_report!r} watchdog alive "
+                f"{bool(t and t.is_alive())} stuck {dp.monitor.stuck}")
 
     def loop():
         time.sleep(DUMP_S)

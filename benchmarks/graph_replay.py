@@ -148,9 +148,10 @@ def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
     wrap(dp, "_check_call", "    _check_call (GPU record, abort; sizes every 8th call)")
     wrap(dp, "check_sizes", "      check_sizes")
     wrap(dp, "_probe_size", "        _probe_size (a peer's ring row)")
-    wrap(dp, "_issue_plan", "    _issue_plan (native LaunchPlan.issue)")
-    wrap(dp, "_run_direct", "    _run_direct (GPU-direct engines off the launch plan)")
-    wrap(dp, "_run_program", "      _run_program (mode ce: native OpProgram.issue)")
+    wrap(dp.gpu, "issue_plan", "    gpu.issue_plan (native LaunchPlan.issue)")
+    for name, engine in dp.engines.direct.items():
+        wrap(engine, "run", f"    engines.{name}.run (GPU-direct engines off the launch plan)")
+    wrap(dp.gpu, "run_program", "      gpu.run_program (mode ce: native OpProgram.issue)")
     try:
         for _ in range(rounds):
             fn()

@@ -55,10 +55,8 @@ def measure(iters: int, profile: bool) -> dict:
             w.sync()
         dp = w.dps[0]
 
-        def issue_nothing(plan, args):  # (rank 1 issues nothing: nothing may run)
-            dp._last_event = None
-            return True
-        dp._issue_plan = issue_nothing
+        # (rank 1 issues nothing: nothing may run, and there is no event to wait for)
+        dp.gpu.issue_plan = lambda plan, args: (None, None)
         # A Communicator of rank 0 around the data plane, as wiring.py would build it.
         comm = object.__new__(Communicator)
         comm.device, comm.world_size, comm.rank = torch.device("cpu"), 2, 0

@@ -11,7 +11,7 @@ each baseline, one panel per collective (matplotlib: ``pip install 'sparkccl[plo
 """
 from __future__ import annotations
 
-import time
+from .bench_timing import buffers, setup_device, slowest, time_calls, timer
 
 CUDA_BASELINES = (
     ("nccl", {}),
@@ -32,53 +32,6 @@ def _sizes(lo: int, hi: int) -> list[int]:
     return out
 
 
-def _setup_device(device: str, rank: int):
-    import torch
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _timer(device):
-    import torch
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    return sync
-
-
-def _time_calls(fn, iters: int, barrier, sync, host: dict | None = None,
-                key: str = "") -> float:
-    """Mean time per call; ``host[key]``: the p50 of each call's own host time (until it
-    returns: on CUDA the enqueue, on CPU the whole call), in seconds."""
-    fn()  # warm-up: first-use allocations, page faults, kernel compilation
-    sync()
-    barrier()
-    each = []
-    clock = time.perf_counter
-    t0 = clock()
-    for _ in range(iters):
-        t = clock()
-        fn()
-        each.append(clock() - t)
-    sync()
-    if host is not None:
-        host[key] = sorted(each)[len(each) // 2]
-    return (clock() - t0) / iters
-
-
-def _buffers(size: int, world: int, device):
-    import torch
-    dtype = torch.bfloat16
-    n = size // 2 // world
-    return (torch.ones(n, dtype=dtype, device=device),
-            torch.empty(n * world, dtype=dtype, device=device),
-            torch.ones(n * world, dtype=dtype, device=device),
-            torch.empty(n, dtype=dtype, device=device))
-
-
 def _progress(rank: int, label: str, done: int, total: int) -> None:
     if rank == 0:  # every rank times the same sizes
         from .localrun import report_progress
@@ -88,8 +41,8 @@ def _progress(rank: int, label: str, done: int, total: int) -> None:
 def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters):
     import sparkccl
 
-    dev = _setup_device(device, rank)
-    sync = _timer(dev)
+    dev = setup_device(device, rank)
+    sync = timer(dev)
     rows = []
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport=transport, device=dev,
@@ -100,17 +53,17 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
         import torch
         barrier_token = torch.zeros(16, dtype=torch.uint8, device=dev)
         for size in sizes:
-            x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
+            x_ag, out, x_rs, out_rs = buffers(size, world, dev)
             t = {}
-            t["ag"] = _time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync,
+            t["ag"] = time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync,
                                   t, "ag_host")
-            t["rs"] = _time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
+            t["rs"] = time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
                                   sync, t, "rs_host")
             rows.append((size, t))
             _progress(rank, "sparkccl", len(rows), len(sizes))
         stats = comm.proxy_stats()
         # SPARKCCL_GPU_STAMPS: how well the GPU's stamps sit on the proxy's clock
-        stats["clock_error_ns"] = getattr(comm._dp, "clock_error_ns", None)
+        stats["clock_error_ns"] = comm.data_plane.clock_error_ns  # (world >= 2: a plane)
     return {"rows": rows, "proxy": stats}
 
 
@@ -121,8 +74,8 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
 
     # torch 2.13 renames these; the old names keep working on older torch too.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    dev = _setup_device(device, rank)
-    sync = _timer(dev)
+    dev = setup_device(device, rank)
+    sync = timer(dev)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             device_id=dev if dev.type == "cuda" else None)
     rows = []
@@ -130,12 +83,12 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
         def barrier():
             dist.barrier()
         for size in sizes:
-            x_ag, out, x_rs, out_rs = _buffers(size, world, dev)
+            x_ag, out, x_rs, out_rs = buffers(size, world, dev)
             t = {}
-            t["ag"] = _time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
+            t["ag"] = time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
                                   barrier, sync, t, "ag_host")
             try:
-                t["rs"] = _time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
+                t["rs"] = time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
                                       barrier, sync, t, "rs_host")
             except (RuntimeError, ValueError, NotImplementedError) as e:
                 t["rs"] = None
@@ -149,12 +102,6 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
 
 def _us(seconds) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e6:.1f}"
-
-
-def _slowest(per_rank: list, i: int, key: str):
-    """A call ends when its slowest rank has its result."""
-    vals = [v["rows"][i][1].get(key) for v in per_rank]
-    return None if any(v is None for v in vals) else max(vals)
 
 
 def _run(fn, world, args, env, what, runner=None, progress=None):
@@ -237,20 +184,20 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
             head += f" | {name + ' busbw':>18} {'ratio':>6} {'host(us)':>9}"
         print(head)
         for i, size in enumerate(sizes):
-            t = _slowest(ours, i, key)
+            t = slowest(ours, i, key)
             series["sparkccl"].append(size / t / 1e9 * factor)
-            h = _slowest(ours, i, key + "_host")
+            h = slowest(ours, i, key + "_host")
             line = (f"{size:>12} {t * 1e6:>10.1f} {_us(h):>9} {size / t / 1e9:>8.3f} "
                     f"{size / t / 1e9 * factor:>8.3f}")
             for name, per_rank in base.items():
-                b = _slowest(per_rank, i, key)
+                b = slowest(per_rank, i, key)
                 series.setdefault(name, []).append(None if b is None else
                                                    size / b / 1e9 * factor)
                 if b is None:
                     line += f" | {'n/a':>18} {'':>6} {'':>9}"
                 else:
                     line += (f" | {size / b / 1e9 * factor:>18.3f} {b / t:>5.2f}x "
-                             f"{_us(_slowest(per_rank, i, key + '_host')):>9}")
+                             f"{_us(slowest(per_rank, i, key + '_host')):>9}")
             print(line)
     print("\nhost(us): p50 of each call's own host time until it returns (the enqueue on "
           "CUDA, the whole call on CPU), slowest rank")

@@ -41,7 +41,7 @@ from .errors import CollectiveError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.geometry import ALIGN, round_up
 from .plan.model import REGION_SLOTS, Region
-from .transport import base as transports
+from .transport import registry
 
 log = logging.getLogger("sparkccl")
 
@@ -200,9 +200,9 @@ class Communicator:
         """World 1: the settings are checked as for any world; nothing else is built."""
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-        if transport not in transports.names():
+        if transport not in registry.names():
             raise ValueError(f"transport={transport!r}: must be one of "
-                             f"{', '.join(transports.names())}")
+                             f"{', '.join(registry.names())}")
         s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=1)
         self.bootstrap_timeout_s = bootstrap.timeout(bootstrap_timeout_s, timeout_s)[0]
         self._nat = _native()
@@ -235,6 +235,29 @@ class Communicator:
     def pinned_bytes(self) -> int:
         return self._wiring.pinned_bytes if self._wiring is not None else 0
 
+    @property
+    def rs_ready(self) -> bool:
+        """Do the reduce-scatter buffers exist yet? (They are set up by the first
+        reduce-scatter, which a CUDA graph cannot capture: integrations warm it up first.)"""
+        return self._rs_ready
+
+    @property
+    def data_plane(self):
+        """The data plane (:class:`sparkccl.dataplane.base.DataPlaneBase`), or None (world
+        of one, or closed): for benchmarks and diagnostics (e.g. ``clock_error_ns``)."""
+        return self._dp
+
+    def lanes(self) -> dict:
+        """(channel, root) -> the RDMA lane this rank uses ({} for transports without
+        lanes, a world of one, or a closed communicator)."""
+        link = self._wiring.link if self._wiring is not None else None
+        return link.lanes() if link is not None else {}
+
+    def describe_lanes(self) -> list[str]:
+        """One line per RDMA lane this rank uses ([] without lanes)."""
+        link = self._wiring.link if self._wiring is not None else None
+        return link.describe() if link is not None else []
+
     def _ensure_rs(self) -> None:
         if not self._rs_ready:
             self._wiring.ensure_rs()
@@ -252,7 +275,8 @@ class Communicator:
         self._abort_word = None if self.single else memoryview(
             (ctypes.c_uint8 * 8).from_address(self._ctl_addr + layout.CTL_ABORT)).cast("B").cast("Q")
         dp = self._dp
-        self._typed_dp = dp if getattr(dp, "typed_io", False) else None
+        self._typed_dp = dp if dp is not None and dp.typed_io else None
+        self._zero_copy_results = dp is not None and dp.zero_copy_results
         self._send_bounds = (0, 0)
         self._note_send_slots()
 
@@ -312,7 +336,7 @@ class Communicator:
         shape = x.shape or (1,)  # (a 0-dim x counts as [1])
         out_shape = (self.world_size * shape[0], *shape[1:])
         n = x.nbytes
-        if (zero_copy and out is None and device.type == "cuda" and n
+        if (zero_copy and out is None and n and self._zero_copy_results
                 and n % ALIGN == 0 and n <= self.max_slice and self._seq_on_host()):
             with self._lock:
                 self._check_alive(what)
@@ -400,22 +424,15 @@ class Communicator:
         return out
 
     def _seq_on_host(self) -> bool:
-        """False in and after a CUDA graph capture: the slots then follow the device's seq."""
-        dp = getattr(self, "_dp", None)
-        if self.device.type != "cuda" or self.single:
-            return True
-        if dp is None or not hasattr(dp, "seq_on_host"):
-            return not _capturing(self.device)
-        return dp.seq_on_host()
+        """False in and after a CUDA graph capture: the slots then follow the device's seq
+        (the data plane's rule, DataPlaneBase.seq_on_host)."""
+        return self.single or self._dp.seq_on_host()
 
     def _check_setup_capturable(self, what: str) -> None:
         """The first reduce-scatter sets its buffers up (pins memory, talks to the peers):
-        nothing a CUDA graph can capture."""
-        if not self._rs_ready and self.device.type == "cuda" and _capturing(self.device):
-            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
-                               "reduce-scatter sets up its buffers and cannot be captured in a "
-                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
-                               "(docs/CONTRACT.md \"CUDA graphs\")")
+        the data plane refuses a capture of it (DataPlaneBase.refuse_capture)."""
+        if not self._rs_ready:
+            self._dp.refuse_capture(what)
 
     def _note_send_slots(self) -> None:
         """The bounds of the reduce-scatter send slots, once they exist: an input inside
@@ -548,9 +565,7 @@ class Communicator:
         if self.single:
             return
         with self._lock:
-            sync = getattr(self._dp, "synchronize", None)
-            if sync is not None:
-                sync()
+            self._dp.synchronize()
             self._check_alive("synchronize")
 
     def check(self) -> None:
@@ -561,9 +576,7 @@ class Communicator:
         self._check_open("check")
         if self.single:
             return
-        check_status = getattr(self._dp, "check_status", None)  # CUDA: the GPU record
-        if check_status is not None:
-            check_status()
+        self._dp.check_status()  # CUDA: the GPU record
         self._check_alive("check")
 
     # ---- lifetime --------------------------------------------------------------------
@@ -629,9 +642,3 @@ class Communicator:
         return (f"<sparkccl.Communicator rank {self.rank}/{self.world_size} {self.topology}/"
                 f"{getattr(self, 'transport', '?')} {state}>")
 
-
-def _capturing(device: torch.device) -> bool:
-    """Is the current stream of ``device`` being captured into a CUDA graph? (torch asks the
-    current device's stream: make it the communicator's.)"""
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()

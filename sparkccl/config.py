@@ -33,6 +33,9 @@ OVERSUBSCRIBED_SPIN_US = 50
 OVERSUBSCRIBED_NAP_US = 50
 MIN_SLOT_BYTES = 4096
 PROXY_THREADS_PER_RANK = 2
+# The GPU-direct engines of the CUDA data plane, by SPARKCCL_DIRECT_MODE name (declared here
+# once: the setting's choices and sparkccl/dataplane/engine_choice.py's table follow it).
+DIRECT_ENGINES = ("fused", "split", "ce")
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -215,7 +218,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "regions and flags; 0: the proxy's copy workers send it"),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
-       choices=("auto", "fused", "split", "ce")),
+       choices=("auto", *DIRECT_ENGINES)),
     _v("SPARKCCL_ON_FAILURE", "choice", "stop", "data plane (CUDA)",
        "a failed collective on the GPU: stop (print the error, trap: the process must be "
        "restarted) or poison (outputs set to NaN / 0xFF bytes, later calls raise, check())",

@@ -185,20 +185,18 @@ def _bandwidth(c: _Ctx, max_slice: int, iters: int, quick: bool) -> list[tuple]:
 
 # ---- driver ----------------------------------------------------------------------------
 
-def _lanes(comm) -> list[str]:
-    link = getattr(comm, "_verbs", None)
-    if link is not None:
-        return link.describe()
-    return [f"transport {comm.transport} (no RDMA lanes)"]
+def lanes(comm) -> list[str]:
+    """What selftest prints for a rank's lanes (Communicator.describe_lanes)."""
+    return comm.describe_lanes() or [f"transport {comm.transport} (no RDMA lanes)"]
 
 
-def _port_rate(comm) -> float | None:
+def port_rate(comm) -> float | None:
     """Link rate a rank can receive at: the port's rate (mesh), or both ports' (ring)."""
-    link = getattr(comm, "_verbs", None)
-    if link is None or not link.lanes:
+    lanes = comm.lanes()
+    if not lanes:
         return None
     ports = {}
-    for (ch, _), choice in link.lanes.items():
+    for (ch, _), choice in lanes.items():
         g = rate_gbps(choice.rate)
         if g is not None:
             ports[ch] = max(ports.get(ch, 0.0), g)
@@ -239,8 +237,8 @@ def selftest(topology: str = "mesh", transport: str = "verbs", device: str = "au
         comm = sparkccl.Communicator(topology=topology, transport=transport, device=dev,
                                      slot_bytes=slot_bytes, timeout_s=timeout_s)
         c = _Ctx(comm, dist, dev)
-        report["lanes"] = _lanes(comm)
-        report["port_gbps"] = _port_rate(comm)
+        report["lanes"] = lanes(comm)
+        report["port_gbps"] = port_rate(comm)
         max_slice = comm.max_slice
         report["checks"], report["bad"] = _exact(c, max_slice, quick)
         report["burst_total"], report["burst_bad"] = _bursts(c, bursts)

@@ -22,6 +22,7 @@ from .errors import CollectiveError, ShmSpaceError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.model import REGION_SLOTS, Region
 from .transport import base as transports
+from .transport import registry
 from .transport import check as lane_check
 
 log = logging.getLogger("sparkccl")
@@ -42,7 +43,7 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     info = dict(version=PROTOCOL_VERSION, world=world, topology=topology, transport=transport,
                 slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
                 host=host, boot_id=boot_id, uid=os.getuid(),
-                pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
+                pid=os.getpid(), **registry.join_record(transport, topology, s.roots))
     infos = rv.exchange("info", info, "join the communicator")
     failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
     if failed:
@@ -51,7 +52,7 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     bootstrap.validate(infos, AGREED)
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
-    return infos, transports.select(transport, infos)  # the only place a name is looked at
+    return infos, registry.select(transport, infos)  # the only place a name is looked at
 
 
 class Wiring:
@@ -120,7 +121,7 @@ class Wiring:
                                     flags_addr=self.flags_addr, ag=ag.tensor,
                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                     peer_rings=rings, device=self.device)
-            if link.maps_peers and s.gpu_direct:
+            if link.maps_peers and s.gpu_direct and self.dp.maps_peers:
                 self._setup_gpu_direct()
         else:
             self.dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self.ctl_addr,
@@ -231,7 +232,7 @@ class Wiring:
         to ``bootstrap_timeout_s``, abort-aware) until every rank got here, so that the
         transport's goodbye is clean and no peer takes this rank's exit for a crash."""
         nat, ctl, dp = self.nat, self.ctl_addr, self.dp
-        if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
+        if barrier and dp is not None:  # GPU work of this rank finishes first
             try:
                 dp.synchronize()
             except CollectiveError as e:
@@ -266,7 +267,7 @@ class Wiring:
             text = nat.error_text(ctl) if code else None
             steps.append(("the liveness channel",
                           lambda lv=self.liveness: lv.stop(goodbye=clean, abort_text=text)))
-        if hasattr(dp, "close"):  # unpin (stopping kernels still running) before unmapping
+        if dp is not None:  # unpin (stopping kernels still running) before unmapping
             steps.append(("the data plane", dp.close))
         if self.proxy is not None:  # tcp: a goodbye, so peers see no crash
             steps.append(("the proxy", lambda px=self.proxy: px.stop(graceful=clean)))

@@ -92,9 +92,11 @@ def test_python_constants_equal_the_compiled_header():
     assert N.protocol() == L.protocol_constants()
     assert (G.PIECES, G.ALIGN, G.FLAG_STRIDE) == (N.protocol()["PIECES"], N.protocol()["ALIGN"],
                                                  N.protocol()["FLAG_STRIDE"])
-    for name in ("PROG_STRIDE", "MAX_DIRECT", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE",
+    from sparkccl.dataplane import direct_tables as D
+    for name in ("PROG_STRIDE", "COUNTER_SETS", "FIN_SET", "NO_WORD", "NO_SOURCE",
                  "ONE_HANDOFF_SLICE"):
         assert getattr(C, name) == N.protocol()[name], name
+    assert D.MAX_DIRECT == N.protocol()["MAX_DIRECT"]
 
 
 def test_protocol_reader_refuses_what_it_cannot_read(tmp_path, monkeypatch):
@@ -129,7 +131,7 @@ def test_every_launched_kernel_is_loaded_and_emulated():
     import re
     from pathlib import Path
     pkg = Path(nvrtc.__file__).parent
-    src = "".join((pkg / f).read_text() for f in ("cuda.py", "cuda_engines.py"))
+    src = "".join((pkg / f).read_text() for f in ("cuda.py", "engines.py", "ce_engine.py"))
     launched = set(re.findall(r'"(sccl_[a-z0-9_]+)"', src))
     assert "sccl_advance" in launched and "sccl_publish" in launched
     assert launched <= set(nvrtc.KERNEL_NAMES), launched - set(nvrtc.KERNEL_NAMES)

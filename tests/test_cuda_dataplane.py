@@ -44,7 +44,9 @@ from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
-from sparkccl.dataplane import cuda_engines as E  # noqa: E402
+from sparkccl.dataplane import ce_engine as E  # noqa: E402
+from sparkccl.dataplane import monitor as M  # noqa: E402
+from sparkccl.dataplane.device import Device  # noqa: E402
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PID = os.getpid()
@@ -143,7 +145,7 @@ class EmuStream:
         self.q.put((name, grid, arr))
 
     def record(self) -> threading.Event:
-        ev = threading.Event()
+        ev = EmuEvent(self.ctx)
         self.q.put(ev)
         return ev
 
@@ -185,184 +187,175 @@ class EmuProgram:
     names: list     # its kernel table's names
 
 
-class EmuDataPlane(C.CudaDataPlane):
-    """CudaDataPlane with the device operations done on the CPU: 'device pointers' are host
-    addresses, launches go to the emulated kernels."""
+class EmuEvent(threading.Event):
+    """An event of an emulated stream; it knows the stream's context (a lost context raises
+    when asked, as a CUDA event query does)."""
 
-    def _setup_backend(self, device):
-        self.device = torch.device("cpu")
-        self.kernels = {}
-        self.sms = 4
-        # Every emulated rank of this test process "shares one GPU": one trap lock.
-        self.trap_lock_path = EMU_TRAP_LOCK
+    def __init__(self, ctx: EmuContext):
+        super().__init__()
+        self.ctx = ctx
 
-    def _register(self, addr, size):
-        self._registered.append(addr)
+
+class EmuDevice(Device):
+    """The device seam (sparkccl/dataplane/device.py) on the CPU: 'device pointers' are host
+    addresses, launches go to the emulated kernels, streams are EmuStreams."""
+
+    device = torch.device("cpu")
+    sms = 4
+    trap_lock_path = EMU_TRAP_LOCK  # every emulated rank of this process "shares one GPU"
+
+    def __init__(self):
+        self.streams: dict[int, EmuStream] = {}  # stream term -> stream
+        self.events: dict[int, EmuEvent] = {}    # program event handle -> its latest record
+        self.next_event = 1
+        self.emu_skip: set = set()  # kernel names a program's launches drop (tests)
+        self.emu_launched: list[str] = []  # kernels launched by programs
+        self.emu_programs_run = self.emu_ops_run = 0
+        self.probe = None
+
+    def register(self, addr, size):
         return addr
 
-    def _unregister(self, addr):
+    def host_pointer(self, addr):
+        return addr
+
+    def unregister(self, addr):
         pass
 
-    def _view(self, ptr, nbytes):
+    def view(self, ptr, nbytes):
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
-    def _to_device(self, t):
+    def to_device(self, t):
         return t.clone()
 
-    def _device_synchronize(self):
+    def synchronize(self):
         pass
 
-    def _stream(self):
+    def current_stream(self):
         s = _emu_current.stream
         return s, s
 
-    def _capturing(self):
+    def capturing(self):
         return getattr(_emu_current, "capture", None) is not None
 
-    def _launch_kernel(self, stream, name, grid, block, *args):
+    def launch_kernel(self, stream, name, grid, block, *args):
         capture = getattr(_emu_current, "capture", None)
         if capture is not None:  # an emulated graph capture: recorded, not run
             capture.append((stream, name, grid, [int(a) for a in args]))
             return
         stream.submit(name, grid, args)
 
-    def _make_plan(self, rec):
-        return rec  # replayed launch by launch (_issue_plan)
+    def make_plan(self, rec):
+        return rec  # replayed launch by launch (issue_plan)
 
-    def _caller_stream(self):
-        if self._capturing():
+    def caller_stream(self):
+        if self.capturing():
             return None
         ts = _emu_current.stream
-        return self._stream_term(ts), ts
+        return self.stream_term(ts), ts
 
-    def _issue_plan(self, rec, args):
-        if self._capturing():
-            return False
+    def issue_plan(self, rec, args):
+        if self.capturing():
+            return None
         ts = _emu_current.stream
         for name, grid, block, params in rec.launches_for(args):
-            self._launch(ts, name, grid, block, *params)
-        self._end(ts)
-        return True
+            self.launch_kernel(ts, name, grid, block, *params)
+        return ts.record(), ts
 
-    def _mark(self, ts):
+    def mark(self, ts):
         return ts.record()
 
-    def _end(self, ts):
-        self._last_event = self._mark(ts)
-        self._last_ctx = ts.ctx
-        self._last_ts = ts
+    def event_done(self, ev):
+        ev.ctx.check()  # (a lost context raises, as the query of a CUDA event does)
+        return ev.is_set()
 
-    def _event_done(self, ev):
-        if not ev.is_set():
-            return False
-        self._last_ctx.check()
-        return True
+    def release_waits(self, state, dead, progress):  # the state words are host memory here
+        state[1] = dead
+        state[0] = progress
 
-    def _release_waits(self):  # the state words are host memory here
-        self.state[1] = 1
-        self.state[0] = C.RELEASED_PROGRESS
-
-    def _busy(self):  # as an event query: a lost context raises
-        if self._last_event is None:
-            return False
-        self._last_ctx.check()
-        return not self._last_event.is_set()
-
-    def _probe_stream(self):
-        st = self._probe = EmuStream()
+    def probe_stream(self):
+        st = self.probe = EmuStream()
         return st, st
 
-    def _side_stream(self, name):
-        st = self._side_streams.get(name)
-        if st is None:
-            st = self._side_streams[name] = EmuStream(_emu_current.stream.ctx)
-        return st
+    def new_stream(self):
+        return EmuStream(_emu_current.stream.ctx)
 
-    def _fork(self, ts, name="side"):
-        st = self._side_stream(name)
+    def close_stream(self, st):
+        st.close()
+
+    def fork(self, ts, st):
         st.wait_event(ts.record())
         return st, st
 
-    def _join(self, ts, side_ts):
-        ts.wait_event(side_ts.record())
+    def join(self, ts, side):
+        ts.wait_event(side.record())
 
-    def _stream_term(self, st):
+    def stream_term(self, st):
         if st is None:
             return 0
-        self.__dict__.setdefault("_emu_streams", {})[id(st)] = st
+        self.streams[id(st)] = st
         return id(st)
 
-    def _new_events(self, n):
-        first = self.__dict__.get("_emu_next_event", 1)
-        self._emu_next_event = first + n
+    def new_events(self, n):
+        first = self.next_event
+        self.next_event = first + n
         return list(range(first, first + n))
 
-    def _done_handle(self):
+    def destroy_events(self, events):
+        pass
+
+    def done_handle(self):
         return EMU_DONE_EVENT
 
-    def _new_program(self, kernels, patches, rows):
+    def new_program(self, kernels, patches, rows):
         table = [(k + 1, block, ps) for k, (_, block, ps) in enumerate(kernels)]
         return EmuProgram(N.OpProgram(1, C.N_TERMS, table, patches, rows),
                           [name for name, _, _ in kernels])
 
-    def _run_program(self, program, terms, ts):
+    def run_program(self, program, terms, ts):
         """The program's operations as the native OpProgram evaluates them, run on the
         emulated streams (launches whose kernel is in ``self.emu_skip`` are dropped). The
         copies of one batched driver call (OpProgram.calls) run last to first: the GPU
         gives them no order among themselves, and no program may need one."""
         ops = program.native.evaluate(terms)
         params = program.native.parameters(terms)
-        events = self.__dict__.setdefault("_emu_events", {})
-        skip = getattr(self, "emu_skip", ())
-        order = []
+        order, done = [], None
         for first, count, how in program.native.calls(terms):
             run = range(first, first + count)
             order.extend(reversed(run) if how == EMU_COPY_BATCH else run)
         for k in (5 * i for i in order):
             kind, st, a, b, c = ops[k:k + 5]
-            stream = self._emu_streams[st]
+            stream = self.streams[st]
             if kind == C.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
             elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
             elif kind == C.OP_RECORD:
                 if a == EMU_DONE_EVENT:
-                    self._end(stream)
+                    done = stream.record()
                 else:
-                    events[a] = stream.record()
+                    self.events[a] = stream.record()
             elif kind == C.OP_WAIT_EVENT:
-                stream.wait_event(events[a])
+                stream.wait_event(self.events[a])
             elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
                 stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
                            or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
                 assert kind == C.OP_LAUNCH, kind
-                if program.names[a] not in skip:
-                    self.__dict__.setdefault("emu_launched", []).append(program.names[a])
+                if program.names[a] not in self.emu_skip:
+                    self.emu_launched.append(program.names[a])
                     stream.submit(program.names[a], c, [b, *params[a][1:]])
-        self.emu_programs_run = getattr(self, "emu_programs_run", 0) + 1
-        self.emu_ops_run = getattr(self, "emu_ops_run", 0) + len(ops) // 5
+        self.emu_programs_run += 1
+        self.emu_ops_run += len(ops) // 5
+        return done
 
-    def _sum_stream(self):
-        if self._sums is None:
-            self._sums = (EmuStream(_emu_current.stream.ctx), self._new_events(C.PIECES * self.maxw))
-        return self._sums
-
-    def _free_events(self):
-        self.__dict__.pop("_ce_plans", None)
-        self.__dict__.pop("_ce_stream_handles", None)
-        if self._sums is not None:
-            self._sums[0].close()
-            self._sums = None
-
-    def _can_write_values(self):
+    def can_write_values(self):
         return True
 
-    def close(self, **kw):
-        super().close(**kw)
-        for st in self._side_streams.values():
-            st.close()
-        self._side_streams.clear()
+
+def emu_data_plane(**kw) -> C.CudaDataPlane:
+    """The CUDA data plane over the emulated device."""
+    return C.CudaDataPlane(N, device_ops=EmuDevice(), **kw)
 
 
 class Backend:
@@ -378,7 +371,7 @@ class Backend:
     def make_dp(self, **kw):
         if self.name == "cuda":
             return C.CudaDataPlane(N, device=self.device, **kw)
-        return EmuDataPlane(N, **kw)
+        return emu_data_plane(**kw)
 
     @contextmanager
     def on(self, r: int):
@@ -420,7 +413,7 @@ class World:
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
     and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
     fail-stop trap would lose the CUDA context of this (the test) process; "stop" with mode
-    "ce", which mode poison runs as "fused" (cuda_engines._run_direct)."""
+    "ce", which mode poison runs as "fused" (engine_choice.Engines.choose)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
@@ -906,25 +899,21 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
     kernels wait once, then move all of it), for a piece above; and by default never more
     than MAX_WAIT_BLOCKS, however many SMs (they spin: ranks sharing a GPU need SMs left for
     each other's publishing blocks)."""
-    setup, init, defaults = EmuDataPlane._setup_backend, EmuDataPlane.__init__, []
-
-    def many_sms(self, device):
-        setup(self, device)
-        self.sms = 200
+    init, defaults = C.CudaDataPlane.__init__, []
 
     def recording(self, *a, **kw):
         init(self, *a, **kw)
         defaults.append(self.max_wait_blocks)
-    monkeypatch.setattr(EmuDataPlane, "_setup_backend", many_sms)
-    monkeypatch.setattr(EmuDataPlane, "__init__", recording)
+    monkeypatch.setattr(EmuDevice, "sms", 200)
+    monkeypatch.setattr(C.CudaDataPlane, "__init__", recording)
     with World("emu", "mesh", 2, max_slice=4096) as w:
         assert defaults == [C.MAX_WAIT_BLOCKS] * 2
         dp = w.dps[0]
         dp.max_wait_blocks = C.MAX_WAIT_BLOCKS
         oh, per = C.ONE_HANDOFF_SLICE, C.WAIT_BYTES_PER_BLOCK
-        assert dp._slice_wait_blocks(oh) == oh // per
-        assert dp._slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
-        assert dp._slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
+        assert dp.slice_wait_blocks(oh) == oh // per
+        assert dp.slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
+        assert dp.slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -988,9 +977,9 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            run, launch = dp._run_program, dp._launch
-            dp._run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))
-            dp._launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
+            run, launch = dp.gpu.run_program, dp.launch
+            dp.gpu.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))[1]
+            dp.launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
         w.sync()
@@ -1009,7 +998,7 @@ def test_auto_mode_picks_the_engine_by_slice():
         launched.clear()
         for dp in w.dps:
             dp.direct_mode = "ce"
-            dp._can_write_values = lambda: False
+            dp.gpu.can_write_values = lambda: False
         outs = w.all_gather(big)
         w.sync()
         check_ag(w, big, outs)
@@ -1029,12 +1018,12 @@ def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
     with World("emu", "mesh", world, max_slice=L, direct=True, mode="ce") as w:
         dp = w.dps[0]
         seen = []
-        run = dp._run_program
+        run = dp.gpu.run_program
 
         def watch(program, terms, ts):
             seen.append((program.native.evaluate(terms), program.native.calls(terms), terms))
-            run(program, terms, ts)
-        dp._run_program = watch
+            return run(program, terms, ts)
+        dp.gpu.run_program = watch
         xs = inputs(5, world, (world * L // 2,), torch.bfloat16)
         ag = [x[:L // 2] for x in xs]
         outs = w.all_gather(ag)
@@ -1072,7 +1061,8 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
         parts[1][0] = C.PART_WHOLE
         parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
-        dp._ce_words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
+        ce = dp.engines.ce
+        ce.words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
         rows, launches = [], []
 
         def row(kind, st, a=(0, E.T_ZERO, 0), b=(0, E.T_ZERO, 0), c=0):
@@ -1080,8 +1070,8 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
 
         def launch(st, k, unit=None, blocks=1):
             launches.append((st, k, unit))
-        units = dp._ce_pieces(C.Op.RS, 4096, 4096, None, dp._ce_words[C.Op.RS])[1][0]
-        dp._ce_receive_rows(row, launch, units, (0, 0, 0, 0),
+        units = ce._pieces(C.Op.RS, 4096, 4096, None, ce.words[C.Op.RS])[1][0]
+        ce._receive_rows(row, launch, units, (0, 0, 0, 0),
                             ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
         waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
         # the progress word of unit (0, k): seq * PROG_STRIDE (term T_PROG) + (k + 1) * W
@@ -1097,7 +1087,7 @@ def test_direct_and_proxy_ranks_mix(backend):
     whose GPUs write directly interoperate (the same flag words, the same bytes)."""
     world = 3
     with World(backend, "ring", world, max_slice=1 << 14, direct=True) as w:
-        w.dps[1]._dtab.clear()  # rank 1: back to the proxy (its entries say chunk -1)
+        w.dps[1].direct.tables.clear()  # rank 1: back to the proxy (its entries say chunk -1)
         xs = inputs(9, world, (3000,), torch.uint8)
         outs = w.all_gather(xs)
         zs = inputs(10, world, (world * 100, 3), torch.float32)
@@ -1136,8 +1126,8 @@ def test_bad_engine_settings_are_refused_before_anything_is_pinned(monkeypatch, 
     pins or launches anything (the addresses here are not even valid)."""
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=f"{var}=.*{value}"):
-        EmuDataPlane(N, plan=build_plan("mesh", 2, 0, 2), ctl_addr=0, flags_addr=0,
-                     ag=torch.zeros(16, dtype=torch.uint8), ag_stride=4096, timeout_s=1.0)
+        emu_data_plane(plan=build_plan("mesh", 2, 0, 2), ctl_addr=0, flags_addr=0,
+                       ag=torch.zeros(16, dtype=torch.uint8), ag_stride=4096, timeout_s=1.0)
 
 
 def test_engine_settings_are_read_through_config(monkeypatch):
@@ -1377,12 +1367,12 @@ def test_last_kernel_advances_the_state(mode, extra):
                mode=mode) as w:
         names = []
         for dp in w.dps:
-            launch = dp._launch
+            launch = dp.launch
 
             def counted(stream, name, *a, launch=launch):
                 names.append(name)
                 launch(stream, name, *a)
-            dp._launch = counted
+            dp.launch = counted
         pend = []
         for k in range(3):
             xs = inputs(800 + k, world, (world * 64,), torch.float32)
@@ -1392,7 +1382,7 @@ def test_last_kernel_advances_the_state(mode, extra):
         w.sync()
         for check, xs, outs in pend:
             check(w, xs, outs)
-        names += [n for dp in w.dps for n in dp.__dict__.get("emu_launched", [])]  # (mode ce)
+        names += [n for dp in w.dps for n in dp.gpu.emu_launched]  # (mode ce)
         assert names.count("sccl_advance") == extra * 6 * world, names
         assert [device_seq(w, r) for r in range(world)] == [6] * world
 
@@ -1674,12 +1664,12 @@ def test_fail_stop_reports_then_traps(mode, capfd):
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.5, direct=mode is not None,
                mode=mode, on_failure="stop") as w:
         dp = w.dps[0]
-        report = dp._report_gpu_failure  # the watchdog looks it up when the record appears
+        report = dp.monitor._report_gpu_failure  # the watchdog looks it up when the record appears
 
         def timed_report():  # (it acks last: the kernel may trap before this returns)
             dp.reported_at = time.monotonic()
             report()
-        dp._report_gpu_failure = timed_report
+        dp.monitor._report_gpu_failure = timed_report
         seq, outs = _lone_all_gathers(w, 25, 3)
         with pytest.raises(CollectiveError) as ei:
             dp.synchronize()
@@ -1693,7 +1683,7 @@ def test_fail_stop_reports_then_traps(mode, capfd):
         assert f"sparkccl: CollectiveError: rank 0: timed out after 0.5 s waiting for all_gather " \
                f"seq {seq} piece 0 from rank 1 (connection: channel 0 root" in err, err
         assert "restart the process" in err
-        assert dp.failure_report and dp.failure_report in err
+        assert dp.monitor.failure_report and dp.monitor.failure_report in err
         # The abort word is set by the watchdog, so the peers learn of it at once.
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_TIMEOUT
         with pytest.raises(RuntimeError, match="unspecified launch failure"):
@@ -1715,17 +1705,17 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
     process is wedged and must be killed. A trap that works says nothing more."""
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_grace_s = 0.4
-        busy = dp._busy
-        dp._busy = lambda: True  # the emulated GPU "never stops" after the trap
+        dp.monitor.trap_grace_s = 0.4
+        busy = dp.monitor.busy
+        dp.monitor.busy = lambda: True  # the emulated GPU "never stops" after the trap
         try:
             _lone_all_gathers(w, 25, 2)
             deadline = time.monotonic() + 10
-            while not dp.trap_wedged and time.monotonic() < deadline:
+            while not dp.monitor.trap_wedged and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert dp.trap_wedged
+            assert dp.monitor.trap_wedged
         finally:
-            dp._busy = busy
+            dp.monitor.busy = busy
         err = capfd.readouterr().err
         assert "sparkccl: CollectiveError: rank 0: timed out after 0.3 s" in err, err
         assert ("sparkccl: rank 0: the GPU did not stop within 0.4 s of the fail-stop trap"
@@ -1735,12 +1725,12 @@ def test_fail_stop_says_so_when_the_trap_does_not_stop_the_gpu(capfd):
             dp.synchronize()
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_grace_s = 0.4
+        dp.monitor.trap_grace_s = 0.4
         _lone_all_gathers(w, 25, 1)
         with pytest.raises(CollectiveError):
             dp.synchronize()
         time.sleep(0.8)
-        assert not dp.trap_wedged
+        assert not dp.monitor.trap_wedged
         assert "did not stop" not in capfd.readouterr().err
 
 
@@ -1750,13 +1740,13 @@ def _ack(w: World, r: int) -> int:
 
 def _record_goes(dp, goes: list) -> None:
     """Record (rank, time, ack word before) whenever dp's watchdog gives the kernel its GO."""
-    give = dp._give_go
+    give = dp.monitor._give_go
 
     def give_go():
         goes.append((dp.rank, time.monotonic(), ctypes.c_uint64.from_address(
             dp.ctl + C.CTL_GPU_ACK).value))
         give()
-    dp._give_go = give_go
+    dp.monitor._give_go = give_go
 
 
 def _failing_all_gathers(w: World, ranks, n: int = 25):
@@ -1787,7 +1777,7 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
     that) and traps only after the watchdog took the lock and wrote ACK_GO; the lock is
     free again once the context is lost. The host's bound counts from the GO meanwhile:
     synchronize() raises the CollectiveError, not "the GPU is stuck"."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()
     hold_s = C._P["ACK_WAIT_NS"] / 1e9 + 1.0
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
@@ -1796,8 +1786,8 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
         _record_goes(dp, goes)
         try:
             seq = _failing_all_gathers(w, [0])
-            assert _wait_for(lambda: dp.trap_held_at is not None)
-            assert _ack(w, 0) == C.ACK_HOLD
+            assert _wait_for(lambda: dp.monitor.trap_held_at is not None)
+            assert _ack(w, 0) == M.ACK_HOLD
             time.sleep(hold_s)
             assert not w.be.streams[0].ctx.trapped  # still held, past ACK_WAIT_NS
             assert not goes
@@ -1806,12 +1796,12 @@ def test_fail_stop_holds_the_trap_until_the_gpus_trap_lock_is_free(capfd):
         with pytest.raises(CollectiveError, match=f"all_gather seq {seq} piece 0 from rank 1"):
             dp.synchronize()
         ctx = w.be.streams[0].ctx
-        assert ctx.trapped and not dp._gpu_stuck
-        assert len(goes) == 1 and goes[0][2] == C.ACK_HOLD  # GO after HOLD, once
-        assert goes[0][1] >= dp.trap_held_at + hold_s
+        assert ctx.trapped and not dp.monitor.stuck
+        assert len(goes) == 1 and goes[0][2] == M.ACK_HOLD  # GO after HOLD, once
+        assert goes[0][1] >= dp.monitor.trap_held_at + hold_s
         assert ctx.trapped_at >= goes[0][1]  # the trap came after the GO
-        assert _ack(w, 0) == C.ACK_GO
-        assert _wait_for(lambda: not dp._watchdog_thread.is_alive())
+        assert _ack(w, 0) == M.ACK_GO
+        assert _wait_for(lambda: not dp.monitor._thread.is_alive())
         assert other.try_acquire()  # the watchdog let the lock go
         other.release()
         err = capfd.readouterr().err
@@ -1826,7 +1816,7 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
     calls) while a third holds the lock, so both are held at once; once it is free, one
     takes it, gives its GO and traps, and the other's GO comes only after that context was
     lost (and TRAP_SETTLE_S more); both trap."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()
     with World("emu", "mesh", 3, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         goes = []
@@ -1834,7 +1824,7 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
             for r in (0, 1):
                 _record_goes(w.dps[r], goes)
             _failing_all_gathers(w, [0, 1])
-            assert _wait_for(lambda: all(w.dps[r].trap_held_at for r in (0, 1)))
+            assert _wait_for(lambda: all(w.dps[r].monitor.trap_held_at for r in (0, 1)))
             time.sleep(0.1)
             assert not goes
         finally:
@@ -1845,12 +1835,12 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
                 w.dps[r].synchronize()
         assert _wait_for(lambda: len(goes) == 2), goes
         (first, t_first, ack_first), (second, t_second, ack_second) = sorted(goes, key=lambda g: g[1])
-        assert ack_first == ack_second == C.ACK_HOLD
+        assert ack_first == ack_second == M.ACK_HOLD
         assert t_first >= free_at
         ctx = [w.be.streams[r].ctx for r in range(3)]
         assert ctx[0].trapped and ctx[1].trapped
         assert t_first <= ctx[first].trapped_at <= t_second, (goes, ctx[first].trapped_at)
-        assert t_second >= t_first + C.TRAP_SETTLE_S
+        assert t_second >= t_first + M.TRAP_SETTLE_S
         assert ctx[second].trapped_at >= t_second
         err = capfd.readouterr().err
         for r in (0, 1):
@@ -1864,19 +1854,19 @@ def test_fail_stop_traps_of_ranks_sharing_a_gpu_come_one_at_a_time(capfd):
 def test_fail_stop_traps_anyway_when_the_trap_lock_is_not_free_in_time(capfd):
     """The watchdog tries the trap lock for trap_lock_wait_s at most: past that it writes
     ACK_GO anyway and says so; the kernel traps, and synchronize() raises."""
-    other = C.TrapLock(EMU_TRAP_LOCK)
+    other = M.TrapLock(EMU_TRAP_LOCK)
     assert other.try_acquire()  # held by "another process" throughout
     try:
         with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
             dp = w.dps[0]
-            dp.trap_lock_wait_s = 0.4
+            dp.monitor.trap_lock_wait_s = 0.4
             goes = []
             _record_goes(dp, goes)
             _failing_all_gathers(w, [0])
             with pytest.raises(CollectiveError, match="from rank 1"):
                 dp.synchronize()
             assert w.be.streams[0].ctx.trapped
-            assert len(goes) == 1 and goes[0][1] >= dp.trap_held_at + 0.4
+            assert len(goes) == 1 and goes[0][1] >= dp.monitor.trap_held_at + 0.4
             err = capfd.readouterr().err
             assert (f"sparkccl: rank 0: fail-stop: trapping without the GPU's trap lock "
                     f"{EMU_TRAP_LOCK}: another process of this GPU held it for 0.4 s") in err, err
@@ -1885,7 +1875,7 @@ def test_fail_stop_traps_anyway_when_the_trap_lock_is_not_free_in_time(capfd):
     # A lock file that cannot be opened: GO at once, said too.
     with World("emu", "mesh", 2, max_slice=4096, timeout_s=0.3, on_failure="stop") as w:
         dp = w.dps[0]
-        dp.trap_lock_path = "/nonexistent-dir/sparkccl-trap.lock"
+        dp.monitor.trap_lock_path = "/nonexistent-dir/sparkccl-trap.lock"
         _failing_all_gathers(w, [0])
         with pytest.raises(CollectiveError, match="from rank 1"):
             dp.synchronize()
@@ -1920,7 +1910,7 @@ def test_fail_stop_explains_a_context_lost_before_the_report(capfd):
             time.sleep(0.1)
             assert "sparkccl" not in capfd.readouterr().err  # nothing known yet: nothing said
             N.set_abort(w.ctl[0].addr, L.ABORT_PEER, "rank 0: peer 1 (pid 4242) exited")
-            assert _wait_for(lambda: dp.failure_report is not None)
+            assert _wait_for(lambda: dp.monitor.failure_report is not None)
             err = capfd.readouterr().err
             assert ("sparkccl: CollectiveError: rank 0: communicator aborted: rank 0: peer 1 "
                     "(pid 4242) exited; the CUDA context of this process was lost before this "
@@ -1946,7 +1936,7 @@ def test_fail_stop_says_when_a_lost_context_has_no_known_cause(capfd):
         with pytest.raises(RuntimeError, match="emulated device trap") as ei:
             dp.synchronize()
         assert not isinstance(ei.value, CollectiveError)
-        dp._stop_watchdog()
+        dp.monitor.stop()
         err = capfd.readouterr().err
         assert ("sparkccl: rank 0: the CUDA context of this process was lost before this rank's "
                 "GPU wait reported anything") in err, err
@@ -2006,13 +1996,13 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
     queued after the collective reads its output as valid: mode stop traps first
     (sccl_fail_guard, with the report printed), mode poison overwrites it. On the GPU this
     also shows that the host's release (a copy on a stream of its own) gets past the
-    blocked stream. (Mode poison runs "ce" as "fused", cuda_engines._run_direct: there the
+    blocked stream. (Mode poison runs "ce" as "fused", engine_choice.Engines.choose: there the
     same bounds hold for the kernel's own wait.)"""
     world, n = 2, 64
     with World(backend, "mesh", world, max_slice=4096, timeout_s=60, direct=True, mode="ce",
                on_failure=on_failure) as w:
         dp = w.dps[0]
-        dp.emu_skip = {"sccl_wait_piece"}
+        dp.gpu.emu_skip = {"sccl_wait_piece"}
         seq, outs = _lone_all_gathers(w, n, 1)  # rank 1 never calls: it died
         stream = w.be.streams[0]
         seen = []
@@ -2038,7 +2028,7 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
         t.join(20)
         elapsed = time.monotonic() - t0
         assert not t.is_alive(), "the synchronization blocked on stream waits nobody releases"
-        assert elapsed < C.STOP_GRACE_S + C.RELEASE_GRACE_S + 1.0, elapsed
+        assert elapsed < M.STOP_GRACE_S + M.RELEASE_GRACE_S + 1.0, elapsed
         err = result.get("error")
         if sync == "caller" and on_failure == "poison":
             assert err is None, err  # the stream ran on: the poison kernel, then our read
@@ -2047,12 +2037,12 @@ def test_stream_value_waits_are_released_after_a_failure(backend, on_failure, sy
         if sync == "comm" or on_failure == "poison":
             with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited"):
                 dp.synchronize()
-        assert not dp._gpu_stuck, err  # the release got the stream going: not stuck
+        assert not dp.monitor.stuck, err  # the release got the stream going: not stuck
         if on_failure == "stop":
             assert stream.ctx.trapped == "sccl_fail_guard", (err, elapsed, stream.errors)
             time.sleep(0.1)
             assert seen == []  # the lost context ran nothing after the guard
-            assert dp.failure_report and "peer 1 (pid 4242) exited" in dp.failure_report
+            assert dp.monitor.failure_report and "peer 1 (pid 4242) exited" in dp.monitor.failure_report
         else:
             stream.synchronize()
             got = seen[0] if backend == "emu" else bytes(after.cpu().numpy())

@@ -238,8 +238,8 @@ def _gpu_words(comm) -> dict:
     words = {name: int(u64_at(dp.ctl + getattr(layout, name)).value)
              for name in ("CTL_GPU_STATUS", "CTL_GPU_DETAIL", "CTL_GPU_SEQ", "CTL_GPU_ACK",
                           "CTL_GPU_MODE", "CTL_ABORT")}
-    words["report"] = getattr(dp, "failure_report", None)
-    t = getattr(dp, "_watchdog_thread", None)
+    words["report"] = dp.monitor.failure_report
+    t = dp.monitor._thread
     words["watchdog_alive"] = bool(t and t.is_alive())
     return words
 

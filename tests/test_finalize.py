@@ -388,7 +388,7 @@ def test_finalize_direct_and_proxy_ranks_mix(backend):
     interoperate (same flag words, same bytes), mixed with plain reduce-scatters."""
     W = 3
     with World(backend, "ring", W, max_slice=1 << 16, direct=True) as w:
-        w.dps[1]._dtab.clear()  # rank 1: back to the proxy
+        w.dps[1].direct.tables.clear()  # rank 1: back to the proxy
         fin = [make_finalize_input(4, r, tokens=12 * W - 1, hidden=256, topk=8, experts_rows=7,
                                    fp8=True) for r in range(W)]
         xs = [make_input(5, r, (W * 100, 3), torch.float32) for r in range(W)]

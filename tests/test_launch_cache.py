@@ -138,7 +138,7 @@ def test_ce_launch_plans_hit_and_go_stale():
             dataplane.check_ag(w, xs, outs)
 
         def misses():
-            return [dp.__dict__.get("ce_plan_stats", {}).get("misses", 0) for dp in w.dps]
+            return [dp.engines.ce.stats["misses"] for dp in w.dps]
 
         def fast():  # calls issued from the plan cache
             return [dp.plans.stats["hits"] for dp in w.dps]

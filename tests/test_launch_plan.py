@@ -23,7 +23,7 @@ def test_a_slot_address_stays_a_term_of_seq():
     added to it keep the mark (numpy integers too), so the program holds no one call's slot;
     a call pointer added to it is no slot address any more."""
     import numpy as np
-    from sparkccl.dataplane import cuda_engines as E
+    from sparkccl.dataplane import ce_engine as E
     s = Slotted(0x10000, 3, 0x400, seq=7)
     assert int(s) == 0x10000 + 0x400
     t = 3 * 16 + (s + np.int64(8))

@@ -68,6 +68,31 @@ def _exact_job(rank, world, store, topology):
         return comm.transport, ag, rs
 
 
+def _lanes_job(rank, world, store, topology):
+    from sparkccl import selftest
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
+                               transport="verbs", timeout_s=60) as comm:
+        return selftest.lanes(comm), selftest.port_rate(comm), sorted(comm.lanes())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+def test_selftest_prints_the_lanes_and_the_port_rate(emunic_env, topology):
+    """selftest's lane lines and link rate come from the communicator's transport (they
+    printed nothing while selftest read an attribute the communicator no longer had)."""
+    res = run_ranks(_lanes_job, 2, args=(topology,), env=emunic_env, timeout_s=120)
+    for r in res:
+        assert r.ok, r.message
+        lines, rate, lanes = r.value
+        channels = {ch for ch, _ in lanes}
+        assert lanes == [(ch, k) for ch in sorted(channels) for k in (0, 1)]
+        assert len(lines) == len(lanes)
+        assert all(any(dev in line for dev in GB10) and " port 1, GID " in line
+                   for line in lines), lines
+        assert "no RDMA lanes" not in " ".join(lines)
+        assert rate is not None and rate > 0
+
+
 @pytest.mark.slow
 def test_killed_peer_is_retry_exceeded_on_every_survivor(emunic_env):
     """Rank 1 dies: the survivors' writes to it are never acknowledged, their QPs fail with

@@ -1,4 +1,17 @@
-"""What every data plane shares: the rank's view of its control block, and failure
+"""The data-plane contract, and what every data plane shares.
+
+:class:`DataPlaneBase` declares every operation and query the communicator
+(``sparkccl/comm.py``) and its wiring (``sparkccl/wiring.py``) use, for the CPU and the
+CUDA plane alike: the collectives, the regions they are given, completion
+(:meth:`~DataPlaneBase.synchronize`, :meth:`~DataPlaneBase.check_status`,
+:meth:`~DataPlaneBase.close`) and the CUDA-graph capture rules
+(:meth:`~DataPlaneBase.seq_on_host`, :meth:`~DataPlaneBase.refuse_capture`). Nobody probes
+a plane with ``hasattr``: a plane that lacks a feature says so through the declared
+capabilities (``typed_io``, ``zero_copy_results``, ``maps_peers``) or inherits the
+documented default. A new collective adds its method in the "collectives" section below
+(docs/ARCHITECTURE.md "Where to add things").
+
+It also holds what both planes share: the rank's view of its control block, and failure
 reporting (the abort record, the error naming rank, peer and connection, the cross-rank
 size check). :class:`~.cpu.CpuDataPlane` and :class:`~.cuda.CudaDataPlane` both build on
 it; neither is the other's parent."""
@@ -33,6 +46,86 @@ class DataPlaneBase:
         self.peer_rings = peer_rings
         self.rs_send = self.rs_recv = None
         self.rs_send_stride = self.rs_recv_stride = 0
+
+    # ---- capabilities ----------------------------------------------------------------
+    typed_io = False
+    """True: the collectives take contiguous tensors of any dtype and count bytes
+    themselves (the communicator then passes its tensors as they are, no uint8 views)."""
+
+    zero_copy_results = False
+    """True: ``all_gather(seq, src, None, 0, 0)`` leaves the result in the all-gather slot,
+    read with :meth:`ag_slot` (the CUDA plane: a view of pinned memory)."""
+
+    maps_peers = False
+    """True: the plane can write straight into peers' segments mapped in this process
+    (:meth:`map_peers`, :meth:`map_peers_rs`: GPU-direct)."""
+
+    clock_error_ns: int | None = None
+    """Uncertainty of the publish stamps' clock calibration (SPARKCCL_GPU_STAMPS), or None."""
+
+    # ---- regions -------------------------------------------------------------------
+    def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
+                  recv_stride: int) -> None:
+        """The reduce-scatter send and receive slots (host tensors over the "rs" segment),
+        given on first use (or up front)."""
+        raise NotImplementedError
+
+    def map_peers(self, ctl: dict, ag: dict) -> None:
+        """Peers' control and all-gather segments mapped here (``{peer: (address,
+        bytes)}``); only where :attr:`maps_peers`."""
+        raise NotImplementedError(f"{type(self).__name__} does not write into peers' memory")
+
+    def map_peers_rs(self, rs: dict, send_bytes: int) -> None:
+        """Peers' reduce-scatter segments mapped here; only where :attr:`maps_peers`."""
+        raise NotImplementedError(f"{type(self).__name__} does not write into peers' memory")
+
+    # ---- collectives (one method per collective; a new collective adds its own) ------
+    # Each takes the collective's sequence number first (comm.py numbers them), then its
+    # tensors and byte offsets; it returns once the collective is done (CPU) or queued on
+    # the caller's current stream (CUDA), and raises CollectiveError on failure.
+    def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
+                   dst_stride: int) -> None:
+        """Rank i's ``src`` bytes land at byte ``i * dst_stride + dst_off`` of ``dst``
+        (``dst=None``: in the slot, see :attr:`zero_copy_results`)."""
+        raise NotImplementedError
+
+    def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        """The zero-copy result of all-gather ``seq`` (only where :attr:`zero_copy_results`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no zero-copy results")
+
+    def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int,
+                       src_stride: int, L: int, dst: torch.Tensor, dst_off: int,
+                       dtype: torch.dtype) -> None:
+        """Chunk j of ``src`` is its bytes ``j * src_stride + src_off ... + L``; this rank's
+        fp32 rank-order sum lands at ``dst[dst_off:dst_off + L]`` (``src=None``: the
+        chunks already lie in the send slot)."""
+        raise NotImplementedError
+
+    def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
+                                    dst: torch.Tensor, dst_off: int) -> None:
+        """One MoE-finalize collective (``f``: :class:`sparkccl.finalize.FinalizeInputs`)."""
+        raise NotImplementedError
+
+    # ---- completion ----------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every collective issued so far and raise if one failed. A plane whose
+        collectives are done when they return (CPU) has nothing to wait for."""
+
+    def check_status(self) -> None:
+        """Raise a failure the plane recorded without waiting (CUDA: the GPU record)."""
+
+    def close(self) -> None:
+        """Release what the plane holds (before the segments are unmapped)."""
+
+    # ---- CUDA-graph capture (docs/CONTRACT.md "CUDA graphs") ------------------------
+    def seq_on_host(self) -> bool:
+        """Does the host know the next collective's seq, and so its slots? Only a plane
+        whose collectives can be captured and replayed ever says False."""
+        return True
+
+    def refuse_capture(self, what: str) -> None:
+        """Raise if the caller's stream is being captured: ``what`` (setting up buffers:
+        pinning memory, talking to the peers) cannot be captured."""
 
     # ---- failure -------------------------------------------------------------------
     def poison_call(self, out) -> None:

@@ -27,9 +27,8 @@ the stream's flag word, piece by piece, while its other blocks already wait for 
 the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
 engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
 quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see :mod:`.cuda_engines` and docs/PROTOCOL.md
-"GPU-direct"). The ring entries say
-``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
+"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and
+docs/PROTOCOL.md "GPU-direct"). The ring entries say ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
 runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
 connection on the H200 test machine), the data crosses the link once each way at the
 GPU's own speed.
@@ -48,15 +47,17 @@ way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.ch
 raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
 communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
 release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
-RELEASE_GRACE_S more (:meth:`CudaDataPlane._wait_last`).
+RELEASE_GRACE_S more (:mod:`.monitor`, :meth:`.monitor.FailureMonitor.wait_last`).
 
 The regions are the same shared-memory segments the CPU path and the proxy use, pinned
 with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
 :func:`.cuda_runtime.unregister_host`.
 
-The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.cuda_engines` (the
-GPU-direct engines), :mod:`sparkccl.plan.waits` (what each wait word carries), this module
-(the data plane the Communicator drives: regions, ring, launches, failures).
+The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.engines` (how a collective
+is launched: the proxy path, fused and split) and :mod:`.ce_engine` (copy engines), chosen
+per collective in :mod:`.engine_choice`; :mod:`sparkccl.plan.waits` (what each wait word
+carries); this module (the data plane the Communicator drives: regions, ring, the device
+operations, failures).
 
 Collectives are asynchronous like NCCL's: they return once launched. All collectives of
 one communicator must run on one stream (or streams ordered with events): a collective's
@@ -69,8 +70,6 @@ need it.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 import time
 
 import numpy as np
@@ -82,24 +81,28 @@ from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
                           wait_parts, wait_table)
-from . import nvrtc
+
+DIRECT_MODES = config.DIRECT_ENGINES
+from . import clock
+from . import nvrtc  # noqa: F401 - (tests reach the kernels' sources through it)
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
-from .cuda_engines import (DIRECT_MODES, DIRECT_THREADS, N_TERMS, OP_COPY, OP_LAUNCH,
-                           OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE64, PROG_STRIDE,
-                           WAIT_THREADS, CePlan, DirectCall, DirectEngines)
-from .cuda_runtime import (AlreadyRegistered, check, check_available, device_view,
-                           host_device_pointer, kernels_for, register_host, set_current,
-                           unregister_host)
+from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
+                        OP_WRITE64, PROG_STRIDE, CePlan)
+from .engine_choice import Engines
+from .engines import RS_WAIT, DirectCall
+from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
+                           host_device_pointer, kernels_for, register_host, unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
-from .launch_plan import CallPtr, PlanCache, Recording, Slotted, plain
-from .trap_lock import TrapLock, gpu_key, lock_path
+from .device import CudaDevice, Device
+from .direct_tables import DirectTables
+from .launch_plan import CallPtr, PlanCache, Slotted, plain
+from .monitor import FailureMonitor, write_stderr
 
 _P = layout.protocol_constants()
 NO_SOURCE = _P["NO_SOURCE"]
 NO_WORD = _P["NO_WORD"]
-MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 # Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
@@ -109,7 +112,6 @@ STATE_CLOCK = _P["STATE_CLOCK"]
 ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
 _ABORT_WORD = layout.CTL_ABORT // 8
-CLOCK_ROUNDS = 32  # handshakes of the clock calibration (the tightest one counts)
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
@@ -117,45 +119,9 @@ FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 # comparison reads rows the peers' GPUs write (cache misses across PCIe, microseconds per
 # call), and a mismatch said a few calls later is as clear (synchronize() checks them all).
 SIZE_CHECK_CALLS = 8
-WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
-# Mode stop, after the report: the watchdog writes ACK_HOLD, which keeps the failing kernel
-# waiting (up to HOLD_WAIT_NS from the start of its wait) until this process's turn of the
-# GPU's trap lock (.trap_lock: two processes time-slicing a GPU that trap at once can wedge
-# the driver); then ACK_GO, and the kernel traps. The watchdog tries the lock for at most
-# TRAP_LOCK_WAIT_S (then GO anyway, said on stderr), so GO comes before the kernel's own bound,
-# and keeps it until its context is lost, TRAP_SETTLE_S more (the driver's handling of the
-# trap done before the next process's trap), or TRAP_GRACE_S after GO.
-ACK_GO, ACK_HOLD = _P["ACK_GO"], _P["ACK_HOLD"]
-HOLD_WAIT_S = _P["HOLD_WAIT_NS"] / 1e9
-TRAP_LOCK_WAIT_S = HOLD_WAIT_S - 5.0
-TRAP_SETTLE_S = 0.2
-TRAP_WAIT_SAID_S = 0.01  # a wait for the lock this long is said on stderr
-# After the GO, how long the watchdog waits for the trap to end this process's GPU work
-# before it says on stderr that the GPU is wedged (see _watchdog, _say_trap_wedged).
-TRAP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 8.0
-# The context was lost before this data plane reported anything (another process's trap
-# under MPS): how long the watchdog waits for the cause (the abort word the proxy sets when
-# a peer failed) before it prints what the host knows (_say_context_lost).
-CAUSE_WAIT_S = 0.5
-PROG_FAILED = _P["FAILED"]  # progress word: seq * PROG_STRIDE + PROG_FAILED = that seq failed
-# Once the communicator failed, a failing wait traps (stop) or returns (poison) within
-# ACK_WAIT_NS, and every wait queued after it gives up as it starts: the GPU work of this
-# data plane ends within STOP_GRACE_S of the failure, or something waits that never looks
-# at the abort word (see _wait_last). While the fail-stop handshake holds the kernel for its
-# turn to trap (ACK_HOLD, at most HOLD_WAIT_S), the grace counts from the GO instead.
-STOP_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 1.0
-# After _release_waits, before the host gives up on the GPU: what a released kernel may take
-# to fail (in mode stop it too waits up to ACK_WAIT_NS for the report before it traps; a
-# hold extends this one as well).
-RELEASE_GRACE_S = _P["ACK_WAIT_NS"] / 1e9 + 0.5
-# What _release_waits writes to the progress word: above seq * PROG_STRIDE + PROG_FAILED of
-# any seq, so every waiter of every collective sees FAILED (the host does not know the
-# device's seq once graphs replay).
-RELEASED_PROGRESS = 1 << 62
 POISON_THREADS = 256
 MAX_WORLD = 64
 
-PUBLISH_THREADS = 512
 PUBLISH_BYTES_PER_BLOCK = 64 << 10
 WAIT_BYTES_PER_BLOCK = 32 << 10
 # The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
@@ -164,14 +130,9 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 # H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
 # each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
 MAX_WAIT_BLOCKS = 32
-FIN_THREADS = 512
 
 _RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
               torch.float32: "sccl_rs_direct_f32"}
-_RS_KERNELS = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
-               torch.float32: "sccl_rs_wait_f32"}
-_RS_PROXY = {torch.bfloat16: "sccl_rs_proxy_bf16", torch.float16: "sccl_rs_proxy_f16",
-             torch.float32: "sccl_rs_proxy_f32"}
 _RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
                 torch.float32: "sccl_rs_sum_unit_f32"}
 
@@ -192,15 +153,6 @@ def direct_blocks_setting() -> tuple[int, int] | None:
         raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
                           "'publish,wait'") from None
     return max(1, a), max(1, b)
-
-
-def _write_stderr(line: str) -> None:
-    """From the watchdog thread: straight to fd 2, never through sys.stderr (its buffer lock
-    may be held by a thread that is itself waiting for the GPU)."""
-    try:
-        os.write(2, line.encode("utf-8", "replace"))
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------- the data plane
@@ -232,23 +184,7 @@ class _PlanSetting:
             plans.invalidate()
 
 
-class _RawEvent:
-    """The data plane's own CUDA event, recorded by its launch plans; queried like torch's."""
-
-    __slots__ = ("nat", "handle")
-
-    def __init__(self, nat, handle: int):
-        self.nat, self.handle = nat, handle
-
-    def query(self) -> bool:
-        return self.nat.cuda_event_query(self.handle)
-
-    def destroy(self) -> None:
-        from cuda.bindings import driver as drv
-        drv.cuEventDestroy(drv.CUevent(self.handle))
-
-
-class CudaDataPlane(DirectEngines, DataPlaneBase):
+class CudaDataPlane(DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
     tensors are CUDA ``uint8`` views). ``ag`` / ``attach_rs`` take the host (CPU) tensors
     over the shared segments; ``self.ag`` / ``self.rs_send`` / ``self.rs_recv`` become CUDA
@@ -266,7 +202,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None, device=None, on_failure: str | None = None):
+                 peer_rings: list | None = None, device=None, on_failure: str | None = None,
+                 device_ops: Device | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
         if on_failure is None:
@@ -282,37 +219,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._registered: list[int] = []
         self._closed = False
         self.on_failure = on_failure
-        self.failure_report: str | None = None  # what the watchdog printed (see _watchdog)
-        self.trap_grace_s = TRAP_GRACE_S
-        self.trap_wedged = False  # the watchdog saw the GPU still busy after the trap
-        # The fail-stop handshake (_watchdog): when ACK_HOLD and ACK_GO were written
-        # (monotonic s), and the GPU's trap lock (its path is set by _setup_backend).
-        self.trap_lock_path: str | None = None
-        self.trap_lock_wait_s = TRAP_LOCK_WAIT_S
-        self.trap_held_at: float | None = None
-        self.trap_go_at: float | None = None
-        self._trap_lock: TrapLock | None = None
-        self._watch_stop = threading.Event()
-        self._watchdog_thread: threading.Thread | None = None
         self._last_event = None
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
-        self._gpu_stuck = False  # the GPU work did not end after a failure (_wait_last)
-        self._released, self._release_lock = False, threading.Lock()  # _release_waits_once
-        self._cc_streams: dict[int, object] = {}  # cuda.core stream per torch stream handle
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
         # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
         self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
         self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
         self._peers = frozenset(range(self.world)) - {self.rank}
         # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
-        # for the checks before every collective and the watchdog (a plain read each:
+        # for the checks before every collective (a plain read each:
         # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
         # atomic).
         self._ctl_words = memoryview(
             (ctypes.c_uint8 * layout.CTL_BYTES).from_address(ctl_addr)).cast("B").cast("Q")
         self.plans = PlanCache()  # the eager fast path (launch_plan.py)
-        self._setup_backend(device)
-        self._device_index = self.device.index
+        # The device seam (device.py): the CUDA driver, or the tests' host emulation.
+        self.gpu = device_ops if device_ops is not None else CudaDevice(native, device)
+        self.device, self.sms = self.gpu.device, self.gpu.sms
+        # The watchdog, the fail-stop handshake, the release of stuck waits (monitor.py).
+        self.monitor = FailureMonitor(self, self.gpu.trap_lock_path)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
         # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
         self.max_publish_blocks = 2 * self.sms
@@ -326,29 +251,30 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         except BaseException:
             self.close()
             raise
-        self.ag = self._view(self.ag_dev, ag.numel())
+        self.ag = self.gpu.view(self.ag_dev, ag.numel())
         # Device state (protocol.h STATE_*): progress word, dead, the next collective's seq
         # and first ring index, the finalize gate's bumps, the timeout. Publish counters
         # per (seq % 4, piece).
         head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
         init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
         init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
-        self.state = self._to_device(init)
+        self.state = self.gpu.to_device(init)
         # The host's copy of the next seq and ring index: true until a collective is
         # captured in a CUDA graph (replays advance only the device's; see seq_on_host).
         self._seq_next, self._ring_next = 0, head
         self._graph = False   # a collective was captured: the host's copy is stale
         self._in_capture = False  # the current call is being captured
         self._graph_bufs: list[torch.Tensor] = []  # scratch a captured graph uses: kept
-        self._ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
-        self.counters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        self.ag_code = REGION_SLOTS[Region.AG] << SLOT_SHIFT | ag_stride
+        self.counters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # Finalize: counters per (seq % 4) set, the bad-pos record, the own-chunk buffer.
-        self.fin_counters = self._to_device(torch.zeros(COUNTER_SETS * FIN_SET, dtype=torch.int32))
-        self.fin_bad = self._to_device(torch.zeros(4, dtype=torch.int32))
+        self.fin_counters = self.gpu.to_device(torch.zeros(COUNTER_SETS * FIN_SET,
+                                                           dtype=torch.int32))
+        self.fin_bad = self.gpu.to_device(torch.zeros(4, dtype=torch.int32))
         # GPU-direct finalize: own-rows gate per piece (monotonic; the device state's
         # STATE_GATE counts the bumps of every launch so far: each publish block bumps each
         # piece once).
-        self.fin_gate = self._to_device(torch.zeros(PIECES, dtype=torch.int32))
+        self.fin_gate = self.gpu.to_device(torch.zeros(PIECES, dtype=torch.int32))
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
@@ -357,15 +283,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.maxw = max_wait_words(plan)
         table = wait_table(plan, self.maxw)
         parts = wait_parts(plan, self.maxw)
-        # Mode "ce" sums a reduce-scatter piece once, after its last word: one launch per
-        # piece instead of one per word (a launch costs the host ~4 us; the sum of a piece
-        # already in device memory is short beside the copies that bring the next one).
-        ce_sums = [PART_NONE] * (self.maxw - 1) + [PART_WHOLE]
-        self._ce_words = {op: ce_words(table[int(op)], parts[int(op)][:self.world] + [ce_sums],
-                                       self.rank, op == Op.RS) for op in Op}
-        self.wait_table = self._to_device(torch.tensor(table, dtype=torch.int32))
-        self.parts_table = self._to_device(torch.tensor(parts, dtype=torch.int32))
-        self.ce_sum_parts = self._to_device(torch.tensor(ce_sums, dtype=torch.int32))
+        self.wait_table = self.gpu.to_device(torch.tensor(table, dtype=torch.int32))
+        self.parts_table = self.gpu.to_device(torch.tensor(parts, dtype=torch.int32))
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -376,19 +295,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.direct_mode = direct_mode
         self.ce_min_slice = ce_min_slice
         self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
-        self._sums = None  # mode "ce": (stream, events) of the reduce-scatter sums
-        self._write_values = None  # can streams write 64-bit values (mode "ce")? asked once
-        self._functions: dict[str, int] = {}  # CUfunction per kernel name (mode "ce")
         ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
             ctl_addr + layout.RING_OFFSET)
-        self._ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
+        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
-        self.dcounters = self._to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
-        self._peer_dev: dict[tuple[int, str], tuple[int, int]] = {}  # (peer, kind) -> (dev, bytes)
-        self._dtab: dict[Op, tuple] = {}  # op -> (table, (slots-1)*stride, blocks, room)
-        self._dhost: dict[Op, list] = {}  # op -> [(flag pointer, [(chunk, base, stride, slots,
-        #                                     dst block, Part)])]: the table for mode "ce"
+        self.dcounters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
+        # The peers' regions mapped here and the GPU-direct stream tables (map_peers).
+        self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
+        self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         self.timeout_ns = int(timeout_s * 1e9)
         # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
         self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
@@ -405,92 +320,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self.clock_offset_ns = self.clock_error_ns = None
         if config.get("SPARKCCL_GPU_STAMPS"):
             try:
-                self._calibrate_clock()
+                # (the probe's buffer stays pinned, and registered, as long as the plane)
+                self._clock_buf = np.zeros(2 * clock.CLOCK_ROUNDS, dtype=np.uint64)
+                found = clock.calibrate(self.gpu, self._register, self.rank, self._clock_buf)
+                if found is not None:
+                    self.clock_offset_ns, self.clock_error_ns = found
+                    word = (found[0] % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
+                    self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
             except Exception as e:  # noqa: BLE001 - a measurement aid: never a failure
-                _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                              f"calibration failed ({type(e).__name__}: {e}): no publish "
-                              "stamps\n")
-        self._device_synchronize()
-        self._watchdog_thread = threading.Thread(target=self._watchdog, daemon=True,
-                                                 name=f"sparkccl-gpu-watchdog-{self.rank}")
-        self._watchdog_thread.start()
+                write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
+                             f"calibration failed ({type(e).__name__}: {e}): no publish "
+                             "stamps\n")
+        self.gpu.synchronize()
+        self.monitor.start()
 
-    def _calibrate_clock(self, rounds: int = CLOCK_ROUNDS, timeout_s: float = 2.0) -> None:
-        """Measure CLOCK_MONOTONIC - %globaltimer and hand it to the publish kernels (device
-        state STATE_CLOCK), so that the GPU's ring entries carry publish stamps on the
-        proxy's clock (native/src/proxy.cpp: publish -> first post). Round k: the host notes
-        its clock t0 and writes go[k]; sccl_clock_probe, spinning, writes its %globaltimer g;
-        the host sees it at t1. The GPU read the clock within [t0, t1]: the offset is
-        (t0 + t1) / 2 - g, within half the round trip, from the round of the shortest one.
-        Not found in time (no stamps then): said on stderr, never an error."""
-        buf = self._clock_buf = np.zeros(2 * rounds, dtype=np.uint64)
-        dev = self._register(buf.ctypes.data, buf.nbytes)
-        go = [_u64(buf.ctypes.data + 8 * k) for k in range(rounds)]
-        stamp = [_u64(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
-        ts, stream = self._probe_stream()
-        self._launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
-                            _n(rounds), _n(int(timeout_s * 1e9)))
-        best = None
-        deadline = time.monotonic() + timeout_s
-        try:
-            for k in range(rounds):
-                t0 = time.monotonic_ns()
-                go[k].value = 1
-                while stamp[k].value == 0 and time.monotonic() < deadline:
-                    pass
-                t1 = time.monotonic_ns()
-                g = stamp[k].value
-                if g == 0:
-                    break
-                if best is None or t1 - t0 < best[0]:
-                    best = (t1 - t0, (t0 + t1) // 2 - g)
-        finally:
-            for w in go:  # (the probe ends also when a round was not seen)
-                w.value = 1
-            ts.synchronize()
-        if best is None:
-            _write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                          f"probe did not answer within {timeout_s:g} s: no publish stamps\n")
-            return
-        rtt, offset = best
-        self.clock_offset_ns, self.clock_error_ns = offset, (rtt + 1) // 2
-        word = (offset % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
-        self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
-
-    # ---- backend (overridden by the CPU emulation in tests/test_cuda_dataplane.py) -----
-    def _setup_backend(self, device) -> None:
-        check_available(device)
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = dev
-        self.kernels = kernels_for(dev.index)
-        self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
-        # _release_waits: made now, because after a failure nothing may wait on the GPU.
-        self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        self._release_stream = torch.cuda.Stream(dev)
-        # Launch plans run in torch's primary context of the device, and record one event
-        # of this data plane (re-recorded by every planned call: the latest is the one
-        # _wait_last and the watchdog ask about).
-        from cuda.bindings import driver as drv
-        with torch.cuda.device(dev):
-            torch.cuda.current_stream(dev).synchronize()  # (torch made its context current)
-            self._context = int(check("cuCtxGetCurrent", drv.cuCtxGetCurrent())[0])
-            flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._done_event = _RawEvent(self.nat,
-                                         int(check("cuEventCreate", drv.cuEventCreate(flags))[0]))
-        self._fast_stream = (None, None)  # (raw handle, torch stream) of the latest planned call
-        self.trap_lock_path = lock_path(gpu_key(dev))
-
+    # ---- on the device (through the seam, device.py) ---------------------------------
     def _register(self, addr: int, size: int) -> int:
-        with torch.cuda.device(self.device):
-            dev = register_host(addr, size)
+        dev = self.gpu.register(addr, size)
         self._registered.append(addr)
         return dev
-
-    def _unregister(self, addr: int) -> None:
-        with torch.cuda.device(self.device):
-            unregister_host(addr)
 
     def _register_peer(self, addr: int, size: int) -> int:
         """Like _register, for a peer's segment mapped here; a range this process pinned
@@ -498,166 +346,73 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         try:
             return self._register(addr, size)
         except AlreadyRegistered:
-            with torch.cuda.device(self.device):
-                return host_device_pointer(addr)
+            return self.gpu.host_pointer(addr)
 
-    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
-        return device_view(ptr, nbytes, self.device)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
-    def _device_synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def _stream(self):
-        """(torch stream, cuda.core stream) of the caller's current stream."""
-        set_current(self.device.index)
-        ts = torch.cuda.current_stream(self.device)
-        return ts, self._cc_stream(ts)
-
-    def _probe_stream(self):
-        """(torch stream, cuda.core stream) of a stream of its own (the clock probe's)."""
-        ts = torch.cuda.Stream(self.device)
-        return ts, self._cc_stream(ts)
-
-    def _cc_stream(self, ts):
-        h = int(ts.cuda_stream)
-        s = self._cc_streams.get(h)
-        if s is None:
-            cc = nvrtc.import_cuda_core()
-            s = self._cc_streams[h] = cc.Stream.from_handle(h)
-        return s
-
-    def _launch(self, stream, name: str, grid: int, block: int, *args) -> None:
+    def launch(self, stream, name: str, grid: int, block: int, *args) -> None:
         """Launch kernel ``name``; recorded into the launch plan being built, if any
         (parameters may be :class:`~.launch_plan.CallPtr`)."""
         self.plans.record(name, grid, block, args)
-        self._launch_kernel(stream, name, grid, block, *plain(args))
+        self.gpu.launch_kernel(stream, name, grid, block, *plain(args))
 
-    def _launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
-        cc = nvrtc.import_cuda_core()
-        cfg = cc.LaunchConfig(grid=grid, block=block)
-        with torch.cuda.device(self.device):  # this device's primary context is current
-            cc.launch(stream, cfg, self.kernels[name], *args)
+    def end(self, ts) -> None:
+        self.issued(self.gpu.mark(ts), ts)
 
-    def _capturing(self) -> bool:
-        """Is the caller's stream (of this data plane's device) being captured into a CUDA
-        graph? (torch asks the current device's stream: make it this one.)"""
-        with torch.cuda.device(self.device):
-            return torch.cuda.is_current_stream_capturing()
+    def issued(self, event, ts) -> None:
+        """The latest collective was issued on torch stream ``ts`` and ends at ``event`` (what
+        synchronize() and the watchdog ask about)."""
+        self._last_event, self._last_ts = event, ts
 
-    def _mark(self, ts):
-        """An event recorded now on torch stream ``ts``."""
-        ev = torch.cuda.Event()
-        ev.record(ts)
+    def _issue_plan(self, plan, args: tuple) -> bool:
+        got = self.gpu.issue_plan(plan, args)
+        if got is None:
+            return False
+        self._last_event, self._last_ts = got
+        return True
+
+    def latest_event(self, keep: bool = False):
+        """The event after this plane's latest collective, or None (nothing issued). Once a
+        collective was captured, replays leave no event of ours, but by the one-stream rule
+        they ran on the stream of the latest eager call: a fresh event there lies after them
+        (None: no eager call yet). ``keep``: it becomes the latest event."""
+        if not self._graph:
+            return self._last_event
+        ts = getattr(self, "_last_ts", None)
+        ev = None if ts is None else self.gpu.mark(ts)
+        if keep and ev is not None:
+            self._last_event = ev
         return ev
 
-    def _end(self, ts) -> None:
-        self._last_event = self._mark(ts)
-        self._last_ts = ts
+    @property
+    def last_seq(self) -> int:
+        """The latest eager collective's seq (as the host counted it)."""
+        return self._last_seq
 
-    def _replay_mark(self):
-        """After a capture: a fresh event on the stream of the latest eager call. Replays
-        leave no event of ours, but by the one-stream rule they ran on that stream, so the
-        event lies after them (None: no eager call yet, see _wait_last)."""
-        ts = getattr(self, "_last_ts", None)
-        return None if ts is None else self._mark(ts)
+    def side_stream(self, name: str):
+        """This data plane's torch stream ``name`` ("side": the sending side of modes split
+        and ce; "watch": mode ce's piece waits), made on first use."""
+        st = self._side_streams.get(name)
+        if st is None:
+            st = self._side_streams[name] = self.gpu.new_stream()
+        return st
 
-    def _event_done(self, ev) -> bool:
-        """Has the GPU passed event ``ev``? (Raises the CUDA error of a lost context.)"""
-        return ev.query()
+    def fork(self, ts, name: str = "side"):
+        """(torch stream, cuda.core stream) of stream ``name``, ordered after everything
+        queued on ``ts`` so far."""
+        return self.gpu.fork(ts, self.side_stream(name))
 
-    def _release_waits_once(self) -> None:
-        """_release_waits, once per data plane (the watchdog and _wait_last both may)."""
-        with self._release_lock:
-            if self._released:
-                return
-            self._released = True
-            try:
-                self._release_waits()
-            except RuntimeError:
-                pass  # best effort: _wait_last raises after RELEASE_GRACE_S either way
+    def join(self, ts, side_ts) -> None:
+        self.gpu.join(ts, side_ts)
 
-    def _release_waits(self) -> None:
-        """Write what every wait of this data plane waits for: the dead word, then the
-        progress word at RELEASED_PROGRESS (above FAILED of any seq, also of replays the host
-        did not count), so that stream value waits (mode "ce") and consumer blocks move on
-        and every kernel after them fails at once. From the host, on a stream of its own: the
-        caller's streams are the ones that are stuck."""
-        src = self._release_src
-        src[0] = RELEASED_PROGRESS
-        src[1] = 1
-        with torch.cuda.device(self.device), torch.cuda.stream(self._release_stream):
-            self.state[1:2].copy_(src[1:2], non_blocking=True)  # dead first: in stream order
-            self.state[0:1].copy_(src[0:1], non_blocking=True)
+    @property
+    def captured(self) -> bool:
+        """Was a collective of this plane captured in a CUDA graph? (The host's seq and ring
+        index are stale from then on: replays advance the device's only.)"""
+        return self._graph
 
-    def _wait_last(self) -> None:
-        """Wait until the GPU passed the latest collective. While the communicator is
-        healthy that takes as long as it takes (the caller's own work queued before it
-        counts too; every sparkccl wait has its own GPU-clock timeout). Once it failed
-        (abort word or GPU record), the GPU has STOP_GRACE_S to get there; past that,
-        something waits that does not watch the abort word (a stream value wait, whose
-        releasing kernel never ran): _release_waits, RELEASE_GRACE_S more, then raise
-        CollectiveError (a survivor never blocks without bound) and mark the data plane
-        stuck, so that close() leaves the pinned memory the GPU may still use alone."""
-        ev = self._last_event
-        if self._graph:  # replays of a captured graph leave no event of ours
-            ev = self._replay_mark()
-            if ev is None:  # nothing eager to find the stream by: the whole device
-                self._device_synchronize()
-                return
-            self._last_event = ev
-        if ev is None:
-            return
-        deadline, released, spins = None, False, 0
-        while not self._event_done(ev):
-            now = time.monotonic()
-            if self._gpu_stuck:  # it was released already: no second grace
-                raise self._stuck_error()
-            if deadline is None:
-                if self._failure_known():
-                    deadline = now + STOP_GRACE_S
-            elif self._trap_held(now):  # the grace counts from the GO (see STOP_GRACE_S)
-                deadline = max(deadline, now + (RELEASE_GRACE_S if released else STOP_GRACE_S))
-            elif now > deadline:
-                if released:
-                    self._gpu_stuck = True
-                    raise self._stuck_error()
-                self._release_waits_once()  # (or the watchdog did, a moment ago)
-                released, deadline = True, now + RELEASE_GRACE_S
-            # Yield at first (a collective's last microseconds), then naps of at most
-            # 200 us: what a synchronization may lose to the polling.
-            spins += 1
-            time.sleep(0 if spins < 64 else min(20e-6 * (spins - 63), 200e-6))
-
-    def _trap_held(self, now: float) -> bool:
-        """Is the failing kernel held for its turn to trap (ACK_HOLD written, no GO yet)?
-        Bounded by the kernel's own HOLD_WAIT_NS, so a watchdog that stopped does not
-        stretch the host's bounds for longer than the kernel waits."""
-        held = self.trap_held_at
-        return held is not None and self.trap_go_at is None and now < held + HOLD_WAIT_S
-
-    def _failure_known(self) -> bool:
-        return bool(self.nat.abort_code(self.ctl) or self._ctl_words[_GPU_STATUS_WORD])
-
-    def _stuck_error(self) -> CollectiveError:
-        code, source, word, piece, seq = self.gpu_status()
-        cause = self.nat.error_text(self.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
-                                                  if code else "aborted")
-        record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "
-                  f"flag word {word}" if code else "no GPU failure record")
-        return CollectiveError(
-            f"rank {self.rank}: the communicator failed ({cause}), and its GPU work (up to seq "
-            f"{self._last_seq}{', and graph replays after it' if self._graph else ''}) still "
-            f"had not ended {STOP_GRACE_S + RELEASE_GRACE_S:g} s later, "
-            f"also after the host released its waits ({record}); the GPU is stuck: restart "
-            "the process", rank=self.rank, cause=cause)
-
-    def _busy(self) -> bool:
-        ev = self._replay_mark() if self._graph else None  # (the watchdog, after a failure)
-        ev = ev if ev is not None else self._last_event
-        return ev is not None and not self._event_done(ev)
+    @property
+    def ring_next(self) -> int:
+        """The host's copy of the next collective's first publish-ring index."""
+        return self._ring_next
 
     # ---- regions -------------------------------------------------------------------
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
@@ -671,11 +426,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             send_dev = self._register(s, n)
             recv_dev = self._register(r, m)
         self.rs_send_dev, self.rs_recv_dev = send_dev, recv_dev
-        self.rs_send = self._view(send_dev, n)
-        self.rs_recv = self._view(recv_dev, m)
+        self.rs_send = self.gpu.view(send_dev, n)
+        self.rs_recv = self.gpu.view(recv_dev, m)
         self.rs_send_stride, self.rs_recv_stride = send_stride, recv_stride
-        self._send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
-        self._recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
+        self.send_code = REGION_SLOTS[Region.RS_SEND] << SLOT_SHIFT | send_stride
+        self.recv_code = REGION_SLOTS[Region.RS_RECV] << SLOT_SHIFT | recv_stride
         self.plans.invalidate()
 
     def close(self, *, abort_if_busy: bool = True) -> None:
@@ -683,12 +438,21 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         segments are unmapped). Kernels still running are first told to stop through the
         abort word (``abort_if_busy``), so closing never waits for a whole timeout."""
         self._closed = True
-        self._stop_watchdog()
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.stop()
+        try:
+            self._release(abort_if_busy)
+        finally:
+            for st in getattr(self, "_side_streams", {}).values():
+                self.gpu.close_stream(st)
+
+    def _release(self, abort_if_busy: bool) -> None:
         regs = getattr(self, "_registered", None)
         if not regs:
             return
         try:
-            if abort_if_busy and self._busy():
+            if abort_if_busy and self.monitor.busy():
                 # A deliberate close stops the kernels without the fail-stop trap (which
                 # would lose the process's CUDA context): what they would have produced is
                 # undefined once the communicator is closed. The peers still fail-stop.
@@ -696,27 +460,25 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                 self.nat.set_abort(self.ctl, layout.ABORT_USER,
                                    f"rank {self.rank}: communicator closed while collectives "
                                    "were still running on the GPU")
-            self._wait_last()
+            self.monitor.wait_last()
         except Exception:
             pass
         self._registered = []
-        if self._gpu_stuck:
+        if self.monitor.stuck:
             # Unpinning memory a kernel or copy may still write would be worse than the leak:
             # it stays pinned until the process exits (which it must: the GPU is stuck).
             return
         for addr in regs:
             try:
-                self._unregister(addr)
+                self.gpu.unregister(addr)
             except Exception:
                 pass
         try:
-            self._free_events()
+            self.engines.close()
         except Exception:
             pass
         self.plans.invalidate()  # (they record the event freed here)
-        ev, self._done_event = getattr(self, "_done_event", None), None
-        if ev is not None:
-            ev.destroy()
+        self.gpu.close()
 
     # ---- GPU-direct: peers' regions mapped here -----------------------------------------
     def map_peers(self, ctl: dict[int, tuple[int, int]], ag: dict[int, tuple[int, int]]) -> None:
@@ -724,75 +486,29 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         regions, given as ``{peer: (host address, bytes)}`` of their mappings in this
         process, and execute this rank's all-gather publish streams on the GPU from now on
         (the proxy must have been given :func:`gpu_streams` with ``set_gpu_streams``)."""
-        for kind, peers in (("ctl", ctl), ("ag", ag)):
-            for p, (addr, n) in peers.items():
-                if (p, kind) not in self._peer_dev:
-                    self._peer_dev[(p, kind)] = (self._register_peer(addr, n), n)
+        self.direct.map("ctl", ctl)
+        self.direct.map("ag", ag)
         self._build_direct(Op.AG)
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:
         """The same for the peers' reduce-scatter segments (send slots, then from
         ``send_bytes`` on the receive slots); after :meth:`map_peers` and :meth:`attach_rs`."""
-        for p, (addr, n) in rs.items():
-            if (p, "rs") not in self._peer_dev:
-                dev = self._register_peer(addr, n)
-                self._peer_dev[(p, "rs")] = (dev, n)
-                self._peer_dev[(p, "rs_recv")] = (dev + send_bytes, n - send_bytes)
+        self.direct.map_rs(rs, send_bytes)
         self._build_direct(Op.RS)
 
     def _build_direct(self, op: Op) -> None:
-        """The stream table of sccl_*_direct for op (layout in kernels/direct.cu), or nothing if a
-        peer it writes to is not mapped."""
-        plan, me = self.plan, self.rank
-        kind = "ag" if op == Op.AG else "rs_recv"
+        """The stream table of sccl_*_direct for op, once its regions are known."""
         if op == Op.RS and self.rs_send is None:  # attach_rs() not called yet
             return
         stride = self.ag_stride if op == Op.AG else self.rs_recv_stride
-        slots = REGION_SLOTS[Region.AG] if op == Op.AG else REGION_SLOTS[Region.RS_RECV]
-        rows, items, blocks, room, host = [], [], 1, None, []
-        for k in plan.publish_streams():
-            st = plan.streams[k]
-            if st.op != op:
-                continue
-            peer = plan.connections[st.conn].peer
-            if (peer, "ctl") not in self._peer_dev or (peer, kind) not in self._peer_dev:
-                return
-            flags = self._peer_dev[(peer, "ctl")][0] + layout.FLAGS_OFFSET
-            base, nbytes = self._peer_dev[(peer, kind)]
-            room = nbytes if room is None else min(room, nbytes)
-            rows.append([flags + layout.FLAG_BYTES * st.dst_flag, len(items), len(st.items), 0])
-            host.append((rows[-1][0], []))
-            for it in st.items:
-                if op == Op.AG:
-                    ok = it.src_region == Region.AG and it.src_block == me and it.dst_region == Region.AG
-                    chunk = 0
-                else:
-                    ok = it.src_region == Region.RS_SEND and it.dst_region == Region.RS_RECV
-                    chunk = it.src_block
-                if not ok:
-                    raise ValueError(f"GPU-direct: unexpected item {it} in {OP_NAMES[op]} stream {k}")
-                items.append([chunk, base, stride, slots, it.dst_block, part_code(it.part)])
-                host[-1][1].append((chunk, base, stride, slots, it.dst_block, it.part))
-                blocks = max(blocks, it.dst_block + 1)
-        if len(rows) > MAX_DIRECT:
-            raise ValueError(f"GPU-direct: {len(rows)} streams, at most {MAX_DIRECT}")
-        flat = [len(rows)] + [v for r in rows for v in r] + [v for r in items for v in r]
-        # A collective of slice S may go direct while (slots - 1) * stride + blocks * S fits
-        # every destination region (the proxy's transport checks the same per write).
-        self._dtab[op] = (self._to_device(torch.tensor(flat, dtype=torch.int64)),
-                          (slots - 1) * stride, blocks, room or 0)
-        self._dhost[op] = host
-        self.plans.invalidate()
+        if self.direct.build(op, stride):
+            self.plans.invalidate()
 
-    def _direct(self, op: Op, S: int):
+    def direct_table(self, op: Op, S: int):
         """The direct table for a collective of slice S, or None (then the proxy sends)."""
-        t = self._dtab.get(op)
-        if t is None or "publish" not in self.phases:
-            return None
-        table, reach, blocks, room = t
-        return table if reach + blocks * S <= room else None
+        return self.direct.table(op, S)
 
-    def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
+    def scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A device buffer of at least ``nbytes`` kept per data plane under ``name`` and
         reused by every call: each use is written and read on the collectives' one stream,
         or on streams that stream joins before the call ends (the "ce" sums), so a later
@@ -813,11 +529,11 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         return buf
 
 
-    def _direct_blocks(self, work: int) -> int:
+    def direct_blocks(self, work: int) -> int:
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
     # ---- launch helpers --------------------------------------------------------------
-    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+    def host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
         """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
         (the host writes those entries' fields itself); every kernel waits on the GPU
         (kernels/wait.cu ring_room)."""
@@ -839,30 +555,37 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
                   "it, or the GPU is not running this rank's earlier collectives)",
                   layout.ABORT_TIMEOUT)
 
-    def _wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
+    def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
         """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
         collective's last and moves the device state on itself (kernels/common.cuh
         last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
         return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
-    def _publish_blocks(self, work: int) -> int:
+    def publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
         return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
-    def _wait_blocks(self, work: int) -> int:
+    def wait_blocks(self, work: int) -> int:
         return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
 
-    def _slice_wait_blocks(self, S: int) -> int:
+    def slice_wait_blocks(self, S: int) -> int:
         """Consumer blocks of a collective of slice S: for what they move after one wait, a
         piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
         for its last unit, and need the blocks for all of it in flight at once)."""
-        return self._wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
+        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
 
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective
         was: replays advance the device state only (docs/CONTRACT.md "CUDA graphs")."""
-        return not self._graph and not self._capturing()
+        return not self._graph and not self.gpu.capturing()
+
+    def refuse_capture(self, what: str) -> None:
+        if self.gpu.capturing():
+            raise RuntimeError(f"rank {self.rank}: {what}: the communicator's first "
+                               "reduce-scatter sets up its buffers and cannot be captured in a "
+                               "CUDA graph: run one reduce-scatter (or finalize) before capturing "
+                               "(docs/CONTRACT.md \"CUDA graphs\")")
 
     def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
                zero_copy: str | None = None) -> int:
@@ -872,7 +595,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
-        self._in_capture = self._capturing()
+        self._in_capture = self.gpu.capturing()
         if self._in_capture and not self._graph:
             self._graph = True
             self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
@@ -911,7 +634,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
         """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
-        program: cuda_engines.CePlan): the checks of :meth:`_begin`, one native call, the
+        program: ce_engine.CePlan): the checks of :meth:`_begin`, one native call, the
         host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
         something the planning path reports. ``key`` is the collective's shape: whatever else
@@ -922,7 +645,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             return False
         plan, entries, direct = found
         self._check_call()
-        if not (self._issue_ce_plan(plan, seq, args) if type(plan) is CePlan
+        if not (self.engines.ce.issue_plan(plan, seq, args) if type(plan) is CePlan
                 else self._issue_plan(plan, args)):
             return False
         self.plans.stats["hits"] += 1
@@ -931,46 +654,16 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._count(op, seq, S, entries)
         return True
 
-    def _make_plan(self, rec: Recording):
-        """The native launch plan of a recording (the CPU emulation keeps the recording)."""
-        with torch.cuda.device(self.device):
-            rows = [(self._function(name), grid, block, list(params))
-                    for name, grid, block, params in rec.rows]
-        return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
-                                   list(rec.patches))
-
-    def _issue_plan(self, plan, args: tuple) -> bool:
-        h = torch._C._cuda_getCurrentRawStream(self._device_index)
-        if not plan.issue(h, *args):
-            return False
-        self._last_event, self._last_ts = self._done_event, self._torch_stream(h)
-        return True
-
-    def _torch_stream(self, h: int):
-        """The torch stream of raw handle ``h``, the caller's current one (kept for the next
-        call: asking torch for it costs microseconds)."""
-        if self._fast_stream[0] != h:
-            self._fast_stream = (h, torch.cuda.current_stream(self.device))
-        return self._fast_stream[1]
-
-    def _caller_stream(self):
-        """(stream term, torch stream) of the caller's current stream for a planned mode
-        "ce" call, or None while it is being captured (the planning path handles that)."""
-        h = torch._C._cuda_getCurrentRawStream(self._device_index)
-        if self.nat.cuda_stream_capturing(self._context, h):
-            return None
-        return h, self._torch_stream(h)
-
-    def _finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
+    def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
                 advanced: bool = False) -> None:
         """After the collective's last kernel: unless it advanced the device state itself
         (``advanced``), sccl_advance moves it on to the next collective (seq + 1, ring +
         entries, the finalize gate + gate_add)."""
         if not advanced:
-            self._launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
+            self.launch(stream, "sccl_advance", 1, 32, self.state.data_ptr(), _n(entries),
                          _n(gate_add))
         if not self._in_capture:  # (an event of a capture cannot be waited for)
-            self._end(ts)
+            self.end(ts)
 
     def check_sizes(self) -> None:
         """Every rank must pass the same sizes: compare the sizes of recent collectives with
@@ -1037,6 +730,8 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
+    zero_copy_results = True  # all_gather(..., dst=None): the result stays in the pinned slot
+    maps_peers = True  # GPU-direct: map_peers / map_peers_rs
 
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                    dst_stride: int) -> None:
@@ -1053,15 +748,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._all_gather(seq, src, dst, dst_off, dst_stride, L)
 
     def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                     dst_stride: int, L: int) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
-        ts, stream = self._stream()
-        slot0, code = self.ag_dev, self._ag_code
+        ts, stream = self.gpu.current_stream()
+        slot0, code = self.ag_dev, self.ag_code
         slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
         me = self.rank
         src_p = CallPtr(src.data_ptr(), 0)
@@ -1069,47 +764,26 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         res_me = 0 if dst is None else dst_ptr + me * dst_stride
         out = (slot, S, self.world, L) if dst is None else (dst_ptr, dst_stride, self.world, L)
         piece = piece_bounds(S, 0)[1]
-        dtab = self._direct(Op.AG, S)
-        if dtab is not None:  # GPU-direct: this rank's publish streams run on the GPU
-            nb = 1 if dst is None else min(self._slice_wait_blocks(S),
-                                           self.max_direct_wait_blocks)
-            # The own block of the slot is only written when the result stays there
-            # (zero-copy): relays forward other origins' blocks, and no proxy reads it.
-            own_dst = slot + me * S if dst is None else 0
-            self._run_direct(DirectCall(
-                Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-                publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                         slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                         res_me),
-                consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-                wait_kernel="sccl_ag_wait", nb=nb, npub=self._direct_blocks(piece * (self.world - 1)),
-                ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
-                ce_consume=(slot, dst_ptr, dst_stride), output=out))
+        dtab = self.direct_table(Op.AG, S)
+        engine = self.engines.choose(Op.AG, S, dtab)
+        if not engine.direct:
+            self.engines.proxy.all_gather(ts, stream, S, L, src_p, dst_ptr, dst_stride, res_me, out,
+                                          zero_copy=dst is None)
             return
-        if dst is not None:
-            self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
-        bpp = self._publish_blocks(piece)
-        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
-        publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
-        nb = 1 if dst is None else self._slice_wait_blocks(S)
-        waited = "wait" in self.phases
-        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self._launch(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                         *publish, ring, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp),
-                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self._wait_args(Op.AG, (PIECES, 0)))
-            self._poison_if_failed(stream, *out)
-            self._finish(ts, stream, advanced=True)
-            return
-        if "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, *publish, _n(L),
-                         _n(S), ring, state, _n(int(Op.AG)), self.counters.data_ptr(), _n(bpp))
-        if waited:
-            self._launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                         slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S),
-                         *self._wait_args(Op.AG, (PIECES, 0)))
-        self._poison_if_failed(stream, *out)
-        self._finish(ts, stream, advanced=waited)
+        # GPU-direct: this rank's publish streams run on the GPU
+        nb = 1 if dst is None else min(self.slice_wait_blocks(S), self.max_direct_wait_blocks)
+        # The own block of the slot is only written when the result stays there (zero-copy):
+        # relays forward other origins' blocks, and no proxy reads it.
+        own_dst = slot + me * S if dst is None else 0
+        engine.run(DirectCall(
+            Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
+            publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                     slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
+                     res_me),
+            consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
+            wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
+            ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
+            ce_consume=(slot, dst_ptr, dst_stride), output=out))
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -1132,7 +806,7 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         dst_p = dst.data_ptr() + dst_off
         if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p):
             return  # (a key with a plan passed the checks below when it was planned)
-        if dtype not in _RS_KERNELS:
+        if dtype not in RS_WAIT:
             raise TypeError(f"reduce_scatter: dtype {dtype} is not supported")
         if self.rs_send is None:
             raise RuntimeError("reduce_scatter: attach_rs() was not called")
@@ -1140,69 +814,48 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         if src is None and S != L:
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
 
     def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
                         dtype: torch.dtype) -> None:
         S = round_up(L, ALIGN)
         first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
-        ts, stream = self._stream()
+        ts, stream = self.gpu.current_stream()
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
-        scode, rcode = self._send_code, self._recv_code
+        scode, rcode = self.send_code, self.recv_code
         send = Slotted(send0, 2, self.rs_send_stride, seq)  # (the host's view: mode ce)
         recv = Slotted(recv0, 2, self.rs_recv_stride, seq)
         dst_ptr = CallPtr(dst_p, 1)
         piece = piece_bounds(S, 0)[1]
         if src is not None:
             base = CallPtr(src_p, 0)
-            bpp = self._publish_blocks(W * piece)
             own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
         else:
-            bpp = 1
+            base = None
             own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-        dtab = self._direct(Op.RS, S)
-        if dtab is not None:  # GPU-direct: chunks straight to the peers
-            sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
-                                             else (send0, scode, S, 1))
-            self._run_direct(DirectCall(
-                Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
-                publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                         0, _n(0), 0),
-                consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-                wait_kernel=_RS_KERNELS[dtype], nb=min(self._slice_wait_blocks(S),
-                                                      self.max_direct_wait_blocks),
-                npub=self._direct_blocks(piece * (W - 1)),
-                # A zero-copy input already lies in pinned memory: no copy engine for it.
-                ce_src=(base, src_stride) if src is not None else None, own=[],
-                sum_kernel=_RS_SUM_UNIT[dtype],
-                ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+        dtab = self.direct_table(Op.RS, S)
+        engine = self.engines.choose(Op.RS, S, dtab)
+        if not engine.direct:
+            self.engines.proxy.reduce_scatter(ts, stream, S, L, base, src_stride, own, own_code,
+                                              own_sys, dst_ptr, dtype)
             return
-        self.plans.plannable()  # (the proxy path: kernels of constants and call pointers)
-        ring, state = self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr()
-        # (a zero-copy input: the chunks are in the send slot already, only the ring entries)
-        publish = ((base, _n(src_stride), send0, _n(scode), _n(S), 0, _n(W)) if src is not None
-                   else (0, _n(0), send0, _n(scode), _n(S), 0, _n(0)))
-        nb = self._slice_wait_blocks(S)
-        waited = "wait" in self.phases
-        consume = (recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr, _n(L), _n(S))
-        if waited and "publish" in self.phases:  # both roles, one launch (proxy_path.cu)
-            self._launch(stream, _RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                         *publish, ring, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp),
-                         *consume, *self._wait_args(Op.RS, (PIECES, 0)))
-            self._poison_if_failed(stream, dst_ptr, 0, 1, L)
-            self._finish(ts, stream, advanced=True)
-            return
-        if "publish" in self.phases:
-            self._launch(stream, "sccl_publish", PIECES * bpp,
-                         PUBLISH_THREADS if src is not None else 32, *publish, _n(L), _n(S),
-                         ring, state, _n(int(Op.RS)), self.counters.data_ptr(), _n(bpp))
-        if waited:
-            self._launch(stream, _RS_KERNELS[dtype], 1 + nb, WAIT_THREADS, *consume,
-                         *self._wait_args(Op.RS, (PIECES, 0)))
-        self._poison_if_failed(stream, dst_ptr, 0, 1, L)
-        self._finish(ts, stream, advanced=waited)
+        # GPU-direct: chunks straight to the peers
+        sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
+                                         else (send0, scode, S, 1))
+        engine.run(DirectCall(
+            Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
+            publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
+                     0, _n(0), 0),
+            consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
+            wait_kernel=RS_WAIT[dtype], nb=min(self.slice_wait_blocks(S),
+                                               self.max_direct_wait_blocks),
+            npub=self.direct_blocks(piece * (W - 1)),
+            # A zero-copy input already lies in pinned memory: no copy engine for it.
+            ce_src=(base, src_stride) if src is not None else None, own=[],
+            sum_kernel=_RS_SUM_UNIT[dtype],
+            ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -1223,73 +876,24 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         self._fin_used = True
         if self._planned(key, Op.RS, seq, S, *args):
             return
-        with self.plans.planning(key, self._make_plan):
+        with self.plans.planning(key, self.gpu.make_plan):
             self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
                                                        for i, a in enumerate(args)))
 
     def _finalize(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
         """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
-        W, me = self.world, self.rank
-        RB = 2 * f.H
-        S, L = fin_slice(rows, RB)
-        y, scales, pos, weights, shared, dst = ptrs
-        if all(p in self.phases for p in ("publish", "wait")):
-            dtab = self._direct(Op.RS, S)
-            if dtab is not None:
-                self._finalize_direct(seq, f, row_lo, rows, ptrs, dtab)
-                return
-        entries = PIECES * (W - 1)
+        S, L = fin_slice(rows, 2 * f.H)
+        dtab = self.direct_table(Op.RS, S)
+        engine = self.engines.choose(Op.RS, S, dtab, finalize=True)
+        # The proxy path publishes per (row piece, destination); GPU-direct per piece.
+        entries = PIECES if engine.direct else PIECES * (self.world - 1)
         self._begin(Op.RS, seq, S, entries=entries)
-        ts, stream = self._stream()
-        own = self._scratch("finalize own", L).data_ptr()
-        self.plans.plannable(entries)
-        if "publish" in self.phases:
-            units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
-            nb = max(1, min(self.sms, self.max_publish_blocks, -(-units // FIN_THREADS)))
-            self._launch(stream, "sccl_finalize", nb, FIN_THREADS,
-                         y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
-                         _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
-                         _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
-                         self.rs_send_dev, _n(self._send_code), own,
-                         self.ctl_dev + layout.RING_OFFSET, self.state.data_ptr(), _n(int(Op.RS)),
-                         self.fin_counters.data_ptr())
-        waited = "wait" in self.phases
-        if waited:
-            nb = self._wait_blocks(piece_bounds(S, 0, RB)[1])
-            self._launch(stream, _RS_KERNELS[torch.bfloat16], 1 + nb, WAIT_THREADS,
-                         self.rs_recv_dev, _n(self._recv_code), own, _n(0), _n(0),
-                         dst, _n(L), _n(S), *self._wait_args(Op.RS, (entries, 0)))
-        self._poison_if_failed(stream, dst, 0, 1, L)
-        self._finish(ts, stream, entries, advanced=waited)
-
-    def _finalize_direct(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple, dtab) -> None:
-        """GPU-direct (this rank's reduce-scatter streams run on the GPU): one launch of
-        ``sccl_finalize_direct`` computes the rows straight into the peers' mapped receive
-        regions, writes the streams' flags and one ring entry per piece (chunk -2), and its
-        other blocks sum this rank's rows over ranks as they arrive. Every collective of
-        the op then has the same writer (the GPU) for each flag word."""
-        RB = 2 * f.H
-        S, L = fin_slice(rows, RB)
-        self._begin(Op.RS, seq, S)
-        ts, stream = self._stream()
-        own = self._scratch("finalize own", L).data_ptr()
-        self.plans.plannable(direct=True)
-        y, scales, pos, weights, shared, dst = ptrs
-        piece = piece_bounds(S, 0)[1]
-        units = -(-piece * self.world // 16)  # 16-byte row units of one piece, every destination
-        npub = max(1, min(self.max_direct_blocks, -(-units // DIRECT_THREADS)))
-        nb = min(self._wait_blocks(piece), max(1, 2 * self.sms - 1 - npub))
-        self._launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
-                     y, scales, pos, weights, shared, self.fin_bad.data_ptr(), _n(f.num_tokens),
-                     _n(f.topk),
-                     _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank), _n(row_lo),
-                     _n(rows), _n(S // RB), dtab.data_ptr(), self.ctl_dev + layout.RING_OFFSET,
-                     _n(int(Op.RS)), self.dcounters.data_ptr(), _n(npub),
-                     self.fin_gate.data_ptr(), self.rs_recv_dev, _n(self._recv_code), own,
-                     dst, *self._wait_args(Op.RS, (PIECES, npub)))
-        self.direct_launches += 1
-        self._poison_if_failed(stream, dst, 0, 1, L)
-        self._finish(ts, stream, advanced=True)
+        ts, stream = self.gpu.current_stream()
+        own = self.scratch("finalize own", L).data_ptr()
+        if engine.direct:
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, dtab)
+        else:
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, entries)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
@@ -1312,14 +916,14 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
         ``pos`` value. After a fail-stop (a device trap: the CUDA context is lost) the CUDA
         error is raised as the :class:`CollectiveError` that caused it."""
         try:
-            self._wait_last()
+            self.monitor.wait_last()
         except CollectiveError:
-            raise  # the GPU did not stop after the failure (_wait_last)
+            raise  # the GPU did not stop after the failure (monitor.wait_last)
         except RuntimeError as cuda_error:
             # A lost context after a known failure: this rank's trap, or under MPS another
             # process's, which ends every client's context (then the abort word may be all
             # the host knows). Without a known failure the CUDA error is all there is.
-            if not self._failure_known():
+            if not self.monitor.failure_known():
                 raise
             try:
                 self.check_status()
@@ -1384,202 +988,15 @@ class CudaDataPlane(DirectEngines, DataPlaneBase):
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
     def poison_call(self, out: torch.Tensor) -> None:
         if self.on_failure == "poison" and out.numel():
-            self._poison_if_failed(self._stream()[1], out.data_ptr(), 0, 1,
+            self.poison_if_failed(self.gpu.current_stream()[1], out.data_ptr(), 0, 1,
                                    out.numel() * out.element_size())
 
-    def _poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
+    def poison_if_failed(self, stream, dst: int, stride: int, count: int, nbytes: int) -> None:
         """Mode "poison": queue ``sccl_poison`` after the collective, which overwrites its
         output with 0xFF bytes (NaN in every floating type) if any wait of this data plane
         failed. Mode "stop" needs nothing: a failed wait traps, and the context is lost."""
         if self.on_failure != "poison" or not nbytes:
             return
         grid = max(1, min(self.sms, -(-count * nbytes // (POISON_THREADS * 64))))
-        self._launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
+        self.launch(stream, "sccl_poison", grid, POISON_THREADS, self.state.data_ptr(), dst,
                      _n(stride), _n(count), _n(nbytes))
-
-    def _watchdog(self) -> None:
-        """A daemon thread per data plane: polls the GPU failure record; once a kernel wrote
-        one, builds the :class:`CollectiveError` (which also sets the abort word, so the
-        proxy tells the peers at once), prints it on stderr in mode "stop" (the kernel is
-        about to trap, and the caller will only see a generic CUDA error), then answers the
-        kernel: ACK_GO in mode "poison"; in mode "stop" ACK_HOLD, then ACK_GO once this
-        process holds the GPU's trap lock (:meth:`_trap_turn`). Once the communicator
-        failed, it also releases the GPU's waits if the GPU work has not ended STOP_GRACE_S
-        later (from the GO, if the kernel was held); if the context is lost before anything
-        was reported, it says so with the cause the host knows (:meth:`_say_context_lost`).
-        It ends when the failure was reported, the trap's turn is over and nothing of this
-        data plane runs any more."""
-        words = self._ctl_words
-        reported, failed_at = False, None
-        try:
-            while not self._watch_stop.wait(WATCHDOG_POLL_S):
-                if not reported and words[_GPU_STATUS_WORD]:
-                    self._report_gpu_failure()
-                    reported = True
-                now = time.monotonic()
-                if self.trap_held_at is not None and self.trap_go_at is None:
-                    self._trap_turn(now)
-                # Then the host's bound (see _wait_last), from here too: the caller may be
-                # blocked in a synchronization of its own (.cpu(), a stream or event wait),
-                # which only ends when the GPU work does.
-                if failed_at is None:
-                    if self._failure_known():
-                        failed_at = now
-                    continue
-                lost = False
-                try:
-                    busy = self._busy()
-                except RuntimeError:
-                    busy, lost = False, True  # the context is lost: nothing of it runs any more
-                if lost and not reported:
-                    self._say_context_lost()
-                    reported = True
-                if not busy:
-                    if self._trap_lock is not None and self._trap_lock.held:
-                        self._watch_stop.wait(TRAP_SETTLE_S)  # the driver done with the trap
-                        self._trap_lock.release()
-                    if reported and (self.trap_held_at is None or self.trap_go_at is not None
-                                     or lost):
-                        return
-                    continue
-                if self._trap_held(now):
-                    failed_at = now  # (STOP_GRACE_S from the GO)
-                elif not self._released and now > failed_at + STOP_GRACE_S:
-                    self._release_waits_once()
-                if (self.on_failure == "stop" and self.trap_go_at is not None
-                        and not self.trap_wedged and now > self.trap_go_at + self.trap_grace_s):
-                    self._say_trap_wedged()
-                    if self._trap_lock is not None:
-                        self._trap_lock.release()  # holding it helps no other process now
-            # Stopped (close()): no kernel is left held for a turn that will not come, and a
-            # lost context is still explained.
-            if self.trap_held_at is not None and self.trap_go_at is None:
-                self._give_go()
-            if not reported:
-                try:
-                    self._busy()
-                except RuntimeError:
-                    self._say_context_lost()
-        finally:
-            if self._trap_lock is not None:
-                self._trap_lock.release()
-
-    def _trap_turn(self, now: float) -> None:
-        """Mode "stop", the kernel held (ACK_HOLD): ACK_GO once this process holds the GPU's
-        trap lock (processes sharing the GPU trap one at a time), or, said on stderr, once
-        trap_lock_wait_s passed or the lock cannot be used (a hang then is still not
-        silent: _say_trap_wedged)."""
-        if self._trap_lock is None:
-            if self.trap_lock_path is None:  # no GPU to share (a backend without one)
-                self._give_go()
-                return
-            self._trap_lock = TrapLock(self.trap_lock_path)
-        lock = self._trap_lock
-        if lock.try_acquire():
-            waited = now - self.trap_held_at
-            if waited >= TRAP_WAIT_SAID_S:  # (the serialization shows in the ranks' stderr)
-                _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping after "
-                              f"{waited:.2f} s waiting for the GPU's trap lock (another "
-                              "process of this GPU trapped first)\n")
-            self._give_go()
-            return
-        if lock.error is None and now < self.trap_held_at + self.trap_lock_wait_s:
-            return
-        why = (f"it cannot be used ({lock.error})" if lock.error is not None else
-               f"another process of this GPU held it for {self.trap_lock_wait_s:g} s")
-        _write_stderr(f"sparkccl: rank {self.rank}: fail-stop: trapping without the GPU's trap "
-                      f"lock {lock.path}: {why}\n")
-        self._give_go()
-
-    def _give_go(self) -> None:
-        self.trap_go_at = time.monotonic()
-        _u64(self.ctl + CTL_GPU_ACK).value = ACK_GO
-
-    def _say_context_lost(self) -> None:
-        """The CUDA context is lost and this data plane reported nothing: under MPS (one
-        context server for every process of the GPU) another process's fail-stop trap ends
-        every client's context, often before this rank's own wait failed. The caller only
-        sees a generic CUDA error; say on stderr what the host knows: the communicator's
-        failure (abort word, error text; waited for CAUSE_WAIT_S, as the proxy may be
-        telling it right now) as a CollectiveError, or that none is known."""
-        deadline = time.monotonic() + CAUSE_WAIT_S
-        while not self._failure_known() and time.monotonic() < deadline:
-            time.sleep(WATCHDOG_POLL_S)
-        lost = ("the CUDA context of this process was lost before this rank's GPU wait "
-                "reported anything (under MPS another process's fail-stop trap on the same GPU "
-                "ends every process's context)")
-        cause = None
-        if self._failure_known():
-            try:
-                self.check_status()
-                self.check_abort()
-            except CollectiveError as e:
-                cause = str(e)
-            except Exception as e:  # the note must not die: say what failed
-                cause = f"rank {self.rank}: the communicator failed ({e!r})"
-        if cause is not None:
-            text = f"{cause}; {lost}"
-            line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: every CUDA "
-                    "synchronization in this process raises a CUDA error; restart the process\n")
-        else:
-            text = (f"rank {self.rank}: {lost}, and no failure of this communicator is known to "
-                    "the host (no abort, no GPU failure record): the cause is outside its "
-                    "collectives")
-            line = f"sparkccl: {text}\n"
-        self.failure_report = text
-        _write_stderr(line)
-
-    def _say_trap_wedged(self) -> None:
-        """Mode "stop": the GPU is still busy trap_grace_s after the GO, so the trap was
-        not acted on -- seen on one GPU time-sliced by several processes without MPS, when
-        ranks of two processes trapped at about the same time (what the trap lock is for:
-        _trap_turn): each warp sat halted just past its trap and the caller's next
-        synchronization waited forever inside the CUDA driver. Nothing in this process can
-        end that wait (library code never kills the process), so say so on stderr, next to
-        the CollectiveError already printed."""
-        line = (f"sparkccl: rank {self.rank}: the GPU did not stop within "
-                f"{self.trap_grace_s:g} s of the fail-stop trap: this process's CUDA "
-                "work is wedged and every synchronization will wait forever; kill the "
-                "process. (Seen when several processes time-slice one GPU without MPS "
-                "and two of them trap at once; run one rank per GPU, use MPS, or "
-                "SPARKCCL_ON_FAILURE=poison; docs/CONTRACT.md \"Failure behaviour\".)\n")
-        _write_stderr(line)
-        self.trap_wedged = True
-
-    def _report_gpu_failure(self) -> None:
-        # The kernel spins for the ack (at most ACK_WAIT_NS) before it traps: nothing here
-        # may wait on the main thread. So no Python io object (sys.stderr's buffer lock may
-        # be held by a thread that is itself waiting), and the ack in `finally`, whatever
-        # the report did: HOLD in mode stop (the trap waits for this process's turn of the
-        # GPU, _trap_turn), GO otherwise.
-        try:
-            try:
-                self.check_status()
-                text = f"rank {self.rank}: a GPU wait failed"
-            except CollectiveError as e:
-                text = str(e)
-            except Exception as e:  # the report must not die before the ack
-                text = f"rank {self.rank}: a GPU wait failed ({e!r})"
-            self.failure_report = text
-            if self.on_failure == "stop":
-                line = (f"sparkccl: CollectiveError: {text}\nsparkccl: rank {self.rank}: stopping "
-                        "the GPU (device trap, SPARKCCL_ON_FAILURE=stop): the next CUDA "
-                        "synchronization in this process raises a CUDA error; restart the "
-                        "process\n")
-                _write_stderr(line)
-        finally:
-            if self.on_failure == "stop":
-                self.trap_held_at = time.monotonic()
-                _u64(self.ctl + CTL_GPU_ACK).value = ACK_HOLD
-            else:
-                self._give_go()
-
-    def _stop_watchdog(self) -> None:
-        """Before the control segment may be unmapped: the thread reads it."""
-        stop = getattr(self, "_watch_stop", None)
-        if stop is not None:
-            stop.set()
-        t = getattr(self, "_watchdog_thread", None)
-        if t is not None and t is not threading.current_thread():
-            # Bounded: at interpreter shutdown a daemon thread may never run again.
-            t.join(timeout=1.0)

@@ -11,7 +11,7 @@ completion event), with no Python planning.
 
 What may be recorded is decided by the planning code: only kernel launches whose parameters
 are constants or call pointers (the "fused" GPU-direct engine, the proxy path's kernel and
-the finalize's). Mode "ce" keeps its own kind of plan: its program (cuda_engines.CeProgram),
+the finalize's). Mode "ce" keeps its own kind of plan: its program (ce_engine.CeProgram),
 whose values are constants, call pointers and terms of seq (:class:`Slotted` marks an
 address in slot ``seq % n``), stored here by ``plannable(plan=...)`` and issued with the
 call's seq, ring index, stream and pointers. Mode "split"'s stream joins and zero-copy
@@ -56,7 +56,7 @@ class Slotted(int):
     """A host-side address in slot ``seq % mod`` of a region of ``mod`` slots ``stride``
     bytes apart: ``base + (seq % mod) * stride``, plus what is added to it later (``add``,
     kept as with CallPtr), so that a mode "ce" program takes it as a term of seq
-    (cuda_engines._sym) instead of one call's value."""
+    (ce_engine._sym) instead of one call's value."""
 
     def __new__(cls, base: int, mod: int, stride: int, seq: int, add: int = 0):
         p = super().__new__(cls, base + (seq % mod) * stride + add)

@@ -89,7 +89,7 @@ def _decide(group, op, input, output) -> _GroupState | None:
         return None
     d = routing.should_route(op, tuple(input.shape), input.dtype, 0, group.world_size,
                              st.settings, capturing=routing.stream_capturing(),
-                             rs_ready=st.comm._rs_ready)
+                             rs_ready=st.comm.rs_ready)
     if d.route and not _fits(op, input, output, group.world_size):
         d = routing.Decision(False, "output shape")
     st.counts[(op, d.reason)] += 1

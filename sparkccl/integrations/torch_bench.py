@@ -11,13 +11,13 @@ def torch_api_rank(rank, world, store, topology, transport, device, sizes, iters
 
     import torch.distributed as dist
 
-    from .. import bench
+    from ..bench_timing import buffers, setup_device, time_calls, timer
     from .torch_backend import Options
 
     # torch 2.13 renames these; the old names keep working on older torch too.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    dev = bench._setup_device(device, rank)
-    sync = bench._timer(dev)
+    dev = setup_device(device, rank)
+    sync = timer(dev)
     dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
                             pg_options=Options(topology=topology, transport=transport,
                                                slot_bytes=max(sizes), min_bytes=0))
@@ -25,11 +25,11 @@ def torch_api_rank(rank, world, store, topology, transport, device, sizes, iters
     rows = []
     try:
         for size in sizes:
-            x_ag, out, x_rs, out_rs = bench._buffers(size, world, dev)
+            x_ag, out, x_rs, out_rs = buffers(size, world, dev)
             rows.append((size, {
-                "ag": bench._time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
+                "ag": time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
                                         dist.barrier, sync),
-                "rs": bench._time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
+                "rs": time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
                                         dist.barrier, sync)}))
         declined = dict(pg.declined)
     finally:
@@ -39,7 +39,7 @@ def torch_api_rank(rank, world, store, topology, transport, device, sizes, iters
 
 def print_overhead(direct: list, via_torch: list, sizes: list[int]) -> None:
     """The table: the slowest rank's time per call, direct API vs torch.distributed."""
-    from ..bench import _slowest
+    from ..bench_timing import slowest
 
     declined = [v["declined"] for v in via_torch if v["declined"]]
     print("\nsparkccl through torch.distributed (backend \"sparkccl\") vs the direct API"
@@ -48,5 +48,5 @@ def print_overhead(direct: list, via_torch: list, sizes: list[int]) -> None:
         print(f"\n{title}")
         print(f"{'size':>12} {'direct(us)':>11} {'torch(us)':>11} {'overhead':>9}")
         for i, size in enumerate(sizes):
-            d, t = _slowest(direct, i, key), _slowest(via_torch, i, key)
+            d, t = slowest(direct, i, key), slowest(via_torch, i, key)
             print(f"{size:>12} {d * 1e6:>11.1f} {t * 1e6:>11.1f} {(t / d - 1) * 100:>8.1f}%")

@@ -99,7 +99,7 @@ def _make_class():
                 return False
             d = routing.should_route(op, tuple(shape), dtype, dim, self.world_size,
                                      self.route_settings, capturing=routing.stream_capturing(),
-                                     sizes=sizes, rs_ready=self.sparkccl._rs_ready)
+                                     sizes=sizes, rs_ready=self.sparkccl.rs_ready)
             self.route_counts[(op, d.reason)] += 1
             return d.route
 

@@ -553,3 +553,9 @@ class VerbsTransport(Transport):
         if self.link is not None:  # QPs and MRs, after the proxy stopped
             self.link.close()
             self.link = None
+
+    def lanes(self) -> dict:
+        return dict(self.link.lanes) if self.link is not None else {}
+
+    def describe(self) -> list[str]:
+        return self.link.describe() if self.link is not None else []

@@ -43,7 +43,7 @@ __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64
   st_release_sys(entry_tag(ring, index), index + 1);
 }
 
-// Clock calibration (CudaDataPlane._calibrate_clock): round k waits for the host's go[k],
+// Clock calibration (sparkccl/dataplane/clock.py calibrate): round k waits for the host's go[k],
 // then writes %globaltimer to stamp[k]; the host's clock when it wrote go[k] and when it saw
 // the stamp bracket it. Gives up after timeout_ns (the host then sets every go word).
 extern "C" __global__ void sccl_clock_probe(const u64* go, u64* stamp, u64 rounds,

@@ -1,0 +1,264 @@
+"""The CUDA data plane's engines: how one collective is launched once the plane
+(:class:`~.cuda.CudaDataPlane`) has checked it, counted it and worked out its pointers.
+
+* :class:`ProxyPathEngine`: the proxy sends (no peer mapped here, or GPU-direct off): one
+  kernel per collective with publish blocks and wait blocks (``kernels/proxy_path.cu``);
+* :class:`FusedEngine`: GPU-direct, one kernel whose publish role writes straight into the
+  peers' mapped regions while its wait role consumes theirs;
+* :class:`SplitEngine`: GPU-direct, the two roles on two streams;
+* :class:`~.ce_engine.CeEngine`: GPU-direct with the copy engines moving the bytes.
+
+The GPU-direct engines' names (``SPARKCCL_DIRECT_MODE``) are declared once, in
+:data:`sparkccl.config.DIRECT_ENGINES`; :class:`~.engine_choice.Engines` builds one object
+of each per data plane and is the one place that maps (collective, size, settings, capture
+state) to an engine.
+
+The contract with the plane: an engine reads the plane's public state (device pointers of
+the regions and tables, the settings, ``phases``) and calls its public operations
+(``launch``, ``wait_args``, ``poison_if_failed``, ``finish``, ``fork`` / ``join``,
+``scratch``, the block counts, ``issued``; for mode "ce"'s stream programs the device seam
+``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode "ce": its programs,
+streams and events). ``phases`` is a benchmark option of the plane (benchmarks/kernel_roofline.py
+times the publish and the wait roles one at a time); the proxy path reads it in one place
+(:meth:`ProxyPathEngine.issue`), the choice of engine in another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import layout
+from ..plan.geometry import PIECES, piece_bounds
+from ..plan.model import Op
+from .cuda_runtime import kernel_u64 as _n
+
+WAIT_THREADS = 256
+DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
+PUBLISH_THREADS = 512
+FIN_THREADS = 512
+
+RS_WAIT = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
+           torch.float32: "sccl_rs_wait_f32"}
+RS_PROXY = {torch.bfloat16: "sccl_rs_proxy_bf16", torch.float16: "sccl_rs_proxy_f16",
+            torch.float32: "sccl_rs_proxy_f32"}
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """One GPU-direct collective, as its engine needs it.
+
+    publish: the direct kernel's publish arguments up to ``own_dst, dst2``; consume: the wait
+    role's arguments before ``L, S`` (sccl_*_wait) or the wait parameters (direct kernel).
+    ce_src: (input pointer, chunk stride) for the copy engines, or None (a zero-copy input,
+    already pinned: the publish kernel sends it); own: (dst, src, bytes) copies of the own
+    slice; sum_kernel: the reduce-scatter's sum per unit (piece, wait word) in mode "ce"
+    (sccl_rs_sum_unit_*). The kernels take slots as base + code (kernels/common.cuh
+    slot_at); mode "ce" issues host-computed values instead: ce_consume is consume with the
+    slots of the host's seq, (slot, dst, dst stride) or (recv, own, own_sys, dst); output:
+    (pointer, stride, count, bytes) of the result (sccl_poison)."""
+
+    op: Op
+    seq: int
+    ts: object      # the caller's torch stream
+    stream: object  # the same stream for cuda.core launches
+    S: int          # slice bytes (padded to 16)
+    L: int          # real bytes per rank
+    first: int      # first ring index reserved for the collective
+    kernel: str     # the direct kernel (fused / split publish role)
+    publish: tuple
+    consume: tuple
+    wait_kernel: str  # the wait kernel of modes split and ce's fallbacks
+    nb: int         # consumer blocks of the wait role
+    npub: int       # publish blocks
+    ce_src: tuple | None
+    own: list
+    sum_kernel: str | None = None
+    ce_consume: tuple = ()
+    output: tuple = ()
+
+
+class Engine:
+    """What every engine has: its plane, and nothing to release unless it says so."""
+
+    direct = False  # writes into the peers' mapped memory itself (GPU-direct)
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    def close(self) -> None:
+        """Release what the engine holds (the plane is closing)."""
+
+    def direct_ring(self, op: Op) -> tuple:
+        """The direct kernels' ring parameters: ring, op, the hand-offs' counters."""
+        p = self.plane
+        return p.ctl_dev + layout.RING_OFFSET, _n(int(op)), p.dcounters.data_ptr()
+
+
+class ProxyPathEngine(Engine):
+    """The proxy sends: the kernels publish each piece in the publish ring and wait for the
+    peers' flags (``kernels/publish.cu``, ``wait.cu``, ``proxy_path.cu``)."""
+
+    def issue(self, ts, stream, output: tuple, combined, publish, wait,
+              entries: int = PIECES) -> None:
+        """Launch a proxy-path collective: both roles in one kernel (``combined``), or, as a
+        benchmark asks through the plane's ``phases``, the publish and the wait kernels
+        alone. Each argument is a callable giving (name, grid, block, parameters), built
+        only when launched; ``combined`` may be None (the finalize has no combined kernel)."""
+        p = self.plane
+        phases = p.phases
+        pub, waited = "publish" in phases, "wait" in phases
+        if pub and waited and combined is not None:
+            name, grid, block, params = combined()
+            p.launch(stream, name, grid, block, *params)
+            p.poison_if_failed(stream, *output)
+            p.finish(ts, stream, advanced=True)
+            return
+        if pub:
+            name, grid, block, params = publish()
+            p.launch(stream, name, grid, block, *params)
+        if waited:
+            name, grid, block, params = wait()
+            p.launch(stream, name, grid, block, *params)
+        p.poison_if_failed(stream, *output)
+        p.finish(ts, stream, entries, advanced=waited)
+
+    def all_gather(self, ts, stream, S: int, L: int, src_p, dst_ptr, dst_stride: int, res_me,
+                   output: tuple, zero_copy: bool) -> None:
+        p = self.plane
+        if not zero_copy:
+            p.plans.plannable()  # (kernels of constants and call pointers)
+        slot0, code, me = p.ag_dev, p.ag_code, p.rank
+        bpp = p.publish_blocks(piece_bounds(S, 0)[1])
+        ring = p.ctl_dev + layout.RING_OFFSET
+        state, counters = p.state.data_ptr(), p.counters.data_ptr()
+        publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
+        nb = 1 if zero_copy else p.slice_wait_blocks(S)
+        consume = (slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S))
+        self.issue(
+            ts, stream, output,
+            lambda: ("sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+                     (*publish, ring, _n(int(Op.AG)), counters, _n(bpp), *consume,
+                      *p.wait_args(Op.AG, (PIECES, 0)))),
+            lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS,
+                     (*publish, _n(L), _n(S), ring, state, _n(int(Op.AG)), counters, _n(bpp))),
+            lambda: ("sccl_ag_wait", 1 + nb, WAIT_THREADS,
+                     (*consume, *p.wait_args(Op.AG, (PIECES, 0)))))
+
+    def reduce_scatter(self, ts, stream, S: int, L: int, base, src_stride: int, own,
+                       own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
+        """``base``: the input's chunk 0, or None for a zero-copy input (the chunks lie in
+        the send slot already: only the ring entries are written)."""
+        p = self.plane
+        p.plans.plannable()  # (kernels of constants and call pointers)
+        W = p.world
+        send0 = p.rs_send_dev
+        bpp = p.publish_blocks(W * piece_bounds(S, 0)[1]) if base is not None else 1
+        ring = p.ctl_dev + layout.RING_OFFSET
+        state, counters = p.state.data_ptr(), p.counters.data_ptr()
+        publish = ((base, _n(src_stride), send0, _n(p.send_code), _n(S), 0, _n(W))
+                   if base is not None else (0, _n(0), send0, _n(p.send_code), _n(S), 0, _n(0)))
+        nb = p.slice_wait_blocks(S)
+        consume = (p.rs_recv_dev, _n(p.recv_code), own, _n(own_code), _n(own_sys), dst_ptr,
+                   _n(L), _n(S))
+        self.issue(
+            ts, stream, (dst_ptr, 0, 1, L),
+            lambda: (RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+                     (*publish, ring, _n(int(Op.RS)), counters, _n(bpp), *consume,
+                      *p.wait_args(Op.RS, (PIECES, 0)))),
+            lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS if base is not None else 32,
+                     (*publish, _n(L), _n(S), ring, state, _n(int(Op.RS)), counters, _n(bpp))),
+            lambda: (RS_WAIT[dtype], 1 + nb, WAIT_THREADS,
+                     (*consume, *p.wait_args(Op.RS, (PIECES, 0)))))
+
+    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, ptrs: tuple,
+                 own: int, entries: int) -> None:
+        """``sccl_finalize`` computes the rows into the send slot and publishes each (row
+        piece, destination), in ``entries`` ring entries; the bf16 wait kernel sums."""
+        p = self.plane
+        W, me, RB = p.world, p.rank, 2 * f.H
+        y, scales, pos, weights, shared, dst = ptrs
+        p.plans.plannable(entries)
+
+        def publish():
+            units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
+            nb = max(1, min(p.sms, p.max_publish_blocks, -(-units // FIN_THREADS)))
+            return ("sccl_finalize", nb, FIN_THREADS,
+                    (y, scales, pos, weights, shared, p.fin_bad.data_ptr(), _n(f.num_tokens),
+                     _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
+                     _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
+                     p.rs_send_dev, _n(p.send_code), own, p.ctl_dev + layout.RING_OFFSET,
+                     p.state.data_ptr(), _n(int(Op.RS)), p.fin_counters.data_ptr()))
+
+        def wait():
+            nb = p.wait_blocks(piece_bounds(S, 0, RB)[1])
+            return (RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS,
+                    (p.rs_recv_dev, _n(p.recv_code), own, _n(0), _n(0), dst, _n(L), _n(S),
+                     *p.wait_args(Op.RS, (entries, 0))))
+
+        self.issue(ts, stream, (dst, 0, 1, L), None, publish, wait, entries)
+
+
+class FusedEngine(Engine):
+    """GPU-direct, one kernel per collective: publish blocks and wait blocks side by side.
+    It advances the device state itself."""
+
+    direct = True
+
+    def run(self, call: DirectCall) -> None:
+        p, op = self.plane, call.op
+        if not (op == Op.AG and call.consume[2] == 0):  # (not a zero-copy result)
+            p.plans.plannable(direct=True)  # one kernel of constants and call pointers
+        waited = "wait" in p.phases  # (a benchmark may time the publish role alone)
+        grid = call.npub + (1 + call.nb if waited else 0)
+        p.launch(call.stream, call.kernel, grid, DIRECT_THREADS, *call.publish,
+                 *self.direct_ring(op), _n(call.npub), *call.consume,
+                 *p.wait_args(op, (PIECES, 0)))
+        p.direct_launches += 1
+        p.poison_if_failed(call.stream, *call.output)
+        p.finish(call.ts, call.stream, advanced=True)
+
+    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, ptrs: tuple,
+                 own: int, dtab) -> None:
+        """One launch of ``sccl_finalize_direct`` computes the rows straight into the peers'
+        mapped receive regions, writes the streams' flags and one ring entry per piece
+        (chunk -2), and its other blocks sum this rank's rows over ranks as they arrive.
+        Every collective of the op then has the same writer (the GPU) for each flag word."""
+        p = self.plane
+        RB = 2 * f.H
+        p.plans.plannable(direct=True)
+        y, scales, pos, weights, shared, dst = ptrs
+        piece = piece_bounds(S, 0)[1]
+        units = -(-piece * p.world // 16)  # 16-byte row units of one piece, every destination
+        npub = max(1, min(p.max_direct_blocks, -(-units // DIRECT_THREADS)))
+        nb = min(p.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
+        p.launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
+                 y, scales, pos, weights, shared, p.fin_bad.data_ptr(), _n(f.num_tokens),
+                 _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank),
+                 _n(row_lo), _n(rows), _n(S // RB), dtab.data_ptr(), *self.direct_ring(Op.RS),
+                 _n(npub), p.fin_gate.data_ptr(), p.rs_recv_dev, _n(p.recv_code), own,
+                 dst, *p.wait_args(Op.RS, (PIECES, npub)))
+        p.direct_launches += 1
+        p.poison_if_failed(stream, dst, 0, 1, L)
+        p.finish(ts, stream, advanced=True)
+
+
+class SplitEngine(Engine):
+    """GPU-direct, the two roles on two streams: the publish side starts after everything
+    queued before on the caller's stream, and the caller's stream joins it at the end, so
+    collectives stay in order and every region is reused as with one launch."""
+
+    direct = True
+
+    def run(self, call: DirectCall) -> None:
+        p, op, stream = self.plane, call.op, call.stream
+        waits = p.wait_args(op)
+        side_ts, side = p.fork(call.ts)
+        p.launch(side, call.kernel, call.npub, DIRECT_THREADS, *call.publish,
+                 *self.direct_ring(op), _n(call.npub), *call.consume, *waits)
+        p.launch(stream, call.wait_kernel, 1 + call.nb, WAIT_THREADS, *call.consume,
+                 _n(call.L), _n(call.S), *waits)
+        p.join(call.ts, side_ts)
+        p.direct_launches += 1
+        p.poison_if_failed(stream, *call.output)
+        p.finish(call.ts, stream)
