@@ -26,6 +26,7 @@ from .errors import ConfigError
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_ALLREDUCE_ONESHOT_BYTES = 256 << 10  # why: docs/CONTRACT.md "All-reduce"
 DEFAULT_ROOTS = 2
 DEFAULT_SPIN_US = 200_000
 DEFAULT_NAP_US = 200
@@ -194,6 +195,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
        "1: create the reduce-scatter buffers at construction instead of on first use"),
+    _v("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", "bytes", DEFAULT_ALLREDUCE_ONESHOT_BYTES,
+       "communicator",
+       "all-reduce: the largest tensor (bytes per rank) summed in one shot (one all-gather, "
+       "then a local sum); larger ones run reduce-scatter + all-gather. Same bits either "
+       "way; every rank must agree", lo=0),
     _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
        "the proxy keeps spinning this long after its last work",
        default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
@@ -323,6 +329,7 @@ class Settings:
     worker_spin_us: int  # shm copy workers (SPARKCCL_SHM_WORKER_SPIN_US)
     gpu_direct: bool = True
     relay_lead: int = -1
+    allreduce_oneshot_bytes: int = DEFAULT_ALLREDUCE_ONESHOT_BYTES
 
 
 def check_seconds(value, arg: str) -> float:
@@ -379,7 +386,8 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     worker_spin_us=worker_spin if worker_spin is not None else
                     (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
-                    relay_lead=get("SPARKCCL_RELAY_LEAD", env))
+                    relay_lead=get("SPARKCCL_RELAY_LEAD", env),
+                    allreduce_oneshot_bytes=get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env))
 
 
 # ---- where each effective setting comes from (sparkccl doctor) ---------------------------
