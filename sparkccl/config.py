@@ -305,8 +305,13 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "replay sparkccl collectives; from the first capture on, eager reduce-scatters copy "
        "their input and mode ce runs as fused); 0: captured calls stay on the engine's NCCL"),
     _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
-       "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent "
-       "through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),
+       "smallest all-gather (gathered output) sent through sparkccl; smaller ones go to the "
+       "fallback group, exact either way. Reductions stay in sparkccl at every size unless "
+       "SPARKCCL_TORCH_INEXACT_SMALL=1 (docs/TORCH.md)", lo=0),
+    _v("SPARKCCL_TORCH_INEXACT_SMALL", "bool", False, "torch.distributed backend",
+       "1 (opt-in, inexact): all-reduces and reduce-scatters below SPARKCCL_TORCH_MIN_BYTES "
+       "go to the fallback group too (gloo / NCCL, whose sums are not in rank order); 0: "
+       "reductions are rank-order exact at every size"),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
     _v("SPARKCCL_EMUNIC_CONFIG", "str", None, "tests",
