@@ -54,6 +54,13 @@ def regime_for(comm, nbytes: int) -> str:
     return ONE_SHOT if nbytes <= limit else TWO_STEP
 
 
+def capturable(comm, nbytes: int) -> bool:
+    """Can an all-reduce of ``nbytes`` be captured in a CUDA graph now? One shot: always;
+    reduce-scatter + all-gather: once the reduce-scatter buffers exist (their setup cannot
+    be captured). The same answer on every rank that made the same calls before."""
+    return regime_for(comm, nbytes) == ONE_SHOT or comm._rs_ready
+
+
 def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
                regime: str | None = None) -> torch.Tensor:
     """:meth:`sparkccl.Communicator.all_reduce`; ``regime`` forces one (tests, benchmarks)."""

@@ -287,10 +287,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        lo=1e-3),
     _v("SPARKCCL_VLLM", "bool", False, "integrations",
        "1: the vllm.general_plugins entry point gives vLLM's tensor-parallel groups "
-       "sparkccl all-gather / reduce-scatter (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+       "sparkccl all-reduce / all-gather / reduce-scatter (docs/VLLM_SGLANG.md); 0: the plugin "
+       "does nothing"),
     _v("SPARKCCL_SGLANG", "bool", False, "integrations",
-       "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-gather / "
-       "reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+       "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-reduce / "
+       "all-gather / reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does "
+       "nothing"),
     _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
        "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
        "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),
@@ -304,6 +306,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "vLLM / SGLang: 1: calls under CUDA graph capture route like eager ones (the graphs then "
        "replay sparkccl collectives; from the first capture on, eager reduce-scatters copy "
        "their input and mode ce runs as fused); 0: captured calls stay on the engine's NCCL"),
+    _v("SPARKCCL_ENGINE_ALL_REDUCE", "bool", True, "integrations",
+       "vLLM / SGLang: 1: the tensor-parallel group's all-reduce (bf16 / fp16 / fp32) runs on "
+       "sparkccl at every size (captured calls as SPARKCCL_ENGINE_CAPTURED says); 0: it stays "
+       "on the engine's custom all-reduce / NCCL"),
     _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
        "smallest all-gather (gathered output) sent through sparkccl; smaller ones go to the "
        "fallback group, exact either way. Reductions stay in sparkccl at every size unless "
