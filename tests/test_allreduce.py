@@ -14,7 +14,7 @@ from sparkccl import allreduce as A
 from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_reduce_reference, bits, make_input
 
-from helpers import assert_no_problems, expect_errors
+from helpers import assert_no_problems, expect_errors, killed_peer_job
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 1 element; 2 bytes (one bf16); 0-dim; not a multiple of 16 bytes; odd 2-D; one that needs
@@ -175,6 +175,19 @@ def test_bad_input_refused_world_of_one_and_the_crossover_agreed():
     assert_no_problems(check(run_ranks(_bad_input_job, 2, timeout_s=120)), at_least=13)
 
 
+def test_a_killed_peer_fails_the_survivors_all_reduce():
+    """Rank 1 dies between all-reduces (two-step size: a reduce-scatter, then an
+    all-gather): each survivor's next all-reduce raises CollectiveError naming it, within
+    the bounded detection time, not the 60 s collective timeout."""
+    res = run_ranks(killed_peer_job, 3, args=("shm", 1 << 17, "all_reduce"), timeout_s=120)
+    assert res[1].killed, res[1]
+    for r in (0, 2):
+        assert res[r].ok, res[r].message
+        msg, dt = res[r].value
+        assert msg is not None and "peer 1" in msg, (r, msg)
+        assert dt < 20, (r, dt, msg)
+
+
 # ---- CUDA: capture and replay (several ranks sharing one GPU; the lead runs -m cuda) ----
 
 def _graph_job(rank, world, store, topology, replays):
@@ -184,10 +197,11 @@ def _graph_job(rank, world, store, topology, replays):
     import torch.distributed as dist
     torch.cuda.set_device(0)
     W = world
-    specs = [((4096,), torch.bfloat16, "sum", A.ONE_SHOT), ((4096,), torch.bfloat16, "sum", A.TWO_STEP),
-             ((3, 333), torch.float16, "avg", A.ONE_SHOT), ((3, 333), torch.float16, "avg", A.TWO_STEP),
-             ((1,), torch.float32, "avg", None), ((1 << 18,), torch.bfloat16, "sum", None),
-             ((1 << 17,), torch.float32, "avg", None)]
+    bf, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    specs = [((4096,), bf, "sum", A.ONE_SHOT), ((4096,), bf, "sum", A.TWO_STEP),
+             ((3, 333), fp16, "avg", A.ONE_SHOT), ((3, 333), fp16, "avg", A.TWO_STEP),
+             ((1,), fp32, "avg", None), ((1 << 18,), bf, "sum", None),
+             ((1 << 17,), fp32, "avg", None)]
     bad = []
     with sparkccl.Communicator(store=dist.PrefixStore("argraph", store), rank=rank,
                                world_size=W, topology=topology, device="cuda",

@@ -6,7 +6,7 @@
     dist.init_process_group("sparkccl")                  # or dist.new_group(backend="sparkccl")
     dist.all_gather_into_tensor(out, x)                  # -> sparkccl
     dist.reduce_scatter_tensor(out, y)                   # -> sparkccl (SUM, AVG)
-    dist.all_reduce(z)                                   # -> sparkccl (SUM, AVG; Communicator.all_reduce)
+    dist.all_reduce(z)                                   # -> sparkccl (SUM, AVG), any size
     dist.broadcast(z, 0)                                 # -> the fallback group (gloo / NCCL)
 
 The group is a Python ``ProcessGroup``: c10d uses it as it is, so it holds its own fallback
