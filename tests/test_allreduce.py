@@ -175,6 +175,7 @@ def test_bad_input_refused_world_of_one_and_the_crossover_agreed():
     assert_no_problems(check(run_ranks(_bad_input_job, 2, timeout_s=120)), at_least=13)
 
 
+@pytest.mark.slow
 def test_a_killed_peer_fails_the_survivors_all_reduce():
     """Rank 1 dies between all-reduces (two-step size: a reduce-scatter, then an
     all-gather): each survivor's next all-reduce raises CollectiveError naming it, within
