@@ -10,8 +10,12 @@ same bits, whichever of the two regimes below ran:
   (on a ring the all-gather relays), then each rank sums the W vectors locally in rank
   order. One collective on the wire; each rank receives (W-1) x n bytes.
 * **two step** (prefill, bandwidth-bound sizes): a reduce-scatter (each rank sums its
-  1/W chunk, through the zero-copy input buffer) then an all-gather of the reduced chunks.
-  Two collectives; each rank receives 2 (W-1)/W x n bytes.
+  1/W chunk, through the zero-copy input buffer) then an all-gather of the reduced chunks;
+  each rank receives 2 (W-1)/W x n bytes. Where the data plane implements it
+  (``fused_all_reduce``: the CPU twin), the two are one operation under one sequence
+  number: piece c of the rank's reduced chunk is published as all-gather piece c as soon
+  as it is summed (docs/PROTOCOL.md "All-reduce"), and AVG's inputs travel in their own
+  dtype (the plane divides its fp32 sum before rounding). Elsewhere two collectives.
 
 The crossover is ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES`` (the tensor's bytes, every rank's
 is the same), which every rank must agree on (checked at creation): the choice looks at
@@ -62,8 +66,10 @@ def capturable(comm, nbytes: int) -> bool:
 
 
 def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
-               regime: str | None = None) -> torch.Tensor:
-    """:meth:`sparkccl.Communicator.all_reduce`; ``regime`` forces one (tests, benchmarks)."""
+               regime: str | None = None, fused: bool | None = None) -> torch.Tensor:
+    """:meth:`sparkccl.Communicator.all_reduce`; ``regime`` forces one, ``fused=False`` the
+    two-step regime's two collectives where the plane has the fused operation (tests,
+    benchmarks)."""
     what = "all_reduce"
     comm._check_open(what)
     checks.tensor(x, comm.device, what)
@@ -86,7 +92,7 @@ def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None 
     if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
         _one_shot(comm, flat, avg, dst)
     else:
-        _two_step(comm, flat, avg, dst)
+        _two_step(comm, flat, avg, dst, comm._dp.fused_all_reduce if fused is None else fused)
     return out
 
 
@@ -96,7 +102,10 @@ def _one_shot(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
     rank_order_sum([gathered[r * n:(r + 1) * n] for r in range(W)], avg, dst)
 
 
-def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor, fused: bool) -> None:
+    if fused:
+        _fused(comm, flat, avg, dst)
+        return
     n, W = flat.numel(), comm.world_size
     # AVG divides the fp32 sum, not a sum already rounded to 16 bits: its reduce-scatter
     # runs in fp32 (the values convert exactly; the same fp32 additions in the same order).
@@ -114,6 +123,43 @@ def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
         comm.all_gather(chunk, out=dst)
     else:
         dst.copy_(comm.all_gather(chunk)[:n])
+
+
+def _fused(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+    """The two-step regime as the data plane's one operation per slot-sized piece of the
+    chunks (``DataPlaneBase.all_reduce``): the input padded with zeros to W chunks of a
+    multiple of 16 bytes, written straight into the reduce-scatter send slot when the chunk
+    fits one (zero-copy input, as ``_two_step``'s reduce_scatter_input)."""
+    n, W, dtype = flat.numel(), comm.world_size, flat.dtype
+    total = round_up(n, W * (ALIGN // dtype.itemsize))
+    chunk = total // W * dtype.itemsize  # bytes
+    res = dst if total == n else torch.empty(total, dtype=dtype)
+    with comm._lock:
+        comm._check_alive("all_reduce")
+        if not comm._rs_ready:
+            comm._check_setup_capturable("all_reduce")
+            comm._ensure_rs()
+        dp = comm._dp
+        if chunk <= comm.max_slice:
+            base = (comm.seq % _comm.RS_SLOTS) * comm.sizes.rs_send_stride
+            buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
+            buf[:n].copy_(flat)
+            buf[n:].zero_()  # its sums are computed and dropped
+            dp.all_reduce(comm._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg)
+        else:
+            src = flat
+            if total > n:
+                src = torch.zeros(total, dtype=dtype)
+                src[:n].copy_(flat)
+            for off in range(0, chunk, comm.max_slice):
+                L = min(comm.max_slice, chunk - off)
+                dp.all_reduce(comm._next_seq(), src, off, chunk, L, res, off, chunk, dtype, avg)
+        # The send slot was overwritten: a reduce_scatter_input() buffer handed out before
+        # is no longer the next reduce-scatter's (reduce_scatter refuses it).
+        comm._rs_count += 1
+        comm._handout = None
+    if res is not dst:
+        dst.copy_(res[:n])
 
 
 def rank_order_sum(parts: list, avg: bool, dst: torch.Tensor) -> None:
