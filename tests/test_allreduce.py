@@ -23,7 +23,7 @@ SHAPES = {"small": [(1,), (), (3, 5), (17,), (129, 7), (96,), (150, 1000)],
           "few": [(1,), (3, 5), (129, 7), (40_000,)]}
 
 
-def _check(comm, seed, shape, dtype, op, regime, mode="fresh"):
+def _check(comm, seed, shape, dtype, op, regime, mode="fresh", fused=None):
     W, r = comm.world_size, comm.rank
     xs = [make_input(seed, q, shape, dtype) for q in range(W)]
     x = xs[r].clone()
@@ -36,7 +36,7 @@ def _check(comm, seed, shape, dtype, op, regime, mode="fresh"):
         ok_out = y is out and bool((bits(x) == bits(xs[r])).all())  # x left alone
     else:
         y = comm.all_reduce(x, op) if regime is None else A.all_reduce(comm, x, op,
-                                                                       regime=regime)
+                                                                       regime=regime, fused=fused)
         ok_out = bool((bits(x) == bits(xs[r])).all())
     ok = (ok_out and tuple(y.shape) == tuple(shape) and y.dtype == dtype
           and bool((bits(y) == all_reduce_reference(xs, op)).all()))
@@ -62,6 +62,14 @@ def exact_checks(comm, profile, seed):
     bad.append(_check(comm, seed + 201, (64,), torch.bfloat16, "sum", A.TWO_STEP))
     comm.all_gather(torch.ones(5))
     bad.append(_check(comm, seed + 202, (64,), torch.bfloat16, "sum", A.ONE_SHOT))
+    # The CPU plane's two-step regime is one fused operation, one sequence number; the two
+    # collectives (what the CUDA plane runs) give the same bits.
+    seq0 = comm.seq
+    bad.append(_check(comm, seed + 203, (129, 7), torch.bfloat16, "avg", A.TWO_STEP))
+    if comm.seq != seq0 + 1:
+        bad.append(f"fused all-reduce took {comm.seq - seq0} sequence numbers")
+    for i, (dtype, op) in enumerate([(torch.bfloat16, "avg"), (torch.float16, "sum")]):
+        bad.append(_check(comm, seed + 204 + i, (129, 7), dtype, op, A.TWO_STEP, fused=False))
     return [b for b in bad if b]
 
 
@@ -102,6 +110,17 @@ def test_exact_tcp_and_verbs_through_emulated_nic(emunic_env):
 @pytest.mark.slow
 def test_exact_ring_world_6():
     _run(6, [(6, "ring", "few", None, "shm")])
+
+
+def test_fused_all_reduce_is_a_declared_capability():
+    """The CPU plane has the fused operation; the base (so the CUDA plane until its kernel)
+    says it has not, and its all_reduce raises NotImplementedError naming the plane."""
+    from sparkccl.dataplane.base import DataPlaneBase
+    from sparkccl.dataplane.cpu import CpuDataPlane
+    assert CpuDataPlane.fused_all_reduce and not DataPlaneBase.fused_all_reduce
+    with pytest.raises(NotImplementedError, match="DataPlaneBase has no fused all-reduce"):
+        object.__new__(DataPlaneBase).all_reduce(0, None, 0, 16, 16, None, 0, 16,
+                                                 torch.float32, False)
 
 
 def _single(rank):
