@@ -133,14 +133,14 @@ def _fused(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
     n, W, dtype = flat.numel(), comm.world_size, flat.dtype
     total = round_up(n, W * (ALIGN // dtype.itemsize))
     chunk = total // W * dtype.itemsize  # bytes
-    res = dst if total == n else torch.empty(total, dtype=dtype)
+    res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
     with comm._lock:
         comm._check_alive("all_reduce")
         if not comm._rs_ready:
             comm._check_setup_capturable("all_reduce")
             comm._ensure_rs()
         dp = comm._dp
-        if chunk <= comm.max_slice:
+        if chunk <= comm.max_slice and comm._seq_on_host():  # (else the slot is the GPU's)
             base = (comm.seq % _comm.RS_SLOTS) * comm.sizes.rs_send_stride
             buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
             buf[:n].copy_(flat)
@@ -149,11 +149,12 @@ def _fused(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
         else:
             src = flat
             if total > n:
-                src = torch.zeros(total, dtype=dtype)
+                src = torch.zeros(total, dtype=dtype, device=flat.device)
                 src[:n].copy_(flat)
             for off in range(0, chunk, comm.max_slice):
                 L = min(comm.max_slice, chunk - off)
                 dp.all_reduce(comm._next_seq(), src, off, chunk, L, res, off, chunk, dtype, avg)
+            dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
         # The send slot was overwritten: a reduce_scatter_input() buffer handed out before
         # is no longer the next reduce-scatter's (reduce_scatter refuses it).
         comm._rs_count += 1
