@@ -2,8 +2,8 @@
 
 The verifier runs every rank's data plane and proxy over a sequence of collectives
 (all-gathers, reduce-scatters, finalizes and fused all-reduces of assorted sizes, which
-makes every slot be reused), tracking for every byte range *what* it holds (origin rank, origin block,
-offset) and *how* it got there (connection, position in that connection's ordered
+makes every slot be reused), tracking for every byte range *what* it holds (origin rank,
+origin block, offset) and *how* it got there (connection, position in that connection's ordered
 stream). The model is monotone (triggers only become true), so reaching the end in one
 order means every order reaches it; every property below is checked with the ordering
 guarantees alone (the transport's per-connection order, flags, stream order), never
@@ -172,7 +172,8 @@ class _Sim:
         self.dp_seq = [0] * w  # next collective to run
         self.dp_vec: list[Vec] = [zero] * w  # happens-before at the end of the last done
         self.published: list[dict] = [dict() for _ in range(w)]  # (seq, op, piece, chunk|-1) -> vec
-        self.first_pub: list[dict] = [dict() for _ in range(w)]  # (seq, op) -> vec of its first entry
+        # (seq, op) -> vec of the rank's first entry of that op and seq
+        self.first_pub: list[dict] = [dict() for _ in range(w)]
         # fused all-reduce in progress: rank -> (seq, next AG piece to publish, vec so far)
         self.ar_state: dict[int, tuple[int, int, Vec]] = {}
         # proxy state: per (rank, stream) cursor = (index into colls of its op, piece)
