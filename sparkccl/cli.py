@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _sub(sub, "plan", "print a collective's per-port load against its lower bound, and "
              "whether the verifier proves its schedule")
-    p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], required=True,
+    p.add_argument("--collective", choices=["all_gather", "reduce_scatter", "all_reduce"],
+                   required=True,
                    help="which collective")
     p.add_argument("--topology", choices=TOPOLOGIES, default="mesh", help="the topology")
     p.add_argument("--world", type=_world, default=4, help="ranks, 2..8")

@@ -35,6 +35,7 @@ import threading
 import torch
 
 from . import bootstrap, checks, config, layout, lifetime, wiring
+from . import allreduce as _allreduce
 from . import finalize as _finalize
 from .buffers import Sizes, mib
 from .errors import CollectiveError
@@ -422,6 +423,20 @@ class Communicator:
             self._rs_count += 1
             self._handout = None
         return out
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``x`` (any shape, bf16 / fp16 / fp32, same on every rank) summed
+        elementwise in fp32 in rank order 0..world-1 and rounded once to ``x.dtype``
+        (``op="avg"``: that fp32 sum divided once by the world size, then rounded once):
+        the same bits on every rank, topology and transport, at every size. Returns a
+        fresh tensor of ``x``'s shape, or ``out`` (which may be ``x`` itself).
+
+        Small tensors (up to ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES``) take one all-gather and
+        a local sum; larger ones a reduce-scatter and an all-gather; both give the same
+        bits (:mod:`sparkccl.allreduce`). Bad input raises before anything is sent.
+        """
+        return _allreduce.all_reduce(self, x, op, out)
 
     def _seq_on_host(self) -> bool:
         """False in and after a CUDA graph capture: the slots then follow the device's seq

@@ -26,6 +26,7 @@ from .errors import ConfigError
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_ALLREDUCE_ONESHOT_BYTES = 256 << 10  # why: docs/CONTRACT.md "All-reduce"
 DEFAULT_ROOTS = 2
 DEFAULT_SPIN_US = 200_000
 DEFAULT_NAP_US = 200
@@ -197,6 +198,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
        "1: create the reduce-scatter buffers at construction instead of on first use"),
+    _v("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", "bytes", DEFAULT_ALLREDUCE_ONESHOT_BYTES,
+       "communicator",
+       "all-reduce: the largest tensor (bytes per rank) summed in one shot (one all-gather, "
+       "then a local sum); larger ones run reduce-scatter + all-gather. Same bits either "
+       "way; every rank must agree", lo=0),
     _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
        "the proxy keeps spinning this long after its last work",
        default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
@@ -284,10 +290,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        lo=1e-3),
     _v("SPARKCCL_VLLM", "bool", False, "integrations",
        "1: the vllm.general_plugins entry point gives vLLM's tensor-parallel groups "
-       "sparkccl all-gather / reduce-scatter (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+       "sparkccl all-reduce / all-gather / reduce-scatter (docs/VLLM_SGLANG.md); 0: the plugin "
+       "does nothing"),
     _v("SPARKCCL_SGLANG", "bool", False, "integrations",
-       "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-gather / "
-       "reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+       "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-reduce / "
+       "all-gather / reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does "
+       "nothing"),
     _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
        "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
        "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),
@@ -301,9 +309,18 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "vLLM / SGLang: 1: calls under CUDA graph capture route like eager ones (the graphs then "
        "replay sparkccl collectives; from the first capture on, eager reduce-scatters copy "
        "their input and mode ce runs as fused); 0: captured calls stay on the engine's NCCL"),
+    _v("SPARKCCL_ENGINE_ALL_REDUCE", "bool", True, "integrations",
+       "vLLM / SGLang: 1: the tensor-parallel group's all-reduce (bf16 / fp16 / fp32) runs on "
+       "sparkccl at every size (captured calls as SPARKCCL_ENGINE_CAPTURED says); 0: it stays "
+       "on the engine's custom all-reduce / NCCL"),
     _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
-       "smallest collective (gathered output, reduce-scatter input, all-reduce tensor) sent "
-       "through sparkccl; smaller ones go to the fallback group (docs/TORCH.md)", lo=0),
+       "smallest all-gather (gathered output) sent through sparkccl; smaller ones go to the "
+       "fallback group, exact either way. Reductions stay in sparkccl at every size unless "
+       "SPARKCCL_TORCH_INEXACT_SMALL=1 (docs/TORCH.md)", lo=0),
+    _v("SPARKCCL_TORCH_INEXACT_SMALL", "bool", False, "torch.distributed backend",
+       "1 (opt-in, inexact): all-reduces and reduce-scatters below SPARKCCL_TORCH_MIN_BYTES "
+       "go to the fallback group too (gloo / NCCL, whose sums are not in rank order); 0: "
+       "reductions are rank-order exact at every size"),
     _v("SPARKCCL_SELFTEST_TRACEBACK", "bool", False, "selftest",
        "1: print the traceback of a failed self-test"),
     _v("SPARKCCL_EMUNIC_CONFIG", "str", None, "tests",
@@ -326,6 +343,7 @@ class Settings:
     worker_spin_us: int  # shm copy workers (SPARKCCL_SHM_WORKER_SPIN_US)
     gpu_direct: bool = True
     relay_lead: int = -1
+    allreduce_oneshot_bytes: int = DEFAULT_ALLREDUCE_ONESHOT_BYTES
 
 
 def check_seconds(value, arg: str) -> float:
@@ -382,7 +400,8 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     worker_spin_us=worker_spin if worker_spin is not None else
                     (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
-                    relay_lead=get("SPARKCCL_RELAY_LEAD", env))
+                    relay_lead=get("SPARKCCL_RELAY_LEAD", env),
+                    allreduce_oneshot_bytes=get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env))
 
 
 # ---- where each effective setting comes from (sparkccl doctor) ---------------------------

@@ -79,6 +79,20 @@ def reduce_scatter_reference(inputs, rank: int):
     return _round_f32(acc, inputs[0].dtype)
 
 
+def all_reduce_reference(inputs, op: str = "sum"):
+    """Raw bytes of the all-reduce of ``inputs`` (one per rank, in rank order, any shape):
+    fp32 sum in rank order starting from rank 0's value; ``op="avg"``: divided once by the
+    world size in fp32; rounded once (numpy)."""
+    import numpy as np
+    acc = None
+    for x in inputs:
+        part = _to_f32(x.reshape(-1))
+        acc = part.copy() if acc is None else acc + part
+    if op == "avg":
+        acc = (acc / np.float32(len(inputs))).astype(np.float32)
+    return _round_f32(acc, inputs[0].dtype)
+
+
 def all_gather_reference(inputs):
     """Raw bytes of the gathered tensor."""
     import numpy as np

@@ -30,7 +30,8 @@ log = logging.getLogger("sparkccl")
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PROTOCOL_VERSION = 1
 # What every rank's join record must agree on (each rank raises the same ValueError).
-AGREED = ("version", "world", "topology", "transport", "slot_bytes", "roots", "rs_up_front")
+AGREED = ("version", "world", "topology", "transport", "slot_bytes", "roots", "rs_up_front",
+          "allreduce_oneshot_bytes")
 
 
 def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
@@ -42,6 +43,7 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     host, boot_id = bootstrap.host_id()
     info = dict(version=PROTOCOL_VERSION, world=world, topology=topology, transport=transport,
                 slot_bytes=s.slot_bytes, roots=s.roots, rs_up_front=s.rs_up_front,
+                allreduce_oneshot_bytes=s.allreduce_oneshot_bytes,
                 host=host, boot_id=boot_id, uid=os.getuid(),
                 pid=os.getpid(), **registry.join_record(transport, topology, s.roots))
     infos = rv.exchange("info", info, "join the communicator")

@@ -71,8 +71,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def killed_peer_job(rank, world, store, transport, numel):
-    """Every rank gets one all-gather right, then rank 1 kills itself (SIGKILL) and, once it
+def killed_peer_job(rank, world, store, transport, numel, op="all_gather"):
+    """Every rank gets one ``op`` (a Communicator method taking one tensor: all_gather,
+    all_reduce) right, then rank 1 kills itself (SIGKILL) and, once it
     is dead, the survivors go on calling: their next collective's writes to it are never
     acknowledged (had they started while it still ran, its NIC could have acknowledged them
     and the survivors would only wait for its data, until the collective timeout). Returns
@@ -86,7 +87,8 @@ def killed_peer_job(rank, world, store, transport, numel):
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology="mesh",
                                transport=transport, timeout_s=60) as comm:
         x = torch.ones(numel)
-        comm.all_gather(x)
+        call = getattr(comm, op)
+        call(x)
         if rank == 1:
             store.set("victim-pid", str(os.getpid()))
         store.add("first-done", 1)  # every rank has its first result
@@ -101,7 +103,7 @@ def killed_peer_job(rank, world, store, transport, numel):
         t0 = time.monotonic()
         try:
             for _ in range(100):
-                comm.all_gather(x)
+                call(x)
         except sparkccl.CollectiveError as e:
             return str(e), time.monotonic() - t0
         return None, time.monotonic() - t0

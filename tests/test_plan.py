@@ -13,7 +13,7 @@ from sparkccl.plan.geometry import (
 )
 from sparkccl.plan.model import OnFlag, OnPublish, Op, Region, decode_flag_word, flag_word
 from sparkccl.plan.verify import (
-    Collective, PlanError, default_sequence, lower_bound, verify, verify_plans,
+    ALL_REDUCE, Collective, PlanError, default_sequence, lower_bound, verify, verify_plans,
 )
 from sparkccl.plan.waits import (
     PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code, part_of, wait_parts, wait_table,
@@ -77,8 +77,11 @@ def test_flag_words_decode():
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("topology", ["mesh", "ring"])
 def test_plans_verify(topology, world, roots):
+    """The default sequence mixes fused all-reduces (both ops under one seq) with the other
+    collectives; the union plan's busiest port meets its bound too."""
+    assert ALL_REDUCE in {c.kind for c in default_sequence()}
     report = verify(topology, world, roots)
-    for op in Op:
+    for op in (*Op, ALL_REDUCE):
         assert report.max_port_load(op) == pytest.approx(lower_bound(op, topology, world))
 
 
@@ -88,8 +91,19 @@ def test_plans_verify_at_many_sizes(topology, world):
     """Each size, alone and in a row with the others, for every kind of collective."""
     sizes = [1, 2, 15, 16, 17, 31, 33, 127, 128, 129, 255, 257, 1023, 1025, 4096 + 48, 99991]
     seq = [Collective(k, s) for s in sizes for k in ("AG", "RS")]
+    seq += [Collective(ALL_REDUCE, s) for s in sizes[::3]]
     seq += [Collective("FIN", rows * rb, rb) for rows, rb in ((8, 16), (9, 32), (64, 8192))]
     verify_plans(build_all(topology, world, 2), seq)
+
+
+def test_all_reduce_bound_is_the_two_halves():
+    """Mesh: each rank sends and receives 2 (W-1)/W of the vector (2 (W-1) chunks); ring: the
+    reduce-scatter's raw-relay bound plus the all-gather's."""
+    for w in WORLDS:
+        assert lower_bound(ALL_REDUCE, "mesh", w) == 2 * (w - 1)
+        assert lower_bound(ALL_REDUCE, "ring", w) == (lower_bound(Op.RS, "ring", w)
+                                                      + lower_bound(Op.AG, "ring", w))
+    assert lower_bound(ALL_REDUCE, "ring", 4) == 3.5
 
 
 def test_ring_world4_loads_match_spec():
@@ -97,7 +111,8 @@ def test_ring_world4_loads_match_spec():
     assert ag.max_port_load(Op.AG) == 1.5
     assert ag.max_port_load(Op.RS) == 2.0
     # Every port of every rank carries the same load, both ways.
-    assert set(ag.port_out.values()) | set(ag.port_in.values()) == {1.5, 2.0}
+    assert set(ag.port_out.values()) | set(ag.port_in.values()) == {1.5, 2.0, 3.5}
+    assert ag.max_port_load(ALL_REDUCE) == 3.5  # the fused all-reduce: both, on every port
 
 
 def test_ring_talks_only_to_neighbours_and_world4_relays_through_own_block():
@@ -215,6 +230,34 @@ def test_too_few_slots_are_caught(region):
         verify_plans(build_all("ring", 4, 2), default_sequence(), slots)
 
 
+def test_fused_all_reduces_back_to_back():
+    """All-reduces alone, each using both regions under its seq: proven with the protocol's
+    slots. Even one AG slot is proven safe here (a rank's all-gather part of seq s+1 waits
+    for every rank's reduce-scatter part of s+1, sent after each finished s), so the three
+    AG slots matter only for all-gathers between them (test_too_few_slots_are_caught, whose
+    default sequence holds all-reduces too); one RS slot is caught."""
+    seq = [Collective(ALL_REDUCE, s) for s in (4096, 17, 1 << 16, 48, 4096, 1000, 99, 4112)]
+    plans = build_all("ring", 4, 2)
+    verify_plans(plans, seq)
+    verify_plans(plans, seq, {Region.AG: 1, Region.RS_SEND: 2, Region.RS_RECV: 2})
+    for region in (Region.RS_SEND, Region.RS_RECV):
+        slots = {Region.AG: 3, Region.RS_SEND: 2, Region.RS_RECV: 2}
+        slots[region] = 1
+        with pytest.raises(PlanError, match="slot reuse"):
+            verify_plans(plans, seq, slots)
+
+
+def test_fused_all_reduce_waits_for_its_reduce_scatter_part():
+    """A relay of the reduce-scatter part that never fires (its trigger is a word nobody
+    writes): the rank behind it never gets piece 0 of its chunk, so it never publishes its
+    all-gather part, and the verifier names the deadlock."""
+    plans = build_all("ring", 4, 2)
+    k = _first(plans[1], lambda s: s.op == Op.RS and isinstance(s.trigger, OnFlag))
+    broken = _mutate(plans, 1, k, trigger=OnFlag(flag_word(4, Op.RS, 1, 0, 0)))
+    with pytest.raises(PlanError, match="deadlock: rank .* never finishes AR seq 0"):
+        verify_plans(broken, [Collective(ALL_REDUCE, 4096)])
+
+
 # -- what each wait word carries (plan/waits.py) ---------------------------------------
 
 def test_wait_parts_cover_every_piece_once():
@@ -307,3 +350,12 @@ def test_cli_mesh8_roots1():
     out = _plan_cli("--collective", "reduce_scatter", "--topology", "mesh", "--world", "8",
                     "--roots", "1")
     assert out[-1] == "max port load: 7 slices (lower bound 7)"
+
+
+def test_plan_summary_of_the_fused_all_reduce():
+    """`sparkccl plan --collective all_reduce`: the union plan's loads against its bound."""
+    from sparkccl.plan.report import plan_summary
+    text, ok = plan_summary("all_reduce", "ring", 3)
+    assert ok and "verifier: passed" in text
+    assert "max port load: 2 slices (lower bound 2)" in text
+    assert "8 streams for this collective (0 relays)" in text

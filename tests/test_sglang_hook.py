@@ -29,7 +29,8 @@ import torch
 from helpers import engine_missing
 from sparkccl.integrations import routing
 from sparkccl.localrun import check, run_ranks
-from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+from sparkccl.reference import (all_gather_reference, all_reduce_reference, bits, make_input,
+                                reduce_scatter_reference)
 
 MIN = 64 << 10
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
@@ -165,6 +166,13 @@ def _on_job(rank, world, store):
     out["rs_f32"] = rs(5, (64, 256), f32)
     # (SGLang's public all_gather_into_tensor / reduce_scatter_tensor reach these two
     # methods through its custom ops sglang::reg_*, registered for CUDA only.)
+    # All-reduce through the public GroupCoordinator.all_reduce: every size, both regimes.
+    ar_ok = []
+    for seed, shape, dtype in ((20, (1,), bf16), (21, (3, 5), f16), (22, (16, 4096), bf16),
+                               (23, (129, 1000), bf16)):
+        xs = inputs(seed, shape, dtype)
+        ar_ok.append(exact(tp.all_reduce(xs[rank].clone()), all_reduce_reference(xs)))
+    out["ar"] = ar_ok
     routed = dict(st.counts)
     # Declined: SGLang's original method (gloo here), still exact.
     out["ag_small"] = ag(7, (8, 256), bf16)
@@ -172,7 +180,10 @@ def _on_job(rank, world, store):
     routing.stream_capturing = lambda: True
     out["ag_captured"] = ag(9, (64, 256), bf16)
     out["rs_captured"] = rs(10, (128, 256), bf16)
+    out["ar_captured"] = tp.all_reduce(torch.full((64,), rank + 1.0)).tolist()
     routing.stream_capturing = lambda: False
+    # an int32 all-reduce: SGLang's own path (gloo here)
+    out["ar_int"] = tp.all_reduce(torch.full((64,), rank + 1, dtype=torch.int32)).tolist()
     out["routed"] = routed
     out["log"] = log_lines
     out["counts"] = dict(st.counts)
@@ -186,18 +197,24 @@ def test_sglang_hook_routes_and_declines_through_the_real_group_coordinator(sgla
     for rank, r in enumerate(res):
         assert (r["topology"], r["transport"]) == ("mesh", "shm")
         assert r["log"][-1] == (
-            "sparkccl: SGLang group tp:0 (world 2): dim-0 all_gather / reduce_scatter from "
+            "sparkccl: SGLang group tp:0 (world 2): all_reduce at every size and dim-0 "
+            "all_gather / reduce_scatter from "
             "64 KiB (whole buffer) on sparkccl, topology mesh, transport shm; smaller, "
             "captured, other-dim and uneven calls stay on the engine's NCCL"), r["log"]
         for k in ("ag_bf16", "ag_u8", "rs_bf16", "rs_f16", "rs_f32",
                   "ag_small", "rs_small", "ag_captured", "rs_captured"):
             assert r[k] is True, (rank, k)
-        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 3}
+        assert r["ar"] == [True] * 4, (rank, r["ar"])
+        assert r["ar_captured"] == [3.0] * 64 and r["ar_int"] == [3] * 64
+        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 3,
+                               ("all_reduce", "sparkccl"): 4}
         c = r["counts"]
         assert c[("all_gather", "below threshold")] == 1
         assert c[("reduce_scatter", "below threshold")] == 1
         assert c[("all_gather", "graph capture")] == 1
         assert c[("reduce_scatter", "graph capture")] == 1
+        assert c[("all_reduce", "graph capture")] == 1
+        assert c[("all_reduce", "dtype torch.int32")] == 1
 
 
 def _captured_job(rank, world, store):
@@ -213,11 +230,17 @@ def _captured_job(rank, world, store):
         tp._reduce_scatter_tensor(o, xs[rank])
         return bool((bits(o) == reduce_scatter_reference(xs, rank)).all())
 
+    def ar(seed, shape):
+        xs = inputs(seed, shape, bf16)
+        return bool((bits(tp.all_reduce(xs[rank])) == all_reduce_reference(xs)).all())
+
     out = {}
     routing.stream_capturing = lambda: True
     try:
         out["rs_before_setup"] = rs(1)
         out["counts_before_setup"] = dict(st.counts)
+        out["ar_small_before_setup"] = ar(11, (16, 256))    # one shot: routes
+        out["ar_big_before_setup"] = ar(12, (256, 1024))    # two step: SGLang's path (gloo)
         routing.stream_capturing = lambda: False
         out["rs_eager"] = rs(2)
         routing.stream_capturing = lambda: True
@@ -226,6 +249,7 @@ def _captured_job(rank, world, store):
         tp._all_gather_into_tensor(o, xs[rank])
         out["ag_captured"] = bool((bits(o) == all_gather_reference(xs)).all())
         out["rs_captured"] = rs(4)
+        out["ar_captured"] = ar(13, (256, 1024))
     finally:
         routing.stream_capturing = lambda: False
     out["counts"] = dict(st.counts)
@@ -242,3 +266,6 @@ def test_sglang_hook_routes_captured_calls_with_the_setting(sglang_env):
             ("reduce_scatter", "graph capture before the first reduce-scatter"): 1}
         c = r["counts"]
         assert c[("all_gather", "sparkccl")] == 1 and c[("reduce_scatter", "sparkccl")] == 2
+        assert r["ar_small_before_setup"] and r["ar_captured"], r
+        assert c[("all_reduce", "graph capture before the first reduce-scatter")] == 1
+        assert c[("all_reduce", "sparkccl")] == 2

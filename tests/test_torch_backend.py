@@ -194,7 +194,8 @@ def _fallback_checks(pg, rank, world, seed) -> list[str]:
 
 
 def _small_checks(pg, rank, world) -> list[str]:
-    """A group with the default threshold: small calls go to the fallback, AVG on gloo too."""
+    """Small reductions give the mean: through sparkccl by default, through the fallback
+    (AVG on gloo too) on the opt-in SPARKCCL_TORCH_INEXACT_SMALL."""
     bad = []
     x = torch.full((world * 4,), float(rank + 1))
     dist.all_reduce(x, op=AVG, group=pg)
@@ -218,17 +219,20 @@ def backend_job(rank, world, store):
     pair = dist.new_group([0, 2], backend="sparkccl",  # world 2 inside world 4
                           pg_options=tb_.Options(min_bytes=0))
     small = dist.new_group(backend="sparkccl")  # SPARKCCL_TORCH_MIN_BYTES from the env
+    inexact = dist.new_group(backend="sparkccl", pg_options=tb_.Options(inexact_small=True))
     out = {"type": type(mesh).__name__, "backend": dist.get_backend(mesh),
-           "small_min_bytes": small.min_bytes}
+           "small_min_bytes": small.min_bytes, "inexact_small": (small.inexact_small,
+                                                                 inexact.inexact_small)}
     for name, pg in (("mesh", mesh), ("ring", ring), ("pair", pair)):
         if pg == dist.GroupMember.NON_GROUP_MEMBER:
             continue
         r, w = dist.get_rank(pg), dist.get_world_size(pg)
         out[name] = _routed_checks(pg, r, w, seed=len(name)) + _fallback_checks(pg, r, w, 3)
         out[name + "_comm"] = (pg.communicator("cpu").topology, pg.communicator("cpu").world_size)
-    out["small"] = _small_checks(small, rank, world)
+    out["small"] = _small_checks(small, rank, world) + _small_checks(inexact, rank, world)
     # the routing decisions, as every rank counted them
-    for name, pg in (("mesh", mesh), ("ring", ring), ("pair", pair), ("small", small)):
+    for name, pg in (("mesh", mesh), ("ring", ring), ("pair", pair), ("small", small),
+                     ("inexact", inexact)):
         if pg != dist.GroupMember.NON_GROUP_MEMBER:
             out[name + "_routed"] = dict(pg.routed)
             out[name + "_declined"] = dict(pg.declined)
@@ -249,16 +253,77 @@ def test_backend_bit_exact_and_fallbacks_mesh_ring_world_2_and_4():
         assert v["mesh_comm"] == ("mesh", 4) and v["ring_comm"] == ("ring", 4)
         assert rank not in (0, 2) or v["pair_comm"] == ("mesh", 2)
         assert v["small"] == [], (rank, v["small"])
-        assert v["mesh_routed"]["all_gather"] >= 15 and v["mesh_routed"]["all_reduce"] == 6
+        assert v["inexact_small"] == (False, True)
+        # all-reduce of world * 4 + 1 elements (not a multiple of the world): sparkccl's too
+        assert v["mesh_routed"]["all_gather"] >= 15 and v["mesh_routed"]["all_reduce"] == 7
         assert v["mesh_routed"]["reduce_scatter"] == 18
-        assert {"reduce op MAX", "dtype torch.int64", "uneven sizes"} <= set(v["mesh_declined"])
-        assert v["small_routed"] == {} and v["small_declined"] == {
+        assert {"reduce op MAX", "dtype torch.int64"} <= set(v["mesh_declined"])
+        # small reductions: sparkccl's by default, the fallback's only on the opt-in
+        assert v["small_routed"] == {"all_reduce": 1, "reduce_scatter": 1}
+        assert v["small_declined"] == {}
+        assert v["inexact_routed"] == {} and v["inexact_declined"] == {
             f"below {tb.MIN_BYTES_VARIABLE}": 2}
-    for name in ("mesh", "ring", "small"):
+    for name in ("mesh", "ring", "small", "inexact"):
         for key in ("_routed", "_declined"):
             assert all(v[name + key] == values[0][name + key] for v in values), name + key
     assert values[0]["pair_routed"] == values[2]["pair_routed"]
     assert values[0]["pair_declined"] == values[2]["pair_declined"]
+
+
+# ---- default settings: reductions exact at every size --------------------------------
+
+# 2 bytes (one bf16) up to 3 MiB, not multiples of 16 bytes or of the world size among them
+DEFAULT_SIZES_ELEMS = (1, 3, 50, 1000, 4097, 65_536 + 5, (1 << 20) - 3, 3 << 19)
+
+
+def default_settings_job(rank, world, store):
+    """Groups with default settings (SPARKCCL_TORCH_MIN_BYTES 1 MiB): every all_reduce and
+    reduce_scatter_tensor, SUM and AVG, from 2 bytes to 3 MiB, equals the rank-order
+    reference; counted as routed to sparkccl, none declined."""
+    from sparkccl.reference import all_reduce_reference
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import sparkccl.integrations.torch_backend as tb_
+    dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world)
+    groups = {f"{world} mesh": dist.group.WORLD,
+              f"{world} ring": dist.new_group(backend="sparkccl",
+                                              pg_options=tb_.Options(topology="ring")),
+              "2 mesh": dist.new_group([0, 1], backend="sparkccl")}
+    bad, counts = [], {}
+    for name, pg in groups.items():
+        if pg == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        r, w = dist.get_rank(pg), dist.get_world_size(pg)
+        for i, n in enumerate(DEFAULT_SIZES_ELEMS):
+            dtype = DTYPES[i % 3]
+            for op, opname in ((SUM, "sum"), (AVG, "avg")):
+                s = 100 * i + (op == AVG)
+                zs = [make_input(s, q, (n,), dtype) for q in range(w)]
+                z = zs[r].clone()
+                dist.all_reduce(z, op=op, group=pg)
+                if not (bits(z) == all_reduce_reference(zs, opname)).all():
+                    bad.append(f"{name}: all_reduce {n} x {dtype} {opname}")
+                m = max(1, n // w)
+                ys = [make_input(s + 50, q, (w * m,), dtype) for q in range(w)]
+                o = torch.empty(m, dtype=dtype)
+                dist.reduce_scatter_tensor(o, ys[r], op=op, group=pg)
+                want = all_reduce_reference(ys, opname)
+                nb = m * o.element_size()
+                if not (bits(o) == want[r * nb:(r + 1) * nb]).all():
+                    bad.append(f"{name}: reduce_scatter_tensor {w * m} x {dtype} {opname}")
+        counts[name] = (dict(pg.routed), dict(pg.declined))
+    dist.destroy_process_group()
+    return bad, counts
+
+
+def test_default_settings_reductions_exact_from_2_bytes_to_mib():
+    values = check(run_ranks(default_settings_job, 3, timeout_s=300))
+    calls = 2 * len(DEFAULT_SIZES_ELEMS)
+    for rank, (bad, counts) in enumerate(values):
+        assert not bad, (rank, bad)
+        assert set(counts) == ({"3 mesh", "3 ring"} | ({"2 mesh"} if rank < 2 else set()))
+        for name, (routed, declined) in counts.items():
+            assert routed == {"all_reduce": calls, "reduce_scatter": calls}, (rank, name, routed)
+            assert declined == {}, (rank, name, declined)
 
 
 # ---- errors, torch.compile -----------------------------------------------------------
@@ -386,9 +451,15 @@ def test_decline_rule():
     assert tb.decline_reason("reduce_scatter", out, x, world=4, min_bytes=0, op=AVG) is None
     assert tb.decline_reason("reduce_scatter", out, x, world=4, min_bytes=0,
                              op=dist.ReduceOp.MIN) == "reduce op MIN"
-    assert tb.decline_reason("all_reduce", out, out, world=3, min_bytes=0, op=SUM) == \
-        "uneven sizes"
+    # all-reduce pads internally: any size; reductions ignore min_bytes unless inexact_small
+    assert tb.decline_reason("all_reduce", out, out, world=3, min_bytes=0, op=SUM) is None
     assert tb.decline_reason("all_reduce", out, out, world=4, min_bytes=0, op=SUM) is None
+    for kind, a, b in (("all_reduce", out, out), ("reduce_scatter", out, x)):
+        assert tb.decline_reason(kind, a, b, world=4, min_bytes=1 << 20, op=AVG) is None
+        assert tb.decline_reason(kind, a, b, world=4, min_bytes=1 << 20, op=AVG,
+                                 inexact_small=True) == "below SPARKCCL_TORCH_MIN_BYTES"
+        assert tb.decline_reason(kind, a, b, world=4, min_bytes=512, op=AVG,
+                                 inexact_small=True) is None
 
 
 def test_graph_capture_declined(monkeypatch):

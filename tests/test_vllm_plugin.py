@@ -26,7 +26,8 @@ import torch
 from helpers import engine_missing
 from sparkccl.integrations import routing
 from sparkccl.localrun import check, run_ranks
-from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+from sparkccl.reference import (all_gather_reference, all_reduce_reference, bits, make_input,
+                                reduce_scatter_reference)
 
 MIN = 64 << 10   # threshold in these tests: 64 KiB whole buffer
 SETTINGS = routing.RouteSettings(min_bytes=MIN, topology="mesh", transport="auto")
@@ -57,6 +58,15 @@ RULE_CASES = [
     ("reduce_scatter", (64, 256), f32, 0, 2, None, False, "sparkccl"),
     ("reduce_scatter", (128, 256), bf16, 1, 2, None, False, "dim != 0"),
     ("reduce_scatter", (128, 256), bf16, 0, 2, None, True, "graph capture"),
+    # all-reduce: every size (the threshold is not looked at), any shape, dim ignored
+    ("all_reduce", (4, 256), bf16, 0, 2, None, False, "sparkccl"),          # 2 KiB
+    ("all_reduce", (1,), f16, -1, 2, None, False, "sparkccl"),              # 2 bytes
+    ("all_reduce", (), f32, 0, 3, None, False, "sparkccl"),
+    ("all_reduce", (8192, 4096), bf16, 1, 4, None, False, "sparkccl"),      # 64 MiB prefill
+    ("all_reduce", (64, 256), torch.int32, 0, 2, None, False, "dtype torch.int32"),
+    ("all_reduce", (0, 256), bf16, 0, 2, None, False, "empty"),
+    ("all_reduce", (64, 256), bf16, 0, 1, None, False, "single rank"),
+    ("all_reduce", (64, 256), bf16, 0, 2, None, True, "graph capture"),
 ]
 
 
@@ -85,6 +95,21 @@ def test_captured_calls_route_only_with_the_setting():
     assert routing.should_route(*args, on, rs_ready=False).route      # eager: it sets them up
     assert routing.should_route("all_gather", (64, 256), bf16, 0, 2, on, capturing=True,
                                 rs_ready=False).route
+    # an all-reduce whose regime needs the reduce-scatter buffers (allreduce.capturable)
+    assert routing.should_route("all_reduce", (64, 256), bf16, 0, 2, on, capturing=True,
+                                rs_ready=False) == routing.Decision(
+        False, "graph capture before the first reduce-scatter")
+
+
+def test_all_reduce_can_be_switched_off():
+    off = routing.RouteSettings(MIN, "mesh", "auto", all_reduce=False)
+    for capturing in (False, True):
+        assert routing.should_route("all_reduce", (64, 256), bf16, 0, 2, off,
+                                    capturing=capturing) == routing.Decision(False,
+                                                                             "all-reduce off")
+    assert routing.should_route("all_gather", (64, 256), bf16, 0, 2, off).route
+    assert not routing.RouteSettings.from_env({"SPARKCCL_ENGINE_ALL_REDUCE": "0"}).all_reduce
+    assert routing.RouteSettings.from_env({}).all_reduce
 
 
 def test_rule_settings_from_env():
@@ -281,6 +306,16 @@ def _on_job(rank, world, store):
     res = torch.empty((64, 256), dtype=bf16)
     got = tp.reduce_scatterv_into_output(buf, res, dim=0, sizes=[64] * world)
     out["combine"] = exact(res, reduce_scatter_reference(xs, rank)) and got is res
+    # All-reduce (GroupCoordinator.all_reduce -> the communicator's all_reduce): every size,
+    # both regimes (one shot up to 256 KiB, then reduce-scatter + all-gather), out of place.
+    ar_ok = []
+    for seed, shape, dtype in ((20, (1,), bf16), (21, (3, 5), f16), (22, (16, 4096), bf16),
+                               (23, (40, 4096), f32), (24, (129, 1000), bf16)):
+        xs = inputs(seed, shape, dtype)
+        x = xs[rank].clone()
+        y = tp.all_reduce(x)
+        ar_ok.append(exact(y, all_reduce_reference(xs)) and exact(x, bits(xs[rank])))
+    out["ar"] = ar_ok
     routed = dict(dc.route_counts)
 
     # Declined: all-gathers fall back to vLLM's own path (gloo here) and stay exact.
@@ -304,6 +339,8 @@ def _on_job(rank, world, store):
     out["dim1_rs"] = tp.reduce_scatter(x, dim=1)
     out["uneven_rs"] = tp.reduce_scatterv(x, dim=0, sizes=[60, 68])
     out["int_rs"] = tp.reduce_scatter(x.to(torch.int32), dim=0)
+    # ... an int32 all-reduce: CudaCommunicator's own (torch.distributed over gloo here)
+    out["int_ar"] = tp.all_reduce(torch.full((64,), rank + 1, dtype=torch.int32)).tolist()
     out["buffer_declined"] = dc.get_symmetric_memory_buffer(
         "moe_ag_rs_combine", (16, 256), bf16, dc.device)
     out["base_calls"] = calls
@@ -324,14 +361,18 @@ def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm
         assert r["cls"] == "SparkcclCudaCommunicator" and r["is_cuda_comm"]
         assert (r["topology"], r["transport"]) == ("mesh", "shm")
         assert r["log"][-1] == (
-            "sparkccl: vLLM group tp:0 (world 2): dim-0 all_gather / reduce_scatter from "
+            "sparkccl: vLLM group tp:0 (world 2): all_reduce at every size and dim-0 "
+            "all_gather / reduce_scatter from "
             "64 KiB (whole buffer) on sparkccl, topology mesh, transport shm; smaller, "
             "captured, other-dim and uneven calls stay on the engine's NCCL"), r["log"]
         for k in ("ag", f"rs_{bf16}", f"rs_{f16}", f"rs_{f32}", "sp_ag", "sp_rs",
                   "combine_buffer", "combine", "small_ag", "dim1_ag", "captured_ag",
                   "captured_custom_ag"):
             assert r[k] is True, (rank, k)
-        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 6}
+        assert r["ar"] == [True] * 5, (rank, r["ar"])
+        assert r["int_ar"] == [3] * 64
+        assert r["routed"] == {("all_gather", "sparkccl"): 2, ("reduce_scatter", "sparkccl"): 6,
+                               ("all_reduce", "sparkccl"): 5}
         for k in ("small_rs", "dim1_rs", "uneven_rs", "int_rs"):
             assert r[k] == "base", (rank, k)
         assert r["base_calls"] == [
@@ -348,6 +389,7 @@ def test_vllm_plugin_routes_and_declines_through_the_real_group_coordinator(vllm
         assert c[("reduce_scatter", "dim != 0")] == 1
         assert c[("reduce_scatter", "uneven sizes")] == 1
         assert c[("reduce_scatter", "dtype torch.int32")] == 1
+        assert c[("all_reduce", "dtype torch.int32")] == 1
 
 
 def _captured_job(rank, world, store):
@@ -362,6 +404,12 @@ def _captured_job(rank, world, store):
     try:
         calls = []
         _record_base("reduce_scatter", calls)
+        # A captured one-shot all-reduce needs no reduce-scatter buffers: it routes.
+        xs = inputs(5, (16, 256), bf16)
+        out["ar_small_before_setup"] = bool((bits(tp.all_reduce(xs[rank]))
+                                             == all_reduce_reference(xs)).all())
+        _record_base("all_reduce", calls)  # a two-step one would set them up: declined
+        out["ar_big_before_setup"] = tp.all_reduce(inputs(6, (256, 1024), bf16)[rank])
         x = inputs(1, (128, 256), bf16)[rank]
         out["rs_before_setup"] = tp.reduce_scatter(x, dim=0)        # -> vLLM's own path
         out["rs_before_setup_calls"] = list(calls)
@@ -376,6 +424,9 @@ def _captured_job(rank, world, store):
         xs = inputs(4, (128, 256), bf16)
         out["captured_rs"] = bool((bits(tp.reduce_scatter(xs[rank], dim=0))
                                    == reduce_scatter_reference(xs, rank)).all())
+        xs = inputs(7, (256, 1024), bf16)
+        out["captured_ar_big"] = bool((bits(tp.all_reduce(xs[rank]))
+                                       == all_reduce_reference(xs)).all())
         out["counts"] = dict(dc.route_counts)
     finally:
         routing.stream_capturing = lambda: False
@@ -388,9 +439,13 @@ def test_vllm_plugin_routes_captured_calls_with_the_setting(vllm_ok):
     env = {**VLLM_ENV, "SPARKCCL_VLLM": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):
         assert "captured calls too (SPARKCCL_ENGINE_CAPTURED=1)" in r["log"][-1], r["log"]
-        assert r["rs_before_setup"] == "base"
-        assert r["rs_before_setup_calls"] == [("reduce_scatter", (torch.Size([128, 256]), 0))]
+        assert r["rs_before_setup"] == "base" and r["ar_big_before_setup"] == "base"
+        assert r["rs_before_setup_calls"] == [("all_reduce", (torch.Size([256, 1024]),)),
+                                              ("reduce_scatter", (torch.Size([128, 256]), 0))]
         assert r["rs_eager"] and r["captured_ag"] and r["captured_rs"], r
+        assert r["ar_small_before_setup"] and r["captured_ar_big"], r
         c = r["counts"]
         assert c[("reduce_scatter", "graph capture before the first reduce-scatter")] == 1
+        assert c[("all_reduce", "graph capture before the first reduce-scatter")] == 1
         assert c[("all_gather", "sparkccl")] == 1 and c[("reduce_scatter", "sparkccl")] == 2
+        assert c[("all_reduce", "sparkccl")] == 2

@@ -106,6 +106,23 @@ class DataPlaneBase:
         """One MoE-finalize collective (``f``: :class:`sparkccl.finalize.FinalizeInputs`)."""
         raise NotImplementedError
 
+    # The fused all-reduce (docs/PROTOCOL.md "All-reduce").
+    fused_all_reduce = False
+    """Whether :meth:`all_reduce` is implemented: the reduce-scatter and all-gather of an
+    all-reduce as one operation under one sequence number. Planes without it get the
+    two-collective path of ``sparkccl/allreduce.py``."""
+
+    def all_reduce(self, seq: int, src, src_off: int, src_stride: int, L: int, dst,
+                   dst_off: int, dst_stride: int, dtype: torch.dtype, avg: bool) -> None:
+        """All-reduce chunks of L bytes (a multiple of 16) as one operation: chunk j of
+        ``src`` is its bytes ``j * src_stride + src_off ... + L`` (``src=None``: already in
+        the reduce-scatter send slot at ``j * L``); the rank-order fp32 sum of chunk i
+        (``avg``: divided once by the world size), rounded once to ``dtype``, lands at bytes
+        ``i * dst_stride + dst_off ... + L`` of ``dst`` for every i."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused all-reduce "
+                                  "(fused_all_reduce is False): use sparkccl/allreduce.py's "
+                                  "reduce-scatter + all-gather")
+
     # ---- completion ----------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every collective issued so far and raise if one failed. A plane whose

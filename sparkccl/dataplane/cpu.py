@@ -248,6 +248,13 @@ class CpuDataPlane(DataPlaneBase):
         ``dst_off ... dst_off + L`` of ``dst``. ``src=None``: the chunks are already in the
         send slot (zero-copy input) at ``j * L``, L a multiple of 16."""
         deadline = time.monotonic() + self.timeout_s
+        lp = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline)
+        self._rs_sum(lp, seq, dst, dst_off, dtype, deadline)
+
+    def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                 L: int, dtype: torch.dtype, deadline: float) -> LaunchPlan:
+        """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
+        ``seq % 2`` (unless ``src`` is None: already there) and publish it."""
         slot_index = seq % 2
         lp = self._launch_plan((Op.RS, L, slot_index, dtype),
                                lambda: self._rs_plan(L, slot_index, dtype))
@@ -259,26 +266,33 @@ class CpuDataPlane(DataPlaneBase):
                 for j in range(W):
                     move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
             self._publish_group(Op.RS, seq, c0, c1, S, deadline)
-        self._rs_sum(lp, seq, dst, dst_off, dtype, deadline)
+        return lp
+
+    def _sum_group(self, lp: LaunchPlan, g: int, seq: int, deadline: float):
+        """Wait for group ``g`` of this rank's chunk from every source and sum it in rank
+        order in fp32: the plan's accumulator, or None for an empty group."""
+        me, S = self.rank, lp.S
+        c1, a, b = lp.groups[g][1:]
+        L = lp.groups[-1][3]  # the caller's chunk (the last piece ends there)
+        acc = lp.accs[g]
+        for i, part in lp.parts[g]:
+            if i != me:
+                self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, caller_bytes=L)
+            if b == a:
+                continue
+            if i == 0:
+                acc.copy_(part)
+            else:
+                acc.add_(part)
+        return acc if b > a else None
 
     def _rs_sum(self, lp: LaunchPlan, seq: int, dst: torch.Tensor, dst_off: int,
                 dtype: torch.dtype, deadline: float) -> None:
         """:meth:`_rs_finish` from a launch plan: the same waits and the same fp32 sum in rank
         order, over the plan's views."""
-        me, S = self.rank, lp.S
-        L = lp.groups[-1][3]  # the caller's chunk (the last piece ends there)
-        for g, ((c0, c1, a, b), parts, acc) in enumerate(zip(lp.groups, lp.parts, lp.accs)):
-            for i, part in parts:
-                if i != me:
-                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0,
-                               caller_bytes=L)
-                if b == a:
-                    continue
-                if i == 0:
-                    acc.copy_(part)
-                else:
-                    acc.add_(part)
-            if b == a:
+        for g, (_, _, a, b) in enumerate(lp.groups):
+            acc = self._sum_group(lp, g, seq, deadline)
+            if acc is None:
                 continue
             if lp.rounded is not None:  # one group: round into the plan's buffer, then move
                 lp.rounded.copy_(acc)
@@ -287,6 +301,47 @@ class CpuDataPlane(DataPlaneBase):
                 if dst.dtype != torch.uint8:
                     dst = dst.detach().reshape(-1).view(torch.uint8)
                 dst[dst_off + a:dst_off + b].view(dtype).copy_(acc)
+
+    fused_all_reduce = True
+
+    def all_reduce(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                   L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
+                   dtype: torch.dtype, avg: bool) -> None:
+        """The reduce-scatter and the all-gather of an all-reduce as one operation under one
+        ``seq`` (docs/PROTOCOL.md "All-reduce"; arguments: ``DataPlaneBase.all_reduce``):
+
+        1. this rank's chunks go out as a reduce-scatter's (RS send slot ``seq % 2``, op RS);
+        2. as soon as piece c of this rank's chunk came from every source, its rank-order
+           fp32 sum (AVG: divided once), rounded once to ``dtype``, is written straight into
+           this rank's block of AG slot ``seq % 3`` and published as all-gather piece c (op
+           AG: the all-gather's streams, relays included, carry it on);
+        3. the other ranks' reduced pieces are waited for and copied out, as an all-gather's.
+        """
+        if L % ALIGN:
+            raise ValueError(f"all_reduce: chunk of {L} bytes is not a multiple of {ALIGN}")
+        deadline = time.monotonic() + self.timeout_s
+        rs = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline)
+        ag_slot = seq % 3
+        ag = self._launch_plan((Op.AG, L, ag_slot), lambda: self._ag_plan(L, ag_slot))
+        S, me = rs.S, self.rank
+        own_block = ag_slot * self.ag_stride + me * S
+        dp = dst.data_ptr() + dst_off
+        move = ctypes.memmove
+        divisor = torch.full((1,), float(self.world)) if avg else None
+        for g, (c0, c1, a, b) in enumerate(rs.groups):
+            acc = self._sum_group(rs, g, seq, deadline)
+            if acc is not None:
+                if divisor is not None:
+                    acc.div_(divisor)  # an IEEE fp32 division (allreduce.divide says why)
+                self.ag[own_block + a:own_block + b].view(dtype).copy_(acc)  # the one rounding
+            self._publish_group(Op.AG, seq, c0, c1, S, deadline)
+            if b > a:
+                move(dp + me * dst_stride + a, ag.own[g], b - a)
+        for (c0, c1, a, b), peers in zip(ag.groups, ag.peers):
+            for i, block in peers:
+                self._wait(Op.AG, seq, c1, i, deadline, S, caller_bytes=L)
+                if b > a:
+                    move(dp + i * dst_stride + a, block, b - a)
 
     def _rs_finish(self, seq: int, S: int, L: int, dst: torch.Tensor, dst_off: int,
                    dtype: torch.dtype, deadline: float) -> None:

@@ -17,7 +17,13 @@ is better depends on the engine's graphs; it has not been measured with an engin
 is a setting, off by default. A captured reduce-scatter also declines while the
 communicator's reduce-scatter buffers do not exist yet (their setup cannot be captured):
 the caller says so (``rs_ready``), alike on every rank, since every rank made the same
-calls before.
+calls before; for an all-reduce, whether its regime needs them
+(:func:`sparkccl.allreduce.capturable`).
+
+All-reduce (the tensor-parallel default: two per layer) routes at every size when
+``SPARKCCL_ENGINE_ALL_REDUCE`` is on (the default): it is the rank-order sum at every size
+only if every size takes it, and sparkccl picks its own small-tensor path (one shot).
+``SPARKCCL_ENGINE_MIN_BYTES`` applies to all-gather and reduce-scatter only.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import torch
 from .. import config
 from ..errors import ConfigError
 
-OPS = ("all_gather", "reduce_scatter")
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
 # reduce-scatter sums in fp32 and rounds once; other dtypes have no exact sparkccl path.
 RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,15 +47,17 @@ class RouteSettings:
     topology: str
     transport: str
     captured: bool = False  # calls under CUDA graph capture route too
+    all_reduce: bool = True  # the group's all-reduce routes (at every size)
 
     @classmethod
     def from_env(cls, env=None) -> "RouteSettings":
         """From ``SPARKCCL_ENGINE_MIN_BYTES`` / ``_TOPOLOGY`` / ``_TRANSPORT`` /
-        ``_CAPTURED`` (raises ``ConfigError`` naming a bad value)."""
+        ``_CAPTURED`` / ``_ALL_REDUCE`` (raises ``ConfigError`` naming a bad value)."""
         return cls(min_bytes=config.get("SPARKCCL_ENGINE_MIN_BYTES", env),
                    topology=config.get("SPARKCCL_ENGINE_TOPOLOGY", env),
                    transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env),
-                   captured=config.get("SPARKCCL_ENGINE_CAPTURED", env))
+                   captured=config.get("SPARKCCL_ENGINE_CAPTURED", env),
+                   all_reduce=config.get("SPARKCCL_ENGINE_ALL_REDUCE", env))
 
 
 def agreed_settings(group, what: str, env=None) -> RouteSettings:
@@ -60,7 +68,7 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
     import torch.distributed as dist
     try:
         s, error = RouteSettings.from_env(env), None
-        mine = (s.min_bytes, s.topology, s.transport, s.captured)
+        mine = (s.min_bytes, s.topology, s.transport, s.captured, s.all_reduce)
     except ConfigError as e:
         s, mine, error = None, None, str(e)
     seen: list = [None] * dist.get_world_size(group)
@@ -70,9 +78,11 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
         raise ConfigError(f"sparkccl: {what}: " + "; ".join(errors))
     if any(m != seen[0][0] for m, _ in seen):
         rows = "; ".join(f"rank {i}: min_bytes={m[0]} topology={m[1]} transport={m[2]} "
-                         f"captured={int(m[3])}" for i, (m, _) in enumerate(seen))
+                         f"captured={int(m[3])} all_reduce={int(m[4])}"
+                         for i, (m, _) in enumerate(seen))
         raise ValueError(f"sparkccl: {what}: the ranks disagree on SPARKCCL_ENGINE_MIN_BYTES "
-                         f"/ _TOPOLOGY / _TRANSPORT / _CAPTURED ({rows}); set them alike on "
+                         f"/ _TOPOLOGY / _TRANSPORT / _CAPTURED / _ALL_REDUCE ({rows}); set them "
+                         "alike on "
                          "every rank, or ranks would pick different paths for one collective "
                          "and hang")
     return s
@@ -91,21 +101,30 @@ def should_route(op: str, shape: Sequence[int], dtype: torch.dtype, dim: int, wo
                  sizes: Sequence[int] | None = None, rs_ready: bool = True) -> Decision:
     """Whether ``op`` on a per-rank input of ``shape`` / ``dtype`` along ``dim`` goes to
     sparkccl. ``sizes``: per-rank row counts of a ``*v`` collective (None: equal).
-    ``rs_ready``: the communicator's reduce-scatter buffers exist (asked under capture).
+    ``rs_ready``: the buffers the call needs exist (asked under capture): for a
+    reduce-scatter the communicator's reduce-scatter buffers, for an all-reduce
+    :func:`sparkccl.allreduce.capturable`.
 
     all-gather: ``shape`` is one rank's input; reduce-scatter: the full input
-    ``[world * m, ...]``. The size compared with ``settings.min_bytes`` is the whole
-    buffer either way (gathered output / reduce-scatter input).
+    ``[world * m, ...]``; all-reduce: the tensor (``dim`` is not looked at). The size
+    compared with ``settings.min_bytes`` is the whole buffer (gathered output /
+    reduce-scatter input); an all-reduce routes at every size.
     """
     if op not in OPS:
         raise ValueError(f"op={op!r}: must be one of {', '.join(OPS)}")
+    if op == "all_reduce" and not settings.all_reduce:
+        return Decision(False, "all-reduce off")
     if capturing:
         if not settings.captured:
             return Decision(False, "graph capture")
-        if op == "reduce_scatter" and not rs_ready:
+        if op != "all_gather" and not rs_ready:
             return Decision(False, "graph capture before the first reduce-scatter")
     if world < 2:
         return Decision(False, "single rank")
+    if op == "all_reduce":
+        if dtype not in RS_DTYPES:
+            return Decision(False, f"dtype {dtype}")
+        return Decision(math.prod(shape) > 0, "sparkccl" if math.prod(shape) else "empty")
     ndim = len(shape)
     if ndim == 0:
         return Decision(False, "0-dim tensor")
@@ -146,7 +165,8 @@ def describe(group: str, world: int, comm, settings: RouteSettings) -> str:
     """The one start-up line per group: what goes where."""
     captured = ("captured calls too (SPARKCCL_ENGINE_CAPTURED=1); smaller, " if settings.captured
                 else "smaller, captured, ")
-    return (f"sparkccl: {group} (world {world}): dim-0 all_gather / reduce_scatter from "
+    ar = ("all_reduce at every size and " if settings.all_reduce else "")
+    return (f"sparkccl: {group} (world {world}): {ar}dim-0 all_gather / reduce_scatter from "
             f"{_size(settings.min_bytes)} (whole buffer) on sparkccl, topology {comm.topology}, "
             f"transport {comm.transport}; {captured}other-dim and uneven calls stay on the "
             "engine's NCCL")

@@ -1,4 +1,5 @@
-"""SGLang plugin: sparkccl under SGLang's tensor-parallel all-gather and reduce-scatter.
+"""SGLang plugin: sparkccl under SGLang's tensor-parallel all-reduce, all-gather and
+reduce-scatter.
 
 Loaded by SGLang through the ``sglang.srt.plugins`` entry point; does nothing unless
 ``SPARKCCL_SGLANG=1``. When on, it registers AROUND hooks on
@@ -8,7 +9,14 @@ methods, end) and an AFTER hook on ``GroupCoordinator.__init__`` that builds a s
 ``Communicator`` over the group's gloo ``cpu_group`` for tensor-parallel groups (``tp:*``).
 Both calls are dim 0 on whole buffers (SGLang moves other dims itself), so the rule of
 :func:`sparkccl.integrations.routing.should_route` sees dim 0; whatever it declines runs
-SGLang's original method. See docs/VLLM_SGLANG.md.
+SGLang's original method.
+
+All-reduce is hooked AROUND the public ``GroupCoordinator.all_reduce(input_)``, before
+SGLang picks among its paths (custom all-reduce, symmetric memory, pynccl, the CPU shm
+kernel): a routed call returns sparkccl's result (a new tensor; SGLang's callers use the
+returned tensor). Under ``torch.compile`` tracing the call declines (a Python hook would be
+traced), so with ``--enable-torch-compile`` all-reduce stays on SGLang's path. See
+docs/VLLM_SGLANG.md.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import logging
 
 import torch
 
-from .. import config
+from .. import allreduce, config
 from . import routing
 
 log = logging.getLogger("sparkccl.sglang")
@@ -39,6 +47,7 @@ def register() -> None:
                           HookType.AROUND)
     HookRegistry.register(f"{TARGET}._reduce_scatter_tensor", reduce_scatter_tensor,
                           HookType.AROUND)
+    HookRegistry.register(f"{TARGET}.all_reduce", all_reduce, HookType.AROUND)
     log.info("sparkccl: SGLang plugin on: %s groups route through sparkccl",
              "/".join(ROUTED_GROUPS))
 
@@ -94,6 +103,24 @@ def _decide(group, op, input, output) -> _GroupState | None:
         d = routing.Decision(False, "output shape")
     st.counts[(op, d.reason)] += 1
     return st if d.route else None
+
+
+def all_reduce(original, group, input_: torch.Tensor):
+    st = _state(group)
+    if st.comm is None:
+        return original(group, input_)
+    if torch.compiler.is_compiling():
+        d = routing.Decision(False, "torch.compile")
+    else:
+        capturing = routing.stream_capturing()
+        d = routing.should_route("all_reduce", tuple(input_.shape), input_.dtype, 0,
+                                 group.world_size, st.settings, capturing=capturing,
+                                 rs_ready=not capturing or allreduce.capturable(
+                                     st.comm, input_.nbytes))
+    st.counts[("all_reduce", d.reason)] += 1
+    if not d.route:
+        return original(group, input_)
+    return st.comm.all_reduce(input_.contiguous())
 
 
 def _fits(op, input, output, world) -> bool:

@@ -6,7 +6,7 @@
     dist.init_process_group("sparkccl")                  # or dist.new_group(backend="sparkccl")
     dist.all_gather_single(out, x)      # -> sparkccl (before torch 2.13: all_gather_into_tensor)
     dist.reduce_scatter_single(out, y)  # -> sparkccl, SUM / AVG (before 2.13: reduce_scatter_tensor)
-    dist.all_reduce(z)                                   # -> sparkccl: reduce-scatter + all-gather
+    dist.all_reduce(z)                  # -> sparkccl, SUM / AVG, any size
     dist.broadcast(z, 0)                                 # -> the fallback group (gloo / NCCL)
 
 The group is a Python ``ProcessGroup``: c10d uses it as it is, so it holds its own fallback
@@ -15,6 +15,12 @@ c10d hands the creator, and routes every call itself. A call goes to sparkccl on
 :func:`decline_reason` says so; that rule looks only at shapes, dtypes, the group and
 settings, so every rank makes the same choice (one rank in sparkccl while another waits in
 NCCL would hang both).
+
+Reductions (all-reduce, reduce-scatter; SUM / AVG in bf16 / fp16 / fp32) stay in sparkccl
+at every size, so their sums are the rank-order fp32 sums everywhere (gloo's and NCCL's
+are not). ``SPARKCCL_TORCH_MIN_BYTES`` sends small all-gathers (exact on either path) to
+the fallback; small reductions follow it only on the opt-in
+``SPARKCCL_TORCH_INEXACT_SMALL=1``, which gives up exactness for them.
 
 The Communicator of a device type is created on the first call routed to sparkccl for that
 device type. Creation is collective; it happens at the same call on every rank because the
@@ -32,11 +38,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
 from .. import config
+from ..allreduce import divide
 from ..errors import CollectiveError
 
 BACKEND_NAME = "sparkccl"
 REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_BYTES_VARIABLE = "SPARKCCL_TORCH_MIN_BYTES"
+INEXACT_SMALL_VARIABLE = "SPARKCCL_TORCH_INEXACT_SMALL"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _PG = dist.ProcessGroup
@@ -59,13 +67,21 @@ class Options:
     """What ``pg_options=`` of ``init_process_group`` / ``new_group`` can set for this backend.
 
     ``topology``, ``transport``, ``slot_bytes``, ``timeout_s`` go to the
-    :class:`sparkccl.Communicator`; ``min_bytes`` overrides ``SPARKCCL_TORCH_MIN_BYTES``.
+    :class:`sparkccl.Communicator`; ``min_bytes`` overrides ``SPARKCCL_TORCH_MIN_BYTES``,
+    ``inexact_small`` ``SPARKCCL_TORCH_INEXACT_SMALL``.
     """
     topology: str = "mesh"
     transport: str = "auto"
     slot_bytes: int | str | None = None
     timeout_s: float | None = None
     min_bytes: int | str | None = None
+    inexact_small: bool | None = None
+
+
+def _parse_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"sparkccl backend: {name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _is_sum(op) -> bool:
@@ -89,14 +105,15 @@ def capturing() -> bool:
 
 
 def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: int,
-                   min_bytes: int, op=None) -> str | None:
+                   min_bytes: int, op=None, inexact_small: bool = False) -> str | None:
     """Why a call goes to the fallback group, or None when sparkccl takes it.
 
     ``kind`` is ``"all_gather"`` (``out`` is the gathered tensor), ``"reduce_scatter"``
     (``inp`` is the full tensor) or ``"all_reduce"`` (``inp is out``). The answer depends
     only on shapes, dtypes, layout, device type, the group's size, the reduce op and the
     settings (and on CUDA graph capture, which every rank enters together), never on
-    anything one rank could see differently.
+    anything one rank could see differently. ``min_bytes`` applies to all-gathers, and to
+    reductions only with ``inexact_small`` (the fallback's sums are not rank-order exact).
     """
     if world < 2:
         # The Communicator needs two ranks or more.
@@ -125,10 +142,9 @@ def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: in
             return f"reduce op {_op_name(op)}"
         if kind == "reduce_scatter" and inp.numel() != world * out.numel():
             return "uneven sizes"
-        if kind == "all_reduce" and inp.numel() % world:
-            return "uneven sizes"
         full = inp
-    if full.numel() * full.element_size() < min_bytes:
+    if ((kind == "all_gather" or inexact_small)
+            and full.numel() * full.element_size() < min_bytes):
         return f"below {MIN_BYTES_VARIABLE}"
     return None
 
@@ -223,29 +239,32 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._world = world_size
         self._store = store
-        self.min_bytes = self._agreed_min_bytes(store)
+        self.min_bytes = int(self._agreed(store, "min_bytes", MIN_BYTES_VARIABLE,
+                                          self.options.min_bytes, config.parse_bytes))
+        self.inexact_small = self._agreed(store, "inexact_small", INEXACT_SMALL_VARIABLE,
+                                          self.options.inexact_small, _parse_bool) == "True"
         self._comms: dict = {}
         self._lock = threading.Lock()
         self.routed: Counter = Counter()
         self.declined: Counter = Counter()
         self._fallback = self._build_fallback(store, rank, world_size, timeout, global_ranks)
 
-    def _agreed_min_bytes(self, store) -> int:
-        """The threshold, checked to be the same on every rank: the routing rule reads it, and
-        ranks that disagree would route the same call differently and hang. A rank whose
-        setting does not parse still posts (its error), so every rank raises at once."""
+    def _agreed(self, store, name: str, variable: str, given, parse) -> str:
+        """A routing setting (``given``, else ``variable``) as text, checked to be the same
+        on every rank: the routing rule reads it, and ranks that disagree would route the
+        same call differently and hang. A rank whose setting does not parse still posts
+        (its error), so every rank raises at once."""
         try:
-            mine = str(config.get(MIN_BYTES_VARIABLE) if self.options.min_bytes is None
-                       else config.parse_bytes(self.options.min_bytes, "min_bytes"))
-        except ValueError as e:
-            mine = f"{type(e).__name__}: {e}"
-        store.set(f"sparkccl-settings/{self._rank}", mine)
-        values = [store.get(f"sparkccl-settings/{r}").decode() for r in range(self._world)]
-        if len(set(values)) > 1 or not values[0].isdigit():
-            raise ValueError("sparkccl backend: the ranks must agree on min_bytes / "
-                             f"{MIN_BYTES_VARIABLE}: " + ", ".join(
-                                 f"rank {r}: {v}" for r, v in enumerate(values)))
-        return int(mine)
+            mine = str(config.get(variable) if given is None else parse(given, name))
+            failed = False
+        except (ValueError, TypeError) as e:
+            mine, failed = f"{type(e).__name__}: {e}", True
+        store.set(f"sparkccl-settings/{name}/{self._rank}", mine)
+        values = [store.get(f"sparkccl-settings/{name}/{r}").decode() for r in range(self._world)]
+        if len(set(values)) > 1 or failed:
+            raise ValueError(f"sparkccl backend: the ranks must agree on {name} / {variable}: "
+                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+        return mine
 
     def _build_fallback(self, store, rank, world_size, timeout, global_ranks) -> dist.ProcessGroup:
         fb = dist.ProcessGroup(dist.PrefixStore("fallback/", store), rank, world_size)
@@ -279,7 +298,8 @@ class SparkcclProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return (f"SparkcclProcessGroup(rank={self._rank}, world_size={self._world}, "
-                f"topology={self.options.topology!r}, min_bytes={self.min_bytes})")
+                f"topology={self.options.topology!r}, min_bytes={self.min_bytes}, "
+                f"inexact_small={self.inexact_small})")
 
     # ---- the communicators ----------------------------------------------------------
     def communicator(self, device: torch.device | str = "cpu"):
@@ -303,7 +323,8 @@ class SparkcclProcessGroup(dist.ProcessGroup):
         return comm
 
     def decline_reason(self, kind: str, inp: torch.Tensor, out: torch.Tensor, op=None):
-        return decline_reason(kind, inp, out, world=self._world, min_bytes=self.min_bytes, op=op)
+        return decline_reason(kind, inp, out, world=self._world, min_bytes=self.min_bytes, op=op,
+                              inexact_small=self.inexact_small)
 
     def _route(self, kind, inp, out, op=None) -> bool:
         reason = self.decline_reason(kind, inp, out, op)
@@ -354,7 +375,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
             if _is_avg(op):
                 # The exact fp32 sum in rank order, divided once (16-bit inputs travel as fp32).
                 s = comm.reduce_scatter(input.reshape(-1).float())
-                output.view(-1).copy_(s.div_(W))
+                output.view(-1).copy_(divide(s, W))
             else:
                 _write_into(output, input,
                             lambda out: comm.reduce_scatter(input.reshape(-1), out=out))
@@ -380,17 +401,7 @@ class SparkcclProcessGroup(dist.ProcessGroup):
             return self._fallback_reduce("allreduce", (tensors,), tensors, opts)
         t = tensors[0]
         comm = self.communicator(t.device)
-        W = self._world
-
-        def run():
-            flat = t.view(-1)
-            if _is_avg(op):
-                chunk = comm.reduce_scatter(flat.float()).div_(W).to(t.dtype)
-            else:
-                chunk = comm.reduce_scatter(flat)
-            # Every rank gathers the same chunks: the same bits everywhere.
-            comm.all_gather(chunk, out=flat)
-        return self._run([t], run)
+        return self._run([t], lambda: comm.all_reduce(t, "avg" if _is_avg(op) else "sum", out=t))
 
     def _fallback_reduce(self, method: str, args: tuple, outputs, opts):
         """The fallback's reduce; AVG on gloo (which has no AVG) as SUM, then one division."""

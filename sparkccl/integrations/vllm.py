@@ -1,4 +1,5 @@
-"""vLLM plugin: sparkccl under vLLM's tensor-parallel all-gather and reduce-scatter.
+"""vLLM plugin: sparkccl under vLLM's tensor-parallel all-reduce, all-gather and
+reduce-scatter.
 
 Loaded by vLLM itself through the ``vllm.general_plugins`` entry point (every process,
 before the groups are built). Does nothing unless ``SPARKCCL_VLLM=1``. When on, it makes
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from .. import config
+from .. import allreduce, config
 from . import routing
 
 log = logging.getLogger("sparkccl.vllm")
@@ -114,6 +115,21 @@ def _make_class():
             return y if output is None else output.copy_(y)
 
         # ---- routed collectives ----------------------------------------------------
+        def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+            # Out of place, as vLLM's own: GroupCoordinator.all_reduce returns the result.
+            if self.sparkccl is not None:
+                # (rs_ready only matters under capture; asked there alone, it costs nothing)
+                capturing = routing.stream_capturing()
+                d = routing.should_route(
+                    "all_reduce", tuple(input_.shape), input_.dtype, 0, self.world_size,
+                    self.route_settings, capturing=capturing,
+                    rs_ready=not capturing or allreduce.capturable(self.sparkccl,
+                                                                   input_.nbytes))
+                self.route_counts[("all_reduce", d.reason)] += 1
+                if d.route:
+                    return self.sparkccl.all_reduce(input_.contiguous())
+            return super().all_reduce(input_)
+
         def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
             if self._decide("all_gather", input_.shape, input_.dtype, dim):
                 return self._gather(input_)

@@ -1,9 +1,9 @@
 """Symbolic execution of plans: proves them before any byte moves.
 
 The verifier runs every rank's data plane and proxy over a sequence of collectives
-(all-gathers, reduce-scatters and finalizes of assorted sizes, which makes every slot be
-reused), tracking for every byte range *what* it holds (origin rank, origin block,
-offset) and *how* it got there (connection, position in that connection's ordered
+(all-gathers, reduce-scatters, finalizes and fused all-reduces of assorted sizes, which
+makes every slot be reused), tracking for every byte range *what* it holds (origin rank,
+origin block, offset) and *how* it got there (connection, position in that connection's ordered
 stream). The model is monotone (triggers only become true), so reaching the end in one
 order means every order reaches it; every property below is checked with the ordering
 guarantees alone (the transport's per-connection order, flags, stream order), never
@@ -39,9 +39,16 @@ class PlanError(AssertionError):
     """A plan violates a property the protocol relies on."""
 
 
+ALL_REDUCE = "AR"
+"""The fused all-reduce: one sequence number, both ops (docs/PROTOCOL.md "All-reduce"). Also
+the key of its port loads in :class:`Report` (the other collectives' are their op)."""
+
+
 @dataclass(frozen=True)
 class Collective:
-    """One call in the simulated sequence. ``kind`` is 'AG', 'RS' or 'FIN' (finalize)."""
+    """One call in the simulated sequence. ``kind`` is 'AG', 'RS', 'FIN' (finalize) or 'AR'
+    (the fused all-reduce: a reduce-scatter whose rank publishes all-gather piece c of its
+    reduced chunk once piece c of its chunk came from every source, all under one seq)."""
 
     kind: str
     slice_bytes: int
@@ -49,7 +56,17 @@ class Collective:
 
     @property
     def op(self) -> Op:
+        """The op of its first publish (an all-reduce's reduce-scatter part)."""
         return Op.AG if self.kind == "AG" else Op.RS
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op it publishes and waits under, in the order it does."""
+        return (Op.RS, Op.AG) if self.kind == ALL_REDUCE else (self.op,)
+
+    @property
+    def load_key(self):
+        return ALL_REDUCE if self.kind == ALL_REDUCE else self.op
 
 
 DEFAULT_SIZES = (1, 15, 16, 17, 127, 128, 129, 1000, 4112, 65537)
@@ -59,7 +76,7 @@ DEFAULT_FIN_ROWS = ((8, 16), (13, 48), (100, 8192))
 
 def default_sequence(sizes: Sequence[int] = DEFAULT_SIZES) -> list[Collective]:
     """A mix in which every kind sees several sizes and every slot is reused."""
-    kinds = ["AG", "RS", "AG", "FIN", "RS", "AG", "AG", "RS", "FIN", "RS", "AG", "AG", "RS"]
+    kinds = ["AG", "RS", "AG", "FIN", "AR", "AG", "AG", "RS", "FIN", "AR", "AG", "AG", "RS"]
     seq, fins = [], 0
     for i, k in enumerate(kinds * 2):
         if k == "FIN":
@@ -109,13 +126,14 @@ class Report:
     port_out: dict = field(default_factory=dict)
     port_in: dict = field(default_factory=dict)
 
-    def max_port_load(self, op: Op) -> float:
+    def max_port_load(self, op) -> float:
+        """``op``: an Op, or ALL_REDUCE for the fused all-reduce (both ops of one seq)."""
         vals = [v for (o, _, _), v in self.port_out.items() if o == op]
         vals += [v for (o, _, _), v in self.port_in.items() if o == op]
         return max(vals)
 
 
-def lower_bound(op: Op, topology: str, world: int) -> float:
+def lower_bound(op, topology: str, world: int) -> float:
     """Least slices some port must carry per call (one direction), moving raw bytes.
 
     Every rank must receive (world-1) slices. A mesh rank has one port: world-1. A ring
@@ -124,7 +142,15 @@ def lower_bound(op: Op, topology: str, world: int) -> float:
     (total slice-hops) / (2 * world). All-gather data can be shared by every target along
     a path (a slice needs world-1 link crossings at least); reduce-scatter data differs
     per target, so chunk t of every origin must cross every link on its shortest path.
+
+    ALL_REDUCE (slice = one rank's chunk, 1/world of the vector): no rank can reduce
+    another's chunk (rank order, rounded once, only where the whole sum is), so every
+    origin's raw chunk t reaches rank t and rank t's reduced chunk reaches every rank: the
+    reduce-scatter's bound plus the all-gather's. On a mesh 2 (world-1) slices, i.e. each
+    rank sends and receives 2 (world-1)/world of the vector, the bound of any all-reduce.
     """
+    if op == ALL_REDUCE:
+        return lower_bound(Op.RS, topology, world) + lower_bound(Op.AG, topology, world)
     if topology == "mesh":
         return float(world - 1)
     if op == Op.AG:
@@ -145,12 +171,15 @@ class _Sim:
         # data plane state per rank
         self.dp_seq = [0] * w  # next collective to run
         self.dp_vec: list[Vec] = [zero] * w  # happens-before at the end of the last done
-        self.published: list[dict] = [dict() for _ in range(w)]  # (seq, piece, chunk|-1) -> vec
-        self.first_pub: list[dict] = [dict() for _ in range(w)]  # seq -> vec of its first entry
+        self.published: list[dict] = [dict() for _ in range(w)]  # (seq, op, piece, chunk|-1) -> vec
+        # (seq, op) -> vec of the rank's first entry of that op and seq
+        self.first_pub: list[dict] = [dict() for _ in range(w)]
+        # fused all-reduce in progress: rank -> (seq, next AG piece to publish, vec so far)
+        self.ar_state: dict[int, tuple[int, int, Vec]] = {}
         # proxy state: per (rank, stream) cursor = (index into colls of its op, piece)
         self.cursor = {(r, k): (0, 0) for r, p in enumerate(plans) for k in range(len(p.streams))}
         self.stream_vec = {key: zero for key in self.cursor}
-        self.op_colls = {op: [i for i, c in enumerate(self.colls) if c.op == op] for op in Op}
+        self.op_colls = {op: [i for i, c in enumerate(self.colls) if op in c.ops] for op in Op}
         # connection order: (rank, conn) -> next index; and the vec of the last post
         self.conn_next: dict[tuple, int] = {}
         self.conn_vec: dict[tuple, Vec] = {}
@@ -233,57 +262,89 @@ class _Sim:
         if s >= len(self.colls):
             return False
         coll = self.colls[s]
-        plan = self.plans[r]
         start = self.dp_vec[r]
-        if s not in self.first_pub[r]:
-            self.first_pub[r][s] = start
+        if (s, coll.op) not in self.first_pub[r]:
+            self.first_pub[r][(s, coll.op)] = start
             self._dp_publish(r, s, coll, start)
             return True
-        # Wait for every piece from every source, then read and finish.
-        vec = start
-        for src in range(self.world):
-            if src == r:
-                continue
-            words = plan.waits[coll.op][src]
-            if not words:
-                self._fail(f"rank {r} has no flag to wait on for {coll.op.name} data from rank {src}")
-            for c in range(PIECES):
-                proofs = []
-                for w in words:
-                    fw = self._flag_satisfier(r, w, flag_value(s, c))
-                    if fw is None:
-                        return False
-                    proofs.append(fw)
-                    vec = _join(vec, fw.vec)
+        vec, progress = start, False
+        if coll.kind == ALL_REDUCE:
+            # Piece c of this rank's chunk from every source -> its sum lands in the own AG
+            # block and goes out as all-gather piece c (everything that read happens before).
+            held = self.ar_state.get(r)
+            c0, vec = (held[1], held[2]) if held is not None and held[0] == s else (0, start)
+            for c in range(c0, PIECES):
+                got = self._receive_piece(r, s, coll, Op.RS, c)
+                if got is None:
+                    self.ar_state[r] = (s, c, vec)
+                    return progress
+                vec = _join(vec, got)
+                if c == 0:
+                    self.first_pub[r][(s, Op.AG)] = vec
+                    self._note_write(r, Region.AG, s, vec)
                 lo, hi = piece_bounds(coll.slice_bytes, c, coll.granule)
-                region = Region.AG if coll.op == Op.AG else Region.RS_RECV
-                recs = self._covering(r, region, s, src, lo, hi,
-                                      f"rank {r} data plane, {coll.kind} seq {s} piece {c}")
-                want_block = src if coll.op == Op.AG else r
-                for rec in recs:
-                    if rec.origin != src or rec.content_block != want_block:
-                        self._fail(f"rank {r} {coll.kind} seq {s}: block {src} bytes "
-                                   f"[{rec.lo},{rec.hi}) hold rank {rec.origin}'s block "
-                                   f"{rec.content_block}, expected rank {src}'s block {want_block}")
-                self._check_proven(recs, proofs, f"rank {r} {coll.kind} seq {s} piece {c}")
+                self._land(r, Region.AG, s, r, _Record(lo, hi, r, r, None, 0),
+                           f"rank {r} all-reduce sum of piece {c}")
+                self.published[r][(s, Op.AG, c, -1)] = vec
+                progress = True
+            self.ar_state[r] = (s, PIECES, vec)
+        # Wait for every piece from every source, then read and finish.
+        for c in range(PIECES):
+            got = self._receive_piece(r, s, coll, coll.ops[-1], c)
+            if got is None:
+                return progress
+            vec = _join(vec, got)
         # Everything received: check the output is complete (nothing missing, no extras).
-        region = Region.AG if coll.op == Op.AG else Region.RS_RECV
-        for src in range(self.world):
-            if src == r:
-                continue
-            recs = self.contents.get((r, region, s, src), [])
-            got = sum(x.hi - x.lo for x in recs)
-            if got != coll.slice_bytes:
-                self._fail(f"rank {r} {coll.kind} seq {s}: block {src} received {got} bytes, "
-                           f"expected {coll.slice_bytes}")
-            self._note_read(r, region, s, ("done", r))
-        if coll.op == Op.RS:
-            self._note_read(r, Region.RS_SEND, s, ("done", r))
+        for op in coll.ops:
+            region = Region.AG if op == Op.AG else Region.RS_RECV
+            for src in range(self.world):
+                if src == r:
+                    continue
+                recs = self.contents.get((r, region, s, src), [])
+                got = sum(x.hi - x.lo for x in recs)
+                if got != coll.slice_bytes:
+                    self._fail(f"rank {r} {coll.kind} seq {s}: {op.name} block {src} received "
+                               f"{got} bytes, expected {coll.slice_bytes}")
+                self._note_read(r, region, s, ("done", r))
+            if op == Op.RS:
+                self._note_read(r, Region.RS_SEND, s, ("done", r))
         vec = list(vec)
         vec[r] = s
         self.dp_vec[r] = tuple(vec)
         self.dp_seq[r] = s + 1
         return True
+
+    def _receive_piece(self, r: int, s: int, coll: Collective, op: Op, c: int) -> Vec | None:
+        """Piece c of ``op``'s data from every source at rank r, checked (right origin and
+        block, proven arrived by the flags that released it): the join of those flags'
+        vectors, or None while a wait is unsatisfied."""
+        plan = self.plans[r]
+        lo, hi = piece_bounds(coll.slice_bytes, c, coll.granule)
+        region = Region.AG if op == Op.AG else Region.RS_RECV
+        vecs = []
+        for src in range(self.world):
+            if src == r:
+                continue
+            words = plan.waits[op][src]
+            if not words:
+                self._fail(f"rank {r} has no flag to wait on for {op.name} data from rank {src}")
+            proofs = []
+            for w in words:
+                fw = self._flag_satisfier(r, w, flag_value(s, c))
+                if fw is None:
+                    return None
+                proofs.append(fw)
+                vecs.append(fw.vec)
+            recs = self._covering(r, region, s, src, lo, hi,
+                                  f"rank {r} data plane, {coll.kind} seq {s} {op.name} piece {c}")
+            want_block = src if op == Op.AG else r
+            for rec in recs:
+                if rec.origin != src or rec.content_block != want_block:
+                    self._fail(f"rank {r} {coll.kind} seq {s}: {op.name} block {src} bytes "
+                               f"[{rec.lo},{rec.hi}) hold rank {rec.origin}'s block "
+                               f"{rec.content_block}, expected rank {src}'s block {want_block}")
+            self._check_proven(recs, proofs, f"rank {r} {coll.kind} seq {s} {op.name} piece {c}")
+        return _join(*vecs)
 
     def _dp_publish(self, r: int, s: int, coll: Collective, vec: Vec) -> None:
         if coll.op == Op.AG:
@@ -291,21 +352,21 @@ class _Sim:
             for c in range(PIECES):
                 lo, hi = piece_bounds(coll.slice_bytes, c, coll.granule)
                 self._land(r, Region.AG, s, r, _Record(lo, hi, r, r, None, 0), f"rank {r} copy-in")
-                self.published[r][(s, c, -1)] = vec
+                self.published[r][(s, Op.AG, c, -1)] = vec
             return
         self._note_write(r, Region.RS_SEND, s, vec)
         for j in range(self.world):
             self.contents[(r, Region.RS_SEND, s, j)] = [
                 _Record(0, coll.slice_bytes, r, j, None, 0)]
-        if coll.kind == "RS":
+        if coll.kind in ("RS", ALL_REDUCE):
             for c in range(PIECES):
-                self.published[r][(s, c, -1)] = vec
+                self.published[r][(s, Op.RS, c, -1)] = vec
         else:
             # Finalize publishes (piece, destination) as blocks finish: deliberately out
             # of order here, so streams must hold early pieces back.
             for c in reversed(range(PIECES)):
                 for j in reversed(range(self.world)):
-                    self.published[r][(s, c, j)] = vec
+                    self.published[r][(s, Op.RS, c, j)] = vec
 
     # -- proxy -----------------------------------------------------------------------
     def _stream_step(self, r: int, k: int) -> bool:
@@ -317,15 +378,17 @@ class _Sim:
             return False
         s = order[ci]
         coll = self.colls[s]
-        # The proxy learns a collective's sizes from this rank's own first entry.
-        info = self.first_pub[r].get(s)
+        # The proxy learns a collective's sizes from this rank's own first entry of the op
+        # (per op: an all-reduce's all-gather relays wait for the rank's own first sum).
+        info = self.first_pub[r].get((s, st.op))
         if info is None:
             return False
         vec = _join(self.stream_vec[(r, k)], info)
         proofs: list[_FlagWrite] = []
         if isinstance(st.trigger, OnPublish):
             for j in st.trigger.chunks:
-                pv = self.published[r].get((s, c, -1)) or self.published[r].get((s, c, j))
+                pv = (self.published[r].get((s, st.op, c, -1))
+                      or self.published[r].get((s, st.op, c, j)))
                 if pv is None:
                     return False
                 vec = _join(vec, pv)
@@ -399,8 +462,8 @@ class _Sim:
             s = self.dp_seq[r]
             coll = self.colls[s]
             missing = []
-            for src in range(self.world):
-                for w in self.plans[r].waits[coll.op][src] if src != r else ():
+            for src, op in ((src, op) for op in coll.ops for src in range(self.world)):
+                for w in self.plans[r].waits[op][src] if src != r else ():
                     for c in range(PIECES):
                         if self._flag_satisfier(r, w, flag_value(s, c)) is None:
                             missing.append(f"word {w} (from rank {src}) piece {c}")
@@ -416,7 +479,7 @@ class _Sim:
         _, rank, word, s, c = witness
         coll = self.colls[s]
         out: set[int] = set()
-        if any(word in ws for ws in self.plans[rank].waits[coll.op]):
+        if any(word in ws for op in coll.ops for ws in self.plans[rank].waits[op]):
             out.add(rank)
         # Relays triggered by this word at ``rank`` carry the proof further.
         for k, st in enumerate(self.plans[rank].streams):
@@ -446,7 +509,7 @@ class _Sim:
         for src, dst in ((self.port_bytes_out, out), (self.port_bytes_in, inn)):
             for (s, r, ch), n in src.items():
                 coll = self.colls[s]
-                key = (coll.op, r, ch)
+                key = (coll.load_key, r, ch)
                 dst[key] = max(dst.get(key, 0.0), n / coll.slice_bytes)
         return out, inn
 
@@ -493,7 +556,8 @@ def verify_plans(plans: Sequence[RankPlan], sequence: Sequence[Collective] | Non
     p0 = plans[0]
     report = Report(p0.topology, p0.world, p0.roots, len(seq))
     # Loads on a size that splits evenly, so the figures are the plan's, not rounding's.
-    even = [Collective("AG", 1 << 20), Collective("RS", 1 << 20)]
+    even = [Collective("AG", 1 << 20), Collective("RS", 1 << 20),
+            Collective(ALL_REDUCE, 1 << 20)]
     sim2 = _Sim(plans, even, dict(slots or REGION_SLOTS))
     sim2.run()
     report.port_out, report.port_in = sim2.port_loads()

@@ -1,0 +1,192 @@
+"""All-reduce: every rank gets the elementwise sum (or mean) over ranks of its ``x``.
+
+The one definition (docs/CONTRACT.md "All-reduce"): the sum is taken in fp32 in rank order
+0, 1, ..., world-1, starting from rank 0's value, and rounded once to ``x.dtype``; AVG
+divides that fp32 sum once by the world size (an fp32 division) and then rounds once. It
+is the same definition as reduce-scatter's, so every rank, topology and transport gets the
+same bits, whichever of the two regimes below ran:
+
+* **one shot** (decode, latency-bound sizes): one all-gather of every rank's whole vector
+  (on a ring the all-gather relays), then each rank sums the W vectors locally in rank
+  order. One collective on the wire; each rank receives (W-1) x n bytes.
+* **two step** (prefill, bandwidth-bound sizes): a reduce-scatter (each rank sums its
+  1/W chunk, through the zero-copy input buffer) then an all-gather of the reduced chunks;
+  each rank receives 2 (W-1)/W x n bytes. Where the data plane implements it
+  (``fused_all_reduce``: the CPU twin), the two are one operation under one sequence
+  number: piece c of the rank's reduced chunk is published as all-gather piece c as soon
+  as it is summed (docs/PROTOCOL.md "All-reduce"), and AVG's inputs travel in their own
+  dtype (the plane divides its fp32 sum before rounding). Elsewhere two collectives.
+
+The crossover is ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES`` (the tensor's bytes, every rank's
+is the same), which every rank must agree on (checked at creation): the choice looks at
+nothing else, so every rank runs the same collectives.
+
+Both regimes are built only from all-gather, reduce-scatter and elementwise torch ops
+queued on the caller's stream: on CUDA nothing synchronizes the host, and the temporaries
+come from torch's caching allocator (a CUDA graph capture takes them from its own pool),
+so an all-reduce can be captured once the communicator has run one reduce-scatter
+eagerly (the reduce-scatter buffers are set up on first use, which cannot be captured).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from . import comm as _comm
+from .plan.geometry import ALIGN, round_up
+
+OPS = ("sum", "avg")
+ONE_SHOT = "one_shot"
+TWO_STEP = "two_step"
+REGIMES = (ONE_SHOT, TWO_STEP)
+
+
+def check_op(op, what: str) -> bool:
+    """``op`` checked; True for AVG."""
+    if not isinstance(op, str):
+        raise TypeError(f"{what}: op must be a str ('sum' or 'avg'), got {type(op).__name__}")
+    if op.lower() not in OPS:
+        raise ValueError(f"{what}: op={op!r}: must be 'sum' or 'avg'")
+    return op.lower() == "avg"
+
+
+def regime_for(comm, nbytes: int) -> str:
+    """The regime an all-reduce of ``nbytes`` (per rank) runs in on ``comm``: a function of
+    the size and the agreed setting only, so the same on every rank."""
+    settings = comm._wiring.settings if comm._wiring is not None else None
+    limit = settings.allreduce_oneshot_bytes if settings is not None else 0
+    return ONE_SHOT if nbytes <= limit else TWO_STEP
+
+
+def capturable(comm, nbytes: int) -> bool:
+    """Can an all-reduce of ``nbytes`` be captured in a CUDA graph now? One shot: always;
+    reduce-scatter + all-gather: once the reduce-scatter buffers exist (their setup cannot
+    be captured). The same answer on every rank that made the same calls before."""
+    return regime_for(comm, nbytes) == ONE_SHOT or comm._rs_ready
+
+
+def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
+               regime: str | None = None, fused: bool | None = None) -> torch.Tensor:
+    """:meth:`sparkccl.Communicator.all_reduce`; ``regime`` forces one, ``fused=False`` the
+    two-step regime's two collectives where the plane has the fused operation (tests,
+    benchmarks)."""
+    what = "all_reduce"
+    comm._check_open(what)
+    checks.tensor(x, comm.device, what)
+    if x.dtype not in _comm.RS_DTYPES:
+        raise TypeError(f"{what}: dtype {x.dtype} is not supported; use torch.bfloat16, "
+                        "torch.float16 or torch.float32 (e.g. x.to(torch.bfloat16))")
+    avg = check_op(op, what)
+    if regime is not None and regime not in REGIMES:
+        raise ValueError(f"{what}: regime={regime!r}: must be one of {', '.join(REGIMES)}")
+    out = checks.out(out, comm.device, what, tuple(x.shape), x.dtype)
+    n = x.numel()
+    if n == 0:  # every rank has the same empty shape: nothing to send, no sequence number
+        return out
+    dst = out.view(-1)
+    if comm.single:  # the sum of one term (divided by 1) is the term itself
+        dst.copy_(x.detach().reshape(-1))
+        return out
+    comm._check_alive(what)
+    flat = x.detach().reshape(-1)
+    if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
+        _one_shot(comm, flat, avg, dst)
+    else:
+        _two_step(comm, flat, avg, dst, comm._dp.fused_all_reduce if fused is None else fused)
+    return out
+
+
+def _one_shot(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+    n, W = flat.numel(), comm.world_size
+    gathered = comm.all_gather(flat)
+    rank_order_sum([gathered[r * n:(r + 1) * n] for r in range(W)], avg, dst)
+
+
+def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor, fused: bool) -> None:
+    if fused:
+        _fused(comm, flat, avg, dst)
+        return
+    n, W = flat.numel(), comm.world_size
+    # AVG divides the fp32 sum, not a sum already rounded to 16 bits: its reduce-scatter
+    # runs in fp32 (the values convert exactly; the same fp32 additions in the same order).
+    work = torch.float32 if avg else flat.dtype
+    # Chunks of a multiple of 16 bytes: the input can be the send slot itself (zero-copy).
+    total = round_up(n, W * (ALIGN // work.itemsize))
+    buf = comm.reduce_scatter_input((total,), work)
+    buf[:n].copy_(flat)
+    if total > n:
+        buf[n:].zero_()  # its sums are computed and dropped
+    chunk = comm.reduce_scatter(buf)
+    if avg:
+        chunk = divide(chunk, W).to(dst.dtype)
+    if total == n:
+        comm.all_gather(chunk, out=dst)
+    else:
+        dst.copy_(comm.all_gather(chunk)[:n])
+
+
+def _fused(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+    """The two-step regime as the data plane's one operation per slot-sized piece of the
+    chunks (``DataPlaneBase.all_reduce``): the input padded with zeros to W chunks of a
+    multiple of 16 bytes, written straight into the reduce-scatter send slot when the chunk
+    fits one (zero-copy input, as ``_two_step``'s reduce_scatter_input)."""
+    n, W, dtype = flat.numel(), comm.world_size, flat.dtype
+    total = round_up(n, W * (ALIGN // dtype.itemsize))
+    chunk = total // W * dtype.itemsize  # bytes
+    res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
+    with comm._lock:
+        comm._check_alive("all_reduce")
+        if not comm._rs_ready:
+            comm._check_setup_capturable("all_reduce")
+            comm._ensure_rs()
+        dp = comm._dp
+        if chunk <= comm.max_slice and comm._seq_on_host():  # (else the slot is the GPU's)
+            base = (comm.seq % _comm.RS_SLOTS) * comm.sizes.rs_send_stride
+            buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
+            buf[:n].copy_(flat)
+            buf[n:].zero_()  # its sums are computed and dropped
+            dp.all_reduce(comm._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg)
+        else:
+            src = flat
+            if total > n:
+                src = torch.zeros(total, dtype=dtype, device=flat.device)
+                src[:n].copy_(flat)
+            for off in range(0, chunk, comm.max_slice):
+                L = min(comm.max_slice, chunk - off)
+                dp.all_reduce(comm._next_seq(), src, off, chunk, L, res, off, chunk, dtype, avg)
+            dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
+        # The send slot was overwritten: a reduce_scatter_input() buffer handed out before
+        # is no longer the next reduce-scatter's (reduce_scatter refuses it).
+        comm._rs_count += 1
+        comm._handout = None
+    if res is not dst:
+        dst.copy_(res[:n])
+
+
+def rank_order_sum(parts: list, avg: bool, dst: torch.Tensor) -> None:
+    """``dst`` = the sum of ``parts`` (rank 0's first) in fp32, AVG divided once, rounded
+    once. One elementwise add per term, in order (never a reduction over the rank
+    dimension, whose order torch does not specify)."""
+    if dst.dtype == torch.float32 and not any(_overlaps(dst, p) for p in parts[1:]):
+        acc = dst
+        acc.copy_(parts[0])
+    else:
+        acc = parts[0].to(torch.float32, copy=True)
+    for p in parts[1:]:
+        acc.add_(p)  # a 16-bit term converts exactly to fp32; one fp32 rounding per add
+    if avg:
+        divide(acc, len(parts))
+    if acc is not dst:
+        dst.copy_(acc)  # the one rounding to dst's dtype (round to nearest even)
+
+
+def divide(t: torch.Tensor, w: int) -> torch.Tensor:
+    """``t /= w`` in place as an IEEE fp32 division of every element. The divisor is a
+    tensor on ``t``'s device: torch's CUDA division by a Python number multiplies by the
+    reciprocal instead, which rounds differently for a w that is not a power of two."""
+    return t.div_(torch.full((1,), float(w), dtype=t.dtype, device=t.device))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
