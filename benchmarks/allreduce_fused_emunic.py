@@ -48,11 +48,11 @@ def _job(rank, world, store, topology, n_elems, iters):
         xs = [make_input(7, q, (n_elems,), torch.bfloat16) for q in range(world)]
         x = xs[rank]
         for fused in (True, False):
-            y = A.all_reduce(comm, x, regime=A.TWO_STEP, fused=fused)
+            y = comm.all_reduce(x, regime=A.TWO_STEP, fused=fused)
             if not (bits(y) == all_reduce_reference(xs, "sum")).all():
                 raise AssertionError(f"rank {rank}: fused={fused} differs from the reference")
-        fns = {"fused": lambda: A.all_reduce(comm, x, regime=A.TWO_STEP, fused=True),
-               "2 calls": lambda: A.all_reduce(comm, x, regime=A.TWO_STEP, fused=False),
+        fns = {"fused": lambda: comm.all_reduce(x, regime=A.TWO_STEP, fused=True),
+               "2 calls": lambda: comm.all_reduce(x, regime=A.TWO_STEP, fused=False),
                "rs+ag": lambda: comm.all_gather(comm.reduce_scatter(x))}
         out = {}
         for name in WAYS:

@@ -49,8 +49,8 @@ def _job(rank, world, store, device, topology, sizes, iters, graph, per_graph):
             x = xs[rank].to(dev)
             want = all_reduce_reference(xs)
             calls = {
-                "1shot": lambda: A.all_reduce(comm, x, regime=A.ONE_SHOT),
-                "2step": lambda: A.all_reduce(comm, x, regime=A.TWO_STEP),
+                "1shot": lambda: comm.all_reduce(x, regime=A.ONE_SHOT),
+                "2step": lambda: comm.all_reduce(x, regime=A.TWO_STEP),
                 "ag": lambda: comm.all_gather(x),
                 "rs+ag": lambda: comm.all_gather(comm.reduce_scatter(
                     x[:n // world * world])),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from . import comm as _comm
 from .plan.geometry import ALIGN, round_up
 
 OPS = ("sum", "avg")
@@ -53,27 +52,25 @@ def check_op(op, what: str) -> bool:
 def regime_for(comm, nbytes: int) -> str:
     """The regime an all-reduce of ``nbytes`` (per rank) runs in on ``comm``: a function of
     the size and the agreed setting only, so the same on every rank."""
-    settings = comm._wiring.settings if comm._wiring is not None else None
-    limit = settings.allreduce_oneshot_bytes if settings is not None else 0
-    return ONE_SHOT if nbytes <= limit else TWO_STEP
+    return ONE_SHOT if nbytes <= comm.allreduce_oneshot_bytes else TWO_STEP
 
 
 def capturable(comm, nbytes: int) -> bool:
     """Can an all-reduce of ``nbytes`` be captured in a CUDA graph now? One shot: always;
     reduce-scatter + all-gather: once the reduce-scatter buffers exist (their setup cannot
     be captured). The same answer on every rank that made the same calls before."""
-    return regime_for(comm, nbytes) == ONE_SHOT or comm._rs_ready
+    return regime_for(comm, nbytes) == ONE_SHOT or comm.rs_ready
 
 
-def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
+def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fused_op,
                regime: str | None = None, fused: bool | None = None) -> torch.Tensor:
-    """:meth:`sparkccl.Communicator.all_reduce`; ``regime`` forces one, ``fused=False`` the
-    two-step regime's two collectives where the plane has the fused operation (tests,
-    benchmarks)."""
+    """:meth:`sparkccl.Communicator.all_reduce`, which checks that ``comm`` is open and
+    passes ``fused_op(flat, avg, dst)``, its fused operation; ``regime`` forces one,
+    ``fused=False`` the two-step regime's two collectives where the plane has the fused
+    operation (tests, benchmarks: ``Communicator.all_reduce`` takes both too)."""
     what = "all_reduce"
-    comm._check_open(what)
     checks.tensor(x, comm.device, what)
-    if x.dtype not in _comm.RS_DTYPES:
+    if x.dtype not in checks.REDUCE_DTYPES:
         raise TypeError(f"{what}: dtype {x.dtype} is not supported; use torch.bfloat16, "
                         "torch.float16 or torch.float32 (e.g. x.to(torch.bfloat16))")
     avg = check_op(op, what)
@@ -87,12 +84,13 @@ def all_reduce(comm, x: torch.Tensor, op: str = "sum", out: torch.Tensor | None 
     if comm.single:  # the sum of one term (divided by 1) is the term itself
         dst.copy_(x.detach().reshape(-1))
         return out
-    comm._check_alive(what)
     flat = x.detach().reshape(-1)
     if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
         _one_shot(comm, flat, avg, dst)
+    elif (comm.data_plane.fused_all_reduce if fused is None else fused):
+        fused_op(flat, avg, dst)
     else:
-        _two_step(comm, flat, avg, dst, comm._dp.fused_all_reduce if fused is None else fused)
+        _two_collectives(comm, flat, avg, dst)
     return out
 
 
@@ -102,16 +100,13 @@ def _one_shot(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
     rank_order_sum([gathered[r * n:(r + 1) * n] for r in range(W)], avg, dst)
 
 
-def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor, fused: bool) -> None:
-    if fused:
-        _fused(comm, flat, avg, dst)
-        return
+def _two_collectives(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
     n, W = flat.numel(), comm.world_size
     # AVG divides the fp32 sum, not a sum already rounded to 16 bits: its reduce-scatter
     # runs in fp32 (the values convert exactly; the same fp32 additions in the same order).
     work = torch.float32 if avg else flat.dtype
     # Chunks of a multiple of 16 bytes: the input can be the send slot itself (zero-copy).
-    total = round_up(n, W * (ALIGN // work.itemsize))
+    total = padded(n, W, work)[0]
     buf = comm.reduce_scatter_input((total,), work)
     buf[:n].copy_(flat)
     if total > n:
@@ -125,42 +120,11 @@ def _two_step(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor, fused: boo
         dst.copy_(comm.all_gather(chunk)[:n])
 
 
-def _fused(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
-    """The two-step regime as the data plane's one operation per slot-sized piece of the
-    chunks (``DataPlaneBase.all_reduce``): the input padded with zeros to W chunks of a
-    multiple of 16 bytes, written straight into the reduce-scatter send slot when the chunk
-    fits one (zero-copy input, as ``_two_step``'s reduce_scatter_input)."""
-    n, W, dtype = flat.numel(), comm.world_size, flat.dtype
-    total = round_up(n, W * (ALIGN // dtype.itemsize))
-    chunk = total // W * dtype.itemsize  # bytes
-    res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
-    with comm._lock:
-        comm._check_alive("all_reduce")
-        if not comm._rs_ready:
-            comm._check_setup_capturable("all_reduce")
-            comm._ensure_rs()
-        dp = comm._dp
-        if chunk <= comm.max_slice and comm._seq_on_host():  # (else the slot is the GPU's)
-            base = (comm.seq % _comm.RS_SLOTS) * comm.sizes.rs_send_stride
-            buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
-            buf[:n].copy_(flat)
-            buf[n:].zero_()  # its sums are computed and dropped
-            dp.all_reduce(comm._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg)
-        else:
-            src = flat
-            if total > n:
-                src = torch.zeros(total, dtype=dtype, device=flat.device)
-                src[:n].copy_(flat)
-            for off in range(0, chunk, comm.max_slice):
-                L = min(comm.max_slice, chunk - off)
-                dp.all_reduce(comm._next_seq(), src, off, chunk, L, res, off, chunk, dtype, avg)
-            dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
-        # The send slot was overwritten: a reduce_scatter_input() buffer handed out before
-        # is no longer the next reduce-scatter's (reduce_scatter refuses it).
-        comm._rs_count += 1
-        comm._handout = None
-    if res is not dst:
-        dst.copy_(res[:n])
+def padded(n: int, world: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(elements, chunk bytes) of ``n`` elements padded with zeros to ``world`` chunks of a
+    multiple of 16 bytes: the two-step regime's shape (the fused operation's chunks)."""
+    total = round_up(n, world * (ALIGN // dtype.itemsize))
+    return total, total // world * dtype.itemsize
 
 
 def rank_order_sum(parts: list, avg: bool, dst: torch.Tensor) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# What the reductions (reduce-scatter, all-reduce, their torch and engine routes) take.
+REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def usable(x, device: torch.device) -> bool:
     """Would :func:`tensor` pass? Asked first, so that a tensor that passes (every call of a

@@ -47,7 +47,7 @@ from .transport import registry
 log = logging.getLogger("sparkccl")
 
 SINGLE_RANK = "none"  # the transport of a world of one: nothing leaves the process
-RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RS_DTYPES = checks.REDUCE_DTYPES
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
 
 
@@ -425,7 +425,8 @@ class Communicator:
         return out
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum", *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, regime: str | None = None,
+                   fused: bool | None = None) -> torch.Tensor:
         """Every rank's ``x`` (any shape, bf16 / fp16 / fp32, same on every rank) summed
         elementwise in fp32 in rank order 0..world-1 and rounded once to ``x.dtype``
         (``op="avg"``: that fp32 sum divided once by the world size, then rounded once):
@@ -435,8 +436,56 @@ class Communicator:
         Small tensors (up to ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES``) take one all-gather and
         a local sum; larger ones a reduce-scatter and an all-gather; both give the same
         bits (:mod:`sparkccl.allreduce`). Bad input raises before anything is sent.
+        ``regime`` (``"one_shot"`` / ``"two_step"``) forces one and ``fused=False`` the
+        two-step regime's two collectives where the data plane has the fused operation:
+        for tests and benchmarks (every rank must pass the same; the bits do not change).
         """
-        return _allreduce.all_reduce(self, x, op, out)
+        self._check_open("all_reduce")
+        return _allreduce.all_reduce(self, x, op, out, fused_op=self._fused_all_reduce,
+                                     regime=regime, fused=fused)
+
+    @property
+    def allreduce_oneshot_bytes(self) -> int:
+        """All-reduces of at most this many bytes take the one-shot regime (the agreed
+        ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES``; 0 for a world of one)."""
+        return self._wiring.settings.allreduce_oneshot_bytes if self._wiring is not None else 0
+
+    def _fused_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+        """The two-step regime as the data plane's one operation per slot-sized piece of the
+        chunks (``DataPlaneBase.all_reduce``): the input padded with zeros to W chunks of a
+        multiple of 16 bytes, written straight into the reduce-scatter send slot when the
+        chunk fits one (zero-copy input, as :meth:`reduce_scatter_input`)."""
+        n, W, dtype = flat.numel(), self.world_size, flat.dtype
+        total, chunk = _allreduce.padded(n, W, dtype)
+        res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
+        with self._lock:
+            self._check_alive("all_reduce")
+            if not self._rs_ready:
+                self._check_setup_capturable("all_reduce")
+                self._ensure_rs()
+            dp = self._dp
+            if chunk <= self.max_slice and self._seq_on_host():  # (else the slot is the GPU's)
+                base = (self.seq % RS_SLOTS) * self.sizes.rs_send_stride
+                buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
+                buf[:n].copy_(flat)
+                buf[n:].zero_()  # its sums are computed and dropped
+                dp.all_reduce(self._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg)
+            else:
+                src = flat
+                if total > n:
+                    src = torch.zeros(total, dtype=dtype, device=flat.device)
+                    src[:n].copy_(flat)
+                for off in range(0, chunk, self.max_slice):
+                    L = min(self.max_slice, chunk - off)
+                    dp.all_reduce(self._next_seq(), src, off, chunk, L, res, off, chunk, dtype,
+                                  avg)
+                dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
+            # The send slot was overwritten: a reduce_scatter_input() buffer handed out
+            # before is no longer the next reduce-scatter's (reduce_scatter refuses it).
+            self._rs_count += 1
+            self._handout = None
+        if res is not dst:
+            dst.copy_(res[:n])
 
     def _seq_on_host(self) -> bool:
         """False in and after a CUDA graph capture: the slots then follow the device's seq

@@ -28,14 +28,14 @@ def _check(comm, seed, shape, dtype, op, regime, mode="fresh", fused=None):
     xs = [make_input(seed, q, shape, dtype) for q in range(W)]
     x = xs[r].clone()
     if mode == "inplace":
-        y = A.all_reduce(comm, x, op, out=x, regime=regime)
+        y = comm.all_reduce(x, op, out=x, regime=regime)
         ok_out = y is x
     elif mode == "out":
         out = torch.empty(shape, dtype=dtype)
-        y = A.all_reduce(comm, x, op, out=out, regime=regime)
+        y = comm.all_reduce(x, op, out=out, regime=regime)
         ok_out = y is out and bool((bits(x) == bits(xs[r])).all())  # x left alone
     else:
-        y = comm.all_reduce(x, op) if regime is None else A.all_reduce(comm, x, op,
+        y = comm.all_reduce(x, op) if regime is None else comm.all_reduce(x, op,
                                                                        regime=regime, fused=fused)
         ok_out = bool((bits(x) == bits(xs[r])).all())
     ok = (ok_out and tuple(y.shape) == tuple(shape) and y.dtype == dtype
@@ -171,7 +171,7 @@ def _bad_input_job(rank, world, store):
             ("out shape", lambda: ar(x, out=torch.empty(9, dtype=torch.bfloat16)), ValueError,
              "out must have shape"),
             ("out dtype", lambda: ar(x, out=torch.empty(8)), ValueError, "out must have shape"),
-            ("regime", lambda: A.all_reduce(comm, x, regime="fast"), ValueError,
+            ("regime", lambda: comm.all_reduce(x, regime="fast"), ValueError,
              "must be one of"),
         ]
         problems = expect_errors(comm, cases)
@@ -229,7 +229,7 @@ def _graph_job(rank, world, store, topology, replays):
         xin = [torch.zeros(s, dtype=d, device="cuda") for s, d, _, _ in specs]
 
         def step():
-            return [A.all_reduce(comm, x, op, regime=reg) for x, (_, _, op, reg) in zip(xin, specs)]
+            return [comm.all_reduce(x, op, regime=reg) for x, (_, _, op, reg) in zip(xin, specs)]
 
         step()  # eager first: the reduce-scatter buffers, and torch's capture warm-up
         comm.synchronize()

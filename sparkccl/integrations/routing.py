@@ -34,11 +34,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import config
+from ..checks import REDUCE_DTYPES
 from ..errors import ConfigError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 # reduce-scatter sums in fp32 and rounds once; other dtypes have no exact sparkccl path.
-RS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RS_DTYPES = REDUCE_DTYPES
 
 
 @dataclass(frozen=True)
