@@ -9,8 +9,9 @@ back to each token's home rank with the MoE finalize (docs/EXPERT_PARALLEL.md).
     y = ep.combine(expert_out, handle, shared=shared)        # [n, H] bf16 on the home rank
 
 ``y[t] = shared[t] + sum_k topk_weights[t, k] * out(t, k)`` as the fp32 FMA chain in top-k
-order, rounded once to bf16: the one-box finalize (:func:`sparkccl.finalize.single_rank`,
-native ``finalize_rows``), so EP gives the same bits as every expert on one box.
+order, rounded once to bf16: the one-box finalize (on CPU :func:`sparkccl.finalize.single_rank`,
+native ``finalize_rows``; on CUDA the data plane's ``fin_unit`` in a kernel of its own,
+:mod:`sparkccl.ep_cuda`), so EP gives the same bits as every expert on one box.
 
 The data movement here is the *reference formulation*, built from the communicator's exact
 collectives: dispatch is one all-gather of fixed-size blocks (every rank's tokens padded to
@@ -243,6 +244,14 @@ class ExpertParallel:
         self._row_bytes = H * (1 if fp8 else 2)
         self._scale_cols = H // SCALE_COLS if fp8 else 0
         self._blocks: dict[int, tuple] = {}  # topk -> (layout, send block)
+        cuda = dev.type == "cuda"
+        # CUDA: refused routing entries counted on the device (see check()), and the finalize
+        # kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
+        self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev) if cuda else None
+        self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
+        if cuda:
+            from . import ep_cuda
+            ep_cuda.kernel(dev.index)  # compiled and loaded before any collective runs
 
     # ---- checks (everything before anything is sent) ----------------------------------
     def _check_dispatch(self, x, topk_idx, topk_weights, x_scales):
@@ -360,6 +369,7 @@ class ExpertParallel:
         if dev.type != "cpu" and n:
             bad = self._device_bad_entries(idx)
             idx = idx.masked_fill(bad, -1)
+            self._bad_entries += bad.sum()
         lay.x(blk)[0, :n].copy_(x.view(torch.uint8))
         if self.fp8:
             lay.scales(blk)[0, :n].copy_(x_scales.view(torch.uint8).view(n, self._scale_cols * 4))
@@ -474,5 +484,25 @@ class ExpertParallel:
         f = _finalize.FinalizeInputs(y=mine, scales=None, pos=pos, weights=handle.weights,
                                      shared=shared, num_tokens=n, padded_tokens=n, world=1,
                                      topk=K, H=H, R=T * K)
-        _finalize.single_rank(comm._nat, f, out)
+        if dev.type == "cuda":
+            from . import ep_cuda
+            ep_cuda.finalize_rows(f, out, self._fin_bad)
+        else:
+            _finalize.single_rank(comm._nat, f, out)
         return out
+
+    def check(self) -> None:
+        """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or
+        repeated (checked on the device, without a stream sync; such an entry reached no
+        expert and its token's combined row is NaN). Synchronizes the current stream. CPU
+        dispatch refuses them before sending, so this returns at once."""
+        if self._bad_entries is None:
+            return
+        torch.cuda.current_stream(self.comm.device).synchronize()
+        n = int(self._bad_entries)
+        if n:
+            self._bad_entries.zero_()
+            raise ValueError(f"rank {self.rank}: ExpertParallel.dispatch: {n} top-k entries "
+                             f"were out of range (0 <= id < num_experts = {self.num_experts}) "
+                             "or repeated a token's earlier expert; they reached no expert and "
+                             "their tokens' combined rows are NaN")

@@ -55,7 +55,7 @@ def decode(x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
     """fp32 values of token rows (e4m3 times its scale per 128 columns)."""
     if x_scales is None:
         return x.float()
-    return x.view(torch.float8_e4m3fn).float() * x_scales.repeat_interleave(128, dim=1)
+    return x.view(torch.float8_e4m3fn).float() * x_scales.repeat_interleave(128, dim=-1)
 
 
 def expert_fn(expert: int, x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
