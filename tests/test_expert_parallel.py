@@ -73,20 +73,20 @@ def _dispatch_problems(ep, recv, inputs, T):
 
 
 def ep_job(rank, nprocs, store, configs, device):
-    """configs: [(world, topology, transport)]; ranks >= world sit a config out. Returns the
-    failures (empty when everything is exact)."""
+    """configs: [(world, topology, transport, slot_bytes)]; ranks >= world sit a config out.
+    Returns the failures (empty when everything is exact)."""
     import torch.distributed as dist
 
     import sparkccl
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     bad = []
-    for n_cfg, (W, topo, transport) in enumerate(configs):
+    for n_cfg, (W, topo, transport, slot) in enumerate(configs):
         if rank >= W:
             continue
         with sparkccl.Communicator(store=dist.PrefixStore(f"ep{n_cfg}", store), rank=rank,
                                    world_size=W, topology=topo, transport=transport,
-                                   slot_bytes=1 << 20, timeout_s=60, device=device) as comm:
+                                   slot_bytes=slot, timeout_s=60, device=device) as comm:
             for c, (T, ns, H, K, E, fp8, mode, placement, pow2) in enumerate(ep_cases(W)):
                 name = f"world {W} {topo}/{transport} case {c} ({mode}, fp8 {fp8}, E {E}, K {K})"
                 inputs = [make_ep_input(50 + c, r, tokens=ns[r], hidden=H, topk=K, num_experts=E,
@@ -133,9 +133,13 @@ def _run(nprocs, configs, device="cpu"):
 
 
 def test_ep_cpu_worlds():
-    # One set of processes for every world (starting them is most of the time here).
-    _run(4, [(2, "mesh", "shm"), (2, "ring", "shm"), (3, "ring", "shm"), (4, "mesh", "shm"),
-             (4, "ring", "tcp"), (1, "mesh", "auto")])
+    # One set of processes for every world (starting them is most of the time here). The
+    # 24 KiB slot splits the larger dispatch blocks and combine blocks into several
+    # collectives.
+    MiB = 1 << 20
+    _run(4, [(2, "mesh", "shm", MiB), (2, "ring", "shm", MiB), (3, "ring", "shm", MiB),
+             (4, "mesh", "shm", MiB), (4, "ring", "tcp", MiB), (1, "mesh", "auto", MiB),
+             (3, "mesh", "shm", 24 << 10)])
 
 
 # ---------------------------------------------------------------- bad input
@@ -258,7 +262,8 @@ cuda_only = [pytest.mark.cuda,
 @cuda_only[0]
 @cuda_only[1]
 def test_ep_cuda(topology, world):
-    _run(world, [(world, topology, "shm")], device="cuda")
+    _run(world, [(world, topology, "shm", 8 << 20), (world, topology, "shm", 256 << 10)],
+         device="cuda")
 
 
 def graph_experts(recv, experts: torch.Tensor) -> torch.Tensor:
@@ -402,3 +407,4 @@ def test_ep_finalize_kernel_emulated(tmp_path):
         got = out.float().numpy()
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), case
         assert bad.tolist() == [0, 0, 0, 0]
+

@@ -1,0 +1,126 @@
+"""Expert-parallel dispatch + combine against the all-gather + reduce-scatter formulation of
+the same MoE layer, measured in the same run (CPU ranks over shm by default).
+
+One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
+
+  ep            ExpertParallel.dispatch (bf16 tokens) + combine (bf16 expert outputs, the
+                finalize on the home rank): the reference formulation of
+                sparkccl/expert_parallel.py (one all-gather of max_tokens-padded blocks, one
+                reduce-scatter of world * T * topk rows), bit-exact with one box
+  ag+rs         all_gather of the tokens and of the routing (ids + weights), then every
+                rank's partial outputs finalized into the reduce-scatter
+                (moe_finalize_reduce_scatter over world * T rows): vLLM's
+                ``allgather_reducescatter`` backend on sparkccl's collectives (not bit-exact
+                with one box: each rank's partial sum is rounded before the rank-order sum)
+
+The experts' own compute is not timed in either (the expert outputs are made once). Each
+time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
+first), median over --iters; ``ratio`` is ag+rs / ep (above 1: EP is faster). The combine
+result is checked against the one-box reference once per world.
+
+    python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+
+def bench_job(rank, world, store, T, H, K, E, iters, mode):
+    import numpy as np
+    import torch
+
+    import sparkccl
+    from ep_cases import combine_reference, make_ep_input, run_experts
+    inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    slot = max(1 << 20, world * T * K * H * 2)  # the combine in one collective
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, slot_bytes=slot,
+                               timeout_s=120) as comm:
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T, mode=mode)
+        x, idx, w, shared = inp["x"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
+        recv, handle = ep.dispatch(x, idx, w)
+        out = run_experts(ep, recv)
+        z = ep.combine(out, handle, shared=shared)
+        exact = bool(np.array_equal(z.view(torch.int16).numpy().view(np.uint16),
+                                    combine_reference(inp)))
+
+        # ag+rs: the routing travels as one all-gather of [T, K] int32 ids + fp32 weights.
+        routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
+                             w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
+        N = world * T
+        y_all = (torch.randn((N * K, H)) * 0.5).to(torch.bfloat16)  # every (token, k) row
+        pos = torch.arange(N * K, dtype=torch.int32)
+        shared_all = torch.zeros((N, H), dtype=torch.bfloat16)
+        shared_all[rank * T:(rank + 1) * T] = shared  # the shared expert counted once
+        tick = torch.zeros(16, dtype=torch.uint8)
+
+        def ep_layer():
+            r, h = ep.dispatch(x, idx, w)
+            return ep.combine(out, h, shared=shared)
+
+        def agrs_layer():
+            xs = comm.all_gather(x)
+            rt = comm.all_gather(routing)
+            wts = rt[:, K * 4:].contiguous().view(torch.float32)  # [N, K]
+            del xs
+            return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all,
+                                                    num_tokens=N, padded_tokens=N)
+
+        times = {"ep": [], "ag+rs": []}
+        for it in range(iters + 2):
+            for name, fn in (("ep", ep_layer), ("ag+rs", agrs_layer)):
+                comm.all_gather(tick)  # align the ranks
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if it >= 2:
+                    times[name].append(dt)
+        return {"times": times, "exact": exact}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts-per-rank", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--mode", default="high_throughput")
+    ap.add_argument("--out", help="also write the table to this file")
+    a = ap.parse_args()
+    from sparkccl.localrun import check, run_ranks
+    lines = [f"# benchmarks/ep_bench.py {' '.join(sys.argv[1:])}",
+             f"# host {platform.node()} cpus {os.cpu_count()} python {platform.python_version()}",
+             f"# T {a.tokens} tokens/rank, H {a.hidden}, top-{a.topk} of "
+             f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, CPU ranks over shm; "
+             "median of the slowest rank, ms",
+             f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"]
+    print("\n".join(lines), flush=True)
+    for W in a.worlds:
+        E = a.experts_per_rank * W
+        vals = check(run_ranks(bench_job, W, args=(a.tokens, a.hidden, a.topk, E, a.iters,
+                                                   a.mode), timeout_s=900))
+        med = {}
+        for name in ("ep", "ag+rs"):
+            per_iter = zip(*(v["times"][name] for v in vals))
+            med[name] = statistics.median(max(t) for t in per_iter) * 1e3
+        line = (f"{W:>5} {med['ep']:>9.2f} {med['ag+rs']:>9.2f} "
+                f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}")
+        print(line, flush=True)
+        lines.append(line)
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
