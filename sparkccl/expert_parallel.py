@@ -101,10 +101,6 @@ class BlockLayout:
     scale_cols: int  # 0 for bf16
 
     @property
-    def x_off(self) -> int:
-        return 0
-
-    @property
     def scales_off(self) -> int:
         return _round16(self.T * self.row_bytes)
 
@@ -245,9 +241,11 @@ class ExpertParallel:
         self._scale_cols = H // SCALE_COLS if fp8 else 0
         self._blocks: dict[int, tuple] = {}  # topk -> (layout, send block)
         cuda = dev.type == "cuda"
-        # CUDA: refused routing entries counted on the device (see check()), and the finalize
-        # kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
-        self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev) if cuda else None
+        # CUDA checks the routing on the device (no stream sync) and counts refused entries
+        # there (see check()); the tests turn this on for CPU too.
+        self._device_checks = cuda
+        self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
+        # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
         if cuda:
             from . import ep_cuda
@@ -300,7 +298,7 @@ class ExpertParallel:
         elif x_scales is not None:
             raise ValueError(f"{what}: x_scales is only for e4m3 tokens; this ExpertParallel "
                              "dispatches bf16, pass x_scales=None")
-        if dev.type == "cpu" and n:
+        if n and not self._device_checks:
             self._check_routing(topk_idx, what)
         return n, K
 
@@ -366,7 +364,7 @@ class ExpertParallel:
         blk = send.view(1, -1)
         idx = topk_idx.to(torch.int32)
         bad = None
-        if dev.type != "cpu" and n:
+        if n and self._device_checks:
             bad = self._device_bad_entries(idx)
             idx = idx.masked_fill(bad, -1)
             self._bad_entries += bad.sum()
@@ -398,10 +396,11 @@ class ExpertParallel:
             slots = entries.to(torch.int32)
             recv_shape = (R,)
         else:
-            # Each token reaches a local expert at most once per local expert: the local
-            # entries are among the first W * T * min(K, El) of the order.
+            # A token reaches each expert at most once (ids distinct per token), so at most
+            # W * T rows per local expert and W * T * min(K, El) local entries, which the
+            # stable order puts first.
             cap = W * T
-            M = min(W * T * K, W * T * min(K, El))
+            M = W * T * min(K, El)
             entries = order[:M]
             ekey = key[entries]
             rank_in = torch.arange(M, device=dev) - starts[ekey]
@@ -496,9 +495,10 @@ class ExpertParallel:
         repeated (checked on the device, without a stream sync; such an entry reached no
         expert and its token's combined row is NaN). Synchronizes the current stream. CPU
         dispatch refuses them before sending, so this returns at once."""
-        if self._bad_entries is None:
+        if not self._device_checks:
             return
-        torch.cuda.current_stream(self.comm.device).synchronize()
+        if self.comm.device.type == "cuda":
+            torch.cuda.current_stream(self.comm.device).synchronize()
         n = int(self._bad_entries)
         if n:
             self._bad_entries.zero_()

@@ -246,6 +246,25 @@ def ep_bad_input_job(rank, world, store):
     return result
 
 
+def ep_device_checks_job(rank, world, store):
+    """The CUDA path's device-side routing checks, run on CPU tensors."""
+    import sparkccl
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, timeout_s=30) as comm:
+        T, H, K, E = 12, 128, 4, 4 * world
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                     mode="low_latency")
+        ep._device_checks = True
+        inputs = [make_ep_input(8, r, tokens=T - 1, hidden=H, topk=K, num_experts=E, world=world)
+                  for r in range(world)]
+        return _device_refusal(ep, inputs, "cpu")
+
+
+def test_device_routing_checks_on_cpu():
+    values = check(run_ranks(ep_device_checks_job, 2, timeout_s=300))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
 def test_bad_input_raises_before_sending():
     values = check(run_ranks(ep_bad_input_job, 2, timeout_s=300))
     assert_no_problems(values, at_least=30)
@@ -318,6 +337,39 @@ def ep_graph_job(rank, world, store, fp8):
             if not np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
                                   combine_reference(new[rank])):
                 bad.append(f"replay {seed} differs")
+        bad += _device_refusal(ep, inputs(5), "cuda")
+    return bad
+
+
+def _device_refusal(ep, inputs, device):
+    """CUDA checks the routing on the device: on rank 0 token 2 names expert E (out of
+    range) and token 3 repeats its k=0 expert; those tokens' rows are NaN, every other row is
+    exact, ep.check() raises once."""
+    bad = []
+    rank = ep.rank
+    a = {k: None if v is None else v.clone() for k, v in inputs[rank].items()}
+    if rank == 0:
+        a["topk_idx"][2, 1] = ep.num_experts
+        a["topk_idx"][3, 2] = a["topk_idx"][3, 0]
+    dev = {k: None if v is None else v.to(device) for k, v in a.items()}
+    recv, handle = ep.dispatch(dev["x"], dev["topk_idx"], dev["topk_weights"], dev["x_scales"])
+    experts = torch.tensor(ep.local_experts, device=device)
+    z = ep.combine(graph_experts(recv, experts), handle, shared=dev["shared"])
+    got = z.cpu().view(torch.int16).numpy().view(np.uint16)
+    want = combine_reference(inputs[rank])
+    keep = [t for t in range(got.shape[0]) if rank != 0 or t not in (2, 3)]
+    if not np.array_equal(got[keep], want[keep]):
+        bad.append("rows of good tokens differ after a refused entry")
+    try:
+        ep.check()
+        if rank == 0:
+            bad.append("ep.check() did not raise for refused entries")
+    except ValueError as e:
+        if rank != 0 or "2 top-k entries" not in str(e):
+            bad.append(f"ep.check(): {e}")
+    if rank == 0 and not (got[[2, 3]] == 0x7FFF).all():
+        bad.append("refused tokens' rows are not the canonical NaN 0x7FFF")
+    ep.check()  # reported once
     return bad
 
 
@@ -408,3 +460,19 @@ def test_ep_finalize_kernel_emulated(tmp_path):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), case
         assert bad.tolist() == [0, 0, 0, 0]
 
+
+
+def test_world_one_finalize_keeps_the_canonical_nan():
+    """finalize.single_rank (world 1, and every EP combine on CPU) writes a NaN row element as
+    0x7FFF like the data planes and the reference; through fp32, torch made it 0xFFFF."""
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import bits, make_finalize_input, moe_finalize_reference
+    with sparkccl.Communicator(store=dist.HashStore(), rank=0, world_size=1) as comm:
+        inp = make_finalize_input(1, 0, tokens=8, hidden=64, topk=2, experts_rows=4)
+        inp["y"][1, 3] = float("nan")
+        z = comm.moe_finalize_reduce_scatter(inp["y"], inp["pos"], inp["weights"],
+                                             inp["shared"], num_tokens=8, padded_tokens=8)
+        assert (z.view(torch.int16) == 0x7FFF).any()
+        assert (bits(z) == moe_finalize_reference([inp], 0, 8, 8)).all()
