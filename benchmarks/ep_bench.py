@@ -15,10 +15,16 @@ One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
 
 The experts' own compute is not timed in either (the expert outputs are made once). Each
 time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
-first), median over --iters; ``ratio`` is ag+rs / ep (above 1: EP is faster). The combine
-result is checked against the one-box reference once per world.
+first, and on CUDA the stream synchronized), median over --iters; ``ratio`` is ag+rs / ep
+(above 1: EP is faster). The combine result is checked against the one-box reference once
+per world.
 
     python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
+    # one GPU, ranks sharing it (the issue's sizes: decode, then prefill)
+    python3 benchmarks/ep_bench.py --device cuda --worlds 2 4 --tokens 128 --hidden 7168 \
+        --topk 8 --experts-per-rank 64 --mode low_latency --slot-mib 256
+    python3 benchmarks/ep_bench.py --device cuda --worlds 4 --tokens 4096 --hidden 7168 \
+        --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5
 """
 from __future__ import annotations
 
@@ -35,33 +41,44 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
-def bench_job(rank, world, store, T, H, K, E, iters, mode):
+def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
     import numpy as np
     import torch
 
     import sparkccl
     from ep_cases import combine_reference, make_ep_input, run_experts
-    inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
-    slot = max(1 << 20, world * T * K * H * 2)  # the combine in one collective
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    cpu_inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    inp = {k: None if v is None else v.to(device) for k, v in cpu_inp.items()}
+    # The combine in one collective, unless --slot-mib caps it.
+    slot = max(1 << 20, world * T * K * H * 2)
+    if slot_mib:
+        slot = min(slot, slot_mib << 20)
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, slot_bytes=slot,
-                               timeout_s=120) as comm:
+                               timeout_s=300, device=device) as comm:
         ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T, mode=mode)
         x, idx, w, shared = inp["x"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
         recv, handle = ep.dispatch(x, idx, w)
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=shared)
-        exact = bool(np.array_equal(z.view(torch.int16).numpy().view(np.uint16),
-                                    combine_reference(inp)))
+        exact = bool(np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                                    combine_reference(cpu_inp)))
 
         # ag+rs: the routing travels as one all-gather of [T, K] int32 ids + fp32 weights.
         routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
                              w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
         N = world * T
-        y_all = (torch.randn((N * K, H)) * 0.5).to(torch.bfloat16)  # every (token, k) row
-        pos = torch.arange(N * K, dtype=torch.int32)
-        shared_all = torch.zeros((N, H), dtype=torch.bfloat16)
+        dev = comm.device
+        y_all = (torch.randn((N * K, H), device=dev) * 0.5).to(torch.bfloat16)  # (token, k) rows
+        pos = torch.arange(N * K, dtype=torch.int32, device=dev)
+        shared_all = torch.zeros((N, H), dtype=torch.bfloat16, device=dev)
         shared_all[rank * T:(rank + 1) * T] = shared  # the shared expert counted once
-        tick = torch.zeros(16, dtype=torch.uint8)
+        tick = torch.zeros(16, dtype=torch.uint8, device=dev)
+
+        def sync():
+            if device == "cuda":
+                torch.cuda.synchronize()
 
         def ep_layer():
             r, h = ep.dispatch(x, idx, w)
@@ -79,8 +96,10 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode):
         for it in range(iters + 2):
             for name, fn in (("ep", ep_layer), ("ag+rs", agrs_layer)):
                 comm.all_gather(tick)  # align the ranks
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 dt = time.perf_counter() - t0
                 if it >= 2:
                     times[name].append(dt)
@@ -96,20 +115,24 @@ def main():
     ap.add_argument("--experts-per-rank", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mode", default="high_throughput")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs)")
+    ap.add_argument("--slot-mib", type=int, default=0,
+                    help="cap the slot (default: the whole combine block)")
     ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args()
     from sparkccl.localrun import check, run_ranks
     lines = [f"# benchmarks/ep_bench.py {' '.join(sys.argv[1:])}",
              f"# host {platform.node()} cpus {os.cpu_count()} python {platform.python_version()}",
              f"# T {a.tokens} tokens/rank, H {a.hidden}, top-{a.topk} of "
-             f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, CPU ranks over shm; "
-             "median of the slowest rank, ms",
+             f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, {a.device} ranks over "
+             "shm; median of the slowest rank, ms",
              f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"]
     print("\n".join(lines), flush=True)
     for W in a.worlds:
         E = a.experts_per_rank * W
         vals = check(run_ranks(bench_job, W, args=(a.tokens, a.hidden, a.topk, E, a.iters,
-                                                   a.mode), timeout_s=900))
+                                                   a.mode, a.device, a.slot_mib),
+                              timeout_s=1800))
         med = {}
         for name in ("ep", "ag+rs"):
             per_iter = zip(*(v["times"][name] for v in vals))
