@@ -349,7 +349,8 @@ class ExpertParallel:
         Args:
             x: ``[n, hidden]`` tokens, n <= max_tokens, of the constructor's dtype.
             topk_idx: int64 / int32 ``[n, topk]`` expert ids, distinct per token, topk <= 16.
-            topk_weights: fp32 ``[n, topk]`` (kept on this rank for :meth:`combine`).
+            topk_weights: fp32 ``[n, topk]``; the handle keeps this tensor for
+                :meth:`combine` (not a copy: leave it unchanged until then).
             x_scales: fp32 ``[n, hidden / 128]`` for e4m3 tokens.
 
         Returns ``(recv, handle)``: :class:`DispatchResult` and the :class:`Handle` for
