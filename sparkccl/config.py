@@ -285,6 +285,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_SGLANG", "bool", False, "integrations",
        "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-gather / "
        "reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does nothing"),
+    _v("SPARKCCL_VLLM_EP", "bool", False, "integrations",
+       "with SPARKCCL_VLLM=1: 1: vLLM MoE layers run with --enable-expert-parallel (data "
+       "parallel, --all2all-backend allgather_reducescatter) dispatch and combine through "
+       "sparkccl ExpertParallel (docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's backend"),
     _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
        "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
        "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),
