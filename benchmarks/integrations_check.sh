@@ -20,10 +20,12 @@ VENV=${VENV:-.venv-engines}
 VLLM=${VLLM:-vllm==0.33.0}
 SGLANG=${SGLANG:-sglang==0.5.23}
 # What `import vllm.distributed...` / `sglang.srt.distributed...` needs beyond torch and
-# numpy, found by importing until nothing was missing, in a venv that has nothing else
+# numpy, found by importing until nothing was missing, in a venv that has nothing else;
 # (vLLM 0.33.0, SGLang 0.5.23; httpx2, httpcore2 and truststore since huggingface_hub's
 # later releases import them). triton is not among them: the SGLang test puts a placeholder
-# in its place (tests/test_sglang_hook.py).
+# in its place (tests/test_sglang_hook.py). einops, dill, sentencepiece, compressed-tensors,
+# loguru, gguf and triton (imported, never run: CPU only) for their fused-MoE layers, which
+# the EP hook tests import (tests/test_vllm_ep.py, tests/test_sglang_ep.py).
 DEPS="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated_types anyio
 apache-tvm-ffi==0.1.11 attrs blake3 cachetools cbor2 certifi charset_normalizer cloudpickle
 fastapi frozenlist h11 httpcore2 httpx2 huggingface_hub idna IPython llguidance msgspec
@@ -32,7 +34,8 @@ opentelemetry-semantic-conventions orjson partial-json-parser pillow prometheus_
 propcache psutil py-cpuinfo pybase64 pydantic pydantic_core pyyaml pyzmq regex requests
 safetensors>=0.8.0 sniffio starlette tokenizers>=0.23.2 tqdm traitlets
 transformers>=5.16.1,<5.21.0 truststore typing_extensions>=4.16 typing_inspection urllib3
-uvloop xgrammar yarl"
+uvloop xgrammar yarl
+einops dill sentencepiece compressed-tensors loguru gguf triton"
 
 t0=$SECONDS
 if [ ! -x "$VENV/bin/python" ]; then
@@ -66,4 +69,5 @@ print("# entry points: " + "; ".join(
       for g in ("vllm.general_plugins", "sglang.srt.plugins")))
 EOF
 TEST_REQUIRE_ENGINES=1 exec timeout 1800 "$PY" -m pytest -v -rs -p no:cacheprovider -m "" \
-    tests/test_vllm_plugin.py tests/test_sglang_hook.py "$@"
+    tests/test_vllm_plugin.py tests/test_sglang_hook.py tests/test_vllm_ep.py \
+    tests/test_sglang_ep.py "$@"

@@ -1,6 +1,7 @@
 """sparkccl: prefill-sized all-gather and reduce-scatter collectives without NCCL.
 
-Public API: :class:`Communicator`, the exceptions of :mod:`sparkccl.errors`
+Public API: :class:`Communicator`, :class:`ExpertParallel` (expert-parallel dispatch and
+combine, docs/EXPERT_PARALLEL.md), the exceptions of :mod:`sparkccl.errors`
 (:class:`SparkcclError` and its subclasses :class:`ConfigError` (with
 :class:`ShmSpaceError`), :class:`FabricError`,
 :class:`CudaUnavailable`, :class:`CollectiveError`), ``__version__``.
@@ -12,7 +13,7 @@ from .errors import (CollectiveError, ConfigError, CudaUnavailable, FabricError,
 
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "SparkcclError", "ConfigError", "ShmSpaceError", "FabricError",
+__all__ = ["Communicator", "ExpertParallel", "SparkcclError", "ConfigError", "ShmSpaceError", "FabricError",
            "CudaUnavailable", "CollectiveError", "__version__"]
 
 
@@ -21,8 +22,11 @@ def __getattr__(name):
     if name == "Communicator":
         from .comm import Communicator
         return Communicator
+    if name == "ExpertParallel":
+        from .expert_parallel import ExpertParallel
+        return ExpertParallel
     raise AttributeError(f"module 'sparkccl' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | {"Communicator"})
+    return sorted(set(globals()) | {"Communicator", "ExpertParallel"})

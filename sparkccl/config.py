@@ -296,6 +296,17 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "1: the sglang.srt.plugins entry point hooks SGLang's tensor-parallel all-reduce / "
        "all-gather / reduce-scatter into sparkccl (docs/VLLM_SGLANG.md); 0: the plugin does "
        "nothing"),
+    _v("SPARKCCL_VLLM_EP", "bool", False, "integrations",
+       "with SPARKCCL_VLLM=1: 1: vLLM MoE layers run with --enable-expert-parallel (data "
+       "parallel, --all2all-backend allgather_reducescatter) dispatch and combine through "
+       "sparkccl ExpertParallel (docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's backend"),
+    _v("SPARKCCL_SGLANG_EP", "bool", False, "integrations",
+       "with SPARKCCL_SGLANG=1: 1: SGLang MoE layers run with --moe-a2a-backend customized "
+       "dispatch and combine through sparkccl ExpertParallel (docs/EXPERT_PARALLEL.md); 0: "
+       "customized stays unsupported, as in SGLang"),
+    _v("SPARKCCL_SGLANG_EP_MAX_TOKENS", "int", None, "integrations",
+       "SGLang EP: most tokens one rank dispatches in one MoE call (the ExpertParallel "
+       "max_tokens)", default_text="SGLang's chunked_prefill_size", lo=1),
     _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
        "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
        "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),

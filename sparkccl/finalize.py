@@ -183,8 +183,9 @@ def check_inputs(comm, what: str, y, pos, weights, shared, num_tokens, padded_to
 
 def single_rank(nat, f: FinalizeInputs, out: torch.Tensor) -> None:
     """World 1: this rank's rows are the whole result. The same native FMA chain as the CPU
-    data plane (inputs moved to the host first if they are on a GPU), then the same fp32
-    sum of one term rounded once, so the bits match the multi-rank path."""
+    data plane (inputs moved to the host first if they are on a GPU); the sum of one term
+    rounded once is the row itself, so the rows are copied as they are (not through fp32:
+    torch's fp32 -> bf16 conversion turns the canonical NaN 0x7FFF into 0xFFFF)."""
     if f.y.device.type != "cpu":
         f = FinalizeInputs(**{**f.__dict__, **{k: getattr(f, k).cpu() for k in
                                                ("y", "pos", "weights", "shared")},
@@ -198,4 +199,4 @@ def single_rank(nat, f: FinalizeInputs, out: torch.Tensor) -> None:
     rows = torch.empty((f.padded_tokens, f.H), dtype=torch.bfloat16)
     if rows.numel():
         nat.finalize_rows(*f.native_args(), 0, f.padded_tokens, rows.data_ptr())
-    out.copy_(rows.to(torch.float32))
+    out.copy_(rows)

@@ -41,6 +41,8 @@ def register() -> None:
     if not config.get("SPARKCCL_SGLANG"):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from . import sglang_ep
+    sglang_ep.register()  # expert parallelism: its own switch, SPARKCCL_SGLANG_EP
     HookRegistry.register(f"{TARGET}.__init__", attach, HookType.AFTER)
     HookRegistry.register(f"{TARGET}.destroy", detach, HookType.AFTER)
     HookRegistry.register(f"{TARGET}._all_gather_into_tensor", all_gather_into_tensor,

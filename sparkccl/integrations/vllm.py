@@ -34,6 +34,8 @@ def register() -> None:
     vLLM may call plugins more than once per process; installing twice is harmless."""
     if not config.get("SPARKCCL_VLLM"):
         return
+    from . import vllm_ep
+    vllm_ep.register()  # expert parallelism: its own switch, SPARKCCL_VLLM_EP
     from vllm.platforms import current_platform
     try:
         from vllm.utils.import_utils import resolve_obj_by_qualname

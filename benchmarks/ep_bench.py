@@ -1,0 +1,149 @@
+"""Expert-parallel dispatch + combine against the all-gather + reduce-scatter formulation of
+the same MoE layer, measured in the same run (CPU ranks over shm by default).
+
+One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
+
+  ep            ExpertParallel.dispatch (bf16 tokens) + combine (bf16 expert outputs, the
+                finalize on the home rank): the reference formulation of
+                sparkccl/expert_parallel.py (one all-gather of max_tokens-padded blocks, one
+                reduce-scatter of world * T * topk rows), bit-exact with one box
+  ag+rs         all_gather of the tokens and of the routing (ids + weights), then every
+                rank's partial outputs finalized into the reduce-scatter
+                (moe_finalize_reduce_scatter over world * T rows): vLLM's
+                ``allgather_reducescatter`` backend on sparkccl's collectives (not bit-exact
+                with one box: each rank's partial sum is rounded before the rank-order sum)
+
+The experts' own compute is not timed in either (the expert outputs are made once). Each
+time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
+first, and on CUDA the stream synchronized), median over --iters; ``ratio`` is ag+rs / ep
+(above 1: EP is faster). The combine result is checked against the one-box reference once
+per world.
+
+    python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
+    # one GPU, ranks sharing it (the issue's sizes: decode, then prefill)
+    python3 benchmarks/ep_bench.py --device cuda --worlds 2 4 --tokens 128 --hidden 7168 \
+        --topk 8 --experts-per-rank 64 --mode low_latency --slot-mib 256
+    python3 benchmarks/ep_bench.py --device cuda --worlds 4 --tokens 4096 --hidden 7168 \
+        --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+
+def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
+    import numpy as np
+    import torch
+
+    import sparkccl
+    from ep_cases import combine_reference, make_ep_input, run_experts
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    cpu_inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    inp = {k: None if v is None else v.to(device) for k, v in cpu_inp.items()}
+    # The combine in one collective, unless --slot-mib caps it.
+    slot = max(1 << 20, world * T * K * H * 2)
+    if slot_mib:
+        slot = min(slot, slot_mib << 20)
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, slot_bytes=slot,
+                               timeout_s=300, device=device) as comm:
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T, mode=mode)
+        x, idx, w, shared = inp["x"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
+        recv, handle = ep.dispatch(x, idx, w)
+        out = run_experts(ep, recv)
+        z = ep.combine(out, handle, shared=shared)
+        exact = bool(np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                                    combine_reference(cpu_inp)))
+
+        # ag+rs: the routing travels as one all-gather of [T, K] int32 ids + fp32 weights.
+        routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
+                             w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
+        N = world * T
+        dev = comm.device
+        y_all = (torch.randn((N * K, H), device=dev) * 0.5).to(torch.bfloat16)  # (token, k) rows
+        pos = torch.arange(N * K, dtype=torch.int32, device=dev)
+        shared_all = torch.zeros((N, H), dtype=torch.bfloat16, device=dev)
+        shared_all[rank * T:(rank + 1) * T] = shared  # the shared expert counted once
+        tick = torch.zeros(16, dtype=torch.uint8, device=dev)
+
+        def sync():
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        def ep_layer():
+            r, h = ep.dispatch(x, idx, w)
+            return ep.combine(out, h, shared=shared)
+
+        def agrs_layer():
+            xs = comm.all_gather(x)
+            rt = comm.all_gather(routing)
+            wts = rt[:, K * 4:].contiguous().view(torch.float32)  # [N, K]
+            del xs
+            return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all,
+                                                    num_tokens=N, padded_tokens=N)
+
+        times = {"ep": [], "ag+rs": []}
+        for it in range(iters + 2):
+            for name, fn in (("ep", ep_layer), ("ag+rs", agrs_layer)):
+                comm.all_gather(tick)  # align the ranks
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                dt = time.perf_counter() - t0
+                if it >= 2:
+                    times[name].append(dt)
+        return {"times": times, "exact": exact}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts-per-rank", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--mode", default="high_throughput")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs)")
+    ap.add_argument("--slot-mib", type=int, default=0,
+                    help="cap the slot (default: the whole combine block)")
+    ap.add_argument("--out", help="also write the table to this file")
+    a = ap.parse_args()
+    from sparkccl.localrun import check, run_ranks
+    lines = [f"# benchmarks/ep_bench.py {' '.join(sys.argv[1:])}",
+             f"# host {platform.node()} cpus {os.cpu_count()} python {platform.python_version()}",
+             f"# T {a.tokens} tokens/rank, H {a.hidden}, top-{a.topk} of "
+             f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, {a.device} ranks over "
+             "shm; median of the slowest rank, ms",
+             f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"]
+    print("\n".join(lines), flush=True)
+    for W in a.worlds:
+        E = a.experts_per_rank * W
+        vals = check(run_ranks(bench_job, W, args=(a.tokens, a.hidden, a.topk, E, a.iters,
+                                                   a.mode, a.device, a.slot_mib),
+                              timeout_s=1800))
+        med = {}
+        for name in ("ep", "ag+rs"):
+            per_iter = zip(*(v["times"][name] for v in vals))
+            med[name] = statistics.median(max(t) for t in per_iter) * 1e3
+        line = (f"{W:>5} {med['ep']:>9.2f} {med['ag+rs']:>9.2f} "
+                f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}")
+        print(line, flush=True)
+        lines.append(line)
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Expert parallelism: token dispatch to the ranks that hold their experts, and the combine
+back to each token's home rank with the MoE finalize (docs/EXPERT_PARALLEL.md).
+
+::
+
+    ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T)
+    recv, handle = ep.dispatch(x, topk_idx, topk_weights)   # recv.x: per local expert
+    expert_out = run_my_experts(recv)                        # bf16, recv.x's layout
+    y = ep.combine(expert_out, handle, shared=shared)        # [n, H] bf16 on the home rank
+
+``y[t] = shared[t] + sum_k topk_weights[t, k] * out(t, k)`` as the fp32 FMA chain in top-k
+order, rounded once to bf16: the one-box finalize (on CPU :func:`sparkccl.finalize.single_rank`,
+native ``finalize_rows``; on CUDA the data plane's ``fin_unit`` in a kernel of its own,
+:mod:`sparkccl.ep_cuda`), so EP gives the same bits as every expert on one box.
+
+The data movement here is the *reference formulation*, built from the communicator's exact
+collectives: dispatch is one all-gather of fixed-size blocks (every rank's tokens padded to
+``max_tokens`` rows, with their routing), after which each rank selects the rows of its
+local experts in (source rank, token) order; combine is one reduce-scatter of fixed-size
+blocks of ``world * max_tokens * topk`` rows in which each rank writes the rows it computed
+at their (source rank, token, k) slot and -0.0 everywhere else, so the rank-order fp32 sum
+is an exact selection (``-0.0 + v == v`` for every v, signed zeros included), and each home
+rank receives exactly its own tokens' rows. The proxy-driven high-throughput and
+low-latency paths (counts first, variable-size pieces) will replace the movement under the
+same API, handle and receive layout.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from . import checks
+from . import finalize as _finalize
+
+MODES = ("high_throughput", "low_latency")
+MAX_TOPK = _finalize.MAX_TOPK
+SCALE_COLS = _finalize.SCALE_COLS
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+INDEX_DTYPES = (torch.int32, torch.int64)
+NEG_ZERO_BF16 = -32768  # 0x8000 as int16: bf16 -0.0, the identity of the rank-order sum
+NAN_BF16 = 0x7FC0
+_ALIGN = 16  # block sections start on 16-byte boundaries (the collectives' granule)
+
+
+def _round16(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _int(v, name: str, what: str) -> int:
+    if isinstance(v, bool):
+        raise TypeError(f"{what}: {name} must be an int, got bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an int, got {type(v).__name__}") from None
+
+
+def placement_table(placement, num_experts: int, world: int) -> list[int]:
+    """The owner rank of every expert: ``"contiguous"`` (expert e on rank e // (E / world)),
+    ``"round_robin"`` (e on rank e % world), or a sequence of E ranks in which every rank
+    appears E / world times."""
+    what = "ExpertParallel"
+    per = num_experts // world
+    if isinstance(placement, str):
+        if placement == "contiguous":
+            return [e // per for e in range(num_experts)]
+        if placement == "round_robin":
+            return [e % world for e in range(num_experts)]
+        raise ValueError(f"{what}: placement={placement!r}: must be 'contiguous', "
+                         "'round_robin' or a sequence of num_experts owner ranks")
+    try:
+        owners = [_int(r, "placement[e]", what) for r in placement]
+    except TypeError:
+        raise TypeError(f"{what}: placement must be 'contiguous', 'round_robin' or a sequence "
+                        f"of ints, got {type(placement).__name__}") from None
+    if len(owners) != num_experts:
+        raise ValueError(f"{what}: placement has {len(owners)} entries, not num_experts = "
+                         f"{num_experts}")
+    for r in range(world):
+        if owners.count(r) != per:
+            raise ValueError(f"{what}: placement gives rank {r} {owners.count(r)} experts; every "
+                             f"rank must hold num_experts / world = {per}")
+    bad = [r for r in owners if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"{what}: placement names rank {bad[0]}, outside 0..{world - 1}")
+    return owners
+
+
+@dataclass
+class BlockLayout:
+    """One rank's dispatch block (bytes), the same on every rank: ``max_tokens`` token rows
+    (bf16 or e4m3 bytes), their fp32 scales (e4m3), their int32 top-k expert ids (-1: no
+    token in that row). Sections start on 16-byte boundaries."""
+
+    T: int
+    H: int
+    topk: int
+    row_bytes: int
+    scale_cols: int  # 0 for bf16
+
+    @property
+    def scales_off(self) -> int:
+        return _round16(self.T * self.row_bytes)
+
+    @property
+    def idx_off(self) -> int:
+        return self.scales_off + _round16(self.T * self.scale_cols * 4)
+
+    @property
+    def nbytes(self) -> int:
+        return self.idx_off + _round16(self.T * self.topk * 4)
+
+    def x(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[B, T, row_bytes] uint8 views of the token rows of blocks [B, nbytes]."""
+        return blocks[:, :self.T * self.row_bytes].view(-1, self.T, self.row_bytes)
+
+    def scales(self, blocks: torch.Tensor) -> torch.Tensor:
+        o = self.scales_off
+        return blocks[:, o:o + self.T * self.scale_cols * 4].view(
+            blocks.shape[0], self.T, self.scale_cols * 4)
+
+    def idx(self, blocks: torch.Tensor) -> torch.Tensor:
+        o = self.idx_off
+        return blocks[:, o:o + self.T * self.topk * 4].view(blocks.shape[0], self.T, self.topk * 4)
+
+
+@dataclass
+class DispatchResult:
+    """What :meth:`ExpertParallel.dispatch` delivers to this rank, on the communicator's
+    device, ordered per local expert by (source rank, token index).
+
+    ``high_throughput``: ``x`` is ``[R, H]`` packed (R = the rows this rank received, known
+    on the host), local expert e's rows are ``x[offsets[e]:offsets[e + 1]]``.
+    ``low_latency``: ``x`` is ``[E_local, world * max_tokens, H]`` (fixed size, nothing
+    depends on counts on the host), local expert e's rows are ``x[e, :counts[e]]``; rows
+    past the count are undefined.
+
+    ``x_scales`` (e4m3): fp32 per row and 128 columns, the same layout. ``counts``: int32
+    ``[E_local]`` on the device. ``src_rank`` / ``src_token`` / ``src_k``: int32 per row, in
+    ``x``'s layout (-1 past the counts in low-latency mode). ``experts``: the global ids of
+    the local experts, in local order.
+    """
+
+    mode: str
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    counts: torch.Tensor
+    offsets: torch.Tensor | None
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    src_k: torch.Tensor
+    experts: list
+
+    def expert(self, e: int) -> torch.Tensor:
+        """Local expert ``e``'s rows (reads the count on the host: a convenience, not for
+        graph capture)."""
+        if self.mode == "low_latency":
+            return self.x[e, :int(self.counts[e])]
+        return self.x[int(self.offsets[e]):int(self.offsets[e + 1])]
+
+
+@dataclass
+class Handle:
+    """What :meth:`ExpertParallel.combine` needs from its dispatch: the combine slot of
+    every received row (``(src_rank * max_tokens + token) * topk + k``, ``-1`` past the
+    counts), this rank's token count, top-k weights and top-k, the receive layout, and the
+    entries refused on the device (CUDA, see :meth:`ExpertParallel.check`)."""
+
+    mode: str
+    slots: torch.Tensor
+    num_tokens: int
+    topk: int
+    weights: torch.Tensor
+    bad_entries: torch.Tensor | None
+    recv_shape: tuple
+
+
+class ExpertParallel:
+    """Expert-parallel dispatch and combine over a :class:`sparkccl.Communicator`.
+
+    Args:
+        comm: the communicator (every rank of it takes part in every call).
+        num_experts: E, a multiple of the world size; each rank holds E / world experts.
+        hidden: H, a multiple of 8 (of 128 for e4m3).
+        max_tokens: T, the most tokens any rank dispatches in one call.
+        dtype: of the dispatched tokens: ``torch.bfloat16``, or e4m3
+            (``torch.float8_e4m3fn``, or its bytes as ``torch.uint8``) with ``x_scales``
+            (fp32, one per row and 128 columns). Combine takes bf16 expert outputs.
+        mode: ``"high_throughput"`` (packed receive rows; their number is read on the host)
+            or ``"low_latency"`` (fixed-size receive buffers, no host read in dispatch).
+        placement: ``"contiguous"`` (default: expert e on rank e // (E / world)),
+            ``"round_robin"``, or a sequence of E owner ranks, E / world each.
+
+    All ranks must make the same calls in the same order with the same ``topk``, as for the
+    collectives; the token count may differ per rank (up to ``max_tokens``).
+    """
+
+    def __init__(self, comm, *, num_experts: int, hidden: int, max_tokens: int,
+                 dtype: torch.dtype = torch.bfloat16, mode: str = "high_throughput",
+                 placement="contiguous"):
+        what = "ExpertParallel"
+        W = comm.world_size
+        E = _int(num_experts, "num_experts", what)
+        H = _int(hidden, "hidden", what)
+        T = _int(max_tokens, "max_tokens", what)
+        if E <= 0 or E % W:
+            raise ValueError(f"{what}: num_experts = {E} must be a positive multiple of the world "
+                             f"size {W}")
+        if T <= 0:
+            raise ValueError(f"{what}: max_tokens = {T} must be positive")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{what}: dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if dtype not in _finalize.Y_DTYPES:
+            raise TypeError(f"{what}: dtype must be torch.bfloat16 or e4m3 (torch.float8_e4m3fn, "
+                            f"or its bytes as torch.uint8), got {dtype}")
+        fp8 = dtype != torch.bfloat16
+        if H <= 0 or H % 8:
+            raise ValueError(f"{what}: hidden = {H} must be a positive multiple of 8")
+        if fp8 and H % SCALE_COLS:
+            raise ValueError(f"{what}: with e4m3 tokens hidden = {H} must be a multiple of "
+                             f"{SCALE_COLS} (one fp32 scale per 128 columns)")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"{what}: mode={mode!r}: must be one of {', '.join(MODES)}")
+        self.comm, self.num_experts, self.hidden, self.max_tokens = comm, E, H, T
+        self.dtype, self.fp8, self.mode = dtype, fp8, mode
+        self.world, self.rank = W, comm.rank
+        self.num_local_experts = E // W
+        owners = placement_table(placement, E, W)
+        self.owners = owners
+        local = [0] * E
+        seen = [0] * W
+        for e, r in enumerate(owners):
+            local[e], seen[r] = seen[r], seen[r] + 1
+        self.local_experts = [e for e in range(E) if owners[e] == comm.rank]
+        dev = comm.device
+        self._owner_dev = torch.tensor(owners, dtype=torch.int32, device=dev)
+        self._local_dev = torch.tensor(local, dtype=torch.int32, device=dev)
+        self._row_bytes = H * (1 if fp8 else 2)
+        self._scale_cols = H // SCALE_COLS if fp8 else 0
+        self._blocks: dict[int, tuple] = {}  # topk -> (layout, send block)
+        cuda = dev.type == "cuda"
+        # CUDA checks the routing on the device (no stream sync) and counts refused entries
+        # there (see check()); the tests turn this on for CPU too.
+        self._device_checks = cuda
+        self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
+        # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
+        self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
+        if cuda:
+            from . import ep_cuda
+            ep_cuda.kernel(dev.index)  # compiled and loaded before any collective runs
+
+    # ---- checks (everything before anything is sent) ----------------------------------
+    def _check_dispatch(self, x, topk_idx, topk_weights, x_scales):
+        what = "ExpertParallel.dispatch"
+        dev = self.comm.device
+        self.comm._check_open(what)
+        names = (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
+        for name, t in names + ((("x_scales", x_scales),) if x_scales is not None else ()):
+            checks.tensor(t, dev, what, name)
+        H, T = self.hidden, self.max_tokens
+        if self.fp8:
+            if x.dtype not in (_FP8, torch.uint8) or x.dtype is None:
+                raise TypeError(f"{what}: this ExpertParallel dispatches e4m3 tokens: x must be "
+                                f"torch.float8_e4m3fn (or its bytes as uint8), got {x.dtype}")
+        elif x.dtype != torch.bfloat16:
+            raise TypeError(f"{what}: this ExpertParallel dispatches bf16 tokens: x must be "
+                            f"torch.bfloat16, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"{what}: x must be [n, hidden] = [n, {H}], got {list(x.shape)}")
+        n = int(x.shape[0])
+        if n > T:
+            raise ValueError(f"{what}: {n} tokens (x.shape[0]) exceed max_tokens = {T}")
+        if topk_idx.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{what}: topk_idx must be torch.int64 or torch.int32, got "
+                            f"{topk_idx.dtype}")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != n:
+            raise ValueError(f"{what}: topk_idx must be [n, topk] with n = {n}, got "
+                             f"{list(topk_idx.shape)}")
+        K = int(topk_idx.shape[1])
+        if not 1 <= K <= MAX_TOPK:
+            raise ValueError(f"{what}: topk = {K} (topk_idx.shape[1]) must be 1..{MAX_TOPK}")
+        if topk_weights.dtype != torch.float32:
+            raise TypeError(f"{what}: topk_weights must be torch.float32, got "
+                            f"{topk_weights.dtype}")
+        if tuple(topk_weights.shape) != (n, K):
+            raise ValueError(f"{what}: topk_weights must be [n, topk] = [{n}, {K}], got "
+                             f"{list(topk_weights.shape)}")
+        if self.fp8:
+            if x_scales is None:
+                raise ValueError(f"{what}: e4m3 tokens need x_scales (fp32 [n, hidden / 128])")
+            if x_scales.dtype != torch.float32:
+                raise TypeError(f"{what}: x_scales must be torch.float32, got {x_scales.dtype}")
+            if tuple(x_scales.shape) != (n, H // SCALE_COLS):
+                raise ValueError(f"{what}: x_scales must be [n, hidden / 128] = "
+                                 f"[{n}, {H // SCALE_COLS}], got {list(x_scales.shape)}")
+        elif x_scales is not None:
+            raise ValueError(f"{what}: x_scales is only for e4m3 tokens; this ExpertParallel "
+                             "dispatches bf16, pass x_scales=None")
+        if n and not self._device_checks:
+            self._check_routing(topk_idx, what)
+        return n, K
+
+    def _check_routing(self, topk_idx, what):
+        """Expert ids in range and distinct per token (each token reaches an expert at most
+        once: the receive regions hold world * max_tokens rows per expert). On the host;
+        on CUDA the same checks run on the device (see :meth:`check`)."""
+        E = self.num_experts
+        bad = ((topk_idx < 0) | (topk_idx >= E)).nonzero()
+        if bad.numel():
+            t, k = (int(v) for v in bad[0])
+            raise ValueError(f"{what}: topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is not an "
+                             f"expert (0 <= id < num_experts = {E}); {bad.shape[0]} such "
+                             "entries")
+        if topk_idx.shape[1] > 1:
+            s, _ = topk_idx.sort(dim=1)
+            dup = (s[:, 1:] == s[:, :-1]).any(dim=1).nonzero()
+            if dup.numel():
+                t = int(dup[0, 0])
+                raise ValueError(f"{what}: token {t} names expert(s) more than once in topk_idx "
+                                 f"({topk_idx[t].tolist()}); each token's top-k experts must "
+                                 "be distinct")
+
+    def _device_bad_entries(self, idx: torch.Tensor) -> torch.Tensor:
+        """bool [n, K]: entries that are out of range or repeat an earlier k of their token
+        (computed on the device, no host read)."""
+        bad = (idx < 0) | (idx >= self.num_experts)
+        K = idx.shape[1]
+        if K > 1:
+            eq = idx.unsqueeze(2) == idx.unsqueeze(1)  # [n, K, K]
+            earlier = torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
+            bad = bad | (eq & earlier).any(dim=2)
+        return bad
+
+    def _block(self, K: int):
+        got = self._blocks.get(K)
+        if got is None:
+            lay = BlockLayout(self.max_tokens, self.hidden, K, self._row_bytes, self._scale_cols)
+            send = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.comm.device)
+            got = self._blocks[K] = (lay, send)
+        return got
+
+    # ---- dispatch ---------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: torch.Tensor | None = None) -> tuple[DispatchResult, Handle]:
+        """Send every token to the ranks holding its top-k experts.
+
+        Args:
+            x: ``[n, hidden]`` tokens, n <= max_tokens, of the constructor's dtype.
+            topk_idx: int64 / int32 ``[n, topk]`` expert ids, distinct per token, topk <= 16.
+            topk_weights: fp32 ``[n, topk]``; the handle keeps this tensor for
+                :meth:`combine` (not a copy: leave it unchanged until then).
+            x_scales: fp32 ``[n, hidden / 128]`` for e4m3 tokens.
+
+        Returns ``(recv, handle)``: :class:`DispatchResult` and the :class:`Handle` for
+        :meth:`combine`. Shapes, dtypes and (on CPU) the routing are checked before anything
+        is sent; on CUDA the routing is checked on the device (no stream sync): a bad entry
+        reaches no expert, its token's combined row is NaN, and :meth:`check` raises.
+        """
+        n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
+        comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
+        lay, send = self._block(K)
+        dev = comm.device
+        blk = send.view(1, -1)
+        idx = topk_idx.to(torch.int32)
+        bad = None
+        if n and self._device_checks:
+            bad = self._device_bad_entries(idx)
+            idx = idx.masked_fill(bad, -1)
+            self._bad_entries += bad.sum()
+        lay.x(blk)[0, :n].copy_(x.view(torch.uint8))
+        if self.fp8:
+            lay.scales(blk)[0, :n].copy_(x_scales.view(torch.uint8).view(n, self._scale_cols * 4))
+        ids = lay.idx(blk)[0].view(torch.int32).view(T, K)
+        ids[:n].copy_(idx)
+        ids[n:].fill_(-1)
+
+        got = comm.all_gather(send).view(W, lay.nbytes)
+        g_idx = lay.idx(got).reshape(W * T, K * 4).view(torch.int32).reshape(-1)  # entry (s, t, k)
+        valid = g_idx >= 0
+        safe = g_idx.clamp(min=0).long()
+        mine = valid & (self._owner_dev[safe] == self.rank)
+        El = self.num_local_experts
+        key = torch.where(mine, self._local_dev[safe], El)  # non-local entries sort last
+        order = torch.sort(key, stable=True).indices  # entries by (local expert, s, t, k)
+        counts_all = torch.zeros(El + 1, dtype=torch.int64, device=dev)
+        counts_all.index_add_(0, key.long(), torch.ones_like(key, dtype=torch.int64))
+        counts = counts_all[:El].to(torch.int32)
+        starts = torch.cumsum(counts_all, 0) - counts_all
+
+        if self.mode == "high_throughput":
+            R = int(counts_all[:El].sum())  # the one host read (CUDA: a stream sync)
+            entries = order[:R]
+            offsets = torch.zeros(El + 1, dtype=torch.int64, device=dev)
+            offsets[1:] = torch.cumsum(counts_all[:El], 0)
+            slots = entries.to(torch.int32)
+            recv_shape = (R,)
+        else:
+            # A token reaches each expert at most once (ids distinct per token), so at most
+            # W * T rows per local expert and W * T * min(K, El) local entries, which the
+            # stable order puts first.
+            cap = W * T
+            M = W * T * min(K, El)
+            entries = order[:M]
+            ekey = key[entries]
+            rank_in = torch.arange(M, device=dev) - starts[ekey]
+            dest = torch.where(ekey < El, ekey * cap + rank_in, El * cap)  # past the end: dropped
+            slots = torch.full((El * cap + 1,), -1, dtype=torch.int32, device=dev)
+            slots[dest] = entries.to(torch.int32)
+            slots = slots[:El * cap]
+            offsets = None
+            recv_shape = (El, cap)
+
+        src_row = (slots.clamp(min=0) // K).long() if self.mode == "low_latency" else \
+            (slots // K).long()
+        rows = lay.x(got).reshape(W * T, self._row_bytes)
+        rx = rows[src_row]
+        xs = None
+        if self.fp8:
+            xs = lay.scales(got).reshape(W * T, self._scale_cols * 4)[src_row]
+            xs = xs.view(torch.float32).reshape(*recv_shape, self._scale_cols)
+        rx = rx.view(self.dtype).reshape(*recv_shape, H)
+        none = slots < 0
+        src_rank = torch.where(none, -1, slots // (T * K)).to(torch.int32)
+        src_token = torch.where(none, -1, (slots // K) % T).to(torch.int32)
+        src_k = torch.where(none, -1, slots % K).to(torch.int32)
+        recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
+                              src_token.view(recv_shape), src_k.view(recv_shape),
+                              list(self.local_experts))
+        handle = Handle(self.mode, slots.view(-1), n, K, topk_weights, bad, recv_shape)
+        return recv, handle
+
+    # ---- combine ----------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: Handle,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Return every expert output row to its token's home rank and finalize there:
+        ``[n, hidden]`` bf16 with row t = ``shared[t] + sum_k w[t, k] * out(t, k)`` (fp32 FMA
+        chain in k order, rounded once; ``shared=None`` starts the chain from +0.0).
+
+        ``expert_out``: bf16 in ``recv.x``'s layout (``[R, H]`` high-throughput,
+        ``[E_local, world * max_tokens, H]`` low-latency; rows past the counts are ignored).
+        """
+        what = "ExpertParallel.combine"
+        comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
+        dev = comm.device
+        comm._check_open(what)
+        if not isinstance(handle, Handle):
+            raise TypeError(f"{what}: handle must be the Handle returned by dispatch, got "
+                            f"{type(handle).__name__}")
+        checks.tensor(expert_out, dev, what, "expert_out")
+        if expert_out.dtype != torch.bfloat16:
+            raise TypeError(f"{what}: expert_out must be torch.bfloat16, got {expert_out.dtype}")
+        if tuple(expert_out.shape) != (*handle.recv_shape, H):
+            raise ValueError(f"{what}: expert_out must have recv.x's shape "
+                             f"{[*handle.recv_shape, H]}, got {list(expert_out.shape)}")
+        n, K = handle.num_tokens, handle.topk
+        if shared is not None:
+            checks.tensor(shared, dev, what, "shared")
+            if shared.dtype != torch.bfloat16:
+                raise TypeError(f"{what}: shared must be torch.bfloat16, got {shared.dtype}")
+            if tuple(shared.shape) != (n, H):
+                raise ValueError(f"{what}: shared must be [n, hidden] = [{n}, {H}], got "
+                                 f"{list(shared.shape)}")
+
+        # Every rank's computed rows at their (source rank, token, k) slot, -0.0 elsewhere
+        # (the last row takes the rows past the counts and is not sent).
+        N = W * T * K
+        block = torch.full((N + 1, H), NEG_ZERO_BF16, dtype=torch.int16, device=dev)
+        slots = handle.slots.long()
+        block[torch.where(slots >= 0, slots, N)] = expert_out.reshape(-1, H).view(torch.int16)
+        if handle.bad_entries is not None:
+            # Refused entries (CUDA): reached no expert; their terms are NaN at home.
+            own = torch.zeros(N + 1, dtype=torch.bool, device=dev)
+            own[self.rank * T * K:self.rank * T * K + n * K] = handle.bad_entries.reshape(-1)
+            block.masked_fill_(own.unsqueeze(1), NAN_BF16)
+        mine = comm.reduce_scatter(block[:N].view(torch.bfloat16))  # [T * K, H]: own (t, k)
+        if shared is None:
+            shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
+        if n == 0:
+            return out
+        pos = torch.arange(n * K, dtype=torch.int32, device=dev)
+        f = _finalize.FinalizeInputs(y=mine, scales=None, pos=pos, weights=handle.weights,
+                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
+                                     topk=K, H=H, R=T * K)
+        if dev.type == "cuda":
+            from . import ep_cuda
+            ep_cuda.finalize_rows(f, out, self._fin_bad)
+        else:
+            _finalize.single_rank(comm._nat, f, out)
+        return out
+
+    def check(self) -> None:
+        """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or
+        repeated (checked on the device, without a stream sync; such an entry reached no
+        expert and its token's combined row is NaN). Synchronizes the current stream. CPU
+        dispatch refuses them before sending, so this returns at once."""
+        if not self._device_checks:
+            return
+        if self.comm.device.type == "cuda":
+            torch.cuda.current_stream(self.comm.device).synchronize()
+        n = int(self._bad_entries)
+        if n:
+            self._bad_entries.zero_()
+            raise ValueError(f"rank {self.rank}: ExpertParallel.dispatch: {n} top-k entries "
+                             f"were out of range (0 <= id < num_experts = {self.num_experts}) "
+                             "or repeated a token's earlier expert; they reached no expert and "
+                             "their tokens' combined rows are NaN")

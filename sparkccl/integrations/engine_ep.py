@@ -1,0 +1,123 @@
+"""What the vLLM and SGLang expert-parallel hooks share (docs/EXPERT_PARALLEL.md "Inside
+the engines"): one sparkccl Communicator per engine EP group, one
+:class:`sparkccl.ExpertParallel` per layer shape, and the engine-neutral step of each side:
+
+* :func:`dispatch_rows` sends this rank's tokens and returns the rows its experts received
+  as an ordinary token batch: ``[R, H]`` (high-throughput receive layout, grouped by local
+  expert, (source rank, token) order), each row with top-k 1, its expert's id and weight
+  1.0, so any engine expert kernel computes ``expert(row) * 1.0`` — the row itself;
+* :func:`combine_rows` returns those rows to their home ranks and finalizes there with the
+  routing weights kept at dispatch: the one-box finalize bits (fp32 FMA chain in top-k
+  order, rounded once).
+
+Everything here is collective over the EP group, in the same order on every rank, as the
+engines' own all-to-all backends are.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import routing
+
+log = logging.getLogger("sparkccl.ep")
+
+_lock = threading.Lock()
+_comms: dict = {}  # engine group name -> Communicator
+_eps: dict = {}    # (group name, E, H, T, placement) -> ExpertParallel
+
+
+def group_comm(cpu_group, device, name: str, what: str):
+    """The sparkccl Communicator of an engine's EP group (built once, on every rank of the
+    group together: collective)."""
+    with _lock:
+        comm = _comms.get(name)
+        if comm is not None:
+            return comm
+        from ..comm import Communicator
+        s = routing.agreed_settings(cpu_group, what)
+        comm = _comms[name] = Communicator(group=cpu_group, device=device,
+                                           topology=s.topology, transport=s.transport)
+        log.info("sparkccl: %s (world %d): MoE dispatch / combine on sparkccl, topology %s, "
+                 "transport %s", what, comm.world_size, comm.topology, comm.transport)
+        return comm
+
+
+def placement_from_local_ids(comm, local_ids: torch.Tensor, num_experts: int) -> list[int]:
+    """The owner of every expert, from each rank's map ``global expert id -> local id``
+    (-1: not here) gathered over ``comm`` (collective). Refuses (``ValueError``, on every
+    rank alike: every rank sees every map) a map that is not a partition of the experts
+    or whose local ids do not ascend with the global ids (ExpertParallel's local order)."""
+    W = comm.world_size
+    maps = comm.all_gather(local_ids.to(device=comm.device, dtype=torch.int32).contiguous())
+    maps = maps.view(W, num_experts).cpu()
+    owners = []
+    for e in range(num_experts):
+        held = [r for r in range(W) if int(maps[r, e]) >= 0]
+        if len(held) != 1:
+            raise ValueError(f"sparkccl EP: expert {e} is held by ranks {held}: the engine's "
+                             "expert map must give every expert to exactly one rank "
+                             "(redundant experts / EPLB are not supported)")
+        owners.append(held[0])
+    for r in range(W):
+        mine = [int(maps[r, e]) for e in range(num_experts) if owners[e] == r]
+        if mine != list(range(len(mine))):
+            raise ValueError(f"sparkccl EP: rank {r}'s local expert ids {mine} do not ascend "
+                             "with the global ids")
+    return owners
+
+
+def expert_parallel(comm, name: str, *, num_experts: int, hidden: int, max_tokens: int,
+                    placement):
+    """One ExpertParallel per (group, layer shape, placement), shared by the layers that
+    have it (its send block is max_tokens * hidden bf16)."""
+    from ..expert_parallel import ExpertParallel
+    key = (name, num_experts, hidden, max_tokens,
+           placement if isinstance(placement, str) else tuple(placement))
+    with _lock:
+        ep = _eps.get(key)
+        if ep is None:
+            ep = _eps[key] = ExpertParallel(comm, num_experts=num_experts, hidden=hidden,
+                                            max_tokens=max_tokens, dtype=torch.bfloat16,
+                                            mode="high_throughput", placement=placement)
+        return ep
+
+
+@dataclass
+class Dispatched:
+    """:func:`dispatch_rows`'s answer: ``x`` ``[R, H]`` bf16, ``expert_global`` /
+    ``expert_local`` (int64 ``[R]``: each row's expert), ``counts`` (int32
+    ``[E_local]``), and the handle :func:`combine_rows` needs."""
+
+    x: torch.Tensor
+    expert_global: torch.Tensor
+    expert_local: torch.Tensor
+    counts: torch.Tensor
+    handle: object
+
+
+def dispatch_rows(ep, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> Dispatched:
+    """Dispatch this rank's tokens (``[n, H]`` bf16, top-k ids and fp32 weights ``[n, K]``);
+    the weights stay with the handle for :func:`combine_rows`."""
+    recv, handle = ep.dispatch(x.contiguous(), topk_ids.contiguous(),
+                               topk_weights.to(torch.float32).contiguous())
+    counts = recv.counts.to(torch.int64)
+    dev = recv.x.device
+    local = torch.repeat_interleave(torch.arange(len(recv.experts), device=dev), counts)
+    glob = torch.tensor(recv.experts, dtype=torch.int64, device=dev)[local]
+    return Dispatched(recv.x, glob, local, recv.counts, handle)
+
+
+def combine_rows(ep, d: Dispatched, expert_out: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert outputs of ``d``'s rows (``[R, H]`` or ``[R, 1, H]``, bf16) back home,
+    finalized: ``[n, H]`` bf16 (into ``out`` when given)."""
+    R, H = d.x.shape
+    y = ep.combine(expert_out.reshape(R, H).contiguous(), d.handle)
+    if out is None:
+        return y
+    return out.copy_(y)

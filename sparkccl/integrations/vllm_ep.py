@@ -1,0 +1,202 @@
+"""vLLM expert parallelism on sparkccl: a ``FusedMoEPrepareAndFinalizeModular`` whose
+prepare is :meth:`sparkccl.ExpertParallel.dispatch` and whose finalize is its combine,
+with the one-box finalize bits (docs/EXPERT_PARALLEL.md "Inside the engines").
+
+Switched on by ``SPARKCCL_VLLM=1`` and ``SPARKCCL_VLLM_EP=1`` (the vLLM plugin calls
+:func:`register`), used by layers that vLLM runs with ``--enable-expert-parallel`` over
+data parallelism and the default ``--all2all-backend allgather_reducescatter``
+(``ParallelConfig.all2all_backend`` is a fixed ``Literal`` in 0.33.0: no name can be added).
+
+The hook, the smallest vLLM 0.33.0 allows: vLLM has no registry of all-to-all backends;
+``fused_moe/all2all_utils.py`` ``maybe_make_prepare_finalize(moe, quant_config, ...)``
+picks the class from the backend name, and its callers (``fused_moe/oracle/*.py``, the
+elastic EP code) import it by name. :func:`register` replaces that one module attribute
+with a wrapper (modules that imported it already are rebound to the wrapper, so every
+caller sees it): for a layer it takes (see :func:`decline_reason`, which looks only at
+the layer's configuration, the same on every rank), it returns
+:class:`SparkcclPrepareAndFinalize`; for any other it calls vLLM's function unchanged.
+
+The format is vLLM's ``Standard`` one, as DeepEP high-throughput's: prepare returns the
+``R`` rows this rank's experts received (grouped by local expert, in (source rank,
+token) order), each as a token with top-k 1, its expert's global id and weight 1.0, so the
+experts compute exactly ``expert(row)``; finalize sends those rows home and computes
+``sum_k w[t, k] * out(t, k)`` in fp32, k in top-k order, rounded once — the bits of every
+expert on one box, whatever the EP size.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from .. import config
+from . import engine_ep
+
+log = logging.getLogger("sparkccl.vllm")
+
+TARGET_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
+TARGET = "maybe_make_prepare_finalize"
+BACKEND = "allgather_reducescatter"
+
+
+def register() -> None:
+    """Install the wrapper when ``SPARKCCL_VLLM_EP=1`` (called by the vLLM plugin, itself
+    on only with ``SPARKCCL_VLLM=1``). Installing twice is harmless."""
+    if not config.get("SPARKCCL_VLLM_EP"):
+        return
+    import importlib
+    mod = importlib.import_module(TARGET_MODULE)
+    original = getattr(mod, TARGET)
+    if getattr(original, "_sparkccl_original", None) is not None:
+        return
+    wrapper = _make_wrapper(original)
+    setattr(mod, TARGET, wrapper)
+    # Callers import the function by name: rebind the ones imported before us.
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("vllm.") and \
+                getattr(m, TARGET, None) is original:
+            setattr(m, TARGET, wrapper)
+    log.info("sparkccl: vLLM EP hook on: --enable-expert-parallel layers with "
+             "--all2all-backend %s dispatch and combine through sparkccl", BACKEND)
+
+
+def _make_wrapper(original):
+    def maybe_make_prepare_finalize(moe, quant_config, *args, **kwargs):
+        why = decline_reason(moe, quant_config)
+        if why is not None:
+            log.info("sparkccl: vLLM MoE layer stays on vLLM's %s: %s",
+                     moe.moe_parallel_config.all2all_backend, why)
+            return original(moe, quant_config, *args, **kwargs)
+        return _pf_class().for_layer(moe)
+    maybe_make_prepare_finalize._sparkccl_original = original
+    maybe_make_prepare_finalize.__wrapped__ = original
+    maybe_make_prepare_finalize.__doc__ = original.__doc__
+    return maybe_make_prepare_finalize
+
+
+def decline_reason(moe, quant_config) -> str | None:
+    """Why a layer keeps vLLM's own prepare/finalize (None: it takes sparkccl's). Reads only
+    the layer's configuration, the same on every rank of the EP group."""
+    from ..expert_parallel import MAX_TOPK
+    p = moe.moe_parallel_config
+    if not p.use_all2all_kernels:
+        return "no all-to-all (expert parallelism off, or neither DP, PCP nor SP above 1)"
+    if p.all2all_backend != BACKEND:
+        return f"--all2all-backend {p.all2all_backend} (sparkccl takes {BACKEND})"
+    if p.enable_eplb:
+        return "EPLB (redundant experts) is not supported"
+    if moe.in_dtype != torch.bfloat16:
+        return f"activations {moe.in_dtype} (sparkccl dispatches bf16)"
+    if quant_config is not None and quant_config.quant_dtype is not None:
+        return f"quantized activations ({quant_config.quant_dtype}); bf16 dispatch only"
+    if moe.num_experts % p.ep_size:
+        return f"{moe.num_experts} experts over {p.ep_size} ranks"
+    if moe.hidden_dim % 8:
+        return f"hidden {moe.hidden_dim} not a multiple of 8"
+    if not 1 <= moe.experts_per_token <= MAX_TOPK:
+        return f"top-{moe.experts_per_token} (at most {MAX_TOPK})"
+    return None
+
+
+def _modular_base():
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    return mk
+
+
+def _make_class():
+    mk = _modular_base()
+
+    class SparkcclPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+        """Prepare = sparkccl dispatch, finalize = sparkccl combine with the one-box
+        finalize. The ExpertParallel is built at the first prepare, from the expert map
+        vLLM passes there (gathered from every rank: collective, as prepare is)."""
+
+        def __init__(self, comm, group_name: str, num_experts: int, hidden: int,
+                     max_tokens: int):
+            super().__init__()
+            self.comm, self.group_name = comm, group_name
+            self.num_experts, self.hidden, self.max_tokens = num_experts, hidden, max_tokens
+            self.ep = None
+            self._pending = None  # (ExpertParallel, Dispatched) from prepare to finalize
+
+        @classmethod
+        def for_layer(cls, moe):
+            from vllm.distributed.parallel_state import get_ep_group
+            g = get_ep_group()
+            comm = engine_ep.group_comm(g.cpu_group, g.device, g.unique_name,
+                                        f"vLLM EP group {g.unique_name}")
+            return cls(comm, g.unique_name, moe.num_experts, moe.hidden_dim,
+                       moe.max_num_tokens)
+
+        # ---- what vLLM asks of a prepare/finalize -----------------------------------
+        @property
+        def activation_format(self):
+            return mk.FusedMoEActivationFormat.Standard
+
+        def topk_indices_dtype(self):
+            return None
+
+        def max_num_tokens_per_rank(self):
+            return None
+
+        def num_dispatchers(self) -> int:
+            return self.comm.world_size
+
+        def output_is_reduced(self) -> bool:
+            return True  # finalize leaves each token's whole sum on its home rank
+
+        # ---- prepare / finalize --------------------------------------------------------
+        def _expert_parallel(self, expert_map):
+            if self.ep is None:
+                if expert_map is None:
+                    raise ValueError("sparkccl EP: vLLM passed no expert map to prepare")
+                owners = engine_ep.placement_from_local_ids(self.comm, expert_map,
+                                                            self.num_experts)
+                self.ep = engine_ep.expert_parallel(
+                    self.comm, self.group_name, num_experts=self.num_experts,
+                    hidden=self.hidden, max_tokens=self.max_tokens, placement=owners)
+            return self.ep
+
+        def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                    apply_router_weight_on_input, quant_config, defer_input_quant=False):
+            ep = self._expert_parallel(expert_map)
+            if apply_router_weight_on_input:
+                # vLLM's rule for all its all-to-all backends: top-1 only, weight on the
+                # input; the finalize then weighs by 1.0.
+                if topk_ids.shape[1] != 1:
+                    raise ValueError("sparkccl EP: apply_router_weight_on_input needs top-1, "
+                                     f"got top-{topk_ids.shape[1]}")
+                a1 = a1 * topk_weights.to(a1.dtype)
+                topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+            d = engine_ep.dispatch_rows(ep, a1, topk_ids, topk_weights)
+            self._pending = (ep, d)
+            meta = mk.ExpertTokensMetadata(expert_num_tokens=d.counts,
+                                           expert_num_tokens_cpu=d.counts.cpu())
+            ids = d.expert_global.to(topk_ids.dtype).view(-1, 1)
+            ones = torch.ones((d.x.shape[0], 1), dtype=torch.float32, device=d.x.device)
+            return d.x, None, meta, ids, ones
+
+        def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                     apply_router_weight_on_input, weight_and_reduce_impl) -> None:
+            if self._pending is None:
+                raise RuntimeError("sparkccl EP: finalize without a prepare")
+            (ep, d), self._pending = self._pending, None
+            engine_ep.combine_rows(ep, d, fused_expert_output, out=output)
+
+    SparkcclPrepareAndFinalize.__module__ = __name__
+    return SparkcclPrepareAndFinalize
+
+
+def _pf_class():
+    return sys.modules[__name__].SparkcclPrepareAndFinalize
+
+
+def __getattr__(name):
+    # Built on first use: importing this module must not import vLLM's fused MoE while
+    # the hook is off.
+    if name == "SparkcclPrepareAndFinalize":
+        cls = _make_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

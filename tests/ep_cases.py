@@ -1,0 +1,108 @@
+"""Expert-parallel inputs any rank can rebuild for any other, the stand-in experts, and the
+one-box reference of dispatch + combine (tests/test_expert_parallel.py,
+benchmarks/ep_bench.py)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparkccl.reference import finalize_rows_reference
+
+
+def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
+                  num_experts: int, world: int, fp8: bool = False, pow2_weights: bool = True):
+    """Rank ``rank``'s dispatch inputs for test ``seed``: dict(x, x_scales, topk_idx (int64,
+    distinct per token), topk_weights, shared). Routing: experts ``e % 5 == 3`` never receive
+    a token (when enough others remain), every 4th token has its whole top-k on one rank (when
+    a rank holds enough experts, contiguous placement), the rest are random."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919 + 29) & 0x7FFFFFFFFFFF)
+    n, H, E, K = tokens, hidden, num_experts, topk
+    scale = float(2.0 ** (rank % 3 - 1))
+    if fp8:
+        x = (torch.randn((n, H), generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        e = torch.randint(-8, 3, (n, H // 128), generator=g).to(torch.float32)
+        x_scales = torch.exp2(e) * (1 + torch.rand((n, H // 128), generator=g)) * scale
+    else:
+        x = (torch.randn((n, H), generator=g) * scale).to(torch.bfloat16)
+        if x.numel():
+            x.view(-1)[::7] = -0.0
+        x_scales = None
+    allowed = [e for e in range(E) if e % 5 != 3]
+    if len(allowed) < K:
+        allowed = list(range(E))
+    per = E // world
+    idx = torch.empty((n, K), dtype=torch.int64)
+    for t in range(n):
+        home = [e for e in range((t % world) * per, (t % world + 1) * per) if e in allowed]
+        pool = home if t % 4 == 0 and len(home) >= K else allowed
+        pick = torch.randperm(len(pool), generator=g)[:K]
+        idx[t] = torch.tensor([pool[i] for i in pick.tolist()], dtype=torch.int64)
+    if pow2_weights:
+        ex = torch.randint(-6, 2, (n, K), generator=g).to(torch.float32)
+        sign = torch.where(torch.rand((n, K), generator=g) < 0.25, -1.0, 1.0)
+        w = sign * torch.exp2(ex)
+    else:
+        w = torch.rand((n, K), generator=g, dtype=torch.float32) * 2 - 0.5
+    if w.numel():
+        w.view(-1)[::11] = 0.0
+    shared = (torch.randn((n, H), generator=g) * scale).to(torch.bfloat16)
+    if shared.numel():
+        shared.view(-1)[::7] = -0.0
+    return dict(x=x, x_scales=x_scales, topk_idx=idx, topk_weights=w, shared=shared)
+
+
+def decode(x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values of token rows (e4m3 times its scale per 128 columns)."""
+    if x_scales is None:
+        return x.float()
+    return x.view(torch.float8_e4m3fn).float() * x_scales.repeat_interleave(128, dim=-1)
+
+
+def expert_fn(expert: int, x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
+    """The stand-in for expert ``expert``: elementwise, so its bits do not depend on which
+    rows it is given with (the same on the owner and in the one-box reference)."""
+    c = 1.0 + expert / 8.0
+    return (decode(x, x_scales) * c - expert / 32.0).to(torch.bfloat16)
+
+
+def one_box_rows(inp: dict) -> torch.Tensor:
+    """[n * topk, H]: row t * topk + k = expert topk_idx[t, k] applied to token t."""
+    x, s, idx = inp["x"], inp["x_scales"], inp["topk_idx"]
+    n, K = idx.shape
+    out = torch.empty((n * K, x.shape[1]), dtype=torch.bfloat16)
+    for t in range(n):
+        for k in range(K):
+            out[t * K + k] = expert_fn(int(idx[t, k]), x[t:t + 1],
+                                       None if s is None else s[t:t + 1])[0]
+    return out
+
+
+def combine_reference(inp: dict, shared: bool = True) -> np.ndarray:
+    """uint16 bf16 bits ``[n, H]`` of the one-box fused finalize of this rank's tokens (the
+    numpy reference of sparkccl/reference.py)."""
+    n, K = inp["topk_idx"].shape
+    H = inp["x"].shape[1]
+    sh = inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16)
+    f = dict(y=one_box_rows(inp), pos=torch.arange(n * K, dtype=torch.int32),
+             weights=inp["topk_weights"], shared=sh, y_scales=None)
+    rows = finalize_rows_reference(f, n, n)
+    return (rows.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def run_experts(ep, recv) -> torch.Tensor:
+    """Every local expert on its received rows, in ``recv.x``'s layout; rows past the counts
+    (low-latency mode) are NaN, which combine must never read."""
+    H = recv.x.shape[-1]
+    out = torch.full((*recv.x.shape[:-1], H), float("nan"), dtype=torch.bfloat16,
+                     device=recv.x.device)
+    counts = recv.counts.cpu().tolist()
+    for e, ge in enumerate(recv.experts):
+        if recv.mode == "low_latency":
+            rows = slice(0, counts[e])
+            xe, se = recv.x[e, rows], None if recv.x_scales is None else recv.x_scales[e, rows]
+            out[e, rows] = expert_fn(ge, xe.cpu(), None if se is None else se.cpu()).to(out.device)
+        else:
+            a, b = int(recv.offsets[e]), int(recv.offsets[e + 1])
+            se = None if recv.x_scales is None else recv.x_scales[a:b].cpu()
+            out[a:b] = expert_fn(ge, recv.x[a:b].cpu(), se).to(out.device)
+    return out

@@ -1,0 +1,473 @@
+"""Expert-parallel dispatch and combine (sparkccl/expert_parallel.py,
+docs/EXPERT_PARALLEL.md), checked bit for bit in W processes:
+
+* dispatch: each local expert's rows, counts and source (rank, token, k) are exactly the
+  tokens routed to it from every rank, in (source rank, token) order, bf16 and e4m3 with
+  scales, both modes, contiguous / round-robin / explicit placements;
+* combine(dispatch(...)) equals the one-box fused finalize reference of each home rank's
+  tokens (sparkccl/reference.py), with and without a shared expert, token counts that
+  differ per rank (zero included), experts that receive no token, tokens whose top-k all
+  live on one rank, rows past the counts that are NaN (never read);
+* world 2-4, mesh and ring over shm, and tcp; world 1;
+* every bad input raising before anything is sent.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ep_cases import combine_reference, make_ep_input, run_experts
+from helpers import assert_no_problems, expect_errors
+from sparkccl.localrun import check, run_ranks
+
+HAVE_GPU = torch.cuda.is_available()
+
+
+def ep_cases(W: int):
+    """(T, tokens per rank, H, topk, E, fp8, mode, placement, pow2 weights)."""
+    per_rank = [5 + 3 * r for r in range(W)]
+    some_empty = [0 if r == W - 1 else 9 for r in range(W)]
+    rr = "round_robin"
+    explicit = [(e * 7 + 3) % W for e in range(4 * W)]  # each rank 4 experts (W coprime to 7)
+    return [(16, per_rank, 64, 4, 4 * W, False, "high_throughput", "contiguous", True),
+            (16, per_rank, 128, 2, 4 * W, True, "low_latency", "contiguous", False),
+            (12, some_empty, 256, 8, 8 * W, True, "high_throughput", rr, True),
+            (9, [9] * W, 64, 1, W, False, "low_latency", rr, False),
+            (10, some_empty, 32, 3, 4 * W, False, "low_latency", explicit, True),
+            (8, [8] * W, 128, 16, 16 * W, False, "high_throughput", "contiguous", False)]
+
+
+def _dispatch_problems(ep, recv, inputs, T):
+    """Compare recv with what every rank routed to this rank's experts, in order."""
+    bad = []
+    counts = recv.counts.cpu().tolist()
+    for e, ge in enumerate(recv.experts):
+        want = [(s, t, k) for s, inp in enumerate(inputs)
+                for t in range(inp["topk_idx"].shape[0]) for k in range(inp["topk_idx"].shape[1])
+                if int(inp["topk_idx"][t, k]) == ge]
+        if counts[e] != len(want):
+            bad.append(f"expert {ge}: count {counts[e]}, want {len(want)}")
+            continue
+        if recv.mode == "low_latency":
+            sel = (e, slice(0, counts[e]))
+        else:
+            a, b = int(recv.offsets[e]), int(recv.offsets[e + 1])
+            if b - a != len(want):
+                bad.append(f"expert {ge}: offsets give {b - a} rows, want {len(want)}")
+                continue
+            sel = (slice(a, b),)
+        src = [recv.src_rank[sel].tolist(), recv.src_token[sel].tolist(), recv.src_k[sel].tolist()]
+        if list(zip(*src)) != want:
+            bad.append(f"expert {ge}: sources {list(zip(*src))[:4]}..., want {want[:4]}...")
+            continue
+        xs = recv.x[sel].cpu()
+        wx = torch.stack([inputs[s]["x"][t] for s, t, _ in want]) if want else xs
+        if not torch.equal(xs.view(torch.uint8), wx.view(torch.uint8)):
+            bad.append(f"expert {ge}: received rows differ")
+        if recv.x_scales is not None and want:
+            ws = torch.stack([inputs[s]["x_scales"][t] for s, t, _ in want])
+            if not torch.equal(recv.x_scales[sel].cpu().view(torch.int32), ws.view(torch.int32)):
+                bad.append(f"expert {ge}: received scales differ")
+    return bad
+
+
+def ep_job(rank, nprocs, store, configs, device):
+    """configs: [(world, topology, transport, slot_bytes)]; ranks >= world sit a config out.
+    Returns the failures (empty when everything is exact)."""
+    import torch.distributed as dist
+
+    import sparkccl
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    bad = []
+    for n_cfg, (W, topo, transport, slot) in enumerate(configs):
+        if rank >= W:
+            continue
+        with sparkccl.Communicator(store=dist.PrefixStore(f"ep{n_cfg}", store), rank=rank,
+                                   world_size=W, topology=topo, transport=transport,
+                                   slot_bytes=slot, timeout_s=60, device=device) as comm:
+            for c, (T, ns, H, K, E, fp8, mode, placement, pow2) in enumerate(ep_cases(W)):
+                name = f"world {W} {topo}/{transport} case {c} ({mode}, fp8 {fp8}, E {E}, K {K})"
+                inputs = [make_ep_input(50 + c, r, tokens=ns[r], hidden=H, topk=K, num_experts=E,
+                                        world=W, fp8=fp8, pow2_weights=pow2) for r in range(W)]
+                ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                             dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                             mode=mode, placement=placement)
+                mine = {k: None if v is None else v.to(comm.device) for k, v in inputs[rank].items()}
+                recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"],
+                                           mine["x_scales"])
+                bad += [f"{name}: {b}" for b in _dispatch_problems(ep, recv, inputs, T)]
+                out = run_experts(ep, recv)
+                for with_shared in (True, False):
+                    z = ep.combine(out, handle, shared=mine["shared"] if with_shared else None)
+                    want = combine_reference(inputs[rank], shared=with_shared)
+                    got = z.cpu().view(torch.int16).numpy().view(np.uint16)
+                    if got.shape != want.shape or not np.array_equal(got, want):
+                        where = np.argwhere(got != want)[:3] if got.shape == want.shape else \
+                            f"shape {got.shape}"
+                        bad.append(f"{name} shared {with_shared}: combine differs at {where}")
+    return bad
+
+
+def test_routings_cover_idle_experts_and_one_rank_tokens():
+    from sparkccl.expert_parallel import placement_table
+    for W in (2, 3, 4):
+        idle = one_rank = 0
+        for c, (T, ns, H, K, E, fp8, mode, placement, pow2) in enumerate(ep_cases(W)):
+            owners = placement_table(placement, E, W)
+            used = set()
+            for r in range(W):
+                idx = make_ep_input(50 + c, r, tokens=ns[r], hidden=H, topk=K, num_experts=E,
+                                    world=W, fp8=fp8)["topk_idx"]
+                used |= set(idx.reshape(-1).tolist())
+                one_rank += sum(len({owners[e] for e in row}) == 1 for row in idx.tolist())
+            idle += E - len(used)
+        assert idle > 0 and one_rank > 0, (W, idle, one_rank)
+
+
+def _run(nprocs, configs, device="cpu"):
+    values = check(run_ranks(ep_job, nprocs, args=(configs, device), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+def test_ep_cpu_worlds():
+    # One set of processes for every world (starting them is most of the time here). The
+    # 24 KiB slot splits the larger dispatch blocks and combine blocks into several
+    # collectives.
+    MiB = 1 << 20
+    _run(4, [(2, "mesh", "shm", MiB), (2, "ring", "shm", MiB), (3, "ring", "shm", MiB),
+             (4, "mesh", "shm", MiB), (4, "ring", "tcp", MiB), (1, "mesh", "auto", MiB),
+             (3, "mesh", "shm", 24 << 10)])
+
+
+# ---------------------------------------------------------------- bad input
+
+def _bad_cases(comm):
+    import sparkccl
+    W, H, T, E, K = comm.world_size, 128, 8, 4 * comm.world_size, 2
+    ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T)
+    ep8 = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                  dtype=torch.float8_e4m3fn, mode="low_latency")
+    good = make_ep_input(3, comm.rank, tokens=6, hidden=H, topk=K, num_experts=E, world=W)
+    g8 = make_ep_input(3, comm.rank, tokens=6, hidden=H, topk=K, num_experts=E, world=W, fp8=True)
+    idx_hi, idx_neg, idx_dup = (good["topk_idx"].clone() for _ in range(3))
+    idx_hi[2, 1] = E
+    idx_neg[0, 0] = -1
+    idx_dup[4, 1] = idx_dup[4, 0]
+
+    def d(e=ep, over=None, **kw):
+        a = dict(good if e is ep else g8, **(over or {}))
+        return lambda: e.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"], **kw)
+
+    def make(**kw):
+        args = dict(num_experts=E, hidden=H, max_tokens=T)
+        args.update(kw)
+        return lambda: sparkccl.ExpertParallel(comm, **args)
+
+    big = make_ep_input(3, comm.rank, tokens=T + 1, hidden=H, topk=K, num_experts=E, world=W)
+    k17 = make_ep_input(3, comm.rank, tokens=2, hidden=H, topk=17, num_experts=17 * W, world=W)
+    return [
+        ("E not multiple of world", make(num_experts=E + 1), ValueError, "multiple of the world"),
+        ("H not multiple of 8", make(hidden=12), ValueError, "multiple of 8"),
+        ("fp8 H not multiple of 128", make(hidden=64, dtype=torch.float8_e4m3fn), ValueError,
+         "multiple of 128"),
+        ("dtype fp16", make(dtype=torch.float16), TypeError, "torch.bfloat16"),
+        ("mode", make(mode="fast"), ValueError, "low_latency"),
+        ("max_tokens 0", make(max_tokens=0), ValueError, "positive"),
+        ("placement uneven", make(placement=[0] * E), ValueError, "every rank must hold"),
+        ("placement name", make(placement="random"), ValueError, "contiguous"),
+        ("E float", make(num_experts=8.0), TypeError, "num_experts must be an int"),
+        ("idx out of range", d(over={"topk_idx": idx_hi}), ValueError, f"topk_idx[2, 1] = {E}"),
+        ("idx negative", d(over={"topk_idx": idx_neg}), ValueError, "topk_idx[0, 0] = -1"),
+        ("idx repeated", d(over={"topk_idx": idx_dup}), ValueError, "distinct"),
+        ("idx float", d(over={"topk_idx": good["topk_idx"].float()}), TypeError, "int64"),
+        ("idx wrong rows", d(over={"topk_idx": good["topk_idx"][:5]}), ValueError, "[n, topk]"),
+        ("tokens over max_tokens", d(over=big), ValueError, "exceed max_tokens"),
+        ("topk 17", d(over=k17), ValueError, "topk = 17"),
+        ("x fp32", d(over={"x": good["x"].float()}), TypeError, "torch.bfloat16"),
+        ("x wrong H", d(over={"x": good["x"][:, :64].contiguous()}), ValueError, "[n, hidden]"),
+        ("x non-contiguous", d(over={"x": torch.zeros(H, 6, dtype=torch.bfloat16).t()}),
+         ValueError, "contiguous"),
+        ("x not a tensor", d(over={"x": good["x"].tolist()}), TypeError, "torch.Tensor"),
+        ("weights fp16", d(over={"topk_weights": good["topk_weights"].half()}), TypeError,
+         "torch.float32"),
+        ("weights shape", d(over={"topk_weights": good["topk_weights"][:, :1].contiguous()}),
+         ValueError, "topk_weights must be [n, topk]"),
+        ("scales with bf16", d(over={"x_scales": g8["x_scales"]}), ValueError, "x_scales=None"),
+        ("fp8 without scales", d(ep8, over={"x_scales": None}), ValueError, "need x_scales"),
+        ("fp8 scales fp16", d(ep8, over={"x_scales": g8["x_scales"].half()}), TypeError,
+         "torch.float32"),
+        ("fp8 scales shape", d(ep8, over={"x_scales": g8["x_scales"][:, :0]}), ValueError,
+         "[n, hidden / 128]"),
+        ("fp8 given bf16", d(ep8, over={"x": good["x"]}), TypeError, "float8_e4m3fn"),
+        ("combine no handle", lambda: ep.combine(torch.zeros(1, H, dtype=torch.bfloat16), None),
+         TypeError, "Handle"),
+    ]
+
+
+def _bad_combine_cases(ep, recv, handle, H):
+    n = handle.num_tokens
+    out = torch.zeros((*recv.x.shape[:-1], H), dtype=torch.bfloat16)
+    return [
+        ("combine fp32 out", lambda: ep.combine(out.float(), handle), TypeError, "torch.bfloat16"),
+        ("combine wrong shape", lambda: ep.combine(out[:, :64].contiguous(), handle), ValueError,
+         "recv.x's shape"),
+        ("combine shared rows", lambda: ep.combine(out, handle, torch.zeros(n + 1, H,
+                                                                           dtype=torch.bfloat16)),
+         ValueError, "shared must be [n, hidden]"),
+        ("combine shared fp32", lambda: ep.combine(out, handle, torch.zeros(n, H)), TypeError,
+         "shared must be torch.bfloat16"),
+    ]
+
+
+def ep_bad_input_job(rank, world, store):
+    """Bad input raises before anything is sent; then (a second communicator, the same
+    processes) the CUDA path's device-side routing checks, run on CPU tensors."""
+    import torch.distributed as dist
+
+    import sparkccl
+    comm = sparkccl.Communicator(store=dist.PrefixStore("bad", store), rank=rank,
+                                 world_size=world, timeout_s=20, slot_bytes=1 << 20)
+    result = expect_errors(comm, _bad_cases(comm))
+    # Nothing was sent: a good dispatch and combine line up and are exact.
+    W, H, E, K = world, 128, 4 * world, 2
+    inputs = [make_ep_input(4, r, tokens=6, hidden=H, topk=K, num_experts=E, world=W)
+              for r in range(W)]
+    ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=8)
+    mine = inputs[rank]
+    recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+    seq = comm.seq
+    more = expect_errors(comm, _bad_combine_cases(ep, recv, handle, H))
+    more.pop("seq after bad calls")
+    result.update(more)
+    result["combine: nothing sent"] = None if comm.seq == seq else f"seq {seq} -> {comm.seq}"
+    z = ep.combine(run_experts(ep, recv), handle, shared=mine["shared"])
+    ok = np.array_equal(z.view(torch.int16).numpy().view(np.uint16), combine_reference(mine))
+    result["exact after bad calls"] = None if ok else "wrong result"
+    comm.close()
+    with sparkccl.Communicator(store=dist.PrefixStore("dev", store), rank=rank,
+                               world_size=world, timeout_s=30) as comm:
+        T, H, K, E = 12, 128, 4, 4 * world
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                     mode="low_latency")
+        ep._device_checks = True
+        inputs = [make_ep_input(8, r, tokens=T - 1, hidden=H, topk=K, num_experts=E, world=world)
+                  for r in range(world)]
+        problems = _device_refusal(ep, inputs, "cpu")
+    result["device-side routing checks"] = "; ".join(problems) or None
+    return result
+
+
+def test_bad_input_raises_before_sending_and_device_checks():
+    values = check(run_ranks(ep_bad_input_job, 2, timeout_s=300))
+    assert_no_problems(values, at_least=30)
+
+
+# ---------------------------------------------------------------- CUDA (the lead runs these)
+
+cuda_only = [pytest.mark.cuda,
+             pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: "
+                                "torch.cuda.is_available() is False")]
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 4)])
+@cuda_only[0]
+@cuda_only[1]
+def test_ep_cuda(topology, world):
+    _run(world, [(world, topology, "shm", 8 << 20), (world, topology, "shm", 256 << 10)],
+         device="cuda")
+
+
+def graph_experts(recv, experts: torch.Tensor) -> torch.Tensor:
+    """expert_fn (tests/ep_cases.py) of every local expert on its whole receive region, with
+    device ops only (capturable): the same elementwise fp32 operations, so the same bits."""
+    from ep_cases import decode
+    ge = experts.to(torch.float32).view(-1, 1, 1)
+    return (decode(recv.x, recv.x_scales) * (1.0 + ge / 8.0) - ge / 32.0).to(torch.bfloat16)
+
+
+def ep_graph_job(rank, world, store, fp8):
+    """Low-latency dispatch + experts + combine captured in one CUDA graph, replayed on
+    fresh inputs copied into the captured ones; every replay exact."""
+    import sparkccl
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    T, H, K, E = 32, 256, 4, 8 * world
+    bad = []
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, device="cuda",
+                               slot_bytes=8 << 20, timeout_s=60) as comm:
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                     dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                     mode="low_latency")
+        experts = torch.tensor(ep.local_experts, device="cuda")
+
+        def inputs(seed):
+            return [make_ep_input(seed, r, tokens=T - 3, hidden=H, topk=K, num_experts=E,
+                                  world=world, fp8=fp8, pow2_weights=False) for r in range(world)]
+
+        def layer(a):
+            recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
+            return ep.combine(graph_experts(recv, experts), handle, shared=a["shared"])
+
+        first = inputs(1)
+        static = {k: None if v is None else v.cuda() for k, v in first[rank].items()}
+        z = layer(static)  # eager: sets up the reduce-scatter buffers, compiles, loads
+        torch.cuda.synchronize()
+        if not np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                              combine_reference(first[rank])):
+            bad.append("eager call differs")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            z = layer(static)
+        for seed in (2, 3, 4):
+            new = inputs(seed)
+            for k, v in new[rank].items():
+                if v is not None:
+                    static[k].copy_(v)
+            g.replay()
+            torch.cuda.synchronize()
+            comm.check()
+            ep.check()
+            if not np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                                  combine_reference(new[rank])):
+                bad.append(f"replay {seed} differs")
+        bad += _device_refusal(ep, inputs(5), "cuda")
+    return bad
+
+
+def _device_refusal(ep, inputs, device):
+    """CUDA checks the routing on the device: on rank 0 token 2 names expert E (out of
+    range) and token 3 repeats its k=0 expert; those tokens' rows are NaN, every other row is
+    exact, ep.check() raises once."""
+    bad = []
+    rank = ep.rank
+    a = {k: None if v is None else v.clone() for k, v in inputs[rank].items()}
+    if rank == 0:
+        a["topk_idx"][2, 1] = ep.num_experts
+        a["topk_idx"][3, 2] = a["topk_idx"][3, 0]
+    dev = {k: None if v is None else v.to(device) for k, v in a.items()}
+    recv, handle = ep.dispatch(dev["x"], dev["topk_idx"], dev["topk_weights"], dev["x_scales"])
+    experts = torch.tensor(ep.local_experts, device=device)
+    z = ep.combine(graph_experts(recv, experts), handle, shared=dev["shared"])
+    got = z.cpu().view(torch.int16).numpy().view(np.uint16)
+    want = combine_reference(inputs[rank])
+    keep = [t for t in range(got.shape[0]) if rank != 0 or t not in (2, 3)]
+    if not np.array_equal(got[keep], want[keep]):
+        bad.append("rows of good tokens differ after a refused entry")
+    try:
+        ep.check()
+        if rank == 0:
+            bad.append("ep.check() did not raise for refused entries")
+    except ValueError as e:
+        if rank != 0 or "2 top-k entries" not in str(e):
+            bad.append(f"ep.check(): {e}")
+    if rank == 0 and not (got[[2, 3]] == 0x7FFF).all():
+        bad.append("refused tokens' rows are not the canonical NaN 0x7FFF")
+    ep.check()  # reported once
+    return bad
+
+
+@pytest.mark.parametrize("world,fp8", [(2, True), (4, False)])
+@cuda_only[0]
+@cuda_only[1]
+def test_ep_low_latency_graph_replay(world, fp8):
+    values = check(run_ranks(ep_graph_job, world, args=(fp8,), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------- the CUDA finalize kernel, emulated
+
+_EMU_MAIN = r"""
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+#define SCCL_EMU 1
+#include "sccl_emu.h"
+thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+#include EP_KERNELS_CU
+extern "C" void run(unsigned grid, const u64* a) {
+  for (unsigned b = 0; b < grid; ++b) {  // one thread per block, blocks one after another
+    blockIdx.x = b; gridDim.x = grid; blockDim.x = 1; threadIdx.x = 0;
+    sccl_ep_finalize((const u8*)a[0], (const float*)a[1], (const int*)a[2], (const float*)a[3],
+                     (const u8*)a[4], (u32*)a[5], a[6], a[7], a[8], a[9], a[10], (u8*)a[11]);
+  }
+}
+"""
+
+
+def _emu_ep_finalize(tmp_path):
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from sparkccl import ep_cuda
+    from sparkccl.dataplane import nvrtc
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs g++ to build the CPU emulation of the kernel")
+    emu_dir = Path(__file__).parent / "cuda_emu"
+    src = tmp_path / "ep_emu.cpp"
+    src.write_text(_EMU_MAIN)
+    lib = tmp_path / "ep_emu.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wno-unknown-pragmas",
+           f"-I{emu_dir}", *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS),
+           f'-DEP_KERNELS_CU="{ep_cuda.SOURCE.resolve()}"', str(src), "-o", str(lib)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    so = ctypes.CDLL(str(lib))
+    so.run.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)]
+    return so
+
+
+def test_ep_finalize_kernel_emulated(tmp_path):
+    """sccl_ep_finalize (the CUDA combine's finalize) compiled as host C++ with the data
+    plane's emulation header: the same bits as the numpy reference, bf16 and e4m3, general
+    weights, several grid sizes (a grid-stride loop)."""
+    import ctypes
+
+    from sparkccl.reference import finalize_rows_reference, make_finalize_input
+    so = _emu_ep_finalize(tmp_path)
+    for case, (T, H, K, fp8, pow2, grid) in enumerate([(13, 64, 3, False, False, 1),
+                                                       (9, 256, 8, True, False, 3),
+                                                       (5, 128, 16, False, True, 7),
+                                                       (0, 32, 2, False, True, 1)]):
+        inp = make_finalize_input(70 + case, 0, tokens=T, hidden=H, topk=K, experts_rows=T + 4,
+                                  fp8=fp8, pow2_weights=pow2)
+        y = inp["y"].view(torch.uint8) if fp8 else inp["y"]
+        out = torch.full((T, H), -1.0, dtype=torch.bfloat16)
+        bad = torch.zeros(4, dtype=torch.int32)
+        scales = inp["y_scales"]
+        args = [y.data_ptr(), 0 if scales is None else scales.data_ptr(), inp["pos"].data_ptr(),
+                inp["weights"].data_ptr(), inp["shared"].data_ptr(), bad.data_ptr(), T, K, H,
+                y.shape[0], int(fp8), out.data_ptr()]
+        so.run(grid, (ctypes.c_uint64 * len(args))(*args))
+        want = finalize_rows_reference(inp, T, T)
+        got = out.float().numpy()
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), case
+        assert bad.tolist() == [0, 0, 0, 0]
+
+
+
+def test_world_one_finalize_keeps_the_canonical_nan():
+    """finalize.single_rank (world 1, and every EP combine on CPU) writes a NaN row element as
+    0x7FFF like the data planes and the reference; through fp32, torch made it 0xFFFF."""
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import bits, make_finalize_input, moe_finalize_reference
+    with sparkccl.Communicator(store=dist.HashStore(), rank=0, world_size=1) as comm:
+        inp = make_finalize_input(1, 0, tokens=8, hidden=64, topk=2, experts_rows=4)
+        inp["y"][1, 3] = float("nan")
+        z = comm.moe_finalize_reduce_scatter(inp["y"], inp["pos"], inp["weights"],
+                                             inp["shared"], num_tokens=8, padded_tokens=8)
+        assert (z.view(torch.int16) == 0x7FFF).any()
+        assert (bits(z) == moe_finalize_reference([inp], 0, 8, 8)).all()

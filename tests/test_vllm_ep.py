@@ -1,0 +1,186 @@
+"""The vLLM expert-parallel hook (sparkccl/integrations/vllm_ep.py), against the real vLLM
+package, on CPU ranks (docs/EXPERT_PARALLEL.md "Inside the engines").
+
+Skips, with the import error as the reason, where vLLM's fused-MoE layer does not import
+(CI: not installed); ``benchmarks/integrations_check.sh`` installs vLLM into a venv and
+runs this. As in tests/test_vllm_plugin.py, ranks are processes over gloo, vLLM's own
+plugin loader runs the ``sparkccl`` entry point, and vLLM's own ``GroupCoordinator``
+builds the EP group. The layer's ``FusedMoEConfig`` is vLLM's own class, and the
+prepare/finalize comes from vLLM's ``maybe_make_prepare_finalize`` as the fused-MoE oracles
+call it. The experts are the tests' stand-ins (tests/ep_cases.py: vLLM's expert kernels
+need a GPU); finalize's output is checked bit for bit against the one-box fused finalize
+reference of each rank's tokens.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from ep_cases import combine_reference, expert_fn, make_ep_input
+from sparkccl.localrun import check, run_ranks
+
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING", "SPARKCCL_VLLM": "1"}
+CUDA_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+AU = "vllm.model_executor.layers.fused_moe.all2all_utils"
+H, K, T = 64, 4, 12
+
+
+@pytest.fixture(scope="module")
+def vllm_ok():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (benchmarks/integrations_check.sh installs it in a "
+                    "venv)")
+    import os
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        importlib.import_module(AU)
+        importlib.import_module("vllm.model_executor.layers.fused_moe.oracle.unquantized")
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
+        pytest.skip(f"vLLM's fused MoE does not import here: {type(e).__name__}: {e}")
+
+
+def _moe(world, rank, E, backend="allgather_reducescatter", use_ep=True, eplb=False,
+         dtype=torch.bfloat16):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
+                                                             FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    p = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=world, ep_size=world,
+                               tp_rank=0, pcp_rank=0, dp_rank=rank, ep_rank=rank, sp_size=1,
+                               use_ep=use_ep, all2all_backend=backend, enable_eplb=eplb)
+    return FusedMoEConfig(num_experts=E, experts_per_token=K, hidden_dim=H,
+                          intermediate_size=128, num_local_experts=E // world,
+                          num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
+                          routing_method=RoutingMethodType.Renormalize, moe_parallel_config=p,
+                          in_dtype=dtype, max_num_tokens=T)
+
+
+def _expert_map(E, world, rank, round_robin):
+    owners = [e % world if round_robin else e // (E // world) for e in range(E)]
+    m = torch.full((E,), -1, dtype=torch.int32)
+    mine = [e for e in range(E) if owners[e] == rank]
+    m[mine] = torch.arange(len(mine), dtype=torch.int32)
+    return m
+
+
+def _ep_job(rank, world, store):
+    import importlib
+    import os
+    import types
+
+    import torch.distributed as dist
+    from sparkccl.integrations import vllm_ep
+    out = {}
+    # Off (SPARKCCL_VLLM_EP unset): registering changes nothing.
+    vllm_ep.register()
+    out["inert"] = not hasattr(importlib.import_module(AU).maybe_make_prepare_finalize,
+                               "_sparkccl_original")
+    os.environ["SPARKCCL_VLLM_EP"] = "1"
+    from vllm.platforms import current_platform
+    type(current_platform).get_device_communicator_cls = classmethod(
+        lambda cls: CUDA_COMMUNICATOR)
+    import vllm.plugins
+    vllm.plugins.load_general_plugins()
+    au = importlib.import_module(AU)
+    oracle = importlib.import_module("vllm.model_executor.layers.fused_moe.oracle.unquantized")
+    out["hooked"] = oracle.maybe_make_prepare_finalize is au.maybe_make_prepare_finalize \
+        and hasattr(au.maybe_make_prepare_finalize, "_sparkccl_original")
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    import vllm.distributed.parallel_state as ps
+    ps._EP = ps.GroupCoordinator(group_ranks=[list(range(world))], local_rank=rank,
+                                 torch_distributed_backend="gloo",
+                                 use_device_communicator=False, group_name="ep")
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                             fp8_w8a8_moe_quant_config)
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+        TopKWeightAndReduceDelegate)
+    make = oracle.maybe_make_prepare_finalize
+    E = 4 * world
+
+    # Declined: the same answer as vLLM's own function.
+    declined = {
+        "ep off": (_moe(world, rank, E, use_ep=False), FUSED_MOE_UNQUANTIZED_CONFIG),
+        "eplb": (_moe(world, rank, E, eplb=True), FUSED_MOE_UNQUANTIZED_CONFIG),
+        "fp16": (_moe(world, rank, E, dtype=torch.float16), FUSED_MOE_UNQUANTIZED_CONFIG),
+        "fp8": (_moe(world, rank, E), fp8_w8a8_moe_quant_config(
+            w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None,
+            block_shape=[128, 128])),
+    }
+    out["declined"] = {}
+    # (vLLM's all-to-all manager needs CUDA; its EP world size is all these paths read.)
+    manager = types.SimpleNamespace(world_size=world)
+    for name, (moe, qc) in declined.items():
+        got = make(moe, qc, allow_new_interface=True, all2all_manager=manager)
+        want = au.maybe_make_prepare_finalize._sparkccl_original(
+            moe, qc, allow_new_interface=True, all2all_manager=manager)
+        out["declined"][name] = (type(got).__name__, type(want).__name__)
+
+    # Taken: two layers (contiguous and round-robin expert maps), tokens per rank that
+    # differ (rank 1 none in the second round).
+    bad = []
+    for layer, rr in enumerate((False, True)):
+        pf = make(_moe(world, rank, E), FUSED_MOE_UNQUANTIZED_CONFIG, allow_new_interface=True)
+        out[f"class{layer}"] = (type(pf).__name__,
+                                isinstance(pf, mk.FusedMoEPrepareAndFinalizeModular),
+                                pf.activation_format == mk.FusedMoEActivationFormat.Standard,
+                                pf.output_is_reduced(), pf.num_dispatchers())
+        emap = _expert_map(E, world, rank, rr)
+        for rnd in range(2):
+            ns = [5 + 3 * r for r in range(world)] if rnd == 0 else \
+                [0 if r == 1 else T for r in range(world)]
+            inputs = [make_ep_input(70 + 10 * layer + rnd, r, tokens=ns[r], hidden=H, topk=K,
+                                    num_experts=E, world=world) for r in range(world)]
+            mine = inputs[rank]
+            a, a_scale, meta, ids, w = pf.prepare(mine["x"], mine["topk_weights"],
+                                                  mine["topk_idx"], E, emap, False,
+                                                  FUSED_MOE_UNQUANTIZED_CONFIG, False)
+            # Each received row: the experts this rank holds, their rows in (rank, token).
+            want_rows = [(int(inp["topk_idx"][t, k]), s, t) for s, inp in enumerate(inputs)
+                         for t in range(inp["topk_idx"].shape[0]) for k in range(K)
+                         if int(emap[int(inp["topk_idx"][t, k])]) >= 0]
+            want_rows.sort(key=lambda v: int(emap[v[0]]))  # stable: (rank, token) kept
+            got_ids = ids.view(-1).tolist()
+            if got_ids != [e for e, _, _ in want_rows]:
+                bad.append(f"layer {layer} round {rnd}: row experts {got_ids}")
+            want_x = torch.stack([inputs[s]["x"][t] for _, s, t in want_rows]) \
+                if want_rows else a
+            if not torch.equal(a.view(torch.int16), want_x.view(torch.int16)):
+                bad.append(f"layer {layer} round {rnd}: received rows differ")
+            if a_scale is not None or not torch.equal(w, torch.ones_like(w)):
+                bad.append(f"layer {layer} round {rnd}: scales / weights {a_scale}, {w}")
+            counts = meta.expert_num_tokens.tolist()
+            if counts != [sum(int(emap[e]) == i for e, _, _ in want_rows)
+                          for i in range(E // world)]:
+                bad.append(f"layer {layer} round {rnd}: counts {counts}")
+            fused = torch.empty((a.shape[0], 1, H), dtype=torch.bfloat16)
+            for e in set(got_ids):
+                sel = ids.view(-1) == e
+                fused[sel, 0] = expert_fn(e, a[sel], None)
+            y = torch.full((ns[rank], H), float("nan"), dtype=torch.bfloat16)
+            pf.finalize(y, fused, w, ids, False, TopKWeightAndReduceDelegate())
+            got = y.view(torch.int16).numpy().view(np.uint16)
+            if not np.array_equal(got, combine_reference(mine, shared=False)):
+                bad.append(f"layer {layer} round {rnd}: finalize differs from the one-box "
+                           "reference")
+    out["bad"] = bad
+    return out
+
+
+def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok):
+    world = 2
+    for rank, r in enumerate(check(run_ranks(_ep_job, world=world, env=VLLM_ENV,
+                                             timeout_s=600))):
+        assert r["inert"] and r["hooked"], (rank, r)
+        for name, (got, want) in r["declined"].items():
+            assert got == want and got != "SparkcclPrepareAndFinalize", (rank, name, got, want)
+        for layer in (0, 1):
+            assert r[f"class{layer}"] == ("SparkcclPrepareAndFinalize", True, True, True,
+                                          world), (rank, r[f"class{layer}"])
+        assert r["bad"] == [], (rank, r["bad"])
