@@ -282,7 +282,9 @@ class Communicator:
         self._note_send_slots()
 
     # ---- checks ----------------------------------------------------------------------
-    def _check_open(self, what: str) -> None:
+    def check_open(self, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` if this communicator is closed (for the
+        collectives built on it, e.g. :class:`sparkccl.ExpertParallel`)."""
         if self._closed:
             raise ValueError(f"{what}: this Communicator is closed; create a new one")
 
@@ -297,7 +299,7 @@ class Communicator:
         if word is None:
             return
         if self._closed:  # (raises; the word may be unmapped by now)
-            self._check_open(what)
+            self.check_open(what)
         if not word[0]:
             return
         code = self._nat.abort_code(self._ctl_addr)
@@ -330,7 +332,7 @@ class Communicator:
         # each: checks.usable reads each tensor property once; the helpers say what failed.)
         what = "all_gather"
         if self._closed:
-            self._check_open(what)
+            self.check_open(what)
         device = self.device
         if not checks.usable(x, device):
             self._check_tensor(x, what)
@@ -374,7 +376,7 @@ class Communicator:
         input copy is skipped."""
         what = "reduce_scatter"  # (checks written as in all_gather)
         if self._closed:
-            self._check_open(what)
+            self.check_open(what)
         device = self.device
         if not checks.usable(x, device):
             self._check_tensor(x, what)
@@ -440,7 +442,7 @@ class Communicator:
         two-step regime's two collectives where the data plane has the fused operation:
         for tests and benchmarks (every rank must pass the same; the bits do not change).
         """
-        self._check_open("all_reduce")
+        self.check_open("all_reduce")
         return _allreduce.all_reduce(self, x, op, out, fused_op=self._fused_all_reduce,
                                      regime=regime, fused=fused)
 
@@ -535,7 +537,7 @@ class Communicator:
         after a CUDA graph capture the host no longer knows the next slot: a plain tensor.
         """
         what = "reduce_scatter_input"
-        self._check_open(what)
+        self.check_open(what)
         if dtype not in RS_DTYPES:
             raise TypeError(f"{what}: dtype {dtype} is not supported; use torch.bfloat16, "
                             "torch.float16 or torch.float32")
@@ -599,7 +601,7 @@ class Communicator:
         larger than the slot are split into several collectives (row ranges of every chunk).
         """
         what = "moe_finalize_reduce_scatter"
-        self._check_open(what)
+        self.check_open(what)
         f = _finalize.check_inputs(self, what, y, pos, weights, shared, num_tokens,
                                    padded_tokens, y_scales)
         Rr, RB = f.rows_per_rank, f.row_bytes
@@ -625,7 +627,7 @@ class Communicator:
     def synchronize(self) -> None:
         """Wait until this communicator's queued collectives have finished (CUDA; on CPU
         they already have) and raise ``CollectiveError`` if any of them failed."""
-        self._check_open("synchronize")
+        self.check_open("synchronize")
         if self.single:
             return
         with self._lock:
@@ -637,7 +639,7 @@ class Communicator:
         return. It does not wait: on CUDA it sees failures of collectives that have run, so
         synchronize the stream first (an event, ``torch.cuda.synchronize()``) to cover
         everything queued (:meth:`synchronize` waits and checks in one call)."""
-        self._check_open("check")
+        self.check_open("check")
         if self.single:
             return
         self._dp.check_status()  # CUDA: the GPU record

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .dataplane import nvrtc
+from .dataplane import cuda_runtime, nvrtc
 from .dataplane.cuda_runtime import kernel_u64, set_current
 
 SOURCE = Path(__file__).with_name("ep_kernels.cu")
@@ -24,25 +24,9 @@ _kernels: dict = {}
 _streams: dict = {}
 
 
-def _dataplane_private():
-    """The two data-plane helpers this module needs that are private there today, named
-    only here: ``(inline_includes(path) -> str, load_now(kernels))``. Public names asked
-    for: ``nvrtc.source(path=KERNELS_CU)`` (the text NVRTC compiles, quoted includes
-    inlined once each) and ``cuda_runtime.load_now(kernels)`` (load every kernel into the
-    current context now)."""
-    from .dataplane import cuda_runtime
-
-    def inline_includes(path: Path) -> str:
-        out: list = []
-        nvrtc._expand(path.resolve(), set(), out)
-        return "\n".join(out) + "\n"
-    return inline_includes, cuda_runtime._load_now
-
-
 def source() -> str:
     """The kernel as the one text NVRTC compiles (the data plane's includes inlined)."""
-    inline_includes, _ = _dataplane_private()
-    return inline_includes(SOURCE)
+    return nvrtc.source(SOURCE)
 
 
 def compile_cubin(arch) -> bytes:
@@ -60,8 +44,7 @@ def kernel(device_index: int):
             arch = nvrtc.arch_of(torch.cuda.get_device_capability(device_index))
             obj = cc.ObjectCode.from_cubin(compile_cubin(arch), name="sparkccl_ep_kernels")
             loaded = {KERNEL: obj.get_kernel(KERNEL)}
-            _, load_now = _dataplane_private()
-            load_now(loaded)
+            cuda_runtime.load_now(loaded)
             k = _kernels[device_index] = loaded[KERNEL]
         return k
 

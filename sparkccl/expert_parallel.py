@@ -255,7 +255,7 @@ class ExpertParallel:
     def _check_dispatch(self, x, topk_idx, topk_weights, x_scales):
         what = "ExpertParallel.dispatch"
         dev = self.comm.device
-        self.comm._check_open(what)
+        self.comm.check_open(what)
         names = (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
         for name, t in names + ((("x_scales", x_scales),) if x_scales is not None else ()):
             checks.tensor(t, dev, what, name)
@@ -444,7 +444,7 @@ class ExpertParallel:
         what = "ExpertParallel.combine"
         comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
         dev = comm.device
-        comm._check_open(what)
+        comm.check_open(what)
         if not isinstance(handle, Handle):
             raise TypeError(f"{what}: handle must be the Handle returned by dispatch, got "
                             f"{type(handle).__name__}")
@@ -488,7 +488,8 @@ class ExpertParallel:
             from . import ep_cuda
             ep_cuda.finalize_rows(f, out, self._fin_bad)
         else:
-            _finalize.single_rank(comm._nat, f, out)
+            from . import _native
+            _finalize.single_rank(_native, f, out)
         return out
 
     def check(self) -> None:

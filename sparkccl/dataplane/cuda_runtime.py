@@ -63,11 +63,11 @@ def kernels_for(device_index: int) -> dict:
             set_current(device_index)
             cap = torch.cuda.get_device_capability(device_index)
             k = _kernels[device_index] = nvrtc.load_kernels(nvrtc.arch_of(cap))
-            _load_now(k)
+            load_now(k)
         return k
 
 
-def _load_now(kernels: dict) -> None:
+def load_now(kernels: dict) -> None:
     """Load every kernel into the current context now, not at its first launch. Under CUDA's
     lazy loading (the default) a first launch may need a context synchronization; if a
     kernel of this context is then spinning on a flag whose writer is the kernel being

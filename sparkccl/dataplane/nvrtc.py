@@ -111,10 +111,11 @@ def source_files() -> list[Path]:
     return sorted(seen, key=lambda p: str(p))
 
 
-def source() -> str:
-    """The kernels as the one text NVRTC compiles (every quoted include inlined)."""
+def source(path: Path = KERNELS_CU) -> str:
+    """The kernels of ``path`` (default: the data plane's) as the one text NVRTC compiles
+    (every quoted include inlined once)."""
     out: list = []
-    _expand(KERNELS_CU.resolve(), set(), out)
+    _expand(Path(path).resolve(), set(), out)
     return "\n".join(out) + "\n"
 
 
