@@ -12,8 +12,10 @@ fails. Every step runs on every rank together (docs/PROTOCOL.md).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import time
 
 from . import bootstrap, config, layout, liveness
 from .buffers import Buffers, bytes_per_rank, mib, shortage_message
@@ -226,10 +228,52 @@ class Wiring:
             self.nat.set_abort(self.ctl_addr, layout.ABORT_USER, text)
 
     # ---- teardown ----------------------------------------------------------------------
-    def teardown(self, barrier: bool, bootstrap_timeout_s: float) -> None:
+    def depart(self, issued: int, timeout_s: float) -> bool:
+        """Leaving without ``close()`` (at interpreter exit, or the communicator dropped):
+        first deliver what this rank still owes its peers, so that a peer still receiving
+        this rank's last collective does not take the exit for a crash.
+
+        Waits (up to ``timeout_s``; at once when the communicator has failed, e.g. a peer
+        died) until this rank's GPU work is done and its proxy has posted, and the transport
+        completed, every piece of the ``issued`` collectives: its own and the ones it relays
+        for others. Then marks the control segment (``CTL_LEFT``: a peer's proxy fails only
+        once it is past this rank's last collective) and tells the store this rank closed
+        (a peer's ``close()`` does not wait for it). -> whether all of it went out; then the
+        teardown says goodbye on every connection."""
+        nat, ctl, px, dp = self.nat, self.ctl_addr, self.proxy, self.dp
+        if px is None or ctl is None or nat.abort_code(ctl):
+            return False
+        if hasattr(dp, "synchronize"):  # queued GPU collectives publish their pieces first
+            try:
+                dp.synchronize()
+            except Exception as e:  # noqa: BLE001 - failed: leave as after any failure
+                log.warning("sparkccl: rank %d: leaving: a queued collective failed: %s",
+                            self.rank, e)
+                return False
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-4
+        while px.delivered() < issued or px.outstanding():
+            if nat.abort_code(ctl) or not px.running:
+                return False
+            if time.monotonic() > deadline:
+                log.warning("sparkccl: rank %d: leaving without close(): after %g s the proxy "
+                            "still had not delivered collectives %d..%d to the peers; leaving "
+                            "anyway", self.rank, timeout_s, px.delivered(), issued - 1)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        ctypes.c_uint64.from_address(ctl + layout.CTL_LEFT).value = issued + 1
+        try:
+            self.rv.post("closed", 1)  # the key close()'s barrier waits for
+        except Exception as e:  # noqa: BLE001 - store gone: peers fall back on the abort path
+            log.warning("sparkccl: rank %d: leaving: could not tell the store: %s", self.rank, e)
+        return True
+
+    def teardown(self, barrier: bool, bootstrap_timeout_s: float, departed: bool = False) -> None:
         """Release everything. ``barrier``: first finish this rank's GPU work and wait (up
         to ``bootstrap_timeout_s``, abort-aware) until every rank got here, so that the
-        transport's goodbye is clean and no peer takes this rank's exit for a crash."""
+        transport's goodbye is clean and no peer takes this rank's exit for a crash.
+        ``departed``: :meth:`depart` delivered everything, so the goodbye is clean too."""
         nat, ctl, dp = self.nat, self.ctl_addr, self.dp
         if barrier and hasattr(dp, "synchronize"):  # GPU work of this rank finishes first
             try:
@@ -240,7 +284,7 @@ class Wiring:
             except Exception as e:
                 log.warning("sparkccl: rank %d: close(): waiting for the GPU failed: %s",
                             self.rank, e)
-        clean = False
+        clean = departed
         if barrier and self.proxy is not None and ctl is not None:
             def check():
                 if nat.abort_code(ctl):
