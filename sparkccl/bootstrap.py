@@ -110,7 +110,17 @@ class Rendezvous:
         """Publish ``value`` (JSON) and return every rank's value, in rank order."""
         self.store.set(self.key(name, self.rank), json.dumps(value))
         self._wait_all(name, what, abort_check, timeout_s, setting)
-        return [json.loads(self.store.get(self.key(name, r))) for r in range(self.world)]
+        return [self._load(name, r) for r in range(self.world)]
+
+    def _load(self, name: str, r: int) -> Any:
+        raw = self.store.get(self.key(name, r))
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+            raise ValueError(
+                f"sparkccl: rank {self.rank}: rank {r}'s {name!r} message in the store is not "
+                f"one this sparkccl can read ({len(raw)} bytes, {e}): truncated, or written "
+                "by another program or sparkccl version sharing the store's keys") from None
 
     def barrier(self, name: str, what: str, abort_check=None, timeout_s=None,
                 setting=None) -> None:

@@ -32,6 +32,7 @@ SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Reg
 PROTOCOL_VERSION = 1
 # What every rank's join record must agree on (each rank raises the same ValueError).
 AGREED = ("version", "world", "topology", "transport", "slot_bytes", "roots", "rs_up_front")
+JOIN_FIELDS = AGREED + ("host", "boot_id", "uid", "pid")  # in every rank's record
 
 
 def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
@@ -46,6 +47,10 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
                 host=host, boot_id=boot_id, uid=os.getuid(),
                 pid=os.getpid(), **transports.join_record(transport, topology, s.roots))
     infos = rv.exchange("info", info, "join the communicator")
+    malformed = [(i, why) for i, d in enumerate(infos) if (why := _unusable(d)) is not None]
+    if malformed:
+        raise ValueError("sparkccl.Communicator: could not be created: "
+                         + "; ".join(f"rank {i}'s join record {why}" for i, why in malformed))
     failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
     if failed:
         raise ValueError("sparkccl.Communicator: could not be created because of settings on "
@@ -54,6 +59,23 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
     return infos, transports.select(transport, infos)  # the only place a name is looked at
+
+
+def _unusable(record) -> str | None:
+    """Why a peer's join record cannot be read (None: it can, or it carries that rank's
+    own error): not a record, another protocol version, or fields missing."""
+    if not isinstance(record, dict):
+        return f"is not a record ({type(record).__name__})"
+    if "error" in record:
+        return None
+    version = record.get("version")
+    if version != PROTOCOL_VERSION:
+        return (f"has protocol version {version!r}, and this rank speaks {PROTOCOL_VERSION}: "
+                "install the same sparkccl on every rank")
+    missing = [k for k in JOIN_FIELDS if k not in record]
+    if missing:
+        return f"is truncated: it has no {', '.join(missing)}"
+    return None
 
 
 class Wiring:
