@@ -40,6 +40,7 @@ reduce-scatter setup, the store's host rank dying (the store lives in the driver
     nice -n 19 timeout 3600 python benchmarks/fault_campaign.py --cases 500 --seed 32 \
         --max-world 8 --out benchmarks/fault_campaign_scale_cpu.txt   # issue 32's record
     python benchmarks/fault_campaign.py --device cuda --cases 12 --seed 1
+    python benchmarks/fault_campaign.py --device cuda --extended --cases 40 --seed 32  # issue 32
     # one case by its fields (the ops are those of case `--index` of `--seed`), e.g. the
     # world-6 mesh case that hung once on the H200 (seed 1, case 0):
     python benchmarks/fault_campaign.py --device cuda --seed 1 --index 0 \
@@ -497,13 +498,16 @@ def main(argv=None) -> int:
     ap.add_argument("--index", type=int, default=0,
                     help="with --case: take the collectives of case INDEX of --seed")
     ap.add_argument("--max-world", type=int, default=6)
+    ap.add_argument("--extended", action="store_true",
+                    help="on CUDA too: every fault of FAULTS (the default on CPU)")
     ap.add_argument("--first", type=int, default=0, help="skip the first N drawn cases")
     ap.add_argument("--rank-timeout", type=float, default=120,
                     help="seconds before a rank counts as hung (it is then killed)")
     a = ap.parse_args(argv)
     results = []
     cases = ([parse_case(c, a.seed, a.index) for c in a.case] if a.case
-             else draw_cases(a.first + a.cases, a.seed, a.device, a.max_world)[a.first:])
+             else draw_cases(a.first + a.cases, a.seed, a.device, a.max_world,
+                         True if a.extended else None)[a.first:])
     header = ("command: python benchmarks/fault_campaign.py " + " ".join(argv or sys.argv[1:])
               + f"\n(load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start)\n")
     for case in cases:

@@ -3,7 +3,7 @@ and two communicators alive at once on the same ranks (a TP group beside an EP g
 interleaving calls; what the process holds is counted at the start and at the end.
 
 Counted per rank: open file descriptors (/proc/self/fd), threads (/proc/self/task),
-/dev/shm entries of sparkccl, locked memory (VmLck of /proc/self/status: pinned pages),
+/dev/shm entries of sparkccl, locked memory (VmLck and VmPin of /proc/self/status: locked and pinned pages),
 mapped memory (VmSize). "start" is after one warm-up cycle (the first cycle loads modules
 and starts torch's and the store client's threads once per process); "before" is before any
 communicator. Every collective is checked bit-exact against the rank-order reference.
@@ -36,10 +36,11 @@ def counts() -> dict:
     return dict(fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
                 shm=sum(1 for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)),
                 locked_kb=int(status.get("VmLck", "0 kB").split()[0]),
+                pinned_kb=int(status.get("VmPin", "0 kB").split()[0]),
                 vm_mb=int(status.get("VmSize", "0 kB").split()[0]) // 1024)
 
 
-def lifetime_job(rank, world, store, cycles, pairs, transport):
+def lifetime_job(rank, world, store, cycles, pairs, transport, device="cpu"):
     import torch
     import torch.distributed as dist
     import sparkccl
@@ -48,15 +49,16 @@ def lifetime_job(rank, world, store, cycles, pairs, transport):
     def make(prefix):
         return sparkccl.Communicator(store=dist.PrefixStore(prefix, store), rank=rank,
                                      world_size=world, transport=transport, timeout_s=30,
-                                     slot_bytes=1 << 20)
+                                     slot_bytes=1 << 20, device=device)
 
     wrong = 0
 
     def use(comm, seed):
         nonlocal wrong
         xs = [make_input(seed, r, (world * 2, 33), torch.bfloat16) for r in range(world)]
-        wrong += not (bits(comm.all_gather(xs[rank])) == all_gather_reference(xs)).all()
-        wrong += not (bits(comm.reduce_scatter(xs[rank])) == reduce_scatter_reference(xs, rank)).all()
+        x = xs[rank].to(device)
+        wrong += not (bits(comm.all_gather(x).cpu()) == all_gather_reference(xs)).all()
+        wrong += not (bits(comm.reduce_scatter(x).cpu()) == reduce_scatter_reference(xs, rank)).all()
 
     before = counts()
     c = make("warm")
@@ -87,26 +89,28 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=100)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--transport", default="shm")
+    ap.add_argument("--device", default="cpu", help="cuda: ranks share the GPU; VmLck then "
+                    "counts the pinned (cudaHostRegister) pages")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from sparkccl.localrun import check, run_ranks
     t0 = time.monotonic()
-    values = check(run_ranks(lifetime_job, a.world, args=(a.cycles, a.pairs, a.transport),
+    values = check(run_ranks(lifetime_job, a.world, args=(a.cycles, a.pairs, a.transport, a.device),
                              timeout_s=7200))
     lines = [f"lifetimes: python benchmarks/lifetimes.py --cycles {a.cycles} --pairs {a.pairs} "
-             f"--world {a.world} --transport {a.transport}  ({time.monotonic() - t0:.0f} s, "
+             f"--world {a.world} --transport {a.transport} --device {a.device}  ({time.monotonic() - t0:.0f} s, "
              f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
              f"{a.cycles} create / all-gather + reduce-scatter / close cycles, then {a.pairs} "
              "times two communicators alive at once (5 interleaved rounds each)",
              f"{'rank':>4} {'when':13} {'fds':>5} {'threads':>7} {'/dev/shm':>8} "
-             f"{'VmLck kB':>8} {'VmSize MB':>9}"]
+             f"{'VmLck kB':>8} {'VmPin kB':>8} {'VmSize MB':>9}"]
     same = True
     for r, v in enumerate(values):
         for when in ("before", "start", "after_cycles", "end"):
             c = v[when]
             lines.append(f"{r:>4} {when:13} {c['fds']:>5} {c['threads']:>7} {c['shm']:>8} "
-                         f"{c['locked_kb']:>8} {c['vm_mb']:>9}")
-        for k in ("fds", "threads", "shm", "locked_kb"):
+                         f"{c['locked_kb']:>8} {c['pinned_kb']:>8} {c['vm_mb']:>9}")
+        for k in ("fds", "threads", "shm", "locked_kb", "pinned_kb"):
             same &= v["start"][k] == v["after_cycles"][k] == v["end"][k]
         lines.append(f"     wrong results {v['wrong']}; {v['cycle_s'] * 1e3:.0f} ms per cycle, "
                      f"{v['pair_s'] * 1e3:.0f} ms per pair")
