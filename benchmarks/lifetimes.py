@@ -26,7 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
-def counts() -> dict:
+def counts(tokens=()) -> dict:
+    """What this process holds; /dev/shm: the entries of the communicators with ``tokens``
+    (other processes' communicators share the directory)."""
     from sparkccl.shm import PREFIX, SHM_DIR
     status = {}
     with open("/proc/self/status") as f:
@@ -34,7 +36,8 @@ def counts() -> dict:
             k, _, v = line.partition(":")
             status[k] = v.strip()
     return dict(fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
-                shm=sum(1 for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)),
+                shm=sum(1 for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)
+                        and any(f"-{t}-" in n for t in tokens)),
                 locked_kb=int(status.get("VmLck", "0 kB").split()[0]),
                 pinned_kb=int(status.get("VmPin", "0 kB").split()[0]),
                 vm_mb=int(status.get("VmSize", "0 kB").split()[0]) // 1024)
@@ -46,10 +49,14 @@ def lifetime_job(rank, world, store, cycles, pairs, transport, device="cpu"):
     import sparkccl
     from sparkccl.reference import all_gather_reference, bits, make_input, reduce_scatter_reference
 
+    tokens: list = []
+
     def make(prefix):
-        return sparkccl.Communicator(store=dist.PrefixStore(prefix, store), rank=rank,
+        c = sparkccl.Communicator(store=dist.PrefixStore(prefix, store), rank=rank,
                                      world_size=world, transport=transport, timeout_s=30,
                                      slot_bytes=1 << 20, device=device)
+        tokens.append(c.token)
+        return c
 
     wrong = 0
 
@@ -60,17 +67,17 @@ def lifetime_job(rank, world, store, cycles, pairs, transport, device="cpu"):
         wrong += not (bits(comm.all_gather(x).cpu()) == all_gather_reference(xs)).all()
         wrong += not (bits(comm.reduce_scatter(x).cpu()) == reduce_scatter_reference(xs, rank)).all()
 
-    before = counts()
+    before = counts(tokens)
     c = make("warm")
     use(c, 0)
     c.close()
-    start = counts()
+    start = counts(tokens)
     t0 = time.monotonic()
     for i in range(cycles):
         c = make(f"c{i}")
         use(c, i)
         c.close()
-    mid = counts()
+    mid = counts(tokens)
     t1 = time.monotonic()
     for i in range(pairs):  # a TP group and an EP group on the same ranks, interleaved
         tp, ep = make(f"tp{i}"), make(f"ep{i}")
@@ -78,7 +85,7 @@ def lifetime_job(rank, world, store, cycles, pairs, transport, device="cpu"):
             use(tp, 3 * k)
             use(ep, 3 * k + 1)
         (tp.close(), ep.close()) if i % 2 else (ep.close(), tp.close())
-    end = counts()
+    end = counts(tokens)
     return dict(before=before, start=start, after_cycles=mid, end=end, wrong=wrong,
                 cycle_s=(t1 - t0) / max(cycles, 1), pair_s=(time.monotonic() - t1) / max(pairs, 1))
 
