@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -69,7 +68,6 @@ def draw_cases(n: int, seed: int) -> list[Case]:
 
 def partition_job(rank, world, store, fields: dict, marker_dir: str):
     case = Case(**fields)  # (a dict on the way: the rank unpickles its spec before imports)
-    import torch
     import sparkccl
     from sparkccl.errors import CollectiveError
     from sparkccl.reference import bits

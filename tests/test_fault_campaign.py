@@ -64,3 +64,19 @@ def test_a_case_is_replayed_by_its_fields():
     # call 4: a float32 reduce-scatter 8 bytes over the slice: two collectives per call
     kind, _, per_rank, dtype = fc._ops(case, 6)[4]
     assert (kind, dtype) == ("rs", "float32") and 4 * per_rank == fc.SLOT_BYTES // 6 // 16 * 16 + 8
+
+
+@pytest.mark.slow
+def test_partition_case_connection_reset():
+    """benchmarks/partition_campaign.py: a box's tcp connections on root 1 of 2 reset in the
+    middle of a mesh run between network namespaces: every rank raises within the timeout +
+    1 s, exact before, a new communicator works."""
+    import netns
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    import partition_campaign as pc
+    ok, why, slowest = pc.run_case(pc.Case("mesh", 3, 2, "reset", victim=1, root=1,
+                                           delay_ms=50.0, seed=76))
+    assert ok, why
+    assert slowest <= pc.TIMEOUT_S + 1

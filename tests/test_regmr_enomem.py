@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -70,6 +71,7 @@ def enomem_job(rank, world, store, root):
     return out
 
 
+@pytest.mark.slow
 def test_registration_refused_with_enomem(tmp_path):
     root = tmp_path / "emunic"
     env = emunic.host_env(root)

@@ -8,6 +8,7 @@ import signal
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -58,6 +59,7 @@ def store_host_dies_job(rank, world, store):
     return out
 
 
+@pytest.mark.slow
 def test_the_store_hosts_death_fails_the_survivors_cleanly():
     res = run_ranks(store_host_dies_job, 3, timeout_s=120)
     assert res[0].error_type == KILLED, res[0]
