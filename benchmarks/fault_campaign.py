@@ -67,6 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 TIMEOUT_S = 6.0  # the collective timeout of every case
+# Creation waits this long for every rank: rank processes of a world of 8 start seconds
+# apart on a loaded 2-core machine (the default, timeout_s, failed one case's creation).
+BOOTSTRAP_S = 120.0
 SLOT_BYTES = 4 << 20
 MOMENTS = ("before-publish", "mid-piece", "relay", "finalize")
 # kill: SIGKILL; stop: SIGSTOP past the timeout; pyexit: the script ends without close()
@@ -300,7 +303,8 @@ def campaign_job(rank, world, store, case: Case, device, log_dir, emunic_root):
 
     comm = sparkccl.Communicator(store=store, rank=rank, world_size=world,
                                  topology=case.topology, transport=case.transport,
-                                 device=device, slot_bytes=SLOT_BYTES, timeout_s=TIMEOUT_S)
+                                 device=device, slot_bytes=SLOT_BYTES, timeout_s=TIMEOUT_S,
+                                 bootstrap_timeout_s=BOOTSTRAP_S)
     comm_box.append(comm)
     token = comm.token
     store.set(f"token{rank}", token)
