@@ -8,6 +8,7 @@ ranks that build communicators in the same order, even if they recreate Store ob
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -15,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from . import config
-from .errors import CollectiveError
+from .errors import CollectiveError, SparkcclError
 
 POLL_MIN_S = 0.002
 POLL_MAX_S = 0.05
@@ -108,14 +109,42 @@ class Rendezvous:
     def exchange(self, name: str, value: Any, what: str = "join", abort_check=None,
                  timeout_s=None, setting=None) -> list:
         """Publish ``value`` (JSON) and return every rank's value, in rank order."""
-        self.store.set(self.key(name, self.rank), json.dumps(value))
-        self._wait_all(name, what, abort_check, timeout_s, setting)
-        return [json.loads(self.store.get(self.key(name, r))) for r in range(self.world)]
+        with self._store_failure(what):
+            self.store.set(self.key(name, self.rank), json.dumps(value))
+            self._wait_all(name, what, abort_check, timeout_s, setting)
+            return [self._load(name, r) for r in range(self.world)]
+
+    @contextlib.contextmanager
+    def _store_failure(self, what: str):
+        """The store itself failing (its host process died: torch's DistNetworkError and
+        the like, RuntimeErrors) is a CollectiveError naming the store, as a rank that never
+        arrives is; sparkccl's own errors pass unchanged."""
+        try:
+            yield
+        except SparkcclError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"rank {self.rank}: the bootstrap store failed while waiting for every rank to "
+                f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (did "
+                "the process hosting the store exit? with torchrun that is rank 0's)",
+                rank=self.rank, cause=f"store: {e}") from e
+
+    def _load(self, name: str, r: int) -> Any:
+        raw = self.store.get(self.key(name, r))
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+            raise ValueError(
+                f"sparkccl: rank {self.rank}: rank {r}'s {name!r} message in the store is not "
+                f"one this sparkccl can read ({len(raw)} bytes, {e}): truncated, or written "
+                "by another program or sparkccl version sharing the store's keys") from None
 
     def barrier(self, name: str, what: str, abort_check=None, timeout_s=None,
                 setting=None) -> None:
-        self.store.set(self.key(name, self.rank), "1")
-        self._wait_all(name, what, abort_check, timeout_s, setting)
+        with self._store_failure(what):
+            self.store.set(self.key(name, self.rank), "1")
+            self._wait_all(name, what, abort_check, timeout_s, setting)
 
 
 def new_token(store, rank: int, world: int, timeout_s: float,

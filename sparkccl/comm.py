@@ -672,9 +672,14 @@ class Communicator:
         self._closed = True
 
     def release_at_exit(self) -> None:
-        """At interpreter exit (:mod:`sparkccl.lifetime`): tear down without waiting."""
+        """At interpreter exit (:mod:`sparkccl.lifetime`): deliver what this rank owes its
+        peers (bounded by the timeout, at once on a failed communicator), then tear down
+        without waiting for the peers to close."""
         self._closed = True
-        self._teardown(barrier=False)
+        lifetime.untrack(self)
+        if self._wiring is not None:
+            departed = self._wiring.depart(self.seq, self.timeout_s)
+            self._wiring.teardown(False, self.bootstrap_timeout_s, departed=departed)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -698,8 +703,7 @@ class Communicator:
     def __del__(self):
         try:
             if not self._closed:
-                self._closed = True
-                self._teardown(barrier=False)
+                self.release_at_exit()  # dropped without close(): the same as at exit
         except Exception:
             pass
 

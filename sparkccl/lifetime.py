@@ -3,7 +3,11 @@
 After ``fork()`` the proxy threads and the segments belong to the parent: the child's
 copies are marked closed and never torn down (stopping a proxy would join a thread that
 does not exist there, and unlinking names is the parent's business). At interpreter exit
-every open communicator is torn down without waiting for its peers.
+every open communicator first delivers what it still owes its peers (its proxy's pending
+writes and relays of the collectives it issued, bounded by its timeout; at once when it has
+failed), then is torn down without waiting for the peers to close
+(``Communicator.release_at_exit``, ``Wiring.depart``): a script that ends without
+``close()`` does not fail a peer still receiving its last collective.
 """
 from __future__ import annotations
 

@@ -12,8 +12,10 @@ fails. Every step runs on every rank together (docs/PROTOCOL.md).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import time
 
 from . import bootstrap, config, layout, liveness
 from .buffers import Buffers, bytes_per_rank, mib, shortage_message
@@ -32,6 +34,8 @@ PROTOCOL_VERSION = 1
 # What every rank's join record must agree on (each rank raises the same ValueError).
 AGREED = ("version", "world", "topology", "transport", "slot_bytes", "roots", "rs_up_front",
           "allreduce_oneshot_bytes")
+JOIN_FIELDS = AGREED + ("host", "boot_id", "uid", "pid")  # in every rank's record
+
 
 
 def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
@@ -47,6 +51,10 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
                 host=host, boot_id=boot_id, uid=os.getuid(),
                 pid=os.getpid(), **registry.join_record(transport, topology, s.roots))
     infos = rv.exchange("info", info, "join the communicator")
+    malformed = [(i, why) for i, d in enumerate(infos) if (why := _unusable(d)) is not None]
+    if malformed:
+        raise ValueError("sparkccl.Communicator: could not be created: "
+                         + "; ".join(f"rank {i}'s join record {why}" for i, why in malformed))
     failed = [(i, d["error"]) for i, d in enumerate(infos) if "error" in d]
     if failed:
         raise ValueError("sparkccl.Communicator: could not be created because of settings on "
@@ -55,6 +63,23 @@ def join(rv: bootstrap.Rendezvous, world: int, topology: str, transport: str,
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r}: must be one of {', '.join(TOPOLOGIES)}")
     return infos, registry.select(transport, infos)  # the only place a name is looked at
+
+
+def _unusable(record) -> str | None:
+    """Why a peer's join record cannot be read (None: it can, or it carries that rank's
+    own error): not a record, another protocol version, or fields missing."""
+    if not isinstance(record, dict):
+        return f"is not a record ({type(record).__name__})"
+    if "error" in record:
+        return None
+    version = record.get("version")
+    if version != PROTOCOL_VERSION:
+        return (f"has protocol version {version!r}, and this rank speaks {PROTOCOL_VERSION}: "
+                "install the same sparkccl on every rank")
+    missing = [k for k in JOIN_FIELDS if k not in record]
+    if missing:
+        return f"is truncated: it has no {', '.join(missing)}"
+    return None
 
 
 class Wiring:
@@ -229,10 +254,52 @@ class Wiring:
             self.nat.set_abort(self.ctl_addr, layout.ABORT_USER, text)
 
     # ---- teardown ----------------------------------------------------------------------
-    def teardown(self, barrier: bool, bootstrap_timeout_s: float) -> None:
+    def depart(self, issued: int, timeout_s: float) -> bool:
+        """Leaving without ``close()`` (at interpreter exit, or the communicator dropped):
+        first deliver what this rank still owes its peers, so that a peer still receiving
+        this rank's last collective does not take the exit for a crash.
+
+        Waits (up to ``timeout_s``; at once when the communicator has failed, e.g. a peer
+        died) until this rank's GPU work is done and its proxy has posted, and the transport
+        completed, every piece of the ``issued`` collectives: its own and the ones it relays
+        for others. Then marks the control segment (``CTL_LEFT``: a peer's proxy fails only
+        once it is past this rank's last collective) and tells the store this rank closed
+        (a peer's ``close()`` does not wait for it). -> whether all of it went out; then the
+        teardown says goodbye on every connection."""
+        nat, ctl, px, dp = self.nat, self.ctl_addr, self.proxy, self.dp
+        if px is None or ctl is None or nat.abort_code(ctl):
+            return False
+        if hasattr(dp, "synchronize"):  # queued GPU collectives publish their pieces first
+            try:
+                dp.synchronize()
+            except Exception as e:  # noqa: BLE001 - failed: leave as after any failure
+                log.warning("sparkccl: rank %d: leaving: a queued collective failed: %s",
+                            self.rank, e)
+                return False
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-4
+        while px.delivered() < issued or px.outstanding():
+            if nat.abort_code(ctl) or not px.running:
+                return False
+            if time.monotonic() > deadline:
+                log.warning("sparkccl: rank %d: leaving without close(): after %g s the proxy "
+                            "still had not delivered collectives %d..%d to the peers; leaving "
+                            "anyway", self.rank, timeout_s, px.delivered(), issued - 1)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        ctypes.c_uint64.from_address(ctl + layout.CTL_LEFT).value = issued + 1
+        try:
+            self.rv.post("closed", 1)  # the key close()'s barrier waits for
+        except Exception as e:  # noqa: BLE001 - store gone: peers fall back on the abort path
+            log.warning("sparkccl: rank %d: leaving: could not tell the store: %s", self.rank, e)
+        return True
+
+    def teardown(self, barrier: bool, bootstrap_timeout_s: float, departed: bool = False) -> None:
         """Release everything. ``barrier``: first finish this rank's GPU work and wait (up
         to ``bootstrap_timeout_s``, abort-aware) until every rank got here, so that the
-        transport's goodbye is clean and no peer takes this rank's exit for a crash."""
+        transport's goodbye is clean and no peer takes this rank's exit for a crash.
+        ``departed``: :meth:`depart` delivered everything, so the goodbye is clean too."""
         nat, ctl, dp = self.nat, self.ctl_addr, self.dp
         if barrier and dp is not None:  # GPU work of this rank finishes first
             try:
@@ -243,7 +310,7 @@ class Wiring:
             except Exception as e:
                 log.warning("sparkccl: rank %d: close(): waiting for the GPU failed: %s",
                             self.rank, e)
-        clean = False
+        clean = departed
         if barrier and self.proxy is not None and ctl is not None:
             def check():
                 if nat.abort_code(ctl):

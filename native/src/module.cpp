@@ -34,6 +34,7 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(CTL_GPU_SEQ);
   SPARKCCL_PUT(CTL_GPU_ACK);
   SPARKCCL_PUT(CTL_GPU_MODE);
+  SPARKCCL_PUT(CTL_LEFT);
   SPARKCCL_PUT(CTL_ERROR);
   SPARKCCL_PUT(ERROR_BYTES);
   SPARKCCL_PUT(CTL_BYTES);
@@ -257,6 +258,9 @@ NB_MODULE(_native, m) {
       .def("start", &Proxy::start, nb::call_guard<nb::gil_scoped_release>())
       .def("stop", &Proxy::stop, "graceful"_a = false, nb::call_guard<nb::gil_scoped_release>())
       .def("outstanding", &Proxy::outstanding)
+      .def("delivered", &Proxy::delivered,
+           "N: every collective before seq N that this rank published is fully posted (its "
+           "own pieces and its relays); with outstanding() == 0 also completed")
       .def_prop_ro("running", &Proxy::running)
       .def("stats", [](Proxy& p) {
         ProxyStats s = p.stats();

@@ -222,6 +222,7 @@ void Proxy::run() {
       }
       bool progress = consume_ring();
       if (!aborted_) progress |= advance_streams();
+      if (progress) note_delivered();
       if (!aborted_) {
         int conn = -1;
         std::string cause;
@@ -459,19 +460,48 @@ void Proxy::trim() {
   }
 }
 
+uint64_t Proxy::issued() const {
+  uint64_t n = 0;
+  for (auto& o : ops_)
+    if (o.any) n = std::max(n, o.last_seq + 1);
+  return n;
+}
+
+void Proxy::note_delivered() {
+  // trim() drops a collective once every stream of its op is past it: no collective held
+  // means every one consumed so far went out whole.
+  for (auto& o : ops_)
+    if (!o.hist.empty()) return;
+  delivered_.store(issued(), std::memory_order_release);
+}
+
 void Proxy::watch() {
   for (int p = 0; p < world_ && !aborted_; ++p) {
     if (p == rank_) continue;
     auto& peer = reg_.peers[p];
     uint64_t pid = peer.pid.load(std::memory_order_acquire);
     uint64_t pctl = peer.ctl.load(std::memory_order_acquire);
-    if (pid && !pid_alive(pid)) {
+    // A peer that left without close() (CTL_LEFT, shm: its control segment is mapped
+    // here) delivered its collectives 0..left-2 first: this rank needs nothing more from it
+    // until it is itself past them, whether its process still runs or not.
+    const bool peer_aborted = pctl && abort_code(pctl) != ABORT_NONE;
+    const uint64_t left = pid && pctl && !peer_aborted ? load_acquire(word_at(pctl, CTL_LEFT)) : 0;
+    if (left && issued() >= left) {
+      fail(ABORT_PEER, "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
+                           " (pid " + std::to_string(pid) + ") left the communicator without "
+                           "close() " +
+                           (left > 1 ? "after seq " + std::to_string(left - 2)
+                                     : "before its first collective") +
+                           "; this rank is at seq " + std::to_string(issued() - 1));
+      break;
+    }
+    if (pid && !left && !pid_alive(pid)) {
       // A peer that aborted and then exited left its cause in its control segment (still
       // mapped here): name it, not just the exit (rank 0 failing on rank 2's death, then
       // exiting, would otherwise be reported to rank 1 as rank 0's death).
       std::string why = "rank " + std::to_string(rank_) + ": peer " + std::to_string(p) +
                         " (pid " + std::to_string(pid) + ") exited";
-      if (pctl && abort_code(pctl) != ABORT_NONE) why += " after it aborted: " + error_text(pctl);
+      if (peer_aborted) why += " after it aborted: " + error_text(pctl);
       fail(ABORT_PEER, why);
       break;
     }

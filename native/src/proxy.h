@@ -67,6 +67,10 @@ class Proxy {
   bool running() const { return thread_.joinable() && !stop_.load(); }
   ProxyStats stats();
   uint64_t outstanding() const;
+  // N: every collective before seq N that this rank published has been posted whole on
+  // every stream (own pieces and relays); outstanding() == 0 then says they completed. What
+  // a rank leaving without close() waits for (sparkccl/wiring.py Wiring.depart).
+  uint64_t delivered() const { return delivered_.load(std::memory_order_acquire); }
 
  private:
   struct StreamRow {
@@ -108,6 +112,8 @@ class Proxy {
   bool post_piece(StreamRow& s, Coll& c, int piece);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
+  void note_delivered();
+  uint64_t issued() const;  // 1 + the highest seq published here (0: none)
   void watch();
   void fail(uint64_t code, const std::string& message);
   // consume -> first post, and publish -> first post (0: no stamp); under one lock so that
@@ -132,6 +138,7 @@ class Proxy {
   bool abort_told_ = false;  // transport_->on_abort() called
   bool stopped_ = false;     // stop() has run (once is enough)
   uint64_t tail_ = 0;
+  std::atomic<uint64_t> delivered_{0};
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
       n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0};

@@ -77,3 +77,14 @@ def set_port_state(root, device: str, active: bool, port: int = 1) -> None:
     path = os.path.join(str(root), "class", "infiniband", device, "ports", str(port), "state")
     with open(path, "w") as f:
         f.write("4: ACTIVE\n" if active else "1: DOWN\n")
+
+
+def refuse_registrations(root, refuse: bool = True) -> None:
+    """While set, every ``ibv_reg_mr`` on the emulated host fails with ENOMEM (what a GB10
+    kernel does when pinned memory / CMA runs out)."""
+    path = os.path.join(str(root), "emunic", "reg_mr_enomem")
+    if refuse:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+    elif os.path.exists(path):
+        os.unlink(path)

@@ -233,6 +233,8 @@ Conf load_conf() {
   return c;
 }
 
+bool access_ok(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
 // ---- objects ------------------------------------------------------------------------------
 
 struct Nic;
@@ -1048,6 +1050,13 @@ mr* ibv_reg_mr(pd* p, void* addr, size_t length, int access) {
     return nullptr;
   }
   Nic& n = nic();
+  // A registration the kernel refuses (pinned memory exhausted: ENOMEM, as GB10 kernels do
+  // when CMA runs out): while the file <root>/emunic/reg_mr_enomem exists
+  // (tests/emunic refuse_registrations), looked at on every call.
+  if (emunic::access_ok(n.conf.rv + "/reg_mr_enomem")) {
+    errno = ENOMEM;
+    return nullptr;
+  }
   emunic::Mr* m = new emunic::Mr;
   m->m.ctx = p->ctx;
   m->m.owner = p;

@@ -46,6 +46,11 @@ constexpr pu64 CTL_GPU_SEQ = 56;     // u64: seq of the failed wait
 // it, then traps. MODE is written by the host before the first launch.
 constexpr pu64 CTL_GPU_ACK = 64;     // u64: 0, then ACK_HOLD / ACK_GO (see ACK_WAIT_NS)
 constexpr pu64 CTL_GPU_MODE = 72;    // u64: GPU_FAIL_STOP or GPU_FAIL_POISON
+// A rank that ends without close() (at exit, or its communicator dropped) first waits until
+// its proxy delivered every collective it issued, then writes N + 1 here: N collectives (seq
+// 0..N-1), all delivered. A peer whose owner has exited then fails only once it is itself
+// at seq N or later (Proxy::watch); 0 while the owner is here.
+constexpr pu64 CTL_LEFT = 80;
 constexpr pu64 CTL_ERROR = 1024;     // char[ERROR_BYTES]: NUL-terminated text of the first failure
 constexpr pu64 ERROR_BYTES = 1024;
 constexpr pu64 CTL_BYTES = PAGE;
@@ -85,7 +90,8 @@ static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STA
               "the wait kernels write the GPU record as status[0..2]");
 static_assert(CTL_GPU_ACK == CTL_GPU_STATUS + 24 && CTL_GPU_MODE == CTL_GPU_STATUS + 32,
               "the wait kernels read the handshake as status[3] (ack) and status[4] (mode)");
-static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_MODE + 8 <= CTL_ERROR,
+static_assert(CTL_PID + 8 <= CTL_GPU_STATUS && CTL_GPU_MODE + 8 <= CTL_LEFT &&
+                  CTL_LEFT + 8 <= CTL_ERROR,
               "control block words overlap");
 static_assert(CTL_ERROR + ERROR_BYTES <= CTL_BYTES, "the error text must fit the control block");
 static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned sections");
