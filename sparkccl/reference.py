@@ -142,6 +142,15 @@ def make_finalize_input(seed: int, rank: int, *, tokens: int, hidden: int, topk:
         y = (torch.randn((R, H), generator=g) * scale).to(torch.bfloat16)
         y_scales = None
     pos = torch.randint(0, max(R, 1), (T * topk,), generator=g, dtype=torch.int32)
+    weights, shared = make_weights_and_shared(g, T, topk, H, scale, pow2_weights)
+    return dict(y=y, pos=pos, weights=weights, shared=shared, y_scales=y_scales)
+
+
+def make_weights_and_shared(g, T: int, topk: int, H: int, scale: float, pow2_weights: bool):
+    """Routing weights fp32 ``[T, topk]`` (powers of two, where FMA equals multiply-add, or
+    general values; every 11th zero) and a shared-expert output bf16 ``[T, H]`` (every 7th
+    -0.0), drawn from ``g``: what the finalize and expert-parallel inputs share."""
+    import torch
     if pow2_weights:
         ex = torch.randint(-6, 2, (T, topk), generator=g).to(torch.float32)
         sign = torch.where(torch.rand((T, topk), generator=g) < 0.25, -1.0, 1.0)
@@ -153,7 +162,7 @@ def make_finalize_input(seed: int, rank: int, *, tokens: int, hidden: int, topk:
     shared = (torch.randn((T, H), generator=g) * scale).to(torch.bfloat16)
     if shared.numel():
         shared.view(-1)[::7] = -0.0
-    return dict(y=y, pos=pos, weights=weights, shared=shared, y_scales=y_scales)
+    return weights, shared
 
 
 def finalize_rows_reference(inp: dict, num_tokens: int, padded_tokens: int):

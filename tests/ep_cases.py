@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sparkccl.reference import finalize_rows_reference
+from sparkccl.reference import finalize_rows_reference, make_weights_and_shared
 
 
 def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
@@ -37,17 +37,7 @@ def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
         pool = home if t % 4 == 0 and len(home) >= K else allowed
         pick = torch.randperm(len(pool), generator=g)[:K]
         idx[t] = torch.tensor([pool[i] for i in pick.tolist()], dtype=torch.int64)
-    if pow2_weights:
-        ex = torch.randint(-6, 2, (n, K), generator=g).to(torch.float32)
-        sign = torch.where(torch.rand((n, K), generator=g) < 0.25, -1.0, 1.0)
-        w = sign * torch.exp2(ex)
-    else:
-        w = torch.rand((n, K), generator=g, dtype=torch.float32) * 2 - 0.5
-    if w.numel():
-        w.view(-1)[::11] = 0.0
-    shared = (torch.randn((n, H), generator=g) * scale).to(torch.bfloat16)
-    if shared.numel():
-        shared.view(-1)[::7] = -0.0
+    w, shared = make_weights_and_shared(g, n, K, H, scale, pow2_weights)
     return dict(x=x, x_scales=x_scales, topk_idx=idx, topk_weights=w, shared=shared)
 
 
