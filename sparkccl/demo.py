@@ -1,6 +1,7 @@
 """`sparkccl demo`: every collective on N local ranks, every bit checked on every rank.
 
-Part 1 sweeps sizes and dtypes, timing each call; part 2 issues bursts of mixed
+Part 1 sweeps sizes and dtypes, timing each call (all-reduce at sizes on both sides of the
+one-shot crossover, so both regimes run); part 2 issues bursts of mixed
 collectives back to back (slot reuse at full speed) and checks them only afterwards;
 part 3 runs the fused MoE finalize + reduce-scatter.
 Each rank rebuilds every other rank's input from a seed, so it checks its own results
@@ -17,6 +18,8 @@ AG_CASES = [(1, "uint8"), (1000, "uint8"), (2051, "bfloat16"), (16384, "float32"
             (1 << 19, "bfloat16"), (1 << 22, "bfloat16")]
 RS_CASES = [(1, "bfloat16"), (333, "float16"), (4096, "float32"), (1 << 16, "bfloat16"),
             (1 << 19, "float16"), (1 << 22, "bfloat16")]
+AR_CASES = [(1, "bfloat16"), (3000, "float16"), (1 << 16, "bfloat16"), (1 << 19, "float32"),
+            (1 << 22, "bfloat16")]
 QUICK_MAX_ELEMS = 1 << 19
 ITERS = 3
 
@@ -40,11 +43,13 @@ def _done(comm) -> None:
 
 def _cases(quick: bool):
     return {kind: [(e, d) for e, d in cases if not (quick and e > QUICK_MAX_ELEMS)]
-            for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES))}
+            for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES),
+                                ("all_reduce", AR_CASES))}
 
 
 def _sweep(comm, world: int, rank: int, quick: bool, progress):
-    from .reference import all_gather_reference, bits, make_input, reduce_scatter_reference
+    from .reference import (all_gather_reference, all_reduce_reference, bits, make_input,
+                            reduce_scatter_reference)
 
     rows = []
     case = 0
@@ -52,15 +57,19 @@ def _sweep(comm, world: int, rank: int, quick: bool, progress):
         for done, (elems, dname) in enumerate(cases, 1):
             case += 1
             dtype = _dtype(dname)
-            shape = (elems,) if kind == "all_gather" else (world * elems,)
+            shape = (world * elems,) if kind == "reduce_scatter" else (elems,)
             inputs = [make_input(case, r, shape, dtype) for r in range(world)]
             if kind == "all_gather":
                 want = all_gather_reference(inputs)
                 run = comm.all_gather
                 nbytes = world * inputs[rank].nbytes
-            else:
+            elif kind == "reduce_scatter":
                 want = reduce_scatter_reference(inputs, rank)
                 run = comm.reduce_scatter
+                nbytes = inputs[rank].nbytes
+            else:
+                want = all_reduce_reference(inputs)
+                run = comm.all_reduce
                 nbytes = inputs[rank].nbytes
             times, ok = [], True
             x = _on(comm, inputs[rank])
@@ -138,7 +147,8 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
         # Time from the slowest rank: the call is done when every rank has its result.
         t = max(v["rows"][i][3] for v in vals)
         algbw = nbytes / t / 1e9
-        busbw = algbw * (world - 1) / world
+        # nccl-tests' bus factors: an all-reduce moves its bytes twice (reduce, then gather).
+        busbw = algbw * (2 if kind == "all_reduce" else 1) * (world - 1) / world
         check = "ok" if not bad else f"MISMATCH on ranks {bad}"
         print(f"{kind:<15} {dname:<9} {format_bytes(nbytes):>10} {t * 1e6:>10.1f} "
               f"{algbw:>10.3f} {busbw:>10.3f}  {check}")
