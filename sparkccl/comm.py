@@ -324,8 +324,8 @@ class Communicator:
         ``out``. Slices above the slot capacity are split into several collectives.
 
         ``zero_copy=True`` (CUDA only; ignored on CPU): return a view of the pinned receive
-        slot instead of copying into device memory, valid until three more all-gathers
-        have been issued. Only when the slice is a multiple of 16 bytes and fits one slot,
+        slot instead of copying into device memory, valid while the next two collectives
+        of any kind are issued (the third reuses the slot: docs/CONTRACT.md). Only when the slice is a multiple of 16 bytes and fits one slot,
         and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
         """
         # (The checks are written for the call that passes them, without a helper call

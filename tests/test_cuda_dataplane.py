@@ -702,6 +702,11 @@ def test_zero_copy(backend):
         res = w.all_gather(ys, zero_copy=True)
         w.sync()
         ref = all_gather_reference(ys)
+        # The view's documented lifetime (docs/CONTRACT.md): the next two collectives of any
+        # kind leave it intact (seq counts them all; its slot is reused at seq + 3).
+        w.reduce_scatter(inputs(5, world, (world * 512,), torch.bfloat16))
+        w.all_gather(inputs(6, world, (640,), torch.float32))
+        w.sync()
         for r, (seq, n) in enumerate(res):
             got = w.dps[r].ag_slot(seq, world * n).cpu().numpy()
             assert np.array_equal(got, ref), r
