@@ -2,7 +2,8 @@
 # Device calls on nvidia-h200 (one GPU; ranks share it): build this tree (and BASE, an
 # earlier tree checked out beside it, for the A/B), then the stages named in STAGES, each
 # under its own time limit. Results land in $OUT (or ./h200_out by hand), one file per stage.
-#   tests  the GPU tests (pytest -m cuda) of the whole suite
+#   tests  the GPU tests (pytest -m cuda) of the whole suite (more than one call's limit:
+#          tests1 and tests2 split it, the data plane's and all-reduce's files, then the rest)
 #   demos  sparkccl demo --device cuda, world 2 and 4, mesh and ring
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
@@ -35,10 +36,13 @@ mps_on() {
 mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 for s in $STAGES; do
   case $s in
-    tests)
-      stage "GPU tests"
-      timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests 2>&1 \
-        | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+    tests|tests1|tests2)
+      sel=(tests)
+      [ $s = tests1 ] && sel=(tests/test_cuda_dataplane.py tests/test_allreduce.py)
+      [ $s = tests2 ] && sel=(tests --ignore=tests/test_cuda_dataplane.py --ignore=tests/test_allreduce.py)
+      stage "GPU tests ($s: ${sel[*]})"
+      timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m cuda "${sel[@]}" 2>&1 \
+        | tail -40 | tee "$OUT/gpu_$s.txt" ;;
     demos)
       for w in 2 4; do for t in mesh ring; do
         stage "demo --device cuda --world $w --topology $t"
