@@ -12,7 +12,7 @@
 # TEST_REQUIRE_ENGINES=1: a package that does not import fails the run instead of skipping.
 #
 # VENV=path picks another venv (default .venv-engines); VLLM= / SGLANG= pin versions.
-# Arguments go to pytest (CI: -k "vllm_plugin_ or sglang_hook_", only the tests that need
+# Arguments go to pytest (CI: -k "vllm_plugin_ or sglang_hook_ or vllm_ep_ or sglang_ep_", only the tests that need
 # the real packages; the others ran in the suite before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
