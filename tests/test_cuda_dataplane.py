@@ -23,6 +23,7 @@ import hashlib
 import mmap
 import os
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -796,26 +797,68 @@ def test_abort_stops_a_waiting_kernel(backend, mode):
         assert time.monotonic() - t0 < 10
 
 
+# (collective, (elements, dtype) per rank, what each rank is said to have passed): sizes
+# that pad to the same 16 bytes, and dtypes of one width (issue 32)
+CALL_MISMATCHES = [
+    ("ag", ((3, torch.float32), (4, torch.float32)),
+     ("12 bytes of float32 per rank to all_gather", "16 bytes of float32 per rank to all_gather")),
+    ("rs", ((5, torch.bfloat16), (6, torch.bfloat16)),
+     ("10 bytes of bfloat16 per rank to reduce_scatter",
+      "12 bytes of bfloat16 per rank to reduce_scatter")),
+    ("ag", ((5, torch.bfloat16), (5, torch.float16)),
+     ("10 bytes of bfloat16 per rank to all_gather", "10 bytes of float16 per rank to all_gather")),
+    ("rs", ((5, torch.bfloat16), (5, torch.float16)),
+     ("10 bytes of bfloat16 per rank to reduce_scatter",
+      "10 bytes of float16 per rank to reduce_scatter")),
+    ("ag", ((100, torch.uint8), (200, torch.uint8)),
+     ("100 bytes of uint8 per rank to all_gather", "200 bytes of uint8 per rank to all_gather")),
+    # the first step of an all-reduce of 3 vs 4 fp32 (sparkccl/allreduce.py: both padded to
+    # 16-byte chunks), and of a sum beside an average
+    ("rs", ((4, torch.float32, (3, 20)), (4, torch.float32, (3, 16))),
+     ("12 bytes of float32 to all_reduce(sum)", "16 bytes of float32 to all_reduce(sum)")),
+    ("rs", ((4, torch.float32, (3, 0)), (4, torch.float32, (4, 0))),
+     ("32 bytes of float32 to all_reduce(sum)", "32 bytes of float32 to all_reduce(avg)")),
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_size_mismatch_is_reported(backend):
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
+@pytest.mark.parametrize("op,calls,said", CALL_MISMATCHES,
+                         ids=["ag-3v4-f32", "rs-5v6-bf16", "ag-bf16-f16", "rs-bf16-f16",
+                              "ag-100v200-u8", "ar-3v4-f32", "ar-sum-avg"])
+def test_a_different_call_on_a_peer_is_reported(backend, direct, op, calls, said):
+    """The ranks' exact bytes and dtypes cross in the ring entries' call word: a difference
+    the 16-byte padding or the element width hides fails every rank at synchronize(),
+    naming both calls."""
     from sparkccl.dataplane.cpu import ring_view
     world = 2
-    with World(backend, "mesh", world, max_slice=4096, timeout_s=20) as w:
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
             w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
-        for r, n in enumerate((100, 200)):  # rank 1 passes a bigger slice
+        for r, (n, dtype, *part) in enumerate(calls):
+            part = part[0] if part else None
             with w.be.on(r):
-                src = w.keep(w.be.to_dev(torch.zeros(n, dtype=torch.uint8)))
-                out = w.keep(w.be.to_dev(torch.zeros(2 * n, dtype=torch.uint8)))
-                w.dps[r].all_gather(0, src, out, 0, n)
+                esize = dtype.itemsize
+                if op == "ag":
+                    src = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                    out = w.keep(w.be.to_dev(torch.zeros(world * n * esize, dtype=torch.uint8)))
+                    w.dps[r].all_gather(0, src, out, 0, n * esize, part=part)
+                else:
+                    src = w.keep(w.be.to_dev(torch.zeros(world * n, dtype=dtype)))
+                    out = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                    w.dps[r].reduce_scatter(0, src, 0, n * esize, n * esize, out, 0, dtype,
+                                            part)
         w.be.sync()
-        # (The GPU plane's check does not know the caller's bytes: both are given as far as
-        # the padded slices tell.)
-        with pytest.raises(CollectiveError, match=r"rank 1 passed a different size than rank 0 "
-                           r"\(this rank\): rank 0 passed between 97 and 112 bytes per rank, "
-                           r"rank 1 between 193 and 208 \(the ranks exchange slices padded to "
-                           r"16 bytes: 112 vs 208\)"):
+        name = {"ag": "all_gather", "rs": "reduce_scatter"}[op]
+        if len(calls[0]) > 2:
+            name = "all_reduce\\(sum\\)"
+        with pytest.raises(CollectiveError, match=rf"rank 0: {name} seq 0: rank 1 made a "
+                           rf"different call than rank 0 \(this rank\): rank 1 passed "
+                           rf"{re.escape(said[1])}, rank 0 passed {re.escape(said[0])}; every "
+                           "rank must pass the same shape, dtype and operation"):
             w.dps[0].synchronize()
+        with pytest.raises(CollectiveError, match=rf"rank 1 passed {re.escape(said[1])}"):
+            w.dps[1].synchronize()  # (its own check, or rank 0's abort through the proxy)
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_USER
 
 
@@ -1070,7 +1113,7 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
 
         def launch(st, k, unit=None, blocks=1):
             launches.append((st, k, unit))
-        units = ce._pieces(C.Op.RS, 4096, 4096, None, ce.words[C.Op.RS])[1][0]
+        units = ce._pieces(C.Op.RS, 4096, 4096, 0, None, ce.words[C.Op.RS])[1][0]
         ce._receive_rows(row, launch, units, (0, 0, 0, 0),
                             ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
         waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
@@ -1522,6 +1565,47 @@ def test_communicator_cuda(topology, world, slot_bytes):
     values = check(run_ranks(_comm_job, world, args=(topology, slot_bytes), timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
+
+
+def _different_calls_job(rank, world, store, op, case):
+    """Ranks passing sizes that pad alike or dtypes of one width through CUDA
+    communicators: every rank raises CollectiveError naming both calls, at the latest at
+    synchronize() (the CUDA plane compares with the peers' entries after launching)."""
+    import torch as T
+
+    import sparkccl
+    T.cuda.set_device(rank % T.cuda.device_count())
+    n, dtype = {"3v4-f32": ((3, 4), (T.float32, T.float32)),
+                "5v6-bf16": ((5, 6), (T.bfloat16, T.bfloat16)),
+                "bf16-f16": ((5, 5), (T.bfloat16, T.float16))}[case]
+    comm = sparkccl.Communicator(store=store, rank=rank, world_size=world, device="cuda",
+                                 timeout_s=10, slot_bytes=1 << 20)
+    x = T.arange(1, n[rank] + 1, device="cuda").to(dtype[rank])
+    try:
+        if op == "ag":
+            comm.all_gather(x)
+        elif op == "rs":
+            comm.reduce_scatter(T.cat([x] * world))
+        else:
+            comm.all_reduce(x, regime="two_step")
+        comm.synchronize()
+        return "no error"
+    except sparkccl.CollectiveError as e:
+        return str(e)
+    finally:
+        comm.__exit__(sparkccl.CollectiveError, None, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("case", ["3v4-f32", "5v6-bf16", "bf16-f16"])
+def test_communicator_cuda_different_calls_fail_every_rank(op, case):
+    from sparkccl.localrun import check, run_ranks
+    values = check(run_ranks(_different_calls_job, 2, args=(op, case), timeout_s=120))
+    for r, v in enumerate(values):
+        assert "made a different call than" in v and "rank 0 passed" in v \
+            and "rank 1 passed" in v, (r, v)
 
 
 def _graph_comm_job(rank, world, store, topology, replays):
@@ -2135,33 +2219,36 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
 
 
 def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
-    """check_sizes probes one row of the peer's publish ring per pending collective, oldest
-    first: a matching entry is checked off, one not written yet stays pending (and so do
-    the later ones of that peer, unasked), and one so far back that the peer's next lap may
-    be rewriting it is dropped unread (a torn read once reported a mismatch that was not
-    there: the new entry's size beside the old one's seq)."""
-    dp = object.__new__(C.CudaDataPlane)
+    """The deferred check (peer_check.PeerCheck.run) probes one row of the peer's publish
+    ring per pending collective, oldest first: a matching entry is checked off, one not
+    written yet stays pending (and so do the later ones of that peer, unasked), and one so
+    far back that the peer's next lap may be rewriting it is dropped unread (a torn read
+    once reported a mismatch that was not there: the new entry's size beside the old one's
+    seq)."""
+    from sparkccl.dataplane.peer_check import PeerCheck
     E = L.RING_ENTRY_BYTES // 8
     ring = np.zeros((L.RING_ENTRIES, E), dtype=np.uint64)
-    dp.world, dp.rank, dp.peer_rings, dp._ring_next = 2, 0, [None, ring], 4000
-    dp._peer_words = None
+    failed = []
+    pc = PeerCheck(0, 2, [None, ring], lambda message, peer: failed.append(message))
     P = G.PIECES
+    word = L.call_word(int(Op.AG), 1, 1, 0)
 
     def row(first, seq, S):
         ring[first % L.RING_ENTRIES, :3] = (first + 1, seq, S)
+        ring[first % L.RING_ENTRIES, L.ENT_OP // 8] = word
 
     old = 4000 - L.RING_ENTRIES + P  # further back than the ring less two collectives each
     row(old, 400, 999)  # (mid-rewrite: the next lap's size beside this seq)
     row(3976, 497, 64)
     row(3984, 498 - 32, 128)  # seq 498's row not written yet: the previous lap's entry
-    dp._unchecked = [(Op.AG, 400, 64, old, {1}), (Op.AG, 497, 64, 3976, {1}),
-                     (Op.RS, 498, 128, 3984, {1}), (Op.AG, 499, 64, 3992, {1})]
-    dp.check_sizes()
-    assert [u[1] for u in dp._unchecked] == [498, 499]
+    for seq, S, first in ((400, 64, old), (497, 64, 3976), (498, 128, 3984), (499, 64, 3992)):
+        pc.note(Op.AG, seq, S, word, first)
+    pc.run(4000)
+    assert [u[1] for u in pc.pending] == [498, 499] and failed == []
     row(3984, 498, 128)
     row(3992, 499, 64)
-    dp.check_sizes()
-    assert dp._unchecked == []
+    pc.run(4000)
+    assert pc.pending == [] and failed == []
 
 
 def test_checks_before_a_call_read_the_words_and_compare_sizes_every_few_calls():

@@ -55,9 +55,10 @@ def test_cache_stores_only_declared_plannable_paths():
     assert "a" not in cache.plans and cache.stats["misses"] == 1
     with cache.planning("b", lambda rec: rec):
         cache.plannable()
+        cache.called(0x301)
         cache.record("k", 1, 32, (CallPtr(1, 0),))
-    plan, entries, direct = cache.plans["b"]
-    assert plan.patches == ((0, 0, 0, 0),) and (entries, direct) == (8, False)
+    plan, entries, direct, call = cache.plans["b"]
+    assert plan.patches == ((0, 0, 0, 0),) and (entries, direct, call) == (8, False, 0x301)
     with pytest.raises(RuntimeError):
         with cache.planning("c", lambda rec: rec):
             cache.plannable()
@@ -87,7 +88,7 @@ def test_a_new_setting_drops_the_plans():
                  "max_direct_blocks", "max_direct_wait_blocks", "ce_min_slice"):
         assert isinstance(getattr(C.CudaDataPlane, name), C._PlanSetting), name
         setattr(dp, name, 1)
-        dp.plans.plans["shape"] = ("plan", 8, False)
+        dp.plans.plans["shape"] = ("plan", 8, False, 0)
         before = dp.plans.stats["invalidations"]
         setattr(dp, name, 1)  # the same value: kept
         assert "shape" in dp.plans.plans and getattr(dp, name) == 1, name

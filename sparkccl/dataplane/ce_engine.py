@@ -154,7 +154,7 @@ class CeEngine(Engine):
     def run(self, call: DirectCall) -> None:
         """The collective's program (:meth:`_program`) with this call's terms, in one native
         call; kept as the shape's plan when the call is being planned."""
-        ring, waits = self.direct_ring(call.op), self.plane.wait_args(call.op)
+        ring, waits = self.direct_ring(call.call), self.plane.wait_args(call.op)
         params = _call_params(call)
         p = self._program(call, ring, waits, params)
         stage = (self.plane.scratch("ce stage", self.plane.world * call.S).data_ptr()
@@ -219,7 +219,7 @@ class CeEngine(Engine):
         plans, stats = self.programs, self.stats
         host, words = self.plane.direct.host.get(op), self.words[op]
         # (a numpy integer hashes and compares as the int of its value)
-        key = (op, S, L, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
+        key = (op, S, L, call.call, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
                len(call.own), self.plane.on_failure,
                tuple((v.arg, v.add) if type(v) is CallPtr else v for v in params))
         p = plans.get(key)
@@ -307,7 +307,7 @@ class CeEngine(Engine):
         if ce_pub:
             for dst, src, n in call.own:
                 row(OP_COPY, T_TS, _sym(dst), _sym(src), n)
-        pub, recv, ring_rows = self._pieces(op, S, L, host, words)
+        pub, recv, ring_rows = self._pieces(op, S, L, call.call, host, words)
         for c in range(PIECES):
             if ce_pub:
                 self._publish_rows(row, pub[c], c, _sym(call.ce_src[0]), call.ce_src[1])
@@ -336,7 +336,7 @@ class CeEngine(Engine):
         return CeProgram(op=op, host=host, words=words, program=program, ring_rows=ring_rows,
                          host_ring=ce_pub)
 
-    def _pieces(self, op: Op, S: int, L: int, host, words) -> tuple:
+    def _pieces(self, op: Op, S: int, L: int, call: int, host, words) -> tuple:
         """Per piece, what the sending side copies and flags and what the receiving side's
         units move, and the ring entries' fields (seq filled per call)."""
         pub, recv, rows = [], [], []
@@ -360,7 +360,7 @@ class CeEngine(Engine):
                         moves.append((i, a, e - a))
                 units.append((c * self.plane.maxw + k, moves, sum_here))
             recv.append(units)
-            rows.append([0, S, lo, hi, int(op) | c << 32,
+            rows.append([0, S, lo, hi, call | c << layout.CALL_PIECE_SHIFT,
                          (layout.CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
         return pub, recv, np.array(rows, dtype=np.uint64)
 

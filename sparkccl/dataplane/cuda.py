@@ -99,6 +99,7 @@ from .device import CudaDevice, Device
 from .direct_tables import DirectTables
 from .launch_plan import CallPtr, PlanCache, Slotted, plain
 from .monitor import FailureMonitor, write_stderr
+from .peer_check import ALL_GATHER, MOE_FINALIZE, REDUCE_SCATTER, call_word
 
 _P = layout.protocol_constants()
 NO_SOURCE = _P["NO_SOURCE"]
@@ -222,10 +223,6 @@ class CudaDataPlane(DataPlaneBase):
         self._last_event = None
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
-        # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
-        self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
-        self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
-        self._peers = frozenset(range(self.world)) - {self.rank}
         # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
         # for the checks before every collective (a plain read each:
         # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
@@ -587,12 +584,12 @@ class CudaDataPlane(DataPlaneBase):
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
                                "(docs/CONTRACT.md \"CUDA graphs\")")
 
-    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
+    def _begin(self, op: Op, seq: int, S: int, call: int, entries: int = PIECES,
                zero_copy: str | None = None) -> int:
         """Checks before a collective's first launch; returns the host's copy of its first
-        ring index (valid while seq_on_host(); only mode "ce" uses it). zero_copy names a
-        feature that needs the slot of seq on the host: refused once the host no longer
-        knows it."""
+        ring index (valid while seq_on_host(); only mode "ce" uses it). call: its ring
+        entries' call word. zero_copy names a feature that needs the slot of seq on the
+        host: refused once the host no longer knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
         self._in_capture = self.gpu.capturing()
@@ -600,7 +597,8 @@ class CudaDataPlane(DataPlaneBase):
             self._graph = True
             self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
             self._ops.clear()
-            self._unchecked = []
+            if self.peer_check is not None:
+                self.peer_check.forget()
         if zero_copy and self._graph:
             raise RuntimeError(f"rank {self.rank}: {OP_NAMES[op]}: {zero_copy} needs the "
                                "collective's slot on the host, which it no longer knows once a "
@@ -611,9 +609,10 @@ class CudaDataPlane(DataPlaneBase):
                              f"expected seq {self._seq_next} (the GPU numbers collectives one "
                              "per call, in call order)")
         self._check_call()
-        return self._count(op, seq, S, entries)
+        self.plans.called(call)
+        return self._count(op, seq, S, entries, call)
 
-    def _count(self, op: Op, seq: int, S: int, entries: int) -> int:
+    def _count(self, op: Op, seq: int, S: int, entries: int, call: int) -> int:
         """The host's account of a collective about to be issued (its first ring index)."""
         first = self._ring_next
         if not self._graph:
@@ -622,11 +621,8 @@ class CudaDataPlane(DataPlaneBase):
             ops.pop(seq - 512, None)
             if seq > self._last_seq:
                 self._last_seq = seq
-            if self.peer_rings is not None:
-                pending = self._unchecked
-                pending.append((op, seq, S, first, self._peers))
-                if len(pending) > 64:
-                    del pending[:-64]
+            if self.peer_check is not None:
+                self.peer_check.note(op, seq, S, call, first)
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -643,7 +639,7 @@ class CudaDataPlane(DataPlaneBase):
         found = self.plans.plans.get(key)
         if found is None or self._closed or (not self._graph and seq != self._seq_next):
             return False
-        plan, entries, direct = found
+        plan, entries, direct, call = found
         self._check_call()
         if not (self.engines.ce.issue_plan(plan, seq, args) if type(plan) is CePlan
                 else self._issue_plan(plan, args)):
@@ -651,7 +647,7 @@ class CudaDataPlane(DataPlaneBase):
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
         self._in_capture = False
-        self._count(op, seq, S, entries)
+        self._count(op, seq, S, entries, call)
         return True
 
     def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
@@ -666,67 +662,11 @@ class CudaDataPlane(DataPlaneBase):
             self.end(ts)
 
     def check_sizes(self) -> None:
-        """Every rank must pass the same sizes: compare the sizes of recent collectives with
-        the peers' own publish entries once those appear (the GPU cannot do it before it
-        waits, so a mismatch is reported at a later call or at synchronize()).
-
-        Cheap enough for every call while the host runs ahead of the GPU: oldest first, one
-        row per peer (:meth:`_probe_size`), and a peer whose entry is not there yet is not
-        asked about later collectives (a rank publishes its collectives in order).
-
-        Only while the entry cannot be overwritten: a peer's GPU publishes collective s + 1
-        only after its s ended, which needed this rank's pieces, so its ring index is at most
-        about two collectives past this host's; an entry further back than RING_ENTRIES less
-        that margin may be being rewritten by the peer's next lap (a torn read would report
-        a mismatch that is not there) and is dropped unverified."""
-        pending = self._unchecked
-        if self.peer_rings is None or not pending:
-            return
-        oldest = self._ring_next - layout.RING_ENTRIES + 2 * PIECES * self.world
-        keep, waiting, others = [], set(), self.world - 1
-        try:
-            for k, item in enumerate(pending):
-                if len(waiting) == others:
-                    keep.extend(pending[k:])
-                    break
-                op, seq, S, first, peers = item
-                if first < oldest:
-                    continue
-                left = [p for p in sorted(peers)
-                        if p in waiting or not self._probe_size(op, seq, S, first, p)]
-                waiting.update(left)
-                if len(left) == len(peers):
-                    keep.append(item)
-                elif left:
-                    keep.append((op, seq, S, first, frozenset(left)))
-        except CollectiveError:
-            self._unchecked = []
-            raise
-        self._unchecked = keep
-
-    def _probe_size(self, op: Op, seq: int, S: int, first: int, peer: int) -> bool:
-        """:meth:`_check_size` reading one row: every rank takes the same ring entries per
-        collective, so the peer's entry of seq sits at this rank's index ``first`` (tag
-        first + 1). An older tag there: not published yet. A newer one: the rings went
-        apart (e.g. ranks of a finalize on different engines), so scan the whole ring; a
-        tag a lap or more newer: the entry is gone (nothing to compare)."""
-        words = self._peer_words
-        if words is None:  # (indexing a flat memoryview costs a third of numpy's item())
-            words = self._peer_words = [None if r is None else memoryview(r).cast("B").cast("Q")
-                                        for r in self.peer_rings]
-        ring = words[peer]
-        if ring is None:
-            return True
-        i = (first % layout.RING_ENTRIES) * ROW_WORDS
-        tag, theirs = ring[i], ring[i + 1]
-        if tag == first + 1 and theirs == seq:
-            if ring[i + 2] == S:
-                return True
-        elif tag < first + 1 or (tag == first + 1 and theirs < seq):
-            return False
-        elif tag > first + layout.RING_ENTRIES:
-            return True
-        return self._check_size(op, seq, peer, S)  # (also for the message of a mismatch)
+        """Every rank must make the same call: compare recent collectives with the peers'
+        own publish entries once those appear (the GPU cannot do it before it waits, so a
+        difference is reported at a later call or at synchronize(); peer_check.py)."""
+        if self.peer_check is not None:
+            self.peer_check.run(self._ring_next)
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
@@ -734,7 +674,8 @@ class CudaDataPlane(DataPlaneBase):
     maps_peers = True  # GPU-direct: map_peers / map_peers_rs
 
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                   dst_stride: int) -> None:
+                   dst_stride: int, dtype: torch.dtype | None = None,
+                   part: tuple[int, int] | None = None) -> None:
         """Gather ``src`` (CUDA, contiguous, L bytes) of every rank: rank i's bytes land at
         byte ``i * dst_stride + dst_off`` of ``dst``. ``dst=None``: zero-copy, the result
         stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
@@ -742,19 +683,22 @@ class CudaDataPlane(DataPlaneBase):
         slot from the device state's seq (slot base + code, kernels/common.cuh slot_at).
         Later calls of the same shape run from its launch plan."""
         L = src.nbytes
+        dtype = dtype or src.dtype
         key = None
         if dst is not None:
-            key = (Op.AG, L, dst_stride)
+            key = (Op.AG, L, dst_stride, dtype, part)
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
         with self.plans.planning(key, self.gpu.make_plan):
-            self._all_gather(seq, src, dst, dst_off, dst_stride, L)
+            self._all_gather(seq, src, dst, dst_off, dst_stride, L, dtype, part)
 
     def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                    dst_stride: int, L: int) -> None:
+                    dst_stride: int, L: int, dtype: torch.dtype, part) -> None:
         S = round_up(L, ALIGN)
-        first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
+        call = call_word(Op.AG, dtype, *(part or (ALL_GATHER, S - L)))
+        first = self._begin(Op.AG, seq, S, call,
+                            zero_copy="a zero-copy result" if dst is None else None)
         ts, stream = self.gpu.current_stream()
         slot0, code = self.ag_dev, self.ag_code
         slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
@@ -767,8 +711,8 @@ class CudaDataPlane(DataPlaneBase):
         dtab = self.direct_table(Op.AG, S)
         engine = self.engines.choose(Op.AG, S, dtab)
         if not engine.direct:
-            self.engines.proxy.all_gather(ts, stream, S, L, src_p, dst_ptr, dst_stride, res_me, out,
-                                          zero_copy=dst is None)
+            self.engines.proxy.all_gather(ts, stream, S, L, call, src_p, dst_ptr, dst_stride,
+                                          res_me, out, zero_copy=dst is None)
             return
         # GPU-direct: this rank's publish streams run on the GPU
         nb = 1 if dst is None else min(self.slice_wait_blocks(S), self.max_direct_wait_blocks)
@@ -776,7 +720,7 @@ class CudaDataPlane(DataPlaneBase):
         # relays forward other origins' blocks, and no proxy reads it.
         own_dst = slot + me * S if dst is None else 0
         engine.run(DirectCall(
-            Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
+            Op.AG, seq, ts, stream, S=S, L=L, call=call, first=first, kernel="sccl_ag_direct",
             publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
                      slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
                      res_me),
@@ -795,13 +739,14 @@ class CudaDataPlane(DataPlaneBase):
         return self.ag[base:base + nbytes]
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
+                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype,
+                       part: tuple[int, int] | None = None) -> None:
         """Reduce-scatter chunks of L bytes: chunk j of ``src`` (CUDA, contiguous) starts at
         its byte ``j * src_stride + src_off``; this rank's sum lands at byte ``dst_off`` of
         ``dst``. ``src=None``: the chunks are already in the send slot (zero-copy input) at
         ``j * L``, L a multiple of 16. Later calls of the same shape run from its launch
         plan."""
-        key = (Op.RS, L, src_stride, dtype, src is None)
+        key = (Op.RS, L, src_stride, dtype, src is None, part)
         src_p = 0 if src is None else src.data_ptr() + src_off
         dst_p = dst.data_ptr() + dst_off
         if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p):
@@ -815,12 +760,14 @@ class CudaDataPlane(DataPlaneBase):
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
         with self.plans.planning(key, self.gpu.make_plan):
-            self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
+            self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype, part)
 
     def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
-                        dtype: torch.dtype) -> None:
+                        dtype: torch.dtype, part) -> None:
         S = round_up(L, ALIGN)
-        first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
+        call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, S - L)))
+        first = self._begin(Op.RS, seq, S, call,
+                            zero_copy="a zero-copy input" if src is None else None)
         ts, stream = self.gpu.current_stream()
         W, me = self.world, self.rank
         send0, recv0 = self.rs_send_dev, self.rs_recv_dev
@@ -838,14 +785,14 @@ class CudaDataPlane(DataPlaneBase):
         dtab = self.direct_table(Op.RS, S)
         engine = self.engines.choose(Op.RS, S, dtab)
         if not engine.direct:
-            self.engines.proxy.reduce_scatter(ts, stream, S, L, base, src_stride, own, own_code,
-                                              own_sys, dst_ptr, dtype)
+            self.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
+                                              own_code, own_sys, dst_ptr, dtype)
             return
         # GPU-direct: chunks straight to the peers
         sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
                                          else (send0, scode, S, 1))
         engine.run(DirectCall(
-            Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
+            Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=_RS_DIRECT[dtype],
             publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
                      0, _n(0), 0),
             consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
@@ -887,13 +834,14 @@ class CudaDataPlane(DataPlaneBase):
         engine = self.engines.choose(Op.RS, S, dtab, finalize=True)
         # The proxy path publishes per (row piece, destination); GPU-direct per piece.
         entries = PIECES if engine.direct else PIECES * (self.world - 1)
-        self._begin(Op.RS, seq, S, entries=entries)
+        call = call_word(Op.RS, torch.bfloat16, MOE_FINALIZE, S - L)
+        self._begin(Op.RS, seq, S, call, entries=entries)
         ts, stream = self.gpu.current_stream()
         own = self.scratch("finalize own", L).data_ptr()
         if engine.direct:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, dtab)
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, dtab)
         else:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, entries)
+            engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, entries)
 
     def check_finalize_inputs(self) -> None:
         """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term

@@ -73,13 +73,56 @@ constexpr pu64 ENT_SEQ = 8;       // u64
 constexpr pu64 ENT_SLICE = 16;    // u64: slice bytes (per-rank slice / chunk)
 constexpr pu64 ENT_LO = 24;       // u64: piece bounds inside the slice
 constexpr pu64 ENT_HI = 32;       // u64
-constexpr pu64 ENT_OP = 40;       // u32: Op
-constexpr pu64 ENT_PIECE = 44;    // u32
+// The call word: the u64 at ENT_OP says what the caller called, so that every peer can
+// compare it with its own call before it trusts the bytes (the cross-rank check,
+// sparkccl/dataplane/peer_check.py): one byte each of op, dtype, collective and piece, then
+// the padding. Little-endian: byte ENT_OP + k of the entry is bits 8k.. of the word
+// (call_word below; publishers write the word in one store).
+constexpr pu64 ENT_OP = 40;       // u8: Op (what the proxy executes: AG or RS streams)
+constexpr pu64 ENT_DTYPE = 41;    // u8: DTYPE_* of the caller's elements
+constexpr pu64 ENT_KIND = 42;     // u8: KIND_*: the collective called, with its reduction
+constexpr pu64 ENT_PIECE = 43;    // u8: piece (< PIECES)
+constexpr pu64 ENT_PAD = 44;      // u32: zero bytes the collective carries past the caller's
+                                  // data (S - the caller's bytes per rank; an all-reduce:
+                                  // over its W chunks), so the caller's exact bytes cross
 constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_ALL, CHUNK_DIRECT, or j = only chunk j (finalize)
 constexpr pu64 ENT_GRANULE = 52;  // u32: piece step granule (16, or row bytes for finalize)
 // u64: CLOCK_MONOTONIC ns when the CPU data plane published the entry (the proxy's
 // publish -> first post latency); 0 from publishers without the host clock (GPU kernels).
 constexpr pu64 ENT_PUBLISH_NS = 56;
+constexpr pu64 CALL_DTYPE_SHIFT = 8;   // bit positions in the call word (ENT_OP's u64)
+constexpr pu64 CALL_KIND_SHIFT = 16;
+constexpr pu64 CALL_PIECE_SHIFT = 24;
+constexpr pu64 CALL_PAD_SHIFT = 32;
+// DTYPE_*: the caller's element type (torch dtypes, sparkccl/dataplane/peer_check.py);
+// 0 from publishers that do not say (the native tests), OTHER for a dtype not listed.
+constexpr int DTYPE_UNSAID = 0;
+constexpr int DTYPE_F32 = 1;
+constexpr int DTYPE_F16 = 2;
+constexpr int DTYPE_BF16 = 3;
+constexpr int DTYPE_F64 = 4;
+constexpr int DTYPE_U8 = 5;
+constexpr int DTYPE_I8 = 6;
+constexpr int DTYPE_I16 = 7;
+constexpr int DTYPE_I32 = 8;
+constexpr int DTYPE_I64 = 9;
+constexpr int DTYPE_BOOL = 10;
+constexpr int DTYPE_F8E4M3 = 11;
+constexpr int DTYPE_F8E5M2 = 12;
+constexpr int DTYPE_C64 = 13;
+constexpr int DTYPE_C128 = 14;
+constexpr int DTYPE_U16 = 15;
+constexpr int DTYPE_U32 = 16;
+constexpr int DTYPE_U64 = 17;
+constexpr int DTYPE_OTHER = 255;
+// KIND_*: the collective the caller called (a reduction's op is part of it: an all-reduce
+// of sums and one of averages must not meet); 0 from publishers that do not say.
+constexpr int KIND_UNSAID = 0;
+constexpr int KIND_ALL_GATHER = 1;
+constexpr int KIND_REDUCE_SCATTER_SUM = 2;
+constexpr int KIND_ALL_REDUCE_SUM = 3;
+constexpr int KIND_ALL_REDUCE_AVG = 4;
+constexpr int KIND_MOE_FINALIZE = 5;
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
 
@@ -98,10 +141,22 @@ static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned
 static_assert(ENT_GRANULE + 4 <= ENT_PUBLISH_NS && ENT_PUBLISH_NS + 8 <= RING_ENTRY_BYTES,
               "ring entry fields must fit one entry");
 static_assert(ENT_TAG % 8 == 0 && ENT_SEQ % 8 == 0 && ENT_SLICE % 8 == 0 && ENT_LO % 8 == 0 &&
-              ENT_HI % 8 == 0 && ENT_OP % 4 == 0 && ENT_PIECE % 4 == 0 && ENT_CHUNK % 4 == 0 &&
+              ENT_HI % 8 == 0 && ENT_PAD % 4 == 0 && ENT_CHUNK % 4 == 0 &&
               ENT_GRANULE % 4 == 0 && ENT_PUBLISH_NS % 8 == 0,
               "ring entry fields are naturally aligned");
 static_assert((RING_ENTRIES & (RING_ENTRIES - 1)) == 0, "ring indices wrap by modulo");
+static_assert(ENT_OP % 8 == 0 && ENT_DTYPE == ENT_OP + CALL_DTYPE_SHIFT / 8 &&
+                  ENT_KIND == ENT_OP + CALL_KIND_SHIFT / 8 &&
+                  ENT_PIECE == ENT_OP + CALL_PIECE_SHIFT / 8 &&
+                  ENT_PAD == ENT_OP + CALL_PAD_SHIFT / 8 && ENT_PAD + 4 == ENT_CHUNK,
+              "the call word is the u64 at ENT_OP: op, dtype, kind, piece bytes, then the u32 pad");
+
+// The call word of a publish entry, piece 0 (a publisher ORs in piece << CALL_PIECE_SHIFT).
+SCCL_HOST_DEVICE constexpr pu64 call_word(pu64 op, pu64 dtype, pu64 kind, pu64 pad) {
+  return op | dtype << CALL_DTYPE_SHIFT | kind << CALL_KIND_SHIFT | pad << CALL_PAD_SHIFT;
+}
+static_assert(call_word(1, DTYPE_BF16, KIND_ALL_REDUCE_AVG, 20) == 0x1400040301ull,
+              "call word packing");
 
 }  // namespace layout
 
