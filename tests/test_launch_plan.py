@@ -5,7 +5,7 @@ test_launch_plans_*, on the CPU emulation and on the GPU)."""
 import pytest
 
 from sparkccl import _native as N
-from sparkccl.dataplane.launch_plan import U64, CallPtr, PlanCache, Recording, Slotted, plain
+from sparkccl.dataplane.launch_plan import PlanSetting, U64, CallPtr, PlanCache, Recording, Slotted, plain
 
 
 def test_offsets_of_a_call_pointer_stay_marked():
@@ -86,7 +86,7 @@ def test_a_new_setting_drops_the_plans():
     dp.plans = PlanCache()
     for name in ("direct_mode", "phases", "on_failure", "max_publish_blocks", "max_wait_blocks",
                  "max_direct_blocks", "max_direct_wait_blocks", "ce_min_slice"):
-        assert isinstance(getattr(C.CudaDataPlane, name), C._PlanSetting), name
+        assert isinstance(getattr(C.CudaDataPlane, name), PlanSetting), name
         setattr(dp, name, 1)
         dp.plans.plans["shape"] = ("plan", 8, False, 0)
         before = dp.plans.stats["invalidations"]

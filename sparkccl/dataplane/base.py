@@ -174,9 +174,9 @@ class DataPlaneBase:
     def check_abort(self) -> None:
         code = self.nat.abort_code(self.ctl)
         if code:
-            self._raise_recorded(code)
+            self.raise_recorded(code)
 
-    def _raise_recorded(self, code: int, context: str = "") -> None:
+    def raise_recorded(self, code: int, context: str = "") -> None:
         text = self.nat.error_text(self.ctl) or f"aborted (code {code})"
         msg = f"rank {self.rank}: communicator aborted: {text}"
         if context:
@@ -198,7 +198,7 @@ class DataPlaneBase:
             return origin
         return (self.rank - 1) % self.world if channel == PREV else (self.rank + 1) % self.world
 
-    def _timed_out(self, what: str, piece: int, word: int, note: str = "") -> None:
+    def timed_out(self, what: str, piece: int, word: int, note: str = "") -> None:
         """Fail with the timeout of a wait for flag ``word``: its origin, and the connection
         (and relaying neighbour) the data was to come through."""
         _, origin, channel, root = decode_flag_word(self.world, word)

@@ -29,6 +29,7 @@ emulation in tests/ implements on the host.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,13 +39,15 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds
 from ..plan.model import Op
 from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
+from .base import OP_NAMES
+from .cuda_runtime import u64_at as _u64
 from .engines import DIRECT_THREADS, WAIT_THREADS, DirectCall, Engine
 from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
 PROG_STRIDE = layout.protocol_constants()["PROG_STRIDE"]  # progress word = seq * it + unit
 # stream operations of a program (native/src/cuda_ops.cpp)
 OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
-MAX_CE_PLANS = 64  # mode "ce" launch plans kept per data plane (all dropped when full)
+MAX_CE_PLANS = 64  # mode "ce" programs kept per data plane (all dropped when full)
 
 
 # Terms of a mode "ce" program: what a call fills in, from its seq, ring index, stream and
@@ -180,7 +183,7 @@ class CeEngine(Engine):
         stream. The ring entries' fields are the host's to write where the copy engines send
         (their streams write only the tags), so the host first waits for their room."""
         if p.host_ring:
-            self.plane.host_ring_room(p.op, seq, first, PIECES)
+            self._host_ring_room(p.op, seq, first, PIECES)
             p.ring_rows[:, 0] = seq
             i = first % layout.RING_ENTRIES
             if i + PIECES <= layout.RING_ENTRIES:
@@ -190,6 +193,25 @@ class CeEngine(Engine):
                                 1:7] = p.ring_rows
         terms = self._terms(seq, first, stream_term, args, stage)
         self.plane.issued(self.plane.gpu.run_program(p.program, terms, ts), ts)
+
+    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+        """Wait until ring indices first .. first + n - 1 are free: the host writes those
+        entries' fields itself (every kernel waits on the GPU: kernels/wait.cu ring_room)."""
+        p = self.plane
+        tail = _u64(p.ctl + layout.CTL_RING_TAIL)
+        last = first + n - 1
+        if last - int(tail.value) >= layout.RING_ENTRIES:
+            deadline = time.monotonic() + p.timeout_s
+            spins = 0
+            while last - int(tail.value) >= layout.RING_ENTRIES:
+                p.check_abort()
+                if time.monotonic() > deadline:
+                    p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for "
+                           f"space in the publish ring for {OP_NAMES[op]} seq {seq} (the proxy "
+                           "is not consuming it, or the GPU is not running this rank's "
+                           "earlier collectives)", layout.ABORT_TIMEOUT)
+                spins += 1
+                time.sleep(0 if spins < 100 else 50e-6)
 
     def _terms(self, seq: int, first: int, stream_term: int, args, stage: int) -> list:
         """The terms of a call (see T_*): all of them follow from its seq, ring index,

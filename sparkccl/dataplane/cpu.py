@@ -15,10 +15,10 @@ One collective (one sequence number ``seq``, one slice of ``S`` bytes, S a multi
 Slices whose size is not a multiple of 16 are padded: the bytes past the real length go
 over the wire but are never copied out.
 
-Launch plans (the fast path): everything of a collective that does not change between
+Call plans (the fast path): everything of a collective that does not change between
 calls of the same (operation, slice length, slot, dtype) — the piece groups, the views of
 this rank's slots, the flag words to wait on, the fp32 accumulator — is built by the first
-call into a :class:`LaunchPlan` and reused; later calls only bring the sequence number and
+call into a :class:`CallPlan` and reused; later calls only bring the sequence number and
 the caller's tensors (whose bytes move with ``ctypes.memmove`` at computed offsets, no
 tensor slicing). A new length or dtype is a new plan; re-attaching the reduce-scatter
 buffers drops every plan (their views would point at the old buffers). ``plan_stats``
@@ -50,11 +50,11 @@ SMALL_SLICE = 64 << 10
 """Slices up to this size are copied and waited for as a whole (see ``groups``)."""
 
 MAX_PLANS = 64
-"""Launch plans kept per data plane (least recently used dropped first)."""
+"""Call plans kept per data plane (least recently used dropped first)."""
 
 
 @dataclass
-class LaunchPlan:
+class CallPlan:
     """What one (op, L, slot, dtype) collective does, independent of seq and of the
     caller's tensors. Offsets are in bytes."""
     S: int
@@ -85,13 +85,13 @@ class CpuDataPlane(DataPlaneBase):
         self.rs_recv, self.rs_recv_stride = recv, recv_stride
         self.drop_plans()
 
-    # ---- launch plans ----------------------------------------------------------------
+    # ---- call plans ------------------------------------------------------------------
     def drop_plans(self) -> None:
-        """Forget every launch plan (the buffers they view changed)."""
+        """Forget every call plan (the buffers they view changed)."""
         self.plan_stats["dropped"] += len(self._plans)
         self._plans.clear()
 
-    def _launch_plan(self, key: tuple, build):
+    def _call_plan(self, key: tuple, build):
         if not self.cache_plans:
             return build()
         p = self._plans.get(key)
@@ -106,19 +106,19 @@ class CpuDataPlane(DataPlaneBase):
             self.plan_stats["dropped"] += 1
         return p
 
-    def _ag_plan(self, L: int, slot_index: int) -> LaunchPlan:
+    def _ag_plan(self, L: int, slot_index: int) -> CallPlan:
         S = round_up(L, ALIGN)
         base = slot_index * self.ag_stride
         slot = self.ag[base:base + self.world * S]
         groups = self.groups(S, L)
         me = self.rank
-        return LaunchPlan(
+        return CallPlan(
             S=S, groups=groups,
             own=[slot.data_ptr() + me * S + a for _, _, a, b in groups],
             peers=[[(i, slot.data_ptr() + i * S + a) for i in range(self.world) if i != me]
                    for _, _, a, b in groups])
 
-    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> LaunchPlan:
+    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> CallPlan:
         S = round_up(L, ALIGN)
         sbase = slot_index * self.rs_send_stride
         rbase = slot_index * self.rs_recv_stride
@@ -128,7 +128,7 @@ class CpuDataPlane(DataPlaneBase):
         esize = torch.empty((), dtype=dtype).element_size()
         acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
         me = self.rank
-        return LaunchPlan(
+        return CallPlan(
             S=S, groups=groups, own=[], peers=[], send_base=send.data_ptr(),
             parts=[[(i, (send if i == me else recv)[i * S + a:i * S + b].view(dtype))
                     for i in range(self.world)] for _, _, a, b in groups],
@@ -159,7 +159,7 @@ class CpuDataPlane(DataPlaneBase):
         if code == 0:
             return
         if self.nat.abort_code(self.ctl):
-            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
+            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
                   f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
@@ -180,8 +180,8 @@ class CpuDataPlane(DataPlaneBase):
                 self.peer_check.check(op, seq, source, slice_bytes, call)
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
-            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
-        self._timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
+            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
+        self.timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
                         words[idx if 0 <= idx < len(words) else 0])
 
     # ---- collectives ---------------------------------------------------------------
@@ -216,7 +216,7 @@ class CpuDataPlane(DataPlaneBase):
         L = src.numel() * src.element_size()
         deadline = time.monotonic() + self.timeout_s
         slot_index = seq % 3
-        lp = self._launch_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
+        lp = self._call_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
         S, me = lp.S, self.rank
         call = call_word(Op.AG, dtype or src.dtype, *(part or (ALL_GATHER, S - L)))
         move = ctypes.memmove
@@ -247,11 +247,11 @@ class CpuDataPlane(DataPlaneBase):
         self._rs_sum(lp, seq, dst, dst_off, dtype, deadline, call)
 
     def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                 L: int, dtype: torch.dtype, deadline: float, call: int) -> LaunchPlan:
+                 L: int, dtype: torch.dtype, deadline: float, call: int) -> CallPlan:
         """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
         ``seq % 2`` (unless ``src`` is None: already there) and publish it."""
         slot_index = seq % 2
-        lp = self._launch_plan((Op.RS, L, slot_index, dtype),
+        lp = self._call_plan((Op.RS, L, slot_index, dtype),
                                lambda: self._rs_plan(L, slot_index, dtype))
         S, W = lp.S, self.world
         move = ctypes.memmove
@@ -263,7 +263,7 @@ class CpuDataPlane(DataPlaneBase):
             self._publish_group(Op.RS, seq, c0, c1, S, deadline, call)
         return lp
 
-    def _sum_group(self, lp: LaunchPlan, g: int, seq: int, deadline: float, call: int):
+    def _sum_group(self, lp: CallPlan, g: int, seq: int, deadline: float, call: int):
         """Wait for group ``g`` of this rank's chunk from every source and sum it in rank
         order in fp32: the plan's accumulator, or None for an empty group."""
         me, S = self.rank, lp.S
@@ -280,9 +280,9 @@ class CpuDataPlane(DataPlaneBase):
                 acc.add_(part)
         return acc if b > a else None
 
-    def _rs_sum(self, lp: LaunchPlan, seq: int, dst: torch.Tensor, dst_off: int,
+    def _rs_sum(self, lp: CallPlan, seq: int, dst: torch.Tensor, dst_off: int,
                 dtype: torch.dtype, deadline: float, call: int) -> None:
-        """:meth:`_rs_finish` from a launch plan: the same waits and the same fp32 sum in rank
+        """:meth:`_rs_finish` from a call plan: the same waits and the same fp32 sum in rank
         order, over the plan's views."""
         for g, (_, _, a, b) in enumerate(lp.groups):
             acc = self._sum_group(lp, g, seq, deadline, call)
@@ -318,7 +318,7 @@ class CpuDataPlane(DataPlaneBase):
         rs_call, ag_call = call_word(Op.RS, dtype, kind, pad), call_word(Op.AG, dtype, kind, pad)
         rs = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline, rs_call)
         ag_slot = seq % 3
-        ag = self._launch_plan((Op.AG, L, ag_slot), lambda: self._ag_plan(L, ag_slot))
+        ag = self._call_plan((Op.AG, L, ag_slot), lambda: self._ag_plan(L, ag_slot))
         S, me = rs.S, self.rank
         own_block = ag_slot * self.ag_stride + me * S
         dp = dst.data_ptr() + dst_off

@@ -1,63 +1,26 @@
-"""The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels.
+"""The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels
+(``kernels/``, compiled at run time with NVRTC, ``nvrtc.py``, cached on disk), launched on
+the caller's current torch stream through the device seam (:mod:`.device`).
 
-Kernels live in ``kernels/``, compiled at run time with NVRTC (``nvrtc.py``, cached on
-disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
+Per collective: its seq and first publish-ring index come from the device state
+(``self.state``, protocol.h ``STATE_*``), not from kernel arguments, so a collective
+captured in a CUDA graph takes fresh values at every replay (docs/PROTOCOL.md "Sequence
+state"); the publish role copies the input piece by piece and writes each piece's ring
+entry for the proxy, or, GPU-direct (same-host peers over shm, the default there), writes
+straight into the peers' mapped regions and flag words itself; the wait role polls the
+pinned flag words and copies out (all-gather) or sums the sources in rank order in fp32,
+rounded once (reduce-scatter). How, is an engine's (:mod:`.engines`, :mod:`.ce_engine`,
+chosen per collective by :mod:`.engine_choice`; docs/PROTOCOL.md "GPU-direct"); each
+collective's pointers and call word are :mod:`.cuda_calls`'.
 
-1. the collective's seq and first publish-ring index come from the device state
-   (``self.state``, protocol.h ``STATE_*``), not from kernel arguments: every kernel reads
-   them, and the collective's last kernel (or ``sccl_advance`` queued after it, modes split
-   and ce) moves them on, so a collective captured in a CUDA graph takes fresh values at
-   every replay; slots and counter sets are chosen by
-   ``seq`` on the GPU (slot base + code, kernels/common.cuh ``slot_at``);
-2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
-   to finish piece c waits until ring entry ``first + c`` is free (the proxy consumed the
-   one 256 before; abort word and timeout watched) and writes it (fields, system fence,
-   tag);
-3. ``sccl_ag_wait`` / ``sccl_rs_wait_*``: one block polls the pinned flag words (acquire,
-   system scope) and relays progress through a device word; the other blocks copy each
-   arrived piece into the device result (all-gather) or sum the sources in rank order in
-   fp32 and round once (reduce-scatter).
-
-GPU-direct (same-host peers, ``transport="shm"``; the default there, ``SPARKCCL_GPU_DIRECT=0``
-turns it off): the peers' regions and flag words are mapped into this process too
-(:meth:`CudaDataPlane.map_peers` / :meth:`CudaDataPlane.map_peers_rs`), and one kernel per
-collective (``sccl_ag_direct`` / ``sccl_rs_direct_*``) executes this rank's publish-triggered
-streams itself: it writes each item straight from the input into the peer's region and then
-the stream's flag word, piece by piece, while its other blocks already wait for and consume
-the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
-engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
-quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and
-docs/PROTOCOL.md "GPU-direct"). The ring entries say ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
-runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
-connection on the H200 test machine), the data crosses the link once each way at the
-GPU's own speed.
-
-Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
-clock; it then records what it waited for in the control block's GPU status record
-(``layout.CTL_GPU_STATUS`` / ``CTL_GPU_DETAIL`` / ``CTL_GPU_SEQ``) and every block exits.
-A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
-rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
-proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
-prints the error on stderr and acknowledges it, and the kernel traps (processes sharing a
-GPU one at a time: :mod:`.trap_lock`): the CUDA context is lost and the caller's next
-synchronization raises; "poison": ``sccl_poison``, queued after
-every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
-way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
-raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
-communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
-release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
-RELEASE_GRACE_S more (:mod:`.monitor`, :meth:`.monitor.FailureMonitor.wait_last`).
-
-The regions are the same shared-memory segments the CPU path and the proxy use, pinned
-with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
-:func:`.cuda_runtime.unregister_host`.
-
-The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.engines` (how a collective
-is launched: the proxy path, fused and split) and :mod:`.ce_engine` (copy engines), chosen
-per collective in :mod:`.engine_choice`; :mod:`sparkccl.plan.waits` (what each wait word
-carries); this module (the data plane the Communicator drives: regions, ring, the device
-operations, failures).
+This module is the data plane the Communicator drives: the regions (the shared segments,
+pinned with ``cudaHostRegister``, :mod:`.cuda_runtime`), the host's account of seq and
+ring index, the checks before each call (the GPU record, the abort word, the peers' calls:
+:mod:`.peer_check`), the eager fast path (:mod:`.launch_plan`), completion and failure.
+Every wait watches the abort word and the timeout on the GPU clock and records a failure
+in the control block's GPU record, which :mod:`.monitor`'s watchdog turns into a
+:class:`CollectiveError`; then, by ``SPARKCCL_ON_FAILURE``, the kernel traps ("stop") or
+``sccl_poison`` overwrites the outputs with NaN ("poison"; docs/PROTOCOL.md "Failure").
 
 Collectives are asynchronous like NCCL's: they return once launched. All collectives of
 one communicator must run on one stream (or streams ordered with events): a collective's
@@ -70,7 +33,6 @@ need it.
 from __future__ import annotations
 
 import ctypes
-import time
 
 import numpy as np
 import torch
@@ -89,28 +51,24 @@ from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
                         OP_WRITE64, PROG_STRIDE, CePlan)
-from .engine_choice import Engines
-from .engines import RS_WAIT, DirectCall
+from .engine_choice import Engines, direct_blocks_setting
+from .engines import RS_WAIT
 from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, unregister_host)
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
 from .device import CudaDevice, Device
+from . import cuda_calls
 from .direct_tables import DirectTables
-from .launch_plan import CallPtr, PlanCache, Slotted, plain
-from .monitor import FailureMonitor, write_stderr
-from .peer_check import ALL_GATHER, MOE_FINALIZE, REDUCE_SCATTER, call_word
+from .launch_plan import CallPtr, PlanCache, PlanSetting, plain
+from .monitor import FailureMonitor
 
 _P = layout.protocol_constants()
-NO_SOURCE = _P["NO_SOURCE"]
-NO_WORD = _P["NO_WORD"]
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 # Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
 ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
-STATE_CLOCK = _P["STATE_CLOCK"]
-ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
 _ABORT_WORD = layout.CTL_ABORT // 8
 SLOT_SHIFT = _P["SLOT_SHIFT"]
@@ -132,58 +90,13 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 # each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
 MAX_WAIT_BLOCKS = 32
 
-_RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
-              torch.float32: "sccl_rs_direct_f32"}
-_RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
-                torch.float32: "sccl_rs_sum_unit_f32"}
-
 __all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "register_host",
            "unregister_host", "host_device_pointer", "device_view", "part_code", "PART_NONE",
            "PART_WHOLE", "ce_words", "wait_parts", "OP_COPY", "OP_WRITE64", "OP_LAUNCH",
            "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES", "N_TERMS"]
 
 
-def direct_blocks_setting() -> tuple[int, int] | None:
-    """SPARKCCL_DIRECT_BLOCKS="publish,wait" (for measurements), or None when unset."""
-    value = config.get("SPARKCCL_DIRECT_BLOCKS")
-    if value is None:
-        return None
-    try:
-        a, b = (int(v) for v in value)
-    except ValueError:
-        raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
-                          "'publish,wait'") from None
-    return max(1, a), max(1, b)
-
-
 # ---------------------------------------------------------------- the data plane
-
-class _PlanSetting:
-    """A setting the launch plans are made from (benchmarks and tests change some): a new
-    value drops the plans, so that a plan's key is the collective's shape alone and a call
-    does not read every setting to build it."""
-
-    def __set_name__(self, owner, name):
-        self.name, self.slot = name, "_setting_" + name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[self.slot]
-        except KeyError:
-            raise AttributeError(f"{type(obj).__name__!r} object has no attribute "
-                                 f"{self.name!r}") from None
-
-    def __set__(self, obj, value):
-        d = obj.__dict__
-        if self.slot in d and d[self.slot] == value:
-            return
-        d[self.slot] = value
-        plans = d.get("plans")
-        if plans is not None:
-            plans.invalidate()
-
 
 class CudaDataPlane(DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
@@ -192,14 +105,14 @@ class CudaDataPlane(DataPlaneBase):
     views of the same memory."""
 
     # What the planning code reads besides the shape (launch plans are keyed by shape).
-    direct_mode = _PlanSetting()
-    phases = _PlanSetting()
-    on_failure = _PlanSetting()
-    max_publish_blocks = _PlanSetting()
-    max_wait_blocks = _PlanSetting()
-    max_direct_blocks = _PlanSetting()
-    max_direct_wait_blocks = _PlanSetting()
-    ce_min_slice = _PlanSetting()
+    direct_mode = PlanSetting()
+    phases = PlanSetting()
+    on_failure = PlanSetting()
+    max_publish_blocks = PlanSetting()
+    max_wait_blocks = PlanSetting()
+    max_direct_blocks = PlanSetting()
+    max_direct_wait_blocks = PlanSetting()
+    ce_min_slice = PlanSetting()
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
@@ -316,18 +229,10 @@ class CudaDataPlane(DataPlaneBase):
         # half the round trip of the handshake that measured it (its uncertainty), in ns.
         self.clock_offset_ns = self.clock_error_ns = None
         if config.get("SPARKCCL_GPU_STAMPS"):
-            try:
-                # (the probe's buffer stays pinned, and registered, as long as the plane)
-                self._clock_buf = np.zeros(2 * clock.CLOCK_ROUNDS, dtype=np.uint64)
-                found = clock.calibrate(self.gpu, self._register, self.rank, self._clock_buf)
-                if found is not None:
-                    self.clock_offset_ns, self.clock_error_ns = found
-                    word = (found[0] % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
-                    self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
-            except Exception as e:  # noqa: BLE001 - a measurement aid: never a failure
-                write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                             f"calibration failed ({type(e).__name__}: {e}): no publish "
-                             "stamps\n")
+            found, self._clock_buf = clock.stamps(self.gpu, self._register, self.rank,
+                                                  self.state)
+            if found is not None:
+                self.clock_offset_ns, self.clock_error_ns = found
         self.gpu.synchronize()
         self.monitor.start()
 
@@ -530,32 +435,10 @@ class CudaDataPlane(DataPlaneBase):
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
     # ---- launch helpers --------------------------------------------------------------
-    def host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
-        """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
-        (the host writes those entries' fields itself); every kernel waits on the GPU
-        (kernels/wait.cu ring_room)."""
-        tail = _u64(self.ctl + layout.CTL_RING_TAIL)
-        last = first + n - 1
-        if last - int(tail.value) >= layout.RING_ENTRIES:
-            deadline = time.monotonic() + self.timeout_s
-            spins = 0
-            while last - int(tail.value) >= layout.RING_ENTRIES:
-                self.check_abort()
-                if time.monotonic() > deadline:
-                    self._ring_timeout(op, seq)
-                spins += 1
-                time.sleep(0 if spins < 100 else 50e-6)
-
-    def _ring_timeout(self, op: Op, seq: int) -> None:
-        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
-                  f"the publish ring for {OP_NAMES[op]} seq {seq} (the proxy is not consuming "
-                  "it, or the GPU is not running this rank's earlier collectives)",
-                  layout.ABORT_TIMEOUT)
-
     def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
         """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
         collective's last and moves the device state on itself (kernels/common.cuh
-        last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
+        last_block_advances), else (0, 0) and :meth:`finish` queues sccl_advance."""
         return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
 
     def publish_blocks(self, work: int) -> int:
@@ -584,7 +467,7 @@ class CudaDataPlane(DataPlaneBase):
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
                                "(docs/CONTRACT.md \"CUDA graphs\")")
 
-    def _begin(self, op: Op, seq: int, S: int, call: int, entries: int = PIECES,
+    def begin(self, op: Op, seq: int, S: int, call: int, entries: int = PIECES,
                zero_copy: str | None = None) -> int:
         """Checks before a collective's first launch; returns the host's copy of its first
         ring index (valid while seq_on_host(); only mode "ce" uses it). call: its ring
@@ -630,11 +513,11 @@ class CudaDataPlane(DataPlaneBase):
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
         """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
-        program: ce_engine.CePlan): the checks of :meth:`_begin`, one native call, the
+        program: ce_engine.CePlan): the checks of :meth:`begin`, one native call, the
         host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
         something the planning path reports. ``key`` is the collective's shape: whatever else
-        its planning reads drops every plan when it changes (a setting, see _PlanSetting;
+        its planning reads drops every plan when it changes (a setting, see launch_plan.PlanSetting;
         the tables, the buffers, the first capture: plans.invalidate())."""
         found = self.plans.plans.get(key)
         if found is None or self._closed or (not self._graph and seq != self._seq_next):
@@ -691,43 +574,7 @@ class CudaDataPlane(DataPlaneBase):
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
         with self.plans.planning(key, self.gpu.make_plan):
-            self._all_gather(seq, src, dst, dst_off, dst_stride, L, dtype, part)
-
-    def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                    dst_stride: int, L: int, dtype: torch.dtype, part) -> None:
-        S = round_up(L, ALIGN)
-        call = call_word(Op.AG, dtype, *(part or (ALL_GATHER, S - L)))
-        first = self._begin(Op.AG, seq, S, call,
-                            zero_copy="a zero-copy result" if dst is None else None)
-        ts, stream = self.gpu.current_stream()
-        slot0, code = self.ag_dev, self.ag_code
-        slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
-        me = self.rank
-        src_p = CallPtr(src.data_ptr(), 0)
-        dst_ptr = 0 if dst is None else CallPtr(dst.data_ptr() + dst_off, 1)
-        res_me = 0 if dst is None else dst_ptr + me * dst_stride
-        out = (slot, S, self.world, L) if dst is None else (dst_ptr, dst_stride, self.world, L)
-        piece = piece_bounds(S, 0)[1]
-        dtab = self.direct_table(Op.AG, S)
-        engine = self.engines.choose(Op.AG, S, dtab)
-        if not engine.direct:
-            self.engines.proxy.all_gather(ts, stream, S, L, call, src_p, dst_ptr, dst_stride,
-                                          res_me, out, zero_copy=dst is None)
-            return
-        # GPU-direct: this rank's publish streams run on the GPU
-        nb = 1 if dst is None else min(self.slice_wait_blocks(S), self.max_direct_wait_blocks)
-        # The own block of the slot is only written when the result stays there (zero-copy):
-        # relays forward other origins' blocks, and no proxy reads it.
-        own_dst = slot + me * S if dst is None else 0
-        engine.run(DirectCall(
-            Op.AG, seq, ts, stream, S=S, L=L, call=call, first=first, kernel="sccl_ag_direct",
-            publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                     slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                     res_me),
-            consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-            wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
-            ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
-            ce_consume=(slot, dst_ptr, dst_stride), output=out))
+            cuda_calls.all_gather(self, seq, src, dst, dst_off, dst_stride, L, dtype, part)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -760,49 +607,7 @@ class CudaDataPlane(DataPlaneBase):
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
         with self.plans.planning(key, self.gpu.make_plan):
-            self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype, part)
-
-    def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
-                        dtype: torch.dtype, part) -> None:
-        S = round_up(L, ALIGN)
-        call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, S - L)))
-        first = self._begin(Op.RS, seq, S, call,
-                            zero_copy="a zero-copy input" if src is None else None)
-        ts, stream = self.gpu.current_stream()
-        W, me = self.world, self.rank
-        send0, recv0 = self.rs_send_dev, self.rs_recv_dev
-        scode, rcode = self.send_code, self.recv_code
-        send = Slotted(send0, 2, self.rs_send_stride, seq)  # (the host's view: mode ce)
-        recv = Slotted(recv0, 2, self.rs_recv_stride, seq)
-        dst_ptr = CallPtr(dst_p, 1)
-        piece = piece_bounds(S, 0)[1]
-        if src is not None:
-            base = CallPtr(src_p, 0)
-            own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
-        else:
-            base = None
-            own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-        dtab = self.direct_table(Op.RS, S)
-        engine = self.engines.choose(Op.RS, S, dtab)
-        if not engine.direct:
-            self.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
-                                              own_code, own_sys, dst_ptr, dtype)
-            return
-        # GPU-direct: chunks straight to the peers
-        sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
-                                         else (send0, scode, S, 1))
-        engine.run(DirectCall(
-            Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=_RS_DIRECT[dtype],
-            publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                     0, _n(0), 0),
-            consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-            wait_kernel=RS_WAIT[dtype], nb=min(self.slice_wait_blocks(S),
-                                               self.max_direct_wait_blocks),
-            npub=self.direct_blocks(piece * (W - 1)),
-            # A zero-copy input already lies in pinned memory: no copy engine for it.
-            ce_src=(base, src_stride) if src is not None else None, own=[],
-            sum_kernel=_RS_SUM_UNIT[dtype],
-            ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+            cuda_calls.reduce_scatter(self, seq, src, src_p, src_stride, L, dst_p, dtype, part)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -824,38 +629,14 @@ class CudaDataPlane(DataPlaneBase):
         if self._planned(key, Op.RS, seq, S, *args):
             return
         with self.plans.planning(key, self.gpu.make_plan):
-            self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
-                                                       for i, a in enumerate(args)))
-
-    def _finalize(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
-        """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
-        S, L = fin_slice(rows, 2 * f.H)
-        dtab = self.direct_table(Op.RS, S)
-        engine = self.engines.choose(Op.RS, S, dtab, finalize=True)
-        # The proxy path publishes per (row piece, destination); GPU-direct per piece.
-        entries = PIECES if engine.direct else PIECES * (self.world - 1)
-        call = call_word(Op.RS, torch.bfloat16, MOE_FINALIZE, S - L)
-        self._begin(Op.RS, seq, S, call, entries=entries)
-        ts, stream = self.gpu.current_stream()
-        own = self.scratch("finalize own", L).data_ptr()
-        if engine.direct:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, dtab)
-        else:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, entries)
+            cuda_calls.finalize(self, seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
+                                                                  for i, a in enumerate(args)))
 
     def check_finalize_inputs(self) -> None:
-        """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
-        was NaN; nothing was read out of bounds). Reads device memory: call after the
-        kernels finished."""
-        if not self._fin_used:
-            return
-        bad = self.fin_bad.cpu().tolist()
-        if bad[0]:
-            self.fin_bad.zero_()
-            t, k, p = bad[1], bad[2], bad[3]
-            raise ValueError(f"rank {self.rank}: moe_finalize_reduce_scatter: pos for token {t}, "
-                             f"k {k} was {p}, not a row of y "
-                             f"(0 <= pos < R); {bad[0]} such terms were NaN in the result")
+        """Raise ``ValueError`` if a finalize kernel met a bad ``pos`` (after the kernels
+        finished: reads device memory; :func:`.cuda_calls.check_finalize_inputs`)."""
+        if self._fin_used:
+            cuda_calls.check_finalize_inputs(self)
 
     # ---- completion and failure ------------------------------------------------------
     def synchronize(self) -> None:
@@ -913,25 +694,12 @@ class CudaDataPlane(DataPlaneBase):
 
     def check_status(self) -> None:
         """Raise if a kernel recorded a failure (no synchronization: reads the record)."""
-        code, source, word, piece, seq = self.gpu_status()
-        if not code:
-            return
-        op = self._ops.get(seq)
-        what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
-        if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
-            if self.nat.abort_code(self.ctl):
-                waited = "" if source == NO_SOURCE else f" (waiting for piece {piece} from rank {source})"
-                self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
-            if source == NO_SOURCE:
-                self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
-                          "already failed, or the wait ran past its timeout: for a peer's "
-                          "flag, or for space in the publish ring)", int(code))
-            self.fail(f"rank {self.rank}: {what} piece {piece}: the GPU wait saw abort code "
-                      f"{code}", int(code))
-        if word == NO_WORD or op is None:
-            self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
-                      f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
-        self._timed_out(what, piece, word, "; GPU wait")
+        if self._ctl_words[_GPU_STATUS_WORD]:
+            self.monitor.raise_record()
+
+    def op_of(self, seq: int) -> Op | None:
+        """The op of recent collective ``seq`` (for messages), if the host knows it."""
+        return self._ops.get(seq)
 
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
     def poison_call(self, out: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ results are never planned.
 A plan is stale when what its constants came from changes: the key is the collective's
 shape, and the data plane drops every plan (``invalidate``, which bumps ``generation``) when
 a setting its planning reads, its tables or its buffers change (a new value of a
-``_PlanSetting``, peer mappings, attach_rs, an outgrown scratch buffer, the first capture).
+``PlanSetting``, peer mappings, attach_rs, an outgrown scratch buffer, the first capture).
 """
 from __future__ import annotations
 
@@ -171,3 +171,31 @@ class PlanCache:
             if len(self.plans) >= self.limit:
                 self.plans.clear()
             self.plans[key] = (plan, entries, direct, call)
+
+
+class PlanSetting:
+    """A setting of the CUDA data plane the launch plans are made from (a descriptor;
+    benchmarks and tests change some): a new value drops the plans (the owner's ``plans``,
+    a :class:`PlanCache`), so that a plan's key is the collective's shape alone and a call
+    does not read every setting to build it."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_setting_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute "
+                                 f"{self.name!r}") from None
+
+    def __set__(self, obj, value):
+        d = obj.__dict__
+        if self.slot in d and d[self.slot] == value:
+            return
+        d[self.slot] = value
+        plans = d.get("plans")
+        if plans is not None:
+            plans.invalidate()
