@@ -112,6 +112,20 @@ def call_word(op: int, dtype: int, kind: int, pad: int) -> int:
             | pad << CALL_PAD_SHIFT)
 
 
+def pack_struct(prefix: str, fields: dict[str, int]) -> list[int]:
+    """The u64 words of a protocol.h argument block (namespace ``kargs``) whose field
+    offsets are the constants ``{prefix}_{FIELD}`` and whose size is ``{prefix}_BYTES``:
+    every field given once by name (``fields``: FIELD -> value), none left out."""
+    names = {k[len(prefix) + 1:]: v for k, v in _P.items()
+             if k.startswith(prefix + "_") and k != prefix + "_BYTES"}
+    if set(fields) != set(names):
+        raise ValueError(f"{prefix}: fields {sorted(fields)} are not {sorted(names)}")
+    words = [0] * (_P[prefix + "_BYTES"] // 8)
+    for name, value in fields.items():
+        words[names[name] // 8] = value
+    return words
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

@@ -215,13 +215,16 @@ class CudaDataPlane(DataPlaneBase):
         self.direct_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         self.timeout_ns = int(timeout_s * 1e9)
-        # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
-        self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
-                                self.ctl_dev + layout.CTL_GPU_STATUS,
-                                self.wait_table[int(op)].data_ptr(),
-                                self.parts_table[int(op)].data_ptr(), _n(self.maxw),
-                                self.state.data_ptr()) for op in Op}
-        self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
+        # The wait role's constants per op (protocol.h kargs::WaitParams; kernels/wait.cu
+        # WAIT_PARAMS takes a pointer to one; seq is read from the device state).
+        blocks = [layout.pack_struct("WP", dict(
+            FLAGS=self.flags_dev, ABORT_W=self.ctl_dev + layout.CTL_ABORT,
+            STATUS=self.ctl_dev + layout.CTL_GPU_STATUS,
+            WAITS=self.wait_table[int(op)].data_ptr(), PARTS=self.parts_table[int(op)].data_ptr(),
+            MAXW=self.maxw, STATE=self.state.data_ptr(), RANK=self.rank, WORLD=self.world,
+            TIMEOUT_NS=self.timeout_ns)) for op in Op]
+        self.wait_params = self.gpu.to_device(torch.tensor(blocks, dtype=torch.int64))
+        self._wait_block = {op: self.wait_params[int(op)].data_ptr() for op in Op}
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
         _u64(ctl_addr + CTL_GPU_ACK).value = 0
         _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
@@ -436,10 +439,11 @@ class CudaDataPlane(DataPlaneBase):
 
     # ---- launch helpers --------------------------------------------------------------
     def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
-        """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
-        collective's last and moves the device state on itself (kernels/common.cuh
-        last_block_advances), else (0, 0) and :meth:`finish` queues sccl_advance."""
-        return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
+        """WAIT_PARAMS: the op's WaitParams block, then advance = (ring entries, gate bumps)
+        when the kernel is the collective's last and moves the device state on itself
+        (kernels/common.cuh last_block_advances), else (0, 0) and :meth:`finish` queues
+        sccl_advance."""
+        return self._wait_block[op], _n(advance[0]), _n(advance[1])
 
     def publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)

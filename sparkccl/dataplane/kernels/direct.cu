@@ -61,7 +61,7 @@ __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u
   __threadfence_system();
   const u64 ns = dtab ? dtab[0] : 0;
   for (u64 s = 0; s < ns; ++s)
-    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM], seq * FLAG_STRIDE + c1 + 1);
+    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
   for (int c = c0; c <= c1; ++c)
     if (room & (1u << c)) st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
 }
@@ -82,13 +82,13 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
     piece_bounds(p.S, c, &lo, &hi);
     for (u64 s = 0; s < ns; ++s) {
       const u64* row = p.dtab + 1 + s * DT_STREAM;
-      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+      for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
         const u64* m = items + t * DT_ITEM;
         u64 a = lo, e = hi;
-        part_cut((u32)m[5], p.L, &a, &e);
+        part_cut((u32)m[DT_PART], p.L, &a, &e);
         if (e > a) {
-          u8* d = (u8*)m[1] + (p.seq % m[3]) * m[2] + m[4] * p.S + a;
-          copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
+          u8* d = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S + a;
+          copy_any(d, (u8*)0, p.src + m[DT_CHUNK] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
         }
       }
     }

@@ -257,14 +257,14 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
     piece_bounds(S, c, &lo, &hi);  // row pieces: rows_pad is a multiple of 8
     for (u64 s = 0; s < ns; ++s) {
       const u64* row = dtab + 1 + s * DT_STREAM;
-      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+      for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
         const u64* m = items + t * DT_ITEM;
         u64 x = lo, e = hi;
-        part_range((u32)m[5], &x, &e);
+        part_range((u32)m[DT_PART], &x, &e);
         if (e > L) e = L;  // padding rows are never read: not sent
         if (e <= x) continue;
-        u8* d = (u8*)m[1] + (seq % m[3]) * m[2] + m[4] * S;
-        const u64 tb = m[0] * Rr + row_lo;  // token row of chunk m[0]'s local row 0
+        u8* d = (u8*)m[DT_BASE] + (seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * S;
+        const u64 tb = m[DT_CHUNK] * Rr + row_lo;  // token row of the chunk's local row 0
         for (u64 off = x + 16 * tid; off < e; off += 16 * nthreads) {
           const u64 lr = off / RB;
           st16(d + off, fin_unit<FP8>(a, tb + lr, (off - lr * RB) / 16));
@@ -304,11 +304,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
     a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
     if (fp8)
-      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
-                               first_index, seq, call, counters, gate, blockIdx.x, (u32)npub);
+      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
+                               state, first_index, seq, call, counters, gate, blockIdx.x,
+                               (u32)npub);
     else
-      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
-                                first_index, seq, call, counters, gate, blockIdx.x, (u32)npub);
+      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
+                                state, first_index, seq, call, counters, gate, blockIdx.x,
+                                (u32)npub);
   } else {
     rs_wait<BF16>(recv, own, 0, dst, rows * 2 * H, rows_pad * 2 * H, w, blockIdx.x - (u32)npub,
                   gridDim.x - (u32)npub, gate, (u32)gate_target);

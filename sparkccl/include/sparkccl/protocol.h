@@ -235,6 +235,20 @@ constexpr int COUNTER_SETS = 4;         // publish counters are indexed by seq %
 constexpr int MAX_DIRECT = 32;          // GPU-executed streams per op (direct table)
 constexpr int DT_STREAM = 4;            // u64 per stream row of the direct table
 constexpr int DT_ITEM = 6;              // u64 per item row of the direct table
+// The direct table's rows (kernels/direct.cu; built by sparkccl/dataplane/direct_tables.py):
+// a stream row: its flag word at the peer (device pointer), its first item, its items;
+constexpr int DT_FLAG = 0;
+constexpr int DT_FIRST = 1;
+constexpr int DT_ITEMS = 2;
+// an item row: source chunk, the peer region's base (device pointer), slot stride, slots,
+// destination block, the part of each piece it carries (PART_*).
+constexpr int DT_CHUNK = 0;
+constexpr int DT_BASE = 1;
+constexpr int DT_STRIDE = 2;
+constexpr int DT_SLOTS = 3;
+constexpr int DT_BLOCK = 4;
+constexpr int DT_PART = 5;
+static_assert(DT_ITEMS < DT_STREAM && DT_PART < DT_ITEM, "direct table rows");
 constexpr int FIN_CLAIM = 256;          // finalize: item counters per set, then the claim counter
 constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
 // Slices of at most this many bytes go in one hand-off: the GPU-direct publish writes every
@@ -281,4 +295,59 @@ constexpr int SLOT_SHIFT = 56;
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu
+
+// ---------------------------------------------------------------- CUDA kernel arguments
+// Argument blocks the host builds once and the kernels read, declared here once: the host
+// (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
+// static_asserts tie the offsets to the struct the kernels compile. (The publish roles'
+// parameters stay positional: they carry the call's own pointers, which the native
+// LaunchPlan patches per call as parameters; in a block in device memory each call would
+// need a copy to the device first, in a block by value the replay a patch at a byte offset.)
+namespace kargs {
+
+// The wait role's constants, one block per data plane and op (AG, RS), in device memory,
+// written once at creation. Every kernel with a wait role takes `const WaitParams* wp`
+// (kernels/wait.cu WAIT_PARAMS) and reads it once per block, plus the two values that
+// differ per launch (adv_entries, adv_gate: last_block_advances) as scalars.
+// A pointer rather than the struct by value: the block never changes while the plane lives,
+// so a CUDA graph's kernel nodes replay it as they are, and every launch passes one 8-byte
+// parameter instead of 80 bytes that the native LaunchPlan, mode ce's OpProgram and the
+// emulation would copy per call (they pass u64 parameters); it costs one L2-cached load per
+// block at its start.
+struct WaitParams {
+  pu64 flags;       // the flag words (device pointer of the pinned control segment's)
+  pu64 abort_w;     // the abort word
+  pu64 status;      // the GPU failure record (CTL_GPU_STATUS ..)
+  pu64 waits;       // int32 wait table of the op: flag words per (source, k)
+  pu64 parts;       // int32 part table of the op: the part of a piece each word carries
+  pu64 maxw;        // wait words per source
+  pu64 state;       // the device state (STATE_*)
+  pu64 rank, world;
+  pu64 timeout_ns;  // the waits' timeout on the GPU clock
+};
+constexpr pu64 WP_FLAGS = 0;
+constexpr pu64 WP_ABORT_W = 8;
+constexpr pu64 WP_STATUS = 16;
+constexpr pu64 WP_WAITS = 24;
+constexpr pu64 WP_PARTS = 32;
+constexpr pu64 WP_MAXW = 40;
+constexpr pu64 WP_STATE = 48;
+constexpr pu64 WP_RANK = 56;
+constexpr pu64 WP_WORLD = 64;
+constexpr pu64 WP_TIMEOUT_NS = 72;
+constexpr pu64 WP_BYTES = 80;
+static_assert(__builtin_offsetof(WaitParams, flags) == WP_FLAGS &&
+                  __builtin_offsetof(WaitParams, abort_w) == WP_ABORT_W &&
+                  __builtin_offsetof(WaitParams, status) == WP_STATUS &&
+                  __builtin_offsetof(WaitParams, waits) == WP_WAITS &&
+                  __builtin_offsetof(WaitParams, parts) == WP_PARTS &&
+                  __builtin_offsetof(WaitParams, maxw) == WP_MAXW &&
+                  __builtin_offsetof(WaitParams, state) == WP_STATE &&
+                  __builtin_offsetof(WaitParams, rank) == WP_RANK &&
+                  __builtin_offsetof(WaitParams, world) == WP_WORLD &&
+                  __builtin_offsetof(WaitParams, timeout_ns) == WP_TIMEOUT_NS &&
+                  sizeof(WaitParams) == WP_BYTES,
+              "WaitParams offsets (sparkccl/layout.py pack_struct writes them)");
+
+}  // namespace kargs
 }  // namespace sparkccl
