@@ -133,7 +133,7 @@ class Communicator:
                 raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda":
-            from .dataplane import cuda as _cuda
+            from .dataplane import cuda_runtime as _cuda
             _cuda.check_available(dev)  # a clear error on every rank, before the bootstrap
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())

@@ -39,12 +39,15 @@ import torch
 from sparkccl import layout as L
 from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan import geometry as G
+from sparkccl import config
+from sparkccl.plan import waits as PW
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
+from sparkccl.dataplane import cuda_runtime, nvrtc  # noqa: E402
 from sparkccl.dataplane import ce_engine as E  # noqa: E402
 from sparkccl.dataplane import monitor as M  # noqa: E402
 from sparkccl.dataplane.device import Device  # noqa: E402
@@ -76,15 +79,15 @@ def emu_lib():
     global _emu_lib
     with _emu_lock:
         if _emu_lib is None:
-            kernels = Path(C.nvrtc.KERNELS_CU).resolve()
-            srcs = [*C.nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
+            kernels = Path(nvrtc.KERNELS_CU).resolve()
+            srcs = [*nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
             h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
             out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sparkccl-emu-{os.getuid()}-{h}.so"
             if not out.exists():
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
                        "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
-                       *(f"-I{d}" for d in C.nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
+                       *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
                        str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 assert r.returncode == 0, f"building the kernel emulation failed:\n{r.stderr}"
@@ -310,7 +313,7 @@ class EmuDevice(Device):
 
     def new_program(self, kernels, patches, rows):
         table = [(k + 1, block, ps) for k, (_, block, ps) in enumerate(kernels)]
-        return EmuProgram(N.OpProgram(1, C.N_TERMS, table, patches, rows),
+        return EmuProgram(N.OpProgram(1, E.N_TERMS, table, patches, rows),
                           [name for name, _, _ in kernels])
 
     def run_program(self, program, terms, ts):
@@ -327,22 +330,22 @@ class EmuDevice(Device):
         for k in (5 * i for i in order):
             kind, st, a, b, c = ops[k:k + 5]
             stream = self.streams[st]
-            if kind == C.OP_COPY:
+            if kind == E.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
-            elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
+            elif kind == E.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
-            elif kind == C.OP_RECORD:
+            elif kind == E.OP_RECORD:
                 if a == EMU_DONE_EVENT:
                     done = stream.record()
                 else:
                     self.events[a] = stream.record()
-            elif kind == C.OP_WAIT_EVENT:
+            elif kind == E.OP_WAIT_EVENT:
                 stream.wait_event(self.events[a])
-            elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
+            elif kind == E.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
                 stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
                            or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
-                assert kind == C.OP_LAUNCH, kind
+                assert kind == E.OP_LAUNCH, kind
                 if program.names[a] not in self.emu_skip:
                     self.emu_launched.append(program.names[a])
                     stream.submit(program.names[a], c, [b, *params[a][1:]])
@@ -732,7 +735,7 @@ def test_back_to_back_without_sync(backend):
 
 
 # The proxy path (None) and every GPU-direct mode.
-WAIT_MODES = [None, *C.DIRECT_MODES]
+WAIT_MODES = [None, *config.DIRECT_ENGINES]
 
 
 def _skip_trapping_ce(backend: str, mode: str | None) -> None:
@@ -894,8 +897,8 @@ def test_piece_bounds_kernel_matches_geometry(backend):
         dev_out = be.to_dev(torch.zeros(len(sizes) * G.PIECES * 2, dtype=torch.int64))
         with be.on(0):
             if backend == "cuda":
-                k = C.kernels_for(be.device.index)["sccl_piece_bounds"]
-                cc = C.nvrtc.import_cuda_core()
+                k = cuda_runtime.kernels_for(be.device.index)["sccl_piece_bounds"]
+                cc = nvrtc.import_cuda_core()
                 s = cc.Stream.from_handle(int(torch.cuda.current_stream().cuda_stream))
                 with torch.cuda.device(be.device):
                     cc.launch(s, cc.LaunchConfig(grid=4, block=128), k, dev_in.data_ptr(),
@@ -960,7 +963,7 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", C.DIRECT_MODES)
+@pytest.mark.parametrize("mode", config.DIRECT_ENGINES)
 @pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
 def test_direct_exact(backend, topology, world, roots, mode):
     """The data planes execute the publish-triggered streams themselves (writes into the
@@ -1083,13 +1086,13 @@ def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
             # the fork's event wait; per piece the batch of its copies (one per item) and
             # the batch of its flags (one per publish stream) and tag; the join's record
             copies = sum(1 for k in range(0, len(ops), 5)
-                         if ops[k + 1] == side and ops[k] == C.OP_COPY) // C.PIECES
+                         if ops[k + 1] == side and ops[k] == E.OP_COPY) // G.PIECES
             values = sum(1 for k in range(0, len(ops), 5)
-                         if ops[k + 1] == side and ops[k] == C.OP_WRITE64) // C.PIECES
+                         if ops[k + 1] == side and ops[k] == E.OP_WRITE64) // G.PIECES
             assert copies >= 2 and values >= 3, (copies, values)
-            piece = [(C.OP_COPY, 1, copies), (C.OP_WRITE64, 2, values)]
-            assert kinds == ([(C.OP_WAIT_EVENT, 0, 1)] + piece * C.PIECES
-                             + [(C.OP_RECORD, 0, 1)]), kinds
+            piece = [(E.OP_COPY, 1, copies), (E.OP_WRITE64, 2, values)]
+            assert kinds == ([(E.OP_WAIT_EVENT, 0, 1)] + piece * G.PIECES
+                             + [(E.OP_RECORD, 0, 1)]), kinds
 
 
 def test_ce_keeps_a_sum_whose_word_no_source_sends():
@@ -1101,11 +1104,11 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         W, maxw = dp.world, dp.maxw
         waits = [[-1] * maxw for _ in range(W)]
         waits[1][0] = 7  # source 1 sends word 0 only
-        parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
-        parts[1][0] = C.PART_WHOLE
-        parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
+        parts = [[PW.PART_NONE] * maxw for _ in range(W + 1)]
+        parts[1][0] = PW.PART_WHOLE
+        parts[W][maxw - 1] = PW.PART_WHOLE  # the sum after the last word
         ce = dp.engines.ce
-        ce.words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
+        ce.words = {C.Op.RS: PW.ce_words(waits, parts, dp.rank, reduce=True)}
         rows, launches = [], []
 
         def row(kind, st, a=(0, E.T_ZERO, 0), b=(0, E.T_ZERO, 0), c=0):
@@ -1116,7 +1119,7 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         units = ce._pieces(C.Op.RS, 4096, 4096, 0, None, ce.words[C.Op.RS])[1][0]
         ce._receive_rows(row, launch, units, (0, 0, 0, 0),
                             ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
-        waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
+        waits = [b for kind, st, a, b, c in rows if kind == E.OP_WAIT_VALUE]
         # the progress word of unit (0, k): seq * PROG_STRIDE (term T_PROG) + (k + 1) * W
         unit_done = [((k + 1) * W, E.T_PROG, 1) for k in range(maxw)]
         assert waits == [unit_done[0], unit_done[maxw - 1]], waits  # word 0, the summing word

@@ -41,20 +41,14 @@ from .. import config, layout
 from ..errors import CollectiveError, ConfigError
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
-from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
-                          wait_parts, wait_table)
-
-DIRECT_MODES = config.DIRECT_ENGINES
+from ..plan.waits import max_wait_words, wait_parts, wait_table
 from . import clock
-from . import nvrtc  # noqa: F401 - (tests reach the kernels' sources through it)
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
-from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
-                        OP_WRITE64, PROG_STRIDE, CePlan)
+from .ce_engine import CePlan
 from .engine_choice import Engines, direct_blocks_setting
 from .engines import RS_WAIT
-from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
-                           host_device_pointer, kernels_for, register_host, unregister_host)
+from .cuda_runtime import AlreadyRegistered
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
 from .device import CudaDevice, Device
@@ -90,10 +84,6 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 # each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
 MAX_WAIT_BLOCKS = 32
 
-__all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "register_host",
-           "unregister_host", "host_device_pointer", "device_view", "part_code", "PART_NONE",
-           "PART_WHOLE", "ce_words", "wait_parts", "OP_COPY", "OP_WRITE64", "OP_LAUNCH",
-           "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES", "N_TERMS"]
 
 
 # ---------------------------------------------------------------- the data plane
