@@ -23,7 +23,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sparkccl.dataplane.cuda import DIRECT_MODES  # noqa: E402
+from sparkccl.config import DIRECT_ENGINES as DIRECT_MODES  # noqa: E402
 from tests.test_cuda_dataplane import World  # noqa: E402  (the in-process world of the tests)
 
 

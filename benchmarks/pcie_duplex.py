@@ -46,7 +46,7 @@ import statistics
 
 import torch
 
-from sparkccl.dataplane import cuda as C
+from sparkccl.dataplane import cuda_runtime as CR
 
 
 def host_buffer(nbytes: int, backing: str = "anon"):
@@ -136,11 +136,11 @@ class Rig:
             for name in ("w", "r"):  # w: written by the GPU, r: read by the GPU
                 mm, t = host_buffer(host + (2 << 20), backing)
                 self.keep.append(mm)
-                d = C.register_host(t.data_ptr(), host + (2 << 20))
+                d = CR.register_host(t.data_ptr(), host + (2 << 20))
                 self.hosts[name] = t.data_ptr()
                 self.pinned.append(t.data_ptr())
-                self.views[name] = C.device_view(d, host, dev)
-            self.flag = C.device_view(C.host_device_pointer(self.hosts["w"]) + host, 8, dev)
+                self.views[name] = CR.device_view(d, host, dev)
+            self.flag = CR.device_view(CR.host_device_pointer(self.hosts["w"]) + host, 8, dev)
             ctypes.c_uint64.from_address(self.hosts["w"] + host).value = 0  # (filled with 1s)
             self.src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
             self.dst = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -259,7 +259,7 @@ class Rig:
     def close(self):
         torch.cuda.synchronize(self.dev)
         for h in self.pinned:
-            C.unregister_host(h)
+            CR.unregister_host(h)
 
 
 def run(rigs, w, r, gated: bool = True) -> float:
@@ -272,7 +272,7 @@ def run(rigs, w, r, gated: bool = True) -> float:
     gate_host = rigs[0].hosts["w"] + (rigs[0].ring or rigs[0].n) + 64
     gate = ctypes.c_uint32.from_address(gate_host)
     gate.value = 0 if gated else 1
-    gate_dev = C.host_device_pointer(gate_host)
+    gate_dev = CR.host_device_pointer(gate_host)
     events = [rig.launch(w, r, gate_dev) for rig in rigs]
     gate.value = 1
     for _, end in events:

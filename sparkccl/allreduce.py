@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
+from .dataplane.peer_check import ALL_REDUCE_AVG, ALL_REDUCE_SUM
 from .plan.geometry import ALIGN, round_up
 
 OPS = ("sum", "avg")
@@ -111,13 +112,17 @@ def _two_collectives(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> 
     buf[:n].copy_(flat)
     if total > n:
         buf[n:].zero_()  # its sums are computed and dropped
-    chunk = comm.reduce_scatter(buf)
+    # The peers compare each step with theirs as a part of this all-reduce (its op, the
+    # caller's size): a sum beside an average, or sizes that pad to one chunk, fail.
+    kind = ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM
+    chunk = comm.reduce_scatter(buf, part_of=(kind, n * work.itemsize))
     if avg:
         chunk = divide(chunk, W).to(dst.dtype)
+    part = (kind, n * dst.dtype.itemsize)
     if total == n:
-        comm.all_gather(chunk, out=dst)
+        comm.all_gather(chunk, out=dst, part_of=part)
     else:
-        dst.copy_(comm.all_gather(chunk)[:n])
+        dst.copy_(comm.all_gather(chunk, part_of=part)[:n])
 
 
 def padded(n: int, world: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -125,6 +130,15 @@ def padded(n: int, world: int, dtype: torch.dtype) -> tuple[int, int]:
     multiple of 16 bytes: the two-step regime's shape (the fused operation's chunks)."""
     total = round_up(n, world * (ALIGN // dtype.itemsize))
     return total, total // world * dtype.itemsize
+
+
+def zero_bytes(nbytes: int, chunk: int, world: int, off: int, L: int) -> int:
+    """The zero bytes one collective of the fused operation carries (its ring entries say
+    it, docs/PROTOCOL.md "Publish ring"): the caller's ``nbytes`` padded to
+    ``world`` chunks of ``chunk`` bytes, of which the collective moves ``[off, off + L)``
+    of every chunk."""
+    return sum(max(0, min(j * chunk + off + L, world * chunk) - max(j * chunk + off, nbytes))
+               for j in range(world))
 
 
 def rank_order_sum(parts: list, avg: bool, dst: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ import torch
 
 # What the reductions (reduce-scatter, all-reduce, their torch and engine routes) take.
 REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_COLS = 128  # e4m3 values carry one fp32 scale per row and 128 columns
 
 
 def usable(x, device: torch.device) -> bool:
@@ -43,3 +44,27 @@ def out(t, device: torch.device, what: str, shape: tuple, dtype: torch.dtype) ->
         raise ValueError(f"{what}: out must have shape {list(shape)} and dtype {dtype}, got "
                          f"{list(t.shape)} {t.dtype}")
     return t
+
+
+def scales(t, fp8: bool, rows: int, H: int, what: str, name: str, values: str,
+           shape: str) -> None:
+    """The fp32 scales ``t`` (argument ``name``) of ``rows`` x ``H`` e4m3 ``values`` (the
+    MoE finalize's y, the EP dispatch's tokens): one per row and SCALE_COLS columns, shape
+    ``[rows, H / 128]`` (named ``[shape / 128]`` in the messages); None where the values
+    are bf16 (``fp8`` False)."""
+    if not fp8:
+        if t is not None:
+            raise ValueError(f"{what}: {name} is only for e4m3 {values}; these are bf16, pass "
+                             f"{name}=None")
+        return
+    if t is None:
+        raise ValueError(f"{what}: e4m3 {values} need {name} (fp32 [{shape} / {SCALE_COLS}], "
+                         f"one scale per row and {SCALE_COLS} columns)")
+    if H % SCALE_COLS:
+        raise ValueError(f"{what}: with {name} the hidden size H = {H} must be a multiple of "
+                         f"{SCALE_COLS}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{what}: {name} must be torch.float32, got {t.dtype}")
+    if tuple(t.shape) != (rows, H // SCALE_COLS):
+        raise ValueError(f"{what}: {name} must be [{shape} / {SCALE_COLS}] = "
+                         f"[{rows}, {H // SCALE_COLS}], got {list(t.shape)}")

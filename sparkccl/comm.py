@@ -133,7 +133,7 @@ class Communicator:
                 raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
         dev = torch.device("cpu" if device is None else device)
         if dev.type == "cuda":
-            from .dataplane import cuda as _cuda
+            from .dataplane import cuda_runtime as _cuda
             _cuda.check_available(dev)  # a clear error on every rank, before the bootstrap
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
@@ -309,6 +309,14 @@ class Communicator:
                                   f"and cannot be used any more (create a new one): {text}",
                                   rank=self.rank, cause=text)
 
+    def _part(self, part_of, chunk: int, off: int, L: int):
+        """(kind, zero bytes) of one collective of an all-reduce's step (``part_of``: kind
+        and the caller's bytes), or None."""
+        if part_of is None:
+            return None
+        kind, nbytes = part_of
+        return kind, _allreduce.zero_bytes(nbytes, chunk, self.world_size, off, L)
+
     def _next_seq(self) -> int:
         s = self.seq
         self.seq += 1
@@ -316,7 +324,8 @@ class Communicator:
 
     # ---- collectives -----------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
-                   zero_copy: bool = False) -> torch.Tensor:
+                   zero_copy: bool = False,
+                   part_of: tuple[int, int] | None = None) -> torch.Tensor:
         """Gather every rank's ``x`` (any dtype and shape, contiguous, same on every rank).
 
         Returns ``[world * x.shape[0], *x.shape[1:]]`` (a 0-dim ``x`` counts as shape
@@ -327,6 +336,10 @@ class Communicator:
         slot instead of copying into device memory, valid while the next two collectives
         of any kind are issued (the third reuses the slot: docs/CONTRACT.md). Only when the slice is a multiple of 16 bytes and fits one slot,
         and not in or after a CUDA graph capture (otherwise a fresh tensor as usual).
+
+        ``part_of``: (kind, the caller's bytes) of the all-reduce this all-gather is the
+        second step of (:mod:`sparkccl.allreduce`): what the peers compare
+        (docs/PROTOCOL.md "Publish ring").
         """
         # (The checks are written for the call that passes them, without a helper call
         # each: checks.usable reads each tensor property once; the helpers say what failed.)
@@ -344,7 +357,8 @@ class Communicator:
             with self._lock:
                 self._check_alive(what)
                 seq = self._next_seq()
-                self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0)
+                self._dp.all_gather(seq, x.detach().reshape(-1).view(torch.uint8), None, 0, 0,
+                                    x.dtype, self._part(part_of, n, 0, n))
                 view = self._dp.ag_slot(seq, self.world_size * n)
             return view.view(x.dtype).view(out_shape)
         out = checks.out(out, device, what, out_shape, x.dtype)
@@ -358,22 +372,25 @@ class Communicator:
             dp = self._typed_dp
             if dp is not None and n <= self.max_slice:
                 # One collective, and the plane counts bytes itself: no views per call.
-                dp.all_gather(self._next_seq(), x, out, 0, n)
+                dp.all_gather(self._next_seq(), x, out, 0, n,
+                              part=None if part_of is None else self._part(part_of, n, 0, n))
                 return out
             src = x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
             for off in range(0, n, self.max_slice):
                 L = min(self.max_slice, n - off)
-                self._dp.all_gather(self._next_seq(), src[off:off + L], dst, off, n)
+                self._dp.all_gather(self._next_seq(), src[off:off + L], dst, off, n, x.dtype,
+                                    self._part(part_of, n, off, L))
             if n > self.max_slice:
                 self._dp.poison_call(out)
         return out
 
-    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
+                       part_of: tuple[int, int] | None = None) -> torch.Tensor:
         """Sum ``x`` (``[world * m, ...]``, bf16 / fp16 / fp32) over ranks; return chunk
         ``rank`` (``[m, ...]``) of the sum, taken in fp32 in rank order 0..world-1 and
         rounded once to ``x.dtype``. If ``x`` came from :meth:`reduce_scatter_input`, the
-        input copy is skipped."""
+        input copy is skipped. ``part_of``: as in :meth:`all_gather` (the first step)."""
         what = "reduce_scatter"  # (checks written as in all_gather)
         if self._closed:
             self.check_open(what)
@@ -411,15 +428,17 @@ class Communicator:
                 dst = out  # the plane counts bytes itself: no views per call
             else:
                 dst = out.detach().reshape(-1).view(torch.uint8)
+            part = None if part_of is None else self._part(part_of, chunk, 0, chunk)
             if handout is not None and handout == self.seq % RS_SLOTS:
-                dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, dtype)
+                dp.reduce_scatter(self._next_seq(), None, 0, chunk, chunk, dst, 0, dtype, part)
             elif dst is out:
-                dp.reduce_scatter(self._next_seq(), x, 0, chunk, chunk, out, 0, dtype)
+                dp.reduce_scatter(self._next_seq(), x, 0, chunk, chunk, out, 0, dtype, part)
             else:
                 src = x.detach().reshape(-1).view(torch.uint8)
                 for off in range(0, chunk, self.max_slice):
                     L = min(self.max_slice, chunk - off)
-                    dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off, dtype)
+                    dp.reduce_scatter(self._next_seq(), src, off, chunk, L, dst, off, dtype,
+                                      self._part(part_of, chunk, off, L))
                 if chunk > self.max_slice:
                     dp.poison_call(out)
             self._rs_count += 1
@@ -471,7 +490,8 @@ class Communicator:
                 buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
                 buf[:n].copy_(flat)
                 buf[n:].zero_()  # its sums are computed and dropped
-                dp.all_reduce(self._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg)
+                dp.all_reduce(self._next_seq(), None, 0, chunk, chunk, res, 0, chunk, dtype, avg,
+                              _allreduce.zero_bytes(flat.nbytes, chunk, W, 0, chunk))
             else:
                 src = flat
                 if total > n:
@@ -480,7 +500,7 @@ class Communicator:
                 for off in range(0, chunk, self.max_slice):
                     L = min(self.max_slice, chunk - off)
                     dp.all_reduce(self._next_seq(), src, off, chunk, L, res, off, chunk, dtype,
-                                  avg)
+                                  avg, _allreduce.zero_bytes(flat.nbytes, chunk, W, off, L))
                 dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
             # The send slot was overwritten: a reduce_scatter_input() buffer handed out
             # before is no longer the next reduce-scatter's (reduce_scatter refuses it).

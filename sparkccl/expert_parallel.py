@@ -287,17 +287,7 @@ class ExpertParallel:
         if tuple(topk_weights.shape) != (n, K):
             raise ValueError(f"{what}: topk_weights must be [n, topk] = [{n}, {K}], got "
                              f"{list(topk_weights.shape)}")
-        if self.fp8:
-            if x_scales is None:
-                raise ValueError(f"{what}: e4m3 tokens need x_scales (fp32 [n, hidden / 128])")
-            if x_scales.dtype != torch.float32:
-                raise TypeError(f"{what}: x_scales must be torch.float32, got {x_scales.dtype}")
-            if tuple(x_scales.shape) != (n, H // SCALE_COLS):
-                raise ValueError(f"{what}: x_scales must be [n, hidden / 128] = "
-                                 f"[{n}, {H // SCALE_COLS}], got {list(x_scales.shape)}")
-        elif x_scales is not None:
-            raise ValueError(f"{what}: x_scales is only for e4m3 tokens; this ExpertParallel "
-                             "dispatches bf16, pass x_scales=None")
+        checks.scales(x_scales, self.fp8, n, H, what, "x_scales", "tokens", "n, hidden")
         if n and not self._device_checks:
             self._check_routing(topk_idx, what)
         return n, K

@@ -22,7 +22,7 @@ from . import checks
 
 MAX_TOPK = 16
 MIN_ROWS_PER_RANK = 8  # one row per piece at least
-SCALE_COLS = 128  # one e4m3 scale per (row, 128 columns)
+SCALE_COLS = checks.SCALE_COLS  # one e4m3 scale per (row, 128 columns)
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 Y_DTYPES = tuple(d for d in (torch.bfloat16, _FP8, torch.uint8) if d is not None)
@@ -96,21 +96,7 @@ def check_inputs(comm, what: str, y, pos, weights, shared, num_tokens, padded_to
     if H <= 0 or H % 8:
         raise ValueError(f"{what}: the hidden size H = {H} (y.shape[1]) must be a positive "
                          "multiple of 8")
-    if fp8:
-        if y_scales is None:
-            raise ValueError(f"{what}: e4m3 y ({y.dtype}) needs y_scales (fp32 [R, H / 128], one "
-                             "scale per row and 128 columns)")
-        if H % SCALE_COLS:
-            raise ValueError(f"{what}: with y_scales the hidden size H = {H} must be a multiple "
-                             f"of {SCALE_COLS}")
-        if y_scales.dtype != torch.float32:
-            raise TypeError(f"{what}: y_scales must be torch.float32, got {y_scales.dtype}")
-        if tuple(y_scales.shape) != (R, H // SCALE_COLS):
-            raise ValueError(f"{what}: y_scales must have shape [R, H / 128] = "
-                             f"[{R}, {H // SCALE_COLS}], got {list(y_scales.shape)}")
-    elif y_scales is not None:
-        raise ValueError(f"{what}: y_scales is only for e4m3 y (torch.float8_e4m3fn or uint8 "
-                         "bytes); y is bf16, pass y_scales=None")
+    checks.scales(y_scales, fp8, R, H, what, "y_scales", f"y ({y.dtype}) values", "R, H")
 
     if shared.dtype != torch.bfloat16:
         raise TypeError(f"{what}: shared must be torch.bfloat16, got {shared.dtype}")

@@ -87,7 +87,14 @@ ENT_SLICE = _P["ENT_SLICE"]
 ENT_LO = _P["ENT_LO"]
 ENT_HI = _P["ENT_HI"]
 ENT_OP = _P["ENT_OP"]
+ENT_DTYPE = _P["ENT_DTYPE"]
+ENT_KIND = _P["ENT_KIND"]
 ENT_PIECE = _P["ENT_PIECE"]
+ENT_PAD = _P["ENT_PAD"]
+CALL_DTYPE_SHIFT = _P["CALL_DTYPE_SHIFT"]
+CALL_KIND_SHIFT = _P["CALL_KIND_SHIFT"]
+CALL_PIECE_SHIFT = _P["CALL_PIECE_SHIFT"]
+CALL_PAD_SHIFT = _P["CALL_PAD_SHIFT"]
 ENT_CHUNK = _P["ENT_CHUNK"]
 ENT_GRANULE = _P["ENT_GRANULE"]
 ENT_PUBLISH_NS = _P["ENT_PUBLISH_NS"]
@@ -96,6 +103,27 @@ CHUNK_DIRECT = _P["CHUNK_DIRECT"]
 
 FLAGS_OFFSET = _P["FLAGS_OFFSET"]
 FLAG_BYTES = _P["FLAG_BYTES"]
+
+
+def call_word(op: int, dtype: int, kind: int, pad: int) -> int:
+    """The call word of a publish entry (the u64 at ENT_OP; protocol.h ``call_word``), piece
+    0: op, dtype code, collective kind and padding."""
+    return (op | dtype << CALL_DTYPE_SHIFT | kind << CALL_KIND_SHIFT
+            | pad << CALL_PAD_SHIFT)
+
+
+def pack_struct(prefix: str, fields: dict[str, int]) -> list[int]:
+    """The u64 words of a protocol.h argument block (namespace ``kargs``) whose field
+    offsets are the constants ``{prefix}_{FIELD}`` and whose size is ``{prefix}_BYTES``:
+    every field given once by name (``fields``: FIELD -> value), none left out."""
+    names = {k[len(prefix) + 1:]: v for k, v in _P.items()
+             if k.startswith(prefix + "_") and k != prefix + "_BYTES"}
+    if set(fields) != set(names):
+        raise ValueError(f"{prefix}: fields {sorted(fields)} are not {sorted(names)}")
+    words = [0] * (_P[prefix + "_BYTES"] // 8)
+    for name, value in fields.items():
+        words[names[name] // 8] = value
+    return words
 
 
 def _round_up(x: int, m: int) -> int:

@@ -9,9 +9,10 @@ HashStore (the shm transport works within one process), so a case costs no proce
   strides, devices, finalize indices and sizes, reduce_scatter_input) -> ``(label, call,
   expected exception types)``. :func:`refused` checks it raised one of them and that nothing
   was sent (the sequence number and the proxy's ring entries unchanged).
-* :func:`mismatches`: what each rank of a world of two calls, differing in size, dtype or
-  collective -> :func:`run_mismatch` checks every rank raised CollectiveError (naming both
-  sizes where the sizes differ) within the timeout, or got exact results (same bytes).
+* :func:`mismatches`: what each rank of a world of two calls, differing in size (also sizes
+  that pad to the same 16 bytes), dtype (also of one width) or collective ->
+  :func:`run_mismatch` checks every rank raised CollectiveError within the timeout, naming
+  both calls' exact bytes and dtypes where the collective is the same.
 """
 from __future__ import annotations
 
@@ -274,17 +275,27 @@ def healthy(comms, seed: int) -> str | None:
 
 @st.composite
 def mismatches(draw):
-    """Per rank (op, rows, cols, dtype): the ranks differ in size, dtype or collective."""
-    op0 = draw(st.sampled_from(("ag", "rs")))
-    rows, cols = W * draw(st.integers(1, 64)), draw(st.integers(1, 64))
+    """Per rank (op, rows, cols, dtype): the ranks differ in size (``padding``: sizes that
+    pad to the same 16 bytes), dtype (of one width or not) or collective. ``ar`` is an
+    all-reduce in the two-step regime (the fused operation where the plane has it)."""
+    op0 = draw(st.sampled_from(("ag", "rs", "ar")))
     dtype = draw(st.sampled_from(RS_OK))
+    rows, cols = W * draw(st.integers(1, 64)), draw(st.integers(1, 64))
     a = (op0, rows, cols, dtype)
-    sub = draw(st.sampled_from(("size", "collective", "dtype")))
+    sub = draw(st.sampled_from(("size", "padding", "collective", "dtype")))
     if sub == "size":
         rows2 = W * draw(st.integers(1, 64).filter(lambda k: W * k * cols != rows * cols))
         b = (op0, rows2, cols, dtype)
+    elif sub == "padding":  # one row per rank (rs: per chunk), columns within one 16 bytes
+        per16 = 16 // dtype.itemsize
+        base = per16 * draw(st.integers(0, 8))
+        c1, c2 = draw(st.lists(st.integers(1, per16), min_size=2, max_size=2, unique=True)) \
+            if per16 > 1 else (1, 2)
+        r = W if op0 == "rs" else 1
+        a, b = (op0, r, base + c1, dtype), (op0, r, base + c2, dtype)
     elif sub == "collective":
-        b = ("rs" if op0 == "ag" else "ag", rows, cols, dtype)
+        b = (draw(st.sampled_from([o for o in ("ag", "rs", "ar") if o != op0])), rows, cols,
+             dtype)
     else:
         b = (op0, rows, cols, draw(st.sampled_from([d for d in RS_OK if d != dtype])))
     ranks = [a, b] if draw(st.booleans()) else [b, a]
@@ -294,38 +305,30 @@ def mismatches(draw):
 def _issue(comm, spec, seed):
     op, rows, cols, dtype = spec
     x = make_input(seed, comm.rank, (rows, cols), dtype)
-    return (comm.all_gather(x) if op == "ag" else comm.reduce_scatter(x)), x
+    if op == "ag":
+        return comm.all_gather(x), x
+    if op == "rs":
+        return comm.reduce_scatter(x), x
+    return comm.all_reduce(x, regime="two_step"), x
 
 
-UNDETECTED = "undetected: a reduce-scatter in dtypes of one width (bf16 / fp16) on the ranks"
+def said(spec) -> str:
+    """What a rank's call is named in the error: its exact bytes (per rank, or in all for an
+    all-reduce) and dtype."""
+    op, rows, cols, dtype = spec
+    n = rows * cols * dtype.itemsize // (W if op == "rs" else 1)
+    return f"{n} bytes of {str(dtype).replace('torch.', '')}"
 
 
 def run_mismatch(sub: str, specs: list, seed: int, timeout_s: float = 2.0) -> str | None:
-    """Every rank raises CollectiveError (naming both byte sizes when they differ) within
-    the timeout + 1 s, or, when the bytes on the wire agree (a dtype of the same width),
-    every rank gets exactly what its peers sent. -> None, or the problem."""
+    """Every rank raises CollectiveError within the timeout + 1 s, naming both calls (their
+    exact bytes and dtypes) where the ranks made the same collective. -> None, or the
+    problem."""
     comms = world(len(specs), timeout_s)
     try:
         t0 = time.monotonic()
         res = on_threads([lambda c=c, s=s: _issue(c, s, seed) for c, s in zip(comms, specs)])
         took = time.monotonic() - t0
-        sizes = [-(-(s[1] * s[2] * s[3].itemsize // (W if s[0] == "rs" else 1)) // 16) * 16
-                 for s in specs]  # bytes per rank as the error names them (padded to 16)
-        errs = [r for r in res if isinstance(r, BaseException)]
-        if not errs and sub == "dtype" and sizes[0] == sizes[1] and specs[0][0] == "rs":
-            # bf16 on one rank, fp16 on the other: the same bytes per rank, and the publish
-            # entries carry no dtype, so nothing can tell (a known limit, counted apart)
-            return UNDETECTED
-        if not errs and sub == "dtype" and sizes[0] == sizes[1] and specs[0][0] == "ag":
-            # the same bytes, typed differently on each rank: an all-gather moves bytes, so
-            # each rank must hold every rank's exact bytes
-            xs = [r[1] for r in res]
-            for r, (y, _) in enumerate(res):
-                want = np.concatenate([x.contiguous().view(torch.uint8).numpy().ravel()
-                                       for x in xs])
-                if not np.array_equal(y.contiguous().view(torch.uint8).numpy().ravel(), want):
-                    return f"rank {r}: wrong bytes for a same-size dtype mismatch"
-            return None
         for r, got in enumerate(res):
             if not isinstance(got, sparkccl.CollectiveError):
                 what = "returned a result" if not isinstance(got, BaseException) else \
@@ -333,10 +336,10 @@ def run_mismatch(sub: str, specs: list, seed: int, timeout_s: float = 2.0) -> st
                 return f"rank {r} {what} for {specs}"
         if took > timeout_s + 1:
             return f"took {took:.1f} s (> timeout {timeout_s:g} s + 1 s)"
-        if sub == "size":
+        if sub != "collective":
             for r, e in enumerate(res):
-                if not all(str(n) in str(e) for n in sizes):
-                    return f"rank {r}: error does not name both sizes {sizes}: {e}"
+                if not all(said(s) in str(e) for s in specs):
+                    return f"rank {r}: error does not name both calls {[said(s) for s in specs]}: {e}"
         return None
     finally:
         on_threads([lambda c=c: c.__exit__(sparkccl.CollectiveError, None, None) for c in comms])

@@ -220,9 +220,9 @@ def mismatch_job(rank, world, store):
 
 
 SIZE_MESSAGE = re.compile(
-    r"rank (\d): (\w+) seq \d+: rank (\d) passed a different size than rank \1 \(this rank\): "
-    r"rank \1 passed (\d+) bytes per rank, rank \3 between (\d+) and (\d+) \(the ranks "
-    r"exchange slices padded to 16 bytes: (\d+) vs (\d+)\); every rank must pass the same shape")
+    r"rank (\d): (\w+) seq \d+: rank (\d) made a different call than rank \1 \(this rank\): "
+    r"rank \3 passed (\d+) bytes of (\w+) per rank to \2, rank \1 passed (\d+) bytes of "
+    r"(\w+) per rank to \2; every rank must pass the same shape, dtype and operation")
 
 
 def test_cross_rank_validation():
@@ -235,16 +235,17 @@ def test_cross_rank_validation():
         assert "must be one of" in v["topology-name"], v
         assert "different hosts" in v["host"] and "rank 2" in v["host"], v
         assert "transport='tcp' or 'auto'" in v["host"], v
-        # Named by whichever rank saw it first (the others report its abort): the caller's
-        # own bytes of that rank, the peer's as far as its padded slice tells.
-        for op, caller in (("ag", lambda r: 100 + 100 * r), ("rs", lambda r: (8 + r) * 16)):
+        # Named by whichever rank saw it first (the others report its abort): both ranks'
+        # exact bytes (issue 33 item 4 gave the peer's as a range; the entries now carry
+        # them) and dtypes.
+        for op, caller, dtype in (("ag", lambda r: 100 + 100 * r, "uint8"),
+                                  ("rs", lambda r: (8 + r) * 16, "float32")):
             m = SIZE_MESSAGE.search(v[f"size-{op}"])
             assert m, v[f"size-{op}"]
             assert m.group(2) == {"ag": "all_gather", "rs": "reduce_scatter"}[op]
-            me, peer, mine, lo, hi, mine_padded, theirs = (
-                int(m.group(i)) for i in (1, 3, 4, 5, 6, 7, 8))
-            assert mine == caller(me) and mine_padded == -(-mine // 16) * 16, m.group(0)
-            assert lo <= caller(peer) <= hi == theirs == -(-caller(peer) // 16) * 16, m.group(0)
+            me, peer, theirs, mine = (int(m.group(i)) for i in (1, 3, 4, 6))
+            assert (theirs, mine) == (caller(peer), caller(me)), m.group(0)
+            assert m.group(5) == m.group(7) == dtype, m.group(0)
         assert "SPARKCCL_SLOT_BYTES" in v["env"] and v["env_elapsed"] < 2.0, v
         assert v["recovered"] is None
     assert values[0]["topology"] == values[1]["topology"] == values[2]["topology"]

@@ -23,6 +23,7 @@ import hashlib
 import mmap
 import os
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -38,12 +39,15 @@ import torch
 from sparkccl import layout as L
 from sparkccl.errors import CollectiveError, ConfigError
 from sparkccl.plan import geometry as G
+from sparkccl import config
+from sparkccl.plan import waits as PW
 from sparkccl.plan.build import build_plan
 from sparkccl.plan.model import REGION_SLOTS, Op, Region, num_flag_words
 from sparkccl.reference import all_gather_reference, make_input, reduce_scatter_reference
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 from sparkccl.dataplane import cuda as C  # noqa: E402
+from sparkccl.dataplane import cuda_runtime, nvrtc  # noqa: E402
 from sparkccl.dataplane import ce_engine as E  # noqa: E402
 from sparkccl.dataplane import monitor as M  # noqa: E402
 from sparkccl.dataplane.device import Device  # noqa: E402
@@ -75,15 +79,15 @@ def emu_lib():
     global _emu_lib
     with _emu_lock:
         if _emu_lib is None:
-            kernels = Path(C.nvrtc.KERNELS_CU).resolve()
-            srcs = [*C.nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
+            kernels = Path(nvrtc.KERNELS_CU).resolve()
+            srcs = [*nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
             h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
             out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sparkccl-emu-{os.getuid()}-{h}.so"
             if not out.exists():
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
                        "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
-                       *(f"-I{d}" for d in C.nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
+                       *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
                        str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 assert r.returncode == 0, f"building the kernel emulation failed:\n{r.stderr}"
@@ -309,7 +313,7 @@ class EmuDevice(Device):
 
     def new_program(self, kernels, patches, rows):
         table = [(k + 1, block, ps) for k, (_, block, ps) in enumerate(kernels)]
-        return EmuProgram(N.OpProgram(1, C.N_TERMS, table, patches, rows),
+        return EmuProgram(N.OpProgram(1, E.N_TERMS, table, patches, rows),
                           [name for name, _, _ in kernels])
 
     def run_program(self, program, terms, ts):
@@ -326,22 +330,22 @@ class EmuDevice(Device):
         for k in (5 * i for i in order):
             kind, st, a, b, c = ops[k:k + 5]
             stream = self.streams[st]
-            if kind == C.OP_COPY:
+            if kind == E.OP_COPY:
                 stream.put(lambda d=a, s=b, n=c: ctypes.memmove(d, s, n))
-            elif kind == C.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
+            elif kind == E.OP_WRITE64:  # an aligned 8-byte store after the stream's copies
                 stream.put(lambda p=a, v=b: setattr(ctypes.c_uint64.from_address(p), "value", v))
-            elif kind == C.OP_RECORD:
+            elif kind == E.OP_RECORD:
                 if a == EMU_DONE_EVENT:
                     done = stream.record()
                 else:
                     self.events[a] = stream.record()
-            elif kind == C.OP_WAIT_EVENT:
+            elif kind == E.OP_WAIT_EVENT:
                 stream.wait_event(self.events[a])
-            elif kind == C.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
+            elif kind == E.OP_WAIT_VALUE:  # until the 64-bit word at a reaches b
                 stream.put(lambda p=a, v=b, s=stream: emu_wait_value(p, v)
                            or s.errors.append(f"value wait for {v} at {p:#x} timed out"))
             else:
-                assert kind == C.OP_LAUNCH, kind
+                assert kind == E.OP_LAUNCH, kind
                 if program.names[a] not in self.emu_skip:
                     self.emu_launched.append(program.names[a])
                     stream.submit(program.names[a], c, [b, *params[a][1:]])
@@ -736,7 +740,7 @@ def test_back_to_back_without_sync(backend):
 
 
 # The proxy path (None) and every GPU-direct mode.
-WAIT_MODES = [None, *C.DIRECT_MODES]
+WAIT_MODES = [None, *config.DIRECT_ENGINES]
 
 
 def _skip_trapping_ce(backend: str, mode: str | None) -> None:
@@ -801,26 +805,68 @@ def test_abort_stops_a_waiting_kernel(backend, mode):
         assert time.monotonic() - t0 < 10
 
 
+# (collective, (elements, dtype) per rank, what each rank is said to have passed): sizes
+# that pad to the same 16 bytes, and dtypes of one width (issue 32)
+CALL_MISMATCHES = [
+    ("ag", ((3, torch.float32), (4, torch.float32)),
+     ("12 bytes of float32 per rank to all_gather", "16 bytes of float32 per rank to all_gather")),
+    ("rs", ((5, torch.bfloat16), (6, torch.bfloat16)),
+     ("10 bytes of bfloat16 per rank to reduce_scatter",
+      "12 bytes of bfloat16 per rank to reduce_scatter")),
+    ("ag", ((5, torch.bfloat16), (5, torch.float16)),
+     ("10 bytes of bfloat16 per rank to all_gather", "10 bytes of float16 per rank to all_gather")),
+    ("rs", ((5, torch.bfloat16), (5, torch.float16)),
+     ("10 bytes of bfloat16 per rank to reduce_scatter",
+      "10 bytes of float16 per rank to reduce_scatter")),
+    ("ag", ((100, torch.uint8), (200, torch.uint8)),
+     ("100 bytes of uint8 per rank to all_gather", "200 bytes of uint8 per rank to all_gather")),
+    # the first step of an all-reduce of 3 vs 4 fp32 (sparkccl/allreduce.py: both padded to
+    # 16-byte chunks), and of a sum beside an average
+    ("rs", ((4, torch.float32, (3, 20)), (4, torch.float32, (3, 16))),
+     ("12 bytes of float32 to all_reduce(sum)", "16 bytes of float32 to all_reduce(sum)")),
+    ("rs", ((4, torch.float32, (3, 0)), (4, torch.float32, (4, 0))),
+     ("32 bytes of float32 to all_reduce(sum)", "32 bytes of float32 to all_reduce(avg)")),
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_size_mismatch_is_reported(backend):
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
+@pytest.mark.parametrize("op,calls,said", CALL_MISMATCHES,
+                         ids=["ag-3v4-f32", "rs-5v6-bf16", "ag-bf16-f16", "rs-bf16-f16",
+                              "ag-100v200-u8", "ar-3v4-f32", "ar-sum-avg"])
+def test_a_different_call_on_a_peer_is_reported(backend, direct, op, calls, said):
+    """The ranks' exact bytes and dtypes cross in the ring entries' call word: a difference
+    the 16-byte padding or the element width hides fails every rank at synchronize(),
+    naming both calls."""
     from sparkccl.dataplane.cpu import ring_view
     world = 2
-    with World(backend, "mesh", world, max_slice=4096, timeout_s=20) as w:
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
             w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
-        for r, n in enumerate((100, 200)):  # rank 1 passes a bigger slice
+        for r, (n, dtype, *part) in enumerate(calls):
+            part = part[0] if part else None
             with w.be.on(r):
-                src = w.keep(w.be.to_dev(torch.zeros(n, dtype=torch.uint8)))
-                out = w.keep(w.be.to_dev(torch.zeros(2 * n, dtype=torch.uint8)))
-                w.dps[r].all_gather(0, src, out, 0, n)
+                esize = dtype.itemsize
+                if op == "ag":
+                    src = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                    out = w.keep(w.be.to_dev(torch.zeros(world * n * esize, dtype=torch.uint8)))
+                    w.dps[r].all_gather(0, src, out, 0, n * esize, part=part)
+                else:
+                    src = w.keep(w.be.to_dev(torch.zeros(world * n, dtype=dtype)))
+                    out = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                    w.dps[r].reduce_scatter(0, src, 0, n * esize, n * esize, out, 0, dtype,
+                                            part)
         w.be.sync()
-        # (The GPU plane's check does not know the caller's bytes: both are given as far as
-        # the padded slices tell.)
-        with pytest.raises(CollectiveError, match=r"rank 1 passed a different size than rank 0 "
-                           r"\(this rank\): rank 0 passed between 97 and 112 bytes per rank, "
-                           r"rank 1 between 193 and 208 \(the ranks exchange slices padded to "
-                           r"16 bytes: 112 vs 208\)"):
+        name = {"ag": "all_gather", "rs": "reduce_scatter"}[op]
+        if len(calls[0]) > 2:
+            name = "all_reduce\\(sum\\)"
+        with pytest.raises(CollectiveError, match=rf"rank 0: {name} seq 0: rank 1 made a "
+                           rf"different call than rank 0 \(this rank\): rank 1 passed "
+                           rf"{re.escape(said[1])}, rank 0 passed {re.escape(said[0])}; every "
+                           "rank must pass the same shape, dtype and operation"):
             w.dps[0].synchronize()
+        with pytest.raises(CollectiveError, match=rf"rank 1 passed {re.escape(said[1])}"):
+            w.dps[1].synchronize()  # (its own check, or rank 0's abort through the proxy)
         assert N.abort_code(w.ctl[0].addr) == L.ABORT_USER
 
 
@@ -856,8 +902,8 @@ def test_piece_bounds_kernel_matches_geometry(backend):
         dev_out = be.to_dev(torch.zeros(len(sizes) * G.PIECES * 2, dtype=torch.int64))
         with be.on(0):
             if backend == "cuda":
-                k = C.kernels_for(be.device.index)["sccl_piece_bounds"]
-                cc = C.nvrtc.import_cuda_core()
+                k = cuda_runtime.kernels_for(be.device.index)["sccl_piece_bounds"]
+                cc = nvrtc.import_cuda_core()
                 s = cc.Stream.from_handle(int(torch.cuda.current_stream().cuda_stream))
                 with torch.cuda.device(be.device):
                     cc.launch(s, cc.LaunchConfig(grid=4, block=128), k, dev_in.data_ptr(),
@@ -922,7 +968,7 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", C.DIRECT_MODES)
+@pytest.mark.parametrize("mode", config.DIRECT_ENGINES)
 @pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
 def test_direct_exact(backend, topology, world, roots, mode):
     """The data planes execute the publish-triggered streams themselves (writes into the
@@ -1045,13 +1091,13 @@ def test_ce_sends_a_piece_in_one_copy_batch_and_one_value_batch(world):
             # the fork's event wait; per piece the batch of its copies (one per item) and
             # the batch of its flags (one per publish stream) and tag; the join's record
             copies = sum(1 for k in range(0, len(ops), 5)
-                         if ops[k + 1] == side and ops[k] == C.OP_COPY) // C.PIECES
+                         if ops[k + 1] == side and ops[k] == E.OP_COPY) // G.PIECES
             values = sum(1 for k in range(0, len(ops), 5)
-                         if ops[k + 1] == side and ops[k] == C.OP_WRITE64) // C.PIECES
+                         if ops[k + 1] == side and ops[k] == E.OP_WRITE64) // G.PIECES
             assert copies >= 2 and values >= 3, (copies, values)
-            piece = [(C.OP_COPY, 1, copies), (C.OP_WRITE64, 2, values)]
-            assert kinds == ([(C.OP_WAIT_EVENT, 0, 1)] + piece * C.PIECES
-                             + [(C.OP_RECORD, 0, 1)]), kinds
+            piece = [(E.OP_COPY, 1, copies), (E.OP_WRITE64, 2, values)]
+            assert kinds == ([(E.OP_WAIT_EVENT, 0, 1)] + piece * G.PIECES
+                             + [(E.OP_RECORD, 0, 1)]), kinds
 
 
 def test_ce_keeps_a_sum_whose_word_no_source_sends():
@@ -1063,11 +1109,11 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
         W, maxw = dp.world, dp.maxw
         waits = [[-1] * maxw for _ in range(W)]
         waits[1][0] = 7  # source 1 sends word 0 only
-        parts = [[C.PART_NONE] * maxw for _ in range(W + 1)]
-        parts[1][0] = C.PART_WHOLE
-        parts[W][maxw - 1] = C.PART_WHOLE  # the sum after the last word
+        parts = [[PW.PART_NONE] * maxw for _ in range(W + 1)]
+        parts[1][0] = PW.PART_WHOLE
+        parts[W][maxw - 1] = PW.PART_WHOLE  # the sum after the last word
         ce = dp.engines.ce
-        ce.words = {C.Op.RS: C.ce_words(waits, parts, dp.rank, reduce=True)}
+        ce.words = {C.Op.RS: PW.ce_words(waits, parts, dp.rank, reduce=True)}
         rows, launches = [], []
 
         def row(kind, st, a=(0, E.T_ZERO, 0), b=(0, E.T_ZERO, 0), c=0):
@@ -1075,10 +1121,10 @@ def test_ce_keeps_a_sum_whose_word_no_source_sends():
 
         def launch(st, k, unit=None, blocks=1):
             launches.append((st, k, unit))
-        units = ce._pieces(C.Op.RS, 4096, 4096, None, ce.words[C.Op.RS])[1][0]
+        units = ce._pieces(C.Op.RS, 4096, 4096, 0, None, ce.words[C.Op.RS])[1][0]
         ce._receive_rows(row, launch, units, (0, 0, 0, 0),
                             ("sums", list(range(1, 8 * maxw + 1))), 4096, 1)
-        waits = [b for kind, st, a, b, c in rows if kind == C.OP_WAIT_VALUE]
+        waits = [b for kind, st, a, b, c in rows if kind == E.OP_WAIT_VALUE]
         # the progress word of unit (0, k): seq * PROG_STRIDE (term T_PROG) + (k + 1) * W
         unit_done = [((k + 1) * W, E.T_PROG, 1) for k in range(maxw)]
         assert waits == [unit_done[0], unit_done[maxw - 1]], waits  # word 0, the summing word
@@ -1527,6 +1573,47 @@ def test_communicator_cuda(topology, world, slot_bytes):
     values = check(run_ranks(_comm_job, world, args=(topology, slot_bytes), timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
+
+
+def _different_calls_job(rank, world, store, op, case):
+    """Ranks passing sizes that pad alike or dtypes of one width through CUDA
+    communicators: every rank raises CollectiveError naming both calls, at the latest at
+    synchronize() (the CUDA plane compares with the peers' entries after launching)."""
+    import torch as T
+
+    import sparkccl
+    T.cuda.set_device(rank % T.cuda.device_count())
+    n, dtype = {"3v4-f32": ((3, 4), (T.float32, T.float32)),
+                "5v6-bf16": ((5, 6), (T.bfloat16, T.bfloat16)),
+                "bf16-f16": ((5, 5), (T.bfloat16, T.float16))}[case]
+    comm = sparkccl.Communicator(store=store, rank=rank, world_size=world, device="cuda",
+                                 timeout_s=10, slot_bytes=1 << 20)
+    x = T.arange(1, n[rank] + 1, device="cuda").to(dtype[rank])
+    try:
+        if op == "ag":
+            comm.all_gather(x)
+        elif op == "rs":
+            comm.reduce_scatter(T.cat([x] * world))
+        else:
+            comm.all_reduce(x, regime="two_step")
+        comm.synchronize()
+        return "no error"
+    except sparkccl.CollectiveError as e:
+        return str(e)
+    finally:
+        comm.__exit__(sparkccl.CollectiveError, None, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("case", ["3v4-f32", "5v6-bf16", "bf16-f16"])
+def test_communicator_cuda_different_calls_fail_every_rank(op, case):
+    from sparkccl.localrun import check, run_ranks
+    values = check(run_ranks(_different_calls_job, 2, args=(op, case), timeout_s=120))
+    for r, v in enumerate(values):
+        assert "made a different call than" in v and "rank 0 passed" in v \
+            and "rank 1 passed" in v, (r, v)
 
 
 def _graph_comm_job(rank, world, store, topology, replays):
@@ -2140,33 +2227,36 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
 
 
 def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
-    """check_sizes probes one row of the peer's publish ring per pending collective, oldest
-    first: a matching entry is checked off, one not written yet stays pending (and so do
-    the later ones of that peer, unasked), and one so far back that the peer's next lap may
-    be rewriting it is dropped unread (a torn read once reported a mismatch that was not
-    there: the new entry's size beside the old one's seq)."""
-    dp = object.__new__(C.CudaDataPlane)
+    """The deferred check (peer_check.PeerCheck.run) probes one row of the peer's publish
+    ring per pending collective, oldest first: a matching entry is checked off, one not
+    written yet stays pending (and so do the later ones of that peer, unasked), and one so
+    far back that the peer's next lap may be rewriting it is dropped unread (a torn read
+    once reported a mismatch that was not there: the new entry's size beside the old one's
+    seq)."""
+    from sparkccl.dataplane.peer_check import PeerCheck
     E = L.RING_ENTRY_BYTES // 8
     ring = np.zeros((L.RING_ENTRIES, E), dtype=np.uint64)
-    dp.world, dp.rank, dp.peer_rings, dp._ring_next = 2, 0, [None, ring], 4000
-    dp._peer_words = None
+    failed = []
+    pc = PeerCheck(0, 2, [None, ring], lambda message, peer: failed.append(message))
     P = G.PIECES
+    word = L.call_word(int(Op.AG), 1, 1, 0)
 
     def row(first, seq, S):
         ring[first % L.RING_ENTRIES, :3] = (first + 1, seq, S)
+        ring[first % L.RING_ENTRIES, L.ENT_OP // 8] = word
 
     old = 4000 - L.RING_ENTRIES + P  # further back than the ring less two collectives each
     row(old, 400, 999)  # (mid-rewrite: the next lap's size beside this seq)
     row(3976, 497, 64)
     row(3984, 498 - 32, 128)  # seq 498's row not written yet: the previous lap's entry
-    dp._unchecked = [(Op.AG, 400, 64, old, {1}), (Op.AG, 497, 64, 3976, {1}),
-                     (Op.RS, 498, 128, 3984, {1}), (Op.AG, 499, 64, 3992, {1})]
-    dp.check_sizes()
-    assert [u[1] for u in dp._unchecked] == [498, 499]
+    for seq, S, first in ((400, 64, old), (497, 64, 3976), (498, 128, 3984), (499, 64, 3992)):
+        pc.note(Op.AG, seq, S, word, first)
+    pc.run(4000)
+    assert [u[1] for u in pc.pending] == [498, 499] and failed == []
     row(3984, 498, 128)
     row(3992, 499, 64)
-    dp.check_sizes()
-    assert dp._unchecked == []
+    pc.run(4000)
+    assert pc.pending == [] and failed == []
 
 
 def test_checks_before_a_call_read_the_words_and_compare_sizes_every_few_calls():

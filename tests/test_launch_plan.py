@@ -5,7 +5,7 @@ test_launch_plans_*, on the CPU emulation and on the GPU)."""
 import pytest
 
 from sparkccl import _native as N
-from sparkccl.dataplane.launch_plan import U64, CallPtr, PlanCache, Recording, Slotted, plain
+from sparkccl.dataplane.launch_plan import PlanSetting, U64, CallPtr, PlanCache, Recording, Slotted, plain
 
 
 def test_offsets_of_a_call_pointer_stay_marked():
@@ -55,9 +55,10 @@ def test_cache_stores_only_declared_plannable_paths():
     assert "a" not in cache.plans and cache.stats["misses"] == 1
     with cache.planning("b", lambda rec: rec):
         cache.plannable()
+        cache.called(0x301)
         cache.record("k", 1, 32, (CallPtr(1, 0),))
-    plan, entries, direct = cache.plans["b"]
-    assert plan.patches == ((0, 0, 0, 0),) and (entries, direct) == (8, False)
+    plan, entries, direct, call = cache.plans["b"]
+    assert plan.patches == ((0, 0, 0, 0),) and (entries, direct, call) == (8, False, 0x301)
     with pytest.raises(RuntimeError):
         with cache.planning("c", lambda rec: rec):
             cache.plannable()
@@ -85,9 +86,9 @@ def test_a_new_setting_drops_the_plans():
     dp.plans = PlanCache()
     for name in ("direct_mode", "phases", "on_failure", "max_publish_blocks", "max_wait_blocks",
                  "max_direct_blocks", "max_direct_wait_blocks", "ce_min_slice"):
-        assert isinstance(getattr(C.CudaDataPlane, name), C._PlanSetting), name
+        assert isinstance(getattr(C.CudaDataPlane, name), PlanSetting), name
         setattr(dp, name, 1)
-        dp.plans.plans["shape"] = ("plan", 8, False)
+        dp.plans.plans["shape"] = ("plan", 8, False, 0)
         before = dp.plans.stats["invalidations"]
         setattr(dp, name, 1)  # the same value: kept
         assert "shape" in dp.plans.plans and getattr(dp, name) == 1, name

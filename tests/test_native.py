@@ -107,20 +107,27 @@ def ring_entry(c: Ctl, index: int) -> dict:
     e = c.buf.a[off:off + L.RING_ENTRY_BYTES]
     u64 = lambda o: int(e[o:o + 8].view(np.uint64)[0])  # noqa: E731
     u32 = lambda o: int(e[o:o + 4].view(np.uint32)[0])  # noqa: E731
+    u8 = lambda o: int(e[o])  # noqa: E731
     return dict(tag=u64(L.ENT_TAG), seq=u64(L.ENT_SEQ), slice=u64(L.ENT_SLICE), lo=u64(L.ENT_LO),
-                hi=u64(L.ENT_HI), op=u32(L.ENT_OP), piece=u32(L.ENT_PIECE),
+                hi=u64(L.ENT_HI), op=u8(L.ENT_OP), dtype=u8(L.ENT_DTYPE), kind=u8(L.ENT_KIND),
+                piece=u8(L.ENT_PIECE), pad=u32(L.ENT_PAD),
                 chunk=int(e[L.ENT_CHUNK:L.ENT_CHUNK + 4].view(np.int32)[0]), granule=u32(L.ENT_GRANULE))
 
 
 def test_publish_writes_entry():
     c = Ctl(2)
-    assert N.publish(c.addr, 1, 7, 3, -1, 1000, 16, 1.0) == 0
+    call = L.call_word(0, 3, 2, 6)  # (bf16, reduce-scatter, 6 bytes of padding)
+    assert N.publish(c.addr, 1, 7, 3, -1, 1000, 16, 1.0, call) == 0
     assert N.publish(c.addr, 0, 8, 7, 2, 4800, 48, 1.0) == 0
     e0, e1 = ring_entry(c, 0), ring_entry(c, 1)
     assert e0 == dict(tag=1, seq=7, slice=1000, lo=G.piece_bounds(1000, 3)[0],
-                      hi=G.piece_bounds(1000, 3)[1], op=1, piece=3, chunk=-1, granule=16)
+                      hi=G.piece_bounds(1000, 3)[1], op=1, dtype=3, kind=2, piece=3, pad=6,
+                      chunk=-1, granule=16)
     assert e1["tag"] == 2 and e1["chunk"] == 2 and (e1["lo"], e1["hi"]) == G.piece_bounds(4800, 7, 48)
+    assert (e1["dtype"], e1["kind"], e1["pad"], e1["piece"]) == (0, 0, 0, 7)
     assert c.word(L.CTL_RING_HEAD) == 2
+    with pytest.raises(ValueError, match="call word with op or piece bits set"):
+        N.publish(c.addr, 0, 9, 0, -1, 16, 16, 1.0, L.call_word(1, 0, 0, 0))
 
 
 def test_ring_never_overrun():
@@ -685,8 +692,7 @@ def _put_entry(c: Ctl, op: int, seq: int, piece: int, chunk: int, slice_: int) -
     lo, hi = G.piece_bounds(slice_, piece)
     for o, v in ((L.ENT_SEQ, seq), (L.ENT_SLICE, slice_), (L.ENT_LO, lo), (L.ENT_HI, hi)):
         e[o:o + 8].view(np.uint64)[0] = v
-    e[L.ENT_OP:L.ENT_OP + 4].view(np.uint32)[0] = op
-    e[L.ENT_PIECE:L.ENT_PIECE + 4].view(np.uint32)[0] = piece
+    e[L.ENT_OP:L.ENT_OP + 8].view(np.uint64)[0] = op | piece << L.CALL_PIECE_SHIFT
     e[L.ENT_CHUNK:L.ENT_CHUNK + 4].view(np.int32)[0] = chunk
     e[L.ENT_GRANULE:L.ENT_GRANULE + 4].view(np.uint32)[0] = 16
     e[L.ENT_TAG:L.ENT_TAG + 8].view(np.uint64)[0] = head + 1

@@ -51,8 +51,9 @@ std::string error_text(uint64_t ctl);
 
 // Data-plane helpers (dataplane_cpu.cpp). Both must be called without the GIL.
 // publish: 0, or the abort code (ABORT_TIMEOUT after timeout_s; then the abort word is set).
+// call: the entry's call word (protocol.h call_word) without op and piece (added here).
 int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64_t slice,
-                uint64_t granule, double timeout_s);
+                uint64_t granule, double timeout_s, uint64_t call = 0);
 // wait_flags: (0, -1), or (code, index into `words` of the first unsatisfied word).
 std::pair<int64_t, int64_t> wait_flags(uint64_t ctl, uint64_t flags,
                                        const std::vector<int64_t>& words, uint64_t value,

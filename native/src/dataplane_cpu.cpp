@@ -87,11 +87,13 @@ std::string error_text(uint64_t ctl) {
 }
 
 int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64_t slice,
-                uint64_t granule, double timeout_s) {
+                uint64_t granule, double timeout_s, uint64_t call) {
   if (op < 0 || op >= NUM_OPS) throw std::invalid_argument("publish: op out of range");
   if (piece < 0 || piece >= geom::PIECES) throw std::invalid_argument("publish: piece out of range");
   if (chunk < -1 || chunk >= 32) throw std::invalid_argument("publish: chunk must be -1..31");
   if (granule == 0) throw std::invalid_argument("publish: granule must be > 0");
+  if (call & (0xFFull | 0xFFull << CALL_PIECE_SHIFT))
+    throw std::invalid_argument("publish: call word with op or piece bits set");
   uint64_t code = abort_code(ctl);
   if (code) return int64_t(code);
 
@@ -119,12 +121,9 @@ int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64
   *word_at(ent, ENT_SLICE) = slice;
   *word_at(ent, ENT_LO) = b.first;
   *word_at(ent, ENT_HI) = b.second;
+  *word_at(ent, ENT_OP) = call | uint64_t(op) | uint64_t(piece) << CALL_PIECE_SHIFT;
   uint32_t u32;
   int32_t i32;
-  u32 = uint32_t(op);
-  std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ent + ENT_OP)), &u32, 4);
-  u32 = uint32_t(piece);
-  std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ent + ENT_PIECE)), &u32, 4);
   i32 = chunk;
   std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), &i32, 4);
   u32 = uint32_t(granule);

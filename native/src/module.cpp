@@ -53,7 +53,14 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(ENT_LO);
   SPARKCCL_PUT(ENT_HI);
   SPARKCCL_PUT(ENT_OP);
+  SPARKCCL_PUT(ENT_DTYPE);
+  SPARKCCL_PUT(ENT_KIND);
   SPARKCCL_PUT(ENT_PIECE);
+  SPARKCCL_PUT(ENT_PAD);
+  SPARKCCL_PUT(CALL_DTYPE_SHIFT);
+  SPARKCCL_PUT(CALL_KIND_SHIFT);
+  SPARKCCL_PUT(CALL_PIECE_SHIFT);
+  SPARKCCL_PUT(CALL_PAD_SHIFT);
   SPARKCCL_PUT(ENT_CHUNK);
   SPARKCCL_PUT(ENT_GRANULE);
   SPARKCCL_PUT(ENT_PUBLISH_NS);
@@ -70,6 +77,25 @@ nb::dict protocol_dict() {
   using namespace sparkccl::geom;
   using namespace sparkccl::gpu;
   nb::dict d = layout_dict();
+  {
+    using namespace sparkccl::layout;
+    for (auto [name, v] : {std::pair<const char*, int>{"DTYPE_UNSAID", DTYPE_UNSAID},
+                           {"DTYPE_F32", DTYPE_F32}, {"DTYPE_F16", DTYPE_F16},
+                           {"DTYPE_BF16", DTYPE_BF16}, {"DTYPE_F64", DTYPE_F64},
+                           {"DTYPE_U8", DTYPE_U8}, {"DTYPE_I8", DTYPE_I8},
+                           {"DTYPE_I16", DTYPE_I16}, {"DTYPE_I32", DTYPE_I32},
+                           {"DTYPE_I64", DTYPE_I64}, {"DTYPE_BOOL", DTYPE_BOOL},
+                           {"DTYPE_F8E4M3", DTYPE_F8E4M3}, {"DTYPE_F8E5M2", DTYPE_F8E5M2},
+                           {"DTYPE_C64", DTYPE_C64}, {"DTYPE_C128", DTYPE_C128},
+                           {"DTYPE_U16", DTYPE_U16}, {"DTYPE_U32", DTYPE_U32},
+                           {"DTYPE_U64", DTYPE_U64}, {"DTYPE_OTHER", DTYPE_OTHER},
+                           {"KIND_UNSAID", KIND_UNSAID}, {"KIND_ALL_GATHER", KIND_ALL_GATHER},
+                           {"KIND_REDUCE_SCATTER_SUM", KIND_REDUCE_SCATTER_SUM},
+                           {"KIND_ALL_REDUCE_SUM", KIND_ALL_REDUCE_SUM},
+                           {"KIND_ALL_REDUCE_AVG", KIND_ALL_REDUCE_AVG},
+                           {"KIND_MOE_FINALIZE", KIND_MOE_FINALIZE}})
+      d[name] = nb::int_(v);
+  }
   SPARKCCL_PUT(PIECES);
   SPARKCCL_PUT(ALIGN);
   SPARKCCL_PUT(FLAG_STRIDE);
@@ -81,6 +107,15 @@ nb::dict protocol_dict() {
   SPARKCCL_PUT(MAX_DIRECT);
   SPARKCCL_PUT(DT_STREAM);
   SPARKCCL_PUT(DT_ITEM);
+  SPARKCCL_PUT(DT_FLAG);
+  SPARKCCL_PUT(DT_FIRST);
+  SPARKCCL_PUT(DT_ITEMS);
+  SPARKCCL_PUT(DT_CHUNK);
+  SPARKCCL_PUT(DT_BASE);
+  SPARKCCL_PUT(DT_STRIDE);
+  SPARKCCL_PUT(DT_SLOTS);
+  SPARKCCL_PUT(DT_BLOCK);
+  SPARKCCL_PUT(DT_PART);
   SPARKCCL_PUT(FIN_CLAIM);
   SPARKCCL_PUT(FIN_SET);
   SPARKCCL_PUT(ONE_HANDOFF_SLICE);
@@ -102,6 +137,20 @@ nb::dict protocol_dict() {
   SPARKCCL_PUT(STATE_TAIL);
   SPARKCCL_PUT(STATE_WORDS);
   SPARKCCL_PUT(SLOT_SHIFT);
+  {
+    using namespace sparkccl::kargs;
+    SPARKCCL_PUT(WP_FLAGS);
+    SPARKCCL_PUT(WP_ABORT_W);
+    SPARKCCL_PUT(WP_STATUS);
+    SPARKCCL_PUT(WP_WAITS);
+    SPARKCCL_PUT(WP_PARTS);
+    SPARKCCL_PUT(WP_MAXW);
+    SPARKCCL_PUT(WP_STATE);
+    SPARKCCL_PUT(WP_RANK);
+    SPARKCCL_PUT(WP_WORLD);
+    SPARKCCL_PUT(WP_TIMEOUT_NS);
+    SPARKCCL_PUT(WP_BYTES);
+  }
 #undef SPARKCCL_PUT
   return d;
 }
@@ -156,17 +205,19 @@ NB_MODULE(_native, m) {
   m.def(
       "publish",
       [](uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64_t slice,
-         uint64_t granule, double timeout_s) {
+         uint64_t granule, double timeout_s, uint64_t call) {
         check_addr(ctl, "publish");
         nb::gil_scoped_release nogil;
-        return publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s);
+        return publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s, call);
       },
       "ctl_addr"_a, "op"_a, "seq"_a, "piece"_a, "chunk"_a, "slice"_a, "granule"_a,
-      "timeout_s"_a);
+      "timeout_s"_a, "call"_a = 0,
+      "Publish piece `piece` of collective `seq`. call: the entry's call word (protocol.h "
+      "call_word: dtype, kind, padding) without op and piece, which this call adds.");
   m.def(
       "publish_range",
       [](uint64_t ctl, int op, uint64_t seq, int first, int last, int chunk, uint64_t slice,
-         uint64_t granule, double timeout_s) -> int64_t {
+         uint64_t granule, double timeout_s, uint64_t call) -> int64_t {
         // Pieces first..last in one call (a small slice publishes all 8 at once): one
         // Python -> native crossing instead of eight; the entries are the same.
         check_addr(ctl, "publish_range");
@@ -174,13 +225,13 @@ NB_MODULE(_native, m) {
           throw std::invalid_argument("publish_range: pieces must satisfy 0 <= first <= last < 8");
         nb::gil_scoped_release nogil;
         for (int piece = first; piece <= last; ++piece) {
-          int64_t code = publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s);
+          int64_t code = publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s, call);
           if (code) return code;
         }
         return 0;
       },
       "ctl_addr"_a, "op"_a, "seq"_a, "first"_a, "last"_a, "chunk"_a, "slice"_a, "granule"_a,
-      "timeout_s"_a);
+      "timeout_s"_a, "call"_a = 0);
 
   m.def(
       "wait_flags",

@@ -273,10 +273,12 @@ bool Proxy::consume_ring() {
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
     uint64_t seq = *word_at(ent, ENT_SEQ);
     uint64_t slice = *word_at(ent, ENT_SLICE);
-    uint32_t op, piece, granule;
+    // (the call word's other bytes, dtype, kind and padding, are for the peers' check)
+    const uint64_t call = *word_at(ent, ENT_OP);
+    const uint32_t op = uint32_t(call & 0xFF);
+    const uint32_t piece = uint32_t(call >> CALL_PIECE_SHIFT & 0xFF);
+    uint32_t granule;
     int32_t chunk;
-    std::memcpy(&op, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_OP)), 4);
-    std::memcpy(&piece, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_PIECE)), 4);
     std::memcpy(&chunk, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), 4);
     std::memcpy(&granule,
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);

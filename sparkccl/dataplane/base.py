@@ -12,8 +12,8 @@ documented default. A new collective adds its method in the "collectives" sectio
 (docs/ARCHITECTURE.md "Where to add things").
 
 It also holds what both planes share: the rank's view of its control block, and failure
-reporting (the abort record, the error naming rank, peer and connection, the cross-rank
-size check). :class:`~.cpu.CpuDataPlane` and :class:`~.cuda.CudaDataPlane` both build on
+reporting (the abort record, the error naming rank, peer and connection; the cross-rank
+check of every call against the peers' publish entries is :mod:`.peer_check`). :class:`~.cpu.CpuDataPlane` and :class:`~.cuda.CudaDataPlane` both build on
 it; neither is the other's parent."""
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import torch
 
 from .. import layout
 from ..errors import CollectiveError
-from ..plan.geometry import ALIGN, FLAG_STRIDE
+from ..plan.geometry import FLAG_STRIDE
 from ..plan.model import PREV, Op, RankPlan, decode_flag_word
+from .peer_check import PeerCheck
 
 OP_NAMES = {Op.AG: "all_gather", Op.RS: "reduce_scatter"}
 
@@ -42,10 +43,23 @@ class DataPlaneBase:
         self.ag = ag
         self.ag_stride = ag_stride
         self.timeout_s = timeout_s
-        # peer_rings[p]: uint64 [256, 8] view of peer p's publish ring (size check), or None.
+        # peer_rings[p]: uint64 [256, 8] view of peer p's publish ring (the cross-rank
+        # check, peer_check.py), or None.
         self.peer_rings = peer_rings
         self.rs_send = self.rs_recv = None
         self.rs_send_stride = self.rs_recv_stride = 0
+
+    @property
+    def peer_rings(self) -> list | None:
+        return self._peer_rings
+
+    @peer_rings.setter
+    def peer_rings(self, rings: list | None) -> None:
+        """The peers' publish rings mapped here (``None``: the check is off)."""
+        self._peer_rings = rings
+        self.peer_check = None if rings is None else PeerCheck(
+            self.rank, self.world, rings,
+            lambda message, peer: self.fail(message, layout.ABORT_USER, peer=peer))
 
     # ---- capabilities ----------------------------------------------------------------
     typed_io = False
@@ -84,9 +98,13 @@ class DataPlaneBase:
     # tensors and byte offsets; it returns once the collective is done (CPU) or queued on
     # the caller's current stream (CUDA), and raises CollectiveError on failure.
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                   dst_stride: int) -> None:
+                   dst_stride: int, dtype: torch.dtype | None = None,
+                   part: tuple[int, int] | None = None) -> None:
         """Rank i's ``src`` bytes land at byte ``i * dst_stride + dst_off`` of ``dst``
-        (``dst=None``: in the slot, see :attr:`zero_copy_results`)."""
+        (``dst=None``: in the slot, see :attr:`zero_copy_results`). ``dtype``: the caller's
+        element type where ``src`` is a byte view (default ``src.dtype``); ``part``: (kind,
+        zero bytes) of the all-reduce this collective is a step of (default: an all-gather
+        of ``src``); the peers compare both (:mod:`.peer_check`)."""
         raise NotImplementedError
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
@@ -95,10 +113,10 @@ class DataPlaneBase:
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int,
                        src_stride: int, L: int, dst: torch.Tensor, dst_off: int,
-                       dtype: torch.dtype) -> None:
+                       dtype: torch.dtype, part: tuple[int, int] | None = None) -> None:
         """Chunk j of ``src`` is its bytes ``j * src_stride + src_off ... + L``; this rank's
         fp32 rank-order sum lands at ``dst[dst_off:dst_off + L]`` (``src=None``: the
-        chunks already lie in the send slot)."""
+        chunks already lie in the send slot). ``part``: as in :meth:`all_gather`."""
         raise NotImplementedError
 
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -113,12 +131,15 @@ class DataPlaneBase:
     two-collective path of ``sparkccl/allreduce.py``."""
 
     def all_reduce(self, seq: int, src, src_off: int, src_stride: int, L: int, dst,
-                   dst_off: int, dst_stride: int, dtype: torch.dtype, avg: bool) -> None:
+                   dst_off: int, dst_stride: int, dtype: torch.dtype, avg: bool,
+                   pad: int = 0) -> None:
         """All-reduce chunks of L bytes (a multiple of 16) as one operation: chunk j of
         ``src`` is its bytes ``j * src_stride + src_off ... + L`` (``src=None``: already in
         the reduce-scatter send slot at ``j * L``); the rank-order fp32 sum of chunk i
         (``avg``: divided once by the world size), rounded once to ``dtype``, lands at bytes
-        ``i * dst_stride + dst_off ... + L`` of ``dst`` for every i."""
+        ``i * dst_stride + dst_off ... + L`` of ``dst`` for every i. ``pad``: the zero
+        bytes this collective carries past the caller's data, over its chunks
+        (``sparkccl.allreduce.zero_bytes``; the peers compare it)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused all-reduce "
                                   "(fused_all_reduce is False): use sparkccl/allreduce.py's "
                                   "reduce-scatter + all-gather")
@@ -153,9 +174,9 @@ class DataPlaneBase:
     def check_abort(self) -> None:
         code = self.nat.abort_code(self.ctl)
         if code:
-            self._raise_recorded(code)
+            self.raise_recorded(code)
 
-    def _raise_recorded(self, code: int, context: str = "") -> None:
+    def raise_recorded(self, code: int, context: str = "") -> None:
         text = self.nat.error_text(self.ctl) or f"aborted (code {code})"
         msg = f"rank {self.rank}: communicator aborted: {text}"
         if context:
@@ -177,7 +198,7 @@ class DataPlaneBase:
             return origin
         return (self.rank - 1) % self.world if channel == PREV else (self.rank + 1) % self.world
 
-    def _timed_out(self, what: str, piece: int, word: int, note: str = "") -> None:
+    def timed_out(self, what: str, piece: int, word: int, note: str = "") -> None:
         """Fail with the timeout of a wait for flag ``word``: its origin, and the connection
         (and relaying neighbour) the data was to come through."""
         _, origin, channel, root = decode_flag_word(self.world, word)
@@ -193,31 +214,3 @@ class DataPlaneBase:
                   f"{what} piece {piece} from rank {origin} (connection: {conn}{via}{note}; "
                   f"flag word {word} shows {last} arrived)",
                   layout.ABORT_TIMEOUT, peer=origin, connection=conn)
-
-    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int,
-                    caller_bytes: int | None = None) -> bool:
-        """Every rank must pass the same sizes: compare with the source's own publish entry.
-        False while that entry has not appeared yet (nothing compared). ``caller_bytes``:
-        this rank's slice as its caller passed it, when the plane knows it (for the
-        message: the entries hold slices padded to ALIGN bytes)."""
-        ring = self.peer_rings[source]
-        if ring is None:
-            return True
-        rows = ring[(ring[:, 1] == seq) & (ring[:, 0] != 0)]
-        if len(rows) == 0:
-            return False
-        theirs = int(rows[0, 2])
-        if theirs != slice_bytes:
-            mine = str(caller_bytes) if caller_bytes is not None else _unpadded(slice_bytes)
-            self.fail(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: rank {source} passed a "
-                      f"different size than rank {self.rank} (this rank): rank {self.rank} "
-                      f"passed {mine} bytes per rank, rank {source} {_unpadded(theirs)} (the "
-                      f"ranks exchange slices padded to {ALIGN} bytes: {slice_bytes} vs "
-                      f"{theirs}); every rank must pass the same shape",
-                      layout.ABORT_USER, peer=source)
-        return True
-
-
-def _unpadded(padded: int) -> str:
-    """What a caller's slice was, given it padded to ALIGN bytes."""
-    return f"between {max(1, padded - ALIGN + 1)} and {padded}" if padded else "0"

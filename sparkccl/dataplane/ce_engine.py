@@ -29,6 +29,7 @@ emulation in tests/ implements on the host.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,13 +39,15 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds
 from ..plan.model import Op
 from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
+from .base import OP_NAMES
+from .cuda_runtime import u64_at as _u64
 from .engines import DIRECT_THREADS, WAIT_THREADS, DirectCall, Engine
 from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
 PROG_STRIDE = layout.protocol_constants()["PROG_STRIDE"]  # progress word = seq * it + unit
 # stream operations of a program (native/src/cuda_ops.cpp)
 OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
-MAX_CE_PLANS = 64  # mode "ce" launch plans kept per data plane (all dropped when full)
+MAX_CE_PLANS = 64  # mode "ce" programs kept per data plane (all dropped when full)
 
 
 # Terms of a mode "ce" program: what a call fills in, from its seq, ring index, stream and
@@ -154,7 +157,7 @@ class CeEngine(Engine):
     def run(self, call: DirectCall) -> None:
         """The collective's program (:meth:`_program`) with this call's terms, in one native
         call; kept as the shape's plan when the call is being planned."""
-        ring, waits = self.direct_ring(call.op), self.plane.wait_args(call.op)
+        ring, waits = self.direct_ring(call.call), self.plane.wait_args(call.op)
         params = _call_params(call)
         p = self._program(call, ring, waits, params)
         stage = (self.plane.scratch("ce stage", self.plane.world * call.S).data_ptr()
@@ -180,7 +183,7 @@ class CeEngine(Engine):
         stream. The ring entries' fields are the host's to write where the copy engines send
         (their streams write only the tags), so the host first waits for their room."""
         if p.host_ring:
-            self.plane.host_ring_room(p.op, seq, first, PIECES)
+            self._host_ring_room(p.op, seq, first, PIECES)
             p.ring_rows[:, 0] = seq
             i = first % layout.RING_ENTRIES
             if i + PIECES <= layout.RING_ENTRIES:
@@ -190,6 +193,25 @@ class CeEngine(Engine):
                                 1:7] = p.ring_rows
         terms = self._terms(seq, first, stream_term, args, stage)
         self.plane.issued(self.plane.gpu.run_program(p.program, terms, ts), ts)
+
+    def _host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
+        """Wait until ring indices first .. first + n - 1 are free: the host writes those
+        entries' fields itself (every kernel waits on the GPU: kernels/wait.cu ring_room)."""
+        p = self.plane
+        tail = _u64(p.ctl + layout.CTL_RING_TAIL)
+        last = first + n - 1
+        if last - int(tail.value) >= layout.RING_ENTRIES:
+            deadline = time.monotonic() + p.timeout_s
+            spins = 0
+            while last - int(tail.value) >= layout.RING_ENTRIES:
+                p.check_abort()
+                if time.monotonic() > deadline:
+                    p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for "
+                           f"space in the publish ring for {OP_NAMES[op]} seq {seq} (the proxy "
+                           "is not consuming it, or the GPU is not running this rank's "
+                           "earlier collectives)", layout.ABORT_TIMEOUT)
+                spins += 1
+                time.sleep(0 if spins < 100 else 50e-6)
 
     def _terms(self, seq: int, first: int, stream_term: int, args, stage: int) -> list:
         """The terms of a call (see T_*): all of them follow from its seq, ring index,
@@ -219,7 +241,7 @@ class CeEngine(Engine):
         plans, stats = self.programs, self.stats
         host, words = self.plane.direct.host.get(op), self.words[op]
         # (a numpy integer hashes and compares as the int of its value)
-        key = (op, S, L, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
+        key = (op, S, L, call.call, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
                len(call.own), self.plane.on_failure,
                tuple((v.arg, v.add) if type(v) is CallPtr else v for v in params))
         p = plans.get(key)
@@ -307,7 +329,7 @@ class CeEngine(Engine):
         if ce_pub:
             for dst, src, n in call.own:
                 row(OP_COPY, T_TS, _sym(dst), _sym(src), n)
-        pub, recv, ring_rows = self._pieces(op, S, L, host, words)
+        pub, recv, ring_rows = self._pieces(op, S, L, call.call, host, words)
         for c in range(PIECES):
             if ce_pub:
                 self._publish_rows(row, pub[c], c, _sym(call.ce_src[0]), call.ce_src[1])
@@ -336,7 +358,7 @@ class CeEngine(Engine):
         return CeProgram(op=op, host=host, words=words, program=program, ring_rows=ring_rows,
                          host_ring=ce_pub)
 
-    def _pieces(self, op: Op, S: int, L: int, host, words) -> tuple:
+    def _pieces(self, op: Op, S: int, L: int, call: int, host, words) -> tuple:
         """Per piece, what the sending side copies and flags and what the receiving side's
         units move, and the ring entries' fields (seq filled per call)."""
         pub, recv, rows = [], [], []
@@ -360,7 +382,7 @@ class CeEngine(Engine):
                         moves.append((i, a, e - a))
                 units.append((c * self.plane.maxw + k, moves, sum_here))
             recv.append(units)
-            rows.append([0, S, lo, hi, int(op) | c << 32,
+            rows.append([0, S, lo, hi, call | c << layout.CALL_PIECE_SHIFT,
                          (layout.CHUNK_DIRECT & 0xFFFFFFFF) | ALIGN << 32])
         return pub, recv, np.array(rows, dtype=np.uint64)
 

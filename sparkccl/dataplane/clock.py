@@ -8,11 +8,13 @@ import time
 
 import numpy as np
 
+from .. import layout
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
 from .monitor import write_stderr
 
 CLOCK_ROUNDS = 32  # handshakes of the calibration (the tightest one counts)
+STATE_CLOCK = layout.protocol_constants()["STATE_CLOCK"]
 
 
 def calibrate(gpu, register, rank: int, buf: np.ndarray, timeout_s: float = 2.0):
@@ -58,3 +60,21 @@ def calibrate(gpu, register, rank: int, buf: np.ndarray, timeout_s: float = 2.0)
         return None
     rtt, offset = best
     return offset, (rtt + 1) // 2
+
+
+def stamps(gpu, register, rank: int, state) -> tuple:
+    """SPARKCCL_GPU_STAMPS: calibrate (:func:`calibrate`) and put the offset in the device
+    state's STATE_CLOCK word, so the publishing kernels stamp ring entries. Returns
+    ((offset, error) in ns or None, the probe's buffer: the caller keeps it as long as it is
+    pinned). A measurement aid: a failure says so on stderr and is never an error."""
+    buf = np.zeros(2 * CLOCK_ROUNDS, dtype=np.uint64)
+    try:
+        found = calibrate(gpu, register, rank, buf)
+        if found is not None:
+            word = (found[0] % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
+            state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
+        return found, buf
+    except Exception as e:  # noqa: BLE001 - a measurement aid: never a failure
+        write_stderr(f"sparkccl: rank {rank}: SPARKCCL_GPU_STAMPS: the GPU clock calibration "
+                     f"failed ({type(e).__name__}: {e}): no publish stamps\n")
+        return None, buf

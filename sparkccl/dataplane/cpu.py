@@ -15,10 +15,10 @@ One collective (one sequence number ``seq``, one slice of ``S`` bytes, S a multi
 Slices whose size is not a multiple of 16 are padded: the bytes past the real length go
 over the wire but are never copied out.
 
-Launch plans (the fast path): everything of a collective that does not change between
+Call plans (the fast path): everything of a collective that does not change between
 calls of the same (operation, slice length, slot, dtype) — the piece groups, the views of
 this rank's slots, the flag words to wait on, the fp32 accumulator — is built by the first
-call into a :class:`LaunchPlan` and reused; later calls only bring the sequence number and
+call into a :class:`CallPlan` and reused; later calls only bring the sequence number and
 the caller's tensors (whose bytes move with ``ctypes.memmove`` at computed offsets, no
 tensor slicing). A new length or dtype is a new plan; re-attaching the reduce-scatter
 buffers drops every plan (their views would point at the old buffers). ``plan_stats``
@@ -43,16 +43,18 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
 from ..plan.model import Op, RankPlan
 from .base import OP_NAMES, DataPlaneBase
+from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, MOE_FINALIZE,
+                         REDUCE_SCATTER, call_word)
 
 SMALL_SLICE = 64 << 10
 """Slices up to this size are copied and waited for as a whole (see ``groups``)."""
 
 MAX_PLANS = 64
-"""Launch plans kept per data plane (least recently used dropped first)."""
+"""Call plans kept per data plane (least recently used dropped first)."""
 
 
 @dataclass
-class LaunchPlan:
+class CallPlan:
     """What one (op, L, slot, dtype) collective does, independent of seq and of the
     caller's tensors. Offsets are in bytes."""
     S: int
@@ -76,7 +78,6 @@ class CpuDataPlane(DataPlaneBase):
         self.plan_stats = {"hits": 0, "misses": 0, "dropped": 0}
         self._plans: OrderedDict = OrderedDict()
         self._has_publish_range = hasattr(native, "publish_range")
-        self._ring_hint = [0] * self.world  # where each peer's last matching entry was
 
     def attach_rs(self, send: torch.Tensor, send_stride: int, recv: torch.Tensor,
                   recv_stride: int) -> None:
@@ -84,13 +85,13 @@ class CpuDataPlane(DataPlaneBase):
         self.rs_recv, self.rs_recv_stride = recv, recv_stride
         self.drop_plans()
 
-    # ---- launch plans ----------------------------------------------------------------
+    # ---- call plans ------------------------------------------------------------------
     def drop_plans(self) -> None:
-        """Forget every launch plan (the buffers they view changed)."""
+        """Forget every call plan (the buffers they view changed)."""
         self.plan_stats["dropped"] += len(self._plans)
         self._plans.clear()
 
-    def _launch_plan(self, key: tuple, build):
+    def _call_plan(self, key: tuple, build):
         if not self.cache_plans:
             return build()
         p = self._plans.get(key)
@@ -105,19 +106,19 @@ class CpuDataPlane(DataPlaneBase):
             self.plan_stats["dropped"] += 1
         return p
 
-    def _ag_plan(self, L: int, slot_index: int) -> LaunchPlan:
+    def _ag_plan(self, L: int, slot_index: int) -> CallPlan:
         S = round_up(L, ALIGN)
         base = slot_index * self.ag_stride
         slot = self.ag[base:base + self.world * S]
         groups = self.groups(S, L)
         me = self.rank
-        return LaunchPlan(
+        return CallPlan(
             S=S, groups=groups,
             own=[slot.data_ptr() + me * S + a for _, _, a, b in groups],
             peers=[[(i, slot.data_ptr() + i * S + a) for i in range(self.world) if i != me]
                    for _, _, a, b in groups])
 
-    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> LaunchPlan:
+    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> CallPlan:
         S = round_up(L, ALIGN)
         sbase = slot_index * self.rs_send_stride
         rbase = slot_index * self.rs_recv_stride
@@ -127,57 +128,47 @@ class CpuDataPlane(DataPlaneBase):
         esize = torch.empty((), dtype=dtype).element_size()
         acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
         me = self.rank
-        return LaunchPlan(
+        return CallPlan(
             S=S, groups=groups, own=[], peers=[], send_base=send.data_ptr(),
             parts=[[(i, (send if i == me else recv)[i * S + a:i * S + b].view(dtype))
                     for i in range(self.world)] for _, _, a, b in groups],
             accs=[acc[:(b - a) // esize] for _, _, a, b in groups],
             rounded=(torch.empty(L // esize, dtype=dtype) if len(groups) == 1 and L else None))
 
-    def _publish_group(self, op: Op, seq: int, c0: int, c1: int, S: int,
-                       deadline: float) -> None:
+    def _publish_group(self, op: Op, seq: int, c0: int, c1: int, S: int, deadline: float,
+                       call: int) -> None:
         if c1 > c0 and self._has_publish_range:
-            self._publish(op, seq, c0, S, deadline, last=c1)
+            self._publish(op, seq, c0, S, deadline, call, last=c1)
             return
         for c in range(c0, c1 + 1):
-            self._publish(op, seq, c, S, deadline)
+            self._publish(op, seq, c, S, deadline, call)
 
     # ---- steps ---------------------------------------------------------------------
     def _publish(self, op: Op, seq: int, piece: int, slice_bytes: int, deadline: float,
-                 chunk: int = -1, granule: int = ALIGN, last: int = -1) -> None:
+                 call: int, chunk: int = -1, granule: int = ALIGN, last: int = -1) -> None:
+        """Publish piece ``piece`` (to ``last``); ``call``: the entry's call word
+        (peer_check.call_word: the op byte is the native call's)."""
         remaining = max(deadline - time.monotonic(), 1e-3)
+        call &= ~0xFF
         if last > piece:  # pieces piece..last, one native call
             code = self.nat.publish_range(self.ctl, int(op), seq, piece, last, chunk,
-                                          slice_bytes, granule, remaining)
+                                          slice_bytes, granule, remaining, call)
         else:
             code = self.nat.publish(self.ctl, int(op), seq, piece, chunk, slice_bytes,
-                                    granule, remaining)
+                                    granule, remaining, call)
         if code == 0:
             return
         if self.nat.abort_code(self.ctl):
-            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
+            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
                   f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
 
-    def _check_size(self, op: Op, seq: int, source: int, slice_bytes: int,
-                    caller_bytes: int | None = None) -> bool:
-        """The base check, probing first the ring entries right after the source's last
-        match (a source publishes its collectives in order): one row read instead of a
-        scan of the whole ring."""
-        ring = self.peer_rings[source]
-        if ring is not None:
-            hint = self._ring_hint[source]
-            for k in range(PIECES * 2):
-                row = ring[(hint + k) % len(ring)]
-                if int(row[1]) == seq and int(row[0]) != 0:
-                    self._ring_hint[source] = (hint + k + 1) % len(ring)
-                    return super()._check_size(op, seq, source, slice_bytes, caller_bytes) \
-                        if int(row[2]) != slice_bytes else True
-        return super()._check_size(op, seq, source, slice_bytes, caller_bytes)
-
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
-              slice_bytes: int, first: bool = False, caller_bytes: int | None = None) -> None:
+              slice_bytes: int, first: bool = False, call: int = 0) -> None:
+        """Wait for piece ``piece`` of ``source``; ``first``: its first, so then compare
+        this rank's call (``call``, its call word) with the source's (peer_check.py)
+        before anything of it is used."""
         words = self.waits[op][source]
         if not words:
             return
@@ -185,12 +176,12 @@ class CpuDataPlane(DataPlaneBase):
         remaining = max(deadline - time.monotonic(), 1e-3)
         code, idx = self.nat.wait_flags(self.ctl, self.flags, words, value, remaining)
         if code == 0:
-            if first and self.peer_rings is not None:
-                self._check_size(op, seq, source, slice_bytes, caller_bytes)
+            if first and self.peer_check is not None:
+                self.peer_check.check(op, seq, source, slice_bytes, call)
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
-            self._raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
-        self._timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
+            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
+        self.timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
                         words[idx if 0 <= idx < len(words) else 0])
 
     # ---- collectives ---------------------------------------------------------------
@@ -217,46 +208,50 @@ class CpuDataPlane(DataPlaneBase):
     then passes its tensors as they are (no uint8 views made per call)."""
 
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor, dst_off: int,
-                   dst_stride: int) -> None:
+                   dst_stride: int, dtype: torch.dtype | None = None,
+                   part: tuple[int, int] | None = None) -> None:
         """Gather ``src`` (contiguous, L bytes) of every rank: rank i's bytes land at byte
-        ``i * dst_stride + dst_off`` of ``dst`` (contiguous)."""
+        ``i * dst_stride + dst_off`` of ``dst`` (contiguous). ``dtype``, ``part``: what the
+        peers compare (DataPlaneBase.all_gather)."""
         L = src.numel() * src.element_size()
         deadline = time.monotonic() + self.timeout_s
         slot_index = seq % 3
-        lp = self._launch_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
+        lp = self._call_plan((Op.AG, L, slot_index), lambda: self._ag_plan(L, slot_index))
         S, me = lp.S, self.rank
+        call = call_word(Op.AG, dtype or src.dtype, *(part or (ALL_GATHER, S - L)))
         move = ctypes.memmove
         sp = src.data_ptr()
         dp = dst.data_ptr() + dst_off
         for (c0, c1, a, b), own in zip(lp.groups, lp.own):
             if b > a:
                 move(own, sp + a, b - a)
-            self._publish_group(Op.AG, seq, c0, c1, S, deadline)
+            self._publish_group(Op.AG, seq, c0, c1, S, deadline, call)
             if b > a:
                 move(dp + me * dst_stride + a, sp + a, b - a)
         for g, ((c0, c1, a, b), peers) in enumerate(zip(lp.groups, lp.peers)):
             for i, block in peers:
-                self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0,
-                           caller_bytes=L)
+                self._wait(Op.AG, seq, c1, i, deadline, S, first=g == 0, call=call)
                 if b > a:
                     move(dp + i * dst_stride + a, block, b - a)
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
+                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype,
+                       part: tuple[int, int] | None = None) -> None:
         """Reduce-scatter chunks of L bytes: chunk j of ``src`` (contiguous, any dtype) is
         its bytes ``j * src_stride + src_off ... + L``; this rank's sum lands at bytes
         ``dst_off ... dst_off + L`` of ``dst``. ``src=None``: the chunks are already in the
         send slot (zero-copy input) at ``j * L``, L a multiple of 16."""
         deadline = time.monotonic() + self.timeout_s
-        lp = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline)
-        self._rs_sum(lp, seq, dst, dst_off, dtype, deadline)
+        call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, round_up(L, ALIGN) - L)))
+        lp = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline, call)
+        self._rs_sum(lp, seq, dst, dst_off, dtype, deadline, call)
 
     def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                 L: int, dtype: torch.dtype, deadline: float) -> LaunchPlan:
+                 L: int, dtype: torch.dtype, deadline: float, call: int) -> CallPlan:
         """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
         ``seq % 2`` (unless ``src`` is None: already there) and publish it."""
         slot_index = seq % 2
-        lp = self._launch_plan((Op.RS, L, slot_index, dtype),
+        lp = self._call_plan((Op.RS, L, slot_index, dtype),
                                lambda: self._rs_plan(L, slot_index, dtype))
         S, W = lp.S, self.world
         move = ctypes.memmove
@@ -265,19 +260,18 @@ class CpuDataPlane(DataPlaneBase):
             if src is not None and b > a:
                 for j in range(W):
                     move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
-            self._publish_group(Op.RS, seq, c0, c1, S, deadline)
+            self._publish_group(Op.RS, seq, c0, c1, S, deadline, call)
         return lp
 
-    def _sum_group(self, lp: LaunchPlan, g: int, seq: int, deadline: float):
+    def _sum_group(self, lp: CallPlan, g: int, seq: int, deadline: float, call: int):
         """Wait for group ``g`` of this rank's chunk from every source and sum it in rank
         order in fp32: the plan's accumulator, or None for an empty group."""
         me, S = self.rank, lp.S
         c1, a, b = lp.groups[g][1:]
-        L = lp.groups[-1][3]  # the caller's chunk (the last piece ends there)
         acc = lp.accs[g]
         for i, part in lp.parts[g]:
             if i != me:
-                self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, caller_bytes=L)
+                self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
             if b == a:
                 continue
             if i == 0:
@@ -286,12 +280,12 @@ class CpuDataPlane(DataPlaneBase):
                 acc.add_(part)
         return acc if b > a else None
 
-    def _rs_sum(self, lp: LaunchPlan, seq: int, dst: torch.Tensor, dst_off: int,
-                dtype: torch.dtype, deadline: float) -> None:
-        """:meth:`_rs_finish` from a launch plan: the same waits and the same fp32 sum in rank
+    def _rs_sum(self, lp: CallPlan, seq: int, dst: torch.Tensor, dst_off: int,
+                dtype: torch.dtype, deadline: float, call: int) -> None:
+        """:meth:`_rs_finish` from a call plan: the same waits and the same fp32 sum in rank
         order, over the plan's views."""
         for g, (_, _, a, b) in enumerate(lp.groups):
-            acc = self._sum_group(lp, g, seq, deadline)
+            acc = self._sum_group(lp, g, seq, deadline, call)
             if acc is None:
                 continue
             if lp.rounded is not None:  # one group: round into the plan's buffer, then move
@@ -306,7 +300,7 @@ class CpuDataPlane(DataPlaneBase):
 
     def all_reduce(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                    L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype, avg: bool) -> None:
+                   dtype: torch.dtype, avg: bool, pad: int = 0) -> None:
         """The reduce-scatter and the all-gather of an all-reduce as one operation under one
         ``seq`` (docs/PROTOCOL.md "All-reduce"; arguments: ``DataPlaneBase.all_reduce``):
 
@@ -320,31 +314,33 @@ class CpuDataPlane(DataPlaneBase):
         if L % ALIGN:
             raise ValueError(f"all_reduce: chunk of {L} bytes is not a multiple of {ALIGN}")
         deadline = time.monotonic() + self.timeout_s
-        rs = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline)
+        kind = ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM
+        rs_call, ag_call = call_word(Op.RS, dtype, kind, pad), call_word(Op.AG, dtype, kind, pad)
+        rs = self._rs_send(seq, src, src_off, src_stride, L, dtype, deadline, rs_call)
         ag_slot = seq % 3
-        ag = self._launch_plan((Op.AG, L, ag_slot), lambda: self._ag_plan(L, ag_slot))
+        ag = self._call_plan((Op.AG, L, ag_slot), lambda: self._ag_plan(L, ag_slot))
         S, me = rs.S, self.rank
         own_block = ag_slot * self.ag_stride + me * S
         dp = dst.data_ptr() + dst_off
         move = ctypes.memmove
         divisor = torch.full((1,), float(self.world)) if avg else None
         for g, (c0, c1, a, b) in enumerate(rs.groups):
-            acc = self._sum_group(rs, g, seq, deadline)
+            acc = self._sum_group(rs, g, seq, deadline, rs_call)
             if acc is not None:
                 if divisor is not None:
                     acc.div_(divisor)  # an IEEE fp32 division (allreduce.divide says why)
                 self.ag[own_block + a:own_block + b].view(dtype).copy_(acc)  # the one rounding
-            self._publish_group(Op.AG, seq, c0, c1, S, deadline)
+            self._publish_group(Op.AG, seq, c0, c1, S, deadline, ag_call)
             if b > a:
                 move(dp + me * dst_stride + a, ag.own[g], b - a)
         for (c0, c1, a, b), peers in zip(ag.groups, ag.peers):
             for i, block in peers:
-                self._wait(Op.AG, seq, c1, i, deadline, S, caller_bytes=L)
+                self._wait(Op.AG, seq, c1, i, deadline, S)
                 if b > a:
                     move(dp + i * dst_stride + a, block, b - a)
 
     def _rs_finish(self, seq: int, S: int, L: int, dst: torch.Tensor, dst_off: int,
-                   dtype: torch.dtype, deadline: float) -> None:
+                   dtype: torch.dtype, deadline: float, call: int) -> None:
         """The reduce-scatter's second step: for each piece, wait for every source, sum this
         rank's chunk over ranks in rank order (own chunk from the own send slot block) in
         fp32 and round once into ``dst[dst_off:dst_off + L]``."""
@@ -360,8 +356,7 @@ class CpuDataPlane(DataPlaneBase):
             n = (b - a) // esize
             for i in range(W):
                 if i != me:
-                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0,
-                               caller_bytes=L)
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
                 if n == 0:
                     continue
                 part = (send if i == me else recv)[i * S + a:i * S + b].view(dtype)
@@ -397,6 +392,7 @@ class CpuDataPlane(DataPlaneBase):
         (bf16 bytes)."""
         RB = 2 * f.H
         S, L = fin_slice(rows, RB)
+        call = call_word(Op.RS, torch.bfloat16, MOE_FINALIZE, S - L)
         deadline = time.monotonic() + self.timeout_s
         sbase = (seq % 2) * self.rs_send_stride
         send = self.rs_send[sbase:sbase + self.world * S]
@@ -413,9 +409,9 @@ class CpuDataPlane(DataPlaneBase):
         for c, j in self.finalize_items():
             lo, hi = piece_bounds(S, c, RB)
             compute(j, lo, hi)
-            self._publish(Op.RS, seq, c, S, deadline, chunk=j, granule=RB)
+            self._publish(Op.RS, seq, c, S, deadline, call, chunk=j, granule=RB)
         compute(self.rank, 0, L)
-        self._rs_finish(seq, S, L, dst, dst_off, torch.bfloat16, deadline)
+        self._rs_finish(seq, S, L, dst, dst_off, torch.bfloat16, deadline, call)
 
 
 def fin_slice(rows: int, row_bytes: int) -> tuple[int, int]:

@@ -1,63 +1,26 @@
-"""The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels.
+"""The GPU data plane: the same steps as :mod:`sparkccl.dataplane.cpu`, as CUDA kernels
+(``kernels/``, compiled at run time with NVRTC, ``nvrtc.py``, cached on disk), launched on
+the caller's current torch stream through the device seam (:mod:`.device`).
 
-Kernels live in ``kernels/``, compiled at run time with NVRTC (``nvrtc.py``, cached on
-disk) and launched with ``cuda.core`` on the caller's current torch stream. Per collective:
+Per collective: its seq and first publish-ring index come from the device state
+(``self.state``, protocol.h ``STATE_*``), not from kernel arguments, so a collective
+captured in a CUDA graph takes fresh values at every replay (docs/PROTOCOL.md "Sequence
+state"); the publish role copies the input piece by piece and writes each piece's ring
+entry for the proxy, or, GPU-direct (same-host peers over shm, the default there), writes
+straight into the peers' mapped regions and flag words itself; the wait role polls the
+pinned flag words and copies out (all-gather) or sums the sources in rank order in fp32,
+rounded once (reduce-scatter). How, is an engine's (:mod:`.engines`, :mod:`.ce_engine`,
+chosen per collective by :mod:`.engine_choice`; docs/PROTOCOL.md "GPU-direct"); each
+collective's pointers and call word are :mod:`.cuda_calls`'.
 
-1. the collective's seq and first publish-ring index come from the device state
-   (``self.state``, protocol.h ``STATE_*``), not from kernel arguments: every kernel reads
-   them, and the collective's last kernel (or ``sccl_advance`` queued after it, modes split
-   and ce) moves them on, so a collective captured in a CUDA graph takes fresh values at
-   every replay; slots and counter sets are chosen by
-   ``seq`` on the GPU (slot base + code, kernels/common.cuh ``slot_at``);
-2. ``sccl_publish``: copies the input into the send region piece by piece; the last block
-   to finish piece c waits until ring entry ``first + c`` is free (the proxy consumed the
-   one 256 before; abort word and timeout watched) and writes it (fields, system fence,
-   tag);
-3. ``sccl_ag_wait`` / ``sccl_rs_wait_*``: one block polls the pinned flag words (acquire,
-   system scope) and relays progress through a device word; the other blocks copy each
-   arrived piece into the device result (all-gather) or sum the sources in rank order in
-   fp32 and round once (reduce-scatter).
-
-GPU-direct (same-host peers, ``transport="shm"``; the default there, ``SPARKCCL_GPU_DIRECT=0``
-turns it off): the peers' regions and flag words are mapped into this process too
-(:meth:`CudaDataPlane.map_peers` / :meth:`CudaDataPlane.map_peers_rs`), and one kernel per
-collective (``sccl_ag_direct`` / ``sccl_rs_direct_*``) executes this rank's publish-triggered
-streams itself: it writes each item straight from the input into the peer's region and then
-the stream's flag word, piece by piece, while its other blocks already wait for and consume
-the peers' pieces (``SPARKCCL_DIRECT_MODE``: that is mode "fused"; mode "ce" has the copy
-engines move the bytes both ways while kernels only wait and sum, because SM copies lose a
-quarter to half of their rate when the link is busy both ways; the default, "auto", takes
-"ce" from 16 MiB per rank and "fused" below; see :mod:`.engines`, :mod:`.ce_engine` and
-docs/PROTOCOL.md "GPU-direct"). The ring entries say ``chunk == -2``, so the proxy skips those streams (``Proxy.set_gpu_streams``) and still
-runs the relays. Instead of one host-memory copy by a proxy worker thread (~9.5 GB/s per
-connection on the H200 test machine), the data crosses the link once each way at the
-GPU's own speed.
-
-Every wait watches the abort word and gives up after ``timeout_s`` measured on the GPU
-clock; it then records what it waited for in the control block's GPU status record
-(``layout.CTL_GPU_STATUS`` / ``CTL_GPU_DETAIL`` / ``CTL_GPU_SEQ``) and every block exits.
-A watchdog thread per data plane turns the record into :class:`CollectiveError` (naming
-rank, seq, piece, peer and connection) as soon as it appears and sets the abort word so the
-proxy tells the peers. Then, by ``SPARKCCL_ON_FAILURE`` (``on_failure``): "stop" (default)
-prints the error on stderr and acknowledges it, and the kernel traps (processes sharing a
-GPU one at a time: :mod:`.trap_lock`): the CUDA context is lost and the caller's next
-synchronization raises; "poison": ``sccl_poison``, queued after
-every collective, overwrites the outputs with 0xFF bytes (NaN) once a wait failed. Either
-way the next call, :meth:`CudaDataPlane.synchronize` and :meth:`CudaDataPlane.check_status`
-raise the error (docs/PROTOCOL.md "Failure"). The host bounds what no kernel can: once the
-communicator failed, synchronize() and close() give the GPU work STOP_GRACE_S to end, then
-release the waits that watch no abort word (mode "ce"'s stream value waits) and raise after
-RELEASE_GRACE_S more (:mod:`.monitor`, :meth:`.monitor.FailureMonitor.wait_last`).
-
-The regions are the same shared-memory segments the CPU path and the proxy use, pinned
-with ``cudaHostRegister(..., Mapped | Portable)``: :func:`.cuda_runtime.register_host` /
-:func:`.cuda_runtime.unregister_host`.
-
-The parts: :mod:`.cuda_runtime` (cuda-python plumbing), :mod:`.engines` (how a collective
-is launched: the proxy path, fused and split) and :mod:`.ce_engine` (copy engines), chosen
-per collective in :mod:`.engine_choice`; :mod:`sparkccl.plan.waits` (what each wait word
-carries); this module (the data plane the Communicator drives: regions, ring, the device
-operations, failures).
+This module is the data plane the Communicator drives: the regions (the shared segments,
+pinned with ``cudaHostRegister``, :mod:`.cuda_runtime`), the host's account of seq and
+ring index, the checks before each call (the GPU record, the abort word, the peers' calls:
+:mod:`.peer_check`), the eager fast path (:mod:`.launch_plan`), completion and failure.
+Every wait watches the abort word and the timeout on the GPU clock and records a failure
+in the control block's GPU record, which :mod:`.monitor`'s watchdog turns into a
+:class:`CollectiveError`; then, by ``SPARKCCL_ON_FAILURE``, the kernel traps ("stop") or
+``sccl_poison`` overwrites the outputs with NaN ("poison"; docs/PROTOCOL.md "Failure").
 
 Collectives are asynchronous like NCCL's: they return once launched. All collectives of
 one communicator must run on one stream (or streams ordered with events): a collective's
@@ -70,7 +33,6 @@ need it.
 from __future__ import annotations
 
 import ctypes
-import time
 
 import numpy as np
 import torch
@@ -79,37 +41,28 @@ from .. import config, layout
 from ..errors import CollectiveError, ConfigError
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
-from ..plan.waits import (PART_NONE, PART_WHOLE, ce_words, max_wait_words, part_code,
-                          wait_parts, wait_table)
-
-DIRECT_MODES = config.DIRECT_ENGINES
+from ..plan.waits import max_wait_words, wait_parts, wait_table
 from . import clock
-from . import nvrtc  # noqa: F401 - (tests reach the kernels' sources through it)
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
-from .ce_engine import (N_TERMS, OP_COPY, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE,
-                        OP_WRITE64, PROG_STRIDE, CePlan)
-from .engine_choice import Engines
-from .engines import RS_WAIT, DirectCall
-from .cuda_runtime import (AlreadyRegistered, check_available, device_view,
-                           host_device_pointer, kernels_for, register_host, unregister_host)
+from .ce_engine import CePlan
+from .engine_choice import Engines, direct_blocks_setting
+from .engines import RS_WAIT
+from .cuda_runtime import AlreadyRegistered
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
 from .device import CudaDevice, Device
+from . import cuda_calls
 from .direct_tables import DirectTables
-from .launch_plan import CallPtr, PlanCache, Slotted, plain
-from .monitor import FailureMonitor, write_stderr
+from .launch_plan import CallPtr, PlanCache, PlanSetting, plain
+from .monitor import FailureMonitor
 
 _P = layout.protocol_constants()
-NO_SOURCE = _P["NO_SOURCE"]
-NO_WORD = _P["NO_WORD"]
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
 # Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
 ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
-STATE_CLOCK = _P["STATE_CLOCK"]
-ROW_WORDS = layout.RING_ENTRY_BYTES // 8  # 64-bit words per publish-ring entry
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
 _ABORT_WORD = layout.CTL_ABORT // 8
 SLOT_SHIFT = _P["SLOT_SHIFT"]
@@ -131,58 +84,9 @@ WAIT_BYTES_PER_BLOCK = 32 << 10
 # each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
 MAX_WAIT_BLOCKS = 32
 
-_RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
-              torch.float32: "sccl_rs_direct_f32"}
-_RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
-                torch.float32: "sccl_rs_sum_unit_f32"}
-
-__all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "register_host",
-           "unregister_host", "host_device_pointer", "device_view", "part_code", "PART_NONE",
-           "PART_WHOLE", "ce_words", "wait_parts", "OP_COPY", "OP_WRITE64", "OP_LAUNCH",
-           "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES", "N_TERMS"]
-
-
-def direct_blocks_setting() -> tuple[int, int] | None:
-    """SPARKCCL_DIRECT_BLOCKS="publish,wait" (for measurements), or None when unset."""
-    value = config.get("SPARKCCL_DIRECT_BLOCKS")
-    if value is None:
-        return None
-    try:
-        a, b = (int(v) for v in value)
-    except ValueError:
-        raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
-                          "'publish,wait'") from None
-    return max(1, a), max(1, b)
 
 
 # ---------------------------------------------------------------- the data plane
-
-class _PlanSetting:
-    """A setting the launch plans are made from (benchmarks and tests change some): a new
-    value drops the plans, so that a plan's key is the collective's shape alone and a call
-    does not read every setting to build it."""
-
-    def __set_name__(self, owner, name):
-        self.name, self.slot = name, "_setting_" + name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[self.slot]
-        except KeyError:
-            raise AttributeError(f"{type(obj).__name__!r} object has no attribute "
-                                 f"{self.name!r}") from None
-
-    def __set__(self, obj, value):
-        d = obj.__dict__
-        if self.slot in d and d[self.slot] == value:
-            return
-        d[self.slot] = value
-        plans = d.get("plans")
-        if plans is not None:
-            plans.invalidate()
-
 
 class CudaDataPlane(DataPlaneBase):
     """The CUDA twin of :class:`~.cpu.CpuDataPlane` (same constructor and collective methods;
@@ -191,14 +95,14 @@ class CudaDataPlane(DataPlaneBase):
     views of the same memory."""
 
     # What the planning code reads besides the shape (launch plans are keyed by shape).
-    direct_mode = _PlanSetting()
-    phases = _PlanSetting()
-    on_failure = _PlanSetting()
-    max_publish_blocks = _PlanSetting()
-    max_wait_blocks = _PlanSetting()
-    max_direct_blocks = _PlanSetting()
-    max_direct_wait_blocks = _PlanSetting()
-    ce_min_slice = _PlanSetting()
+    direct_mode = PlanSetting()
+    phases = PlanSetting()
+    on_failure = PlanSetting()
+    max_publish_blocks = PlanSetting()
+    max_wait_blocks = PlanSetting()
+    max_direct_blocks = PlanSetting()
+    max_direct_wait_blocks = PlanSetting()
+    ce_min_slice = PlanSetting()
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
@@ -222,10 +126,6 @@ class CudaDataPlane(DataPlaneBase):
         self._last_event = None
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
         self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
-        # (op, seq, S, first ring index, peers not seen) of recent collectives, oldest first
-        self._unchecked: list[tuple[Op, int, int, int, frozenset]] = []
-        self._peer_words = None  # flat uint64 views of peer_rings (made at the first check)
-        self._peers = frozenset(range(self.world)) - {self.rank}
         # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
         # for the checks before every collective (a plain read each:
         # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
@@ -305,13 +205,16 @@ class CudaDataPlane(DataPlaneBase):
         self.direct_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         self.timeout_ns = int(timeout_s * 1e9)
-        # WAIT_PARAMS of kernels/wait.cu per op (seq is read from the device state).
-        self._wait_head = {op: (self.flags_dev, self.ctl_dev + layout.CTL_ABORT,
-                                self.ctl_dev + layout.CTL_GPU_STATUS,
-                                self.wait_table[int(op)].data_ptr(),
-                                self.parts_table[int(op)].data_ptr(), _n(self.maxw),
-                                self.state.data_ptr()) for op in Op}
-        self._wait_tail = (_n(self.rank), _n(self.world), _n(self.timeout_ns))
+        # The wait role's constants per op (protocol.h kargs::WaitParams; kernels/wait.cu
+        # WAIT_PARAMS takes a pointer to one; seq is read from the device state).
+        blocks = [layout.pack_struct("WP", dict(
+            FLAGS=self.flags_dev, ABORT_W=self.ctl_dev + layout.CTL_ABORT,
+            STATUS=self.ctl_dev + layout.CTL_GPU_STATUS,
+            WAITS=self.wait_table[int(op)].data_ptr(), PARTS=self.parts_table[int(op)].data_ptr(),
+            MAXW=self.maxw, STATE=self.state.data_ptr(), RANK=self.rank, WORLD=self.world,
+            TIMEOUT_NS=self.timeout_ns)) for op in Op]
+        self.wait_params = self.gpu.to_device(torch.tensor(blocks, dtype=torch.int64))
+        self._wait_block = {op: self.wait_params[int(op)].data_ptr() for op in Op}
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
         _u64(ctl_addr + CTL_GPU_ACK).value = 0
         _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
@@ -319,18 +222,10 @@ class CudaDataPlane(DataPlaneBase):
         # half the round trip of the handshake that measured it (its uncertainty), in ns.
         self.clock_offset_ns = self.clock_error_ns = None
         if config.get("SPARKCCL_GPU_STAMPS"):
-            try:
-                # (the probe's buffer stays pinned, and registered, as long as the plane)
-                self._clock_buf = np.zeros(2 * clock.CLOCK_ROUNDS, dtype=np.uint64)
-                found = clock.calibrate(self.gpu, self._register, self.rank, self._clock_buf)
-                if found is not None:
-                    self.clock_offset_ns, self.clock_error_ns = found
-                    word = (found[0] % (1 << 64)) or 1  # (0 means no stamps: 1 ns off instead)
-                    self.state[STATE_CLOCK] = word - (1 << 64) if word >= 1 << 63 else word
-            except Exception as e:  # noqa: BLE001 - a measurement aid: never a failure
-                write_stderr(f"sparkccl: rank {self.rank}: SPARKCCL_GPU_STAMPS: the GPU clock "
-                             f"calibration failed ({type(e).__name__}: {e}): no publish "
-                             "stamps\n")
+            found, self._clock_buf = clock.stamps(self.gpu, self._register, self.rank,
+                                                  self.state)
+            if found is not None:
+                self.clock_offset_ns, self.clock_error_ns = found
         self.gpu.synchronize()
         self.monitor.start()
 
@@ -533,33 +428,12 @@ class CudaDataPlane(DataPlaneBase):
         return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
     # ---- launch helpers --------------------------------------------------------------
-    def host_ring_room(self, op: Op, seq: int, first: int, n: int) -> None:
-        """Wait until ring indices first .. first + n - 1 are free. Only mode "ce" needs it
-        (the host writes those entries' fields itself); every kernel waits on the GPU
-        (kernels/wait.cu ring_room)."""
-        tail = _u64(self.ctl + layout.CTL_RING_TAIL)
-        last = first + n - 1
-        if last - int(tail.value) >= layout.RING_ENTRIES:
-            deadline = time.monotonic() + self.timeout_s
-            spins = 0
-            while last - int(tail.value) >= layout.RING_ENTRIES:
-                self.check_abort()
-                if time.monotonic() > deadline:
-                    self._ring_timeout(op, seq)
-                spins += 1
-                time.sleep(0 if spins < 100 else 50e-6)
-
-    def _ring_timeout(self, op: Op, seq: int) -> None:
-        self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
-                  f"the publish ring for {OP_NAMES[op]} seq {seq} (the proxy is not consuming "
-                  "it, or the GPU is not running this rank's earlier collectives)",
-                  layout.ABORT_TIMEOUT)
-
     def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
-        """WAIT_PARAMS; advance = (ring entries, gate bumps) when the kernel is the
-        collective's last and moves the device state on itself (kernels/common.cuh
-        last_block_advances), else (0, 0) and :meth:`_finish` queues sccl_advance."""
-        return (*self._wait_head[op], *self._wait_tail, _n(advance[0]), _n(advance[1]))
+        """WAIT_PARAMS: the op's WaitParams block, then advance = (ring entries, gate bumps)
+        when the kernel is the collective's last and moves the device state on itself
+        (kernels/common.cuh last_block_advances), else (0, 0) and :meth:`finish` queues
+        sccl_advance."""
+        return self._wait_block[op], _n(advance[0]), _n(advance[1])
 
     def publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
@@ -587,12 +461,12 @@ class CudaDataPlane(DataPlaneBase):
                                "CUDA graph: run one reduce-scatter (or finalize) before capturing "
                                "(docs/CONTRACT.md \"CUDA graphs\")")
 
-    def _begin(self, op: Op, seq: int, S: int, entries: int = PIECES,
+    def begin(self, op: Op, seq: int, S: int, call: int, entries: int = PIECES,
                zero_copy: str | None = None) -> int:
         """Checks before a collective's first launch; returns the host's copy of its first
-        ring index (valid while seq_on_host(); only mode "ce" uses it). zero_copy names a
-        feature that needs the slot of seq on the host: refused once the host no longer
-        knows it."""
+        ring index (valid while seq_on_host(); only mode "ce" uses it). call: its ring
+        entries' call word. zero_copy names a feature that needs the slot of seq on the
+        host: refused once the host no longer knows it."""
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
         self._in_capture = self.gpu.capturing()
@@ -600,7 +474,8 @@ class CudaDataPlane(DataPlaneBase):
             self._graph = True
             self.plans.invalidate()  # (planned under the host's seq; a launch plan key is a shape)
             self._ops.clear()
-            self._unchecked = []
+            if self.peer_check is not None:
+                self.peer_check.forget()
         if zero_copy and self._graph:
             raise RuntimeError(f"rank {self.rank}: {OP_NAMES[op]}: {zero_copy} needs the "
                                "collective's slot on the host, which it no longer knows once a "
@@ -611,9 +486,10 @@ class CudaDataPlane(DataPlaneBase):
                              f"expected seq {self._seq_next} (the GPU numbers collectives one "
                              "per call, in call order)")
         self._check_call()
-        return self._count(op, seq, S, entries)
+        self.plans.called(call)
+        return self._count(op, seq, S, entries, call)
 
-    def _count(self, op: Op, seq: int, S: int, entries: int) -> int:
+    def _count(self, op: Op, seq: int, S: int, entries: int, call: int) -> int:
         """The host's account of a collective about to be issued (its first ring index)."""
         first = self._ring_next
         if not self._graph:
@@ -622,11 +498,8 @@ class CudaDataPlane(DataPlaneBase):
             ops.pop(seq - 512, None)
             if seq > self._last_seq:
                 self._last_seq = seq
-            if self.peer_rings is not None:
-                pending = self._unchecked
-                pending.append((op, seq, S, first, self._peers))
-                if len(pending) > 64:
-                    del pending[:-64]
+            if self.peer_check is not None:
+                self.peer_check.note(op, seq, S, call, first)
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -634,16 +507,16 @@ class CudaDataPlane(DataPlaneBase):
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
     def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
         """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
-        program: ce_engine.CePlan): the checks of :meth:`_begin`, one native call, the
+        program: ce_engine.CePlan): the checks of :meth:`begin`, one native call, the
         host's account. False (nothing done): no plan,
         or the stream is being captured (the planning path then handles the capture), or
         something the planning path reports. ``key`` is the collective's shape: whatever else
-        its planning reads drops every plan when it changes (a setting, see _PlanSetting;
+        its planning reads drops every plan when it changes (a setting, see launch_plan.PlanSetting;
         the tables, the buffers, the first capture: plans.invalidate())."""
         found = self.plans.plans.get(key)
         if found is None or self._closed or (not self._graph and seq != self._seq_next):
             return False
-        plan, entries, direct = found
+        plan, entries, direct, call = found
         self._check_call()
         if not (self.engines.ce.issue_plan(plan, seq, args) if type(plan) is CePlan
                 else self._issue_plan(plan, args)):
@@ -651,7 +524,7 @@ class CudaDataPlane(DataPlaneBase):
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
         self._in_capture = False
-        self._count(op, seq, S, entries)
+        self._count(op, seq, S, entries, call)
         return True
 
     def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
@@ -666,67 +539,11 @@ class CudaDataPlane(DataPlaneBase):
             self.end(ts)
 
     def check_sizes(self) -> None:
-        """Every rank must pass the same sizes: compare the sizes of recent collectives with
-        the peers' own publish entries once those appear (the GPU cannot do it before it
-        waits, so a mismatch is reported at a later call or at synchronize()).
-
-        Cheap enough for every call while the host runs ahead of the GPU: oldest first, one
-        row per peer (:meth:`_probe_size`), and a peer whose entry is not there yet is not
-        asked about later collectives (a rank publishes its collectives in order).
-
-        Only while the entry cannot be overwritten: a peer's GPU publishes collective s + 1
-        only after its s ended, which needed this rank's pieces, so its ring index is at most
-        about two collectives past this host's; an entry further back than RING_ENTRIES less
-        that margin may be being rewritten by the peer's next lap (a torn read would report
-        a mismatch that is not there) and is dropped unverified."""
-        pending = self._unchecked
-        if self.peer_rings is None or not pending:
-            return
-        oldest = self._ring_next - layout.RING_ENTRIES + 2 * PIECES * self.world
-        keep, waiting, others = [], set(), self.world - 1
-        try:
-            for k, item in enumerate(pending):
-                if len(waiting) == others:
-                    keep.extend(pending[k:])
-                    break
-                op, seq, S, first, peers = item
-                if first < oldest:
-                    continue
-                left = [p for p in sorted(peers)
-                        if p in waiting or not self._probe_size(op, seq, S, first, p)]
-                waiting.update(left)
-                if len(left) == len(peers):
-                    keep.append(item)
-                elif left:
-                    keep.append((op, seq, S, first, frozenset(left)))
-        except CollectiveError:
-            self._unchecked = []
-            raise
-        self._unchecked = keep
-
-    def _probe_size(self, op: Op, seq: int, S: int, first: int, peer: int) -> bool:
-        """:meth:`_check_size` reading one row: every rank takes the same ring entries per
-        collective, so the peer's entry of seq sits at this rank's index ``first`` (tag
-        first + 1). An older tag there: not published yet. A newer one: the rings went
-        apart (e.g. ranks of a finalize on different engines), so scan the whole ring; a
-        tag a lap or more newer: the entry is gone (nothing to compare)."""
-        words = self._peer_words
-        if words is None:  # (indexing a flat memoryview costs a third of numpy's item())
-            words = self._peer_words = [None if r is None else memoryview(r).cast("B").cast("Q")
-                                        for r in self.peer_rings]
-        ring = words[peer]
-        if ring is None:
-            return True
-        i = (first % layout.RING_ENTRIES) * ROW_WORDS
-        tag, theirs = ring[i], ring[i + 1]
-        if tag == first + 1 and theirs == seq:
-            if ring[i + 2] == S:
-                return True
-        elif tag < first + 1 or (tag == first + 1 and theirs < seq):
-            return False
-        elif tag > first + layout.RING_ENTRIES:
-            return True
-        return self._check_size(op, seq, peer, S)  # (also for the message of a mismatch)
+        """Every rank must make the same call: compare recent collectives with the peers'
+        own publish entries once those appear (the GPU cannot do it before it waits, so a
+        difference is reported at a later call or at synchronize(); peer_check.py)."""
+        if self.peer_check is not None:
+            self.peer_check.run(self._ring_next)
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
@@ -734,7 +551,8 @@ class CudaDataPlane(DataPlaneBase):
     maps_peers = True  # GPU-direct: map_peers / map_peers_rs
 
     def all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                   dst_stride: int) -> None:
+                   dst_stride: int, dtype: torch.dtype | None = None,
+                   part: tuple[int, int] | None = None) -> None:
         """Gather ``src`` (CUDA, contiguous, L bytes) of every rank: rank i's bytes land at
         byte ``i * dst_stride + dst_off`` of ``dst``. ``dst=None``: zero-copy, the result
         stays in AG slot ``seq % 3`` (rank i at ``i * round_up(L, 16)``, see
@@ -742,48 +560,15 @@ class CudaDataPlane(DataPlaneBase):
         slot from the device state's seq (slot base + code, kernels/common.cuh slot_at).
         Later calls of the same shape run from its launch plan."""
         L = src.nbytes
+        dtype = dtype or src.dtype
         key = None
         if dst is not None:
-            key = (Op.AG, L, dst_stride)
+            key = (Op.AG, L, dst_stride, dtype, part)
             src_p, dst_p = src.data_ptr(), dst.data_ptr() + dst_off
             if self._planned(key, Op.AG, seq, round_up(L, ALIGN), src_p, dst_p):
                 return
         with self.plans.planning(key, self.gpu.make_plan):
-            self._all_gather(seq, src, dst, dst_off, dst_stride, L)
-
-    def _all_gather(self, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
-                    dst_stride: int, L: int) -> None:
-        S = round_up(L, ALIGN)
-        first = self._begin(Op.AG, seq, S, zero_copy="a zero-copy result" if dst is None else None)
-        ts, stream = self.gpu.current_stream()
-        slot0, code = self.ag_dev, self.ag_code
-        slot = Slotted(slot0, 3, self.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
-        me = self.rank
-        src_p = CallPtr(src.data_ptr(), 0)
-        dst_ptr = 0 if dst is None else CallPtr(dst.data_ptr() + dst_off, 1)
-        res_me = 0 if dst is None else dst_ptr + me * dst_stride
-        out = (slot, S, self.world, L) if dst is None else (dst_ptr, dst_stride, self.world, L)
-        piece = piece_bounds(S, 0)[1]
-        dtab = self.direct_table(Op.AG, S)
-        engine = self.engines.choose(Op.AG, S, dtab)
-        if not engine.direct:
-            self.engines.proxy.all_gather(ts, stream, S, L, src_p, dst_ptr, dst_stride, res_me, out,
-                                          zero_copy=dst is None)
-            return
-        # GPU-direct: this rank's publish streams run on the GPU
-        nb = 1 if dst is None else min(self.slice_wait_blocks(S), self.max_direct_wait_blocks)
-        # The own block of the slot is only written when the result stays there (zero-copy):
-        # relays forward other origins' blocks, and no proxy reads it.
-        own_dst = slot + me * S if dst is None else 0
-        engine.run(DirectCall(
-            Op.AG, seq, ts, stream, S=S, L=L, first=first, kernel="sccl_ag_direct",
-            publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                     slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                     res_me),
-            consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-            wait_kernel="sccl_ag_wait", nb=nb, npub=self.direct_blocks(piece * (self.world - 1)),
-            ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
-            ce_consume=(slot, dst_ptr, dst_stride), output=out))
+            cuda_calls.all_gather(self, seq, src, dst, dst_off, dst_stride, L, dtype, part)
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
@@ -795,13 +580,14 @@ class CudaDataPlane(DataPlaneBase):
         return self.ag[base:base + nbytes]
 
     def reduce_scatter(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype) -> None:
+                       L: int, dst: torch.Tensor, dst_off: int, dtype: torch.dtype,
+                       part: tuple[int, int] | None = None) -> None:
         """Reduce-scatter chunks of L bytes: chunk j of ``src`` (CUDA, contiguous) starts at
         its byte ``j * src_stride + src_off``; this rank's sum lands at byte ``dst_off`` of
         ``dst``. ``src=None``: the chunks are already in the send slot (zero-copy input) at
         ``j * L``, L a multiple of 16. Later calls of the same shape run from its launch
         plan."""
-        key = (Op.RS, L, src_stride, dtype, src is None)
+        key = (Op.RS, L, src_stride, dtype, src is None, part)
         src_p = 0 if src is None else src.data_ptr() + src_off
         dst_p = dst.data_ptr() + dst_off
         if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p):
@@ -815,47 +601,7 @@ class CudaDataPlane(DataPlaneBase):
             raise ValueError("reduce_scatter: a zero-copy input needs chunks of a multiple of 16 "
                              "bytes")
         with self.plans.planning(key, self.gpu.make_plan):
-            self._reduce_scatter(seq, src, src_p, src_stride, L, dst_p, dtype)
-
-    def _reduce_scatter(self, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
-                        dtype: torch.dtype) -> None:
-        S = round_up(L, ALIGN)
-        first = self._begin(Op.RS, seq, S, zero_copy="a zero-copy input" if src is None else None)
-        ts, stream = self.gpu.current_stream()
-        W, me = self.world, self.rank
-        send0, recv0 = self.rs_send_dev, self.rs_recv_dev
-        scode, rcode = self.send_code, self.recv_code
-        send = Slotted(send0, 2, self.rs_send_stride, seq)  # (the host's view: mode ce)
-        recv = Slotted(recv0, 2, self.rs_recv_stride, seq)
-        dst_ptr = CallPtr(dst_p, 1)
-        piece = piece_bounds(S, 0)[1]
-        if src is not None:
-            base = CallPtr(src_p, 0)
-            own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
-        else:
-            base = None
-            own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-        dtab = self.direct_table(Op.RS, S)
-        engine = self.engines.choose(Op.RS, S, dtab)
-        if not engine.direct:
-            self.engines.proxy.reduce_scatter(ts, stream, S, L, base, src_stride, own, own_code,
-                                              own_sys, dst_ptr, dtype)
-            return
-        # GPU-direct: chunks straight to the peers
-        sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
-                                         else (send0, scode, S, 1))
-        engine.run(DirectCall(
-            Op.RS, seq, ts, stream, S=S, L=L, first=first, kernel=_RS_DIRECT[dtype],
-            publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                     0, _n(0), 0),
-            consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-            wait_kernel=RS_WAIT[dtype], nb=min(self.slice_wait_blocks(S),
-                                               self.max_direct_wait_blocks),
-            npub=self.direct_blocks(piece * (W - 1)),
-            # A zero-copy input already lies in pinned memory: no copy engine for it.
-            ce_src=(base, src_stride) if src is not None else None, own=[],
-            sum_kernel=_RS_SUM_UNIT[dtype],
-            ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+            cuda_calls.reduce_scatter(self, seq, src, src_p, src_stride, L, dst_p, dtype, part)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
@@ -877,37 +623,14 @@ class CudaDataPlane(DataPlaneBase):
         if self._planned(key, Op.RS, seq, S, *args):
             return
         with self.plans.planning(key, self.gpu.make_plan):
-            self._finalize(seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
-                                                       for i, a in enumerate(args)))
-
-    def _finalize(self, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
-        """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
-        S, L = fin_slice(rows, 2 * f.H)
-        dtab = self.direct_table(Op.RS, S)
-        engine = self.engines.choose(Op.RS, S, dtab, finalize=True)
-        # The proxy path publishes per (row piece, destination); GPU-direct per piece.
-        entries = PIECES if engine.direct else PIECES * (self.world - 1)
-        self._begin(Op.RS, seq, S, entries=entries)
-        ts, stream = self.gpu.current_stream()
-        own = self.scratch("finalize own", L).data_ptr()
-        if engine.direct:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, dtab)
-        else:
-            engine.finalize(ts, stream, f, row_lo, rows, S, L, ptrs, own, entries)
+            cuda_calls.finalize(self, seq, f, row_lo, rows, tuple(CallPtr(a, i) if a else 0
+                                                                  for i, a in enumerate(args)))
 
     def check_finalize_inputs(self) -> None:
-        """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
-        was NaN; nothing was read out of bounds). Reads device memory: call after the
-        kernels finished."""
-        if not self._fin_used:
-            return
-        bad = self.fin_bad.cpu().tolist()
-        if bad[0]:
-            self.fin_bad.zero_()
-            t, k, p = bad[1], bad[2], bad[3]
-            raise ValueError(f"rank {self.rank}: moe_finalize_reduce_scatter: pos for token {t}, "
-                             f"k {k} was {p}, not a row of y "
-                             f"(0 <= pos < R); {bad[0]} such terms were NaN in the result")
+        """Raise ``ValueError`` if a finalize kernel met a bad ``pos`` (after the kernels
+        finished: reads device memory; :func:`.cuda_calls.check_finalize_inputs`)."""
+        if self._fin_used:
+            cuda_calls.check_finalize_inputs(self)
 
     # ---- completion and failure ------------------------------------------------------
     def synchronize(self) -> None:
@@ -965,25 +688,12 @@ class CudaDataPlane(DataPlaneBase):
 
     def check_status(self) -> None:
         """Raise if a kernel recorded a failure (no synchronization: reads the record)."""
-        code, source, word, piece, seq = self.gpu_status()
-        if not code:
-            return
-        op = self._ops.get(seq)
-        what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
-        if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
-            if self.nat.abort_code(self.ctl):
-                waited = "" if source == NO_SOURCE else f" (waiting for piece {piece} from rank {source})"
-                self._raise_recorded(self.nat.abort_code(self.ctl), what + waited)
-            if source == NO_SOURCE:
-                self.fail(f"rank {self.rank}: {what}: a GPU wait gave up (the communicator had "
-                          "already failed, or the wait ran past its timeout: for a peer's "
-                          "flag, or for space in the publish ring)", int(code))
-            self.fail(f"rank {self.rank}: {what} piece {piece}: the GPU wait saw abort code "
-                      f"{code}", int(code))
-        if word == NO_WORD or op is None:
-            self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
-                      f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
-        self._timed_out(what, piece, word, "; GPU wait")
+        if self._ctl_words[_GPU_STATUS_WORD]:
+            self.monitor.raise_record()
+
+    def op_of(self, seq: int) -> Op | None:
+        """The op of recent collective ``seq`` (for messages), if the host knows it."""
+        return self._ops.get(seq)
 
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------
     def poison_call(self, out: torch.Tensor) -> None:

@@ -11,7 +11,17 @@ from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from ..plan.waits import part_code
 from .base import OP_NAMES
 
-MAX_DIRECT = layout.protocol_constants()["MAX_DIRECT"]  # GPU-executed streams per op
+_P = layout.protocol_constants()
+MAX_DIRECT = _P["MAX_DIRECT"]  # GPU-executed streams per op
+DT_STREAM, DT_ITEM = _P["DT_STREAM"], _P["DT_ITEM"]  # u64 per stream row, per item row
+
+
+def _row(width: int, **fields: int) -> list[int]:
+    """A direct-table row: each field (a protocol.h DT_* name) at its index."""
+    row = [0] * width
+    for name, value in fields.items():
+        row[_P[name]] = value
+    return row
 
 
 class DirectTables:
@@ -59,7 +69,8 @@ class DirectTables:
             flags = self.peers[(peer, "ctl")][0] + layout.FLAGS_OFFSET
             base, nbytes = self.peers[(peer, kind)]
             room = nbytes if room is None else min(room, nbytes)
-            rows.append([flags + layout.FLAG_BYTES * st.dst_flag, len(items), len(st.items), 0])
+            rows.append(_row(DT_STREAM, DT_FLAG=flags + layout.FLAG_BYTES * st.dst_flag,
+                             DT_FIRST=len(items), DT_ITEMS=len(st.items)))
             host.append((rows[-1][0], []))
             for it in st.items:
                 if op == Op.AG:
@@ -72,7 +83,9 @@ class DirectTables:
                 if not ok:
                     raise ValueError(f"GPU-direct: unexpected item {it} in {OP_NAMES[op]} "
                                      f"stream {k}")
-                items.append([chunk, base, stride, slots, it.dst_block, part_code(it.part)])
+                items.append(_row(DT_ITEM, DT_CHUNK=chunk, DT_BASE=base, DT_STRIDE=stride,
+                                  DT_SLOTS=slots, DT_BLOCK=it.dst_block,
+                                  DT_PART=part_code(it.part)))
                 host[-1][1].append((chunk, base, stride, slots, it.dst_block, it.part))
                 blocks = max(blocks, it.dst_block + 1)
         if len(rows) > MAX_DIRECT:

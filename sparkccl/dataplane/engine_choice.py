@@ -10,6 +10,7 @@ name added to :data:`sparkccl.config.DIRECT_ENGINES` (the setting's choices) and
 from __future__ import annotations
 
 from .. import config
+from ..errors import ConfigError
 from ..plan.model import Op
 from .ce_engine import CeEngine
 from .engines import Engine, FusedEngine, ProxyPathEngine, SplitEngine
@@ -59,3 +60,16 @@ class Engines:
     def close(self) -> None:
         for engine in (self.proxy, *self.direct.values()):
             engine.close()
+
+
+def direct_blocks_setting() -> tuple[int, int] | None:
+    """SPARKCCL_DIRECT_BLOCKS="publish,wait" (for measurements), or None when unset."""
+    value = config.get("SPARKCCL_DIRECT_BLOCKS")
+    if value is None:
+        return None
+    try:
+        a, b = (int(v) for v in value)
+    except ValueError:
+        raise ConfigError(f"SPARKCCL_DIRECT_BLOCKS={','.join(value)!r}: expected two integers "
+                          "'publish,wait'") from None
+    return max(1, a), max(1, b)

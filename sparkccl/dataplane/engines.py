@@ -64,6 +64,7 @@ class DirectCall:
     stream: object  # the same stream for cuda.core launches
     S: int          # slice bytes (padded to 16)
     L: int          # real bytes per rank
+    call: int       # the ring entries' call word (peer_check.call_word)
     first: int      # first ring index reserved for the collective
     kernel: str     # the direct kernel (fused / split publish role)
     publish: tuple
@@ -89,10 +90,11 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds (the plane is closing)."""
 
-    def direct_ring(self, op: Op) -> tuple:
-        """The direct kernels' ring parameters: ring, op, the hand-offs' counters."""
+    def direct_ring(self, call: int) -> tuple:
+        """The direct kernels' ring parameters: ring, the entries' call word, the
+        hand-offs' counters."""
         p = self.plane
-        return p.ctl_dev + layout.RING_OFFSET, _n(int(op)), p.dcounters.data_ptr()
+        return p.ctl_dev + layout.RING_OFFSET, _n(call), p.dcounters.data_ptr()
 
 
 class ProxyPathEngine(Engine):
@@ -123,8 +125,8 @@ class ProxyPathEngine(Engine):
         p.poison_if_failed(stream, *output)
         p.finish(ts, stream, entries, advanced=waited)
 
-    def all_gather(self, ts, stream, S: int, L: int, src_p, dst_ptr, dst_stride: int, res_me,
-                   output: tuple, zero_copy: bool) -> None:
+    def all_gather(self, ts, stream, S: int, L: int, call: int, src_p, dst_ptr,
+                   dst_stride: int, res_me, output: tuple, zero_copy: bool) -> None:
         p = self.plane
         if not zero_copy:
             p.plans.plannable()  # (kernels of constants and call pointers)
@@ -138,15 +140,15 @@ class ProxyPathEngine(Engine):
         self.issue(
             ts, stream, output,
             lambda: ("sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                     (*publish, ring, _n(int(Op.AG)), counters, _n(bpp), *consume,
+                     (*publish, ring, _n(call), counters, _n(bpp), *consume,
                       *p.wait_args(Op.AG, (PIECES, 0)))),
             lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                     (*publish, _n(L), _n(S), ring, state, _n(int(Op.AG)), counters, _n(bpp))),
+                     (*publish, _n(L), _n(S), ring, state, _n(call), counters, _n(bpp))),
             lambda: ("sccl_ag_wait", 1 + nb, WAIT_THREADS,
                      (*consume, *p.wait_args(Op.AG, (PIECES, 0)))))
 
-    def reduce_scatter(self, ts, stream, S: int, L: int, base, src_stride: int, own,
-                       own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
+    def reduce_scatter(self, ts, stream, S: int, L: int, call: int, base, src_stride: int,
+                       own, own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
         """``base``: the input's chunk 0, or None for a zero-copy input (the chunks lie in
         the send slot already: only the ring entries are written)."""
         p = self.plane
@@ -164,15 +166,15 @@ class ProxyPathEngine(Engine):
         self.issue(
             ts, stream, (dst_ptr, 0, 1, L),
             lambda: (RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                     (*publish, ring, _n(int(Op.RS)), counters, _n(bpp), *consume,
+                     (*publish, ring, _n(call), counters, _n(bpp), *consume,
                       *p.wait_args(Op.RS, (PIECES, 0)))),
             lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS if base is not None else 32,
-                     (*publish, _n(L), _n(S), ring, state, _n(int(Op.RS)), counters, _n(bpp))),
+                     (*publish, _n(L), _n(S), ring, state, _n(call), counters, _n(bpp))),
             lambda: (RS_WAIT[dtype], 1 + nb, WAIT_THREADS,
                      (*consume, *p.wait_args(Op.RS, (PIECES, 0)))))
 
-    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, ptrs: tuple,
-                 own: int, entries: int) -> None:
+    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, call: int,
+                 ptrs: tuple, own: int, entries: int) -> None:
         """``sccl_finalize`` computes the rows into the send slot and publishes each (row
         piece, destination), in ``entries`` ring entries; the bf16 wait kernel sums."""
         p = self.plane
@@ -188,7 +190,7 @@ class ProxyPathEngine(Engine):
                      _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
                      _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
                      p.rs_send_dev, _n(p.send_code), own, p.ctl_dev + layout.RING_OFFSET,
-                     p.state.data_ptr(), _n(int(Op.RS)), p.fin_counters.data_ptr()))
+                     p.state.data_ptr(), _n(call), p.fin_counters.data_ptr()))
 
         def wait():
             nb = p.wait_blocks(piece_bounds(S, 0, RB)[1])
@@ -212,14 +214,14 @@ class FusedEngine(Engine):
         waited = "wait" in p.phases  # (a benchmark may time the publish role alone)
         grid = call.npub + (1 + call.nb if waited else 0)
         p.launch(call.stream, call.kernel, grid, DIRECT_THREADS, *call.publish,
-                 *self.direct_ring(op), _n(call.npub), *call.consume,
+                 *self.direct_ring(call.call), _n(call.npub), *call.consume,
                  *p.wait_args(op, (PIECES, 0)))
         p.direct_launches += 1
         p.poison_if_failed(call.stream, *call.output)
         p.finish(call.ts, call.stream, advanced=True)
 
-    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, ptrs: tuple,
-                 own: int, dtab) -> None:
+    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, call: int,
+                 ptrs: tuple, own: int, dtab) -> None:
         """One launch of ``sccl_finalize_direct`` computes the rows straight into the peers'
         mapped receive regions, writes the streams' flags and one ring entry per piece
         (chunk -2), and its other blocks sum this rank's rows over ranks as they arrive.
@@ -235,7 +237,7 @@ class FusedEngine(Engine):
         p.launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                  y, scales, pos, weights, shared, p.fin_bad.data_ptr(), _n(f.num_tokens),
                  _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank),
-                 _n(row_lo), _n(rows), _n(S // RB), dtab.data_ptr(), *self.direct_ring(Op.RS),
+                 _n(row_lo), _n(rows), _n(S // RB), dtab.data_ptr(), *self.direct_ring(call),
                  _n(npub), p.fin_gate.data_ptr(), p.rs_recv_dev, _n(p.recv_code), own,
                  dst, *p.wait_args(Op.RS, (PIECES, npub)))
         p.direct_launches += 1
@@ -255,7 +257,7 @@ class SplitEngine(Engine):
         waits = p.wait_args(op)
         side_ts, side = p.fork(call.ts)
         p.launch(side, call.kernel, call.npub, DIRECT_THREADS, *call.publish,
-                 *self.direct_ring(op), _n(call.npub), *call.consume, *waits)
+                 *self.direct_ring(call.call), _n(call.npub), *call.consume, *waits)
         p.launch(stream, call.wait_kernel, 1 + call.nb, WAIT_THREADS, *call.consume,
                  _n(call.L), _n(call.S), *waits)
         p.join(call.ts, side_ts)

@@ -20,7 +20,7 @@ results are never planned.
 A plan is stale when what its constants came from changes: the key is the collective's
 shape, and the data plane drops every plan (``invalidate``, which bumps ``generation``) when
 a setting its planning reads, its tables or its buffers change (a new value of a
-``_PlanSetting``, peer mappings, attach_rs, an outgrown scratch buffer, the first capture).
+``PlanSetting``, peer mappings, attach_rs, an outgrown scratch buffer, the first capture).
 """
 from __future__ import annotations
 
@@ -117,6 +117,7 @@ class PlanCache:
         self._entries: int | None = None  # ring entries of the collective being planned
         self._direct = False  # ... and whether it is a GPU-direct launch (direct_launches)
         self._ready = None  # ... or the plan its planning made itself (mode "ce")
+        self._call = 0  # ... and its ring entries' call word (peer_check.py)
 
     def invalidate(self) -> None:
         """What the plans' constants came from changed: drop them all."""
@@ -132,6 +133,11 @@ class PlanCache:
         if self._recording is not None:
             self._recording.append((name, grid, block, args))
 
+    def called(self, word: int) -> None:
+        """The call word of the collective being planned (its peers' check compares it
+        at every replay)."""
+        self._call = word
+
     def plannable(self, entries: int = PIECES, direct: bool = False, plan=None) -> None:
         """Called by the planning code on a path whose launches may be replayed; entries:
         the publish-ring entries the collective takes (the host's account of the ring);
@@ -142,8 +148,8 @@ class PlanCache:
     @contextmanager
     def planning(self, key, make):
         """Record the launches of the block; if it declared itself plannable and ended
-        without an exception, store ``(make(Recording), ring entries, direct)`` under
-        ``key``.
+        without an exception, store ``(make(Recording), ring entries, direct, call word)``
+        under ``key``.
         ``key`` None records nothing."""
         if key is None or self._recording is not None:
             yield
@@ -153,8 +159,8 @@ class PlanCache:
         self._recording, self._entries, self._ready = [], None, None
         try:
             yield
-            launches, entries, direct, ready = (self._recording, self._entries, self._direct,
-                                                self._ready)
+            launches, entries, direct, ready, call = (self._recording, self._entries,
+                                                      self._direct, self._ready, self._call)
         finally:
             self._recording, self._entries, self._ready = None, None, None
         if entries is not None and (launches or ready is not None) \
@@ -164,4 +170,32 @@ class PlanCache:
             plan = ready if ready is not None else make(Recording.of(launches))
             if len(self.plans) >= self.limit:
                 self.plans.clear()
-            self.plans[key] = (plan, entries, direct)
+            self.plans[key] = (plan, entries, direct, call)
+
+
+class PlanSetting:
+    """A setting of the CUDA data plane the launch plans are made from (a descriptor;
+    benchmarks and tests change some): a new value drops the plans (the owner's ``plans``,
+    a :class:`PlanCache`), so that a plan's key is the collective's shape alone and a call
+    does not read every setting to build it."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_setting_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute "
+                                 f"{self.name!r}") from None
+
+    def __set__(self, obj, value):
+        d = obj.__dict__
+        if self.slot in d and d[self.slot] == value:
+            return
+        d[self.slot] = value
+        plans = d.get("plans")
+        if plans is not None:
+            plans.invalidate()

@@ -30,11 +30,13 @@ import time
 
 from .. import layout
 from ..errors import CollectiveError
+from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .trap_lock import TrapLock
 
 _P = layout.protocol_constants()
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
+NO_SOURCE, NO_WORD = _P["NO_SOURCE"], _P["NO_WORD"]  # GPU record: no source, no flag word
 CTL_GPU_ACK = layout.CTL_GPU_ACK
 WATCHDOG_POLL_S = 0.002  # the kernel waits ACK_WAIT_NS (1.5 s) for the report, then traps
 # Mode stop, after the report: the watchdog writes ACK_HOLD, which keeps the failing kernel
@@ -175,6 +177,32 @@ class FailureMonitor:
 
     def failure_known(self) -> bool:
         return bool(self.plane.nat.abort_code(self.plane.ctl) or self._words[_GPU_STATUS_WORD])
+
+    def raise_record(self) -> None:
+        """Raise the failure a kernel recorded in the GPU record as the
+        :class:`CollectiveError` naming rank, seq, piece, peer and connection (also setting
+        the abort word, so the proxy tells the peers)."""
+        p = self.plane
+        code, source, word, piece, seq = p.gpu_status()
+        if not code:
+            return
+        op = p.op_of(seq)
+        what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
+        if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
+            if p.nat.abort_code(p.ctl):
+                waited = ("" if source == NO_SOURCE
+                          else f" (waiting for piece {piece} from rank {source})")
+                p.raise_recorded(p.nat.abort_code(p.ctl), what + waited)
+            if source == NO_SOURCE:
+                p.fail(f"rank {p.rank}: {what}: a GPU wait gave up (the communicator had "
+                       "already failed, or the wait ran past its timeout: for a peer's "
+                       "flag, or for space in the publish ring)", int(code))
+            p.fail(f"rank {p.rank}: {what} piece {piece}: the GPU wait saw abort code "
+                   f"{code}", int(code))
+        if word == NO_WORD or op is None:
+            p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for {what} "
+                   f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
+        p.timed_out(what, piece, word, "; GPU wait")
 
     def _stuck_error(self) -> CollectiveError:
         code, source, word, piece, seq = self.plane.gpu_status()

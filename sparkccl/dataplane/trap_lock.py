@@ -6,7 +6,7 @@ was never lost and the host's synchronization waited forever; one trap at a time
 context cleanly. So the watchdog of a data plane whose kernel is held before its trap
 (``CTL_GPU_ACK`` = ``ACK_HOLD``, kernels/wait.cu ``stop_after_report``) takes this lock,
 writes ``ACK_GO`` and keeps the lock until its own context is lost
-(:meth:`sparkccl.dataplane.cuda.CudaDataPlane._watchdog`; docs/CONTRACT.md "Failure
+(:mod:`sparkccl.dataplane.monitor`, the watchdog; docs/CONTRACT.md "Failure
 behaviour").
 
 ``fcntl.flock`` on a file named after the GPU: only ever tried without blocking (the

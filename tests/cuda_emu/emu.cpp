@@ -39,11 +39,9 @@ static void run_grid(unsigned grid, F f) {
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
-// WAIT_PARAMS of kernels/wait.cu from argument i on (12 arguments).
-#define WAIT_ARGS(i)                                                                          \
-  P(i, const u64*), P(i + 1, const u64*), P(i + 2, u64*), P(i + 3, const int*),               \
-      P(i + 4, const int*), a[i + 5], P(i + 6, u64*), a[i + 7], a[i + 8], a[i + 9],           \
-      a[i + 10], a[i + 11]
+// WAIT_PARAMS of kernels/wait.cu from argument i on (3 arguments: the WaitParams block of
+// protocol.h, then adv_entries, adv_gate).
+#define WAIT_ARGS(i) P(i, const WaitParams*), a[i + 1], a[i + 2]
 // DIRECT_PARAMS of kernels/direct.cu (14 arguments, from 0).
 #define DIRECT_ARGS                                                                           \
   P(0, const u8*), a[1], a[2], a[3], a[4], a[5], P(6, const u64*), P(7, u8*), a[8], P(9, u8*), \

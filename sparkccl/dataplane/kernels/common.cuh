@@ -13,6 +13,7 @@ typedef unsigned char u8;
 using namespace sparkccl::layout;
 using namespace sparkccl::geom;
 using namespace sparkccl::gpu;
+using namespace sparkccl::kargs;
 
 // Kernel-only tuning.
 #define UNROLL 4

@@ -34,7 +34,7 @@ struct PubArgs {
   u8* dst2;     // own slice of the device result (or null)
   u8* ring;
   u64* state;
-  u64 first_index, seq, op;
+  u64 first_index, seq, call;  // call: the ring entries' call word (publish.cu entry_fields)
   u32* counters;  // this seq's set
 };
 
@@ -47,21 +47,21 @@ struct PubArgs {
 // own release, took four such waits per piece.) dtab: the direct table, or null where
 // nothing goes to the peers (a failed data plane: sccl_finalize_direct).
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
-                                         u64* state, u64 first_index, u64 seq, u64 S, u32 op,
+                                         u64* state, u64 first_index, u64 seq, u64 S, u64 call,
                                          int c0, int c1) {
   if (!last_block_arrives(counter, n)) return;
   u32 room = 0;  // bit c: entry first_index + c has its fields (its ring wait passed)
   for (int c = c0; c <= c1; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, op, (u32)c,
+    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, call, (u32)c,
                      (u32)CHUNK_DIRECT, ALIGN))
       room |= 1u << c;
   }
   __threadfence_system();
   const u64 ns = dtab ? dtab[0] : 0;
   for (u64 s = 0; s < ns; ++s)
-    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM], seq * FLAG_STRIDE + c1 + 1);
+    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
   for (int c = c0; c <= c1; ++c)
     if (room & (1u << c)) st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
 }
@@ -82,19 +82,19 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
     piece_bounds(p.S, c, &lo, &hi);
     for (u64 s = 0; s < ns; ++s) {
       const u64* row = p.dtab + 1 + s * DT_STREAM;
-      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+      for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
         const u64* m = items + t * DT_ITEM;
         u64 a = lo, e = hi;
-        part_cut((u32)m[5], p.L, &a, &e);
+        part_cut((u32)m[DT_PART], p.L, &a, &e);
         if (e > a) {
-          u8* d = (u8*)m[1] + (p.seq % m[3]) * m[2] + m[4] * p.S + a;
-          copy_any(d, (u8*)0, p.src + m[0] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
+          u8* d = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S + a;
+          copy_any(d, (u8*)0, p.src + m[DT_CHUNK] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
         }
       }
     }
     if ((c + 1) % group == 0)
       hand_off(p.counters + c, nb, p.dtab, p.ring, p.state, p.first_index, p.seq, p.S,
-               (u32)p.op, c + 1 - group, c);
+               p.call, c + 1 - group, c);
     const u64 a = lo < p.L ? lo : p.L;
     const u64 e = hi < p.L ? hi : p.L;
     if ((p.own_dst || p.dst2) && e > a)
@@ -107,13 +107,13 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
 // sets of PIECES, by seq.
 #define DIRECT_PARAMS                                                                       \
   const u8 *src, u64 src_code, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab,  \
-      u8 *own_dst, u64 own_dst_code, u8 *dst2, u8 *ring, u64 op, u32 *counters, u64 npub
+      u8 *own_dst, u64 own_dst_code, u8 *dst2, u8 *ring, u64 call, u32 *counters, u64 npub
 #define PUB_ARGS_INIT                                                                       \
   PubArgs p;                                                                                \
   p.src = slot_at(src, src_code, w.seq); p.src_stride = src_stride; p.src_sys = src_sys;    \
   p.L = L; p.S = S; p.dtab = dtab; p.own_dst = slot_at(own_dst, own_dst_code, w.seq);         \
   p.dst2 = dst2; p.ring = ring; p.state = state;                                            \
-  p.first_index = state_word(state, STATE_RING); p.seq = w.seq; p.op = op;                  \
+  p.first_index = state_word(state, STATE_RING); p.seq = w.seq; p.call = call;              \
   p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
 
 // Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.

@@ -153,7 +153,7 @@ __device__ __forceinline__ V16 fin_unit(const FinArgs& a, u64 t, u64 cu) {
 // ring index and publishes (piece c, chunk j).
 __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8* ring,
                                             u64* state, u64 first_index, u64 seq, u64 S, u64 RB,
-                                            u32 op, int c, u64 j) {
+                                            u64 call, int c, u64 j) {
   __threadfence_system();  // this thread's row stores before the count (and the tag)
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -166,7 +166,7 @@ __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8*
       const u64 index = first_index + k;
       u64 lo, hi;
       piece_bounds_g(S, c, RB, &lo, &hi);
-      write_entry(ring, state, index, seq, S, lo, hi, op, (u32)c, (u32)j, (u32)RB);
+      write_entry(ring, state, index, seq, S, lo, hi, call, (u32)c, (u32)j, (u32)RB);
     }
   }
 }
@@ -174,7 +174,7 @@ __device__ __forceinline__ void fin_publish(u32* counters, u64 x, u64 items, u8*
 template <bool FP8>
 __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u64 rows,
                                          u64 rows_pad, u64 world, u64 rank, u8* send, u8* own, u8* ring,
-                                         u64* state, u64 first_index, u64 seq, u64 op,
+                                         u64* state, u64 first_index, u64 seq, u64 call,
                                          u32* counters) {
   const u64 RB = 2 * a.H;       // row bytes: the piece granule
   const u64 S = rows_pad * RB;  // this collective's slice (rows per destination, padded)
@@ -196,7 +196,7 @@ __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u
       const u64 t = r0 + r < rows ? j * Rr + row_lo + r0 + r : ~0ull;  // padding rows: zero
       st16(out + r * RB + cu * 16, fin_unit<FP8>(a, t, cu));
     }
-    fin_publish(counters, x, items, ring, state, first_index, seq, S, RB, (u32)op, c, j);
+    fin_publish(counters, x, items, ring, state, first_index, seq, S, RB, call, c, j);
   }
   const u64 tbase = rank * Rr + row_lo;
   const u64 n = rows * upr;
@@ -212,7 +212,7 @@ __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u
 extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
     const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
     u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    u64 world, u64 rank, u8* send, u64 send_code, u8* own, u8* ring, u64* state, u64 op,
+    u64 world, u64 rank, u8* send, u64 send_code, u8* own, u8* ring, u64* state, u64 call,
     u32* counters) {
   if (plane_failed(state)) return;  // (the proxy may still send this slot; see plane_failed)
   const u64 seq = state_word(state, STATE_SEQ);
@@ -224,10 +224,10 @@ extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
   a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
   if (fp8)
     fin_body<true>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
-                   first_index, seq, op, counters);
+                   first_index, seq, call, counters);
   else
     fin_body<false>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
-                    first_index, seq, op, counters);
+                    first_index, seq, call, counters);
 }
 
 // ---------------------------------------------------------------- MoE finalize, GPU-direct
@@ -244,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
 template <bool FP8>
 __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
                                    u64 rank, const u64* dtab, u8* own, u8* ring, u64* state,
-                                   u64 first_index, u64 seq, u64 op, u32* counters, u32* gate,
+                                   u64 first_index, u64 seq, u64 call, u32* counters, u32* gate,
                                    u32 b, u32 nb) {
   const u64 RB = 2 * a.H, S = rows_pad * RB, L = rows * RB;
   const bool failed = plane_failed(state);  // then nothing to the peers
@@ -257,14 +257,14 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
     piece_bounds(S, c, &lo, &hi);  // row pieces: rows_pad is a multiple of 8
     for (u64 s = 0; s < ns; ++s) {
       const u64* row = dtab + 1 + s * DT_STREAM;
-      for (u64 t = row[1]; t < row[1] + row[2]; ++t) {
+      for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
         const u64* m = items + t * DT_ITEM;
         u64 x = lo, e = hi;
-        part_range((u32)m[5], &x, &e);
+        part_range((u32)m[DT_PART], &x, &e);
         if (e > L) e = L;  // padding rows are never read: not sent
         if (e <= x) continue;
-        u8* d = (u8*)m[1] + (seq % m[3]) * m[2] + m[4] * S;
-        const u64 tb = m[0] * Rr + row_lo;  // token row of chunk m[0]'s local row 0
+        u8* d = (u8*)m[DT_BASE] + (seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * S;
+        const u64 tb = m[DT_CHUNK] * Rr + row_lo;  // token row of the chunk's local row 0
         for (u64 off = x + 16 * tid; off < e; off += 16 * nthreads) {
           const u64 lr = off / RB;
           st16(d + off, fin_unit<FP8>(a, tb + lr, (off - lr * RB) / 16));
@@ -272,7 +272,7 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
       }
     }
     hand_off(counters + c, nb, failed ? (const u64*)0 : dtab, ring, state, first_index, seq, S,
-             (u32)op, c, c);
+             call, c, c);
     const u64 e = hi < L ? hi : L;
     const u64 tb = rank * Rr + row_lo;
     for (u64 off = (lo < L ? lo : L) + 16 * tid; off < e; off += 16 * nthreads) {
@@ -291,7 +291,7 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
     u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    const u64* dtab, u8* ring, u64 op, u32* counters, u64 npub, u32* gate, const u8* recv,
+    const u64* dtab, u8* ring, u64 call, u32* counters, u64 npub, u32* gate, const u8* recv,
     u64 recv_code, u8* own, u8* dst, WAIT_PARAMS) {
   WAIT_ARGS_INIT
   const u64 seq = w.seq;
@@ -304,11 +304,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
     a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
     if (fp8)
-      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
-                               first_index, seq, op, counters, gate, blockIdx.x, (u32)npub);
+      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
+                               state, first_index, seq, call, counters, gate, blockIdx.x,
+                               (u32)npub);
     else
-      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, rank, dtab, own, ring, state,
-                                first_index, seq, op, counters, gate, blockIdx.x, (u32)npub);
+      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
+                                state, first_index, seq, call, counters, gate, blockIdx.x,
+                                (u32)npub);
   } else {
     rs_wait<BF16>(recv, own, 0, dst, rows * 2 * H, rows_pad * 2 * H, w, blockIdx.x - (u32)npub,
                   gridDim.x - (u32)npub, gate, (u32)gate_target);

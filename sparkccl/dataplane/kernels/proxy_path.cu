@@ -15,10 +15,10 @@
 // sccl_publish's parameters but L, S and state (the wait role's too).
 #define PUBLISH_ROLE_PARAMS                                                                  \
   const u8 *src, u64 src_stride, u8 *pdst, u64 pdst_code, u64 pdst_stride, u8 *dst2,         \
-      u64 nchunks, u8 *ring, u64 op, u32 *counters, u64 bpp
+      u64 nchunks, u8 *ring, u64 call, u32 *counters, u64 bpp
 #define PUBLISH_ROLE                                                                         \
   publish_role(src, src_stride, pdst, pdst_code, pdst_stride, dst2, nchunks, L, S, ring,    \
-               state, op, counters, bpp, blockIdx.x)
+               state, call, counters, bpp, blockIdx.x)
 
 extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(
     PUBLISH_ROLE_PARAMS, const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S,

@@ -7,8 +7,10 @@
 
 // One thread: write the fields of publish-ring entry `index` but its tag, once the proxy
 // freed it. False if that wait failed (recorded): nothing written, no tag to write then.
+// call: the entry's call word for piece 0 (protocol.h call_word: op, dtype, kind, padding;
+// the host builds it per collective shape), which the peers compare with their own call.
 __device__ __forceinline__ bool entry_fields(u8* ring, u64* state, u64 index, u64 seq, u64 S,
-                                             u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
+                                             u64 lo, u64 hi, u64 call, u32 piece, u32 chunk,
                                              u32 granule) {
   if (!ring_room(ring, state, index, seq, piece)) return false;
   u8* ent = ring + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
@@ -16,8 +18,7 @@ __device__ __forceinline__ bool entry_fields(u8* ring, u64* state, u64 index, u6
   st_volatile_u64((u64*)(ent + ENT_SLICE), S);
   st_volatile_u64((u64*)(ent + ENT_LO), lo);
   st_volatile_u64((u64*)(ent + ENT_HI), hi);
-  st_volatile_u32((u32*)(ent + ENT_OP), op);
-  st_volatile_u32((u32*)(ent + ENT_PIECE), piece);
+  st_volatile_u64((u64*)(ent + ENT_OP), call | (u64)piece << CALL_PIECE_SHIFT);
   st_volatile_u32((u32*)(ent + ENT_CHUNK), chunk);
   st_volatile_u32((u32*)(ent + ENT_GRANULE), granule);
   // The proxy's clock, for its publish -> post figure: the stamp is the last write before
@@ -34,9 +35,9 @@ __device__ __forceinline__ u64* entry_tag(u8* ring, u64 index) {
 // One thread: write publish-ring entry `index` (every field, then the tag, by a release
 // store that hands it to the proxy), once the proxy freed it (nothing if that wait failed).
 __device__ __forceinline__ void write_entry(u8* ring, u64* state, u64 index, u64 seq, u64 S,
-                                            u64 lo, u64 hi, u32 op, u32 piece, u32 chunk,
+                                            u64 lo, u64 hi, u64 call, u32 piece, u32 chunk,
                                             u32 granule) {
-  if (!entry_fields(ring, state, index, seq, S, lo, hi, op, piece, chunk, granule)) return;
+  if (!entry_fields(ring, state, index, seq, S, lo, hi, call, piece, chunk, granule)) return;
   // The release is the system fence: every field (and, through the blocks' counts in
   // last_block_arrives, the piece's data) is visible before the tag. (A fence of its own
   // before it cost a second wait for host memory per entry.)
@@ -75,12 +76,12 @@ __device__ __forceinline__ bool last_block_arrives(u32* counter, u32 n) {
 // chunk: CHUNK_ALL (-1: every chunk of the piece; the proxy sends it), or CHUNK_DIRECT (-2:
 // every chunk, and this data plane already executed its publish-triggered streams).
 __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u64* state,
-                                             u64 index, u64 seq, u64 S, u32 op, int c,
+                                             u64 index, u64 seq, u64 S, u64 call, int c,
                                              u32 chunk = (u32)CHUNK_ALL) {
   if (last_block_arrives(counter, bpp)) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    write_entry(ring, state, index, seq, S, lo, hi, op, (u32)c, chunk, ALIGN);
+    write_entry(ring, state, index, seq, S, lo, hi, call, (u32)c, chunk, ALIGN);
   }
 }
 
@@ -93,7 +94,7 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
 // (sccl_ag_proxy, sccl_rs_proxy_*).
 __device__ __forceinline__ void publish_role(const u8* src, u64 src_stride, u8* dst, u64 dst_code,
                                              u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
-                                             u8* ring, u64* state, u64 op, u32* counters,
+                                             u8* ring, u64* state, u64 call, u32* counters,
                                              u64 bpp, u32 block) {
   const int c = block / (u32)bpp;
   const u32 b = block % (u32)bpp;
@@ -111,13 +112,13 @@ __device__ __forceinline__ void publish_role(const u8* src, u64 src_stride, u8* 
       team_copy<false>(dst + j * dst_stride + a, j == 0 && dst2 ? dst2 + a : (u8*)0,
                        src + j * src_stride + a, e - a, b, (u32)bpp);
   }
-  finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, (u32)op, c);
+  finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, call, c);
 }
 
 extern "C" __global__ void __launch_bounds__(512) sccl_publish(
     const u8* src, u64 src_stride, u8* dst, u64 dst_code, u64 dst_stride, u8* dst2, u64 nchunks,
-    u64 L, u64 S, u8* ring, u64* state, u64 op, u32* counters, u64 bpp) {
-  publish_role(src, src_stride, dst, dst_code, dst_stride, dst2, nchunks, L, S, ring, state, op,
+    u64 L, u64 S, u8* ring, u64* state, u64 call, u32* counters, u64 bpp) {
+  publish_role(src, src_stride, dst, dst_code, dst_stride, dst2, nchunks, L, S, ring, state, call,
                counters, bpp, blockIdx.x);
 }
 

@@ -210,16 +210,18 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   return r;
 }
 
-#define WAIT_PARAMS                                                                        \
-  const u64 *flags, const u64 *abort_w, u64 *status, const int *waits, const int *parts,   \
-      u64 maxw, u64 *state, u64 rank, u64 world, u64 timeout_ns, u64 adv_entries,          \
-      u64 adv_gate
+// The wait role's parameters: its constant block (protocol.h kargs::WaitParams, one per
+// data plane and op, built by the host from the header's offsets), and the two values that
+// differ per launch (see last_block_advances).
+#define WAIT_PARAMS const WaitParams *wp, u64 adv_entries, u64 adv_gate
 #define WAIT_ARGS_INIT                                                                      \
   WaitArgs w;                                                                               \
-  w.flags = flags; w.abort_w = abort_w; w.status = status; w.waits = waits;                 \
-  w.parts = parts; w.state = state; w.seq = state_word(state, STATE_SEQ);                     \
-  w.rank = (int)rank; w.world = (int)world;                                                 \
-  w.maxw = (int)maxw; w.timeout_ns = timeout_ns;
+  u64* const state = (u64*)wp->state;                                                       \
+  w.flags = (const u64*)wp->flags; w.abort_w = (const u64*)wp->abort_w;                     \
+  w.status = (u64*)wp->status; w.waits = (const int*)wp->waits;                             \
+  w.parts = (const int*)wp->parts; w.state = state; w.seq = state_word(state, STATE_SEQ);   \
+  w.rank = (int)wp->rank; w.world = (int)wp->world;                                         \
+  w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns;
 
 // WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 

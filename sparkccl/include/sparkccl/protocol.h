@@ -73,13 +73,56 @@ constexpr pu64 ENT_SEQ = 8;       // u64
 constexpr pu64 ENT_SLICE = 16;    // u64: slice bytes (per-rank slice / chunk)
 constexpr pu64 ENT_LO = 24;       // u64: piece bounds inside the slice
 constexpr pu64 ENT_HI = 32;       // u64
-constexpr pu64 ENT_OP = 40;       // u32: Op
-constexpr pu64 ENT_PIECE = 44;    // u32
+// The call word: the u64 at ENT_OP says what the caller called, so that every peer can
+// compare it with its own call before it trusts the bytes (the cross-rank check,
+// sparkccl/dataplane/peer_check.py): one byte each of op, dtype, collective and piece, then
+// the padding. Little-endian: byte ENT_OP + k of the entry is bits 8k.. of the word
+// (call_word below; publishers write the word in one store).
+constexpr pu64 ENT_OP = 40;       // u8: Op (what the proxy executes: AG or RS streams)
+constexpr pu64 ENT_DTYPE = 41;    // u8: DTYPE_* of the caller's elements
+constexpr pu64 ENT_KIND = 42;     // u8: KIND_*: the collective called, with its reduction
+constexpr pu64 ENT_PIECE = 43;    // u8: piece (< PIECES)
+constexpr pu64 ENT_PAD = 44;      // u32: zero bytes the collective carries past the caller's
+                                  // data (S - the caller's bytes per rank; an all-reduce:
+                                  // over its W chunks), so the caller's exact bytes cross
 constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_ALL, CHUNK_DIRECT, or j = only chunk j (finalize)
 constexpr pu64 ENT_GRANULE = 52;  // u32: piece step granule (16, or row bytes for finalize)
 // u64: CLOCK_MONOTONIC ns when the CPU data plane published the entry (the proxy's
 // publish -> first post latency); 0 from publishers without the host clock (GPU kernels).
 constexpr pu64 ENT_PUBLISH_NS = 56;
+constexpr pu64 CALL_DTYPE_SHIFT = 8;   // bit positions in the call word (ENT_OP's u64)
+constexpr pu64 CALL_KIND_SHIFT = 16;
+constexpr pu64 CALL_PIECE_SHIFT = 24;
+constexpr pu64 CALL_PAD_SHIFT = 32;
+// DTYPE_*: the caller's element type (torch dtypes, sparkccl/dataplane/peer_check.py);
+// 0 from publishers that do not say (the native tests), OTHER for a dtype not listed.
+constexpr int DTYPE_UNSAID = 0;
+constexpr int DTYPE_F32 = 1;
+constexpr int DTYPE_F16 = 2;
+constexpr int DTYPE_BF16 = 3;
+constexpr int DTYPE_F64 = 4;
+constexpr int DTYPE_U8 = 5;
+constexpr int DTYPE_I8 = 6;
+constexpr int DTYPE_I16 = 7;
+constexpr int DTYPE_I32 = 8;
+constexpr int DTYPE_I64 = 9;
+constexpr int DTYPE_BOOL = 10;
+constexpr int DTYPE_F8E4M3 = 11;
+constexpr int DTYPE_F8E5M2 = 12;
+constexpr int DTYPE_C64 = 13;
+constexpr int DTYPE_C128 = 14;
+constexpr int DTYPE_U16 = 15;
+constexpr int DTYPE_U32 = 16;
+constexpr int DTYPE_U64 = 17;
+constexpr int DTYPE_OTHER = 255;
+// KIND_*: the collective the caller called (a reduction's op is part of it: an all-reduce
+// of sums and one of averages must not meet); 0 from publishers that do not say.
+constexpr int KIND_UNSAID = 0;
+constexpr int KIND_ALL_GATHER = 1;
+constexpr int KIND_REDUCE_SCATTER_SUM = 2;
+constexpr int KIND_ALL_REDUCE_SUM = 3;
+constexpr int KIND_ALL_REDUCE_AVG = 4;
+constexpr int KIND_MOE_FINALIZE = 5;
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
 
@@ -98,10 +141,22 @@ static_assert(RING_OFFSET % PAGE == 0 && FLAGS_OFFSET % PAGE == 0, "page-aligned
 static_assert(ENT_GRANULE + 4 <= ENT_PUBLISH_NS && ENT_PUBLISH_NS + 8 <= RING_ENTRY_BYTES,
               "ring entry fields must fit one entry");
 static_assert(ENT_TAG % 8 == 0 && ENT_SEQ % 8 == 0 && ENT_SLICE % 8 == 0 && ENT_LO % 8 == 0 &&
-              ENT_HI % 8 == 0 && ENT_OP % 4 == 0 && ENT_PIECE % 4 == 0 && ENT_CHUNK % 4 == 0 &&
+              ENT_HI % 8 == 0 && ENT_PAD % 4 == 0 && ENT_CHUNK % 4 == 0 &&
               ENT_GRANULE % 4 == 0 && ENT_PUBLISH_NS % 8 == 0,
               "ring entry fields are naturally aligned");
 static_assert((RING_ENTRIES & (RING_ENTRIES - 1)) == 0, "ring indices wrap by modulo");
+static_assert(ENT_OP % 8 == 0 && ENT_DTYPE == ENT_OP + CALL_DTYPE_SHIFT / 8 &&
+                  ENT_KIND == ENT_OP + CALL_KIND_SHIFT / 8 &&
+                  ENT_PIECE == ENT_OP + CALL_PIECE_SHIFT / 8 &&
+                  ENT_PAD == ENT_OP + CALL_PAD_SHIFT / 8 && ENT_PAD + 4 == ENT_CHUNK,
+              "the call word is the u64 at ENT_OP: op, dtype, kind, piece bytes, then the u32 pad");
+
+// The call word of a publish entry, piece 0 (a publisher ORs in piece << CALL_PIECE_SHIFT).
+SCCL_HOST_DEVICE constexpr pu64 call_word(pu64 op, pu64 dtype, pu64 kind, pu64 pad) {
+  return op | dtype << CALL_DTYPE_SHIFT | kind << CALL_KIND_SHIFT | pad << CALL_PAD_SHIFT;
+}
+static_assert(call_word(1, DTYPE_BF16, KIND_ALL_REDUCE_AVG, 20) == 0x1400040301ull,
+              "call word packing");
 
 }  // namespace layout
 
@@ -180,6 +235,20 @@ constexpr int COUNTER_SETS = 4;         // publish counters are indexed by seq %
 constexpr int MAX_DIRECT = 32;          // GPU-executed streams per op (direct table)
 constexpr int DT_STREAM = 4;            // u64 per stream row of the direct table
 constexpr int DT_ITEM = 6;              // u64 per item row of the direct table
+// The direct table's rows (kernels/direct.cu; built by sparkccl/dataplane/direct_tables.py):
+// a stream row: its flag word at the peer (device pointer), its first item, its items;
+constexpr int DT_FLAG = 0;
+constexpr int DT_FIRST = 1;
+constexpr int DT_ITEMS = 2;
+// an item row: source chunk, the peer region's base (device pointer), slot stride, slots,
+// destination block, the part of each piece it carries (PART_*).
+constexpr int DT_CHUNK = 0;
+constexpr int DT_BASE = 1;
+constexpr int DT_STRIDE = 2;
+constexpr int DT_SLOTS = 3;
+constexpr int DT_BLOCK = 4;
+constexpr int DT_PART = 5;
+static_assert(DT_ITEMS < DT_STREAM && DT_PART < DT_ITEM, "direct table rows");
 constexpr int FIN_CLAIM = 256;          // finalize: item counters per set, then the claim counter
 constexpr int FIN_SET = FIN_CLAIM + 4;  // finalize counters per set
 // Slices of at most this many bytes go in one hand-off: the GPU-direct publish writes every
@@ -226,4 +295,59 @@ constexpr int SLOT_SHIFT = 56;
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu
+
+// ---------------------------------------------------------------- CUDA kernel arguments
+// Argument blocks the host builds once and the kernels read, declared here once: the host
+// (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
+// static_asserts tie the offsets to the struct the kernels compile. (The publish roles'
+// parameters stay positional: they carry the call's own pointers, which the native
+// LaunchPlan patches per call as parameters; in a block in device memory each call would
+// need a copy to the device first, in a block by value the replay a patch at a byte offset.)
+namespace kargs {
+
+// The wait role's constants, one block per data plane and op (AG, RS), in device memory,
+// written once at creation. Every kernel with a wait role takes `const WaitParams* wp`
+// (kernels/wait.cu WAIT_PARAMS) and reads it once per block, plus the two values that
+// differ per launch (adv_entries, adv_gate: last_block_advances) as scalars.
+// A pointer rather than the struct by value: the block never changes while the plane lives,
+// so a CUDA graph's kernel nodes replay it as they are, and every launch passes one 8-byte
+// parameter instead of 80 bytes that the native LaunchPlan, mode ce's OpProgram and the
+// emulation would copy per call (they pass u64 parameters); it costs one L2-cached load per
+// block at its start.
+struct WaitParams {
+  pu64 flags;       // the flag words (device pointer of the pinned control segment's)
+  pu64 abort_w;     // the abort word
+  pu64 status;      // the GPU failure record (CTL_GPU_STATUS ..)
+  pu64 waits;       // int32 wait table of the op: flag words per (source, k)
+  pu64 parts;       // int32 part table of the op: the part of a piece each word carries
+  pu64 maxw;        // wait words per source
+  pu64 state;       // the device state (STATE_*)
+  pu64 rank, world;
+  pu64 timeout_ns;  // the waits' timeout on the GPU clock
+};
+constexpr pu64 WP_FLAGS = 0;
+constexpr pu64 WP_ABORT_W = 8;
+constexpr pu64 WP_STATUS = 16;
+constexpr pu64 WP_WAITS = 24;
+constexpr pu64 WP_PARTS = 32;
+constexpr pu64 WP_MAXW = 40;
+constexpr pu64 WP_STATE = 48;
+constexpr pu64 WP_RANK = 56;
+constexpr pu64 WP_WORLD = 64;
+constexpr pu64 WP_TIMEOUT_NS = 72;
+constexpr pu64 WP_BYTES = 80;
+static_assert(__builtin_offsetof(WaitParams, flags) == WP_FLAGS &&
+                  __builtin_offsetof(WaitParams, abort_w) == WP_ABORT_W &&
+                  __builtin_offsetof(WaitParams, status) == WP_STATUS &&
+                  __builtin_offsetof(WaitParams, waits) == WP_WAITS &&
+                  __builtin_offsetof(WaitParams, parts) == WP_PARTS &&
+                  __builtin_offsetof(WaitParams, maxw) == WP_MAXW &&
+                  __builtin_offsetof(WaitParams, state) == WP_STATE &&
+                  __builtin_offsetof(WaitParams, rank) == WP_RANK &&
+                  __builtin_offsetof(WaitParams, world) == WP_WORLD &&
+                  __builtin_offsetof(WaitParams, timeout_ns) == WP_TIMEOUT_NS &&
+                  sizeof(WaitParams) == WP_BYTES,
+              "WaitParams offsets (sparkccl/layout.py pack_struct writes them)");
+
+}  // namespace kargs
 }  // namespace sparkccl

@@ -1,0 +1,136 @@
+"""Each CUDA collective's call: its call word, slots and pointers (call pointers marked for
+the launch plan, :class:`~.launch_plan.CallPtr`; the host's slot views for mode "ce",
+:class:`~.launch_plan.Slotted`), and the engine the plane's table chooses for it
+(:mod:`.engine_choice`), handed its arguments: the proxy path's methods, or a
+:class:`~.engines.DirectCall` for the GPU-direct engines.
+
+:class:`~.cuda.CudaDataPlane`'s collective methods check the call, issue it from its launch
+plan when there is one, and otherwise record these functions' launches (the planning
+path). They use the plane's public state and operations only (``begin`` checks and counts
+the collective).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
+from ..plan.model import Op
+from .cpu import fin_slice
+from .cuda_runtime import kernel_u64 as _n
+from .engines import RS_WAIT, DirectCall
+from .launch_plan import CallPtr, Slotted
+from .peer_check import ALL_GATHER, MOE_FINALIZE, REDUCE_SCATTER, call_word
+
+RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
+             torch.float32: "sccl_rs_direct_f32"}
+RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_sum_unit_f16",
+               torch.float32: "sccl_rs_sum_unit_f32"}
+
+
+def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
+                dst_stride: int, L: int, dtype: torch.dtype, part) -> None:
+    S = round_up(L, ALIGN)
+    call = call_word(Op.AG, dtype, *(part or (ALL_GATHER, S - L)))
+    first = plane.begin(Op.AG, seq, S, call,
+                        zero_copy="a zero-copy result" if dst is None else None)
+    ts, stream = plane.gpu.current_stream()
+    slot0, code = plane.ag_dev, plane.ag_code
+    slot = Slotted(slot0, 3, plane.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
+    me = plane.rank
+    src_p = CallPtr(src.data_ptr(), 0)
+    dst_ptr = 0 if dst is None else CallPtr(dst.data_ptr() + dst_off, 1)
+    res_me = 0 if dst is None else dst_ptr + me * dst_stride
+    out = (slot, S, plane.world, L) if dst is None else (dst_ptr, dst_stride, plane.world, L)
+    piece = piece_bounds(S, 0)[1]
+    dtab = plane.direct_table(Op.AG, S)
+    engine = plane.engines.choose(Op.AG, S, dtab)
+    if not engine.direct:
+        plane.engines.proxy.all_gather(ts, stream, S, L, call, src_p, dst_ptr, dst_stride,
+                                      res_me, out, zero_copy=dst is None)
+        return
+    # GPU-direct: this rank's publish streams run on the GPU
+    nb = 1 if dst is None else min(plane.slice_wait_blocks(S), plane.max_direct_wait_blocks)
+    # The own block of the slot is only written when the result stays there (zero-copy):
+    # relays forward other origins' blocks, and no proxy reads it.
+    own_dst = slot + me * S if dst is None else 0
+    engine.run(DirectCall(
+        Op.AG, seq, ts, stream, S=S, L=L, call=call, first=first, kernel="sccl_ag_direct",
+        publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
+                 slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
+                 res_me),
+        consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
+        wait_kernel="sccl_ag_wait", nb=nb, npub=plane.direct_blocks(piece * (plane.world - 1)),
+        ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
+        ce_consume=(slot, dst_ptr, dst_stride), output=out))
+
+
+def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
+                    dtype: torch.dtype, part) -> None:
+    S = round_up(L, ALIGN)
+    call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, S - L)))
+    first = plane.begin(Op.RS, seq, S, call,
+                        zero_copy="a zero-copy input" if src is None else None)
+    ts, stream = plane.gpu.current_stream()
+    W, me = plane.world, plane.rank
+    send0, recv0 = plane.rs_send_dev, plane.rs_recv_dev
+    scode, rcode = plane.send_code, plane.recv_code
+    send = Slotted(send0, 2, plane.rs_send_stride, seq)  # (the host's view: mode ce)
+    recv = Slotted(recv0, 2, plane.rs_recv_stride, seq)
+    dst_ptr = CallPtr(dst_p, 1)
+    piece = piece_bounds(S, 0)[1]
+    if src is not None:
+        base = CallPtr(src_p, 0)
+        own, own_code, own_sys, own_host = base + me * src_stride, 0, 0, base + me * src_stride
+    else:
+        base = None
+        own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
+    dtab = plane.direct_table(Op.RS, S)
+    engine = plane.engines.choose(Op.RS, S, dtab)
+    if not engine.direct:
+        plane.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
+                                          own_code, own_sys, dst_ptr, dtype)
+        return
+    # GPU-direct: chunks straight to the peers
+    sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
+                                     else (send0, scode, S, 1))
+    engine.run(DirectCall(
+        Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=RS_DIRECT[dtype],
+        publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
+                 0, _n(0), 0),
+        consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
+        wait_kernel=RS_WAIT[dtype], nb=min(plane.slice_wait_blocks(S),
+                                           plane.max_direct_wait_blocks),
+        npub=plane.direct_blocks(piece * (W - 1)),
+        # A zero-copy input already lies in pinned memory: no copy engine for it.
+        ce_src=(base, src_stride) if src is not None else None, own=[],
+        sum_kernel=RS_SUM_UNIT[dtype],
+        ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+
+
+def finalize(plane, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
+    """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
+    S, L = fin_slice(rows, 2 * f.H)
+    dtab = plane.direct_table(Op.RS, S)
+    engine = plane.engines.choose(Op.RS, S, dtab, finalize=True)
+    # The proxy path publishes per (row piece, destination); GPU-direct per piece.
+    entries = PIECES if engine.direct else PIECES * (plane.world - 1)
+    call = call_word(Op.RS, torch.bfloat16, MOE_FINALIZE, S - L)
+    plane.begin(Op.RS, seq, S, call, entries=entries)
+    ts, stream = plane.gpu.current_stream()
+    own = plane.scratch("finalize own", L).data_ptr()
+    if engine.direct:
+        engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, dtab)
+    else:
+        engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, entries)
+
+
+def check_finalize_inputs(plane) -> None:
+    """Raise ``ValueError`` if a finalize kernel met a ``pos`` outside ``[0, R)`` (its term
+    was NaN; nothing was read out of bounds): the plane's ``fin_bad`` record, cleared."""
+    bad = plane.fin_bad.cpu().tolist()
+    if bad[0]:
+        plane.fin_bad.zero_()
+        t, k, p = bad[1], bad[2], bad[3]
+        raise ValueError(f"rank {plane.rank}: moe_finalize_reduce_scatter: pos for token {t}, "
+                         f"k {k} was {p}, not a row of y (0 <= pos < R); {bad[0]} such terms "
+                         "were NaN in the result")
