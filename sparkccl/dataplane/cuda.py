@@ -572,7 +572,7 @@ class CudaDataPlane(DataPlaneBase):
 
     def ag_slot(self, seq: int, nbytes: int) -> torch.Tensor:
         """CUDA uint8 view of the first ``nbytes`` of AG slot ``seq % 3`` (zero-copy result;
-        valid until three more all-gathers have been issued)."""
+        valid while the next two collectives of any kind are issued: docs/CONTRACT.md)."""
         if self._graph:
             raise RuntimeError(f"rank {self.rank}: ag_slot: the host no longer knows the slots "
                                "once a collective was captured in a CUDA graph")
