@@ -142,6 +142,11 @@ __all__ = ["CudaDataPlane", "DIRECT_MODES", "check_available", "kernels_for", "r
            "OP_RECORD", "OP_WAIT_EVENT", "OP_WAIT_VALUE", "PROG_STRIDE", "PIECES", "N_TERMS"]
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 def direct_blocks_setting() -> tuple[int, int] | None:
     """SPARKCCL_DIRECT_BLOCKS="publish,wait" (for measurements), or None when unset."""
     value = config.get("SPARKCCL_DIRECT_BLOCKS")
@@ -856,6 +861,29 @@ class CudaDataPlane(DataPlaneBase):
             ce_src=(base, src_stride) if src is not None else None, own=[],
             sum_kernel=_RS_SUM_UNIT[dtype],
             ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+
+    # ---- one-shot all-reduce (allreduce_engine.py) -------------------------------------
+    one_shot_all_reduce = True
+
+    def all_reduce_one_shot(self, seq: int, src: torch.Tensor, dst: torch.Tensor,
+                            avg: bool) -> None:
+        """One launch: an all-gather of ``src`` on the wire, summed into ``dst`` in rank
+        order (:mod:`.allreduce_engine`). Later calls of the shape run from its plan."""
+        L, dtype = src.nbytes, src.dtype
+        in_place = _overlap(src, dst)
+        key = ("all_reduce_one_shot", L, dtype, avg, in_place)
+        S = round_up(L, ALIGN)
+        if self._planned(key, Op.AG, seq, S, src.data_ptr(), dst.data_ptr()):
+            return
+        if dtype not in RS_WAIT:
+            raise TypeError(f"all_reduce: dtype {dtype} is not supported")
+        with self.plans.planning(key, self.gpu.make_plan):
+            self._begin(Op.AG, seq, S)
+            ts, stream = self.gpu.current_stream()
+            table = self.engines.one_shot_table(self.direct_table(Op.AG, S))
+            self.engines.one_shot.run(ts, stream, S=S, L=L, src=CallPtr(src.data_ptr(), 0),
+                                      dst=CallPtr(dst.data_ptr(), 1), dtype=dtype, avg=avg,
+                                      in_place=in_place, table=table)
 
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,

@@ -226,4 +226,73 @@ constexpr int SLOT_SHIFT = 56;
 static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 
 }  // namespace gpu
+// ---------------------------------------------------------------- one-shot all-reduce
+// The arguments of sccl_allreduce_* (kernels/allreduce.cu), the CUDA data plane's one-shot
+// all-reduce (docs/PROTOCOL.md "All-reduce"), in ONE struct passed by value: every field a
+// u64, so the host packs it as an array of words (sparkccl/dataplane/allreduce_engine.py
+// reads the AR_* offsets below through sparkccl/layout.py) and a launch plan's parameter
+// words are the struct's bytes. Pointers are device addresses (pinned host memory mapped
+// for the device where the comment says "mapped").
+namespace allreduce {
+
+struct AllReduceArgs {
+  pu64 src;         // this rank's vector (device, L bytes)
+  pu64 dst;         // the result (device, L bytes; may be src: see gate)
+  pu64 L;           // bytes per rank
+  pu64 S;           // L rounded up to ALIGN: the all-gather slice
+  pu64 avg;         // 1: divide the fp32 sum once by world (AVG)
+  pu64 slot;        // AG slot 0 (mapped) ...
+  pu64 slot_code;   // ... and its code (slot seq % slots: common.cuh slot_at)
+  pu64 dtab;        // GPU-direct: the AG direct table (direct.cu); 0: the proxy path
+  pu64 ring;        // this rank's publish ring (mapped)
+  pu64 counters;    // hand-off / piece counters (u32, COUNTER_SETS sets of PIECES)
+  pu64 npub;        // publish blocks (proxy path: PIECES * blocks per piece)
+  pu64 gate;        // in place (dst overlaps src): u32 gate[PIECES] the publish blocks bump
+                    // once read of src is done (the finalize's gate words); 0: no gate
+  pu64 flags;       // WAIT_PARAMS of kernels/wait.cu, in their order (mapped, device)
+  pu64 abort_w;
+  pu64 status;
+  pu64 waits;
+  pu64 parts;
+  pu64 maxw;
+  pu64 state;
+  pu64 rank;
+  pu64 world;
+  pu64 timeout_ns;
+};
+
+constexpr pu64 AR_SRC = 0;
+constexpr pu64 AR_DST = 8;
+constexpr pu64 AR_L = 16;
+constexpr pu64 AR_S = 24;
+constexpr pu64 AR_AVG = 32;
+constexpr pu64 AR_SLOT = 40;
+constexpr pu64 AR_SLOT_CODE = 48;
+constexpr pu64 AR_DTAB = 56;
+constexpr pu64 AR_RING = 64;
+constexpr pu64 AR_COUNTERS = 72;
+constexpr pu64 AR_NPUB = 80;
+constexpr pu64 AR_GATE = 88;
+constexpr pu64 AR_FLAGS = 96;  // WAIT_PARAMS from here, 10 words (without adv_*)
+constexpr pu64 AR_WAIT_WORDS = 10;
+constexpr pu64 AR_ARGS_BYTES = AR_FLAGS + AR_WAIT_WORDS * 8;
+
+static_assert(__builtin_offsetof(AllReduceArgs, src) == AR_SRC &&
+                  __builtin_offsetof(AllReduceArgs, dst) == AR_DST &&
+                  __builtin_offsetof(AllReduceArgs, L) == AR_L &&
+                  __builtin_offsetof(AllReduceArgs, S) == AR_S &&
+                  __builtin_offsetof(AllReduceArgs, avg) == AR_AVG &&
+                  __builtin_offsetof(AllReduceArgs, slot) == AR_SLOT &&
+                  __builtin_offsetof(AllReduceArgs, slot_code) == AR_SLOT_CODE &&
+                  __builtin_offsetof(AllReduceArgs, dtab) == AR_DTAB &&
+                  __builtin_offsetof(AllReduceArgs, ring) == AR_RING &&
+                  __builtin_offsetof(AllReduceArgs, counters) == AR_COUNTERS &&
+                  __builtin_offsetof(AllReduceArgs, npub) == AR_NPUB &&
+                  __builtin_offsetof(AllReduceArgs, gate) == AR_GATE &&
+                  __builtin_offsetof(AllReduceArgs, flags) == AR_FLAGS,
+              "AllReduceArgs offsets (AR_*) drifted from the struct");
+static_assert(sizeof(AllReduceArgs) == AR_ARGS_BYTES && AR_ARGS_BYTES % 8 == 0,
+              "AllReduceArgs is whole u64 words with no padding: the host packs it as words");
+
+}  // namespace allreduce
 }  // namespace sparkccl
