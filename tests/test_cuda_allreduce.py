@@ -142,3 +142,30 @@ def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
             assert device_seq(w, r) == count, (r, device_seq(w, r), count)
             check_ring_tickets(w, r, count)
         w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
+    """Only rank 0 calls (rank 1 never sends): its wait times out on the GPU clock,
+    synchronize() raises CollectiveError naming rank 1 and the connection, the output is
+    poisoned (every byte 0xFF: mode poison, the World's default), and the next call raises
+    at once."""
+    world = 2
+    with World("emu" if backend == "emu" else backend, "mesh", world, roots=2, max_slice=4096,
+               timeout_s=0.5, direct=direct) as w:
+        xs = inputs(1, world, (100,), torch.bfloat16)
+        with w.be.on(0):
+            x = w.keep(w.be.to_dev(xs[0]))
+            out = w.keep(w.be.to_dev(torch.zeros(100, dtype=torch.bfloat16)))
+            w.dps[0].all_reduce_one_shot(0, x, out, False)
+        with pytest.raises(C.CollectiveError) as ei:
+            w.dps[0].synchronize()
+        msg = str(ei.value)
+        assert "timed out" in msg and "seq 0 piece 0 from rank 1" in msg, msg
+        assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        w.be.sync()
+        assert (out.cpu().view(torch.uint8) == 0xFF).all()
+        with pytest.raises(C.CollectiveError):
+            with w.be.on(0):
+                w.dps[0].all_reduce_one_shot(1, x, out, False)
