@@ -92,8 +92,10 @@ def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fuse
         return out
     flat = x.detach().reshape(-1)
     if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
+        # (out partly over x, shifted: the kernel would read terms it already wrote)
         if (one_shot_op is not None and comm.data_plane.one_shot_all_reduce
-                and x.nbytes <= comm.max_slice):
+                and x.nbytes <= comm.max_slice
+                and (dst.data_ptr() == flat.data_ptr() or not _overlaps(dst, flat))):
             one_shot_op(flat, avg, dst)
         else:
             _one_shot(comm, flat, avg, dst)
