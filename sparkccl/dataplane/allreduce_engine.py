@@ -28,6 +28,7 @@ from .engines import Engine
 _P = layout.protocol_constants()
 ARGS_WORDS = _P["AR_ARGS_BYTES"] // 8
 WAIT_WORDS = _P["AR_WAIT_WORDS"]
+ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 THREADS = 256  # __launch_bounds__(256, 2), as the direct kernels
 KERNELS = {torch.bfloat16: "sccl_allreduce_bf16", torch.float16: "sccl_allreduce_f16",
            torch.float32: "sccl_allreduce_f32"}
@@ -53,7 +54,9 @@ class OneShotEngine(Engine):
             npub = p.direct_blocks(piece * (p.world - 1))
             nb = min(p.slice_wait_blocks(S), p.max_direct_wait_blocks)
         else:
-            npub = PIECES * p.publish_blocks(piece)
+            # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
+            npub = (p.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
+                    else PIECES * p.publish_blocks(piece))
             nb = p.slice_wait_blocks(S)
         words = [0] * ARGS_WORDS
         words[_at("AR_SRC")], words[_at("AR_DST")] = src, dst
