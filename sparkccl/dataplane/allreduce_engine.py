@@ -50,14 +50,20 @@ class OneShotEngine(Engine):
         p = self.plane
         direct = table is not None
         piece = piece_bounds(S, 0)[1]
+        # Consumers: a one-hand-off slice's sum reads every source across PCIe at once after
+        # one wait, so one 16-byte unit per thread (each further round of a thread is
+        # another read latency), within the plane's cap on spinning blocks (MAX_WAIT_BLOCKS:
+        # ranks sharing a GPU need SMs for each other's publish blocks).
+        nb = p.slice_wait_blocks(S)
+        if S <= ONE_HANDOFF_SLICE:
+            nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * THREADS))))
         if direct:
             npub = p.direct_blocks(piece * (p.world - 1))
-            nb = min(p.slice_wait_blocks(S), p.max_direct_wait_blocks)
+            nb = min(nb, p.max_direct_wait_blocks)
         else:
             # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
             npub = (p.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
                     else PIECES * p.publish_blocks(piece))
-            nb = p.slice_wait_blocks(S)
         words = [0] * ARGS_WORDS
         words[_at("AR_SRC")], words[_at("AR_DST")] = src, dst
         words[_at("AR_L")], words[_at("AR_S")], words[_at("AR_AVG")] = L, S, int(avg)
