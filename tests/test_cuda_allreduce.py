@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparkccl.reference import all_reduce_reference
-from test_cuda_dataplane import (BACKENDS, C, Graphs, World, _emu_current,  # noqa: F401
-                                 check_ring_tickets, device_seq, inputs)
+from test_cuda_dataplane import (BACKENDS, C, Graphs, World, check_ring_tickets, device_seq,
+                                 inputs)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GUARD = 5
@@ -152,8 +152,8 @@ def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
     poisoned (every byte 0xFF: mode poison, the World's default), and the next call raises
     at once."""
     world = 2
-    with World("emu" if backend == "emu" else backend, "mesh", world, roots=2, max_slice=4096,
-               timeout_s=0.5, direct=direct) as w:
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5,
+               direct=direct) as w:
         xs = inputs(1, world, (100,), torch.bfloat16)
         with w.be.on(0):
             x = w.keep(w.be.to_dev(xs[0]))
