@@ -4,7 +4,8 @@ On the wire it is an all-gather of each rank's whole vector (op AG: the all-gath
 streams, relays, flag words and ring entries), so nothing in the plans, the proxy or the
 peers changes; the kernel (``kernels/allreduce.cu``, ``sccl_allreduce_*``) publishes this
 rank's vector (GPU-direct: straight into the peers' AG slots; the proxy path: into its own
-block of the slot, one ring entry per piece), waits for every peer's flags and sums the W
+block of the slot, its ring entries together behind one fence up to ONE_HANDOFF_SLICE, so the
+proxy posts it in one go), waits for every peer's flags and sums the W
 vectors where they landed, in rank order 0..W-1 in fp32, AVG divided once, rounded once,
 straight into ``out``: no intermediate copy and no torch op, the same sum as the
 reduce-scatter's (docs/PROTOCOL.md "All-reduce").
