@@ -37,11 +37,29 @@ __device__ __forceinline__ void allreduce_src_read(u32* gate) {
   for (int c = 0; c < PIECES; ++c) atomicAdd(gate + c, 1u);
 }
 
+// The poller of a one-hand-off slice (one thread): its consumers wait for the last unit
+// only, so every source's every wait word is waited for at the last piece's value (a flag
+// says its piece and every one before it) and the last unit is released once. (wait.cu's
+// poller releases every unit on the way, a gpu-scope release store each, on the path
+// between the flags' arrival and the sum.) A failure is recorded at piece 7.
+__device__ void poll_whole_slice(const WaitArgs& w) {
+  if (earlier_wait_failed(w)) return;
+  const u64 t0 = globaltimer();
+  FlagsSeen seen = {};
+  for (int k = 0; k < w.maxw; ++k)
+    for (int i = 0; i < w.world; ++i)
+      if (!wait_word(w, PIECES - 1, k, i, t0, seen)) return;
+  st_release_gpu(w.state, w.seq * PROG_STRIDE + unit(w, PIECES - 1, w.maxw - 1, w.world - 1));
+}
+
 template <class E>
 __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const WaitArgs& w,
                                   u32 blk, u32 nblk, u32 gate_target) {
   if (blk == 0) {
-    if (threadIdx.x == 0) poller(w);
+    if (threadIdx.x == 0) {
+      if (a.S <= ONE_HANDOFF_SLICE) poll_whole_slice(w);
+      else poller(w);
+    }
     return;
   }
   const u32 b = blk - 1, nb = nblk - 1;
