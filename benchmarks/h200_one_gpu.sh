@@ -9,6 +9,9 @@
 #          per call and GPU time per collective, default engines)
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
+#   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
+#          world 2 and 4 under MPS (GPU-direct and proxy path beside their floors), and the
+#          proxy's publish -> post figures at 8 and 64 KiB (SPARKCCL_GPU_STAMPS)
 # e.g. STAGES="tests demos" bash benchmarks/h200_one_gpu.sh
 #      STAGES="ab ar ep" BASE=.base bash benchmarks/h200_one_gpu.sh
 set -u
@@ -64,6 +67,24 @@ for s in $STAGES; do
         stage "all-reduce regimes, world $w"
         timeout 150 python3 benchmarks/allreduce_regimes.py --device cuda --world $w --graph 2>&1
       done | tee "$OUT/allreduce_regimes.txt"
+      mps_off ;;
+    decode)
+      stage "one-shot all-reduce GPU tests"
+      { timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
+          tests/test_cuda_allreduce.py tests/test_allreduce.py 2>&1 | tail -20
+        timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m "cuda and slow" \
+          tests/test_failstop.py -k "kill-ar or stall-ar" 2>&1 | tail -20
+      } | tee "$OUT/decode_tests.txt"
+      mps_on
+      for w in 2 4; do
+        stage "decode latency, world $w"
+        timeout 240 python3 benchmarks/decode_latency.py --world $w 2>&1
+      done | tee "$OUT/decode_latency.txt"
+      for n in 8192 65536; do  # the proxy's own figures (benchmarks/proxy_latency_h200.txt)
+        stage "proxy latency $n"
+        SPARKCCL_GPU_STAMPS=1 SPARKCCL_GPU_DIRECT=0 timeout 120 python3 -m sparkccl.cli bench \
+          --device cuda --world 2 --no-baseline --iters 200 --min-bytes $n --max-bytes $n 2>&1
+      done | tee "$OUT/decode_proxy_latency.txt"
       mps_off ;;
     ep)
       mps_on

@@ -8,7 +8,10 @@ same bits, whichever of the two regimes below ran:
 
 * **one shot** (decode, latency-bound sizes): one all-gather of every rank's whole vector
   (on a ring the all-gather relays), then each rank sums the W vectors locally in rank
-  order. One collective on the wire; each rank receives (W-1) x n bytes.
+  order. One collective on the wire; each rank receives (W-1) x n bytes. Where the data
+  plane has it (``one_shot_all_reduce``: the CUDA plane), that is one operation, one
+  kernel launch that publishes, waits and sums straight from the receive slots into the
+  result (docs/PROTOCOL.md "All-reduce"); elsewhere an all-gather and torch adds.
 * **two step** (prefill, bandwidth-bound sizes): a reduce-scatter (each rank sums its
   1/W chunk, through the zero-copy input buffer) then an all-gather of the reduced chunks;
   each rank receives 2 (W-1)/W x n bytes. Where the data plane implements it
@@ -64,9 +67,12 @@ def capturable(comm, nbytes: int) -> bool:
 
 
 def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fused_op,
-               regime: str | None = None, fused: bool | None = None) -> torch.Tensor:
+               one_shot_op=None, regime: str | None = None,
+               fused: bool | None = None) -> torch.Tensor:
     """:meth:`sparkccl.Communicator.all_reduce`, which checks that ``comm`` is open and
-    passes ``fused_op(flat, avg, dst)``, its fused operation; ``regime`` forces one,
+    passes ``fused_op(flat, avg, dst)``, its fused operation, and ``one_shot_op(flat, avg,
+    dst)``, the one-shot regime as the data plane's one operation (used where the plane has
+    it, ``one_shot_all_reduce``, and the vector fits one slot); ``regime`` forces one,
     ``fused=False`` the two-step regime's two collectives where the plane has the fused
     operation (tests, benchmarks: ``Communicator.all_reduce`` takes both too)."""
     what = "all_reduce"
@@ -87,7 +93,13 @@ def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fuse
         return out
     flat = x.detach().reshape(-1)
     if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
-        _one_shot(comm, flat, avg, dst)
+        # (out partly over x, shifted: the kernel would read terms it already wrote)
+        if (one_shot_op is not None and comm.data_plane.one_shot_all_reduce
+                and x.nbytes <= comm.max_slice
+                and (dst.data_ptr() == flat.data_ptr() or not _overlaps(dst, flat))):
+            one_shot_op(flat, avg, dst)
+        else:
+            _one_shot(comm, flat, avg, dst)
     elif (comm.data_plane.fused_all_reduce if fused is None else fused):
         fused_op(flat, avg, dst)
     else:

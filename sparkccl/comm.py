@@ -463,13 +463,24 @@ class Communicator:
         """
         self.check_open("all_reduce")
         return _allreduce.all_reduce(self, x, op, out, fused_op=self._fused_all_reduce,
-                                     regime=regime, fused=fused)
+                                     one_shot_op=self._one_shot_all_reduce, regime=regime,
+                                     fused=fused)
 
     @property
     def allreduce_oneshot_bytes(self) -> int:
         """All-reduces of at most this many bytes take the one-shot regime (the agreed
         ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES``; 0 for a world of one)."""
         return self._wiring.settings.allreduce_oneshot_bytes if self._wiring is not None else 0
+
+    def _one_shot_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
+        """The one-shot regime as the data plane's one operation
+        (``DataPlaneBase.all_reduce_one_shot``): one collective, one sequence number."""
+        with self._lock:
+            self._check_alive("all_reduce")
+            # The padding of an all-reduce (over its W vectors, padded to ALIGN bytes each).
+            S = round_up(flat.nbytes, ALIGN)
+            pad = _allreduce.zero_bytes(flat.nbytes, S, self.world_size, 0, S)
+            self._dp.all_reduce_one_shot(self._next_seq(), flat, dst, avg, pad)
 
     def _fused_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
         """The two-step regime as the data plane's one operation per slot-sized piece of the

@@ -66,7 +66,7 @@ def test_kernel_source_includes_every_file_once():
     files = nvrtc.source_files()
     names = {p.name for p in files}
     assert {"kernels.cu", "common.cuh", "publish.cu", "wait.cu", "reduce_scatter.cu",
-            "direct.cu", "finalize.cu", "protocol.h"} <= names
+            "direct.cu", "finalize.cu", "allreduce.cu", "protocol.h"} <= names
     for p in files:
         assert src.count(f'#line 1 "{p.name}"') == 1, p
     assert not re.search(r'^\s*#\s*include\s+"(?!sccl_emu\.h)', src, re.M)
@@ -135,7 +135,8 @@ def test_every_launched_kernel_is_loaded_and_emulated():
     import re
     from pathlib import Path
     pkg = Path(nvrtc.__file__).parent
-    src = "".join((pkg / f).read_text() for f in ("cuda.py", "engines.py", "ce_engine.py"))
+    src = "".join((pkg / f).read_text() for f in ("cuda.py", "engines.py", "ce_engine.py",
+                                                   "allreduce_engine.py"))
     launched = set(re.findall(r'"(sccl_[a-z0-9_]+)"', src))
     assert "sccl_advance" in launched and "sccl_publish" in launched
     assert launched <= set(nvrtc.KERNEL_NAMES), launched - set(nvrtc.KERNEL_NAMES)

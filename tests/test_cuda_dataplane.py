@@ -2338,7 +2338,11 @@ def test_gpu_publish_stamps_reach_the_proxys_figures(backend, monkeypatch):
             check_ag(w, *_ag_round(w, n))
         w.healthy()
         st = w.proxies[0].stats()
-        assert st["publish_samples"] >= 2 * G.PIECES, st
+        # Stamps of both collectives reached the proxy. Not one sample per piece: a stamp
+        # ahead of the proxy's clock (within the calibration's error, milliseconds on a
+        # loaded 2-core machine) gives none, and the proxy posts a one-hand-off slice's
+        # pieces at once, right after their entries (docs/PROTOCOL.md "Streams").
+        assert st["publish_samples"] >= 2, st
         assert 0 < st["publish_p50_ns"] <= st["publish_p99_ns"] < 10 * 10**9, st
 
 

@@ -73,6 +73,8 @@ def _inputs(op: str, seed: int, rank: int, world: int, device):
     from sparkccl.reference import make_finalize_input, make_input
     if op == "ag":
         return make_input(seed, rank, (4096,), torch.float32).to(device)
+    if op == "ar":  # 8 KiB bf16: the one-shot all-reduce (on CUDA: sccl_allreduce_*)
+        return make_input(seed, rank, (4096,), torch.bfloat16).to(device)
     if op == "rs":
         return make_input(seed, rank, (world * 1024,), torch.float32).to(device)
     if op == "rs_split":
@@ -82,8 +84,11 @@ def _inputs(op: str, seed: int, rank: int, world: int, device):
 
 
 def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
-    from sparkccl.reference import (moe_finalize_reference, reduce_scatter_reference)
+    from sparkccl.reference import (all_reduce_reference, moe_finalize_reference,
+                                    reduce_scatter_reference)
     xs = [_inputs(op, seed, r, world, "cpu") for r in range(world)]
+    if op == "ar":
+        return all_reduce_reference(xs, "sum").tobytes()
     if op == "ag":
         return torch.cat(xs).view(torch.uint8).numpy().tobytes()
     if op in ("rs", "rs_split"):
@@ -94,6 +99,8 @@ def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
 def _call(comm, op: str, x):
     if op == "ag":
         return comm.all_gather(x)
+    if op == "ar":
+        return comm.all_reduce(x)
     if op in ("rs", "rs_split"):
         return comm.reduce_scatter(x)
     W = comm.world_size
@@ -263,6 +270,12 @@ SCENARIOS = [  # (on_failure, topology, world, scenario, op, extra environment):
     ("poison", "mesh", 3, "kill", "rs_split", {}),
     # The same with the copy engines: stream value waits, which watch no abort word.
     ("stop", "mesh", 3, "kill", "rs_split", {"SPARKCCL_DIRECT_MODE": "ce"}),
+    # The one-shot all-reduce (one kernel: publish, wait, sum), GPU-direct and proxy path.
+    ("stop", "mesh", 2, "kill", "ar", {}),
+    ("stop", "mesh", 2, "kill", "ar", {"SPARKCCL_GPU_DIRECT": "0"}),
+    ("poison", "mesh", 2, "kill", "ar", {}),
+    ("poison", "ring", 4, "stall", "ar", {}),
+    ("stop", "ring", 4, "stall", "ar", {"SPARKCCL_GPU_DIRECT": "0"}),
 ]
 
 
@@ -282,6 +295,7 @@ def test_failed_collective_is_never_consumed_as_valid(mode, topology, world, sce
 
 @pytest.mark.parametrize("mode,world,scenario,op", [("stop", 2, "kill", "ag"),
                                                      ("poison", 2, "stall", "ag"),
+                                                     ("stop", 2, "kill", "ar"),
                                                      ("stop", 3, "kill", "rs_split")])
 def test_the_same_scenarios_on_cpu_raise_at_the_call(mode, world, scenario, op, tmp_path):
     """The harness on the CPU data plane, where the failing call itself raises (and checks

@@ -858,3 +858,38 @@ def test_op_program_evaluates_terms_and_refuses_bad_operations():
     except OSError:  # no driver here (CI): refused with the reason
         with pytest.raises(RuntimeError, match="libcuda.so.1"):
             p.issue(terms)
+
+
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 1), ("ring", 3, 2)])
+def test_one_handoff_collective_is_posted_in_one_go(topology, world, roots):
+    """A collective of at most ONE_HANDOFF_SLICE whose ring entries are all there when the
+    proxy reads them goes out with one flag per stream (the last piece's value: every wait
+    is flag >= value), relays included, each item's contiguous parts as one write (one root,
+    one direction); a larger one piece by piece. The bytes are the same either way."""
+    from sparkccl import layout as Lay
+    oh = Lay.protocol_constants()["ONE_HANDOFF_SLICE"]
+    for slice_, batched in ((oh - 16 * 7 - 3, True), (oh + 16, False)):
+        w = World(topology, world, roots, slice_)
+        try:
+            seq = 0
+            for r in range(world):
+                for b in range(world):
+                    w.block(r, Region.AG, seq, b, slice_)[:] = (pattern(seq, r, 0, slice_)
+                                                                 if b == r else 0xEE)
+                for c in range(G.PIECES):
+                    assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
+            w.start()  # (every entry is there before any proxy runs)
+            w.wait_all(Op.AG, seq)
+            for r in range(world):
+                for b in range(world):
+                    assert np.array_equal(w.block(r, Region.AG, seq, b, slice_),
+                                          pattern(seq, b, 0, slice_)), (r, b, slice_)
+            w.check_healthy()
+            for r in range(world):
+                st = w.proxies[r].stats()
+                streams = sum(1 for s in w.plans[r].to_tables()["streams"] if s[0] == int(Op.AG))
+                assert st["flags"] == streams * (1 if batched else G.PIECES), (r, slice_, st)
+                if topology == "mesh" and roots == 1:
+                    assert st["writes"] == streams * (1 if batched else G.PIECES), (r, st)
+        finally:
+            w.stop()

@@ -17,6 +17,7 @@ import errno
 import glob
 import ipaddress
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,8 @@ import sparkccl._native as N  # noqa: E402 - the native layer is not optional: n
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# A slice of at most this goes out in one go where its pieces are ready together
+ONE_HANDOFF = L.protocol_constants()["ONE_HANDOFF_SLICE"]
 
 # ibv enums used below
 QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS, QPS_ERR = 0, 1, 2, 3, 6
@@ -198,6 +201,7 @@ def check_work_requests(w: VWorld, log, strict=False):
     nflags = num_flag_words(w.world)
     value_bits = 32 - max(1, (nflags - 1).bit_length())
     last_value = {}
+    last_piece = {}  # (rank, stream, seq) -> the piece its latest flag said
     for (r, i), wrs in by_conn.items():
         plan = w.plans[r]
         conn = plan.connections[i]
@@ -233,24 +237,42 @@ def check_work_requests(w: VWorld, log, strict=False):
                 assert strict        # if any, stays pending for the final value)
                 continue
             slice_, granule = w.slices[seq]
-            lo, hi = G.piece_bounds(slice_, piece, granule)
+            k = plan.streams.index(s)
+            # The flag closes every piece since the stream's previous flag of this seq: a
+            # one-hand-off slice's ready pieces go out in one go, each item's parts in piece
+            # order, contiguous ones as one write (docs/PROTOCOL.md "Streams").
+            first = last_piece.get((r, k, seq), -1) + 1
+            assert first <= piece and (first == piece or slice_ <= ONE_HANDOFF), \
+                (r, k, seq, first, piece)
+            last_piece[(r, k, seq)] = piece
             want = []
             for it in s.items:
-                a, b = G.sub_range(lo, hi, it.part)
-                if b == a:
-                    continue
-                src = (w.regions[r][it.src_region].addr + (seq % SLOTS[it.src_region])
-                       * w.stride[it.src_region] + it.src_block * slice_ + a)
-                dst = (w.regions[conn.peer][it.dst_region].addr + (seq % SLOTS[it.dst_region])
-                       * w.stride[it.dst_region] + it.dst_block * slice_ + a)
-                want.append((src, b - a, dst, paired["mem"][int(it.dst_region)][2]))
+                run = None
+                for c in range(first, piece + 1):
+                    a, b = G.sub_range(*G.piece_bounds(slice_, c, granule), it.part)
+                    if b == a:
+                        continue
+                    src = (w.regions[r][it.src_region].addr + (seq % SLOTS[it.src_region])
+                           * w.stride[it.src_region] + it.src_block * slice_ + a)
+                    dst = (w.regions[conn.peer][it.dst_region].addr
+                           + (seq % SLOTS[it.dst_region]) * w.stride[it.dst_region]
+                           + it.dst_block * slice_ + a)
+                    if run is not None and run[0] + run[1] == src and run[2] + run[1] == dst:
+                        run[1] += b - a
+                        continue
+                    if run is not None:
+                        want.append(tuple(run))
+                    run = [src, b - a, dst, paired["mem"][int(it.dst_region)][2]]
+                if run is not None:
+                    want.append(tuple(run))
             got = [(g["local_addr"], g["length"], g["remote_addr"], g["rkey"]) for g in group]
             assert got == want, (r, i, s.op, seq, piece, got, want)
             for g in group:  # the lkey is the one of the local region on this QP's device
                 assert g["lkey"] in w.lkeys[(r, i)], g
-            key = (r, plan.streams.index(s), seq, piece)
-            assert key not in seen, key
-            seen.add(key)
+            for c in range(first, piece + 1):
+                key = (r, k, seq, c)
+                assert key not in seen, key
+                seen.add(key)
             group = []
         assert not group, f"rank {r} conn {i}: writes without a closing flag"
     for r, plan in enumerate(w.plans):
@@ -466,15 +488,18 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         i = _conn_index(w, 0, 2, 1)
         qpn = w.links[0].endpoint.connections()[i]["qpn"]
         peer_qpn = w.links[0]._paired[i]["qpn"]
-        assert FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, 1)
-        w.start()
+        # Every entry is there before the proxy runs: the collective goes out in one go,
+        # root 1's halves of the eight pieces (eight writes), then one flag of piece 7's
+        # value (docs/PROTOCOL.md "Streams"): the ninth work request fails.
         _publish_ag(w, 0)
+        assert FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, G.PIECES)
+        w.start()
         code, text = _wait_abort(w, 0)
         assert code == L.ABORT_TRANSPORT, text
         assert text.startswith(f"rank 0: verbs transport: connection {i} (peer 2, channel 0, root 1): ")
         assert f"device roceP2p1s0f1 port 1 QP {qpn:#x} (to peer 2 QP {peer_qpn:#x})" in text
         assert "transport retry counter exceeded (status 12, vendor_err 0x81)" in text
-        assert "flag write (inline RDMA WRITE) of value 1 to flag word" in text, text
+        assert f"flag write (inline RDMA WRITE) of value {G.PIECES} to flag word" in text, text
         assert QPS_ERR in [q["state"] for q in FAKE.qps() if q["qpn"] == qpn]
         # Rank 0 tells its peers through their abort inboxes: they fail at once, not at
         # their timeout, naming rank 0's cause.
@@ -507,7 +532,9 @@ def bad_rkey_case(status: str) -> None:
         code, text = _wait_abort(w, 1)
         assert code == L.ABORT_TRANSPORT, text
         assert status in text, text
-        assert "RDMA WRITE of 512 bytes from AG+0x1000 to the peer's AG+0x1000" in text
+        # (the pieces the proxy found published go in one write: docs/PROTOCOL.md "Streams")
+        m = re.search(r"RDMA WRITE of (\d+) bytes from AG\+0x1000 to the peer's AG\+0x1000", text)
+        assert m and int(m.group(1)) in range(512, 4096 + 1, 512), text
         assert "rkey 0xdead" in text and "peer 0" in text and "rocep1s0f1" in text
     finally:
         w.stop()
@@ -560,13 +587,14 @@ def test_port_error_names_device_and_port(fake):
 
 def test_full_send_queue_without_completions_fails(fake):
     s = V.VerbsSettings(stall_s=0.5)
-    w = VWorld("mesh", 2, 1, 4096 * 8, settings=s)
+    # (a slice above ONE_HANDOFF goes piece by piece: a write and a flag each)
+    w = VWorld("mesh", 2, 1, ONE_HANDOFF + 4096, settings=s)
     try:
         w.check_setup()
         FAKE.pause(True)  # the "NIC" stops: nothing completes
         w.start()
         for seq in range(40):  # 8 pieces x (write + flag) x 40 > 512 send queue entries
-            _publish_ag(w, seq, 4096 * 8, ranks=[0])
+            _publish_ag(w, seq, ONE_HANDOFF + 4096, ranks=[0])
         code, text = _wait_abort(w, 0, timeout=20)
         assert code == L.ABORT_TRANSPORT, text
         assert "send queue full (512 work requests) and no completion for 0.5" in text

@@ -32,6 +32,12 @@ void need(bool ok, const std::string& what) {
 
 constexpr uint64_t WATCH_NS = 100000000ull;  // peer liveness / abort check period
 constexpr int ENTRIES_PER_TURN = 1;           // publish entries consumed per loop turn
+// A collective whose slice goes in one hand-off (protocol.h ONE_HANDOFF_SLICE) is posted in
+// one go: its ring entries, published together, are read in one turn, and a stream posts
+// every ready piece's writes behind one flag of the last one's value (a flag says its piece
+// and every one before it: every wait is flag >= value). Eight posts, flags and turns per
+// stream cost a decode-sized collective more than its bytes.
+constexpr uint64_t BATCH_SLICE = gpu::ONE_HANDOFF_SLICE;
 constexpr size_t MAX_SAMPLES = 4096;
 constexpr size_t MAX_PENDING = 1024;  // collectives per op the proxy keeps track of
 
@@ -268,7 +274,10 @@ bool Proxy::consume_ring() {
   // and reading all of them (a cache miss each: the GPU wrote them) before advance_streams
   // comes first would hold piece 0's post back. (Its effect on piece 0's entry consumed ->
   // posted was within the spread on the H200, 1.3-1.9 us p50; proxy_latency_h200.txt.)
-  for (int k = 0; k < ENTRIES_PER_TURN; ++k) {
+  // More than ENTRIES_PER_TURN only for the rest of a one-hand-off collective (BATCH_SLICE).
+  uint64_t batch_seq = 0;
+  uint32_t batch_op = uint32_t(NUM_OPS);
+  for (int k = 0;; ++k) {
     uint64_t ent = ctl_ + RING_OFFSET + (tail_ % RING_ENTRIES) * RING_ENTRY_BYTES;
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
     uint64_t seq = *word_at(ent, ENT_SEQ);
@@ -279,6 +288,13 @@ bool Proxy::consume_ring() {
     const uint32_t piece = uint32_t(call >> CALL_PIECE_SHIFT & 0xFF);
     uint32_t granule;
     int32_t chunk;
+    if (k >= ENTRIES_PER_TURN && !(op == batch_op && seq == batch_seq)) break;
+    if (slice <= BATCH_SLICE) {
+      batch_op = op;
+      batch_seq = seq;
+    } else {
+      batch_op = uint32_t(NUM_OPS);
+    }
     std::memcpy(&chunk, reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_CHUNK)), 4);
     std::memcpy(&granule,
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);
@@ -360,14 +376,13 @@ bool Proxy::advance_streams() {
     if (idx >= o.hist.size()) continue;  // collective not issued here yet
     Coll& c = o.hist[idx];
     const int p = s.piece;
-    bool ready;
-    if (s.kind == 0) {
+    const uint64_t trigger = s.kind == 0 ? 0 : load_acquire(word_at(flags_, s.arg * FLAG_BYTES));
+    auto ready = [&](int q) {
+      if (s.kind != 0) return trigger >= geom::flag_value(c.seq, q);
       uint32_t mask = uint32_t(s.arg);
-      ready = ((c.all >> p) & 1u) || (c.chunks[p] & mask) == mask;
-    } else {
-      ready = load_acquire(word_at(flags_, s.arg * FLAG_BYTES)) >= geom::flag_value(c.seq, p);
-    }
-    if (!ready) continue;
+      return ((c.all >> q) & 1u) || (c.chunks[q] & mask) == mask;
+    };
+    if (!ready(p)) continue;
     // set_relay_lead: a publish stream's pieces all become ready at once (the data plane
     // publishes faster than a link drains), and a connection's queue is FIFO: posted
     // together they hold back the pieces this rank relays on the same connection, and with
@@ -386,15 +401,26 @@ bool Proxy::advance_streams() {
       }
       continue;
     }
-    if (!post_piece(s, c, p)) return progress;
-    if (s.kind == 0 && !((c.posted >> p) & 1u)) {
-      c.posted |= uint8_t(1u << p);
+    // BATCH_SLICE: every piece ready now goes with this one (not past a piece the data
+    // plane sent itself, and not under a relay lead, which meters pieces one by one).
+    int last = p;
+    if (c.slice <= BATCH_SLICE && relay_lead_ < 0)
+      while (last + 1 < geom::PIECES && ready(last + 1) &&
+             !(s.kind == 0 && s.gpu && ((c.direct >> (last + 1)) & 1u)))
+        ++last;
+    if (!post_pieces(s, c, p, last)) return progress;
+    if (s.kind == 0) {
       uint64_t t = now_ns();
-      if (c.seen_ns[p])
-        record_delay(t - c.seen_ns[p],
-                     c.publish_ns[p] && c.publish_ns[p] <= t ? t - c.publish_ns[p] : 0, p == 0);
+      for (int q = p; q <= last; ++q) {
+        if ((c.posted >> q) & 1u) continue;
+        c.posted |= uint8_t(1u << q);
+        if (c.seen_ns[q])
+          record_delay(t - c.seen_ns[q],
+                       c.publish_ns[q] && c.publish_ns[q] <= t ? t - c.publish_ns[q] : 0, q == 0);
+      }
     }
     progress = true;
+    s.piece = last;
     if (++s.piece == geom::PIECES) {
       s.piece = 0;
       ++s.coll;
@@ -413,29 +439,51 @@ bool Proxy::relays_caught_up(const StreamRow& s, int piece) const {
   return true;
 }
 
-bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
-  auto pb = geom::piece_bounds(c.slice, piece, c.granule);
+bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   std::string cause;
   bool ok = true;
   const uint64_t t0 = now_ns();
-  for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
-    const ItemRow& it = items_[i];
-    auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
-    uint64_t len = r.second - r.first;
-    if (!len) continue;
-    uint64_t src_off = (c.seq % reg_.slots[it.src_region]) *
-                           reg_.stride[it.src_region].load(std::memory_order_acquire) +
-                       uint64_t(it.src_block) * c.slice + r.first;
-    uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
-                           reg_.stride[it.dst_region].load(std::memory_order_acquire) +
-                       uint64_t(it.dst_block) * c.slice + r.first;
-    ok = transport_->write(s.conn, it.src_region, src_off, it.dst_region, dst_off, len, &cause);
+  // Each item's part of pieces piece..last, in piece order; parts that follow each other in
+  // both regions (one root, one direction: the pieces are contiguous) go as one write.
+  uint64_t run_src = 0, run_dst = 0, run_len = 0;
+  const ItemRow* run_item = nullptr;
+  auto flush = [&]() {
+    if (!run_len || !ok) return;
+    ok = transport_->write(s.conn, run_item->src_region, run_src, run_item->dst_region, run_dst,
+                           run_len, &cause);
     if (ok) {
       n_writes_.fetch_add(1, std::memory_order_relaxed);
-      n_bytes_.fetch_add(len, std::memory_order_relaxed);
+      n_bytes_.fetch_add(run_len, std::memory_order_relaxed);
+    }
+    run_len = 0;
+  };
+  for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
+    const ItemRow& it = items_[i];
+    for (int q = piece; q <= last && ok; ++q) {
+      auto pb = geom::piece_bounds(c.slice, q, c.granule);
+      auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
+      uint64_t len = r.second - r.first;
+      if (!len) continue;
+      uint64_t src_off = (c.seq % reg_.slots[it.src_region]) *
+                             reg_.stride[it.src_region].load(std::memory_order_acquire) +
+                         uint64_t(it.src_block) * c.slice + r.first;
+      uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
+                             reg_.stride[it.dst_region].load(std::memory_order_acquire) +
+                         uint64_t(it.dst_block) * c.slice + r.first;
+      if (run_len && run_item == &it && run_src + run_len == src_off &&
+          run_dst + run_len == dst_off) {
+        run_len += len;
+        continue;
+      }
+      flush();
+      run_item = &it;
+      run_src = src_off;
+      run_dst = dst_off;
+      run_len = len;
     }
   }
-  if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, piece), &cause);
+  flush();
+  if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, last), &cause);
   n_post_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   if (!ok) {
     const ConnInfo& cn = conns_[size_t(s.conn)];
@@ -444,7 +492,7 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
              std::to_string(s.conn) + " (peer " + std::to_string(cn.peer) + ", channel " +
              std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
              op_name(s.op) + " seq " + std::to_string(c.seq) + " piece " +
-             std::to_string(piece) + ": " + cause);
+             std::to_string(last) + ": " + cause);
     return false;
   }
   n_flags_.fetch_add(1, std::memory_order_relaxed);

@@ -27,7 +27,7 @@ struct ProxyStats {
   uint64_t first_samples, first_p50_ns, first_p99_ns;
   // and of it, piece 0's ring entry consumed -> first post (the proxy's own turn)
   uint64_t first_delay_p50_ns, first_delay_p99_ns;
-  // time inside the transport's write() and flag() calls of post_piece: what posting costs
+  // time inside the transport's write() and flag() calls of post_pieces: what posting costs
   // the proxy (verbs: building and posting the work requests, the NIC library's share
   // included), divided by writes + flags for a per-work-request figure
   uint64_t post_ns;
@@ -109,7 +109,8 @@ class Proxy {
   void run();
   bool consume_ring();
   bool advance_streams();
-  bool post_piece(StreamRow& s, Coll& c, int piece);
+  // Pieces piece..last of collective c on stream s: their writes, then one flag (last's).
+  bool post_pieces(StreamRow& s, Coll& c, int piece, int last);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void note_delivered();

@@ -112,7 +112,9 @@ class ShmTransport final : public Transport {
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
               nullptr, 0};
-    workers_[size_t(conn)]->push(op);
+    // No wake-up for a write: the proxy's post ends with the stream's flag (below), which
+    // wakes a sleeping worker once for all of it.
+    workers_[size_t(conn)]->push(op, false);
     return true;
   }
 

@@ -191,13 +191,16 @@ struct OrderedQueue {
   bool waiting = false;
   std::atomic<uint64_t> posted{0}, done{0};
 
-  void push(const Op& op) {
+  // wake = false: leave a sleeping worker asleep; the caller pushes an operation with
+  // wake = true next (the shm transport: a write, whose flag always follows), so the
+  // worker takes both in one batch for one wake-up (a futex call in the proxy's post).
+  void push(const Op& op, bool wake_now = true) {
     bool wake;
     posted.fetch_add(1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lk(mu);
       queue.push_back(op);
-      wake = waiting;
+      wake = waiting && wake_now;
     }
     if (wake) cv.notify_one();
   }

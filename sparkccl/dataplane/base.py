@@ -144,6 +144,19 @@ class DataPlaneBase:
                                   "(fused_all_reduce is False): use sparkccl/allreduce.py's "
                                   "reduce-scatter + all-gather")
 
+    # The one-shot all-reduce in one operation (docs/PROTOCOL.md "All-reduce").
+    one_shot_all_reduce = False
+    """Whether :meth:`all_reduce_one_shot` is implemented (the CUDA plane: one launch).
+    Planes without it get ``sparkccl/allreduce.py``'s all-gather and local sum."""
+
+    def all_reduce_one_shot(self, seq: int, src, dst, avg: bool, pad: int = 0) -> None:
+        """All-reduce ``src`` (contiguous, bf16 / fp16 / fp32, at most one slot) into ``dst``
+        (same dtype and size; may be ``src``) as one collective: an all-gather of ``src`` on
+        the wire, then the rank-order fp32 sum of the W vectors (``avg``: divided once by
+        the world size), rounded once. ``pad``: as in :meth:`all_reduce` (the W vectors'
+        padding to 16 bytes, ``world * round_up(L, 16) - L``; the peers compare it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-shot all-reduce")
+
     # ---- completion ----------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every collective issued so far and raise if one failed. A plane whose

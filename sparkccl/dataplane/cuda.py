@@ -603,6 +603,24 @@ class CudaDataPlane(DataPlaneBase):
         with self.plans.planning(key, self.gpu.make_plan):
             cuda_calls.reduce_scatter(self, seq, src, src_p, src_stride, L, dst_p, dtype, part)
 
+    # ---- one-shot all-reduce (allreduce_engine.py) -------------------------------------
+    one_shot_all_reduce = True
+
+    def all_reduce_one_shot(self, seq: int, src: torch.Tensor, dst: torch.Tensor,
+                            avg: bool, pad: int = 0) -> None:
+        """One launch: an all-gather of ``src`` on the wire, summed into ``dst`` in rank
+        order (:mod:`.allreduce_engine`). Later calls of the shape run from its plan."""
+        L, dtype = src.nbytes, src.dtype
+        a0, b0 = src.data_ptr(), dst.data_ptr()
+        in_place = a0 < b0 + dst.nbytes and b0 < a0 + L
+        key = ("all_reduce_one_shot", L, dtype, avg, in_place, pad)
+        if self._planned(key, Op.AG, seq, round_up(L, ALIGN), a0, b0):
+            return
+        if dtype not in RS_WAIT:
+            raise TypeError(f"all_reduce: dtype {dtype} is not supported")
+        with self.plans.planning(key, self.gpu.make_plan):
+            cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
+
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:

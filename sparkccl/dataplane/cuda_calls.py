@@ -19,7 +19,8 @@ from .cpu import fin_slice
 from .cuda_runtime import kernel_u64 as _n
 from .engines import RS_WAIT, DirectCall
 from .launch_plan import CallPtr, Slotted
-from .peer_check import ALL_GATHER, MOE_FINALIZE, REDUCE_SCATTER, call_word
+from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, MOE_FINALIZE,
+                         REDUCE_SCATTER, call_word)
 
 RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
              torch.float32: "sccl_rs_direct_f32"}
@@ -105,6 +106,20 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
         ce_src=(base, src_stride) if src is not None else None, own=[],
         sum_kernel=RS_SUM_UNIT[dtype],
         ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+
+
+def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: torch.dtype,
+                        avg: bool, pad: int, in_place: bool) -> None:
+    """The one-shot all-reduce's one launch (:mod:`.allreduce_engine`): an AG on the wire,
+    whose entries' call word says all-reduce (sum or avg) and the caller's padding."""
+    S = round_up(L, ALIGN)
+    call = call_word(Op.AG, dtype, ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM, pad)
+    plane.begin(Op.AG, seq, S, call)
+    ts, stream = plane.gpu.current_stream()
+    table = plane.engines.one_shot_table(plane.direct_table(Op.AG, S))
+    plane.engines.one_shot.run(ts, stream, S=S, L=L, call=call, src=CallPtr(src_p, 0),
+                               dst=CallPtr(dst_p, 1), dtype=dtype, avg=avg, in_place=in_place,
+                               table=table)
 
 
 def finalize(plane, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:

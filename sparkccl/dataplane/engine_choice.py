@@ -1,7 +1,9 @@
 """The one place that maps a collective to an engine of the CUDA data plane: (collective,
 slice size, settings, capture state) -> :class:`~.engines.ProxyPathEngine`,
 :class:`~.engines.FusedEngine`, :class:`~.engines.SplitEngine` or
-:class:`~.ce_engine.CeEngine`. One object of each per data plane, made once.
+:class:`~.ce_engine.CeEngine`; and the one-shot all-reduce's
+:class:`~.allreduce_engine.OneShotEngine` (GPU-direct or the proxy path). One object of
+each per data plane, made once.
 
 A new engine: a class with ``run(call: DirectCall)`` (GPU-direct) in its own module, its
 name added to :data:`sparkccl.config.DIRECT_ENGINES` (the setting's choices) and to
@@ -12,6 +14,7 @@ from __future__ import annotations
 from .. import config
 from ..errors import ConfigError
 from ..plan.model import Op
+from .allreduce_engine import OneShotEngine
 from .ce_engine import CeEngine
 from .engines import Engine, FusedEngine, ProxyPathEngine, SplitEngine
 
@@ -26,6 +29,7 @@ class Engines:
         self.proxy = ProxyPathEngine(plane)
         self.direct = {name: cls(plane) for name, cls in _CLASSES.items()}
         self.fused, self.split, self.ce = (self.direct[n] for n in ("fused", "split", "ce"))
+        self.one_shot = OneShotEngine(plane)  # the one-shot all-reduce (allreduce_engine.py)
 
     def choose(self, op: Op, S: int, table, finalize: bool = False) -> Engine:
         """The engine of a collective of slice ``S``; ``table``: the plane's GPU-direct
@@ -57,8 +61,16 @@ class Engines:
             mode = "fused"
         return self.direct[mode]
 
+    def one_shot_table(self, table):
+        """The one-shot all-reduce's way for a slice whose GPU-direct AG table is ``table``
+        (None where the slice may not go direct): that table (its one kernel writes the
+        peers' AG slots itself, whatever ``SPARKCCL_DIRECT_MODE`` says: it is one launch,
+        as "fused", at the decode sizes it serves), or None: the same kernel with the proxy
+        sending. Benchmark phases do not apply (one kernel, both roles)."""
+        return table
+
     def close(self) -> None:
-        for engine in (self.proxy, *self.direct.values()):
+        for engine in (self.proxy, *self.direct.values(), self.one_shot):
             engine.close()
 
 

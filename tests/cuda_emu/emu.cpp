@@ -131,6 +131,13 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });                                                                                     \
   }
   RSX(sccl_rs_proxy_bf16) RSX(sccl_rs_proxy_f16) RSX(sccl_rs_proxy_f32)
+#define ARX(K)                                                                              \
+  else if (n == #K) {                                                                       \
+    AllReduceArgs args;                                                                     \
+    std::memcpy(&args, a, sizeof args); /* the struct's words, as the launch passes them */ \
+    run_grid(grid, [=] { K(args); });                                                       \
+  }
+  ARX(sccl_allreduce_bf16) ARX(sccl_allreduce_f16) ARX(sccl_allreduce_f32)
   else if (n == "sccl_clock_probe") {
     run_grid(grid, [=] { sccl_clock_probe(P(0, const u64*), P(1, u64*), a[2], a[3]); });
   } else if (n == "sccl_piece_bounds") {

@@ -45,17 +45,17 @@ struct PubArgs {
 // every block's data (through the counter) and those fields before what follows, then
 // each stream's flag and the entries' tags. (A flag and a tag per piece, each behind its
 // own release, took four such waits per piece.) dtab: the direct table, or null where
-// nothing goes to the peers (a failed data plane: sccl_finalize_direct).
+// nothing goes to the peers (a failed data plane: sccl_finalize_direct; the one-shot
+// all-reduce's proxy path, whose entries then say chunk CHUNK_ALL: the proxy sends).
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
-                                         int c0, int c1) {
+                                         int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT) {
   if (!last_block_arrives(counter, n)) return;
   u32 room = 0;  // bit c: entry first_index + c has its fields (its ring wait passed)
   for (int c = c0; c <= c1; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
-    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, call, (u32)c,
-                     (u32)CHUNK_DIRECT, ALIGN))
+    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, call, (u32)c, chunk, ALIGN))
       room |= 1u << c;
   }
   __threadfence_system();

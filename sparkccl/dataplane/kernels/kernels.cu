@@ -54,6 +54,7 @@
 #include "direct.cu"
 #include "proxy_path.cu"
 #include "finalize.cu"
+#include "allreduce.cu"
 
 // ---------------------------------------------------------------- self-test helpers
 

@@ -55,10 +55,11 @@ __device__ __forceinline__ V16 pack(const float* f) {
 
 // Sum bytes [a, e) of the piece over sources in rank order: source i's bytes are at
 // recv + i * S (pinned, 16-aligned), except the own source at own (device input or own
-// send slot; own_sys says which). Writes dst[a, e).
+// send slot; own_sys says which). Writes dst[a, e). avg: the fp32 sum divided once by
+// world (IEEE division) before the one rounding (the one-shot all-reduce's AVG).
 template <class E>
 __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys, u64 S, u64 a,
-                            u64 e, int rank, int world, u32 b, u32 nb) {
+                            u64 e, int rank, int world, u32 b, u32 nb, bool avg = false) {
   const int VEC = 16 / sizeof(typename E::T);
   const u64 n = e - a;
   const u64 units = n / 16;
@@ -97,6 +98,10 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
         for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
       }
     }
+    if (avg) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)world);
+    }
     st_any16(dst + off, pack<E>(acc));
   }
   // Tail: the last elements of the last piece (L not a multiple of 16).
@@ -114,6 +119,7 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
       float f = E::load(raw);
       acc = i == 0 ? f : __fadd_rn(acc, f);
     }
+    if (avg) acc = __fdiv_rn(acc, (float)world);
     const u32 r = (u32)E::store(acc);
     for (int q = 0; q < (int)sizeof(T); ++q) dst[off + q] = (u8)(r >> (8 * q));
   }

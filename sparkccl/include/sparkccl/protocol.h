@@ -349,5 +349,64 @@ static_assert(__builtin_offsetof(WaitParams, flags) == WP_FLAGS &&
                   sizeof(WaitParams) == WP_BYTES,
               "WaitParams offsets (sparkccl/layout.py pack_struct writes them)");
 
+
+// The one-shot all-reduce's arguments (sccl_allreduce_*, kernels/allreduce.cu; the CUDA data
+// plane's one-shot regime, docs/PROTOCOL.md "One shot on CUDA"), in ONE struct passed by
+// value: every field a u64, so the host packs it as words (sparkccl/dataplane/
+// allreduce_engine.py, layout.pack_struct "AR") and a launch plan's parameter words are the
+// struct's bytes (its call pointers, src and dst, patched there like any parameter). Its
+// wait role takes the plane's AG WaitParams block like every kernel with a wait role.
+// Pointers are device addresses (pinned host memory mapped for the device where the
+// comment says "mapped").
+struct AllReduceArgs {
+  pu64 src;        // this rank's vector (device, L bytes)
+  pu64 dst;        // the result (device, L bytes; may be src: see gate)
+  pu64 L;          // bytes per rank
+  pu64 S;          // L rounded up to ALIGN: the all-gather slice
+  pu64 avg;        // 1: divide the fp32 sum once by world (AVG)
+  pu64 slot;       // AG slot 0 (mapped) ...
+  pu64 slot_code;  // ... and its code (slot seq % slots: common.cuh slot_at)
+  pu64 dtab;       // GPU-direct: the AG direct table (direct.cu); 0: the proxy path
+  pu64 ring;       // this rank's publish ring (mapped)
+  pu64 call;       // the ring entries' call word (layout::call_word: op AG, the caller's
+                   // dtype, KIND_ALL_REDUCE_SUM / _AVG, the padding)
+  pu64 counters;   // hand-off / piece counters (u32, COUNTER_SETS sets of PIECES)
+  pu64 npub;       // publish blocks (proxy path: PIECES * blocks per piece)
+  pu64 gate;       // in place (dst overlaps src): u32 gate[PIECES] the publish blocks bump
+                   // once read of src is done (the finalize's gate words); 0: no gate
+  pu64 wp;         // the plane's AG WaitParams (device)
+};
+constexpr pu64 AR_SRC = 0;
+constexpr pu64 AR_DST = 8;
+constexpr pu64 AR_L = 16;
+constexpr pu64 AR_S = 24;
+constexpr pu64 AR_AVG = 32;
+constexpr pu64 AR_SLOT = 40;
+constexpr pu64 AR_SLOT_CODE = 48;
+constexpr pu64 AR_DTAB = 56;
+constexpr pu64 AR_RING = 64;
+constexpr pu64 AR_CALL = 72;
+constexpr pu64 AR_COUNTERS = 80;
+constexpr pu64 AR_NPUB = 88;
+constexpr pu64 AR_GATE = 96;
+constexpr pu64 AR_WP = 104;
+constexpr pu64 AR_BYTES = 112;
+static_assert(__builtin_offsetof(AllReduceArgs, src) == AR_SRC &&
+                  __builtin_offsetof(AllReduceArgs, dst) == AR_DST &&
+                  __builtin_offsetof(AllReduceArgs, L) == AR_L &&
+                  __builtin_offsetof(AllReduceArgs, S) == AR_S &&
+                  __builtin_offsetof(AllReduceArgs, avg) == AR_AVG &&
+                  __builtin_offsetof(AllReduceArgs, slot) == AR_SLOT &&
+                  __builtin_offsetof(AllReduceArgs, slot_code) == AR_SLOT_CODE &&
+                  __builtin_offsetof(AllReduceArgs, dtab) == AR_DTAB &&
+                  __builtin_offsetof(AllReduceArgs, ring) == AR_RING &&
+                  __builtin_offsetof(AllReduceArgs, call) == AR_CALL &&
+                  __builtin_offsetof(AllReduceArgs, counters) == AR_COUNTERS &&
+                  __builtin_offsetof(AllReduceArgs, npub) == AR_NPUB &&
+                  __builtin_offsetof(AllReduceArgs, gate) == AR_GATE &&
+                  __builtin_offsetof(AllReduceArgs, wp) == AR_WP &&
+                  sizeof(AllReduceArgs) == AR_BYTES,
+              "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
 }  // namespace kargs
 }  // namespace sparkccl

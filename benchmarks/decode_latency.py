@@ -1,0 +1,169 @@
+"""Decode-regime all-reduce latency beside its floors, measured in the same run (issue 30).
+
+    python benchmarks/decode_latency.py --world 2            # one GPU shared under MPS
+    python benchmarks/decode_latency.py --world 4 --iters 300
+
+Runs the ranks twice, GPU-direct (the default on one host) and the proxy path
+(``SPARKCCL_GPU_DIRECT=0``). Per run, every rank measures:
+
+* ``flag rtt``: a GPU -> CPU -> GPU flag round trip (sccl_clock_probe: the host writes a
+  word in pinned memory, the spinning kernel answers with a store the host sees), p50;
+* ``proxy 1pc``: a one-piece write through the proxy: an all-gather of 16 bytes on a CPU
+  communicator of the same ranks (publish -> proxy -> peer's flag -> wait), p50 per call;
+* per size (bf16, bytes per rank): the one-shot all-reduce ``ar`` (CUDA: one kernel,
+  sccl_allreduce_*) eager (host-synchronized after every call) and replayed in a CUDA
+  graph (``--per-graph`` calls per replay, p50 per call), and the same regime as it was
+  before, ``ag+sum``: an all-gather and torch adds in rank order (allreduce.rank_order_sum).
+
+The floor is ``flag rtt`` (GPU-direct) or ``flag rtt + proxy 1pc`` (the proxy path); the
+table prints each replayed all-reduce's ratio to it (issue bar: <= 2) and the before/after
+ratio. Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
+bit against the rank-order reference once, before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SIZES = [8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
+
+
+def _flag_rtt(comm, rounds: int) -> float:
+    """p50 seconds of a host -> GPU -> host flag round trip through pinned memory."""
+    import numpy as np
+
+    from sparkccl.dataplane.cuda_runtime import kernel_u64, u64_at
+    gpu = comm.data_plane.gpu
+    buf = np.zeros(2 * rounds, dtype=np.uint64)
+    dev = gpu.register(buf.ctypes.data, buf.nbytes)
+    go = [u64_at(buf.ctypes.data + 8 * k) for k in range(rounds)]
+    stamp = [u64_at(buf.ctypes.data + 8 * (rounds + k)) for k in range(rounds)]
+    ts, stream = gpu.probe_stream()
+    gpu.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
+                      kernel_u64(rounds), kernel_u64(10 * 10**9))
+    time.sleep(0.05)  # (the probe is spinning on go[0])
+    each = []
+    try:
+        for k in range(rounds):
+            t0 = time.perf_counter_ns()
+            go[k].value = 1
+            while stamp[k].value == 0:
+                pass
+            each.append(time.perf_counter_ns() - t0)
+    finally:
+        for w in go:
+            w.value = 1
+        ts.synchronize()
+        gpu.unregister(buf.ctypes.data)
+    return statistics.median(each[rounds // 10:]) / 1e9  # (the first rounds warm up)
+
+
+def _job(rank, world, store, sizes, iters, per_graph):
+    import torch
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl import allreduce as A
+    from sparkccl.reference import all_reduce_reference, bits, make_input
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    sync = torch.cuda.synchronize
+    row0 = {}
+
+    def p50(fn, n, sync_each=True):
+        fn()
+        sync()
+        each = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            if sync_each:
+                sync()
+            each.append(time.perf_counter() - t0)
+        return statistics.median(each)
+
+    with sparkccl.Communicator(store=dist.PrefixStore("cpu", store), rank=rank,
+                               world_size=world, device="cpu", timeout_s=120) as cpu:
+        tiny = torch.zeros(8, dtype=torch.bfloat16)
+        row0["proxy 1pc"] = p50(lambda: cpu.all_gather(tiny), iters, sync_each=False)
+    rows = []
+    with sparkccl.Communicator(store=dist.PrefixStore("gpu", store), rank=rank,
+                               world_size=world, device=dev, timeout_s=120) as comm:
+        row0["flag rtt"] = _flag_rtt(comm, max(50, iters))
+        for size in sizes:
+            n = size // 2
+            xs = [make_input(size, r, (n,), torch.bfloat16) for r in range(world)]
+            x = xs[rank].to(dev)
+            out = torch.empty_like(x)
+            want = all_reduce_reference(xs)
+
+            def ar():
+                comm.all_reduce(x, out=out, regime=A.ONE_SHOT)
+
+            def before():  # the regime as it was: an all-gather, then torch adds
+                g = comm.all_gather(x)
+                A.rank_order_sum([g[r * n:(r + 1) * n] for r in range(world)], False, out)
+
+            row = {"size": size}
+            for name, fn in (("ar", ar), ("ag+sum", before)):
+                out.view(torch.uint8).fill_(0xFF)  # (each check sees its own result)
+                fn()
+                sync()
+                if not (bits(out.cpu()) == want).all():
+                    raise AssertionError(f"rank {rank}: {name} {size} B differs from the "
+                                         "rank-order reference")
+                row[name] = p50(fn, iters)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(per_graph):
+                        fn()
+                out.view(torch.uint8).fill_(0xFF)
+                g.replay()
+                sync()
+                if not (bits(out.cpu()) == want).all():
+                    raise AssertionError(f"rank {rank}: {name} {size} B replayed differs")
+                row[name + " graph"] = p50(g.replay, max(5, iters // per_graph)) / per_graph
+                del g
+            rows.append(row)
+        comm.synchronize()
+        stats = comm.proxy_stats()
+    return row0, rows, {k: stats.get(k) for k in ("delay_p50_ns", "delay_p99_ns",
+                                                   "delay_samples")}
+
+
+def main() -> None:
+    from sparkccl.localrun import check, run_ranks
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--per-graph", type=int, default=20)
+    ap.add_argument("--max-bytes", type=int, default=2 << 20)
+    a = ap.parse_args()
+    sizes = [s for s in SIZES if s <= a.max_bytes]
+    for path, env in (("GPU-direct", {}), ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})):
+        res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph), env=env,
+                              timeout_s=1200))
+        floors = {k: max(r[0][k] for r in res) for k in res[0][0]}
+        floor = floors["flag rtt"] + (floors["proxy 1pc"] if env else 0.0)
+        print(f"# decode all-reduce, cuda world {a.world} mesh, {path}, bf16; p50 per call "
+              f"(us, slowest rank); {a.iters} eager calls, replays of {a.per_graph} calls")
+        print(f"# floors: flag rtt {floors['flag rtt'] * 1e6:.1f} us, proxy 1pc "
+              f"{floors['proxy 1pc'] * 1e6:.1f} us -> floor {floor * 1e6:.1f} us")
+        keys = ["ar graph", "ar", "ag+sum graph", "ag+sum"]
+        print("bytes/rank " + " ".join(f"{k:>13}" for k in keys)
+              + "  graph/floor  before/after(graph)")
+        for i, row in enumerate(res[0][1]):
+            t = {k: max(r[1][i][k] for r in res) for k in keys}
+            print(f"{row['size']:>10} " + " ".join(f"{t[k] * 1e6:13.1f}" for k in keys)
+                  + f"  {t['ar graph'] / floor:11.2f}  {t['ag+sum graph'] / t['ar graph']:19.2f}")
+        proxy = res[0][2]
+        if proxy.get("delay_samples"):
+            print(f"# proxy (rank 0): ring entry consumed -> first write posted: p50 "
+                  f"{proxy['delay_p50_ns'] / 1e3:.1f} us, p99 {proxy['delay_p99_ns'] / 1e3:.1f} "
+                  f"us over {proxy['delay_samples']} entries")
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The one-shot all-reduce of the CUDA data plane (the decode regime): one launch per call.
+
+On the wire it is an all-gather of each rank's whole vector (op AG: the all-gather's
+streams, relays, flag words and ring entries; only the entries' call word says all-reduce),
+so nothing in the plans or the proxy changes; the kernel (``kernels/allreduce.cu``, ``sccl_allreduce_*``) publishes this
+rank's vector (GPU-direct: straight into the peers' AG slots; the proxy path: into its own
+block of the slot, its ring entries together behind one fence up to ONE_HANDOFF_SLICE, so the
+proxy posts it in one go), waits for every peer's flags and sums the W
+vectors where they landed, in rank order 0..W-1 in fp32, AVG divided once, rounded once,
+straight into ``out``: no intermediate copy and no torch op, the same sum as the
+reduce-scatter's (docs/PROTOCOL.md "All-reduce").
+
+Its arguments are one struct, protocol.h ``kargs::AllReduceArgs`` (the wait role's constants
+in it by pointer: the plane's AG ``WaitParams`` block, as every kernel with a wait role),
+packed here as u64 words by :func:`sparkccl.layout.pack_struct` from the header's ``AR_*``
+offsets and launched through the device seam's ``launch_struct``. Its ring entries carry
+the call word of an all-reduce (op AG, the caller's dtype, ``KIND_ALL_REDUCE_SUM`` /
+``_AVG``, the padding), so the peers' check (:mod:`.peer_check`) tells it from an
+all-gather and a sum from an average. The plane's launch plans record it like any
+launch (the call's pointers marked), so a shape's later calls replay it from native code
+with no Python planning, and a CUDA graph captures the one launch (seq, slot and ring
+index come from the device state).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..plan.geometry import PIECES, piece_bounds
+from ..plan.model import Op
+from .engines import Engine
+
+_P = layout.protocol_constants()
+ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
+THREADS = 256  # __launch_bounds__(256, 2), as the direct kernels
+KERNELS = {torch.bfloat16: "sccl_allreduce_bf16", torch.float16: "sccl_allreduce_f16",
+           torch.float32: "sccl_allreduce_f32"}
+
+
+class OneShotEngine(Engine):
+    """One launch of ``sccl_allreduce_*`` per all-reduce; GPU-direct when the plane gives a
+    direct table for the slice, else the proxy sends (chosen in :mod:`.engine_choice`)."""
+
+    def run(self, ts, stream, *, S: int, L: int, call: int, src, dst, dtype: torch.dtype,
+            avg: bool, in_place: bool, table) -> None:
+        """``src`` / ``dst``: the call's pointers (launch_plan.CallPtr); ``call``: the ring
+        entries' call word (peer_check.py); ``table``: the AG direct table (GPU-direct) or
+        None (the proxy path)."""
+        p = self.plane
+        direct = table is not None
+        piece = piece_bounds(S, 0)[1]
+        # Consumers: a one-hand-off slice's sum reads every source across PCIe at once after
+        # one wait, so one 16-byte unit per thread (each further round of a thread is
+        # another read latency), within the plane's cap on spinning blocks (MAX_WAIT_BLOCKS:
+        # ranks sharing a GPU need SMs for each other's publish blocks).
+        nb = p.slice_wait_blocks(S)
+        if S <= ONE_HANDOFF_SLICE:
+            nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * THREADS))))
+        if direct:
+            npub = p.direct_blocks(piece * (p.world - 1))
+            nb = min(nb, p.max_direct_wait_blocks)
+        else:
+            # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
+            npub = (p.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
+                    else PIECES * p.publish_blocks(piece))
+        words = layout.pack_struct("AR", dict(
+            SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=p.ag_dev, SLOT_CODE=p.ag_code,
+            DTAB=table.data_ptr() if direct else 0, RING=p.ctl_dev + layout.RING_OFFSET,
+            CALL=call, COUNTERS=(p.dcounters if direct else p.counters).data_ptr(), NPUB=npub,
+            GATE=p.fin_gate.data_ptr() if in_place else 0, WP=p.wait_args(Op.AG)[0]))
+        name, grid = KERNELS[dtype], npub + 1 + nb
+        p.plans.plannable(direct=direct)  # one launch of constants and call pointers
+        p.plans.record(name, grid, THREADS, tuple(words))
+        p.gpu.launch_struct(stream, name, grid, THREADS, words)
+        if direct:
+            p.direct_launches += 1
+        p.poison_if_failed(stream, dst, 0, 1, L)
+        p.finish(ts, stream, advanced=True)

@@ -1,0 +1,132 @@
+// One-shot all-reduce (the decode regime; docs/PROTOCOL.md "All-reduce", "One shot on
+// CUDA"): one launch per all-reduce. On the wire it is an all-gather of this rank's whole
+// vector (op AG: the same streams, relays, flag words, values and ring entries; only the
+// entries' call word, a.call, says all-reduce, for the peers' check), and the wait role sums
+// the W vectors where they landed instead of copying them out:
+//
+//   blocks [0, npub): the publish role. GPU-direct (a.dtab != 0): direct.cu's direct_publish
+//      writes the vector straight into the peers' AG slots and hands it off (flags and ring
+//      entries, chunk CHUNK_DIRECT). Proxy path (dtab == 0): publish.cu's publish_role copies
+//      it into this rank's block of AG slot seq % 3 and writes one ring entry per piece for
+//      the proxy (a slice of at most ONE_HANDOFF_SLICE: the eight entries at once, behind one
+//      fence, by the last block: the proxy then posts it in one go).
+//   block npub: the poller (wait.cu), which relays the peers' flags to the progress word.
+//   blocks npub + 1 ..: the consumers. Once every source's vector is there (a slice of at
+//      most ONE_HANDOFF_SLICE: one wait, for the last unit; larger: piece by piece), the
+//      rank-order fp32 sum over the AG slot's blocks (this rank's own term read from src),
+//      AVG divided once, rounded once, straight into dst: reduce_scatter.cu's team_reduce,
+//      the reduce-scatter's very sum, so both regimes give the same bits.
+//
+// In place (dst overlaps src, a.gate != 0): the consumers also wait until every publish
+// block has read src (each bumps every word of the gate once; the target is the device
+// state's STATE_GATE + npub, which the last block then advances by npub: the finalize's gate
+// words and rule, kernels/finalize.cu, so both keep one count).
+//
+// The last block to finish advances the device state (seq + 1, ring + PIECES), so a captured
+// all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
+#pragma once
+#include "direct.cu"
+
+
+// Thread 0 of a publish block, after the block's reads of src: bump every gate word.
+__device__ __forceinline__ void allreduce_src_read(u32* gate) {
+  __syncthreads();  // (every thread's loads of src returned: their stores used them)
+  if (!gate || threadIdx.x != 0) return;
+  __threadfence();
+  for (int c = 0; c < PIECES; ++c) atomicAdd(gate + c, 1u);
+}
+
+// The poller of a one-hand-off slice (one thread): its consumers wait for the last unit
+// only, so every source's every wait word is waited for at the last piece's value (a flag
+// says its piece and every one before it) and the last unit is released once. (wait.cu's
+// poller releases every unit on the way, a gpu-scope release store each, on the path
+// between the flags' arrival and the sum.) A failure is recorded at piece 7.
+__device__ void poll_whole_slice(const WaitArgs& w) {
+  if (earlier_wait_failed(w)) return;
+  const u64 t0 = globaltimer();
+  FlagsSeen seen = {};
+  for (int k = 0; k < w.maxw; ++k)
+    for (int i = 0; i < w.world; ++i)
+      if (!wait_word(w, PIECES - 1, k, i, t0, seen)) return;
+  st_release_gpu(w.state, w.seq * PROG_STRIDE + unit(w, PIECES - 1, w.maxw - 1, w.world - 1));
+}
+
+template <class E>
+__device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const WaitArgs& w,
+                                  u32 blk, u32 nblk, u32 gate_target) {
+  if (blk == 0) {
+    if (threadIdx.x == 0) {
+      if (a.S <= ONE_HANDOFF_SLICE) poll_whole_slice(w);
+      else poller(w);
+    }
+    return;
+  }
+  const u32 b = blk - 1, nb = nblk - 1;
+  const u8* own = (const u8*)a.src;
+  u8* dst = (u8*)a.dst;
+  const bool avg = a.avg != 0;
+  u64 seen = 0;
+  const u64 t0 = globaltimer();
+  if (a.gate && !wait_gate(w, (const u32*)a.gate + PIECES - 1, gate_target, t0)) return;
+  if (a.S <= ONE_HANDOFF_SLICE) {  // one wait for the last unit, then one sum of L bytes
+    if (!wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0)) return;
+    team_reduce<E>(dst, slot, own, false, a.S, 0, a.L, w.rank, w.world, b, nb, avg);
+    return;
+  }
+  for (int c = 0; c < PIECES; ++c) {
+    u64 lo, hi;
+    piece_bounds(a.S, c, &lo, &hi);
+    // Piece c of every source: its last unit (every word of every source) has passed.
+    if (!wait_progress(w, unit(w, c, w.maxw - 1, w.world - 1), &seen, t0)) return;
+    const u64 e = hi < a.L ? hi : a.L;
+    if (e > lo) team_reduce<E>(dst, slot, own, false, a.S, lo, e, w.rank, w.world, b, nb, avg);
+  }
+}
+
+template <class E>
+__device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
+  const WaitParams* wp = (const WaitParams*)a.wp;
+  WAIT_ARGS_INIT
+  const u32 npub = (u32)a.npub;
+  const u32 gate_target = (u32)state_word(state, STATE_GATE) + npub;
+  u8* slot = slot_at((u8*)a.slot, a.slot_code, w.seq);
+  u32* counters = (u32*)a.counters;
+  if (blockIdx.x < npub) {
+    if (a.dtab) {
+      PubArgs p;
+      p.src = (const u8*)a.src; p.src_stride = 0; p.src_sys = 0; p.L = a.L; p.S = a.S;
+      p.dtab = (const u64*)a.dtab; p.own_dst = (u8*)0; p.dst2 = (u8*)0; p.ring = (u8*)a.ring;
+      p.state = state; p.first_index = state_word(state, STATE_RING); p.seq = w.seq;
+      p.call = a.call;
+      p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
+      direct_publish(p, blockIdx.x, npub);
+    } else if (a.S <= ONE_HANDOFF_SLICE) {
+      // The proxy path, one hand-off: every block copies its share of the vector into the
+      // own AG block, the last one writes the eight entries behind one fence, so the proxy
+      // reads them in one turn and posts the slice in one go (docs/PROTOCOL.md "Streams").
+      if (!plane_failed(state)) {
+        team_copy<false>(slot + w.rank * a.S, (u8*)0, (const u8*)a.src, a.L, blockIdx.x, npub);
+        hand_off(counters + (w.seq % COUNTER_SETS) * PIECES, npub, (const u64*)0, (u8*)a.ring,
+                 state, state_word(state, STATE_RING), w.seq, a.S, a.call, 0,
+                 PIECES - 1, (u32)CHUNK_ALL);
+      }
+    } else {
+      publish_role((const u8*)a.src, 0, (u8*)a.slot + w.rank * a.S, a.slot_code, a.S, (u8*)0, 1,
+                   a.L, a.S, (u8*)a.ring, state, a.call, counters, npub / PIECES,
+                   blockIdx.x);
+    }
+    allreduce_src_read((u32*)a.gate);
+  } else {
+    allreduce_consume<E>(a, slot, w, blockIdx.x - npub, gridDim.x - npub, gate_target);
+  }
+  last_block_advances(state, PIECES, a.gate ? npub : 0);
+}
+
+#define ALLREDUCE_KERNEL(NAME, E)                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(const AllReduceArgs a) {         \
+    allreduce_one_shot<E>(a);                                                                \
+  }
+
+ALLREDUCE_KERNEL(sccl_allreduce_bf16, BF16)
+ALLREDUCE_KERNEL(sccl_allreduce_f16, F16)
+ALLREDUCE_KERNEL(sccl_allreduce_f32, F32)

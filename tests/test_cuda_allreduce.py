@@ -1,0 +1,172 @@
+"""The CUDA data plane's one-shot all-reduce (sparkccl/dataplane/allreduce_engine.py,
+kernels/allreduce.cu), in process on the in-process World of tests/test_cuda_dataplane.py:
+the kernels on a GPU (``-m cuda``) or compiled as host C++ (the emulation). Every result is
+checked bit for bit against the rank-order reference (sparkccl.reference
+.all_reduce_reference), and the bytes after the output stay untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparkccl.reference import all_reduce_reference
+from test_cuda_dataplane import (BACKENDS, C, Graphs, World, check_ring_tickets, device_seq,
+                                 inputs)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GUARD = 5
+
+
+def all_reduce(w: World, xs, op: str, *, in_place: bool = False):
+    """One all-reduce of every rank (CPU inputs); returns (outputs, guard buffers)."""
+    seq = w.seq
+    w.seq += 1
+    outs = []
+    for r in range(w.world):
+        with w.be.on(r):
+            x = w.keep(w.be.to_dev(xs[r]).reshape(-1))
+            if in_place:
+                w.dps[r].all_reduce_one_shot(seq, x, x, op == "avg")
+                outs.append(x)
+            else:
+                buf = w.keep(w.be.to_dev(torch.full((x.nbytes + GUARD,), 0xAB, dtype=torch.uint8)))
+                w.dps[r].all_reduce_one_shot(seq, x, buf[:x.nbytes].view(x.dtype), op == "avg")
+                outs.append(buf)
+    return outs
+
+
+def check(w: World, xs, op: str, outs, what: str = "") -> None:
+    ref = all_reduce_reference(xs, op)
+    for r, out in enumerate(outs):
+        got = out.cpu().reshape(-1).view(torch.uint8).numpy()
+        n = ref.size
+        assert np.array_equal(got[:n], ref), \
+            f"{what} rank {r} {xs[0].dtype} {list(xs[0].shape)} {op}: bytes " \
+            f"{np.flatnonzero(got[:n] != ref)[:10]} differ"
+        assert (got[n:] == 0xAB).all(), f"{what} rank {r} wrote past its output"
+
+
+# (topology, world, roots, GPU-direct): mesh and ring at world 2 and 3, both paths.
+CASES = [("mesh", 2, 2, False), ("mesh", 2, 2, True), ("mesh", 3, 1, True),
+         ("ring", 3, 2, False), ("ring", 3, 2, True)]
+SHAPES = [(1,), (17,), (129, 7), (1000,)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots,direct", CASES)
+def test_one_shot_exact(backend, topology, world, roots, direct):
+    """bf16 / fp16 / fp32, SUM and AVG, odd sizes (tails, one element), queued back to back
+    with one sync: every rank's result is the reference's bits; then in place (out is x);
+    then a slice above ONE_HANDOFF_SLICE (summed piece by piece); a shape's second call runs
+    from its launch plan."""
+    oh = C.ONE_HANDOFF_SLICE
+    big = (oh // 2 + 9,)  # bf16: S = oh + 32 > ONE_HANDOFF_SLICE
+    with World(backend, topology, world, roots, max_slice=oh + 64, direct=direct) as w:
+        pending = []
+        seed = 0
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                for op in ("sum", "avg"):
+                    seed += 1
+                    xs = inputs(seed, world, shape, dtype)
+                    pending.append((xs, op, all_reduce(w, xs, op)))
+        w.sync()
+        for xs, op, outs in pending:
+            check(w, xs, op, outs)
+        hits = [dp.plans.stats["hits"] for dp in w.dps]
+        xs = inputs(99, world, (129, 7), torch.bfloat16)  # (the shape planned above)
+        outs = all_reduce(w, xs, "avg")
+        w.sync()
+        check(w, xs, "avg", outs, "planned")
+        assert all(dp.plans.stats["hits"] == h + 1 for dp, h in zip(w.dps, hits))
+        for k, dtype in enumerate(DTYPES):
+            xs = inputs(200 + k, world, (33, 3), dtype)
+            outs = all_reduce(w, xs, "avg", in_place=True)
+            w.sync()
+            check(w, xs, "avg", [o.view(torch.uint8) for o in outs], "in place")
+        xs = inputs(300, world, big, torch.bfloat16)
+        outs = all_reduce(w, xs, "sum")
+        w.sync()
+        check(w, xs, "sum", outs, "above one hand-off")
+        assert all(dp.direct_launches > 0 for dp in w.dps) == direct
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world,roots,direct", [("mesh", 2, 2, True),
+                                                         ("ring", 3, 2, False)])
+def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
+    """One-shot all-reduces (every dtype, both ops, one in place) captured once per rank
+    and replayed with fresh inputs written into the captured tensors, an eager all-reduce
+    between replays: every output exact, and the device's seq counted every collective."""
+    specs = [((4096,), torch.bfloat16, "sum"), ((3, 333), torch.float16, "avg"),
+             ((17,), torch.float32, "avg"), ((1000,), torch.bfloat16, "avg")]
+    replays = 10 if backend == "cuda" else 4
+    with World(backend, topology, world, roots, max_slice=1 << 14, direct=direct) as w:
+        xs = inputs(1, world, (64,), torch.bfloat16)  # eager first
+        outs = all_reduce(w, xs, "sum")
+        w.sync()
+        check(w, xs, "sum", outs)
+        xin = [[w.be.to_dev(torch.zeros(s, dtype=d)) for _ in range(world)] for s, d, _ in specs]
+        yout = [[w.be.to_dev(torch.full((x.nbytes + GUARD,), 0xAB, dtype=torch.uint8))
+                 for x in row] for row in xin]
+        last = len(specs) - 1  # in place
+
+        def issue(r):
+            for k, (_, _, op) in enumerate(specs):
+                x = xin[k][r].reshape(-1)
+                dst = x if k == last else yout[k][r][:x.nbytes].view(x.dtype)
+                w.dps[r].all_reduce_one_shot(w.seq + k, x, dst, op == "avg")
+
+        graphs = Graphs(w)
+        graphs.capture(issue)
+        count = 1
+        for it in range(replays):
+            vals = [inputs(10 * it + k, world, s, d) for k, (s, d, _) in enumerate(specs)]
+            for k in range(len(specs)):
+                for r in range(world):
+                    with w.be.on(r):
+                        xin[k][r].copy_(w.be.to_dev(vals[k][r]))
+            graphs.replay()
+            count += len(specs)
+            ex = inputs(500 + it, world, (77,), torch.float16)
+            eo = all_reduce(w, ex, "avg")
+            count += 1
+            w.sync()
+            for k, (_, _, op) in enumerate(specs):
+                got = [xin[k][r].view(-1).view(torch.uint8) if k == last else yout[k][r]
+                       for r in range(world)]
+                check(w, vals[k], op, got, f"replay {it}")
+            check(w, ex, "avg", eo, f"eager after replay {it}")
+        for r in range(world):
+            assert device_seq(w, r) == count, (r, device_seq(w, r), count)
+            check_ring_tickets(w, r, count)
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
+    """Only rank 0 calls (rank 1 never sends): its wait times out on the GPU clock,
+    synchronize() raises CollectiveError naming rank 1 and the connection, the output is
+    poisoned (every byte 0xFF: mode poison, the World's default), and the next call raises
+    at once."""
+    world = 2
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5,
+               direct=direct) as w:
+        xs = inputs(1, world, (100,), torch.bfloat16)
+        with w.be.on(0):
+            x = w.keep(w.be.to_dev(xs[0]))
+            out = w.keep(w.be.to_dev(torch.zeros(100, dtype=torch.bfloat16)))
+            w.dps[0].all_reduce_one_shot(0, x, out, False)
+        with pytest.raises(C.CollectiveError) as ei:
+            w.dps[0].synchronize()
+        msg = str(ei.value)
+        # (a one-hand-off slice is waited for at its last piece)
+        assert "timed out" in msg and f"seq 0 piece {C.PIECES - 1} from rank 1" in msg, msg
+        assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        w.be.sync()
+        assert (out.cpu().view(torch.uint8) == 0xFF).all()
+        with pytest.raises(C.CollectiveError):
+            with w.be.on(0):
+                w.dps[0].all_reduce_one_shot(1, x, out, False)
