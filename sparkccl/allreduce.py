@@ -109,7 +109,10 @@ def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fuse
 
 def _one_shot(comm, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
     n, W = flat.numel(), comm.world_size
-    gathered = comm.all_gather(flat)
+    # The peers compare it as this all-reduce (sum or avg, the caller's size), as they do
+    # the data plane's one-shot operation, which carries the same call word.
+    kind = ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM
+    gathered = comm.all_gather(flat, part_of=(kind, flat.nbytes))
     rank_order_sum([gathered[r * n:(r + 1) * n] for r in range(W)], avg, dst)
 
 

@@ -311,11 +311,13 @@ class Communicator:
 
     def _part(self, part_of, chunk: int, off: int, L: int):
         """(kind, zero bytes) of one collective of an all-reduce's step (``part_of``: kind
-        and the caller's bytes), or None."""
+        and the caller's bytes), or None. The collective carries each chunk padded to
+        ALIGN bytes (a one-shot all-reduce's chunk is the whole vector)."""
         if part_of is None:
             return None
         kind, nbytes = part_of
-        return kind, _allreduce.zero_bytes(nbytes, chunk, self.world_size, off, L)
+        return kind, _allreduce.zero_bytes(nbytes, round_up(chunk, ALIGN), self.world_size, off,
+                                           round_up(L, ALIGN))
 
     def _next_seq(self) -> int:
         s = self.seq
@@ -477,7 +479,8 @@ class Communicator:
         (``DataPlaneBase.all_reduce_one_shot``): one collective, one sequence number."""
         with self._lock:
             self._check_alive("all_reduce")
-            # The padding of an all-reduce (over its W vectors, padded to ALIGN bytes each).
+            # The padding as the all-gather of allreduce.py's one shot says it (_part): one
+            # call word, whichever way each rank takes.
             S = round_up(flat.nbytes, ALIGN)
             pad = _allreduce.zero_bytes(flat.nbytes, S, self.world_size, 0, S)
             self._dp.all_reduce_one_shot(self._next_seq(), flat, dst, avg, pad)

@@ -1,7 +1,8 @@
 """Ranks that make different calls fail on every rank, naming both calls, before any result
 is returned (issue 32): sizes that pad to the same 16 bytes (3 vs 4 fp32 elements, 5 vs 6
 bf16) and dtypes of one width (bf16 vs fp16), for all-gather, reduce-scatter and
-all-reduce (both regimes), and an all-reduce of sums beside one of averages. The ranks'
+all-reduce (both regimes: the one shot's all-gather says all-reduce too), and an all-reduce
+of sums beside one of averages (both regimes). The ranks'
 exact bytes, dtype and collective cross in the publish entries' call word
 (sparkccl/dataplane/peer_check.py), compared where the peers' publish rings are mapped
 (transport shm; ranks are threads of this process). The CUDA plane's twin is
@@ -41,7 +42,7 @@ def _call(op: str, comm, n: int, dtype):
 
 
 def _said(op: str, what: str, world: int) -> str:
-    if op in ("ag", "ar-one-shot"):  # (the one-shot regime is an all-gather)
+    if op == "ag":
         return f"{what} per rank to all_gather"
     if op == "rs":  # the per-rank chunk
         n, rest = what.split(" ", 1)
@@ -86,6 +87,19 @@ def test_all_reduce_of_sums_beside_one_of_averages(fused):
         assert isinstance(got, sparkccl.CollectiveError), got
         assert "rank 0 passed 128 bytes of float32 to all_reduce(sum)" in str(got), str(got)
         assert "rank 1 passed 128 bytes of float32 to all_reduce(avg)" in str(got), str(got)
+
+
+def test_one_shot_all_reduce_of_sums_beside_one_of_averages():
+    """The one shot gathers the inputs, each rank divides its own sum: a sum on one rank and
+    an average on the other return different results unless the call word says which."""
+    x = torch.arange(1, 33, dtype=BF16)
+    res, took = _run(2, [lambda c: c.all_reduce(x, "sum", regime="one_shot"),
+                         lambda c: c.all_reduce(x, "avg", regime="one_shot")])
+    for got in res:
+        assert isinstance(got, sparkccl.CollectiveError), got
+        assert "rank 0 passed 64 bytes of bfloat16 to all_reduce(sum)" in str(got), str(got)
+        assert "rank 1 passed 64 bytes of bfloat16 to all_reduce(avg)" in str(got), str(got)
+    assert took < TIMEOUT_S + 1
 
 
 def test_ring_of_three_reduce_scatter_5v6_bf16():

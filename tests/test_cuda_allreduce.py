@@ -5,6 +5,8 @@ checked bit for bit against the rank-order reference (sparkccl.reference
 .all_reduce_reference), and the bytes after the output stay untouched."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -170,3 +172,70 @@ def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
         with pytest.raises(C.CollectiveError):
             with w.be.on(0):
                 w.dps[0].all_reduce_one_shot(1, x, out, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("calls,said", [
+    (((100, torch.bfloat16, "sum"), (100, torch.bfloat16, "avg")),
+     ("200 bytes of bfloat16 to all_reduce(sum)", "200 bytes of bfloat16 to all_reduce(avg)")),
+    (((5, torch.bfloat16, "sum"), (6, torch.bfloat16, "sum")),
+     ("10 bytes of bfloat16 to all_reduce(sum)", "12 bytes of bfloat16 to all_reduce(sum)")),
+], ids=["sum-avg", "5v6-bf16"])
+def test_one_shot_different_calls_are_reported(backend, direct, calls, said):
+    """The one shot's ring entries carry an all-reduce's call word (peer_check.py): a sum
+    beside an average of the same bytes, and sizes the 16-byte padding hides, fail every
+    rank at synchronize() naming both calls (the padding as comm.py passes it)."""
+    from sparkccl.allreduce import zero_bytes
+    from sparkccl.dataplane.cpu import ring_view
+    world = 2
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
+        for r in range(world):
+            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+        for r, (n, dtype, op) in enumerate(calls):
+            with w.be.on(r):
+                x = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                out = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                S = -(-x.nbytes // 16) * 16
+                w.dps[r].all_reduce_one_shot(0, x, out, op == "avg",
+                                             zero_bytes(x.nbytes, S, world, 0, S))
+        w.be.sync()
+        with pytest.raises(C.CollectiveError, match=re.escape(
+                f"rank 0: all_reduce({calls[0][2]}) seq 0: rank 1 made a different call than "
+                f"rank 0 (this rank): rank 1 passed {said[1]}, rank 0 passed {said[0]}")):
+            w.dps[0].synchronize()
+        with pytest.raises(C.CollectiveError, match=re.escape(f"rank 1 passed {said[1]}")):
+            w.dps[1].synchronize()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+def test_one_shot_kernel_beside_the_all_gather_way_is_one_call(backend, direct):
+    """One rank takes the kernel, the other allreduce.py's all-gather (as where its out
+    overlaps x shifted): the same wire and the same call word (comm.py's padding, 5 bf16
+    elements: 10 bytes in a 16-byte slice), so no mismatch, and the kernel's sum is exact."""
+    from sparkccl.allreduce import zero_bytes
+    from sparkccl.dataplane.cpu import ring_view
+    from sparkccl.dataplane.peer_check import ALL_REDUCE_SUM
+    world, n = 2, 5
+    xs = inputs(7, world, (n,), torch.bfloat16)
+    L, S = 2 * n, 16
+    pad = zero_bytes(L, S, world, 0, S)
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
+        for r in range(world):
+            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+        with w.be.on(0):
+            x = w.keep(w.be.to_dev(xs[0]))
+            buf = w.keep(w.be.to_dev(torch.full((L + GUARD,), 0xAB, dtype=torch.uint8)))
+            w.dps[0].all_reduce_one_shot(0, x, buf[:L].view(torch.bfloat16), False, pad)
+        with w.be.on(1):
+            x1 = w.keep(w.be.to_dev(xs[1]))
+            gathered = w.keep(w.be.to_dev(torch.zeros(world * L, dtype=torch.uint8)))
+            w.dps[1].all_gather(0, x1, gathered, 0, L, torch.bfloat16, (ALL_REDUCE_SUM, pad))
+        w.sync()
+        for dp in w.dps:
+            dp.synchronize()  # (compares the calls: equal)
+        check(w, xs, "sum", [buf])
+        want = torch.cat([x.view(torch.uint8) for x in xs])
+        assert torch.equal(gathered.cpu(), want)
+        w.healthy()

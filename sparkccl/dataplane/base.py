@@ -154,7 +154,8 @@ class DataPlaneBase:
         (same dtype and size; may be ``src``) as one collective: an all-gather of ``src`` on
         the wire, then the rank-order fp32 sum of the W vectors (``avg``: divided once by
         the world size), rounded once. ``pad``: as in :meth:`all_reduce` (the W vectors'
-        padding to 16 bytes, ``world * round_up(L, 16) - L``; the peers compare it)."""
+        padding to 16 bytes, ``world * round_up(L, 16) - L``: what the all-gather of
+        ``sparkccl/allreduce.py``'s one shot says, so either way the peers see one call)."""
         raise NotImplementedError(f"{type(self).__name__} has no one-shot all-reduce")
 
     # ---- completion ----------------------------------------------------------------
