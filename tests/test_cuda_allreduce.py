@@ -165,7 +165,8 @@ def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
             w.dps[0].synchronize()
         msg = str(ei.value)
         # (a one-hand-off slice is waited for at its last piece)
-        assert "timed out" in msg and f"seq 0 piece {C.PIECES - 1} from rank 1" in msg, msg
+        assert "timed out" in msg and f"all_reduce seq 0 piece {C.PIECES - 1} from rank 1" in msg, \
+            msg
         assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
         w.be.sync()
         assert (out.cpu().view(torch.uint8) == 0xFF).all()

@@ -125,7 +125,8 @@ class CudaDataPlane(DataPlaneBase):
         self.on_failure = on_failure
         self._last_event = None
         self._last_seq = 0  # the latest eager collective's seq (messages; host count)
-        self._ops: dict[int, Op] = {}  # seq -> op of recent collectives (error messages)
+        # seq -> the name of recent collectives (error messages: "all_gather", "all_reduce")
+        self._ops: dict[int, str] = {}
         # The control block's words, the GPU record's code word (_GPU_STATUS_WORD) among them,
         # for the checks before every collective (a plain read each:
         # cheaper than ctypes or a native call; x86 and arm64 loads of aligned words are
@@ -462,11 +463,13 @@ class CudaDataPlane(DataPlaneBase):
                                "(docs/CONTRACT.md \"CUDA graphs\")")
 
     def begin(self, op: Op, seq: int, S: int, call: int, entries: int = PIECES,
-               zero_copy: str | None = None) -> int:
+               zero_copy: str | None = None, what: str | None = None) -> int:
         """Checks before a collective's first launch; returns the host's copy of its first
         ring index (valid while seq_on_host(); only mode "ce" uses it). call: its ring
         entries' call word. zero_copy names a feature that needs the slot of seq on the
-        host: refused once the host no longer knows it."""
+        host: refused once the host no longer knows it. what: the collective's name in
+        messages (default: the op's; the one-shot all-reduce is an AG on the wire)."""
+        what = what or OP_NAMES[op]
         if self._closed:
             raise ValueError("this CUDA data plane is closed")
         self._in_capture = self.gpu.capturing()
@@ -477,24 +480,24 @@ class CudaDataPlane(DataPlaneBase):
             if self.peer_check is not None:
                 self.peer_check.forget()
         if zero_copy and self._graph:
-            raise RuntimeError(f"rank {self.rank}: {OP_NAMES[op]}: {zero_copy} needs the "
+            raise RuntimeError(f"rank {self.rank}: {what}: {zero_copy} needs the "
                                "collective's slot on the host, which it no longer knows once a "
                                "collective of this communicator was captured in a CUDA graph "
                                "(docs/CONTRACT.md \"CUDA graphs\")")
         if not self._graph and seq != self._seq_next:
-            raise ValueError(f"rank {self.rank}: {OP_NAMES[op]} seq {seq}: the CUDA data plane "
+            raise ValueError(f"rank {self.rank}: {what} seq {seq}: the CUDA data plane "
                              f"expected seq {self._seq_next} (the GPU numbers collectives one "
                              "per call, in call order)")
         self._check_call()
         self.plans.called(call)
-        return self._count(op, seq, S, entries, call)
+        return self._count(op, seq, S, entries, call, what)
 
-    def _count(self, op: Op, seq: int, S: int, entries: int, call: int) -> int:
+    def _count(self, op: Op, seq: int, S: int, entries: int, call: int, what: str) -> int:
         """The host's account of a collective about to be issued (its first ring index)."""
         first = self._ring_next
         if not self._graph:
             ops = self._ops
-            ops[seq] = op
+            ops[seq] = what
             ops.pop(seq - 512, None)
             if seq > self._last_seq:
                 self._last_seq = seq
@@ -505,7 +508,7 @@ class CudaDataPlane(DataPlaneBase):
         return first
 
     # ---- the eager fast path (launch_plan.py) ----------------------------------------
-    def _planned(self, key, op: Op, seq: int, S: int, *args) -> bool:
+    def _planned(self, key, op: Op, seq: int, S: int, *args, what: str | None = None) -> bool:
         """Issue the collective from its plan, if there is one (a launch plan, or mode "ce"'s
         program: ce_engine.CePlan): the checks of :meth:`begin`, one native call, the
         host's account. False (nothing done): no plan,
@@ -524,7 +527,7 @@ class CudaDataPlane(DataPlaneBase):
         self.plans.stats["hits"] += 1
         self.direct_launches += direct
         self._in_capture = False
-        self._count(op, seq, S, entries, call)
+        self._count(op, seq, S, entries, call, what or OP_NAMES[op])
         return True
 
     def finish(self, ts, stream, entries: int = PIECES, gate_add: int = 0,
@@ -614,7 +617,7 @@ class CudaDataPlane(DataPlaneBase):
         a0, b0 = src.data_ptr(), dst.data_ptr()
         in_place = a0 < b0 + dst.nbytes and b0 < a0 + L
         key = ("all_reduce_one_shot", L, dtype, avg, in_place, pad)
-        if self._planned(key, Op.AG, seq, round_up(L, ALIGN), a0, b0):
+        if self._planned(key, Op.AG, seq, round_up(L, ALIGN), a0, b0, what="all_reduce"):
             return
         if dtype not in RS_WAIT:
             raise TypeError(f"all_reduce: dtype {dtype} is not supported")
@@ -709,8 +712,8 @@ class CudaDataPlane(DataPlaneBase):
         if self._ctl_words[_GPU_STATUS_WORD]:
             self.monitor.raise_record()
 
-    def op_of(self, seq: int) -> Op | None:
-        """The op of recent collective ``seq`` (for messages), if the host knows it."""
+    def name_of(self, seq: int) -> str | None:
+        """The name of recent collective ``seq`` (for messages), if the host knows it."""
         return self._ops.get(seq)
 
     # ---- fail-stop and poison (docs/CONTRACT.md "Failure behaviour") ----------------------

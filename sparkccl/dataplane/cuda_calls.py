@@ -114,7 +114,7 @@ def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: 
     whose entries' call word says all-reduce (sum or avg) and the caller's padding."""
     S = round_up(L, ALIGN)
     call = call_word(Op.AG, dtype, ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM, pad)
-    plane.begin(Op.AG, seq, S, call)
+    plane.begin(Op.AG, seq, S, call, what="all_reduce")
     ts, stream = plane.gpu.current_stream()
     table = plane.engines.one_shot_table(plane.direct_table(Op.AG, S))
     plane.engines.one_shot.run(ts, stream, S=S, L=L, call=call, src=CallPtr(src_p, 0),

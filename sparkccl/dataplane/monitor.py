@@ -30,7 +30,6 @@ import time
 
 from .. import layout
 from ..errors import CollectiveError
-from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .trap_lock import TrapLock
 
@@ -186,8 +185,8 @@ class FailureMonitor:
         code, source, word, piece, seq = p.gpu_status()
         if not code:
             return
-        op = p.op_of(seq)
-        what = f"{OP_NAMES[op]} seq {seq}" if op is not None else f"collective seq {seq}"
+        name = p.name_of(seq)
+        what = f"{name} seq {seq}" if name is not None else f"collective seq {seq}"
         if code != layout.ABORT_TIMEOUT or source == NO_SOURCE:
             if p.nat.abort_code(p.ctl):
                 waited = ("" if source == NO_SOURCE
@@ -199,7 +198,7 @@ class FailureMonitor:
                        "flag, or for space in the publish ring)", int(code))
             p.fail(f"rank {p.rank}: {what} piece {piece}: the GPU wait saw abort code "
                    f"{code}", int(code))
-        if word == NO_WORD or op is None:
+        if word == NO_WORD or name is None:
             p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for {what} "
                    f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
         p.timed_out(what, piece, word, "; GPU wait")
