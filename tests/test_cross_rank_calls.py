@@ -1,8 +1,9 @@
 """Ranks that make different calls fail on every rank, naming both calls, before any result
 is returned (issue 32): sizes that pad to the same 16 bytes (3 vs 4 fp32 elements, 5 vs 6
 bf16) and dtypes of one width (bf16 vs fp16), for all-gather, reduce-scatter and
-all-reduce (both regimes: the one shot's all-gather says all-reduce too), and an all-reduce
-of sums beside one of averages (both regimes). The ranks'
+all-reduce (both regimes: the one shot's all-gather says all-reduce too), an all-reduce of
+sums beside one of averages (both regimes), and one rank's one shot beside another's two
+steps. The ranks'
 exact bytes, dtype and collective cross in the publish entries' call word
 (sparkccl/dataplane/peer_check.py), compared where the peers' publish rings are mapped
 (transport shm; ranks are threads of this process). The CUDA plane's twin is
@@ -99,6 +100,26 @@ def test_one_shot_all_reduce_of_sums_beside_one_of_averages():
         assert isinstance(got, sparkccl.CollectiveError), got
         assert "rank 0 passed 64 bytes of bfloat16 to all_reduce(sum)" in str(got), str(got)
         assert "rank 1 passed 64 bytes of bfloat16 to all_reduce(avg)" in str(got), str(got)
+    assert took < TIMEOUT_S + 1
+
+
+def test_one_shot_beside_two_steps(monkeypatch):
+    """Sizes on either side of the agreed threshold: rank 0's one shot (an all-gather of its
+    64 bytes) meets rank 1's two steps (first a reduce-scatter of 32-byte chunks of its 80
+    bytes). Both call words say all_reduce(sum); the sizes tell them apart, once the waits
+    for the other op's pieces time out (each rank then reads the peer's entry of the seq).
+    (Before the first two-step call of both ranks, rank 1 waits for rank 0 to set up the
+    reduce-scatter buffers instead, and says so at the timeout.)"""
+    monkeypatch.setenv("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", "64")
+    first = torch.arange(1, 21, dtype=F32)
+    res, took = _run(2, [lambda c: (c.all_reduce(first),
+                                    c.all_reduce(torch.arange(1, 17, dtype=F32))),
+                         lambda c: (c.all_reduce(first),
+                                    c.all_reduce(torch.arange(1, 21, dtype=F32)))])
+    for got in res:
+        assert isinstance(got, sparkccl.CollectiveError), got
+        assert "rank 0 passed 64 bytes of float32 to all_reduce(sum)" in str(got), str(got)
+        assert "rank 1 passed 80 bytes of float32 to all_reduce(sum)" in str(got), str(got)
     assert took < TIMEOUT_S + 1
 
 

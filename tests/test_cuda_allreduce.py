@@ -240,3 +240,32 @@ def test_one_shot_kernel_beside_the_all_gather_way_is_one_call(backend, direct):
         want = torch.cat([x.view(torch.uint8) for x in xs])
         assert torch.equal(gathered.cpu(), want)
         w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_shot_beside_a_two_step_reduce_scatter_is_reported(backend):
+    """Ranks on either side of the one-shot threshold: rank 0's one shot of 64 bytes (an AG
+    on the wire) meets rank 1's first step of an all-reduce of 80 bytes (an RS of 48-byte
+    chunks). Both call words say all_reduce(sum); the sizes differ, and the error names
+    both calls (found when the waits for the other op give up, if not before)."""
+    from sparkccl.dataplane.cpu import ring_view
+    from sparkccl.dataplane.peer_check import ALL_REDUCE_SUM
+    world = 2
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=1) as w:
+        for r in range(world):
+            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+        with w.be.on(0):
+            x = w.keep(w.be.to_dev(torch.zeros(16, dtype=torch.float32)))
+            w.dps[0].all_reduce_one_shot(0, x, w.keep(w.be.to_dev(torch.zeros_like(x))), False,
+                                         64)
+        with w.be.on(1):
+            src = w.keep(w.be.to_dev(torch.zeros(24, dtype=torch.float32)))
+            out = w.keep(w.be.to_dev(torch.zeros(12, dtype=torch.float32)))
+            w.dps[1].reduce_scatter(0, src, 0, 48, 48, out, 0, torch.float32,
+                                    (ALL_REDUCE_SUM, 16))
+        for r in range(world):
+            with pytest.raises(C.CollectiveError) as ei:
+                w.dps[r].synchronize()
+            msg = str(ei.value)
+            assert "rank 0 passed 64 bytes of float32 to all_reduce(sum)" in msg, msg
+            assert "rank 1 passed 80 bytes of float32 to all_reduce(sum)" in msg, msg

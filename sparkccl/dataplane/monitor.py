@@ -198,6 +198,7 @@ class FailureMonitor:
                        "flag, or for space in the publish ring)", int(code))
             p.fail(f"rank {p.rank}: {what} piece {piece}: the GPU wait saw abort code "
                    f"{code}", int(code))
+        p.check_sizes()  # a peer that made another call (of another op) is the cause
         if word == NO_WORD or name is None:
             p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for {what} "
                    f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
