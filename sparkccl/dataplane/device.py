@@ -17,6 +17,7 @@ stream. A stream *term* is the integer a stream program names a stream by.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import nvrtc
@@ -24,6 +25,8 @@ from .cuda_runtime import (check, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, set_current,
                            unregister_host)
 from .trap_lock import gpu_key, lock_path
+
+_U64 = (1 << 64) - 1
 
 
 class Device:
@@ -100,6 +103,13 @@ class Device:
     # ---- launches ----------------------------------------------------------------------
     def launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
         raise NotImplementedError
+
+    def launch_struct(self, stream, name: str, grid: int, block: int, words) -> None:
+        """Launch a kernel whose one parameter is a struct of u64 fields (``words``, in
+        field order: e.g. protocol.h ``ProxyArgs``). A launch plan's parameter words are
+        contiguous, so a recorded struct launch replays unchanged. Default: the words as
+        the arguments (the emulation takes every launch's parameters as words)."""
+        self.launch_kernel(stream, name, grid, block, *words)
 
     def make_plan(self, rec):
         """The launch plan of a recording (:class:`~.launch_plan.Recording`)."""
@@ -280,10 +290,21 @@ class CudaDevice(Device):
         with torch.cuda.device(self.device):  # this device's primary context is current
             cc.launch(stream, cfg, self.kernels[name], *args)
 
+    def launch_struct(self, stream, name: str, grid: int, block: int, words) -> None:
+        # cuda.core takes scalars and pointers only: the driver call, with kernelParams[0]
+        # pointing at the struct's bytes (the words, contiguous).
+        from cuda.bindings import driver as drv
+        buf = np.asarray([int(w) & _U64 for w in words], dtype=np.uint64)
+        params = np.array([buf.ctypes.data], dtype=np.uint64)
+        with torch.cuda.device(self.device):
+            fn = drv.CUfunction(self._function(name))
+            check("cuLaunchKernel", drv.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0,
+                                                       stream.handle, params.ctypes.data, 0))
+
     def make_plan(self, rec):
         with torch.cuda.device(self.device):
-            rows = [(self._function(name), grid, block, list(params))
-                    for name, grid, block, params in rec.rows]
+            rows = [(self._function(name), grid, block, list(params), by_value)
+                    for name, grid, block, params, by_value in rec.rows]
         return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
                                    list(rec.patches))
 
