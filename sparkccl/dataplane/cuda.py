@@ -671,15 +671,6 @@ class CudaDataPlane(DataPlaneBase):
         if not self._seq_next % SIZE_CHECK_CALLS:
             self.check_sizes()
 
-    def gpu_status(self) -> tuple[int, int, int, int, int]:
-        """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
-        code = self._ctl_words[_GPU_STATUS_WORD]
-        if not code:
-            return 0, 0, 0, 0, 0
-        detail = _u64(self.ctl + layout.CTL_GPU_DETAIL).value
-        seq = _u64(self.ctl + layout.CTL_GPU_SEQ).value
-        return int(code), detail >> 32, (detail >> 8) & 0xFFFF, detail & 0xFF, int(seq)
-
     def check_status(self) -> None:
         """Raise if a kernel recorded a failure (no synchronization: reads the record)."""
         if self._ctl_words[_GPU_STATUS_WORD]:
