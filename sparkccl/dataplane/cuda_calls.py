@@ -120,8 +120,10 @@ def finalize(plane, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
     ts, stream = plane.gpu.current_stream()
     own = plane.scratch("finalize own", L).data_ptr()
     rows_args = fin_rows_args(plane, f, row_lo, rows, S, ptrs)
-    engine.finalize(ts, stream, rows_args, 2 * f.H, S, L, call, ptrs[5], own,
-                    dtab if engine.direct else entries)
+    if engine.direct:
+        engine.finalize(ts, stream, rows_args, 2 * f.H, S, L, call, ptrs[5], own, dtab)
+    else:
+        engine.finalize(ts, stream, rows_args, 2 * f.H, S, L, call, ptrs[5], own, entries)
 
 
 def check_finalize_inputs(plane) -> None:
