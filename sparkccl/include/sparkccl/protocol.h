@@ -297,7 +297,7 @@ static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 }  // namespace gpu
 
 // ---------------------------------------------------------------- CUDA kernel arguments
-// Argument blocks the host builds once and the kernels read, declared here once: the host
+// The kernels' argument structs, declared here once: the host
 // (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
 // static_asserts tie the offsets to the struct the kernels compile. Two kinds:
 // * a block in device memory, written once (WaitParams): constants of the plane;
