@@ -255,7 +255,7 @@ def _hang_report(comm_box: list, every_s: float) -> None:
     def words() -> str:
         comm = comm_box[0] if comm_box else None
         dp = getattr(comm, "_dp", None)
-        if dp is None or not hasattr(dp, "gpu_status"):
+        if dp is None or not hasattr(dp, "monitor"):
             return "no CUDA data plane"
         from sparkccl import layout
         from sparkccl.dataplane.cuda_runtime import u64_at

@@ -112,17 +112,32 @@ def call_word(op: int, dtype: int, kind: int, pad: int) -> int:
             | pad << CALL_PAD_SHIFT)
 
 
-def pack_struct(prefix: str, fields: dict[str, int]) -> list[int]:
-    """The u64 words of a protocol.h argument block (namespace ``kargs``) whose field
-    offsets are the constants ``{prefix}_{FIELD}`` and whose size is ``{prefix}_BYTES``:
-    every field given once by name (``fields``: FIELD -> value), none left out."""
-    names = {k[len(prefix) + 1:]: v for k, v in _P.items()
+@lru_cache(maxsize=None)
+def _struct_fields(prefix: str) -> tuple[dict[str, int], int]:
+    """({FIELD: word index}, words) of protocol.h argument struct ``prefix``."""
+    names = {k[len(prefix) + 1:]: v // 8 for k, v in _P.items()
              if k.startswith(prefix + "_") and k != prefix + "_BYTES"}
-    if set(fields) != set(names):
+    return names, _P[prefix + "_BYTES"] // 8
+
+
+def pack_struct(prefix: str, fields: dict[str, int | list]) -> list[int]:
+    """The u64 words of a protocol.h argument struct (namespace ``kargs``) whose field
+    offsets are the constants ``{prefix}_{FIELD}`` and whose size is ``{prefix}_BYTES``:
+    every field given once by name (``fields``: FIELD -> value), none left out. A field that
+    is itself a struct takes the list :func:`pack_struct` made of it. Values are kept as
+    given (a launch plan's call pointers, ``launch_plan.CallPtr``, keep their mark)."""
+    names, n = _struct_fields(prefix)
+    if fields.keys() != names.keys():
         raise ValueError(f"{prefix}: fields {sorted(fields)} are not {sorted(names)}")
-    words = [0] * (_P[prefix + "_BYTES"] // 8)
+    words = [0] * n
     for name, value in fields.items():
-        words[names[name] // 8] = value
+        at = names[name]
+        if type(value) is list:
+            if at + len(value) > n or any(at < o < at + len(value) for o in names.values()):
+                raise ValueError(f"{prefix}_{name}: {len(value)} words overlap the next field")
+            words[at:at + len(value)] = value
+        else:
+            words[at] = value
     return words
 
 

@@ -2008,7 +2008,7 @@ def test_fail_stop_explains_a_context_lost_before_the_report(capfd):
                     "(pid 4242) exited; the CUDA context of this process was lost before this "
                     "rank's GPU wait reported anything") in err, err
             assert "MPS" in err and "restart the process" in err
-            assert not C.CudaDataPlane.gpu_status(dp)[0]  # no GPU record: the host's cause
+            assert not dp.monitor.gpu_record()[0]  # no GPU record: the host's cause
         finally:
             blocker.set()
         with pytest.raises(CollectiveError, match=r"peer 1 \(pid 4242\) exited") as ei:

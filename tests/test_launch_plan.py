@@ -38,14 +38,43 @@ def test_a_slot_address_stays_a_term_of_seq():
 
 def test_recording_patches_only_the_marked_parameters():
     src, dst = CallPtr(0x1000, 0), CallPtr(0x9000, 1)
-    rec = Recording.of([("k1", 4, 256, (src, 5, dst + 64)), ("k2", 1, 32, (7, dst))])
-    assert rec.rows == (("k1", 4, 256, (0x1000, 5, 0x9040)), ("k2", 1, 32, (7, 0x9000)))
-    assert rec.patches == ((0, 0, 0, 0), (0, 2, 1, 64), (1, 1, 1, 0))
+    rec = Recording.of([("k1", 4, 256, (src, 5, dst + 64), False),
+                        ("k2", 1, 32, (7, dst), False)])
+    assert rec.rows == (("k1", 4, 256, (0x1000, 5, 0x9040), False),
+                        ("k2", 1, 32, (7, 0x9000), False))
+    # (launch, byte offset of the parameter word, call argument, addend)
+    assert rec.patches == ((0, 0, 0, 0), (0, 16, 1, 64), (1, 8, 1, 0))
     assert rec.launches_for((0x2000, 0xA000)) == [("k1", 4, 256, [0x2000, 5, 0xA040]),
                                                   ("k2", 1, 32, [7, 0xA000])]
-    neg = Recording.of([("k", 1, 32, (CallPtr(100, 0) + -16,))])  # an offset below the pointer
+    neg = Recording.of([("k", 1, 32, (CallPtr(100, 0) + -16,), False)])  # below the pointer
     assert neg.patches == ((0, 0, 0, (-16) & U64),)
     assert neg.launches_for((200,))[0][3] == [184]
+
+
+def test_a_struct_argument_is_patched_at_its_fields_offsets():
+    """A kernel whose one parameter is a protocol.h kargs struct (by value): the recording
+    keeps its words, and a call pointer's patch is the field's byte offset (protocol.h
+    PUB_*), so a replay writes the call's pointer into that field."""
+    from sparkccl import layout
+    P = layout.protocol_constants()
+    fields = {k[4:]: 0 for k in P if k.startswith("PUB_") and k != "PUB_BYTES"}
+    fields.update(SRC=CallPtr(0x1000, 0) + 32, DST2=CallPtr(0x9000, 1), L=100, S=112)
+    words = layout.pack_struct("PUB", fields)
+    px = {k[3:]: 0 for k in P if k.startswith("PX_") and k != "PX_BYTES"}
+    px.update(PUB=words, OUT=CallPtr(0x9000, 1) + 8)
+    outer = layout.pack_struct("PX", px)
+    assert len(words) * 8 == P["PUB_BYTES"] and len(outer) * 8 == P["PX_BYTES"]
+    rec = Recording.of([("sccl_ag_proxy", 9, 512, tuple(outer), True)])
+    assert rec.rows[0][4] is True and rec.rows[0][3][P["PUB_L"] // 8] == 100
+    assert rec.patches == ((0, P["PUB_SRC"], 0, 32), (0, P["PUB_DST2"], 1, 0),
+                           (0, P["PX_OUT"], 1, 8))
+    got = rec.launches_for((0x2000, 0xA000))[0][3]
+    assert (got[P["PUB_SRC"] // 8], got[P["PUB_DST2"] // 8], got[P["PX_OUT"] // 8]) == \
+        (0x2020, 0xA000, 0xA008)
+    with pytest.raises(ValueError):  # every field named, none left out
+        layout.pack_struct("PUB", {"SRC": 1})
+    with pytest.raises(ValueError):  # a nested struct that runs into the next field
+        layout.pack_struct("PX", {**px, "PUB": words + [0]})
 
 
 def test_cache_stores_only_declared_plannable_paths():
@@ -58,6 +87,7 @@ def test_cache_stores_only_declared_plannable_paths():
         cache.called(0x301)
         cache.record("k", 1, 32, (CallPtr(1, 0),))
     plan, entries, direct, call = cache.plans["b"]
+    assert plan.rows == (("k", 1, 32, (1,), False),)
     assert plan.patches == ((0, 0, 0, 0),) and (entries, direct, call) == (8, False, 0x301)
     with pytest.raises(RuntimeError):
         with cache.planning("c", lambda rec: rec):
@@ -99,16 +129,19 @@ def test_a_new_setting_drops_the_plans():
 
 
 def test_native_plan_refuses_what_it_cannot_launch():
-    ok = [(1, 2, 32, [0, 0])]
-    N.LaunchPlan(1, 1, ok, [(0, 1, 5, 8)])  # (made without CUDA: nothing is launched yet)
+    ok = [(1, 2, 32, [0, 0], False)]
+    N.LaunchPlan(1, 1, ok, [(0, 8, 5, 8)])  # (made without CUDA: nothing is launched yet)
+    N.LaunchPlan(1, 1, [(1, 2, 32, [0, 0, 0], True)], [(0, 16, 0, 0)])  # a struct's field
     for ctx, ev, kernels, patches in [
-            (0, 1, ok, []),                     # no context
-            (1, 1, [], []),                     # no kernels
-            (1, 1, [(0, 2, 32, [0])], []),      # no function
-            (1, 1, [(1, 0, 32, [0])], []),      # no blocks
-            (1, 1, [(1, 2, 2048, [0])], []),    # too many threads
-            (1, 1, ok, [(1, 0, 0, 0)]),         # no launch 1
-            (1, 1, ok, [(0, 2, 0, 0)]),         # no parameter 2
-            (1, 1, ok, [(0, 0, 6, 0)])]:        # no call argument 6
+            (0, 1, ok, []),                        # no context
+            (1, 1, [], []),                        # no kernels
+            (1, 1, [(0, 2, 32, [0], False)], []),  # no function
+            (1, 1, [(1, 0, 32, [0], False)], []),  # no blocks
+            (1, 1, [(1, 2, 2048, [0], False)], []),  # too many threads
+            (1, 1, [(1, 2, 32, [], True)], []),    # a struct of no bytes
+            (1, 1, ok, [(1, 0, 0, 0)]),            # no launch 1
+            (1, 1, ok, [(0, 16, 0, 0)]),           # no word at byte 16
+            (1, 1, ok, [(0, 4, 0, 0)]),            # not a 64-bit word's offset
+            (1, 1, ok, [(0, 0, 6, 0)])]:           # no call argument 6
         with pytest.raises(ValueError):
             N.LaunchPlan(ctx, ev, kernels, patches)

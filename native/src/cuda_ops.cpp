@@ -411,16 +411,20 @@ class OpProgram {
 };
 
 // The kernels of one collective shape (sparkccl/dataplane/launch_plan.py): per launch a
-// function, grid and block and its 64-bit parameters; `patches` (launch, parameter, call
-// argument, addend) set a parameter to one of the call's pointers (at most ARGS) plus a
-// constant.
+// function, grid and block and its parameter buffer as 64-bit words, either one word per
+// parameter or (by_value) the bytes of the kernel's one parameter, a protocol.h kargs struct
+// of u64 fields; `patches` (launch, byte offset in the buffer, call argument, addend) set a
+// word to one of the call's pointers (at most ARGS) plus a constant: a struct's field at its
+// offset (protocol.h *_ constants), or a positional parameter (offset 8 * its index).
+// The driver copies the parameters when a launch is enqueued, so the buffers are patched in
+// place per call (under mu_) and a captured graph keeps what it captured.
 // issue() launches them in order on the stream and records `event` after them, in the
 // context the plan was made for (pushed only when another one is current: torch's notion of
 // the current device stays as it was).
 class LaunchPlan {
  public:
   static constexpr size_t ARGS = 6;
-  using KernelRow = std::tuple<uint64_t, unsigned, unsigned, std::vector<uint64_t>>;
+  using KernelRow = std::tuple<uint64_t, unsigned, unsigned, std::vector<uint64_t>, bool>;
   using Patch = std::tuple<size_t, size_t, size_t, uint64_t>;
 
   LaunchPlan(uint64_t context, uint64_t event, const std::vector<KernelRow>& kernels,
@@ -429,23 +433,30 @@ class LaunchPlan {
         event_(reinterpret_cast<CUevent>(static_cast<uintptr_t>(event))) {
     if (!ctx_ || !event_) throw std::invalid_argument("LaunchPlan: needs a context and an event");
     if (kernels.empty()) throw std::invalid_argument("LaunchPlan: no kernels");
-    for (const auto& [fn, grid, block, params] : kernels) {
+    for (const auto& [fn, grid, block, params, by_value] : kernels) {
       if (!fn || !grid || !block || grid > 0x7FFFFFFFu || block > 1024)
         throw std::invalid_argument("LaunchPlan: a launch needs a function, 1..2^31-1 blocks "
                                     "and 1..1024 threads per block");
+      if (by_value && params.empty())
+        throw std::invalid_argument("LaunchPlan: a struct parameter of no bytes");
       launches_.push_back({reinterpret_cast<CUfunction>(static_cast<uintptr_t>(fn)), grid, block,
-                           params, {}});
+                           params, {}, by_value});
     }
-    for (const auto& [l, p, arg, add] : patches) {
-      if (l >= launches_.size() || p >= launches_[l].params.size() || arg >= ARGS)
+    for (const auto& [l, at, arg, add] : patches) {
+      if (l >= launches_.size() || at % 8 || at / 8 >= launches_[l].params.size() || arg >= ARGS)
         throw std::invalid_argument("LaunchPlan: patch (" + std::to_string(l) + ", " +
-                                    std::to_string(p) + ", " + std::to_string(arg) +
-                                    ") names no parameter or no call argument");
-      patches_.push_back({l, p, arg, add});
+                                    std::to_string(at) + ", " + std::to_string(arg) +
+                                    ") names no 64-bit word of a launch's parameters or no "
+                                    "call argument");
+      patches_.push_back({l, at / 8, arg, add});
     }
-    // The pointer arrays last: params no longer moves.
+    // The pointer arrays last: params no longer moves. (cuLaunchKernel reads one pointer per
+    // kernel parameter: a struct's bytes are all behind its one.)
     for (auto& ln : launches_)
-      for (auto& v : ln.params) ln.ptrs.push_back(&v);
+      for (auto& v : ln.params) {
+        ln.ptrs.push_back(&v);
+        if (ln.by_value) break;
+      }
   }
 
   // False, issuing nothing: the stream is being captured (the caller takes its capture path).
@@ -458,7 +469,7 @@ class LaunchPlan {
     std::lock_guard<std::mutex> hold(mu_);  // params are patched in place
     ContextScope in(cu, ctx_);
     if (capturing(cu, s)) return false;
-    for (const auto& [l, p, arg, add] : patches_) launches_[l].params[p] = args[arg] + add;
+    for (const auto& [l, word, arg, add] : patches_) launches_[l].params[word] = args[arg] + add;
     CUresult r;
     for (size_t i = 0; i < launches_.size(); ++i) {
       Launch& ln = launches_[i];
@@ -477,6 +488,7 @@ class LaunchPlan {
     unsigned grid, block;
     std::vector<uint64_t> params;
     std::vector<void*> ptrs;
+    bool by_value;
   };
   CUcontext ctx_;
   CUevent event_;

@@ -70,8 +70,7 @@ class OneShotEngine(Engine):
             GATE=p.fin_gate.data_ptr() if in_place else 0, WP=p.wait_args(Op.AG)[0]))
         name, grid = KERNELS[dtype], npub + 1 + nb
         p.plans.plannable(direct=direct)  # one launch of constants and call pointers
-        p.plans.record(name, grid, THREADS, tuple(words))
-        p.gpu.launch_struct(stream, name, grid, THREADS, words)
+        p.launch_struct(stream, name, grid, THREADS, words)
         if direct:
             p.direct_launches += 1
         p.poison_if_failed(stream, dst, 0, 1, L)

@@ -41,7 +41,6 @@ from .. import config, layout
 from ..errors import CollectiveError, ConfigError
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
-from ..plan.waits import max_wait_words, wait_parts, wait_table
 from . import clock
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
@@ -54,6 +53,7 @@ from .cuda_runtime import u64_at as _u64
 from .device import CudaDevice, Device
 from . import cuda_calls
 from .direct_tables import DirectTables
+from .kernel_args import WaitBlocks
 from .launch_plan import CallPtr, PlanCache, PlanSetting, plain
 from .monitor import FailureMonitor
 
@@ -179,13 +179,11 @@ class CudaDataPlane(DataPlaneBase):
         self._fin_used = False
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._retired: list[torch.Tensor] = []
-        # The wait kernels' tables: flag words per (op, source, k), and the part of a piece
-        # each word carries (plan analysis: sparkccl/plan/waits.py).
-        self.maxw = max_wait_words(plan)
-        table = wait_table(plan, self.maxw)
-        parts = wait_parts(plan, self.maxw)
-        self.wait_table = self.gpu.to_device(torch.tensor(table, dtype=torch.int32))
-        self.parts_table = self.gpu.to_device(torch.tensor(parts, dtype=torch.int32))
+        # The wait role's tables and constants per op (protocol.h kargs::WaitParams; every
+        # kernel with a wait role takes a pointer to one; seq is read from the device state).
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.waits = WaitBlocks(self)
+        self.maxw = self.waits.maxw
         # GPU-direct (map_peers / map_peers_rs): per-op stream tables in device memory, and
         # the hand-offs' counters per (seq % 4, piece) (dcounters, below).
         # Blocks of sccl_*_direct: publish role, wait role (both resident: 2 per SM). Tunable
@@ -205,17 +203,6 @@ class CudaDataPlane(DataPlaneBase):
         self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
-        self.timeout_ns = int(timeout_s * 1e9)
-        # The wait role's constants per op (protocol.h kargs::WaitParams; kernels/wait.cu
-        # WAIT_PARAMS takes a pointer to one; seq is read from the device state).
-        blocks = [layout.pack_struct("WP", dict(
-            FLAGS=self.flags_dev, ABORT_W=self.ctl_dev + layout.CTL_ABORT,
-            STATUS=self.ctl_dev + layout.CTL_GPU_STATUS,
-            WAITS=self.wait_table[int(op)].data_ptr(), PARTS=self.parts_table[int(op)].data_ptr(),
-            MAXW=self.maxw, STATE=self.state.data_ptr(), RANK=self.rank, WORLD=self.world,
-            TIMEOUT_NS=self.timeout_ns)) for op in Op]
-        self.wait_params = self.gpu.to_device(torch.tensor(blocks, dtype=torch.int64))
-        self._wait_block = {op: self.wait_params[int(op)].data_ptr() for op in Op}
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
         _u64(ctl_addr + CTL_GPU_ACK).value = 0
         _u64(ctl_addr + CTL_GPU_MODE).value = FAIL_MODES[on_failure]
@@ -249,6 +236,13 @@ class CudaDataPlane(DataPlaneBase):
         (parameters may be :class:`~.launch_plan.CallPtr`)."""
         self.plans.record(name, grid, block, args)
         self.gpu.launch_kernel(stream, name, grid, block, *plain(args))
+
+    def launch_struct(self, stream, name: str, grid: int, block: int, words: list) -> None:
+        """Launch kernel ``name`` whose one parameter is a protocol.h ``kargs`` struct
+        (``words``: :func:`sparkccl.layout.pack_struct`'s); recorded as :meth:`launch`
+        records, so a call pointer's patch sets the field at its byte offset."""
+        self.plans.record(name, grid, block, tuple(words), by_value=True)
+        self.gpu.launch_struct(stream, name, grid, block, plain(words))
 
     def end(self, ts) -> None:
         self.issued(self.gpu.mark(ts), ts)
@@ -434,7 +428,7 @@ class CudaDataPlane(DataPlaneBase):
         when the kernel is the collective's last and moves the device state on itself
         (kernels/common.cuh last_block_advances), else (0, 0) and :meth:`finish` queues
         sccl_advance."""
-        return self._wait_block[op], _n(advance[0]), _n(advance[1])
+        return self.waits.block[op], _n(advance[0]), _n(advance[1])
 
     def publish_blocks(self, work: int) -> int:
         cap = max(1, self.max_publish_blocks // PIECES)
@@ -697,15 +691,6 @@ class CudaDataPlane(DataPlaneBase):
             self.check_abort()
         if not self._seq_next % SIZE_CHECK_CALLS:
             self.check_sizes()
-
-    def gpu_status(self) -> tuple[int, int, int, int, int]:
-        """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
-        code = self._ctl_words[_GPU_STATUS_WORD]
-        if not code:
-            return 0, 0, 0, 0, 0
-        detail = _u64(self.ctl + layout.CTL_GPU_DETAIL).value
-        seq = _u64(self.ctl + layout.CTL_GPU_SEQ).value
-        return int(code), detail >> 32, (detail >> 8) & 0xFFFF, detail & 0xFF, int(seq)
 
     def check_status(self) -> None:
         """Raise if a kernel recorded a failure (no synchronization: reads the record)."""

@@ -18,6 +18,7 @@ from ..plan.model import Op
 from .cpu import fin_slice
 from .cuda_runtime import kernel_u64 as _n
 from .engines import RS_WAIT, DirectCall
+from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
 from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, MOE_FINALIZE,
                          REDUCE_SCATTER, call_word)
@@ -133,10 +134,11 @@ def finalize(plane, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
     plane.begin(Op.RS, seq, S, call, entries=entries)
     ts, stream = plane.gpu.current_stream()
     own = plane.scratch("finalize own", L).data_ptr()
+    rows_args = fin_rows_args(plane, f, row_lo, rows, S, ptrs)
     if engine.direct:
-        engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, dtab)
+        engine.finalize(ts, stream, rows_args, 2 * f.H, S, L, call, ptrs[5], own, dtab)
     else:
-        engine.finalize(ts, stream, f, row_lo, rows, S, L, call, ptrs, own, entries)
+        engine.finalize(ts, stream, rows_args, 2 * f.H, S, L, call, ptrs[5], own, entries)
 
 
 def check_finalize_inputs(plane) -> None:

@@ -106,7 +106,7 @@ class Device:
 
     def launch_struct(self, stream, name: str, grid: int, block: int, words) -> None:
         """Launch a kernel whose one parameter is a struct of u64 fields (``words``, in
-        field order: e.g. protocol.h ``AllReduceArgs``). A launch plan's parameter words are
+        field order: e.g. protocol.h ``ProxyArgs``, ``AllReduceArgs``). A launch plan's parameter words are
         contiguous, so a recorded struct launch replays unchanged. Default: the words as
         the arguments (the emulation takes every launch's parameters as words)."""
         self.launch_kernel(stream, name, grid, block, *words)
@@ -303,8 +303,8 @@ class CudaDevice(Device):
 
     def make_plan(self, rec):
         with torch.cuda.device(self.device):
-            rows = [(self._function(name), grid, block, list(params))
-                    for name, grid, block, params in rec.rows]
+            rows = [(self._function(name), grid, block, list(params), by_value)
+                    for name, grid, block, params, by_value in rec.rows]
         return self.nat.LaunchPlan(self._context, self._done_event.handle, rows,
                                    list(rec.patches))
 

@@ -15,8 +15,9 @@ state) to an engine.
 
 The contract with the plane: an engine reads the plane's public state (device pointers of
 the regions and tables, the settings, ``phases``) and calls its public operations
-(``launch``, ``wait_args``, ``poison_if_failed``, ``finish``, ``fork`` / ``join``,
-``scratch``, the block counts, ``issued``; for mode "ce"'s stream programs the device seam
+(``launch``, ``launch_struct`` with :mod:`.kernel_args`' structs, ``wait_args``,
+``poison_if_failed``, ``finish``, ``fork`` / ``join``, ``scratch``, the block counts,
+``issued``; for mode "ce"'s stream programs the device seam
 ``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode "ce": its programs,
 streams and events). ``phases`` is a benchmark option of the plane (benchmarks/kernel_roofline.py
 times the publish and the wait roles one at a time); the proxy path reads it in one place
@@ -31,6 +32,7 @@ import torch
 from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
 from ..plan.model import Op
+from .kernel_args import finalize_args, finalize_direct_args, proxy_args, publish_args
 from .cuda_runtime import kernel_u64 as _n
 
 WAIT_THREADS = 256
@@ -99,29 +101,28 @@ class Engine:
 
 class ProxyPathEngine(Engine):
     """The proxy sends: the kernels publish each piece in the publish ring and wait for the
-    peers' flags (``kernels/publish.cu``, ``wait.cu``, ``proxy_path.cu``)."""
+    peers' flags (``kernels/publish.cu``, ``wait.cu``, ``proxy_path.cu``). The publish role
+    and the combined kernels take one struct (protocol.h ``PublishArgs``, ``ProxyArgs``,
+    ``FinalizeArgs``: :mod:`.kernel_args`)."""
 
     def issue(self, ts, stream, output: tuple, combined, publish, wait,
               entries: int = PIECES) -> None:
         """Launch a proxy-path collective: both roles in one kernel (``combined``), or, as a
         benchmark asks through the plane's ``phases``, the publish and the wait kernels
-        alone. Each argument is a callable giving (name, grid, block, parameters), built
-        only when launched; ``combined`` may be None (the finalize has no combined kernel)."""
+        alone. Each of the three is a callable that makes its launch (so only the launches
+        made are built); ``combined`` may be None (the finalize has no combined kernel)."""
         p = self.plane
         phases = p.phases
         pub, waited = "publish" in phases, "wait" in phases
         if pub and waited and combined is not None:
-            name, grid, block, params = combined()
-            p.launch(stream, name, grid, block, *params)
+            combined()
             p.poison_if_failed(stream, *output)
             p.finish(ts, stream, advanced=True)
             return
         if pub:
-            name, grid, block, params = publish()
-            p.launch(stream, name, grid, block, *params)
+            publish()
         if waited:
-            name, grid, block, params = wait()
-            p.launch(stream, name, grid, block, *params)
+            wait()
         p.poison_if_failed(stream, *output)
         p.finish(ts, stream, entries, advanced=waited)
 
@@ -132,20 +133,17 @@ class ProxyPathEngine(Engine):
             p.plans.plannable()  # (kernels of constants and call pointers)
         slot0, code, me = p.ag_dev, p.ag_code, p.rank
         bpp = p.publish_blocks(piece_bounds(S, 0)[1])
-        ring = p.ctl_dev + layout.RING_OFFSET
-        state, counters = p.state.data_ptr(), p.counters.data_ptr()
-        publish = (src_p, _n(0), slot0 + me * S, _n(code), _n(S), res_me, _n(1))
         nb = 1 if zero_copy else p.slice_wait_blocks(S)
-        consume = (slot0, _n(code), dst_ptr, _n(dst_stride), _n(L), _n(S))
+        pub = publish_args(p, src_p, 0, slot0 + me * S, code, res_me, 1, L, S, call, bpp)
         self.issue(
             ts, stream, output,
-            lambda: ("sccl_ag_proxy", PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                     (*publish, ring, _n(call), counters, _n(bpp), *consume,
-                      *p.wait_args(Op.AG, (PIECES, 0)))),
-            lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS,
-                     (*publish, _n(L), _n(S), ring, state, _n(call), counters, _n(bpp))),
-            lambda: ("sccl_ag_wait", 1 + nb, WAIT_THREADS,
-                     (*consume, *p.wait_args(Op.AG, (PIECES, 0)))))
+            lambda: p.launch_struct(stream, "sccl_ag_proxy", PIECES * bpp + 1 + nb,
+                                    PUBLISH_THREADS,
+                                    proxy_args(p, Op.AG, pub, slot0, code, dst_ptr, dst_stride)),
+            lambda: p.launch_struct(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, pub),
+            lambda: p.launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS, slot0, _n(code),
+                             dst_ptr, _n(dst_stride), _n(L), _n(S),
+                             *p.wait_args(Op.AG, (PIECES, 0))))
 
     def reduce_scatter(self, ts, stream, S: int, L: int, call: int, base, src_stride: int,
                        own, own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
@@ -153,50 +151,46 @@ class ProxyPathEngine(Engine):
         the send slot already: only the ring entries are written)."""
         p = self.plane
         p.plans.plannable()  # (kernels of constants and call pointers)
-        W = p.world
-        send0 = p.rs_send_dev
-        bpp = p.publish_blocks(W * piece_bounds(S, 0)[1]) if base is not None else 1
-        ring = p.ctl_dev + layout.RING_OFFSET
-        state, counters = p.state.data_ptr(), p.counters.data_ptr()
-        publish = ((base, _n(src_stride), send0, _n(p.send_code), _n(S), 0, _n(W))
-                   if base is not None else (0, _n(0), send0, _n(p.send_code), _n(S), 0, _n(0)))
+        W, send0, recv0 = p.world, p.rs_send_dev, p.rs_recv_dev
+        if base is not None:
+            bpp = p.publish_blocks(W * piece_bounds(S, 0)[1])
+            pub = publish_args(p, base, src_stride, send0, p.send_code, 0, W, L, S, call, bpp)
+        else:  # (nothing to copy: nchunks 0)
+            bpp = 1
+            pub = publish_args(p, 0, 0, send0, p.send_code, 0, 0, L, S, call, bpp)
         nb = p.slice_wait_blocks(S)
-        consume = (p.rs_recv_dev, _n(p.recv_code), own, _n(own_code), _n(own_sys), dst_ptr,
-                   _n(L), _n(S))
         self.issue(
             ts, stream, (dst_ptr, 0, 1, L),
-            lambda: (RS_PROXY[dtype], PIECES * bpp + 1 + nb, PUBLISH_THREADS,
-                     (*publish, ring, _n(call), counters, _n(bpp), *consume,
-                      *p.wait_args(Op.RS, (PIECES, 0)))),
-            lambda: ("sccl_publish", PIECES * bpp, PUBLISH_THREADS if base is not None else 32,
-                     (*publish, _n(L), _n(S), ring, state, _n(call), counters, _n(bpp))),
-            lambda: (RS_WAIT[dtype], 1 + nb, WAIT_THREADS,
-                     (*consume, *p.wait_args(Op.RS, (PIECES, 0)))))
+            lambda: p.launch_struct(stream, RS_PROXY[dtype], PIECES * bpp + 1 + nb,
+                                    PUBLISH_THREADS,
+                                    proxy_args(p, Op.RS, pub, recv0, p.recv_code, dst_ptr, 0,
+                                               own, own_code, own_sys)),
+            lambda: p.launch_struct(stream, "sccl_publish", PIECES * bpp,
+                                    PUBLISH_THREADS if base is not None else 32, pub),
+            lambda: p.launch(stream, RS_WAIT[dtype], 1 + nb, WAIT_THREADS, recv0,
+                             _n(p.recv_code), own, _n(own_code), _n(own_sys), dst_ptr, _n(L),
+                             _n(S), *p.wait_args(Op.RS, (PIECES, 0))))
 
-    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, call: int,
-                 ptrs: tuple, own: int, entries: int) -> None:
+    def finalize(self, ts, stream, rows_args: list, RB: int, S: int, L: int, call: int,
+                 dst, own: int, entries: int) -> None:
         """``sccl_finalize`` computes the rows into the send slot and publishes each (row
-        piece, destination), in ``entries`` ring entries; the bf16 wait kernel sums."""
+        piece, destination), in ``entries`` ring entries; the bf16 wait kernel sums.
+        ``rows_args``: protocol.h FinRowsArgs (:func:`.kernel_args.fin_rows_args`); RB:
+        bytes per row."""
         p = self.plane
-        W, me, RB = p.world, p.rank, 2 * f.H
-        y, scales, pos, weights, shared, dst = ptrs
         p.plans.plannable(entries)
 
         def publish():
             units = -(-piece_bounds(S, 0, RB)[1] // 16)  # 16-byte units of one item
             nb = max(1, min(p.sms, p.max_publish_blocks, -(-units // FIN_THREADS)))
-            return ("sccl_finalize", nb, FIN_THREADS,
-                    (y, scales, pos, weights, shared, p.fin_bad.data_ptr(), _n(f.num_tokens),
-                     _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0),
-                     _n(f.rows_per_rank), _n(row_lo), _n(rows), _n(S // RB), _n(W), _n(me),
-                     p.rs_send_dev, _n(p.send_code), own, p.ctl_dev + layout.RING_OFFSET,
-                     p.state.data_ptr(), _n(call), p.fin_counters.data_ptr()))
+            p.launch_struct(stream, "sccl_finalize", nb, FIN_THREADS,
+                            finalize_args(p, rows_args, own, call))
 
         def wait():
             nb = p.wait_blocks(piece_bounds(S, 0, RB)[1])
-            return (RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS,
-                    (p.rs_recv_dev, _n(p.recv_code), own, _n(0), _n(0), dst, _n(L), _n(S),
-                     *p.wait_args(Op.RS, (entries, 0))))
+            p.launch(stream, RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS, p.rs_recv_dev,
+                     _n(p.recv_code), own, _n(0), _n(0), dst, _n(L), _n(S),
+                     *p.wait_args(Op.RS, (entries, 0)))
 
         self.issue(ts, stream, (dst, 0, 1, L), None, publish, wait, entries)
 
@@ -220,26 +214,21 @@ class FusedEngine(Engine):
         p.poison_if_failed(call.stream, *call.output)
         p.finish(call.ts, call.stream, advanced=True)
 
-    def finalize(self, ts, stream, f, row_lo: int, rows: int, S: int, L: int, call: int,
-                 ptrs: tuple, own: int, dtab) -> None:
+    def finalize(self, ts, stream, rows_args: list, RB: int, S: int, L: int, call: int,
+                 dst, own: int, dtab) -> None:
         """One launch of ``sccl_finalize_direct`` computes the rows straight into the peers'
         mapped receive regions, writes the streams' flags and one ring entry per piece
         (chunk -2), and its other blocks sum this rank's rows over ranks as they arrive.
         Every collective of the op then has the same writer (the GPU) for each flag word."""
         p = self.plane
-        RB = 2 * f.H
         p.plans.plannable(direct=True)
-        y, scales, pos, weights, shared, dst = ptrs
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * p.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(p.max_direct_blocks, -(-units // DIRECT_THREADS)))
         nb = min(p.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
-        p.launch(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
-                 y, scales, pos, weights, shared, p.fin_bad.data_ptr(), _n(f.num_tokens),
-                 _n(f.topk), _n(f.H), _n(f.R), _n(1 if f.fp8 else 0), _n(f.rows_per_rank),
-                 _n(row_lo), _n(rows), _n(S // RB), dtab.data_ptr(), *self.direct_ring(call),
-                 _n(npub), p.fin_gate.data_ptr(), p.rs_recv_dev, _n(p.recv_code), own,
-                 dst, *p.wait_args(Op.RS, (PIECES, npub)))
+        p.launch_struct(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
+                        finalize_direct_args(p, rows_args, dtab.data_ptr(), call, npub, own,
+                                             dst))
         p.direct_launches += 1
         p.poison_if_failed(stream, dst, 0, 1, L)
         p.finish(ts, stream, advanced=True)

@@ -11,7 +11,9 @@ completion event), with no Python planning.
 
 What may be recorded is decided by the planning code: only kernel launches whose parameters
 are constants or call pointers (the "fused" GPU-direct engine, the proxy path's kernel and
-the finalize's). Mode "ce" keeps its own kind of plan: its program (ce_engine.CeProgram),
+the finalize's). A kernel whose one parameter is a protocol.h ``kargs`` struct (the proxy
+path's and the finalize's) is recorded as that struct's words (``by_value``), so a call
+pointer's patch is the field's byte offset in the parameter buffer. Mode "ce" keeps its own kind of plan: its program (ce_engine.CeProgram),
 whose values are constants, call pointers and terms of seq (:class:`Slotted` marks an
 address in slot ``seq % n``), stored here by ``plannable(plan=...)`` and issued with the
 call's seq, ring index, stream and pointers. Mode "split"'s stream joins and zero-copy
@@ -78,8 +80,11 @@ def plain(args) -> tuple:
 
 @dataclass(frozen=True)
 class Recording:
-    """The launches of one call: rows (kernel name, grid, block, parameters as ints) and
-    patches (launch, parameter, call argument, addend mod 2**64)."""
+    """The launches of one call: rows (kernel name, grid, block, parameter words as ints,
+    by_value) and patches (launch, byte offset in its parameter words, call argument, addend
+    mod 2**64). ``by_value``: the words are the bytes of the kernel's one parameter, a
+    protocol.h ``kargs`` struct (a patch then sets the field at that offset); else each word
+    is a parameter (offset 8 * its index)."""
 
     rows: tuple
     patches: tuple
@@ -87,21 +92,22 @@ class Recording:
     @staticmethod
     def of(launches: list) -> "Recording":
         rows, patches = [], []
-        for i, (name, grid, block, args) in enumerate(launches):
+        for i, (name, grid, block, args, by_value) in enumerate(launches):
             for j, a in enumerate(args):
                 if type(a) is CallPtr:
                     if not 0 <= a.arg < MAX_ARGS:
                         raise ValueError(f"launch plan: call argument {a.arg} of {name}")
-                    patches.append((i, j, a.arg, a.add & U64))
-            rows.append((name, int(grid), int(block), tuple(int(a) for a in args)))
+                    patches.append((i, 8 * j, a.arg, a.add & U64))
+            rows.append((name, int(grid), int(block), tuple(int(a) for a in args), by_value))
         return Recording(tuple(rows), tuple(patches))
 
     def launches_for(self, args: tuple) -> list:
-        """The rows with ``args`` patched in (the CPU emulation's replay, and tests)."""
-        out = [list(params) for _, _, _, params in self.rows]
-        for i, j, arg, add in self.patches:
-            out[i][j] = (args[arg] + add) & U64
-        return [(name, grid, block, out[i]) for i, (name, grid, block, _) in enumerate(self.rows)]
+        """(name, grid, block, parameter words) with ``args`` patched in (the CPU
+        emulation's replay, and tests)."""
+        out = [list(row[3]) for row in self.rows]
+        for i, at, arg, add in self.patches:
+            out[i][at // 8] = (args[arg] + add) & U64
+        return [(row[0], row[1], row[2], out[i]) for i, row in enumerate(self.rows)]
 
 
 class PlanCache:
@@ -129,9 +135,11 @@ class PlanCache:
     def recording(self) -> bool:
         return self._recording is not None
 
-    def record(self, name: str, grid: int, block: int, args: tuple) -> None:
+    def record(self, name: str, grid: int, block: int, args: tuple,
+               by_value: bool = False) -> None:
+        """A launch of the call being planned (``by_value``: see :class:`Recording`)."""
         if self._recording is not None:
-            self._recording.append((name, grid, block, args))
+            self._recording.append((name, grid, block, args, by_value))
 
     def called(self, word: int) -> None:
         """The call word of the collective being planned (its peers' check compares it

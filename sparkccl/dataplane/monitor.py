@@ -17,7 +17,7 @@
 
 The contract with the plane (and through it the engines): the plane hands the monitor the
 event after its latest collective (``latest_event``), its failure record and abort word
-(``check_status``, ``check_abort``, ``gpu_status``, ``ctl``, ``nat``), its state words
+(``check_status``, ``check_abort``, ``ctl``, ``nat``), its state words
 (``state``) and its device seam (``gpu``: event queries, the release of waits); the
 engines never see the monitor: every collective they issue ends in the plane's event.
 """
@@ -177,12 +177,22 @@ class FailureMonitor:
     def failure_known(self) -> bool:
         return bool(self.plane.nat.abort_code(self.plane.ctl) or self._words[_GPU_STATUS_WORD])
 
+    def gpu_record(self) -> tuple[int, int, int, int, int]:
+        """(code, source, flag word, piece, seq) of the GPU failure record (code 0: none)."""
+        code = self._words[_GPU_STATUS_WORD]
+        if not code:
+            return 0, 0, 0, 0, 0
+        ctl = self.plane.ctl
+        detail = _u64(ctl + layout.CTL_GPU_DETAIL).value
+        seq = _u64(ctl + layout.CTL_GPU_SEQ).value
+        return int(code), detail >> 32, (detail >> 8) & 0xFFFF, detail & 0xFF, int(seq)
+
     def raise_record(self) -> None:
         """Raise the failure a kernel recorded in the GPU record as the
         :class:`CollectiveError` naming rank, seq, piece, peer and connection (also setting
         the abort word, so the proxy tells the peers)."""
         p = self.plane
-        code, source, word, piece, seq = p.gpu_status()
+        code, source, word, piece, seq = self.gpu_record()
         if not code:
             return
         name = p.name_of(seq)
@@ -205,7 +215,7 @@ class FailureMonitor:
         p.timed_out(what, piece, word, "; GPU wait")
 
     def _stuck_error(self) -> CollectiveError:
-        code, source, word, piece, seq = self.plane.gpu_status()
+        code, source, word, piece, seq = self.gpu_record()
         cause = self.plane.nat.error_text(self.plane.ctl) or (f"GPU wait of seq {seq} failed (code {code})"
                                                   if code else "aborted")
         record = (f"GPU failure record: code {code}, seq {seq}, piece {piece}, source {source}, "

@@ -39,6 +39,13 @@ static void run_grid(unsigned grid, F f) {
 }
 
 #define P(i, T) ((T)(uintptr_t)a[i])
+// A kernel whose one parameter is a protocol.h kargs struct: its bytes are the words.
+template <class T>
+static T by_value(const u64* a) {
+  T x;
+  std::memcpy(&x, a, sizeof x);
+  return x;
+}
 // WAIT_PARAMS of kernels/wait.cu from argument i on (3 arguments: the WaitParams block of
 // protocol.h, then adv_entries, adv_gate).
 #define WAIT_ARGS(i) P(i, const WaitParams*), a[i + 1], a[i + 2]
@@ -56,10 +63,8 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   } else if (n == "sccl_advance") {
     run_grid(grid, [=] { sccl_advance(P(0, u64*), a[1], a[2]); });
   } else if (n == "sccl_publish") {
-    run_grid(grid, [=] {
-      sccl_publish(P(0, const u8*), a[1], P(2, u8*), a[3], a[4], P(5, u8*), a[6], a[7], a[8],
-                   P(9, u8*), P(10, u64*), a[11], P(12, u32*), a[13]);
-    });
+    const auto x = by_value<PublishArgs>(a);
+    run_grid(grid, [=] { sccl_publish(x); });
   } else if (n == "sccl_fail_guard") {
     run_grid(grid, [=] { sccl_fail_guard(WAIT_ARGS(0)); });
   } else if (n == "sccl_wait_piece") {
@@ -86,21 +91,12 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   }
   RSP(sccl_rs_sum_unit_bf16) RSP(sccl_rs_sum_unit_f16) RSP(sccl_rs_sum_unit_f32)
   else if (n == "sccl_finalize") {
-    run_grid(grid, [=] {
-      sccl_finalize(P(0, const u8*), P(1, const float*), P(2, const int*), P(3, const float*),
-                    P(4, const u8*), P(5, u32*), a[6], a[7], a[8], a[9], a[10], a[11], a[12],
-                    a[13], a[14], a[15], a[16], P(17, u8*), a[18], P(19, u8*), P(20, u8*),
-                    P(21, u64*), a[22], P(23, u32*));
-    });
+    const auto x = by_value<FinalizeArgs>(a);
+    run_grid(grid, [=] { sccl_finalize(x); });
   }
   else if (n == "sccl_finalize_direct") {
-    run_grid(grid, [=] {
-      sccl_finalize_direct(P(0, const u8*), P(1, const float*), P(2, const int*),
-                           P(3, const float*), P(4, const u8*), P(5, u32*), a[6], a[7], a[8],
-                           a[9], a[10], a[11], a[12], a[13], a[14], P(15, const u64*),
-                           P(16, u8*), a[17], P(18, u32*), a[19], P(20, u32*),
-                           P(21, const u8*), a[22], P(23, u8*), P(24, u8*), WAIT_ARGS(25));
-    });
+    const auto x = by_value<FinalizeDirectArgs>(a);
+    run_grid(grid, [=] { sccl_finalize_direct(x); });
   }
   else if (n == "sccl_ag_direct") {
     run_grid(grid, [=] {
@@ -115,20 +111,14 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
     });                                                                                     \
   }
   RSD(sccl_rs_direct_bf16) RSD(sccl_rs_direct_f16) RSD(sccl_rs_direct_f32)
-#define PUB_ROLE_ARGS                                                                       \
-  P(0, const u8*), a[1], P(2, u8*), a[3], a[4], P(5, u8*), a[6], P(7, u8*), a[8], P(9, u32*), a[10]
   else if (n == "sccl_ag_proxy") {
-    run_grid(grid, [=] {
-      sccl_ag_proxy(PUB_ROLE_ARGS, P(11, const u8*), a[12], P(13, u8*), a[14], a[15], a[16],
-                    WAIT_ARGS(17));
-    });
+    const auto x = by_value<ProxyArgs>(a);
+    run_grid(grid, [=] { sccl_ag_proxy(x); });
   }
 #define RSX(K)                                                                              \
   else if (n == #K) {                                                                       \
-    run_grid(grid, [=] {                                                                    \
-      K(PUB_ROLE_ARGS, P(11, const u8*), a[12], P(13, const u8*), a[14], a[15], P(16, u8*),  \
-        a[17], a[18], WAIT_ARGS(19));                                                       \
-    });                                                                                     \
+    const auto x = by_value<ProxyArgs>(a);                                                  \
+    run_grid(grid, [=] { K(x); });                                                          \
   }
   RSX(sccl_rs_proxy_bf16) RSX(sccl_rs_proxy_f16) RSX(sccl_rs_proxy_f32)
 #define ARX(K)                                                                              \

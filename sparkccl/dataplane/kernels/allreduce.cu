@@ -111,9 +111,13 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
                  PIECES - 1, (u32)CHUNK_ALL);
       }
     } else {
-      publish_role((const u8*)a.src, 0, (u8*)a.slot + w.rank * a.S, a.slot_code, a.S, (u8*)0, 1,
-                   a.L, a.S, (u8*)a.ring, state, a.call, counters, npub / PIECES,
-                   blockIdx.x);
+      PublishArgs pub;
+      pub.src = a.src; pub.src_stride = 0;
+      pub.dst = a.slot + w.rank * a.S; pub.dst_code = a.slot_code; pub.dst_stride = a.S;
+      pub.dst2 = 0; pub.nchunks = 1; pub.L = a.L; pub.S = a.S;
+      pub.ring = a.ring; pub.state = (u64)state; pub.call = a.call;
+      pub.counters = (u64)counters; pub.bpp = npub / PIECES;
+      publish_role(pub, blockIdx.x);
     }
     allreduce_src_read((u32*)a.gate);
   } else {

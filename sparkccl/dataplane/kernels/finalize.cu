@@ -209,25 +209,31 @@ __device__ __forceinline__ void fin_body(const FinArgs& a, u64 Rr, u64 row_lo, u
 // Grid: any number of blocks (all resident for the best overlap: the host launches at most
 // one per SM), 512 threads or fewer. send: slotted (send_code, see slot_at); counters:
 // COUNTER_SETS sets of FIN_SET, by seq.
-extern "C" __global__ void __launch_bounds__(512) sccl_finalize(
-    const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
-    u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    u64 world, u64 rank, u8* send, u64 send_code, u8* own, u8* ring, u64* state, u64 call,
-    u32* counters) {
+// FinArgs of the launch's rows (protocol.h kargs::FinRowsArgs).
+__device__ __forceinline__ FinArgs fin_args(const FinRowsArgs& r) {
+  FinArgs a;
+  a.y = (const u8*)r.y; a.scales = (const float*)r.scales; a.pos = (const int*)r.pos;
+  a.wts = (const float*)r.wts; a.shared = (const u8*)r.shared; a.bad = (u32*)r.bad;
+  a.T = r.T; a.topk = r.topk; a.H = r.H; a.R = r.R; a.fp8 = r.fp8;
+  return a;
+}
+
+// One parameter: protocol.h kargs::FinalizeArgs, by value.
+extern "C" __global__ void __launch_bounds__(512) sccl_finalize(const FinalizeArgs x) {
+  u64* const state = (u64*)x.state;
   if (plane_failed(state)) return;  // (the proxy may still send this slot; see plane_failed)
   const u64 seq = state_word(state, STATE_SEQ);
   const u64 first_index = state_word(state, STATE_RING);
-  send = slot_at(send, send_code, seq);
-  counters += (seq % COUNTER_SETS) * FIN_SET;
-  FinArgs a;
-  a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
-  a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
-  if (fp8)
-    fin_body<true>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
-                   first_index, seq, call, counters);
+  u8* const send = slot_at((u8*)x.send, x.send_code, seq);
+  u32* const counters = (u32*)x.counters + (seq % COUNTER_SETS) * FIN_SET;
+  const FinRowsArgs& r = x.rows;
+  const FinArgs a = fin_args(r);
+  if (r.fp8)
+    fin_body<true>(a, r.Rr, r.row_lo, r.rows, r.rows_pad, x.world, x.rank, send, (u8*)x.own,
+                   (u8*)x.ring, state, first_index, seq, x.call, counters);
   else
-    fin_body<false>(a, Rr, row_lo, rows, rows_pad, world, rank, send, own, ring, state,
-                    first_index, seq, call, counters);
+    fin_body<false>(a, r.Rr, r.row_lo, r.rows, r.rows_pad, x.world, x.rank, send, (u8*)x.own,
+                    (u8*)x.ring, state, first_index, seq, x.call, counters);
 }
 
 // ---------------------------------------------------------------- MoE finalize, GPU-direct
@@ -288,31 +294,31 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
 // Grid: npub publish blocks, then 1 poller + consumer blocks (all resident: 2 per SM).
 // counters: as sccl_*_direct's; recv: slotted (recv_code). The gate's target is the bumps of
 // every earlier launch (STATE_GATE) plus this launch's npub.
+// One parameter: protocol.h kargs::FinalizeDirectArgs, by value.
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
-    const u8* y, const float* scales, const int* pos, const float* wts, const u8* shared,
-    u32* bad, u64 T, u64 topk, u64 H, u64 R, u64 fp8, u64 Rr, u64 row_lo, u64 rows, u64 rows_pad,
-    const u64* dtab, u8* ring, u64 call, u32* counters, u64 npub, u32* gate, const u8* recv,
-    u64 recv_code, u8* own, u8* dst, WAIT_PARAMS) {
+    const FinalizeDirectArgs x) {
+  const WaitParams* const wp = (const WaitParams*)x.wp;
+  const u64 adv_entries = x.adv_entries, adv_gate = x.adv_gate, npub = x.npub;
   WAIT_ARGS_INIT
   const u64 seq = w.seq;
   const u64 first_index = state_word(state, STATE_RING);
   const u64 gate_target = state_word(state, STATE_GATE) + npub;
-  counters += (seq % COUNTER_SETS) * PIECES;
-  recv = slot_at(recv, recv_code, seq);
+  u32* const counters = (u32*)x.counters + (seq % COUNTER_SETS) * PIECES;
+  u32* const gate = (u32*)x.gate;
+  const FinRowsArgs& r = x.rows;
   if (blockIdx.x < npub) {
-    FinArgs a;
-    a.y = y; a.scales = scales; a.pos = pos; a.wts = wts; a.shared = shared; a.bad = bad;
-    a.T = T; a.topk = topk; a.H = H; a.R = R; a.fp8 = fp8;
-    if (fp8)
-      fin_direct_publish<true>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
-                               state, first_index, seq, call, counters, gate, blockIdx.x,
-                               (u32)npub);
+    const FinArgs a = fin_args(r);
+    if (r.fp8)
+      fin_direct_publish<true>(a, r.Rr, r.row_lo, r.rows, r.rows_pad, (u64)w.rank,
+                               (const u64*)x.dtab, (u8*)x.own, (u8*)x.ring, state, first_index,
+                               seq, x.call, counters, gate, blockIdx.x, (u32)npub);
     else
-      fin_direct_publish<false>(a, Rr, row_lo, rows, rows_pad, (u64)w.rank, dtab, own, ring,
-                                state, first_index, seq, call, counters, gate, blockIdx.x,
-                                (u32)npub);
+      fin_direct_publish<false>(a, r.Rr, r.row_lo, r.rows, r.rows_pad, (u64)w.rank,
+                                (const u64*)x.dtab, (u8*)x.own, (u8*)x.ring, state, first_index,
+                                seq, x.call, counters, gate, blockIdx.x, (u32)npub);
   } else {
-    rs_wait<BF16>(recv, own, 0, dst, rows * 2 * H, rows_pad * 2 * H, w, blockIdx.x - (u32)npub,
+    rs_wait<BF16>(slot_at((const u8*)x.recv, x.recv_code, seq), (const u8*)x.own, 0, (u8*)x.dst,
+                  r.rows * 2 * r.H, r.rows_pad * 2 * r.H, w, blockIdx.x - (u32)npub,
                   gridDim.x - (u32)npub, gate, (u32)gate_target);
   }
   last_block_advances(state, adv_entries, adv_gate);

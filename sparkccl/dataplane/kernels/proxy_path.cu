@@ -12,39 +12,35 @@
 #include "wait.cu"
 #include "reduce_scatter.cu"
 
-// sccl_publish's parameters but L, S and state (the wait role's too).
-#define PUBLISH_ROLE_PARAMS                                                                  \
-  const u8 *src, u64 src_stride, u8 *pdst, u64 pdst_code, u64 pdst_stride, u8 *dst2,         \
-      u64 nchunks, u8 *ring, u64 call, u32 *counters, u64 bpp
-#define PUBLISH_ROLE                                                                         \
-  publish_role(src, src_stride, pdst, pdst_code, pdst_stride, dst2, nchunks, L, S, ring,    \
-               state, call, counters, bpp, blockIdx.x)
+// One parameter: protocol.h kargs::ProxyArgs, by value (the publish role's PublishArgs,
+// the consume side, WAIT_PARAMS).
+#define PROXY_ROLES_INIT                                                                     \
+  const WaitParams* const wp = (const WaitParams*)x.wp;                                      \
+  const u64 adv_entries = x.adv_entries, adv_gate = x.adv_gate;                              \
+  WAIT_ARGS_INIT                                                                             \
+  const u32 npub = PIECES * (u32)x.pub.bpp;                                                  \
+  const u64 L = x.pub.L, S = x.pub.S;
 
-extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(
-    PUBLISH_ROLE_PARAMS, const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S,
-    WAIT_PARAMS) {
-  WAIT_ARGS_INIT
-  const u32 npub = PIECES * (u32)bpp;
+extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(const ProxyArgs x) {
+  PROXY_ROLES_INIT
   if (blockIdx.x < npub) {
-    PUBLISH_ROLE;
+    publish_role(x.pub, blockIdx.x);
   } else {
-    ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x - npub,
-            gridDim.x - npub);
+    ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, L, S, w,
+            blockIdx.x - npub, gridDim.x - npub);
   }
   last_block_advances(state, adv_entries, adv_gate);
 }
 
 #define RS_PROXY_KERNEL(NAME, E)                                                             \
-  extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
-      PUBLISH_ROLE_PARAMS, const u8* recv, u64 recv_code, const u8* own, u64 own_code,       \
-      u64 own_sys, u8* dst, u64 L, u64 S, WAIT_PARAMS) {                                     \
-    WAIT_ARGS_INIT                                                                           \
-    const u32 npub = PIECES * (u32)bpp;                                                      \
+  extern "C" __global__ void __launch_bounds__(512) NAME(const ProxyArgs x) {                \
+    PROXY_ROLES_INIT                                                                         \
     if (blockIdx.x < npub) {                                                                 \
-      PUBLISH_ROLE;                                                                          \
+      publish_role(x.pub, blockIdx.x);                                                       \
     } else {                                                                                 \
-      rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys,    \
-                 dst, L, S, w, blockIdx.x - npub, gridDim.x - npub);                         \
+      rs_wait<E>(slot_at((const u8*)x.in, x.in_code, w.seq),                                 \
+                 slot_at((const u8*)x.own, x.own_code, w.seq), x.own_sys, (u8*)x.out, L, S,  \
+                 w, blockIdx.x - npub, gridDim.x - npub);                                    \
     }                                                                                        \
     last_block_advances(state, adv_entries, adv_gate);                                       \
   }

@@ -92,34 +92,35 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
 // reduce-scatter input), publish only. counters: COUNTER_SETS sets of PIECES, by seq.
 // publish_role: the same for block `block` of a grid whose first PIECES * bpp blocks publish
 // (sccl_ag_proxy, sccl_rs_proxy_*).
-__device__ __forceinline__ void publish_role(const u8* src, u64 src_stride, u8* dst, u64 dst_code,
-                                             u64 dst_stride, u8* dst2, u64 nchunks, u64 L, u64 S,
-                                             u8* ring, u64* state, u64 call, u32* counters,
-                                             u64 bpp, u32 block) {
+__device__ __forceinline__ void publish_role(const PublishArgs& a, u32 block) {
+  const u8* const src = (const u8*)a.src;
+  u8* const dst2 = (u8*)a.dst2;
+  u8* const ring = (u8*)a.ring;
+  u64* const state = (u64*)a.state;
+  u32* counters = (u32*)a.counters;
+  const u64 bpp = a.bpp, L = a.L, S = a.S;
   const int c = block / (u32)bpp;
   const u32 b = block % (u32)bpp;
   if (c >= PIECES || plane_failed(state)) return;  // (the proxy may still send this slot)
   const u64 seq = state_word(state, STATE_SEQ);
   const u64 first_index = state_word(state, STATE_RING);
-  dst = slot_at(dst, dst_code, seq);
+  u8* const dst = slot_at((u8*)a.dst, a.dst_code, seq);
   counters += (seq % COUNTER_SETS) * PIECES;
   u64 lo, hi;
   piece_bounds(S, c, &lo, &hi);
-  const u64 a = lo < L ? lo : L;
+  const u64 x = lo < L ? lo : L;
   const u64 e = hi < L ? hi : L;
-  if (e > a) {
-    for (u64 j = 0; j < nchunks; ++j)
-      team_copy<false>(dst + j * dst_stride + a, j == 0 && dst2 ? dst2 + a : (u8*)0,
-                       src + j * src_stride + a, e - a, b, (u32)bpp);
+  if (e > x) {
+    for (u64 j = 0; j < a.nchunks; ++j)
+      team_copy<false>(dst + j * a.dst_stride + x, j == 0 && dst2 ? dst2 + x : (u8*)0,
+                       src + j * a.src_stride + x, e - x, b, (u32)bpp);
   }
-  finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, call, c);
+  finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, a.call, c);
 }
 
-extern "C" __global__ void __launch_bounds__(512) sccl_publish(
-    const u8* src, u64 src_stride, u8* dst, u64 dst_code, u64 dst_stride, u8* dst2, u64 nchunks,
-    u64 L, u64 S, u8* ring, u64* state, u64 call, u32* counters, u64 bpp) {
-  publish_role(src, src_stride, dst, dst_code, dst_stride, dst2, nchunks, L, S, ring, state, call,
-               counters, bpp, blockIdx.x);
+// The publish role alone (its one parameter: protocol.h kargs::PublishArgs, by value).
+extern "C" __global__ void __launch_bounds__(512) sccl_publish(const PublishArgs a) {
+  publish_role(a, blockIdx.x);
 }
 
 // Queued after every other kernel of a collective on its stream where its last kernel does

@@ -297,12 +297,21 @@ static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 }  // namespace gpu
 
 // ---------------------------------------------------------------- CUDA kernel arguments
-// Argument blocks the host builds once and the kernels read, declared here once: the host
+// The kernels' argument structs, declared here once: the host
 // (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
-// static_asserts tie the offsets to the struct the kernels compile. (The publish roles'
-// parameters stay positional: they carry the call's own pointers, which the native
-// LaunchPlan patches per call as parameters; in a block in device memory each call would
-// need a copy to the device first, in a block by value the replay a patch at a byte offset.)
+// static_asserts tie the offsets to the struct the kernels compile. Two kinds:
+// * a block in device memory, written once (WaitParams): constants of the plane;
+// * a struct passed by value as the kernel's one parameter (PublishArgs, ProxyArgs,
+//   FinalizeArgs, FinalizeDirectArgs): it carries the call's own pointers. Every field is a
+//   u64, so the struct's bytes are the u64 words the host packs; the native LaunchPlan
+//   (native/src/cuda_ops.cpp) keeps them as the launch's parameter buffer and patches a
+//   call's pointer at the field's byte offset. Why by value: the driver copies a launch's
+//   parameters when it is enqueued, so a plan-cache hit costs the patch of a few words in
+//   host memory and one cuLaunchKernel, as positional parameters did, and a CUDA graph's
+//   kernel node keeps its own copy (each replay launches exactly what was captured). A block
+//   in device or pinned memory would cost every call a copy ordered before the launch (or a
+//   ring of blocks, one per call in flight), and a captured graph would read whatever the
+//   latest eager call left there.
 namespace kargs {
 
 // The wait role's constants, one block per data plane and op (AG, RS), in device memory,
@@ -407,6 +416,209 @@ static_assert(__builtin_offsetof(AllReduceArgs, src) == AR_SRC &&
                   __builtin_offsetof(AllReduceArgs, wp) == AR_WP &&
                   sizeof(AllReduceArgs) == AR_BYTES,
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The proxy path's publish role (kernels/publish.cu publish_role): copy chunk j < nchunks
+// of the input (src + j * src_stride, L bytes) to the send region (dst, slotted by
+// dst_code, chunk j's block dst_stride apart; chunk 0 also to dst2 if set), then hand each
+// piece to the proxy (ring entries, call word `call`, counters per (seq % 4, piece), bpp
+// blocks per piece). sccl_publish's one parameter; the first field of ProxyArgs.
+struct PublishArgs {
+  pu64 src, src_stride;
+  pu64 dst, dst_code, dst_stride;
+  pu64 dst2;
+  pu64 nchunks, L, S;
+  pu64 ring, state, call, counters, bpp;
+};
+constexpr pu64 PUB_SRC = 0;
+constexpr pu64 PUB_SRC_STRIDE = 8;
+constexpr pu64 PUB_DST = 16;
+constexpr pu64 PUB_DST_CODE = 24;
+constexpr pu64 PUB_DST_STRIDE = 32;
+constexpr pu64 PUB_DST2 = 40;
+constexpr pu64 PUB_NCHUNKS = 48;
+constexpr pu64 PUB_L = 56;
+constexpr pu64 PUB_S = 64;
+constexpr pu64 PUB_RING = 72;
+constexpr pu64 PUB_STATE = 80;
+constexpr pu64 PUB_CALL = 88;
+constexpr pu64 PUB_COUNTERS = 96;
+constexpr pu64 PUB_BPP = 104;
+constexpr pu64 PUB_BYTES = 112;
+static_assert(__builtin_offsetof(PublishArgs, src) == PUB_SRC &&
+                  __builtin_offsetof(PublishArgs, src_stride) == PUB_SRC_STRIDE &&
+                  __builtin_offsetof(PublishArgs, dst) == PUB_DST &&
+                  __builtin_offsetof(PublishArgs, dst_code) == PUB_DST_CODE &&
+                  __builtin_offsetof(PublishArgs, dst_stride) == PUB_DST_STRIDE &&
+                  __builtin_offsetof(PublishArgs, dst2) == PUB_DST2 &&
+                  __builtin_offsetof(PublishArgs, nchunks) == PUB_NCHUNKS &&
+                  __builtin_offsetof(PublishArgs, L) == PUB_L &&
+                  __builtin_offsetof(PublishArgs, S) == PUB_S &&
+                  __builtin_offsetof(PublishArgs, ring) == PUB_RING &&
+                  __builtin_offsetof(PublishArgs, state) == PUB_STATE &&
+                  __builtin_offsetof(PublishArgs, call) == PUB_CALL &&
+                  __builtin_offsetof(PublishArgs, counters) == PUB_COUNTERS &&
+                  __builtin_offsetof(PublishArgs, bpp) == PUB_BPP &&
+                  sizeof(PublishArgs) == PUB_BYTES,
+              "PublishArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The proxy path in one launch (kernels/proxy_path.cu sccl_ag_proxy, sccl_rs_proxy_*): the
+// publish role, then the wait role's consume side: `in` the slot the peers' data lands in
+// (slotted by in_code); reduce-scatter: this rank's own chunk (own, own_code; own_sys: it
+// lies in pinned memory) and the result `out`; all-gather: rank i's bytes to
+// out + i * out_stride (out 0: zero-copy, only wait). Then WAIT_PARAMS (kernels/wait.cu):
+// the WaitParams block and the advance (adv_entries, adv_gate: last_block_advances).
+struct ProxyArgs {
+  PublishArgs pub;
+  pu64 in, in_code;
+  pu64 own, own_code, own_sys;
+  pu64 out, out_stride;
+  pu64 wp, adv_entries, adv_gate;
+};
+constexpr pu64 PX_PUB = 0;
+constexpr pu64 PX_IN = 112;
+constexpr pu64 PX_IN_CODE = 120;
+constexpr pu64 PX_OWN = 128;
+constexpr pu64 PX_OWN_CODE = 136;
+constexpr pu64 PX_OWN_SYS = 144;
+constexpr pu64 PX_OUT = 152;
+constexpr pu64 PX_OUT_STRIDE = 160;
+constexpr pu64 PX_WP = 168;
+constexpr pu64 PX_ADV_ENTRIES = 176;
+constexpr pu64 PX_ADV_GATE = 184;
+constexpr pu64 PX_BYTES = 192;
+static_assert(__builtin_offsetof(ProxyArgs, pub) == PX_PUB && PX_IN == PUB_BYTES &&
+                  __builtin_offsetof(ProxyArgs, in) == PX_IN &&
+                  __builtin_offsetof(ProxyArgs, in_code) == PX_IN_CODE &&
+                  __builtin_offsetof(ProxyArgs, own) == PX_OWN &&
+                  __builtin_offsetof(ProxyArgs, own_code) == PX_OWN_CODE &&
+                  __builtin_offsetof(ProxyArgs, own_sys) == PX_OWN_SYS &&
+                  __builtin_offsetof(ProxyArgs, out) == PX_OUT &&
+                  __builtin_offsetof(ProxyArgs, out_stride) == PX_OUT_STRIDE &&
+                  __builtin_offsetof(ProxyArgs, wp) == PX_WP &&
+                  __builtin_offsetof(ProxyArgs, adv_entries) == PX_ADV_ENTRIES &&
+                  __builtin_offsetof(ProxyArgs, adv_gate) == PX_ADV_GATE &&
+                  sizeof(ProxyArgs) == PX_BYTES,
+              "ProxyArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The MoE finalize's rows (kernels/finalize.cu FinArgs, fin_unit): y ([R, H] bf16 or e4m3
+// bytes, fp8 1), scales ([R, H / 128] fp32, e4m3 only), pos ([T * topk] int32), wts
+// ([T, topk] fp32), shared ([T, H] bf16), bad (the bad-pos record); the collective's rows:
+// local rows row_lo.. (rows of them, rows_pad with the zero rows) of every destination's
+// chunk of Rr rows. The first field of FinalizeArgs and FinalizeDirectArgs.
+struct FinRowsArgs {
+  pu64 y, scales, pos, wts, shared, bad;
+  pu64 T, topk, H, R, fp8;
+  pu64 Rr, row_lo, rows, rows_pad;
+};
+constexpr pu64 FR_Y = 0;
+constexpr pu64 FR_SCALES = 8;
+constexpr pu64 FR_POS = 16;
+constexpr pu64 FR_WTS = 24;
+constexpr pu64 FR_SHARED = 32;
+constexpr pu64 FR_BAD = 40;
+constexpr pu64 FR_T = 48;
+constexpr pu64 FR_TOPK = 56;
+constexpr pu64 FR_H = 64;
+constexpr pu64 FR_R = 72;
+constexpr pu64 FR_FP8 = 80;
+constexpr pu64 FR_RR = 88;
+constexpr pu64 FR_ROW_LO = 96;
+constexpr pu64 FR_ROWS = 104;
+constexpr pu64 FR_ROWS_PAD = 112;
+constexpr pu64 FR_BYTES = 120;
+static_assert(__builtin_offsetof(FinRowsArgs, y) == FR_Y &&
+                  __builtin_offsetof(FinRowsArgs, scales) == FR_SCALES &&
+                  __builtin_offsetof(FinRowsArgs, pos) == FR_POS &&
+                  __builtin_offsetof(FinRowsArgs, wts) == FR_WTS &&
+                  __builtin_offsetof(FinRowsArgs, shared) == FR_SHARED &&
+                  __builtin_offsetof(FinRowsArgs, bad) == FR_BAD &&
+                  __builtin_offsetof(FinRowsArgs, T) == FR_T &&
+                  __builtin_offsetof(FinRowsArgs, topk) == FR_TOPK &&
+                  __builtin_offsetof(FinRowsArgs, H) == FR_H &&
+                  __builtin_offsetof(FinRowsArgs, R) == FR_R &&
+                  __builtin_offsetof(FinRowsArgs, fp8) == FR_FP8 &&
+                  __builtin_offsetof(FinRowsArgs, Rr) == FR_RR &&
+                  __builtin_offsetof(FinRowsArgs, row_lo) == FR_ROW_LO &&
+                  __builtin_offsetof(FinRowsArgs, rows) == FR_ROWS &&
+                  __builtin_offsetof(FinRowsArgs, rows_pad) == FR_ROWS_PAD &&
+                  sizeof(FinRowsArgs) == FR_BYTES,
+              "FinRowsArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// sccl_finalize (the proxy path's publish role of the finalize): the rows into the send
+// slot (send, slotted by send_code) and this rank's own chunk into `own` (device memory),
+// each (row piece, destination) handed to the proxy (ring, state, call, counters).
+struct FinalizeArgs {
+  FinRowsArgs rows;
+  pu64 world, rank;
+  pu64 send, send_code, own;
+  pu64 ring, state, call, counters;
+};
+constexpr pu64 FN_ROWS = 0;
+constexpr pu64 FN_WORLD = 120;
+constexpr pu64 FN_RANK = 128;
+constexpr pu64 FN_SEND = 136;
+constexpr pu64 FN_SEND_CODE = 144;
+constexpr pu64 FN_OWN = 152;
+constexpr pu64 FN_RING = 160;
+constexpr pu64 FN_STATE = 168;
+constexpr pu64 FN_CALL = 176;
+constexpr pu64 FN_COUNTERS = 184;
+constexpr pu64 FN_BYTES = 192;
+static_assert(__builtin_offsetof(FinalizeArgs, rows) == FN_ROWS && FN_WORLD == FR_BYTES &&
+                  __builtin_offsetof(FinalizeArgs, world) == FN_WORLD &&
+                  __builtin_offsetof(FinalizeArgs, rank) == FN_RANK &&
+                  __builtin_offsetof(FinalizeArgs, send) == FN_SEND &&
+                  __builtin_offsetof(FinalizeArgs, send_code) == FN_SEND_CODE &&
+                  __builtin_offsetof(FinalizeArgs, own) == FN_OWN &&
+                  __builtin_offsetof(FinalizeArgs, ring) == FN_RING &&
+                  __builtin_offsetof(FinalizeArgs, state) == FN_STATE &&
+                  __builtin_offsetof(FinalizeArgs, call) == FN_CALL &&
+                  __builtin_offsetof(FinalizeArgs, counters) == FN_COUNTERS &&
+                  sizeof(FinalizeArgs) == FN_BYTES,
+              "FinalizeArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// sccl_finalize_direct (GPU-direct): blocks [0, npub) compute the rows straight into the
+// peers' regions along the direct table dtab and hand each piece off (ring, call, counters),
+// this rank's own rows to `own` then gate[piece]; the other blocks sum this rank's rows over
+// ranks from the receive slot (recv, slotted by recv_code) and `own` into dst. Then
+// WAIT_PARAMS (wp, adv_entries, adv_gate) as in ProxyArgs.
+struct FinalizeDirectArgs {
+  FinRowsArgs rows;
+  pu64 dtab, ring, call, counters, npub, gate;
+  pu64 recv, recv_code, own, dst;
+  pu64 wp, adv_entries, adv_gate;
+};
+constexpr pu64 FD_ROWS = 0;
+constexpr pu64 FD_DTAB = 120;
+constexpr pu64 FD_RING = 128;
+constexpr pu64 FD_CALL = 136;
+constexpr pu64 FD_COUNTERS = 144;
+constexpr pu64 FD_NPUB = 152;
+constexpr pu64 FD_GATE = 160;
+constexpr pu64 FD_RECV = 168;
+constexpr pu64 FD_RECV_CODE = 176;
+constexpr pu64 FD_OWN = 184;
+constexpr pu64 FD_DST = 192;
+constexpr pu64 FD_WP = 200;
+constexpr pu64 FD_ADV_ENTRIES = 208;
+constexpr pu64 FD_ADV_GATE = 216;
+constexpr pu64 FD_BYTES = 224;
+static_assert(__builtin_offsetof(FinalizeDirectArgs, rows) == FD_ROWS && FD_DTAB == FR_BYTES &&
+                  __builtin_offsetof(FinalizeDirectArgs, dtab) == FD_DTAB &&
+                  __builtin_offsetof(FinalizeDirectArgs, ring) == FD_RING &&
+                  __builtin_offsetof(FinalizeDirectArgs, call) == FD_CALL &&
+                  __builtin_offsetof(FinalizeDirectArgs, counters) == FD_COUNTERS &&
+                  __builtin_offsetof(FinalizeDirectArgs, npub) == FD_NPUB &&
+                  __builtin_offsetof(FinalizeDirectArgs, gate) == FD_GATE &&
+                  __builtin_offsetof(FinalizeDirectArgs, recv) == FD_RECV &&
+                  __builtin_offsetof(FinalizeDirectArgs, recv_code) == FD_RECV_CODE &&
+                  __builtin_offsetof(FinalizeDirectArgs, own) == FD_OWN &&
+                  __builtin_offsetof(FinalizeDirectArgs, dst) == FD_DST &&
+                  __builtin_offsetof(FinalizeDirectArgs, wp) == FD_WP &&
+                  __builtin_offsetof(FinalizeDirectArgs, adv_entries) == FD_ADV_ENTRIES &&
+                  __builtin_offsetof(FinalizeDirectArgs, adv_gate) == FD_ADV_GATE &&
+                  sizeof(FinalizeDirectArgs) == FD_BYTES,
+              "FinalizeDirectArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
 }  // namespace kargs
 }  // namespace sparkccl
