@@ -335,7 +335,8 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(first_p99_ns),
                        SPARKCCL_FIELD(first_delay_p50_ns),
                        SPARKCCL_FIELD(first_delay_p99_ns),
-                       SPARKCCL_FIELD(post_ns));
+                       SPARKCCL_FIELD(post_ns),
+                       SPARKCCL_FIELD(call_entries));
       });
 
   sparkccl::bind_verbs(m);

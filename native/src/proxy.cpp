@@ -103,6 +103,7 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
       if (own.kind == 0 && streams_[k].kind == 1 && streams_[k].op == own.op &&
           streams_[k].conn == own.conn)
         own.relays.push_back(k);
+  calls_sent_.assign(conns_.size() * CALL_SLOTS, 0);
   samples_.reserve(MAX_SAMPLES);
 }
 
@@ -273,7 +274,8 @@ bool Proxy::consume_ring() {
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
     uint64_t seq = *word_at(ent, ENT_SEQ);
     uint64_t slice = *word_at(ent, ENT_SLICE);
-    // (the call word's other bytes, dtype, kind and padding, are for the peers' check)
+    // (the call word's other bytes, dtype, kind and padding, are for the peers' check:
+    // send_call)
     const uint64_t call = *word_at(ent, ENT_OP);
     const uint32_t op = uint32_t(call & 0xFF);
     const uint32_t piece = uint32_t(call >> CALL_PIECE_SHIFT & 0xFF);
@@ -323,6 +325,7 @@ bool Proxy::consume_ring() {
       fresh.seq = seq;
       fresh.slice = slice;
       fresh.granule = granule;
+      fresh.call = call;
       o.hist.push_back(fresh);
       o.any = true;
       o.last_seq = seq;
@@ -376,6 +379,7 @@ bool Proxy::advance_streams() {
     // most relay_lead_ pieces behind it. No cycle: a relay's piece i waits only for the
     // upstream's piece i, which waits only for relays at piece i - relay_lead_.
     if (s.kind == 0 && relay_lead_ >= 0 && !relays_caught_up(s, p)) continue;
+    if (p == 0 && !send_call(s, c)) return progress;
     if (s.kind == 0 && s.gpu && ((c.direct >> p) & 1u)) {
       // The data plane wrote this piece's data and flag itself: nothing to post.
       n_gpu_pieces_.fetch_add(1, std::memory_order_relaxed);
@@ -448,6 +452,31 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
     return false;
   }
   n_flags_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// The cross-rank check's delivery (docs/PROTOCOL.md "Call words"): before the first piece
+// of a collective that goes out on a connection (from any stream: own data or relays, the
+// data plane's GPU-direct pieces too), the collective's call entry goes to the peer's call
+// words for (this rank, seq slot). The transport orders it before that piece's flag, so a
+// peer that saw the flag finds the entry. One per connection and seq (an all-reduce's RS
+// and AG streams share theirs).
+bool Proxy::send_call(const StreamRow& s, const Coll& c) {
+  uint64_t& sent = calls_sent_[size_t(s.conn) * CALL_SLOTS + c.seq % CALL_SLOTS];
+  if (sent == c.seq + 1) return true;
+  const ConnInfo& cn = conns_[size_t(s.conn)];
+  const uint64_t entry[CALL_ENTRY_WORDS] = {call_tagged(c.call, c.seq), call_slice(c.slice, c.seq)};
+  std::string cause;
+  if (!transport_->put_call(s.conn, call_entry_word(world_, rank_, c.seq), entry, &cause)) {
+    fail(ABORT_TRANSPORT,
+         "rank " + std::to_string(rank_) + ": " + transport_->name() + " transport: connection " +
+             std::to_string(s.conn) + " (peer " + std::to_string(cn.peer) + ", channel " +
+             std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
+             op_name(s.op) + " seq " + std::to_string(c.seq) + " call entry: " + cause);
+    return false;
+  }
+  sent = c.seq + 1;
+  n_calls_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -544,6 +573,7 @@ ProxyStats Proxy::stats() {
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
   st.post_ns = n_post_ns_.load();
+  st.call_entries = n_calls_.load();
   std::vector<uint64_t> s, pub, first, first_delay;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);

@@ -31,6 +31,8 @@ struct ProxyStats {
   // the proxy (verbs: building and posting the work requests, the NIC library's share
   // included), divided by writes + flags for a per-work-request figure
   uint64_t post_ns;
+  // call entries posted (Transport::put_call): one per connection per collective
+  uint64_t call_entries;
 };
 
 class Proxy {
@@ -90,6 +92,7 @@ class Proxy {
   };
   struct Coll {
     uint64_t seq, slice, granule;
+    uint64_t call;                      // the entries' call word (the peers' check)
     uint32_t chunks[geom::PIECES];      // chunks published per piece
     uint8_t all = 0;                    // pieces published for every chunk (chunk -1, -2)
     uint8_t direct = 0;                 // pieces the data plane sent itself (chunk -2)
@@ -110,6 +113,7 @@ class Proxy {
   bool consume_ring();
   bool advance_streams();
   bool post_piece(StreamRow& s, Coll& c, int piece);
+  bool send_call(const StreamRow& s, const Coll& c);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void note_delivered();
@@ -127,6 +131,8 @@ class Proxy {
   std::vector<ConnInfo> conns_;
   std::vector<StreamRow> streams_;
   std::vector<ItemRow> items_;
+  // per connection and seq slot: seq + 1 of the call entry posted there last (send_call)
+  std::vector<uint64_t> calls_sent_;
   OpState ops_[layout::NUM_OPS];
   std::unique_ptr<Transport> transport_;
   std::thread thread_;
@@ -141,7 +147,7 @@ class Proxy {
   std::atomic<uint64_t> delivered_{0};
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
-      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0};
+      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0}, n_calls_{0};
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;

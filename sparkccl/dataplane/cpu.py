@@ -70,9 +70,9 @@ class CallPlan:
 class CpuDataPlane(DataPlaneBase):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None):
+                 peer_calls: tuple | None = None):
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
-                         ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
+                         ag_stride=ag_stride, timeout_s=timeout_s, peer_calls=peer_calls)
         self.waits = {op: [list(w) for w in plan.waits[op]] for op in Op}
         self.cache_plans = True
         self.plan_stats = {"hits": 0, "misses": 0, "dropped": 0}

@@ -106,7 +106,7 @@ class CudaDataPlane(DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None, device=None, on_failure: str | None = None,
+                 peer_calls: tuple | None = None, device=None, on_failure: str | None = None,
                  device_ops: Device | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
@@ -117,7 +117,7 @@ class CudaDataPlane(DataPlaneBase):
         ce_min_slice = int(config.get("SPARKCCL_CE_MIN_BYTES"))
         direct_blocks = direct_blocks_setting()
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
-                         ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
+                         ag_stride=ag_stride, timeout_s=timeout_s, peer_calls=peer_calls)
         if self.world > MAX_WORLD:
             raise ValueError(f"the CUDA data plane supports world sizes up to {MAX_WORLD}")
         self._registered: list[int] = []
