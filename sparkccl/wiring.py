@@ -20,7 +20,7 @@ import time
 from . import bootstrap, config, layout, liveness
 from .buffers import Buffers, bytes_per_rank, mib, shortage_message
 from .dataplane.cpu import CpuDataPlane
-from .dataplane.peer_check import calls_view, writers_of
+from .dataplane.peer_check import calls_view
 from .errors import CollectiveError, ShmSpaceError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.model import REGION_SLOTS, Region
@@ -139,8 +139,8 @@ class Wiring:
             bufs.wire(px, kind)
         link.attach(px)
         calls = None
-        if s.check_sizes:  # the neighbours' call entries arrive in this rank's call words
-            calls = (calls_view(ctl.tensor, self.plan.num_flag_words), writers_of(plans, r))
+        if s.check_sizes:  # the sources' call entries arrive in this rank's call words
+            calls = calls_view(ctl.tensor, self.plan.num_flag_words)
         ag = bufs["ag"]
         if self.device.type == "cuda":
             from .dataplane.cuda import CudaDataPlane

@@ -103,7 +103,16 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
       if (own.kind == 0 && streams_[k].kind == 1 && streams_[k].op == own.op &&
           streams_[k].conn == own.conn)
         own.relays.push_back(k);
-  calls_sent_.assign(conns_.size() * CALL_SLOTS, 0);
+  // flag_word(op, origin, channel, root): the origin of a stream's data is in its dst_flag
+  std::vector<std::pair<int, int>> keys;
+  for (auto& row : streams_) {
+    row.origin = int(row.dst_flag / (CHANNELS * MAX_ROOTS) % uint64_t(world));
+    const std::pair<int, int> key{row.conn, row.origin};
+    auto at = std::find(keys.begin(), keys.end(), key);
+    row.call_key = size_t(at - keys.begin());
+    if (at == keys.end()) keys.push_back(key);
+  }
+  calls_sent_.assign(keys.size(), 0);
   samples_.reserve(MAX_SAMPLES);
 }
 
@@ -456,23 +465,39 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
 }
 
 // The cross-rank check's delivery (docs/PROTOCOL.md "Call words"): before the first piece
-// of a collective that goes out on a connection (from any stream: own data or relays, the
-// data plane's GPU-direct pieces too), the collective's call entry goes to the peer's call
-// words for (this rank, seq slot). The transport orders it before that piece's flag, so a
-// peer that saw the flag finds the entry. One per connection and seq (an all-reduce's RS
-// and AG streams share theirs).
+// of a collective that a stream sends (the data plane's GPU-direct pieces too), the call
+// entry of the stream's origin for that seq goes to the peer's call words: this rank's own
+// entry for its data, the origin's (in this rank's call words: it arrived before the piece
+// that triggered the relay) for a relay. The transport orders it before the piece's flag,
+// so a rank that saw a source's flag finds the source's own entry, however many hops away.
+// Once per (connection, origin) and seq: an all-reduce's RS and AG streams share one.
 bool Proxy::send_call(const StreamRow& s, const Coll& c) {
-  uint64_t& sent = calls_sent_[size_t(s.conn) * CALL_SLOTS + c.seq % CALL_SLOTS];
+  uint64_t& sent = calls_sent_[s.call_key];
   if (sent == c.seq + 1) return true;
+  uint64_t entry[CALL_ENTRY_WORDS];
+  const uint64_t word = call_entry_word(world_, s.origin, c.seq);
+  if (s.origin == rank_) {
+    entry[CALL_TAGGED] = call_tagged(c.call, c.seq);
+    entry[CALL_SLICE] = call_slice(c.slice, c.seq);
+  } else {
+    for (uint64_t k = 0; k < CALL_ENTRY_WORDS; ++k)
+      entry[k] = load_acquire(word_at(flags_, (word + k) * FLAG_BYTES));
+    // Not there: the origin's data plane wrote its flags itself (GPU-direct, CUDA over shm),
+    // not behind its proxy's entry. Nothing to forward; the CUDA plane's deferred check
+    // then waits for the entry and drops it unverified (docs/CONTRACT.md).
+    if (call_tagged(entry[CALL_TAGGED], c.seq) != entry[CALL_TAGGED] ||
+        entry[CALL_SLICE] >> CALL_SLICE_TAG_SHIFT != call_tag(c.seq))
+      return true;
+  }
   const ConnInfo& cn = conns_[size_t(s.conn)];
-  const uint64_t entry[CALL_ENTRY_WORDS] = {call_tagged(c.call, c.seq), call_slice(c.slice, c.seq)};
   std::string cause;
-  if (!transport_->put_call(s.conn, call_entry_word(world_, rank_, c.seq), entry, &cause)) {
+  if (!transport_->put_call(s.conn, word, entry, &cause)) {
     fail(ABORT_TRANSPORT,
          "rank " + std::to_string(rank_) + ": " + transport_->name() + " transport: connection " +
              std::to_string(s.conn) + " (peer " + std::to_string(cn.peer) + ", channel " +
              std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
-             op_name(s.op) + " seq " + std::to_string(c.seq) + " call entry: " + cause);
+             op_name(s.op) + " seq " + std::to_string(c.seq) + " call entry of rank " +
+             std::to_string(s.origin) + ": " + cause);
     return false;
   }
   sent = c.seq + 1;

@@ -84,6 +84,8 @@ class Proxy {
     uint64_t coll = 0;  // cursor: collective index within its op
     int piece = 0;
     bool gpu = false;   // set_gpu_streams: skipped for GPU-direct collectives
+    int origin = 0;     // the rank whose data the stream carries (from dst_flag)
+    size_t call_key = 0;  // index of (conn, origin) in calls_sent_ (send_call)
     std::vector<size_t> relays;  // publish streams: the relay streams of the same op and
                                  // connection (their pieces go first, see advance_streams)
   };
@@ -131,7 +133,8 @@ class Proxy {
   std::vector<ConnInfo> conns_;
   std::vector<StreamRow> streams_;
   std::vector<ItemRow> items_;
-  // per connection and seq slot: seq + 1 of the call entry posted there last (send_call)
+  // per (connection, origin) of the streams: seq + 1 of the call entry posted last
+  // (send_call; an all-reduce's RS and AG streams share one)
   std::vector<uint64_t> calls_sent_;
   OpState ops_[layout::NUM_OPS];
   std::unique_ptr<Transport> transport_;

@@ -70,7 +70,7 @@ class CallPlan:
 class CpuDataPlane(DataPlaneBase):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_calls: tuple | None = None):
+                 peer_calls: memoryview | None = None):
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
                          ag_stride=ag_stride, timeout_s=timeout_s, peer_calls=peer_calls)
         self.waits = {op: [list(w) for w in plan.waits[op]] for op in Op}

@@ -106,7 +106,7 @@ class CudaDataPlane(DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_calls: tuple | None = None, device=None, on_failure: str | None = None,
+                 peer_calls: memoryview | None = None, device=None, on_failure: str | None = None,
                  device_ops: Device | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES

@@ -5,20 +5,21 @@ Each collective's publish entries carry its call word (``protocol.h`` ``ENT_OP``
 called with its reduction (all-gather, reduce-scatter, all-reduce of sums or of averages,
 the MoE finalize) and the zero bytes the collective carries past the caller's data, so the
 caller's exact size crosses ranks, not only its slice padded to 16 bytes. The proxy sends
-it, with the slice, to every directly connected peer before the first piece of that
-collective on the connection (a call entry in the peer's call words, ``protocol.h``
-``CALL_SLOTS``; docs/PROTOCOL.md "Call words"), on every transport. A rank compares its own
-call with the entries of the neighbours whose flags it waits on; any difference fails the
-communicator with a :class:`~sparkccl.errors.CollectiveError` naming both calls ("rank 1
-passed 12 bytes of float32 per rank, rank 0 passed 16 bytes of float32"), which the proxy
-carries to every other rank as an abort. Neighbours suffice: in a connected topology two
-ranks that differ have, on any path between them, a pair of neighbours that differ.
+it, with the slice, as a call entry ahead of the collective's first piece on each stream
+(``protocol.h`` ``CALL_SLOTS``; docs/PROTOCOL.md "Call words"), on every transport: a
+rank's own entry with its data, a relay forwards the origin's entry ahead of the origin's
+data. So every rank holds the own entry of each source whose data it received, and compares
+its call with it before it uses that data; any difference fails the communicator with a
+:class:`~sparkccl.errors.CollectiveError` naming both calls ("rank 1 passed 12 bytes of
+float32 per rank, rank 0 passed 16 bytes of float32"), which the proxy carries to every
+other rank as an abort. (Neighbours alone would not do: in a ring a rank two hops from the
+one that differs can finish with its data before the abort arrives.)
 
 :class:`PeerCheck` is the comparison both planes use: the CPU plane calls
-:meth:`PeerCheck.check` once the first piece of a source arrived (the flag is ordered after
-the writer's call entry, so the entry is there; nothing is copied out before); the CUDA
+:meth:`PeerCheck.check` once the first piece of a source arrived (its flag is ordered after
+the source's call entry, so the entry is there; nothing is copied out before); the CUDA
 plane's GPU waits cannot stop for the host, so it notes the collectives it issues
-(:meth:`PeerCheck.note`) and compares them once the neighbours' entries appear
+(:meth:`PeerCheck.note`) and compares them once the sources' entries appear
 (:meth:`PeerCheck.run`, before every few calls and at ``synchronize()``;
 docs/CONTRACT.md "Failure behaviour").
 """
@@ -28,7 +29,7 @@ import torch
 
 from .. import layout
 from ..errors import CollectiveError
-from ..plan.model import Op, RankPlan
+from ..plan.model import Op
 
 _P = layout.protocol_constants()
 
@@ -100,35 +101,17 @@ def calls_view(ctl: torch.Tensor, num_flag_words: int) -> memoryview:
     return memoryview(ctl[start:start + n].numpy()).cast("B").cast("Q")
 
 
-def writers_of(plans: list[RankPlan], rank: int) -> dict[Op, tuple[tuple[int, ...], ...]]:
-    """writers[op][source]: the neighbours that write the flag words this rank waits on
-    for source's data of op (their streams to this rank; a flag word has one writer)."""
-    writer = {}
-    for p, plan in enumerate(plans):
-        if p == rank:
-            continue
-        for s in plan.streams:
-            if plan.connections[s.conn].peer == rank:
-                writer[s.dst_flag] = p
-    mine = plans[rank]
-    return {op: tuple(tuple(sorted({writer[w] for w in words})) for words in per_source)
-            for op, per_source in mine.waits.items()}
-
-
 class PeerCheck:
-    """Compare this rank's call with the neighbours' call entries (``calls``: this rank's
-    call words, :func:`calls_view`; ``writers``: :func:`writers_of`). ``fail(message,
-    peer)`` records the mismatch as the communicator's failure and raises."""
+    """Compare this rank's call with the sources' call entries (``calls``: this rank's call
+    words, :func:`calls_view`). ``fail(message, peer)`` records the mismatch as the
+    communicator's failure and raises."""
 
-    def __init__(self, rank: int, world: int, calls: memoryview, writers: dict, fail):
+    def __init__(self, rank: int, world: int, calls: memoryview, fail):
         self.rank, self.world = rank, world
         self.calls = calls
-        self.writers = writers
         self.fail = fail
-        self._done = [-1] * world  # per neighbour: the last seq compared
-        self.neighbours = {op: frozenset(n for ws in per_source for n in ws)
-                           for op, per_source in writers.items()}
-        # (op, seq, S, call word, neighbours not seen) of recent calls, oldest first (the
+        self.others = frozenset(range(world)) - {rank}
+        # (op, seq, S, call word, sources not seen) of recent calls, oldest first (the
         # deferred check)
         self.pending: list[tuple] = []
 
@@ -149,22 +132,16 @@ class PeerCheck:
 
     def check(self, op: Op, seq: int, source: int, S: int, word: int) -> None:
         """Every rank must make the same call: compare ours (slice ``S``, call ``word``)
-        with the call entries of seq from the neighbours that carried source's first piece
-        (which arrived: each entry was delivered before it)."""
-        done = self._done
-        for n in self.writers[op][source]:
-            if done[n] == seq:
-                continue
-            state, theirs_S, theirs_word = self.entry(seq, n)
-            if state == NOT_YET:
-                what = _KIND_NAMES.get(word >> layout.CALL_KIND_SHIFT & 0xFF, "a collective")
-                self.fail(f"rank {self.rank}: {what} seq {seq}: rank {n}'s data arrived "
-                          "without its call entry (the "
-                          "cross-rank check's protocol was broken: docs/PROTOCOL.md \"Call "
-                          "words\")", n)
-            done[n] = seq
-            if state == THERE:
-                self.compare(op, seq, n, S, word, theirs_S, theirs_word)
+        with the source's own call entry of seq, which arrived before the source's first
+        piece (sent by the source, or forwarded ahead of the piece by each relay)."""
+        state, theirs_S, theirs_word = self.entry(seq, source)
+        if state == THERE:
+            self.compare(op, seq, source, S, word, theirs_S, theirs_word)
+        elif state == NOT_YET:
+            what = _KIND_NAMES.get(word >> layout.CALL_KIND_SHIFT & 0xFF, "a collective")
+            self.fail(f"rank {self.rank}: {what} seq {seq}: rank {source}'s data arrived "
+                      "without its call entry (the cross-rank check's protocol was broken: "
+                      "docs/PROTOCOL.md \"Call words\")", source)
 
     def compare(self, op: Op, seq: int, source: int, S: int, word: int, theirs_S: int,
                 theirs_word: int) -> None:
@@ -179,16 +156,16 @@ class PeerCheck:
                   "operation", source)
 
     # ---- deferred (the CUDA plane) ---------------------------------------------------
-    # The calls issued are compared once the neighbours' entries appear (:meth:`run`),
-    # oldest first; a neighbour whose entry is not there yet is not asked about later calls
-    # (a proxy sends its collectives' entries in order). An entry a later collective of the
+    # The calls issued are compared once the sources' entries appear (:meth:`run`), oldest
+    # first; a source whose entry is not there yet is not asked about later calls (entries
+    # arrive in seq order). An entry a later collective of the
     # same slot replaced (the host checked more than CALL_SLOTS collectives late) is dropped
     # unverified.
     KEEP = 64  # calls kept unverified at most (older ones are dropped)
 
     def note(self, op: Op, seq: int, S: int, word: int, first: int = 0) -> None:
         pending = self.pending
-        pending.append((op, seq, S, word, self.neighbours[op]))
+        pending.append((op, seq, S, word, self.others))
         if len(pending) > self.KEEP:
             del pending[:-self.KEEP]
 
