@@ -17,6 +17,7 @@ import errno
 import glob
 import ipaddress
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from sparkccl.errors import ConfigError, CollectiveError
 from sparkccl.fabric import FabricError, RootChoice, Selection
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import Op, Region, num_flag_words
+from sparkccl.plan.model import Op, Region, decode_flag_word, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
 # (tests/ is on sys.path under pytest)
@@ -151,7 +152,7 @@ class VWorld(ProxyWorld):
             rv = Rendezvous(store, "t", r, world, 30.0)
             s = (rank_settings or {}).get(r, settings) or V.VerbsSettings()
             sel = selections[r] if selections else selection(topology, roots)
-            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, nfw * 8)}
+            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, L.flag_section_words(nfw) * 8)}
             for g in range(3):
                 memory[g] = (self.regions[r][g].addr, SLOTS[g] * self.stride[g])
             self.links[r] = V.connect(rv, self.plans, r, topology, roots, self.proxies[r],
@@ -204,7 +205,16 @@ def check_work_requests(w: VWorld, log, strict=False):
         link = w.links[r]
         paired = link._paired[i]
         group = []
+        calls = set()  # (origin, seq slot) of the call entries posted on the connection
+        call_area = w.ctl[conn.peer].flags_addr + 8 * nflags
         for e in wrs:
+            if e["inline"] and not e["signaled"]:  # a call entry (both orderings): plainly
+                assert e["opcode"] == WR_RDMA_WRITE and e["length"] == 16, e
+                k, rest = divmod((e["remote_addr"] - call_area) // 8, 2)
+                assert rest == 0 and 0 <= k < w.world * L.CALL_SLOTS, e
+                assert e["rkey"] == paired["mem"][V.KEY_FLAGS][2]
+                calls.add(divmod(k, L.CALL_SLOTS))
+                continue
             is_flag = (e["opcode"] == WR_RDMA_WRITE_WITH_IMM) if strict else e["inline"]
             if not is_flag:
                 assert e["opcode"] == WR_RDMA_WRITE and not e["inline"] and not e["signaled"], e
@@ -233,6 +243,9 @@ def check_work_requests(w: VWorld, log, strict=False):
                 assert strict        # if any, stays pending for the final value)
                 continue
             slice_, granule = w.slices[seq]
+            # the origin's call entry went ahead of its first piece on this connection
+            origin = decode_flag_word(w.world, s.dst_flag)[1]
+            assert (origin, seq % L.CALL_SLOTS) in calls, (r, i, origin, seq, calls)
             lo, hi = G.piece_bounds(slice_, piece, granule)
             want = []
             for it in s.items:
@@ -474,7 +487,11 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         assert text.startswith(f"rank 0: verbs transport: connection {i} (peer 2, channel 0, root 1): ")
         assert f"device roceP2p1s0f1 port 1 QP {qpn:#x} (to peer 2 QP {peer_qpn:#x})" in text
         assert "transport retry counter exceeded (status 12, vendor_err 0x81)" in text
-        assert "flag write (inline RDMA WRITE) of value 1 to flag word" in text, text
+        # and the work request (the first one of the QP's failing completion: the call
+        # entry, a data write or the flag, as the fake fails it)
+        assert re.search(r"\) on (call entry write \(inline RDMA WRITE\) of value \d+ to word "
+                         r"|RDMA WRITE of \d+ bytes from AG|flag write \(inline RDMA WRITE\) of "
+                         r"value 1 to word )", text), text
         assert QPS_ERR in [q["state"] for q in FAKE.qps() if q["qpn"] == qpn]
         # Rank 0 tells its peers through their abort inboxes: they fail at once, not at
         # their timeout, naming rank 0's cause.
