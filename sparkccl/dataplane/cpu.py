@@ -36,7 +36,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .. import layout
@@ -420,10 +419,3 @@ def fin_slice(rows: int, row_bytes: int) -> tuple[int, int]:
     its row pieces (granule = one row) are exactly the 16-byte-granule pieces of S that the
     waits and the reduction use; L = rows * row_bytes is what lands in the result."""
     return round_up(rows, PIECES) * row_bytes, rows * row_bytes
-
-
-def ring_view(ctl: torch.Tensor) -> np.ndarray:
-    """uint64 [RING_ENTRIES, 8] view of the publish ring inside a control segment tensor."""
-    n = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES
-    raw = ctl[layout.RING_OFFSET:layout.RING_OFFSET + n].numpy()
-    return raw.view(np.uint64).reshape(layout.RING_ENTRIES, layout.RING_ENTRY_BYTES // 8)
