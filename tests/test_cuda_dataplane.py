@@ -2227,6 +2227,29 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
         w.healthy()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
+@pytest.mark.parametrize("sizes", [(3, 4, 4, 4), (3, 3, 4, 4)], ids=["rank0", "halves"])
+def test_a_different_call_in_a_ring_is_reported_on_every_rank(backend, direct, sizes):
+    """A ring of 4: every rank compares each source's call entry, also one that came through
+    a relay (GPU-direct: the relay waits for the origin's entry, which the origin's proxy
+    sends after its GPU wrote the flag), and raises at synchronize()."""
+    from sparkccl.dataplane.peer_check import calls_view
+    world = 4
+    with World(backend, "ring", world, max_slice=4096, timeout_s=20, direct=direct) as w:
+        for r in range(world):
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
+        for r, n in enumerate(sizes):
+            with w.be.on(r):
+                src = w.keep(w.be.to_dev(torch.zeros(n, dtype=torch.float32)))
+                out = w.keep(w.be.to_dev(torch.zeros(world * 4 * n, dtype=torch.uint8)))
+                w.dps[r].all_gather(0, src, out, 0, 4 * n)
+        w.be.sync()
+        for r in range(world):
+            with pytest.raises(CollectiveError, match=r"bytes of float32 per rank to all_gather"):
+                w.dps[r].synchronize()
+
+
 def test_size_check_compares_entries_of_their_seq_only():
     """The deferred check (peer_check.PeerCheck.run) reads each pending collective's call
     entry of each source, oldest first: a matching entry is checked off; one not written

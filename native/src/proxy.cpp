@@ -388,7 +388,11 @@ bool Proxy::advance_streams() {
     // most relay_lead_ pieces behind it. No cycle: a relay's piece i waits only for the
     // upstream's piece i, which waits only for relays at piece i - relay_lead_.
     if (s.kind == 0 && relay_lead_ >= 0 && !relays_caught_up(s, p)) continue;
-    if (p == 0 && !send_call(s, c)) return progress;
+    if (p == 0) {
+      const int sent = send_call(s, c);
+      if (sent < 0) return progress;
+      if (sent == 0) continue;  // a relay waits for its origin's call entry (send_call)
+    }
     if (s.kind == 0 && s.gpu && ((c.direct >> p) & 1u)) {
       // The data plane wrote this piece's data and flag itself: nothing to post.
       n_gpu_pieces_.fetch_add(1, std::memory_order_relaxed);
@@ -467,13 +471,18 @@ bool Proxy::post_piece(StreamRow& s, Coll& c, int piece) {
 // The cross-rank check's delivery (docs/PROTOCOL.md "Call words"): before the first piece
 // of a collective that a stream sends (the data plane's GPU-direct pieces too), the call
 // entry of the stream's origin for that seq goes to the peer's call words: this rank's own
-// entry for its data, the origin's (in this rank's call words: it arrived before the piece
-// that triggered the relay) for a relay. The transport orders it before the piece's flag,
-// so a rank that saw a source's flag finds the source's own entry, however many hops away.
-// Once per (connection, origin) and seq: an all-reduce's RS and AG streams share one.
-bool Proxy::send_call(const StreamRow& s, const Coll& c) {
+// entry for its data, the origin's (in this rank's call words) for a relay. The transport
+// orders it before the piece's flag, so a rank that saw a source's flag finds the source's
+// own entry, however many hops away. Once per (connection, origin) and seq: an
+// all-reduce's RS and AG streams share one.
+// A relay's trigger flag normally arrives after the origin's entry (the same ordering one
+// hop back); where the origin's GPU wrote that flag itself (GPU-direct, CUDA over shm) the
+// entry comes from the origin's proxy a moment later, and the relay waits for it: 0 ("not
+// yet"). It always comes (an origin's proxy sends its own entry whatever its peers do), so
+// the wait is bounded. -1: the transport failed (the communicator has failed); 1: go on.
+int Proxy::send_call(const StreamRow& s, const Coll& c) {
   uint64_t& sent = calls_sent_[s.call_key];
-  if (sent == c.seq + 1) return true;
+  if (sent == c.seq + 1) return 1;
   uint64_t entry[CALL_ENTRY_WORDS];
   const uint64_t word = call_entry_word(world_, s.origin, c.seq);
   if (s.origin == rank_) {
@@ -482,12 +491,17 @@ bool Proxy::send_call(const StreamRow& s, const Coll& c) {
   } else {
     for (uint64_t k = 0; k < CALL_ENTRY_WORDS; ++k)
       entry[k] = load_acquire(word_at(flags_, (word + k) * FLAG_BYTES));
-    // Not there: the origin's data plane wrote its flags itself (GPU-direct, CUDA over shm),
-    // not behind its proxy's entry. Nothing to forward; the CUDA plane's deferred check
-    // then waits for the entry and drops it unverified (docs/CONTRACT.md).
-    if (call_tagged(entry[CALL_TAGGED], c.seq) != entry[CALL_TAGGED] ||
-        entry[CALL_SLICE] >> CALL_SLICE_TAG_SHIFT != call_tag(c.seq))
-      return true;
+    const uint64_t want = call_tag(c.seq);
+    const uint64_t tags[2] = {(entry[CALL_TAGGED] & 0xFF) |
+                                  (entry[CALL_TAGGED] >> CALL_PIECE_SHIFT & 0xFF) << 8,
+                              entry[CALL_SLICE] >> CALL_SLICE_TAG_SHIFT};
+    if (tags[0] != want || tags[1] != want) {
+      // A later seq's entry in the slot (the origin is CALL_SLOTS collectives on, which the
+      // collectives' dependencies rule out): nothing to forward, and nothing to wait for.
+      for (uint64_t t : tags)
+        if (t != want && ((t - want) & CALL_TAG_MASK) < CALL_TAG_MASK / 2) return 1;
+      return 0;
+    }
   }
   const ConnInfo& cn = conns_[size_t(s.conn)];
   std::string cause;
@@ -498,11 +512,11 @@ bool Proxy::send_call(const StreamRow& s, const Coll& c) {
              std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
              op_name(s.op) + " seq " + std::to_string(c.seq) + " call entry of rank " +
              std::to_string(s.origin) + ": " + cause);
-    return false;
+    return -1;
   }
   sent = c.seq + 1;
   n_calls_.fetch_add(1, std::memory_order_relaxed);
-  return true;
+  return 1;
 }
 
 void Proxy::trim() {

@@ -115,7 +115,7 @@ class Proxy {
   bool consume_ring();
   bool advance_streams();
   bool post_piece(StreamRow& s, Coll& c, int piece);
-  bool send_call(const StreamRow& s, const Coll& c);
+  int send_call(const StreamRow& s, const Coll& c);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void note_delivered();

@@ -538,12 +538,15 @@ class CudaDataPlane(DataPlaneBase):
         if not self._in_capture:  # (an event of a capture cannot be waited for)
             self.end(ts)
 
-    def check_sizes(self) -> None:
-        """Every rank must make the same call: compare recent collectives with the peers'
-        own publish entries once those appear (the GPU cannot do it before it waits, so a
-        difference is reported at a later call or at synchronize(); peer_check.py)."""
+    def check_sizes(self, final: bool = False) -> None:
+        """Every rank must make the same call: compare recent collectives with the sources'
+        call entries once those arrive (the GPU cannot do it before it waits, so a
+        difference is reported at a later call or at synchronize(); peer_check.py).
+        ``final`` (synchronize: every collective issued has completed): wait for the
+        entries still on their way, up to the timeout."""
         if self.peer_check is not None:
-            self.peer_check.run(self._ring_next)
+            self.peer_check.run(self._ring_next, self.timeout_s if final else 0.0,
+                                lambda: self.nat.abort_code(self.ctl) != 0)
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
@@ -664,7 +667,8 @@ class CudaDataPlane(DataPlaneBase):
         synchronization)."""
         self.check_status()
         self.check_abort()
-        self.check_sizes()
+        self.check_sizes(final=True)
+        self.check_abort()  # (a failure that ended the wait for the sources' entries)
 
     def _check_call(self) -> None:
         """check_failures before a collective: the GPU record and the abort word read in

@@ -25,6 +25,8 @@ docs/CONTRACT.md "Failure behaviour").
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import layout
@@ -172,9 +174,22 @@ class PeerCheck:
     def forget(self) -> None:
         self.pending = []
 
-    def run(self, ring_next: int = 0) -> None:
+    def run(self, ring_next: int = 0, wait_s: float = 0.0, stop=None) -> None:
         """Compare what can be compared; raise (through the PeerCheck's ``fail``) on a
-        difference."""
+        difference. ``wait_s`` > 0 (at ``synchronize()``: every collective noted has
+        completed here, so each source's entry was sent): wait up to that long for the
+        entries still missing, until ``stop()`` says the communicator failed. (Where the
+        proxies send the data, the entries came before it; with GPU-direct a source's proxy
+        sends its entry just after its GPU wrote the data and flags.)"""
+        self._run_once()
+        if not self.pending or wait_s <= 0:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.pending and time.monotonic() < deadline and not (stop and stop()):
+            time.sleep(20e-6)
+            self._run_once()
+
+    def _run_once(self) -> None:
         pending = self.pending
         if not pending:
             return
