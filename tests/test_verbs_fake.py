@@ -147,6 +147,7 @@ class VWorld(ProxyWorld):
         nfw = num_flag_words(world)
         store = DictStore()
         self.links = [None] * world
+        self.entry_writes = 1  # WRs per call entry (check_work_requests)
 
         def up(r):
             rv = Rendezvous(store, "t", r, world, 30.0)
@@ -303,7 +304,7 @@ SLICES = [16, 1000, 4096 * 3 + 5]
 def _exercise(topology, world, roots, strict=False, entry_writes=1):
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
-    w.entry_writes = entry_writes  # WRs per call entry (2: the QPs inline 8 bytes)
+    w.entry_writes = entry_writes  # 2: the QPs inline 8 bytes
     w.check_setup()
     setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
