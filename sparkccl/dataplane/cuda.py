@@ -499,7 +499,7 @@ class CudaDataPlane(DataPlaneBase):
             if seq > self._last_seq:
                 self._last_seq = seq
             if self.peer_check is not None:
-                self.peer_check.note(op, seq, S, call, first)
+                self.peer_check.note(op, seq, S, call)
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -545,7 +545,7 @@ class CudaDataPlane(DataPlaneBase):
         ``final`` (synchronize: every collective issued has completed): wait for the
         entries still on their way, up to the timeout."""
         if self.peer_check is not None:
-            self.peer_check.run(self._ring_next, self.timeout_s if final else 0.0,
+            self.peer_check.run(self.timeout_s if final else 0.0,
                                 lambda: self.nat.abort_code(self.ctl) != 0)
 
     # ---- collectives -----------------------------------------------------------------

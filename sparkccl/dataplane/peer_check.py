@@ -160,12 +160,11 @@ class PeerCheck:
     # ---- deferred (the CUDA plane) ---------------------------------------------------
     # The calls issued are compared once the sources' entries appear (:meth:`run`), oldest
     # first; a source whose entry is not there yet is not asked about later calls (entries
-    # arrive in seq order). An entry a later collective of the
-    # same slot replaced (the host checked more than CALL_SLOTS collectives late) is dropped
-    # unverified.
+    # arrive in seq order). An entry a later collective of the same slot replaced (the host
+    # checked more than CALL_SLOTS collectives late) is dropped unverified.
     KEEP = 64  # calls kept unverified at most (older ones are dropped)
 
-    def note(self, op: Op, seq: int, S: int, word: int, first: int = 0) -> None:
+    def note(self, op: Op, seq: int, S: int, word: int) -> None:
         pending = self.pending
         pending.append((op, seq, S, word, self.others))
         if len(pending) > self.KEEP:
@@ -174,7 +173,7 @@ class PeerCheck:
     def forget(self) -> None:
         self.pending = []
 
-    def run(self, ring_next: int = 0, wait_s: float = 0.0, stop=None) -> None:
+    def run(self, wait_s: float = 0.0, stop=None) -> None:
         """Compare what can be compared; raise (through the PeerCheck's ``fail``) on a
         difference. ``wait_s`` > 0 (at ``synchronize()``: every collective noted has
         completed here, so each source's entry was sent): wait up to that long for the
