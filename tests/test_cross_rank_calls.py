@@ -6,7 +6,8 @@ exact bytes, dtype and collective cross in each collective's call entry, which t
 sends to every directly connected peer ahead of the collective's first piece
 (sparkccl/dataplane/peer_check.py, docs/PROTOCOL.md "Call words"): on every transport, shm,
 tcp and verbs through the emulated NIC (both orderings); ranks are threads of this process.
-The CUDA plane's twin is tests/test_cuda_dataplane.py::test_a_different_call_on_a_peer_is_reported."""
+The CUDA plane's twins are tests/test_cuda_dataplane.py::test_a_different_call_on_a_peer_is_reported
+and ::test_a_different_call_in_a_ring_is_reported_on_every_rank."""
 from __future__ import annotations
 
 import time
@@ -205,12 +206,17 @@ def test_the_same_calls_stay_exact_over_the_network(network):
     call entry per connection per collective."""
     comms = B.world(2, TIMEOUT_S, transport=network)
     try:
+        before = [c.proxy_stats()["call_entries"] for c in comms]
         for n, d in ((3, F32), (5, BF16), (5, F16)):
             res = B.on_threads([lambda c=c: _call("ag", c, n, d) for c in comms])
             want = torch.cat([torch.arange(1, n + 1).to(d)] * 2)
             assert all(torch.equal(y, want) for y in res), res
             res = B.on_threads([lambda c=c: _call("ar-fused", c, n, d) for c in comms])
             assert all(torch.equal(y, 2 * torch.arange(1, n + 1).to(d)) for y in res), res
-        assert B.healthy(comms, 3) is None
+        assert B.healthy(comms, 3) is None  # (an all-gather and a reduce-scatter)
+        collectives = 3 * 2 + 2  # (a fused all-reduce is one collective: one seq)
+        for c, b in zip(comms, before):
+            sent = c.proxy_stats()["call_entries"] - b
+            assert sent == len(c.plan.connections) * collectives, (sent, c.plan.connections)
     finally:
         B.on_threads([c.close for c in comms])
