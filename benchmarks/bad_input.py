@@ -14,11 +14,15 @@ mismatches (tests/badinput.py) and each is checked; the summary is the record.
 Before the publish entries carried the call word (issue 32), seed 1 found per-rank sizes
 that round up to the same multiple of 16 bytes passing the size check with a wrong sum, and
 dtypes of one width not told apart; the call word (docs/PROTOCOL.md "Publish ring") carries
-the exact bytes, dtype and collective now.
+the exact bytes, dtype and collective now. The mismatches run over each transport of
+``--transports`` (default shm; tcp over loopback, verbs through the emulated NIC of
+tests/emunic): the proxies deliver the call entries on every transport (docs/PROTOCOL.md
+"Call words"); before that, tcp and verbs compared nothing.
 
 ::
 
     python benchmarks/bad_input.py --calls 400 --mismatches 60 --seed 1 --out benchmarks/bad_input_cpu.txt
+    python benchmarks/bad_input.py --calls 40 --mismatches 60 --seed 1 --transports shm,tcp,verbs --out benchmarks/bad_input_transports.txt
 """
 from __future__ import annotations
 
@@ -38,14 +42,22 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--mismatches", type=int, default=60)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--transports", default="shm",
+                    help="comma-separated: the mismatches run over each (shm, tcp, verbs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    transports = a.transports.split(",")
+    if "verbs" in transports:  # this process's verbs calls go to an emulated NIC
+        import tempfile
+        import emunic
+        os.environ.update(emunic.host_env(tempfile.mkdtemp(prefix="bad-input-emunic-")))
     from hypothesis import HealthCheck, given, seed, settings
     import badinput as B
 
     conf = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
     lines = [f"generated bad input: seed {a.seed}; python benchmarks/bad_input.py "
-             f"--calls {a.calls} --mismatches {a.mismatches} --seed {a.seed}"]
+             f"--calls {a.calls} --mismatches {a.mismatches} --seed {a.seed}"
+             + (f" --transports {a.transports}" if a.transports != "shm" else "")]
     t0 = time.monotonic()
     comms = B.world()
     calls, problems = collections.Counter(), []
@@ -70,29 +82,34 @@ def main(argv=None) -> int:
         lines.append(f"  {v:5} {k}")
     lines += [f"  PROBLEM {p}" for p in problems]
 
-    t1 = time.monotonic()
-    kinds = collections.Counter()
-    outcomes = collections.Counter()
-    mism_problems = []
+    n_m, mism_problems = 0, []
+    for transport in transports:
+        t1 = time.monotonic()
+        kinds = collections.Counter()
+        outcomes = collections.Counter()
+        problems_here = []
 
-    @seed(a.seed)
-    @settings(max_examples=a.mismatches, **conf)
-    @given(case=B.mismatches())
-    def one_mismatch(case):
-        sub, specs = case
-        kinds[sub] += 1
-        p = B.run_mismatch(sub, specs, seed=len(kinds))
-        if p is None:
-            outcomes[sub + ": failed on every rank, naming both calls"] += 1
-        else:
-            outcomes[sub + ": PROBLEM"] += 1
-            mism_problems.append(f"{specs}: {p}")
-    one_mismatch()
-    n_m = sum(kinds.values())
-    lines.append(f"cross-rank mismatches: {n_m} drawn ({time.monotonic() - t1:.1f} s)")
-    for k, v in sorted(outcomes.items()):
-        lines.append(f"  {v:5} {k}")
-    lines += [f"  PROBLEM {p}" for p in mism_problems]
+        @seed(a.seed)
+        @settings(max_examples=a.mismatches, **conf)
+        @given(case=B.mismatches())
+        def one_mismatch(case):
+            sub, specs = case
+            kinds[sub] += 1
+            p = B.run_mismatch(sub, specs, seed=len(kinds), transport=transport)
+            if p is None:
+                outcomes[sub + ": failed on every rank, naming both calls"] += 1
+            else:
+                outcomes[sub + ": PROBLEM"] += 1
+                problems_here.append(f"{specs}: {p}")
+        one_mismatch()
+        n = sum(kinds.values())
+        n_m += n
+        lines.append(f"cross-rank mismatches over {transport}: {n} drawn "
+                     f"({time.monotonic() - t1:.1f} s)")
+        for k, v in sorted(outcomes.items()):
+            lines.append(f"  {v:5} {k}")
+        lines += [f"  PROBLEM {p}" for p in problems_here]
+        mism_problems += problems_here
     lines.append(f"total generated: {n_calls + n_m}; problems: "
                  f"{len(problems) + len(mism_problems)}")
     text = "\n".join(lines)

@@ -148,7 +148,7 @@ def _breakdown(comm, fn, rounds: int, kib: int, report: bool) -> None:
     wrap(dp, "_check_call", "    _check_call (GPU record, abort; sizes every 8th call)")
     wrap(dp, "check_sizes", "      check_sizes")
     if dp.peer_check is not None:
-        wrap(dp.peer_check, "_probe", "        peer_check._probe (a peer's ring row)")
+        wrap(dp.peer_check, "entry", "        peer_check.entry (a source's call entry)")
     wrap(dp.gpu, "issue_plan", "    gpu.issue_plan (native LaunchPlan.issue)")
     for name, engine in dp.engines.direct.items():
         wrap(engine, "run", f"    engines.{name}.run (GPU-direct engines off the launch plan)")

@@ -218,7 +218,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "ring: own pieces a connection may carry ahead of the pieces relayed on it, so relays "
        "are not queued behind them; -1 = no limit", lo=-1, hi=7),
     _v("SPARKCCL_CHECK_SIZES", "bool", True, "data plane",
-       "0: skip the cross-rank check of every call's exact bytes, dtype and collective (shm)"),
+       "0: skip the cross-rank check of every call's exact bytes, dtype and collective"),
     _v("SPARKCCL_GPU_DIRECT", "bool", True, "data plane (CUDA)",
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),

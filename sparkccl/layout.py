@@ -103,6 +103,13 @@ CHUNK_DIRECT = _P["CHUNK_DIRECT"]
 
 FLAGS_OFFSET = _P["FLAGS_OFFSET"]
 FLAG_BYTES = _P["FLAG_BYTES"]
+FLAG_WORDS_PER_RANK = _P["FLAG_WORDS_PER_RANK"]
+CALL_SLOTS = _P["CALL_SLOTS"]
+CALL_ENTRY_WORDS = _P["CALL_ENTRY_WORDS"]
+CALL_TAGGED = _P["CALL_TAGGED"]
+CALL_SLICE = _P["CALL_SLICE"]
+CALL_TAG_MASK = _P["CALL_TAG_MASK"]
+CALL_SLICE_TAG_SHIFT = _P["CALL_SLICE_TAG_SHIFT"]
 
 
 def call_word(op: int, dtype: int, kind: int, pad: int) -> int:
@@ -145,8 +152,21 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def flag_section_words(num_flag_words: int) -> int:
+    """u64 words after FLAGS_OFFSET: the flag words, then the call words (protocol.h
+    ``CALL_SLOTS``: an entry per source rank and seq slot)."""
+    world = num_flag_words // FLAG_WORDS_PER_RANK
+    return num_flag_words + world * CALL_SLOTS * CALL_ENTRY_WORDS
+
+
+def call_area(num_flag_words: int) -> tuple[int, int]:
+    """(byte offset in the control segment, bytes) of the call words."""
+    start = FLAGS_OFFSET + num_flag_words * FLAG_BYTES
+    return start, (flag_section_words(num_flag_words) - num_flag_words) * FLAG_BYTES
+
+
 def control_bytes(num_flag_words: int) -> int:
-    return _round_up(FLAGS_OFFSET + num_flag_words * FLAG_BYTES, PAGE)
+    return _round_up(FLAGS_OFFSET + flag_section_words(num_flag_words) * FLAG_BYTES, PAGE)
 
 
 def slot_stride(slot_bytes: int) -> int:

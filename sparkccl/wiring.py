@@ -19,7 +19,8 @@ import time
 
 from . import bootstrap, config, layout, liveness
 from .buffers import Buffers, bytes_per_rank, mib, shortage_message
-from .dataplane.cpu import CpuDataPlane, ring_view
+from .dataplane.cpu import CpuDataPlane
+from .dataplane.peer_check import calls_view
 from .errors import CollectiveError, ShmSpaceError
 from .plan.build import TOPOLOGIES, build_plan
 from .plan.model import REGION_SLOTS, Region
@@ -137,24 +138,23 @@ class Wiring:
         for kind in bufs.segments:
             bufs.wire(px, kind)
         link.attach(px)
-        rings = None
-        if s.check_sizes and link.maps_peers:  # needs the peers' publish rings mapped here
-            rings = [None if p == r else ring_view(link.peer_segment(p, "ctl").tensor)
-                     for p in range(w)]
+        calls = None
+        if s.check_sizes:  # the sources' call entries arrive in this rank's call words
+            calls = calls_view(ctl.tensor, self.plan.num_flag_words)
         ag = bufs["ag"]
         if self.device.type == "cuda":
             from .dataplane.cuda import CudaDataPlane
             self.dp = CudaDataPlane(nat, plan=self.plan, ctl_addr=self.ctl_addr,
                                     flags_addr=self.flags_addr, ag=ag.tensor,
                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
-                                    peer_rings=rings, device=self.device)
+                                    peer_calls=calls, device=self.device)
             if link.maps_peers and s.gpu_direct and self.dp.maps_peers:
                 self._setup_gpu_direct()
         else:
             self.dp = CpuDataPlane(nat, plan=self.plan, ctl_addr=self.ctl_addr,
                                    flags_addr=self.flags_addr, ag=ag.tensor,
                                    ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
-                                   peer_rings=rings)
+                                   peer_calls=calls)
         if bufs.has("rs"):
             self._attach_rs_dataplane()
         if lane_check.enabled():  # one small write and flag over every connection

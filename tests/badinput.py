@@ -320,11 +320,12 @@ def said(spec) -> str:
     return f"{n} bytes of {str(dtype).replace('torch.', '')}"
 
 
-def run_mismatch(sub: str, specs: list, seed: int, timeout_s: float = 2.0) -> str | None:
+def run_mismatch(sub: str, specs: list, seed: int, timeout_s: float = 2.0,
+                 **kw) -> str | None:
     """Every rank raises CollectiveError within the timeout + 1 s, naming both calls (their
     exact bytes and dtypes) where the ranks made the same collective. -> None, or the
     problem."""
-    comms = world(len(specs), timeout_s)
+    comms = world(len(specs), timeout_s, **kw)
     try:
         t0 = time.monotonic()
         res = on_threads([lambda c=c, s=s: _issue(c, s, seed) for c, s in zip(comms, specs)])

@@ -3,11 +3,12 @@ is returned (issue 32): sizes that pad to the same 16 bytes (3 vs 4 fp32 element
 bf16) and dtypes of one width (bf16 vs fp16), for all-gather, reduce-scatter and
 all-reduce (both regimes: the one shot's all-gather says all-reduce too), an all-reduce of
 sums beside one of averages (both regimes), and one rank's one shot beside another's two
-steps. The ranks'
-exact bytes, dtype and collective cross in the publish entries' call word
-(sparkccl/dataplane/peer_check.py), compared where the peers' publish rings are mapped
-(transport shm; ranks are threads of this process). The CUDA plane's twin is
-tests/test_cuda_dataplane.py::test_a_different_call_on_a_peer_is_reported."""
+steps. The ranks' exact bytes, dtype and collective cross in each collective's call entry,
+which the proxy sends to every directly connected peer ahead of the collective's first piece
+(sparkccl/dataplane/peer_check.py, docs/PROTOCOL.md "Call words"): on every transport, shm,
+tcp and verbs through the emulated NIC (both orderings); ranks are threads of this process.
+The CUDA plane's twins are tests/test_cuda_dataplane.py::test_a_different_call_on_a_peer_is_reported
+and ::test_a_different_call_in_a_ring_is_reported_on_every_rank."""
 from __future__ import annotations
 
 import time
@@ -56,7 +57,13 @@ def _run(world: int, calls, **kw):
     try:
         t0 = time.monotonic()
         res = B.on_threads([lambda c=c, f=f: f(c) for c, f in zip(comms, calls)])
-        return res, time.monotonic() - t0
+        took = time.monotonic() - t0
+        if all(isinstance(e, sparkccl.CollectiveError) for e in res):
+            # afterwards the communicator stays failed: the next call raises at once
+            x = torch.ones(4)
+            again = B.on_threads([lambda c=c: c.all_gather(x) for c in comms])
+            assert all(isinstance(e, sparkccl.CollectiveError) for e in again), again
+        return res, took
     finally:
         B.on_threads([lambda c=c: c.__exit__(sparkccl.CollectiveError, None, None)
                       for c in comms])
@@ -145,5 +152,105 @@ def test_the_same_call_still_works_after_the_check():
             want = torch.cat([torch.arange(1, n + 1).to(d)] * 2)
             assert all(torch.equal(y, want) for y in res), res
         assert B.healthy(comms, 3) is None
+    finally:
+        B.on_threads([c.close for c in comms])
+
+
+# ---- every transport -------------------------------------------------------------------
+# The call entries travel the transports' ordered connections (Transport::put_call): the
+# same mismatches over tcp (loopback) and verbs (the emulated NIC; strict ordering writes
+# the entry plainly, since its immediate carries only a flag's low bits), and a ring of 4
+# where only rank 0 differs (rank 2 gets rank 0's data only through a relay) and where
+# ranks {0, 1} and {2, 3} differ.
+
+TRANSPORTS = ["tcp", "verbs-inline", "verbs-strict"]
+
+
+def _use(request, monkeypatch) -> str:
+    name = request.param
+    if name.startswith("verbs"):  # this process's verbs calls go to the emulated NIC
+        _, env = request.getfixturevalue("emunic_host")
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("SPARKCCL_IB_ORDERING", name.split("-")[1])
+        return "verbs"
+    return name
+
+
+@pytest.fixture(params=["shm"] + TRANSPORTS)
+def transport(request, monkeypatch):
+    return _use(request, monkeypatch)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def network(request, monkeypatch):
+    """The transports other than shm (which runs the full matrix above)."""
+    return _use(request, monkeypatch)
+
+
+def _all_name_both(res, ranks_said):
+    for r, got in enumerate(res):
+        assert isinstance(got, sparkccl.CollectiveError), (r, got)
+        for q, what in ranks_said:
+            assert f"rank {q} passed {what}" in str(got), (r, str(got))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("op", ["ag", "rs", "ar-fused"])
+def test_a_different_call_fails_every_rank_over_the_network(network, op, case):
+    calls, said = CASES[case]
+    if op == "rs":
+        said = tuple(f"{n * d.itemsize} bytes of {str(d)[6:]}" for n, d in calls)
+    res, took = _run(2, [lambda c, n=n, d=d: _call(op, c, n, d) for n, d in calls],
+                     transport=network)
+    _all_name_both(res, [(q, _said(op, said[q], 2)) for q in (0, 1)])
+    assert took < TIMEOUT_S + 1
+
+
+def test_sums_beside_averages_over_the_network(network):
+    x = torch.arange(1, 33, dtype=F32)
+    res, _ = _run(2, [lambda c: c.all_reduce(x, "sum", regime="two_step"),
+                      lambda c: c.all_reduce(x, "avg", regime="two_step")], transport=network)
+    _all_name_both(res, [(0, "128 bytes of float32 to all_reduce(sum)"),
+                         (1, "128 bytes of float32 to all_reduce(avg)")])
+
+
+RING4 = {"rank0-differs": (3, 4, 4, 4), "halves-differ": (3, 3, 4, 4)}  # fp32 per rank
+
+
+@pytest.mark.parametrize("pattern", list(RING4))
+def test_ring_of_four_fails_every_rank(transport, pattern):
+    """Every rank raises, also one whose neighbours made its call: it compares the own call
+    entry of each source (forwarded by the relays ahead of the data), or learns of the
+    failure by the abort first."""
+    sizes = RING4[pattern]
+    res, took = _run(4, [lambda c, n=n: _call("ag", c, n, F32) for n in sizes],
+                     topology="ring", transport=transport)
+    differ = [(a, b) for a in range(4) for b in range(a) if sizes[a] != sizes[b]]
+    for r, got in enumerate(res):
+        assert isinstance(got, sparkccl.CollectiveError), (r, got)
+        # the text names both calls of some pair of ranks that differ
+        assert any(all(f"rank {q} passed {4 * sizes[q]} bytes of float32 per rank" in str(got)
+                       for q in pair) for pair in differ), (r, str(got))
+    assert took < TIMEOUT_S + 1
+
+
+def test_the_same_calls_stay_exact_over_the_network(network):
+    """The control: equal calls pass the check over the network, and the proxy sends one
+    call entry per connection per collective."""
+    comms = B.world(2, TIMEOUT_S, transport=network)
+    try:
+        before = [c.proxy_stats()["call_entries"] for c in comms]
+        for n, d in ((3, F32), (5, BF16), (5, F16)):
+            res = B.on_threads([lambda c=c: _call("ag", c, n, d) for c in comms])
+            want = torch.cat([torch.arange(1, n + 1).to(d)] * 2)
+            assert all(torch.equal(y, want) for y in res), res
+            res = B.on_threads([lambda c=c: _call("ar-fused", c, n, d) for c in comms])
+            assert all(torch.equal(y, 2 * torch.arange(1, n + 1).to(d)) for y in res), res
+        assert B.healthy(comms, 3) is None  # (an all-gather and a reduce-scatter)
+        collectives = 3 * 2 + 2  # (a fused all-reduce is one collective: one seq)
+        for c, b in zip(comms, before):
+            sent = c.proxy_stats()["call_entries"] - b
+            assert sent == len(c.plan.connections) * collectives, (sent, c.plan.connections)
     finally:
         B.on_threads([c.close for c in comms])

@@ -188,11 +188,12 @@ def test_one_shot_different_calls_are_reported(backend, direct, calls, said):
     beside an average of the same bytes, and sizes the 16-byte padding hides, fail every
     rank at synchronize() naming both calls (the padding as comm.py passes it)."""
     from sparkccl.allreduce import zero_bytes
-    from sparkccl.dataplane.cpu import ring_view
+    from sparkccl.dataplane.peer_check import calls_view
+    from sparkccl.plan.model import num_flag_words
     world = 2
     with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
-            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
         for r, (n, dtype, op) in enumerate(calls):
             with w.be.on(r):
                 x = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
@@ -216,7 +217,8 @@ def test_one_shot_kernel_beside_the_all_gather_way_is_one_call(backend, direct):
     overlaps x shifted): the same wire and the same call word (comm.py's padding, 5 bf16
     elements: 10 bytes in a 16-byte slice), so no mismatch, and the kernel's sum is exact."""
     from sparkccl.allreduce import zero_bytes
-    from sparkccl.dataplane.cpu import ring_view
+    from sparkccl.dataplane.peer_check import calls_view
+    from sparkccl.plan.model import num_flag_words
     from sparkccl.dataplane.peer_check import ALL_REDUCE_SUM
     world, n = 2, 5
     xs = inputs(7, world, (n,), torch.bfloat16)
@@ -224,7 +226,7 @@ def test_one_shot_kernel_beside_the_all_gather_way_is_one_call(backend, direct):
     pad = zero_bytes(L, S, world, 0, S)
     with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
-            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
         with w.be.on(0):
             x = w.keep(w.be.to_dev(xs[0]))
             buf = w.keep(w.be.to_dev(torch.full((L + GUARD,), 0xAB, dtype=torch.uint8)))
@@ -248,12 +250,13 @@ def test_one_shot_beside_a_two_step_reduce_scatter_is_reported(backend):
     on the wire) meets rank 1's first step of an all-reduce of 80 bytes (an RS of 48-byte
     chunks). Both call words say all_reduce(sum); the sizes differ, and the error names
     both calls (found when the waits for the other op give up, if not before)."""
-    from sparkccl.dataplane.cpu import ring_view
+    from sparkccl.dataplane.peer_check import calls_view
+    from sparkccl.plan.model import num_flag_words
     from sparkccl.dataplane.peer_check import ALL_REDUCE_SUM
     world = 2
     with World(backend, "mesh", world, max_slice=4096, timeout_s=1) as w:
         for r in range(world):
-            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
         with w.be.on(0):
             x = w.keep(w.be.to_dev(torch.zeros(16, dtype=torch.float32)))
             w.dps[0].all_reduce_one_shot(0, x, w.keep(w.be.to_dev(torch.zeros_like(x))), False,

@@ -835,14 +835,15 @@ CALL_MISMATCHES = [
                          ids=["ag-3v4-f32", "rs-5v6-bf16", "ag-bf16-f16", "rs-bf16-f16",
                               "ag-100v200-u8", "ar-3v4-f32", "ar-sum-avg"])
 def test_a_different_call_on_a_peer_is_reported(backend, direct, op, calls, said):
-    """The ranks' exact bytes and dtypes cross in the ring entries' call word: a difference
-    the 16-byte padding or the element width hides fails every rank at synchronize(),
-    naming both calls."""
-    from sparkccl.dataplane.cpu import ring_view
+    """The ranks' exact bytes and dtypes cross in the call entries the proxies send (also
+    where the GPU wrote the data and flags itself, "fused"): a difference the 16-byte
+    padding or the element width hides fails every rank at synchronize(), naming both
+    calls."""
+    from sparkccl.dataplane.peer_check import calls_view
     world = 2
     with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
-            w.dps[r].peer_rings = [None if q == r else ring_view(w.ctl[q].t) for q in range(world)]
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
         for r, (n, dtype, *part) in enumerate(calls):
             part = part[0] if part else None
             with w.be.on(r):
@@ -2226,37 +2227,65 @@ def test_launch_plans_replay_with_the_calls_pointers(backend, mode, topology, wo
         w.healthy()
 
 
-def test_size_check_reads_only_entries_a_peer_cannot_be_rewriting():
-    """The deferred check (peer_check.PeerCheck.run) probes one row of the peer's publish
-    ring per pending collective, oldest first: a matching entry is checked off, one not
-    written yet stays pending (and so do the later ones of that peer, unasked), and one so
-    far back that the peer's next lap may be rewriting it is dropped unread (a torn read
-    once reported a mismatch that was not there: the new entry's size beside the old one's
-    seq)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "fused"])
+@pytest.mark.parametrize("sizes", [(3, 4, 4, 4), (3, 3, 4, 4)], ids=["rank0", "halves"])
+def test_a_different_call_in_a_ring_is_reported_on_every_rank(backend, direct, sizes):
+    """A ring of 4: every rank compares each source's call entry, also one that came through
+    a relay (GPU-direct: the relay waits for the origin's entry, which the origin's proxy
+    sends after its GPU wrote the flag), and raises at synchronize()."""
+    from sparkccl.dataplane.peer_check import calls_view
+    world = 4
+    with World(backend, "ring", world, max_slice=4096, timeout_s=20, direct=direct) as w:
+        for r in range(world):
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
+        for r, n in enumerate(sizes):
+            with w.be.on(r):
+                src = w.keep(w.be.to_dev(torch.zeros(n, dtype=torch.float32)))
+                out = w.keep(w.be.to_dev(torch.zeros(world * 4 * n, dtype=torch.uint8)))
+                w.dps[r].all_gather(0, src, out, 0, 4 * n)
+        w.be.sync()
+        for r in range(world):
+            with pytest.raises(CollectiveError, match=r"bytes of float32 per rank to all_gather"):
+                w.dps[r].synchronize()
+
+
+def test_size_check_compares_entries_of_their_seq_only():
+    """The deferred check (peer_check.PeerCheck.run) reads each pending collective's call
+    entry of each source, oldest first: a matching entry is checked off; one not written
+    yet (an older seq's tag in the slot) stays pending, and so do that source's later ones,
+    unasked; one a later seq of the same slot replaced is dropped unread (its size beside
+    another seq's must not be reported as a mismatch)."""
     from sparkccl.dataplane.peer_check import PeerCheck
-    E = L.RING_ENTRY_BYTES // 8
-    ring = np.zeros((L.RING_ENTRIES, E), dtype=np.uint64)
+    world = 2
+    calls = np.zeros(world * L.CALL_SLOTS * L.CALL_ENTRY_WORDS, dtype=np.uint64)
     failed = []
-    pc = PeerCheck(0, 2, [None, ring], lambda message, peer: failed.append(message))
-    P = G.PIECES
+    pc = PeerCheck(0, world, memoryview(calls).cast("B").cast("Q"),
+                   lambda message, peer: failed.append(message))
     word = L.call_word(int(Op.AG), 1, 1, 0)
 
-    def row(first, seq, S):
-        ring[first % L.RING_ENTRIES, :3] = (first + 1, seq, S)
-        ring[first % L.RING_ENTRIES, L.ENT_OP // 8] = word
+    def entry(seq, S):
+        tag = (seq + 1) & L.CALL_TAG_MASK
+        at = (1 * L.CALL_SLOTS + seq % L.CALL_SLOTS) * L.CALL_ENTRY_WORDS
+        calls[at + L.CALL_TAGGED] = (word & ~(0xFF | 0xFF << L.CALL_PIECE_SHIFT)) \
+            | (tag & 0xFF) | (tag >> 8) << L.CALL_PIECE_SHIFT
+        calls[at + L.CALL_SLICE] = S | tag << L.CALL_SLICE_TAG_SHIFT
 
-    old = 4000 - L.RING_ENTRIES + P  # further back than the ring less two collectives each
-    row(old, 400, 999)  # (mid-rewrite: the next lap's size beside this seq)
-    row(3976, 497, 64)
-    row(3984, 498 - 32, 128)  # seq 498's row not written yet: the previous lap's entry
-    for seq, S, first in ((400, 64, old), (497, 64, 3976), (498, 128, 3984), (499, 64, 3992)):
-        pc.note(Op.AG, seq, S, word, first)
-    pc.run(4000)
+    entry(400 + L.CALL_SLOTS, 999)  # seq 400's slot holds a later seq's entry: gone
+    entry(497, 64)
+    entry(498 - L.CALL_SLOTS, 128)  # seq 498's entry not written yet: the previous lap's
+    for seq, S in ((400, 64), (497, 64), (498, 128), (499, 64)):
+        pc.note(Op.AG, seq, S, word)
+    pc.run()
     assert [u[1] for u in pc.pending] == [498, 499] and failed == []
-    row(3984, 498, 128)
-    row(3992, 499, 64)
-    pc.run(4000)
+    entry(498, 128)
+    entry(499, 64)
+    pc.run()
     assert pc.pending == [] and failed == []
+    entry(500, 80)
+    pc.note(Op.AG, 500, 64, word)
+    pc.run()
+    assert len(failed) == 1 and "rank 1 passed 80 bytes" in failed[0], failed
 
 
 def test_checks_before_a_call_read_the_words_and_compare_sizes_every_few_calls():

@@ -95,7 +95,8 @@ def test_native_sender_frames_in_order():
         got = bytearray()
         r.out_far.settimeout(5)
         frames = []
-        while not any(f[0] == K_FLAG and f[3] == 8 for f in frames):
+        # (until the flag of value 8 on a flag word: the call entry's two come first)
+        while not any(f[0] == K_FLAG and f[2] < num_flag_words(2) and f[3] == 8 for f in frames):
             got += r.out_far.recv(65536)
             while len(got) >= HDR.size:
                 kind, region, a, b = HDR.unpack_from(got)
@@ -104,6 +105,12 @@ def test_native_sender_frames_in_order():
                     break
                 frames.append((kind, region, a, b, bytes(got[HDR.size:n])))
                 del got[:n]
+        # first the call entry (two words past the flag words: rank 0's, seq 0's slot)
+        nfw = num_flag_words(2)
+        entry, frames = frames[:2], frames[2:]
+        tag = 1  # (seq 0 + 1)
+        assert [(f[0], f[2]) for f in entry] == [(K_FLAG, nfw), (K_FLAG, nfw + 1)], entry
+        assert entry[0][3] & 0xFF == tag and entry[1][3] == slice_ | tag << 48, entry
         writes = [f for f in frames if f[0] == K_WRITE]
         flags = [f for f in frames if f[0] == K_FLAG]
         assert [f[0] for f in frames[:2]] == [K_WRITE, K_FLAG]

@@ -32,7 +32,7 @@ from sparkccl.errors import ConfigError, CollectiveError
 from sparkccl.fabric import FabricError, RootChoice, Selection
 from sparkccl.plan import geometry as G
 from sparkccl.plan.build import build_plan
-from sparkccl.plan.model import Op, Region, num_flag_words
+from sparkccl.plan.model import Op, Region, decode_flag_word, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
 # (tests/ is on sys.path under pytest)
@@ -149,12 +149,13 @@ class VWorld(ProxyWorld):
         nfw = num_flag_words(world)
         store = DictStore()
         self.links = [None] * world
+        self.entry_writes = 1  # WRs per call entry (check_work_requests)
 
         def up(r):
             rv = Rendezvous(store, "t", r, world, 30.0)
             s = (rank_settings or {}).get(r, settings) or V.VerbsSettings()
             sel = selections[r] if selections else selection(topology, roots)
-            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, nfw * 8)}
+            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, L.flag_section_words(nfw) * 8)}
             for g in range(3):
                 memory[g] = (self.regions[r][g].addr, SLOTS[g] * self.stride[g])
             self.links[r] = V.connect(rv, self.plans, r, topology, roots, self.proxies[r],
@@ -208,7 +209,18 @@ def check_work_requests(w: VWorld, log, strict=False):
         link = w.links[r]
         paired = link._paired[i]
         group = []
+        calls = set()  # (origin, seq slot) of the call entries posted on the connection
+        call_area = w.ctl[conn.peer].flags_addr + 8 * nflags
         for e in wrs:
+            if e["inline"] and not e["signaled"]:  # a call entry (both orderings): plainly,
+                # one write of its two words, or two where the QP inlines only 8 bytes
+                assert e["opcode"] == WR_RDMA_WRITE and e["length"] == 16 // w.entry_writes, e
+                word = (e["remote_addr"] - call_area) // 8
+                assert e["remote_addr"] % 8 == 0 and 0 <= word < 2 * w.world * L.CALL_SLOTS, e
+                assert e["length"] == 8 or word % 2 == 0, e
+                assert e["rkey"] == paired["mem"][V.KEY_FLAGS][2]
+                calls.add(divmod(word // 2, L.CALL_SLOTS))
+                continue
             is_flag = (e["opcode"] == WR_RDMA_WRITE_WITH_IMM) if strict else e["inline"]
             if not is_flag:
                 assert e["opcode"] == WR_RDMA_WRITE and not e["inline"] and not e["signaled"], e
@@ -237,6 +249,9 @@ def check_work_requests(w: VWorld, log, strict=False):
                 assert strict        # if any, stays pending for the final value)
                 continue
             slice_, granule = w.slices[seq]
+            # the origin's call entry went ahead of its first piece on this connection
+            origin = decode_flag_word(w.world, s.dst_flag)[1]
+            assert (origin, seq % L.CALL_SLOTS) in calls, (r, i, origin, seq, calls)
             k = plan.streams.index(s)
             # The flag closes every piece since the stream's previous flag of this seq: a
             # one-hand-off slice's ready pieces go out in one go, each item's parts in piece
@@ -307,9 +322,10 @@ RING_WORLDS = [2, 3, 4, 5, 6]
 SLICES = [16, 1000, 4096 * 3 + 5]
 
 
-def _exercise(topology, world, roots, strict=False):
+def _exercise(topology, world, roots, strict=False, entry_writes=1):
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
+    w.entry_writes = entry_writes  # 2: the QPs inline 8 bytes
     w.check_setup()
     setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
@@ -350,6 +366,20 @@ def test_one_root(fake, topology, world, roots):
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("mesh", 4), ("ring", 3), ("ring", 4)])
 def test_strict_ordering_writes_exactly_the_plan(fake, topology, world):
     _exercise(topology, world, 2, strict=True)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["inline", "strict"])
+def test_call_entries_go_as_two_writes_where_the_qp_inlines_8_bytes(strict):
+    """A device that inlines only a flag's 8 bytes: each call entry is two 8-byte inline
+    writes, still ahead of the origin's first flag on the connection."""
+    devices = fake_devices()
+    for d in devices:
+        d["max_inline"] = 8
+    FAKE.install(devices)
+    try:
+        _exercise("ring", 3, 2, strict=strict, entry_writes=2)
+    finally:
+        FAKE.uninstall()
 
 
 # ------------------------------------------------------------------------- QP bring-up
@@ -499,7 +529,11 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         assert text.startswith(f"rank 0: verbs transport: connection {i} (peer 2, channel 0, root 1): ")
         assert f"device roceP2p1s0f1 port 1 QP {qpn:#x} (to peer 2 QP {peer_qpn:#x})" in text
         assert "transport retry counter exceeded (status 12, vendor_err 0x81)" in text
-        assert f"flag write (inline RDMA WRITE) of value {G.PIECES} to flag word" in text, text
+        # and the work request (the first one of the QP's failing completion: the call
+        # entry, a data write or the flag, as the fake fails it)
+        assert re.search(r"\) on (call entry write \(inline RDMA WRITE\) of value \d+ to word "
+                         r"|RDMA WRITE of \d+ bytes from AG|flag write \(inline RDMA WRITE\) of "
+                         r"value \d+ to (flag )?word )", text), text
         assert QPS_ERR in [q["state"] for q in FAKE.qps() if q["qpn"] == qpn]
         # Rank 0 tells its peers through their abort inboxes: they fail at once, not at
         # their timeout, naming rank 0's cause.

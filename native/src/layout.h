@@ -18,6 +18,17 @@ constexpr int MAX_ROOTS = 2;
 inline uint64_t num_flag_words(int world) {
   return uint64_t(NUM_OPS) * uint64_t(world) * CHANNELS * MAX_ROOTS;
 }
+static_assert(NUM_OPS * CHANNELS * MAX_ROOTS == FLAG_WORDS_PER_RANK, "flag words per rank");
+
+// Words after FLAGS_OFFSET: the flag words, then the call words (protocol.h CALL_SLOTS).
+inline uint64_t flag_section_words(int world) {
+  return num_flag_words(world) + uint64_t(world) * CALL_SLOTS * CALL_ENTRY_WORDS;
+}
+
+// The word index (from FLAGS_OFFSET) of source's call entry for seq.
+inline uint64_t call_entry_word(int world, int source, uint64_t seq) {
+  return num_flag_words(world) + (uint64_t(source) * CALL_SLOTS + seq % CALL_SLOTS) * CALL_ENTRY_WORDS;
+}
 
 }  // namespace layout
 }  // namespace sparkccl

@@ -68,6 +68,13 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(CHUNK_DIRECT);
   SPARKCCL_PUT(FLAGS_OFFSET);
   SPARKCCL_PUT(FLAG_BYTES);
+  SPARKCCL_PUT(FLAG_WORDS_PER_RANK);
+  SPARKCCL_PUT(CALL_SLOTS);
+  SPARKCCL_PUT(CALL_ENTRY_WORDS);
+  SPARKCCL_PUT(CALL_TAGGED);
+  SPARKCCL_PUT(CALL_SLICE);
+  SPARKCCL_PUT(CALL_TAG_MASK);
+  SPARKCCL_PUT(CALL_SLICE_TAG_SHIFT);
   return d;
 }
 
@@ -419,7 +426,8 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(first_p99_ns),
                        SPARKCCL_FIELD(first_delay_p50_ns),
                        SPARKCCL_FIELD(first_delay_p99_ns),
-                       SPARKCCL_FIELD(post_ns));
+                       SPARKCCL_FIELD(post_ns),
+                       SPARKCCL_FIELD(call_entries));
       });
 
   sparkccl::bind_verbs(m);

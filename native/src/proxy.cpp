@@ -109,6 +109,16 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
       if (own.kind == 0 && streams_[k].kind == 1 && streams_[k].op == own.op &&
           streams_[k].conn == own.conn)
         own.relays.push_back(k);
+  // flag_word(op, origin, channel, root): the origin of a stream's data is in its dst_flag
+  std::vector<std::pair<int, int>> keys;
+  for (auto& row : streams_) {
+    row.origin = int(row.dst_flag / (CHANNELS * MAX_ROOTS) % uint64_t(world));
+    const std::pair<int, int> key{row.conn, row.origin};
+    auto at = std::find(keys.begin(), keys.end(), key);
+    row.call_key = size_t(at - keys.begin());
+    if (at == keys.end()) keys.push_back(key);
+  }
+  calls_sent_.assign(keys.size(), 0);
   samples_.reserve(MAX_SAMPLES);
 }
 
@@ -282,7 +292,8 @@ bool Proxy::consume_ring() {
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
     uint64_t seq = *word_at(ent, ENT_SEQ);
     uint64_t slice = *word_at(ent, ENT_SLICE);
-    // (the call word's other bytes, dtype, kind and padding, are for the peers' check)
+    // (the call word's other bytes, dtype, kind and padding, are for the peers' check:
+    // send_call)
     const uint64_t call = *word_at(ent, ENT_OP);
     const uint32_t op = uint32_t(call & 0xFF);
     const uint32_t piece = uint32_t(call >> CALL_PIECE_SHIFT & 0xFF);
@@ -339,6 +350,7 @@ bool Proxy::consume_ring() {
       fresh.seq = seq;
       fresh.slice = slice;
       fresh.granule = granule;
+      fresh.call = call;
       o.hist.push_back(fresh);
       o.any = true;
       o.last_seq = seq;
@@ -391,6 +403,11 @@ bool Proxy::advance_streams() {
     // most relay_lead_ pieces behind it. No cycle: a relay's piece i waits only for the
     // upstream's piece i, which waits only for relays at piece i - relay_lead_.
     if (s.kind == 0 && relay_lead_ >= 0 && !relays_caught_up(s, p)) continue;
+    if (p == 0) {
+      const int sent = send_call(s, c);
+      if (sent < 0) return progress;
+      if (sent == 0) continue;  // a relay waits for its origin's call entry (send_call)
+    }
     if (s.kind == 0 && s.gpu && ((c.direct >> p) & 1u)) {
       // The data plane wrote this piece's data and flag itself: nothing to post.
       n_gpu_pieces_.fetch_add(1, std::memory_order_relaxed);
@@ -499,6 +516,57 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   return true;
 }
 
+// The cross-rank check's delivery (docs/PROTOCOL.md "Call words"): before the first piece
+// of a collective that a stream sends (the data plane's GPU-direct pieces too), the call
+// entry of the stream's origin for that seq goes to the peer's call words: this rank's own
+// entry for its data, the origin's (in this rank's call words) for a relay. The transport
+// orders it before the piece's flag, so a rank that saw a source's flag finds the source's
+// own entry, however many hops away. Once per (connection, origin) and seq: an
+// all-reduce's RS and AG streams share one.
+// A relay's trigger flag normally arrives after the origin's entry (the same ordering one
+// hop back); where the origin's GPU wrote that flag itself (GPU-direct, CUDA over shm) the
+// entry comes from the origin's proxy a moment later, and the relay waits for it: 0 ("not
+// yet"). It always comes (an origin's proxy sends its own entry whatever its peers do), so
+// the wait is bounded. -1: the transport failed (the communicator has failed); 1: go on.
+int Proxy::send_call(const StreamRow& s, const Coll& c) {
+  uint64_t& sent = calls_sent_[s.call_key];
+  if (sent == c.seq + 1) return 1;
+  uint64_t entry[CALL_ENTRY_WORDS];
+  const uint64_t word = call_entry_word(world_, s.origin, c.seq);
+  if (s.origin == rank_) {
+    entry[CALL_TAGGED] = call_tagged(c.call, c.seq);
+    entry[CALL_SLICE] = call_slice(c.slice, c.seq);
+  } else {
+    for (uint64_t k = 0; k < CALL_ENTRY_WORDS; ++k)
+      entry[k] = load_acquire(word_at(flags_, (word + k) * FLAG_BYTES));
+    const uint64_t want = call_tag(c.seq);
+    const uint64_t tags[2] = {(entry[CALL_TAGGED] & 0xFF) |
+                                  (entry[CALL_TAGGED] >> CALL_PIECE_SHIFT & 0xFF) << 8,
+                              entry[CALL_SLICE] >> CALL_SLICE_TAG_SHIFT};
+    if (tags[0] != want || tags[1] != want) {
+      // A later seq's entry in the slot (the origin is CALL_SLOTS collectives on, which the
+      // collectives' dependencies rule out): nothing to forward, and nothing to wait for.
+      for (uint64_t t : tags)
+        if (t != want && ((t - want) & CALL_TAG_MASK) < CALL_TAG_MASK / 2) return 1;
+      return 0;
+    }
+  }
+  const ConnInfo& cn = conns_[size_t(s.conn)];
+  std::string cause;
+  if (!transport_->put_call(s.conn, word, entry, &cause)) {
+    fail(ABORT_TRANSPORT,
+         "rank " + std::to_string(rank_) + ": " + transport_->name() + " transport: connection " +
+             std::to_string(s.conn) + " (peer " + std::to_string(cn.peer) + ", channel " +
+             std::to_string(cn.channel) + ", root " + std::to_string(cn.root) + "), " +
+             op_name(s.op) + " seq " + std::to_string(c.seq) + " call entry of rank " +
+             std::to_string(s.origin) + ": " + cause);
+    return -1;
+  }
+  sent = c.seq + 1;
+  n_calls_.fetch_add(1, std::memory_order_relaxed);
+  return 1;
+}
+
 void Proxy::trim() {
   for (auto& o : ops_) {
     uint64_t low = o.base + o.hist.size();
@@ -592,6 +660,7 @@ ProxyStats Proxy::stats() {
   st.naps = n_naps_.load();
   st.gpu_pieces = n_gpu_pieces_.load();
   st.post_ns = n_post_ns_.load();
+  st.call_entries = n_calls_.load();
   std::vector<uint64_t> s, pub, first, first_delay;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);

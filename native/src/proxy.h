@@ -31,6 +31,8 @@ struct ProxyStats {
   // the proxy (verbs: building and posting the work requests, the NIC library's share
   // included), divided by writes + flags for a per-work-request figure
   uint64_t post_ns;
+  // call entries posted (Transport::put_call): one per connection per collective
+  uint64_t call_entries;
 };
 
 class Proxy {
@@ -82,6 +84,8 @@ class Proxy {
     uint64_t coll = 0;  // cursor: collective index within its op
     int piece = 0;
     bool gpu = false;   // set_gpu_streams: skipped for GPU-direct collectives
+    int origin = 0;     // the rank whose data the stream carries (from dst_flag)
+    size_t call_key = 0;  // index of (conn, origin) in calls_sent_ (send_call)
     std::vector<size_t> relays;  // publish streams: the relay streams of the same op and
                                  // connection (their pieces go first, see advance_streams)
   };
@@ -90,6 +94,7 @@ class Proxy {
   };
   struct Coll {
     uint64_t seq, slice, granule;
+    uint64_t call;                      // the entries' call word (the peers' check)
     uint32_t chunks[geom::PIECES];      // chunks published per piece
     uint8_t all = 0;                    // pieces published for every chunk (chunk -1, -2)
     uint8_t direct = 0;                 // pieces the data plane sent itself (chunk -2)
@@ -111,6 +116,7 @@ class Proxy {
   bool advance_streams();
   // Pieces piece..last of collective c on stream s: their writes, then one flag (last's).
   bool post_pieces(StreamRow& s, Coll& c, int piece, int last);
+  int send_call(const StreamRow& s, const Coll& c);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void note_delivered();
@@ -128,6 +134,9 @@ class Proxy {
   std::vector<ConnInfo> conns_;
   std::vector<StreamRow> streams_;
   std::vector<ItemRow> items_;
+  // per (connection, origin) of the streams: seq + 1 of the call entry posted last
+  // (send_call; an all-reduce's RS and AG streams share one)
+  std::vector<uint64_t> calls_sent_;
   OpState ops_[layout::NUM_OPS];
   std::unique_ptr<Transport> transport_;
   std::thread thread_;
@@ -142,7 +151,7 @@ class Proxy {
   std::atomic<uint64_t> delivered_{0};
 
   std::atomic<uint64_t> n_entries_{0}, n_stale_{0}, n_writes_{0}, n_bytes_{0}, n_flags_{0},
-      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0};
+      n_turns_{0}, n_naps_{0}, n_gpu_pieces_{0}, n_post_ns_{0}, n_calls_{0};
   std::mutex samples_mu_;
   std::vector<uint64_t> samples_;
   uint64_t samples_total_ = 0;

@@ -119,15 +119,30 @@ class ShmTransport final : public Transport {
   }
 
   bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) override {
+    if (word >= reg_->num_flags) {
+      *cause = "flag word " + std::to_string(word) + " out of range (" +
+               std::to_string(reg_->num_flags) + " words)";
+      return false;
+    }
+    return store(conn, word, value, cause);
+  }
+
+  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
+    if (!call_entry_in_range(*reg_, word, cause)) return false;
+    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
+      if (!store(conn, word + k, values[k], cause)) return false;
+    return true;
+  }
+
+  bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
+
+ private:
+  // A release store of value into the peer's word (from FLAGS_OFFSET), in connection order.
+  bool store(int conn, uint64_t word, uint64_t value, std::string* cause) {
     const ConnInfo& c = conns_[size_t(conn)];
     uint64_t flags = reg_->peers[c.peer].flags.load(std::memory_order_acquire);
     if (!flags) {
       *cause = "peer's flag words are not mapped";
-      return false;
-    }
-    if (word >= reg_->num_flags) {
-      *cause = "flag word " + std::to_string(word) + " out of range (" +
-               std::to_string(reg_->num_flags) + " words)";
       return false;
     }
     CopyOp op{nullptr, nullptr, 0, word_at(flags, word * layout::FLAG_BYTES), value};
@@ -135,7 +150,7 @@ class ShmTransport final : public Transport {
     return true;
   }
 
-  bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
+ public:
 
   uint64_t outstanding() const override { return outstanding_in(workers_); }
 

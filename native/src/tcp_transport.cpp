@@ -5,7 +5,7 @@
 // Frames (host byte order: every supported host is little-endian), a 24-byte header
 // {u32 kind, u32 region, u64 a, u64 b} and then:
 //   WRITE  region = destination region, a = offset, b = length; then b payload bytes
-//   FLAG   a = flag word, b = value
+//   FLAG   a = flag word, b = value (also a call word's, Transport::put_call)
 //   ABORT  b = length of the text that follows (the sender's abort record)
 //   BYE    nothing; the sender closes cleanly after it (no more frames)
 //
@@ -315,6 +315,14 @@ class TcpTransport final : public Transport {
     return true;
   }
 
+  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
+    if (!call_entry_in_range(*reg_, word, cause)) return false;
+    // As flag frames: the receiver stores any word of its flag section the same way.
+    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
+      senders_[size_t(conn)]->push(SendOp{Header{KIND_FLAG, 0, word + k, values[k]}, nullptr});
+    return true;
+  }
+
   bool poll(int* conn, std::string* cause) override {
     for (size_t i = 0; i < senders_.size(); ++i) {
       if (senders_[i]->failed.load(std::memory_order_acquire)) {
@@ -395,9 +403,9 @@ class TcpTransport final : public Transport {
           break;
         }
         case KIND_FLAG: {
-          if (h.a >= reg_->num_flags) {
+          if (h.a >= reg_->num_words) {  // a flag word or a call word
             fail("flag word " + std::to_string(h.a) + " out of range (" +
-                 std::to_string(reg_->num_flags) + " words)");
+                 std::to_string(reg_->num_words) + " words)");
             return;
           }
           std::atomic_thread_fence(std::memory_order_seq_cst);

@@ -32,6 +32,7 @@ struct Registry {
 
   Registry(int rank_, int world_, const std::vector<int>& slots_)
       : rank(rank_), world(world_), num_flags(layout::num_flag_words(world_)),
+        num_words(layout::flag_section_words(world_)),
         peers(new Peer[size_t(world_)]) {
     for (int r = 0; r < layout::NUM_REGIONS; ++r) slots[r] = uint64_t(slots_[size_t(r)]);
   }
@@ -81,6 +82,7 @@ struct Registry {
 
   const int rank, world;
   const uint64_t num_flags;
+  const uint64_t num_words;  // flag words, then call words (layout::flag_section_words)
   uint64_t slots[layout::NUM_REGIONS];
   std::atomic<uint64_t> base[layout::NUM_REGIONS]{}, stride[layout::NUM_REGIONS]{},
       size[layout::NUM_REGIONS]{};
@@ -114,6 +116,12 @@ class Transport {
   virtual bool write(int conn, int src_region, uint64_t src_off, int dst_region,
                      uint64_t dst_off, uint64_t len, std::string* cause) = 0;
   virtual bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) = 0;
+  // A call entry (docs/PROTOCOL.md "Call words"): store the CALL_ENTRY_WORDS values at the
+  // peer's words word, word + 1 (past its flag words: num_flags <= word, word + 1 <
+  // num_words), ordered like a write: visible before every later flag on the connection.
+  // Not a flag (nothing waits on it; verbs strict mode writes it plainly, not as an
+  // immediate).
+  virtual bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) = 0;
   // Asynchronous completions: false with *conn / *cause for the first failed operation.
   virtual bool poll(int* conn, std::string* cause) = 0;
   // Operations posted and not yet completed (all connections).
@@ -209,6 +217,14 @@ struct OrderedQueue {
     return posted.load(std::memory_order_relaxed) - done.load(std::memory_order_acquire);
   }
 };
+
+// put_call's bounds: the entry lies in the call words. False with *cause otherwise.
+inline bool call_entry_in_range(const Registry& reg, uint64_t word, std::string* cause) {
+  if (word >= reg.num_flags && word + layout::CALL_ENTRY_WORDS <= reg.num_words) return true;
+  *cause = "call entry at word " + std::to_string(word) + " outside the call words [" +
+           std::to_string(reg.num_flags) + ", " + std::to_string(reg.num_words) + ")";
+  return false;
+}
 
 // Operations posted and not yet done over every queue of a transport.
 template <class Queues>

@@ -111,9 +111,9 @@ std::string describe(const WrDesc& d) {
              "+" + hex(d.src_off) + " to the peer's " + key_name(d.dst_key) + "+" +
              hex(d.dst_off) + " (remote " + hex(d.remote) + ", rkey " + hex(d.rkey) + ")";
     case WrDesc::FLAG_INLINE:
-      return "flag write (inline RDMA WRITE) of value " + std::to_string(d.value) +
-             " to flag word " + std::to_string(d.word) + " (remote " + hex(d.remote) +
-             ", rkey " + hex(d.rkey) + ")";
+      return std::string(d.len > 8 ? "call entry" : "flag") + " write (inline RDMA WRITE) of " +
+             "value " + std::to_string(d.value) + " to word " + std::to_string(d.word) +
+             " (remote " + hex(d.remote) + ", rkey " + hex(d.rkey) + ")";
     case WrDesc::FLAG_IMM:
       return "flag (RDMA WRITE_WITH_IMM) of value " + std::to_string(d.value) +
              " for flag word " + std::to_string(d.word);
@@ -156,6 +156,7 @@ struct Qp {
   std::atomic<uint64_t> posted_a{0}, completed{0};
   std::vector<WrDesc> ring;   // posted WRs by counter % send_depth
   std::vector<uint64_t> last_flag;  // strict: last value sent per flag word
+  uint32_t max_inline = 8;          // bytes the QP inlines (at least a flag's 8)
   uint64_t inbox_remote = 0;  // our slot in the peer's abort inbox
   uint32_t inbox_rkey = 0;
   std::atomic<bool> inbox_set{false};
@@ -323,6 +324,7 @@ VerbsEndpoint::VerbsEndpoint(int rank, int world, const std::vector<VerbsLane>& 
     if (ia.cap.max_inline_data < 8)
       setup_error(d.name + ": QP inlines only " + std::to_string(ia.cap.max_inline_data) +
                   " bytes, the flag needs 8");
+    qq.max_inline = ia.cap.max_inline_data;
     qp_attr a;
     std::memset(&a, 0, sizeof a);
     a.qp_state = QPS_INIT;
@@ -802,25 +804,7 @@ bool VerbsEndpoint::flag(Registry* reg, int conn, uint64_t word, uint64_t value,
   }
   const uint32_t rkey = q.rkey[VERBS_KEY_FLAGS];
   const uint64_t remote = fbase + word * layout::FLAG_BYTES;
-  if (!s_.strict) {
-    uint64_t v = value;  // inline: the NIC driver copies it at post time
-    sge sg{reinterpret_cast<uint64_t>(&v), 8, 0};
-    send_wr wr;
-    std::memset(&wr, 0, sizeof wr);
-    wr.sg_list = &sg;
-    wr.num_sge = 1;
-    wr.opcode = WR_RDMA_WRITE;
-    wr.send_flags = SEND_INLINE | SEND_SIGNALED;
-    wr.rdma.remote_addr = remote;
-    wr.rdma.rkey = rkey;
-    WrDesc d;
-    d.kind = WrDesc::FLAG_INLINE;
-    d.word = word;
-    d.value = value;
-    d.remote = remote;
-    d.rkey = rkey;
-    return post(conn, &wr, d, 0, cause);
-  }
+  if (!s_.strict) return post_words(conn, word, &value, 1, remote, rkey, true, cause);
   uint64_t& last = q.last_flag[size_t(word)];
   const uint64_t step = (uint64_t(1) << value_bits_) - 2;
   while (value > last + step) {
@@ -829,6 +813,52 @@ bool VerbsEndpoint::flag(Registry* reg, int conn, uint64_t word, uint64_t value,
   }
   if (!post_imm(conn, word, value, remote, rkey, cause)) return false;
   last = std::max(last, value);
+  return true;
+}
+
+bool VerbsEndpoint::post_words(int conn, uint64_t word, const uint64_t* values, uint32_t n,
+                               uint64_t remote, uint32_t rkey, bool signaled,
+                               std::string* cause) {
+  // Inline: the NIC driver copies the values at post time.
+  sge sg{reinterpret_cast<uint64_t>(values), n * 8, 0};
+  send_wr wr;
+  std::memset(&wr, 0, sizeof wr);
+  wr.sg_list = &sg;
+  wr.num_sge = 1;
+  wr.opcode = WR_RDMA_WRITE;
+  wr.send_flags = SEND_INLINE | (signaled ? SEND_SIGNALED : 0);
+  wr.rdma.remote_addr = remote;
+  wr.rdma.rkey = rkey;
+  WrDesc d;
+  d.kind = WrDesc::FLAG_INLINE;
+  d.word = word;
+  d.value = values[0];
+  d.len = n * 8;
+  d.remote = remote;
+  d.rkey = rkey;
+  return post(conn, &wr, d, signaled ? 0 : 1, cause);
+}
+
+bool VerbsEndpoint::put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values,
+                             std::string* cause) {
+  if (!usable(conn, cause)) return false;
+  if (!call_entry_in_range(*reg, word, cause)) return false;
+  Qp& q = *qps_[size_t(conn)];
+  const ConnInfo& c = conns_[size_t(conn)];
+  uint64_t fbase = reg->peers[c.peer].flags.load(std::memory_order_acquire);
+  if (!fbase || !q.key_set[VERBS_KEY_FLAGS].load(std::memory_order_acquire)) {
+    *cause = "the address or rkey of the peer's flag words is unknown";
+    return false;
+  }
+  // A plain (unsignaled, like a data write) RDMA WRITE in both modes: strict mode's
+  // immediate carries only a flag's low bits. One WR where the QP inlines the entry.
+  const uint32_t rkey = q.rkey[VERBS_KEY_FLAGS];
+  const uint64_t remote = fbase + word * layout::FLAG_BYTES;
+  constexpr uint32_t n = uint32_t(layout::CALL_ENTRY_WORDS);
+  if (q.max_inline >= n * 8) return post_words(conn, word, values, n, remote, rkey, false, cause);
+  for (uint32_t k = 0; k < n; ++k)
+    if (!post_words(conn, word + k, values + k, 1, remote + 8 * k, rkey, false, cause))
+      return false;
   return true;
 }
 
@@ -997,6 +1027,9 @@ class VerbsTransport final : public Transport {
   }
   bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) override {
     return ep_->flag(reg_, conn, word, value, cause);
+  }
+  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
+    return ep_->put_call(reg_, conn, word, values, cause);
   }
   bool poll(int* conn, std::string* cause) override { return ep_->poll(conn, cause); }
   void on_abort(const std::string& text) override { ep_->notify_abort(text); }

@@ -13,7 +13,7 @@ documented default. A new collective adds its method in the "collectives" sectio
 
 It also holds what both planes share: the rank's view of its control block, and failure
 reporting (the abort record, the error naming rank, peer and connection; the cross-rank
-check of every call against the peers' publish entries is :mod:`.peer_check`). :class:`~.cpu.CpuDataPlane` and :class:`~.cuda.CudaDataPlane` both build on
+check of every call against the sources' call entries is :mod:`.peer_check`). :class:`~.cpu.CpuDataPlane` and :class:`~.cuda.CudaDataPlane` both build on
 it; neither is the other's parent."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ OP_NAMES = {Op.AG: "all_gather", Op.RS: "reduce_scatter"}
 class DataPlaneBase:
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None):
+                 peer_calls: memoryview | None = None):
         self.nat = native
         self.plan = plan
         self.rank = plan.rank
@@ -43,22 +43,22 @@ class DataPlaneBase:
         self.ag = ag
         self.ag_stride = ag_stride
         self.timeout_s = timeout_s
-        # peer_rings[p]: uint64 [256, 8] view of peer p's publish ring (the cross-rank
-        # check, peer_check.py), or None.
-        self.peer_rings = peer_rings
+        # this rank's call words (the cross-rank check, peer_check.py), or None.
+        self.peer_calls = peer_calls
         self.rs_send = self.rs_recv = None
         self.rs_send_stride = self.rs_recv_stride = 0
 
     @property
-    def peer_rings(self) -> list | None:
-        return self._peer_rings
+    def peer_calls(self) -> memoryview | None:
+        return self._peer_calls
 
-    @peer_rings.setter
-    def peer_rings(self, rings: list | None) -> None:
-        """The peers' publish rings mapped here (``None``: the check is off)."""
-        self._peer_rings = rings
-        self.peer_check = None if rings is None else PeerCheck(
-            self.rank, self.world, rings,
+    @peer_calls.setter
+    def peer_calls(self, calls: memoryview | None) -> None:
+        """``peer_check.calls_view`` of this rank's control segment (where the sources'
+        call entries arrive), or ``None``: the check is off."""
+        self._peer_calls = calls
+        self.peer_check = None if calls is None else PeerCheck(
+            self.rank, self.world, calls,
             lambda message, peer: self.fail(message, layout.ABORT_USER, peer=peer))
 
     # ---- capabilities ----------------------------------------------------------------

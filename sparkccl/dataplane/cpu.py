@@ -36,7 +36,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .. import layout
@@ -70,9 +69,9 @@ class CallPlan:
 class CpuDataPlane(DataPlaneBase):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None):
+                 peer_calls: memoryview | None = None):
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
-                         ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
+                         ag_stride=ag_stride, timeout_s=timeout_s, peer_calls=peer_calls)
         self.waits = {op: [list(w) for w in plan.waits[op]] for op in Op}
         self.cache_plans = True
         self.plan_stats = {"hits": 0, "misses": 0, "dropped": 0}
@@ -422,10 +421,3 @@ def fin_slice(rows: int, row_bytes: int) -> tuple[int, int]:
     its row pieces (granule = one row) are exactly the 16-byte-granule pieces of S that the
     waits and the reduction use; L = rows * row_bytes is what lands in the result."""
     return round_up(rows, PIECES) * row_bytes, rows * row_bytes
-
-
-def ring_view(ctl: torch.Tensor) -> np.ndarray:
-    """uint64 [RING_ENTRIES, 8] view of the publish ring inside a control segment tensor."""
-    n = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES
-    raw = ctl[layout.RING_OFFSET:layout.RING_OFFSET + n].numpy()
-    return raw.view(np.uint64).reshape(layout.RING_ENTRIES, layout.RING_ENTRY_BYTES // 8)

@@ -106,7 +106,7 @@ class CudaDataPlane(DataPlaneBase):
 
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
-                 peer_rings: list | None = None, device=None, on_failure: str | None = None,
+                 peer_calls: memoryview | None = None, device=None, on_failure: str | None = None,
                  device_ops: Device | None = None):
         # Settings first: a bad value is refused before anything is pinned or launched.
         direct_mode = config.get("SPARKCCL_DIRECT_MODE")  # auto or one of DIRECT_MODES
@@ -117,7 +117,7 @@ class CudaDataPlane(DataPlaneBase):
         ce_min_slice = int(config.get("SPARKCCL_CE_MIN_BYTES"))
         direct_blocks = direct_blocks_setting()
         super().__init__(native, plan=plan, ctl_addr=ctl_addr, flags_addr=flags_addr, ag=ag,
-                         ag_stride=ag_stride, timeout_s=timeout_s, peer_rings=peer_rings)
+                         ag_stride=ag_stride, timeout_s=timeout_s, peer_calls=peer_calls)
         if self.world > MAX_WORLD:
             raise ValueError(f"the CUDA data plane supports world sizes up to {MAX_WORLD}")
         self._registered: list[int] = []
@@ -496,7 +496,7 @@ class CudaDataPlane(DataPlaneBase):
             if seq > self._last_seq:
                 self._last_seq = seq
             if self.peer_check is not None:
-                self.peer_check.note(op, seq, S, call, first)
+                self.peer_check.note(op, seq, S, call)
         self._seq_next += 1
         self._ring_next += entries
         return first
@@ -535,12 +535,15 @@ class CudaDataPlane(DataPlaneBase):
         if not self._in_capture:  # (an event of a capture cannot be waited for)
             self.end(ts)
 
-    def check_sizes(self) -> None:
-        """Every rank must make the same call: compare recent collectives with the peers'
-        own publish entries once those appear (the GPU cannot do it before it waits, so a
-        difference is reported at a later call or at synchronize(); peer_check.py)."""
+    def check_sizes(self, final: bool = False) -> None:
+        """Every rank must make the same call: compare recent collectives with the sources'
+        call entries once those arrive (the GPU cannot do it before it waits, so a
+        difference is reported at a later call or at synchronize(); peer_check.py).
+        ``final`` (synchronize: every collective issued has completed): wait for the
+        entries still on their way, up to the timeout."""
         if self.peer_check is not None:
-            self.peer_check.run(self._ring_next)
+            self.peer_check.run(self.timeout_s if final else 0.0,
+                                lambda: self.nat.abort_code(self.ctl) != 0)
 
     # ---- collectives -----------------------------------------------------------------
     typed_io = True  # the collectives take tensors of any dtype and count bytes themselves
@@ -679,7 +682,8 @@ class CudaDataPlane(DataPlaneBase):
         synchronization)."""
         self.check_status()
         self.check_abort()
-        self.check_sizes()
+        self.check_sizes(final=True)
+        self.check_abort()  # (a failure that ended the wait for the sources' entries)
 
     def _check_call(self) -> None:
         """check_failures before a collective: the GPU record and the abort word read in

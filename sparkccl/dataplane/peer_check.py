@@ -4,26 +4,33 @@ Each collective's publish entries carry its call word (``protocol.h`` ``ENT_OP``
 ``ENT_PAD``, :func:`sparkccl.layout.call_word`): the op, the caller's dtype, the collective
 called with its reduction (all-gather, reduce-scatter, all-reduce of sums or of averages,
 the MoE finalize) and the zero bytes the collective carries past the caller's data, so the
-caller's exact size crosses ranks, not only its slice padded to 16 bytes. A rank compares
-its own call with a peer's entry of the same seq (the peer's publish ring, mapped here);
-any difference fails the communicator with a :class:`~sparkccl.errors.CollectiveError`
-naming both calls ("rank 1 passed 12 bytes of float32 per rank, rank 0 passed 16 bytes of
-float32"), which the proxy carries to every other rank.
+caller's exact size crosses ranks, not only its slice padded to 16 bytes. The proxy sends
+it, with the slice, as a call entry ahead of the collective's first piece on each stream
+(``protocol.h`` ``CALL_SLOTS``; docs/PROTOCOL.md "Call words"), on every transport: a
+rank's own entry with its data, a relay forwards the origin's entry ahead of the origin's
+data. So every rank holds the own entry of each source whose data it received, and compares
+its call with it before it uses that data; any difference fails the communicator with a
+:class:`~sparkccl.errors.CollectiveError` naming both calls ("rank 1 passed 12 bytes of
+float32 per rank, rank 0 passed 16 bytes of float32"), which the proxy carries to every
+other rank as an abort. (Neighbours alone would not do: in a ring a rank two hops from the
+one that differs can finish with its data before the abort arrives.)
 
 :class:`PeerCheck` is the comparison both planes use: the CPU plane calls
-:meth:`PeerCheck.check` once the first piece of a source arrived (before anything is copied
-out); the CUDA plane's GPU waits cannot stop for the host, so it notes the collectives it
-issues (:meth:`PeerCheck.note`) and compares them once the peers' entries appear
+:meth:`PeerCheck.check` once the first piece of a source arrived (its flag is ordered after
+the source's call entry, so the entry is there; nothing is copied out before); the CUDA
+plane's GPU waits cannot stop for the host, so it notes the collectives it issues
+(:meth:`PeerCheck.note`) and compares them once the sources' entries appear
 (:meth:`PeerCheck.run`, before every few calls and at ``synchronize()``;
 docs/CONTRACT.md "Failure behaviour").
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import layout
 from ..errors import CollectiveError
-from ..plan.geometry import PIECES
 from ..plan.model import Op
 
 _P = layout.protocol_constants()
@@ -56,8 +63,14 @@ _KIND_NAMES = {_P["KIND_UNSAID"]: "a collective", ALL_GATHER: "all_gather",
 # The bits of a call word every rank's entries of one seq must agree on: all but the op
 # (an all-reduce publishes RS and AG entries under one seq) and the piece.
 SAME_CALL = ~(0xFF | 0xFF << layout.CALL_PIECE_SHIFT) & ((1 << 64) - 1)
-ROW_WORDS = layout.RING_ENTRY_BYTES // 8
-_SEQ, _SLICE, _CALL = layout.ENT_SEQ // 8, layout.ENT_SLICE // 8, layout.ENT_OP // 8
+_ENTRY = layout.CALL_ENTRY_WORDS
+_TAGGED, _SLICE = layout.CALL_TAGGED, layout.CALL_SLICE
+_TAG_MASK = layout.CALL_TAG_MASK
+_SLICE_MASK = (1 << layout.CALL_SLICE_TAG_SHIFT) - 1
+_TAG_SHIFT = layout.CALL_SLICE_TAG_SHIFT
+_PIECE_SHIFT = layout.CALL_PIECE_SHIFT
+# what a call entry of a seq is, seen from a reader of that seq (see PeerCheck.entry)
+THERE, NOT_YET, GONE = 0, 1, 2
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -79,47 +92,58 @@ def describe(S: int, word: int, world: int) -> str:
     return f"{S - pad} bytes of {dtype} per rank to {_KIND_NAMES.get(kind, 'a collective')}"
 
 
+def call_tag(seq: int) -> int:
+    """protocol.h ``call_tag``: the tag of seq's call entry."""
+    return (seq + 1) & _TAG_MASK
+
+
+def calls_view(ctl: torch.Tensor, num_flag_words: int) -> memoryview:
+    """The call words of a control segment tensor (uint8), as a flat u64 memoryview."""
+    start, n = layout.call_area(num_flag_words)
+    return memoryview(ctl[start:start + n].numpy()).cast("B").cast("Q")
+
+
 class PeerCheck:
-    """Compare this rank's call with the peers' publish entries (``peer_rings[p]``: uint64
-    ``[RING_ENTRIES, 8]`` view of peer p's ring, None for this rank). ``fail(message,
-    peer)`` records the mismatch as the communicator's failure and raises."""
+    """Compare this rank's call with the sources' call entries (``calls``: this rank's call
+    words, :func:`calls_view`). ``fail(message, peer)`` records the mismatch as the
+    communicator's failure and raises."""
 
-    def __init__(self, rank: int, world: int, peer_rings: list, fail):
+    def __init__(self, rank: int, world: int, calls: memoryview, fail):
         self.rank, self.world = rank, world
-        self.rings = peer_rings
+        self.calls = calls
         self.fail = fail
-        self._hint = [0] * world  # where each peer's last matching entry was
         self.others = frozenset(range(world)) - {rank}
-        # (op, seq, S, call word, first ring index, peers not seen) of recent calls, oldest
-        # first (the deferred check)
+        # (op, seq, S, call word, sources not seen) of recent calls, oldest first (the
+        # deferred check)
         self.pending: list[tuple] = []
-        # flat uint64 views (indexing a memoryview costs a third of numpy's item())
-        self._words = [None if r is None else memoryview(r).cast("B").cast("Q")
-                       for r in peer_rings]
 
-    def check(self, op: Op, seq: int, source: int, S: int, word: int) -> bool:
+    def entry(self, seq: int, peer: int) -> tuple[int, int, int]:
+        """(THERE / NOT_YET / GONE, slice, call word) of peer's call entry for seq: GONE when
+        a later seq of the same slot replaced it (CALL_SLOTS collectives on)."""
+        base = (peer * layout.CALL_SLOTS + seq % layout.CALL_SLOTS) * _ENTRY
+        calls = self.calls
+        word, sl = calls[base + _TAGGED], calls[base + _SLICE]
+        want = call_tag(seq)
+        tags = ((word & 0xFF) | (word >> _PIECE_SHIFT & 0xFF) << 8, sl >> _TAG_SHIFT)
+        if tags[0] == want and tags[1] == want:
+            return THERE, sl & _SLICE_MASK, word
+        # a tag ahead of seq's by less than half the tag space is a later collective's
+        if any(0 < (t - want) & _TAG_MASK < _TAG_MASK // 2 for t in tags):
+            return GONE, 0, 0
+        return NOT_YET, 0, 0
+
+    def check(self, op: Op, seq: int, source: int, S: int, word: int) -> None:
         """Every rank must make the same call: compare ours (slice ``S``, call ``word``)
-        with the source's own entry of ``seq``, probing first the entries right after the
-        source's last match (a source publishes its collectives in order). False while
-        that entry has not appeared yet (nothing compared)."""
-        ring = self._words[source]
-        if ring is None:
-            return True
-        n = layout.RING_ENTRIES
-        hint = self._hint[source]
-        for k in range(2 * PIECES):
-            row = (hint + k) % n * ROW_WORDS
-            if ring[row + _SEQ] == seq and ring[row]:
-                self._hint[source] = (hint + k + 1) % n
-                self.compare(op, seq, source, S, word, ring[row + _SLICE], ring[row + _CALL])
-                return True
-        rows = self.rings[source]
-        found = ((rows[:, _SEQ] == seq) & (rows[:, 0] != 0)).nonzero()[0]
-        if len(found) == 0:
-            return False
-        row = int(found[0]) * ROW_WORDS
-        self.compare(op, seq, source, S, word, ring[row + _SLICE], ring[row + _CALL])
-        return True
+        with the source's own call entry of seq, which arrived before the source's first
+        piece (sent by the source, or forwarded ahead of the piece by each relay)."""
+        state, theirs_S, theirs_word = self.entry(seq, source)
+        if state == THERE:
+            self.compare(op, seq, source, S, word, theirs_S, theirs_word)
+        elif state == NOT_YET:
+            what = _KIND_NAMES.get(word >> layout.CALL_KIND_SHIFT & 0xFF, "a collective")
+            self.fail(f"rank {self.rank}: {what} seq {seq}: rank {source}'s data arrived "
+                      "without its call entry (the cross-rank check's protocol was broken: "
+                      "docs/PROTOCOL.md \"Call words\")", source)
 
     def compare(self, op: Op, seq: int, source: int, S: int, word: int, theirs_S: int,
                 theirs_word: int) -> None:
@@ -134,71 +158,58 @@ class PeerCheck:
                   "operation", source)
 
     # ---- deferred (the CUDA plane) ---------------------------------------------------
-    # The calls issued are compared once the peers' entries appear (:meth:`run`), oldest
-    # first, one ring row per peer (:meth:`_probe`); a peer whose entry is not there yet is
-    # not asked about later calls (a rank publishes its collectives in order).
-    #
-    # Only while the entry cannot be overwritten: a peer's GPU publishes collective s + 1
-    # only after its s ended, which needed this rank's pieces, so its ring index is at most
-    # about two collectives past this host's; an entry further back than RING_ENTRIES less
-    # that margin may be being rewritten by the peer's next lap (a torn read would report a
-    # mismatch that is not there) and is dropped unverified.
+    # The calls issued are compared once the sources' entries appear (:meth:`run`), oldest
+    # first; a source whose entry is not there yet is not asked about later calls (entries
+    # arrive in seq order). An entry a later collective of the same slot replaced (the host
+    # checked more than CALL_SLOTS collectives late) is dropped unverified.
     KEEP = 64  # calls kept unverified at most (older ones are dropped)
 
-    def note(self, op: Op, seq: int, S: int, word: int, first: int) -> None:
+    def note(self, op: Op, seq: int, S: int, word: int) -> None:
         pending = self.pending
-        pending.append((op, seq, S, word, first, self.others))
+        pending.append((op, seq, S, word, self.others))
         if len(pending) > self.KEEP:
             del pending[:-self.KEEP]
 
     def forget(self) -> None:
         self.pending = []
 
-    def run(self, ring_next: int) -> None:
+    def run(self, wait_s: float = 0.0, stop=None) -> None:
         """Compare what can be compared; raise (through the PeerCheck's ``fail``) on a
-        difference. ``ring_next``: the host's next ring index."""
+        difference. ``wait_s`` > 0 (at ``synchronize()``: every collective noted has
+        completed here, so each source's entry was sent): wait up to that long for the
+        entries still missing, until ``stop()`` says the communicator failed. (Where the
+        proxies send the data, the entries came before it; with GPU-direct a source's proxy
+        sends its entry just after its GPU wrote the data and flags.)"""
+        self._run_once()
+        if not self.pending or wait_s <= 0:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.pending and time.monotonic() < deadline and not (stop and stop()):
+            time.sleep(20e-6)
+            self._run_once()
+
+    def _run_once(self) -> None:
         pending = self.pending
         if not pending:
             return
-        world = self.world
-        oldest = ring_next - layout.RING_ENTRIES + 2 * PIECES * world
-        keep, waiting, others = [], set(), world - 1
+        keep, waiting = [], set()
         try:
-            for k, item in enumerate(pending):
-                if len(waiting) == others:
-                    keep.extend(pending[k:])
-                    break
-                op, seq, S, word, first, peers = item
-                if first < oldest:
-                    continue
-                left = [p for p in sorted(peers)
-                        if p in waiting or not self._probe(op, seq, S, word, first, p)]
-                waiting.update(left)
-                if len(left) == len(peers):
-                    keep.append(item)
-                elif left:
-                    keep.append((op, seq, S, word, first, frozenset(left)))
+            for item in pending:
+                op, seq, S, word, peers = item
+                left = []
+                for n in sorted(peers):
+                    if n in waiting:
+                        left.append(n)
+                        continue
+                    state, theirs_S, theirs_word = self.entry(seq, n)
+                    if state == THERE:
+                        self.compare(op, seq, n, S, word, theirs_S, theirs_word)
+                    elif state == NOT_YET:
+                        waiting.add(n)
+                        left.append(n)
+                if left:
+                    keep.append((op, seq, S, word, frozenset(left)))
         except CollectiveError:
             self.pending = []
             raise
         self.pending = keep
-
-    def _probe(self, op: Op, seq: int, S: int, word: int, first: int, peer: int) -> bool:
-        """:meth:`PeerCheck.check` reading one row: every rank takes the same ring entries
-        per collective, so the peer's entry of seq sits at this rank's index ``first`` (tag
-        first + 1). An older tag there: not published yet. A newer one: the rings went
-        apart (e.g. ranks of a finalize on different engines), so scan the whole ring; a tag
-        a lap or more newer: the entry is gone (nothing to compare)."""
-        ring = self._words[peer]
-        if ring is None:
-            return True
-        i = (first % layout.RING_ENTRIES) * ROW_WORDS
-        tag, theirs = ring[i], ring[i + _SEQ]
-        if tag == first + 1 and theirs == seq:
-            self.compare(op, seq, peer, S, word, ring[i + _SLICE], ring[i + _CALL])
-            return True
-        if tag < first + 1 or (tag == first + 1 and theirs < seq):
-            return False
-        if tag > first + layout.RING_ENTRIES:
-            return True
-        return self.check(op, seq, peer, S, word)

@@ -55,7 +55,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from .. import config
+from .. import config, layout
 from ..bootstrap import describe_disagreement
 from ..buffers import LABELS
 from ..errors import CollectiveError
@@ -533,7 +533,9 @@ class VerbsTransport(Transport):
 
     def attach(self, proxy) -> None:
         c = self.ctx
-        memory = {KEY_FLAGS: (c.flags_addr, c.plans[c.rank].num_flag_words * 8)}
+        # the flag words and the call words after them (Transport::put_call)
+        words = layout.flag_section_words(c.plans[c.rank].num_flag_words)
+        memory = {KEY_FLAGS: (c.flags_addr, words * layout.FLAG_BYTES)}
         for kind in c.buffers.segments:
             memory.update(self._memory(kind))
         self.link = connect(c.rv, c.plans, c.rank, c.topology, c.roots, proxy, memory,

@@ -128,6 +128,20 @@ constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish str
 
 constexpr pu64 FLAGS_OFFSET = RING_OFFSET + RING_ENTRIES * RING_ENTRY_BYTES;
 constexpr pu64 FLAG_BYTES = 8;
+// Call words (docs/PROTOCOL.md "Call words"): right after the flag words (FLAG_WORDS_PER_RANK
+// per rank of the world), per source rank s and seq slot seq % CALL_SLOTS, one entry of
+// CALL_ENTRY_WORDS u64 that s's proxy writes here before the first flag of that seq on its
+// connection to this rank: CALL_TAGGED = s's call word with the tag in its op and piece
+// bytes, CALL_SLICE = its slice bytes | the tag << CALL_SLICE_TAG_SHIFT; the tag is seq + 1's
+// low 16 bits (never 0 in a slot's first lap: zeroed memory is no entry). Each word carries
+// the tag, so a word is trusted alone (no torn pair across two seqs).
+constexpr pu64 FLAG_WORDS_PER_RANK = 8;  // NUM_OPS * CHANNELS * MAX_ROOTS (native/src/layout.h)
+constexpr pu64 CALL_SLOTS = 32;
+constexpr pu64 CALL_ENTRY_WORDS = 2;
+constexpr pu64 CALL_TAGGED = 0;
+constexpr pu64 CALL_SLICE = 1;
+constexpr pu64 CALL_TAG_MASK = 0xFFFF;
+constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 
 static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
               "the wait kernels write the GPU record as status[0..2]");
@@ -157,6 +171,23 @@ SCCL_HOST_DEVICE constexpr pu64 call_word(pu64 op, pu64 dtype, pu64 kind, pu64 p
 }
 static_assert(call_word(1, DTYPE_BF16, KIND_ALL_REDUCE_AVG, 20) == 0x1400040301ull,
               "call word packing");
+static_assert(CALL_TAGGED < CALL_ENTRY_WORDS && CALL_SLICE < CALL_ENTRY_WORDS &&
+                  (CALL_SLOTS & (CALL_SLOTS - 1)) == 0 && CALL_SLOTS <= CALL_TAG_MASK,
+              "call entries: two words, slots wrap by modulo within the tag");
+
+// A call entry's two words (see CALL_SLOTS): seq's tag in the call word's op and piece
+// bytes (the bytes every rank's calls may differ in), and above the slice's 48 bits.
+SCCL_HOST_DEVICE constexpr pu64 call_tag(pu64 seq) { return (seq + 1) & CALL_TAG_MASK; }
+SCCL_HOST_DEVICE constexpr pu64 call_tagged(pu64 call, pu64 seq) {
+  return (call & ~(pu64(0xFF) | pu64(0xFF) << CALL_PIECE_SHIFT)) | (call_tag(seq) & 0xFF) |
+         (call_tag(seq) >> 8) << CALL_PIECE_SHIFT;
+}
+SCCL_HOST_DEVICE constexpr pu64 call_slice(pu64 slice, pu64 seq) {
+  return (slice & ((pu64(1) << CALL_SLICE_TAG_SHIFT) - 1)) | call_tag(seq) << CALL_SLICE_TAG_SHIFT;
+}
+static_assert(call_tagged(0x1400040301ull | 5ull << CALL_PIECE_SHIFT, 0x1233) == 0x1412040334ull &&
+                  call_slice(48, 0x11233) == (0x1234ull << 48 | 48),
+              "call entry tags");
 
 }  // namespace layout
 
