@@ -485,7 +485,7 @@ def campaign_job(rank, world, store, case: Case, device, log_dir, emunic_root):
                                    rank=survivors.index(rank), world_size=len(survivors),
                                    topology=case.topology, transport=case.transport,
                                    device=device, timeout_s=30) as c2:
-            after_token = c2.token
+            after_token = getattr(c2, "token", None)  # world 1: no shared memory, no token
             n = len(survivors)
             y = c2.all_gather(torch.full((1000,), float(c2.rank), device=dev))
             if y.view(n, -1)[:, 0].tolist() != [float(q) for q in range(n)]:
