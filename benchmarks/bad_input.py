@@ -31,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
 
 def main(argv=None) -> int:
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from hypothesis import HealthCheck, given, seed, settings
     import badinput as B
+    from bench_record import emit
 
     conf = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
     lines = [f"generated bad input: seed {a.seed}; python benchmarks/bad_input.py "
@@ -97,11 +99,7 @@ def main(argv=None) -> int:
     lines += [f"  PROBLEM {p}" for p in mism_problems]
     lines.append(f"total generated: {n_calls + n_m}; problems: "
                  f"{len(problems) + len(mism_problems)}")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
     return 0 if not problems and not mism_problems and after is None else 1
 
 
