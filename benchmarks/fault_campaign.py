@@ -311,10 +311,10 @@ def _fault(case: Case, store, emunic_root):
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     if case.fault == "starve":  # burners on every core for hold_s, this rank idle-class
-        _demote_process()
-        for _ in range(2 * (os.cpu_count() or 2)):
+        for _ in range(2 * (os.cpu_count() or 2)):  # first: they must not inherit the class
             _BURNERS.append(subprocess.Popen(["timeout", str(case.hold_s), "sh", "-c",
                                               "while :; do :; done"]))
+        _demote_process()
         return
     os.kill(os.getpid(), signal.SIGKILL if case.fault == "kill" else signal.SIGSTOP)
 
