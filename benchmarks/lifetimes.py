@@ -18,9 +18,8 @@ reserves an arena the first time threads of two communicators allocate at once.
 
 ::
 
-    python benchmarks/lifetimes.py --cycles 1000 --pairs 100 --world 2 --out benchmarks/lifetimes_cpu.txt
-    python benchmarks/lifetimes.py --cycles 1000 --pairs 100 --transport tcp,verbs \
-        --out benchmarks/lifetimes_tcp_verbs_cpu.txt
+    python benchmarks/lifetimes.py --cycles 1000 --pairs 100 --transport shm,tcp,verbs \
+        --out benchmarks/lifetimes_cpu.txt
     python benchmarks/lifetimes.py --cycles 1000 --pairs 100 --device cuda   # the GPU machine
 """
 from __future__ import annotations

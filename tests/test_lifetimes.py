@@ -2,7 +2,7 @@
 communicators alive at once (a TP group's all-gather / reduce-scatter / all-reduce beside an
 EP group's dispatch + combine) leave the fd, thread, /dev/shm, locked-memory and (the
 emulated NIC) memory-registration counts where they started (the records of 1,000 cycles:
-benchmarks/lifetimes_cpu.txt, lifetimes_tcp_verbs_cpu.txt)."""
+benchmarks/lifetimes_cpu.txt, lifetimes_cpu.txt)."""
 from __future__ import annotations
 
 import os
