@@ -1,8 +1,8 @@
 """A slice of benchmarks/lifetimes.py: create / collective / close cycles and two
 communicators alive at once (a TP group's all-gather / reduce-scatter / all-reduce beside an
 EP group's dispatch + combine) leave the fd, thread, /dev/shm, locked-memory and (the
-emulated NIC) memory-registration counts where they started (the records of 1,000 cycles:
-benchmarks/lifetimes_cpu.txt, lifetimes_cpu.txt)."""
+emulated NIC) memory-registration counts where they started (the record of 1,000 cycles per
+transport: benchmarks/lifetimes_cpu.txt)."""
 from __future__ import annotations
 
 import os
