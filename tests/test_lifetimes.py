@@ -16,7 +16,9 @@ import lifetimes  # noqa: E402
 from sparkccl.localrun import check, run_ranks
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "verbs"])
+# tcp and verbs (~10 s each here) in the long run (-m "", CI); shm in the quick one
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.slow),
+                                       pytest.param("verbs", marks=pytest.mark.slow)])
 def test_cycles_and_two_live_communicators_leak_nothing(transport, tmp_path):
     env = {}
     if transport == "verbs":
