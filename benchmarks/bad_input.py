@@ -35,6 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
 
 def main(argv=None) -> int:
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
         os.environ.update(emunic.host_env(tempfile.mkdtemp(prefix="bad-input-emunic-")))
     from hypothesis import HealthCheck, given, seed, settings
     import badinput as B
+    from bench_record import emit
 
     conf = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
     lines = [f"generated bad input: seed {a.seed}; python benchmarks/bad_input.py "
@@ -112,11 +114,7 @@ def main(argv=None) -> int:
         mism_problems += problems_here
     lines.append(f"total generated: {n_calls + n_m}; problems: "
                  f"{len(problems) + len(mism_problems)}")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
     return 0 if not problems and not mism_problems and after is None else 1
 
 

@@ -121,7 +121,7 @@ def _reset(fab, case: Case) -> None:
 
 def run_case(case: Case) -> tuple[bool, str, float]:
     import netns
-    from helpers import shm_leftovers
+    from bench_record import Verdict
     kind = "switch" if case.topology == "mesh" else "ring"
     with netns.Fabric(kind, case.world, roots=case.roots) as fab:
         marker = os.path.join(fab.tmp, "markers")
@@ -132,7 +132,6 @@ def run_case(case: Case) -> tuple[bool, str, float]:
         while (len(os.listdir(marker)) < case.world and time.monotonic() < deadline
                and all(p.poll() is None for p in run.procs)):
             time.sleep(0.05)
-        problems, slowest, said = [], 0.0, ""
         if len(os.listdir(marker)) < case.world:
             results = run.wait(30)
             return False, "the run did not start on every rank: " + "; ".join(
@@ -145,35 +144,23 @@ def run_case(case: Case) -> tuple[bool, str, float]:
         else:
             _reset(fab, case)
         results = run.wait(timeout_s=TIMEOUT_S * 4 + 60)
-        tokens = set()
+        verdict = Verdict(TIMEOUT_S + 1)
         for r in results:
             if not r.ok:
-                problems.append(f"rank {r.rank}: {r.error_type}: {(r.message or '')[:300]}")
+                verdict.rank_failed(r)
                 continue
             v = r.value
-            tokens.add(v["token"])
-            if v["wrong"]:
-                problems.append(f"rank {r.rank} returned wrong data as valid: {v['wrong'][:3]}")
-            if v["error"] is None:
-                problems.append(f"rank {r.rank} never raised ({v['n']} collectives)")
-                continue
-            dt = v["failed_at"] - t_fault
-            slowest = max(slowest, dt)
-            said = said or v["error"]
-            if dt > TIMEOUT_S + 1:
-                problems.append(f"rank {r.rank} raised {dt:.2f} s after the fault (> "
-                                f"{TIMEOUT_S:g} + 1 s): {v['error'][:200]}")
-        left = [n for t in tokens for n in shm_leftovers(t)]
-        if left:
-            problems.append(f"/dev/shm left behind: {left}")
+            dt = None if v["error"] is None else v["failed_at"] - t_fault
+            verdict.survivor(r.rank, v, dt, never_raised=f" ({v['n']} collectives)")
+        verdict.check_leftovers()
         if case.fault == "portdown":
             fab.set_link(case.victim, _port(case), up=True)
         after = fab.run(after_job, (case.topology,), env=env, timeout_s=120)
         if not all(r.ok and r.value for r in after):
-            problems.append("a new communicator afterwards failed: " + "; ".join(
+            verdict.problem("a new communicator afterwards failed: " + "; ".join(
                 f"rank {r.rank}: {r.error_type}: {(r.message or '')[:200]}" for r in after
                 if not (r.ok and r.value)))
-    return not problems, "; ".join(problems) or f"raised: {said[:240]}", slowest
+    return verdict.result()
 
 
 def main(argv=None) -> int:
@@ -183,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import netns
+    from bench_record import case_line, emit
     why = netns.unavailable_reason()
     if why:
         print(f"network namespaces unavailable: {why}")
@@ -199,13 +187,10 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         ok, why, dt = run_case(case)
         passed += ok
-        line = (f"{'PASS' if ok else 'FAIL'} {case.label()} (slowest {dt:.2f} s, "
-                f"{time.monotonic() - t0:.0f} s): {why}")
-        print(line, flush=True)
-        lines.append(line)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(header + "\n".join(lines) + f"\n{passed} of {i + 1} passed\n")
+        lines.append(case_line(ok, f"{case.label()} (slowest {dt:.2f} s)",
+                               time.monotonic() - t0, why))
+        print(lines[-1], flush=True)
+        emit(header + "\n".join(lines) + f"\n{passed} of {i + 1} passed", a.out, quiet=True)
     return 0 if passed == a.cases else 1
 
 

@@ -81,10 +81,45 @@ def _fin_inputs(s, shape, rank, world):
                                fp8=fp8, pow2_weights=False), T, Tpad
 
 
-def issue(comm, op, rank, world, to):
-    """Issue one op on ``comm``; returns its output (unchecked)."""
+def _ep_input(s, shape, rank, world):
+    from ep_cases import make_ep_input
+    T, H, topk, fp8 = shape
+    return make_ep_input(s, rank, tokens=T, hidden=H, topk=topk, num_experts=4 * world,
+                         world=world, fp8=fp8)
+
+
+def _expert_parallel(comm, shape, state: dict):
+    """The ExpertParallel of ``shape`` on ``comm`` kept in ``state`` (the caller's, one per
+    communicator), made on first use: every rank issues the same ops, so every rank makes
+    it at the same point."""
+    import torch
+    import sparkccl
+    if ("ep", shape) not in state:
+        T, H, _, fp8 = shape
+        state["ep", shape] = sparkccl.ExpertParallel(
+            comm, num_experts=4 * comm.world_size, hidden=H, max_tokens=T,
+            dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    return state["ep", shape]
+
+
+def issue(comm, op, rank, world, to, state: dict | None = None):
+    """Issue one op on ``comm``; returns its output (unchecked). Kinds: "ag" all-gather,
+    "rs" reduce-scatter, "rsz" reduce-scatter through the zero-copy input, "ar" all-reduce,
+    "fin" fused MoE finalize, "ep" expert-parallel dispatch, the stand-in experts
+    (tests/ep_cases.py) and combine (``state``: a dict kept with ``comm``, for its
+    ExpertParallel)."""
     from sparkccl.exact_checks import reduce_scatter_via_input
     kind, s, shape, dname = op
+    if kind == "ep":
+        from ep_cases import run_experts
+        inp = _ep_input(s, shape, rank, world)
+        if state is None:
+            raise ValueError("an 'ep' op needs the communicator's state dict")
+        ep = _expert_parallel(comm, shape, state)
+        recv, handle = ep.dispatch(to(inp["x"]), to(inp["topk_idx"]), to(inp["topk_weights"]),
+                                   x_scales=None if inp["x_scales"] is None else
+                                   to(inp["x_scales"]))
+        return ep.combine(run_experts(ep, recv), handle, shared=to(inp["shared"]))
     if kind == "fin":
         inp, T, Tpad = _fin_inputs(s, shape, rank, world)
         return comm.moe_finalize_reduce_scatter(
@@ -95,19 +130,26 @@ def issue(comm, op, rank, world, to):
         return comm.all_gather(x)
     if kind == "rs":
         return comm.reduce_scatter(x)
+    if kind == "ar":
+        return comm.all_reduce(x)
     return reduce_scatter_via_input(comm, x)
 
 
 def reference(op, rank, world):
     """Raw bytes rank ``rank`` must get for ``op`` (rank-order reference)."""
-    from sparkccl.reference import (all_gather_reference, moe_finalize_reference,
-                                    reduce_scatter_reference)
+    from sparkccl.reference import (all_gather_reference, all_reduce_reference,
+                                    moe_finalize_reference, reduce_scatter_reference)
     kind, s, shape, dname = op
+    if kind == "ep":
+        from ep_cases import combine_reference
+        return combine_reference(_ep_input(s, shape, rank, world)).reshape(-1).view("uint8")
     if kind == "fin":
         inputs = [_fin_inputs(s, shape, q, world)[0] for q in range(world)]
         _, T, Tpad = _fin_inputs(s, shape, rank, world)
         return moe_finalize_reference(inputs, rank, T, Tpad)
     xs = [_input(kind, s, shape, dname, q, world) for q in range(world)]
+    if kind == "ar":
+        return all_reduce_reference(xs)
     return all_gather_reference(xs) if kind == "ag" else reduce_scatter_reference(xs, rank)
 
 

@@ -12,12 +12,17 @@
     values = check(results)                          # raises RanksFailed if any rank failed
 
 ``fn`` must be importable by a fresh interpreter (a module-level function): ranks are
-started with the ``spawn`` method. The store is a ``TCPStore`` served by the calling
-process, so a rank that dies does not take the store down. Each rank runs with one torch
+started with the ``spawn`` method, or (``start_method="forkserver"``) forked from a server
+process that imported what :func:`warm_start` names once -- seconds less per rank where
+many short runs start many ranks (benchmarks/fault_campaign.py); it must not have touched
+CUDA (a forked CUDA context is unusable), which importing torch and sparkccl does not.
+The store is a ``TCPStore`` served by the calling process, so a rank that dies does not
+take the store down. Each rank runs with one torch
 thread (the ranks share the host's cores).
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -92,7 +97,8 @@ def _stop_on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"stopped by the parent (signal {signum})")
 
 
-def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads):
+def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads,
+               forked=False):
     global _progress_queue, _progress_rank
     # Ctrl-C is the parent's to handle (it stops the ranks with SIGTERM): a rank ignores
     # it. It was blocked since before this process started (run_ranks), so none is lost
@@ -106,6 +112,9 @@ def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads)
     try:
         import torch
         import torch.distributed as dist
+        if torch.cuda._is_in_bad_fork():  # forkserver: CUDA was initialised before the fork
+            raise RuntimeError("this rank was forked from a process that had initialised "
+                               "CUDA: run it with start_method='spawn'")
         torch.set_num_threads(torch_threads)
         store = dist.TCPStore(host, port, world_size=None, is_master=False,
                               timeout=timedelta(seconds=300))
@@ -113,6 +122,12 @@ def _rank_main(fn, rank, world, host, port, args, kwargs, env, q, torch_threads)
         q.put(("ok", rank, value, time.monotonic() - t0))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         q.put(("err", rank, failure_record(e), time.monotonic() - t0))
+    finally:
+        if forked:
+            # A forked process leaves by os._exit, which skips the atexit handlers a spawned
+            # one runs at interpreter exit -- among them sparkccl's, which delivers what an
+            # open communicator still owes its peers (sparkccl.lifetime): run them here.
+            atexit._run_exitfuncs()
 
 
 def failure_record(e: BaseException) -> tuple:
@@ -132,13 +147,16 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
               timeout_s: float = 300.0, env: dict | None = None,
               rank_env: dict[int, dict] | None = None, torch_threads: int = 1,
               raise_on_error: bool = False,
-              progress: Callable[[int, Any], None] | None = None) -> list[RankResult]:
+              progress: Callable[[int, Any], None] | None = None,
+              start_method: str = "spawn") -> list[RankResult]:
     """Start ``world`` processes running ``fn(rank, world, store, *args, **kwargs)``.
 
     Returns one :class:`RankResult` per rank (value or error, exit code, time). A rank that
     has not finished after ``timeout_s`` is killed (SIGKILL) and reported with
     ``error_type == "Timeout"``. ``env`` is applied in every rank, ``rank_env[r]`` in rank r.
     ``progress(rank, item)`` receives what ranks pass to :func:`report_progress`.
+    ``start_method``: "spawn" (a fresh interpreter per rank) or "forkserver" (see
+    :func:`warm_start`).
 
     Ctrl-C (SIGINT) reaches only this process: ranks ignore it. When this function is left
     by an exception (KeyboardInterrupt included) the ranks still running get SIGTERM, which
@@ -146,7 +164,9 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
     and SIGKILL after :data:`STOP_GRACE_S`.
     """
     import torch.distributed as dist
-    ctx = mp.get_context("spawn")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    ctx = mp.get_context(start_method)
     server = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
                            timeout=timedelta(seconds=300), wait_for_workers=False)
     q = ctx.Queue()
@@ -163,7 +183,8 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
                 e.update((rank_env or {}).get(r, {}))
                 p = ctx.Process(target=_rank_main, name=f"sparkccl-rank{r}",
                                 args=(fn, r, world, "127.0.0.1", server.port, args,
-                                      kwargs or {}, e, q, torch_threads),
+                                      kwargs or {}, e, q, torch_threads,
+                                      start_method != "spawn"),
                                 daemon=True)
                 p.start()
                 procs.append(p)
@@ -219,6 +240,18 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), kwargs: dict | None
     if raise_on_error:
         check(results)
     return results
+
+
+WARM_MODULES = ("torch", "torch.distributed", "numpy", "sparkccl.comm",
+                "sparkccl.expert_parallel", "sparkccl.reference")
+
+
+def warm_start(modules=WARM_MODULES) -> None:
+    """Have ``run_ranks(..., start_method="forkserver")`` fork its ranks from one server
+    process that imported ``modules`` (and the main script) once, instead of each rank
+    importing torch afresh. Call it before the first such run_ranks. None of ``modules`` may
+    initialise CUDA at import (a rank forked after CUDA was initialised refuses to run)."""
+    mp.set_forkserver_preload(["__main__", *modules])
 
 
 def _stop(procs) -> None:

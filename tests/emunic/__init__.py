@@ -72,6 +72,17 @@ def take_trace() -> list[list[str]]:
         cap = need
 
 
+def live_registrations() -> tuple[int, int]:
+    """(count, bytes) of this process's memory registrations on the emulated NIC alive now
+    (what ibv_reg_mr made and ibv_dereg_mr has not released)."""
+    import ctypes
+    lib = ctypes.CDLL(library_path())
+    lib.emunic_live_mrs.restype = ctypes.c_size_t
+    lib.emunic_live_mrs.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
+    nbytes = ctypes.c_ulonglong(0)
+    return int(lib.emunic_live_mrs(ctypes.byref(nbytes))), int(nbytes.value)
+
+
 def set_port_state(root, device: str, active: bool, port: int = 1) -> None:
     """Flip a port's link (the emulated NIC raises PORT_ERR / PORT_ACTIVE async events)."""
     path = os.path.join(str(root), "class", "infiniband", device, "ports", str(port), "state")

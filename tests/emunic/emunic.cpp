@@ -1283,6 +1283,17 @@ size_t emunic_trace(char* buf, size_t cap) {
   return text.size() + 1;
 }
 
+// Test harness (benchmarks/lifetimes.py): the memory registrations of this process alive
+// now; their bytes to *bytes.
+size_t emunic_live_mrs(unsigned long long* bytes) {
+  Nic& n = nic();
+  std::shared_lock<std::shared_mutex> lk(n.mr_mu);
+  unsigned long long sum = 0;
+  for (const auto& kv : n.by_lkey) sum += kv.second->m.length;
+  *bytes = sum;
+  return n.by_lkey.size();
+}
+
 const char* ibv_wc_status_str(int s) { return wc_status_text(s); }
 const char* ibv_event_type_str(int t) { return event_type_text(t); }
 
