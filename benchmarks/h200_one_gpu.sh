@@ -12,6 +12,8 @@
 #   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
 #          world 2 and 4 under MPS (GPU-direct and proxy path beside their floors), and the
 #          proxy's publish -> post figures at 8 and 64 KiB (SPARKCCL_GPU_STAMPS)
+# DECODE_TESTS=0: the decode stage without its tests (tests2 holds them); AB_ROUNDS, AB_MAX: the
+# A/B's rounds (2) and largest size (64M).
 # e.g. STAGES="tests demos" bash benchmarks/h200_one_gpu.sh
 #      STAGES="ab ar ep" BASE=.base bash benchmarks/h200_one_gpu.sh
 set -u
@@ -54,11 +56,11 @@ for s in $STAGES; do
     ab)
       [ -n "$BASE" ] || { echo "ab needs BASE"; continue; }
       mps_on
-      for round in 1 2; do for t in base tree; do
+      for round in $(seq ${AB_ROUNDS:-2}); do for t in base tree; do
         root=$PWD; [ $t = base ] && root=$PWD/$BASE
         stage "bench $t round $round ($root)"
         (cd "$root" && PYTHONPATH=$root SPARKCCL_TIMEOUT_S=20 timeout 150 python3 -m sparkccl.cli \
-           bench --device cuda --world 2 --no-baseline --iters 30 --min-bytes 64K --max-bytes 64M 2>&1)
+           bench --device cuda --world 2 --no-baseline --iters 30 --min-bytes 64K --max-bytes ${AB_MAX:-64M} 2>&1)
       done; done | tee "$OUT/ab.txt"
       mps_off ;;
     ar)
@@ -69,7 +71,7 @@ for s in $STAGES; do
       done | tee "$OUT/allreduce_regimes.txt"
       mps_off ;;
     decode)
-      stage "one-shot all-reduce GPU tests"
+      [ "${DECODE_TESTS:-1}" = 1 ] && stage "one-shot all-reduce GPU tests" &&
       { timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
           tests/test_cuda_allreduce.py tests/test_allreduce.py 2>&1 | tail -20
         timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m "cuda and slow" \
