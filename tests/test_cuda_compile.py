@@ -143,3 +143,14 @@ def test_every_launched_kernel_is_loaded_and_emulated():
     emu = (Path(__file__).parent / "cuda_emu" / "emu.cpp").read_text()
     missing = [n for n in nvrtc.KERNEL_NAMES if n not in emu]
     assert not missing, missing
+
+
+def test_protocol_header_keeps_nvrtc_13_0_builtins_out():
+    """NVRTC 13.0 (torch cu130's, the GPU machine's) has no ``__builtin_offsetof``: the
+    header's offset checks go through SCCL_OFFSET_IS, which NVRTC compiles as ``true``
+    (its first use outside the macro failed every kernel compile there; this machine's NVRTC
+    13.5 accepted it)."""
+    text = (nvrtc.INCLUDE_DIRS[1] / "sparkccl" / "protocol.h").read_text()
+    uses = [ln for ln in text.splitlines() if "__builtin_offsetof" in ln
+            and not ln.startswith(("#define SCCL_OFFSET_IS", "//"))]
+    assert uses == [], uses

@@ -21,6 +21,16 @@
 #define SCCL_HOST_DEVICE inline
 #endif
 
+// The kargs structs' field offsets are checked where the compiler has __builtin_offsetof:
+// the host compilers (the native module, the kernels' emulation). NVRTC 13.0 (the one torch
+// cu130 brings) has not; there the sizes alone are checked. Every field is a u64, so a
+// struct has one layout on the host and on the device.
+#if defined(__CUDACC_RTC__)
+#define SCCL_OFFSET_IS(T, field, offset) true
+#else
+#define SCCL_OFFSET_IS(T, field, offset) (__builtin_offsetof(T, field) == (offset))
+#endif
+
 namespace sparkccl {
 
 using pu64 = unsigned long long;
@@ -376,16 +386,16 @@ constexpr pu64 WP_RANK = 56;
 constexpr pu64 WP_WORLD = 64;
 constexpr pu64 WP_TIMEOUT_NS = 72;
 constexpr pu64 WP_BYTES = 80;
-static_assert(__builtin_offsetof(WaitParams, flags) == WP_FLAGS &&
-                  __builtin_offsetof(WaitParams, abort_w) == WP_ABORT_W &&
-                  __builtin_offsetof(WaitParams, status) == WP_STATUS &&
-                  __builtin_offsetof(WaitParams, waits) == WP_WAITS &&
-                  __builtin_offsetof(WaitParams, parts) == WP_PARTS &&
-                  __builtin_offsetof(WaitParams, maxw) == WP_MAXW &&
-                  __builtin_offsetof(WaitParams, state) == WP_STATE &&
-                  __builtin_offsetof(WaitParams, rank) == WP_RANK &&
-                  __builtin_offsetof(WaitParams, world) == WP_WORLD &&
-                  __builtin_offsetof(WaitParams, timeout_ns) == WP_TIMEOUT_NS &&
+static_assert(SCCL_OFFSET_IS(WaitParams, flags, WP_FLAGS) &&
+                  SCCL_OFFSET_IS(WaitParams, abort_w, WP_ABORT_W) &&
+                  SCCL_OFFSET_IS(WaitParams, status, WP_STATUS) &&
+                  SCCL_OFFSET_IS(WaitParams, waits, WP_WAITS) &&
+                  SCCL_OFFSET_IS(WaitParams, parts, WP_PARTS) &&
+                  SCCL_OFFSET_IS(WaitParams, maxw, WP_MAXW) &&
+                  SCCL_OFFSET_IS(WaitParams, state, WP_STATE) &&
+                  SCCL_OFFSET_IS(WaitParams, rank, WP_RANK) &&
+                  SCCL_OFFSET_IS(WaitParams, world, WP_WORLD) &&
+                  SCCL_OFFSET_IS(WaitParams, timeout_ns, WP_TIMEOUT_NS) &&
                   sizeof(WaitParams) == WP_BYTES,
               "WaitParams offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -431,20 +441,20 @@ constexpr pu64 AR_NPUB = 88;
 constexpr pu64 AR_GATE = 96;
 constexpr pu64 AR_WP = 104;
 constexpr pu64 AR_BYTES = 112;
-static_assert(__builtin_offsetof(AllReduceArgs, src) == AR_SRC &&
-                  __builtin_offsetof(AllReduceArgs, dst) == AR_DST &&
-                  __builtin_offsetof(AllReduceArgs, L) == AR_L &&
-                  __builtin_offsetof(AllReduceArgs, S) == AR_S &&
-                  __builtin_offsetof(AllReduceArgs, avg) == AR_AVG &&
-                  __builtin_offsetof(AllReduceArgs, slot) == AR_SLOT &&
-                  __builtin_offsetof(AllReduceArgs, slot_code) == AR_SLOT_CODE &&
-                  __builtin_offsetof(AllReduceArgs, dtab) == AR_DTAB &&
-                  __builtin_offsetof(AllReduceArgs, ring) == AR_RING &&
-                  __builtin_offsetof(AllReduceArgs, call) == AR_CALL &&
-                  __builtin_offsetof(AllReduceArgs, counters) == AR_COUNTERS &&
-                  __builtin_offsetof(AllReduceArgs, npub) == AR_NPUB &&
-                  __builtin_offsetof(AllReduceArgs, gate) == AR_GATE &&
-                  __builtin_offsetof(AllReduceArgs, wp) == AR_WP &&
+static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, dst, AR_DST) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, L, AR_L) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, S, AR_S) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, avg, AR_AVG) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, slot, AR_SLOT) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, slot_code, AR_SLOT_CODE) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, dtab, AR_DTAB) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, ring, AR_RING) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, call, AR_CALL) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, counters, AR_COUNTERS) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, npub, AR_NPUB) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, gate, AR_GATE) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, wp, AR_WP) &&
                   sizeof(AllReduceArgs) == AR_BYTES,
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -475,20 +485,20 @@ constexpr pu64 PUB_CALL = 88;
 constexpr pu64 PUB_COUNTERS = 96;
 constexpr pu64 PUB_BPP = 104;
 constexpr pu64 PUB_BYTES = 112;
-static_assert(__builtin_offsetof(PublishArgs, src) == PUB_SRC &&
-                  __builtin_offsetof(PublishArgs, src_stride) == PUB_SRC_STRIDE &&
-                  __builtin_offsetof(PublishArgs, dst) == PUB_DST &&
-                  __builtin_offsetof(PublishArgs, dst_code) == PUB_DST_CODE &&
-                  __builtin_offsetof(PublishArgs, dst_stride) == PUB_DST_STRIDE &&
-                  __builtin_offsetof(PublishArgs, dst2) == PUB_DST2 &&
-                  __builtin_offsetof(PublishArgs, nchunks) == PUB_NCHUNKS &&
-                  __builtin_offsetof(PublishArgs, L) == PUB_L &&
-                  __builtin_offsetof(PublishArgs, S) == PUB_S &&
-                  __builtin_offsetof(PublishArgs, ring) == PUB_RING &&
-                  __builtin_offsetof(PublishArgs, state) == PUB_STATE &&
-                  __builtin_offsetof(PublishArgs, call) == PUB_CALL &&
-                  __builtin_offsetof(PublishArgs, counters) == PUB_COUNTERS &&
-                  __builtin_offsetof(PublishArgs, bpp) == PUB_BPP &&
+static_assert(SCCL_OFFSET_IS(PublishArgs, src, PUB_SRC) &&
+                  SCCL_OFFSET_IS(PublishArgs, src_stride, PUB_SRC_STRIDE) &&
+                  SCCL_OFFSET_IS(PublishArgs, dst, PUB_DST) &&
+                  SCCL_OFFSET_IS(PublishArgs, dst_code, PUB_DST_CODE) &&
+                  SCCL_OFFSET_IS(PublishArgs, dst_stride, PUB_DST_STRIDE) &&
+                  SCCL_OFFSET_IS(PublishArgs, dst2, PUB_DST2) &&
+                  SCCL_OFFSET_IS(PublishArgs, nchunks, PUB_NCHUNKS) &&
+                  SCCL_OFFSET_IS(PublishArgs, L, PUB_L) &&
+                  SCCL_OFFSET_IS(PublishArgs, S, PUB_S) &&
+                  SCCL_OFFSET_IS(PublishArgs, ring, PUB_RING) &&
+                  SCCL_OFFSET_IS(PublishArgs, state, PUB_STATE) &&
+                  SCCL_OFFSET_IS(PublishArgs, call, PUB_CALL) &&
+                  SCCL_OFFSET_IS(PublishArgs, counters, PUB_COUNTERS) &&
+                  SCCL_OFFSET_IS(PublishArgs, bpp, PUB_BPP) &&
                   sizeof(PublishArgs) == PUB_BYTES,
               "PublishArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -517,17 +527,17 @@ constexpr pu64 PX_WP = 168;
 constexpr pu64 PX_ADV_ENTRIES = 176;
 constexpr pu64 PX_ADV_GATE = 184;
 constexpr pu64 PX_BYTES = 192;
-static_assert(__builtin_offsetof(ProxyArgs, pub) == PX_PUB && PX_IN == PUB_BYTES &&
-                  __builtin_offsetof(ProxyArgs, in) == PX_IN &&
-                  __builtin_offsetof(ProxyArgs, in_code) == PX_IN_CODE &&
-                  __builtin_offsetof(ProxyArgs, own) == PX_OWN &&
-                  __builtin_offsetof(ProxyArgs, own_code) == PX_OWN_CODE &&
-                  __builtin_offsetof(ProxyArgs, own_sys) == PX_OWN_SYS &&
-                  __builtin_offsetof(ProxyArgs, out) == PX_OUT &&
-                  __builtin_offsetof(ProxyArgs, out_stride) == PX_OUT_STRIDE &&
-                  __builtin_offsetof(ProxyArgs, wp) == PX_WP &&
-                  __builtin_offsetof(ProxyArgs, adv_entries) == PX_ADV_ENTRIES &&
-                  __builtin_offsetof(ProxyArgs, adv_gate) == PX_ADV_GATE &&
+static_assert(SCCL_OFFSET_IS(ProxyArgs, pub, PX_PUB) && PX_IN == PUB_BYTES &&
+                  SCCL_OFFSET_IS(ProxyArgs, in, PX_IN) &&
+                  SCCL_OFFSET_IS(ProxyArgs, in_code, PX_IN_CODE) &&
+                  SCCL_OFFSET_IS(ProxyArgs, own, PX_OWN) &&
+                  SCCL_OFFSET_IS(ProxyArgs, own_code, PX_OWN_CODE) &&
+                  SCCL_OFFSET_IS(ProxyArgs, own_sys, PX_OWN_SYS) &&
+                  SCCL_OFFSET_IS(ProxyArgs, out, PX_OUT) &&
+                  SCCL_OFFSET_IS(ProxyArgs, out_stride, PX_OUT_STRIDE) &&
+                  SCCL_OFFSET_IS(ProxyArgs, wp, PX_WP) &&
+                  SCCL_OFFSET_IS(ProxyArgs, adv_entries, PX_ADV_ENTRIES) &&
+                  SCCL_OFFSET_IS(ProxyArgs, adv_gate, PX_ADV_GATE) &&
                   sizeof(ProxyArgs) == PX_BYTES,
               "ProxyArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -557,21 +567,21 @@ constexpr pu64 FR_ROW_LO = 96;
 constexpr pu64 FR_ROWS = 104;
 constexpr pu64 FR_ROWS_PAD = 112;
 constexpr pu64 FR_BYTES = 120;
-static_assert(__builtin_offsetof(FinRowsArgs, y) == FR_Y &&
-                  __builtin_offsetof(FinRowsArgs, scales) == FR_SCALES &&
-                  __builtin_offsetof(FinRowsArgs, pos) == FR_POS &&
-                  __builtin_offsetof(FinRowsArgs, wts) == FR_WTS &&
-                  __builtin_offsetof(FinRowsArgs, shared) == FR_SHARED &&
-                  __builtin_offsetof(FinRowsArgs, bad) == FR_BAD &&
-                  __builtin_offsetof(FinRowsArgs, T) == FR_T &&
-                  __builtin_offsetof(FinRowsArgs, topk) == FR_TOPK &&
-                  __builtin_offsetof(FinRowsArgs, H) == FR_H &&
-                  __builtin_offsetof(FinRowsArgs, R) == FR_R &&
-                  __builtin_offsetof(FinRowsArgs, fp8) == FR_FP8 &&
-                  __builtin_offsetof(FinRowsArgs, Rr) == FR_RR &&
-                  __builtin_offsetof(FinRowsArgs, row_lo) == FR_ROW_LO &&
-                  __builtin_offsetof(FinRowsArgs, rows) == FR_ROWS &&
-                  __builtin_offsetof(FinRowsArgs, rows_pad) == FR_ROWS_PAD &&
+static_assert(SCCL_OFFSET_IS(FinRowsArgs, y, FR_Y) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, scales, FR_SCALES) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, pos, FR_POS) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, wts, FR_WTS) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, shared, FR_SHARED) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, bad, FR_BAD) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, T, FR_T) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, topk, FR_TOPK) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, H, FR_H) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, R, FR_R) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, fp8, FR_FP8) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, Rr, FR_RR) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, row_lo, FR_ROW_LO) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, rows, FR_ROWS) &&
+                  SCCL_OFFSET_IS(FinRowsArgs, rows_pad, FR_ROWS_PAD) &&
                   sizeof(FinRowsArgs) == FR_BYTES,
               "FinRowsArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -595,16 +605,16 @@ constexpr pu64 FN_STATE = 168;
 constexpr pu64 FN_CALL = 176;
 constexpr pu64 FN_COUNTERS = 184;
 constexpr pu64 FN_BYTES = 192;
-static_assert(__builtin_offsetof(FinalizeArgs, rows) == FN_ROWS && FN_WORLD == FR_BYTES &&
-                  __builtin_offsetof(FinalizeArgs, world) == FN_WORLD &&
-                  __builtin_offsetof(FinalizeArgs, rank) == FN_RANK &&
-                  __builtin_offsetof(FinalizeArgs, send) == FN_SEND &&
-                  __builtin_offsetof(FinalizeArgs, send_code) == FN_SEND_CODE &&
-                  __builtin_offsetof(FinalizeArgs, own) == FN_OWN &&
-                  __builtin_offsetof(FinalizeArgs, ring) == FN_RING &&
-                  __builtin_offsetof(FinalizeArgs, state) == FN_STATE &&
-                  __builtin_offsetof(FinalizeArgs, call) == FN_CALL &&
-                  __builtin_offsetof(FinalizeArgs, counters) == FN_COUNTERS &&
+static_assert(SCCL_OFFSET_IS(FinalizeArgs, rows, FN_ROWS) && FN_WORLD == FR_BYTES &&
+                  SCCL_OFFSET_IS(FinalizeArgs, world, FN_WORLD) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, rank, FN_RANK) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, send, FN_SEND) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, send_code, FN_SEND_CODE) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, own, FN_OWN) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, ring, FN_RING) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, state, FN_STATE) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, call, FN_CALL) &&
+                  SCCL_OFFSET_IS(FinalizeArgs, counters, FN_COUNTERS) &&
                   sizeof(FinalizeArgs) == FN_BYTES,
               "FinalizeArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
@@ -634,20 +644,20 @@ constexpr pu64 FD_WP = 200;
 constexpr pu64 FD_ADV_ENTRIES = 208;
 constexpr pu64 FD_ADV_GATE = 216;
 constexpr pu64 FD_BYTES = 224;
-static_assert(__builtin_offsetof(FinalizeDirectArgs, rows) == FD_ROWS && FD_DTAB == FR_BYTES &&
-                  __builtin_offsetof(FinalizeDirectArgs, dtab) == FD_DTAB &&
-                  __builtin_offsetof(FinalizeDirectArgs, ring) == FD_RING &&
-                  __builtin_offsetof(FinalizeDirectArgs, call) == FD_CALL &&
-                  __builtin_offsetof(FinalizeDirectArgs, counters) == FD_COUNTERS &&
-                  __builtin_offsetof(FinalizeDirectArgs, npub) == FD_NPUB &&
-                  __builtin_offsetof(FinalizeDirectArgs, gate) == FD_GATE &&
-                  __builtin_offsetof(FinalizeDirectArgs, recv) == FD_RECV &&
-                  __builtin_offsetof(FinalizeDirectArgs, recv_code) == FD_RECV_CODE &&
-                  __builtin_offsetof(FinalizeDirectArgs, own) == FD_OWN &&
-                  __builtin_offsetof(FinalizeDirectArgs, dst) == FD_DST &&
-                  __builtin_offsetof(FinalizeDirectArgs, wp) == FD_WP &&
-                  __builtin_offsetof(FinalizeDirectArgs, adv_entries) == FD_ADV_ENTRIES &&
-                  __builtin_offsetof(FinalizeDirectArgs, adv_gate) == FD_ADV_GATE &&
+static_assert(SCCL_OFFSET_IS(FinalizeDirectArgs, rows, FD_ROWS) && FD_DTAB == FR_BYTES &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, dtab, FD_DTAB) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, ring, FD_RING) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, call, FD_CALL) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, counters, FD_COUNTERS) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, npub, FD_NPUB) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, gate, FD_GATE) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, recv, FD_RECV) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, recv_code, FD_RECV_CODE) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, own, FD_OWN) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, dst, FD_DST) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, wp, FD_WP) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, adv_entries, FD_ADV_ENTRIES) &&
+                  SCCL_OFFSET_IS(FinalizeDirectArgs, adv_gate, FD_ADV_GATE) &&
                   sizeof(FinalizeDirectArgs) == FD_BYTES,
               "FinalizeDirectArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
