@@ -181,7 +181,8 @@ class CpuDataPlane(DataPlaneBase):
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
             self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
         if self.peer_check is not None:  # the source made another call (of another op: an
-            self.peer_check.check(op, seq, source, slice_bytes, call)  # all-reduce's regimes)
+            self.peer_check.check(op, seq, source, slice_bytes, call,  # all-reduce's regimes)
+                                  arrived=False)
         self.timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
                         words[idx if 0 <= idx < len(words) else 0])
 

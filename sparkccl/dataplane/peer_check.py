@@ -132,14 +132,18 @@ class PeerCheck:
             return GONE, 0, 0
         return NOT_YET, 0, 0
 
-    def check(self, op: Op, seq: int, source: int, S: int, word: int) -> None:
+    def check(self, op: Op, seq: int, source: int, S: int, word: int,
+              arrived: bool = True) -> None:
         """Every rank must make the same call: compare ours (slice ``S``, call ``word``)
         with the source's own call entry of seq, which arrived before the source's first
-        piece (sent by the source, or forwarded ahead of the piece by each relay)."""
+        piece (sent by the source, or forwarded ahead of the piece by each relay).
+        ``arrived=False``: asked when a wait for the source gave up, where no entry only
+        means the source never got this far (a stalled or slower peer: the timeout says
+        so), not a broken protocol."""
         state, theirs_S, theirs_word = self.entry(seq, source)
         if state == THERE:
             self.compare(op, seq, source, S, word, theirs_S, theirs_word)
-        elif state == NOT_YET:
+        elif state == NOT_YET and arrived:
             what = _KIND_NAMES.get(word >> layout.CALL_KIND_SHIFT & 0xFF, "a collective")
             self.fail(f"rank {self.rank}: {what} seq {seq}: rank {source}'s data arrived "
                       "without its call entry (the cross-rank check's protocol was broken: "
