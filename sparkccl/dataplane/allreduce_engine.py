@@ -12,8 +12,8 @@ reduce-scatter's (docs/PROTOCOL.md "All-reduce").
 
 Its arguments are one struct, protocol.h ``kargs::AllReduceArgs`` (the wait role's constants
 in it by pointer: the plane's AG ``WaitParams`` block, as every kernel with a wait role),
-packed here as u64 words by :func:`sparkccl.layout.pack_struct` from the header's ``AR_*``
-offsets and launched through the device seam's ``launch_struct``. Its ring entries carry
+packed with the other kernels' structs by :func:`.kernel_args.all_reduce_args` (the header's
+``AR_*`` offsets) and launched through the device seam's ``launch_struct``. Its ring entries carry
 the call word of an all-reduce (op AG, the caller's dtype, ``KIND_ALL_REDUCE_SUM`` /
 ``_AVG``, the padding), so the peers' check (:mod:`.peer_check`) tells it from an
 all-gather and a sum from an average. The plane's launch plans record it like any
@@ -27,8 +27,8 @@ import torch
 
 from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
-from ..plan.model import Op
 from .engines import Engine
+from .kernel_args import all_reduce_args
 
 _P = layout.protocol_constants()
 ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
@@ -63,11 +63,9 @@ class OneShotEngine(Engine):
             # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
             npub = (p.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
                     else PIECES * p.publish_blocks(piece))
-        words = layout.pack_struct("AR", dict(
-            SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=p.ag_dev, SLOT_CODE=p.ag_code,
-            DTAB=table.data_ptr() if direct else 0, RING=p.ctl_dev + layout.RING_OFFSET,
-            CALL=call, COUNTERS=(p.dcounters if direct else p.counters).data_ptr(), NPUB=npub,
-            GATE=p.fin_gate.data_ptr() if in_place else 0, WP=p.wait_args(Op.AG)[0]))
+        words = all_reduce_args(p, src, dst, L, S, avg, call, npub,
+                                table.data_ptr() if direct else 0,
+                                p.fin_gate.data_ptr() if in_place else 0)
         name, grid = KERNELS[dtype], npub + 1 + nb
         p.plans.plannable(direct=direct)  # one launch of constants and call pointers
         p.launch_struct(stream, name, grid, THREADS, words)

@@ -89,3 +89,16 @@ def finalize_direct_args(plane, rows: list, dtab: int, call: int, npub: int, own
         COUNTERS=plane.dcounters.data_ptr(), NPUB=npub, GATE=plane.fin_gate.data_ptr(),
         RECV=plane.rs_recv_dev, RECV_CODE=plane.recv_code, OWN=own, DST=dst,
         WP=plane.waits.block[Op.RS], ADV_ENTRIES=PIECES, ADV_GATE=npub))
+
+
+def all_reduce_args(plane, src, dst, L: int, S: int, avg: bool, call: int, npub: int,
+                    dtab: int, gate: int) -> list:
+    """``AllReduceArgs`` (the one-shot all-reduce, :mod:`.allreduce_engine`): this rank's
+    vector to the AG slot (GPU-direct along direct table ``dtab``, else the proxy path:
+    ``dtab`` 0), the rank-order sum of the W vectors into ``dst``; ``gate``: the
+    finalize's gate words where ``dst`` is ``src`` (0: not in place)."""
+    return layout.pack_struct("AR", dict(
+        SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=plane.ag_dev, SLOT_CODE=plane.ag_code,
+        DTAB=dtab, RING=plane.ctl_dev + layout.RING_OFFSET, CALL=call,
+        COUNTERS=(plane.dcounters if dtab else plane.counters).data_ptr(), NPUB=npub,
+        GATE=gate, WP=plane.waits.block[Op.AG]))
