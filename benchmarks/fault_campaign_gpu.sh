@@ -6,7 +6,10 @@
 #   bash benchmarks/fault_campaign_gpu.sh stop     # cases 0..19, SPARKCCL_ON_FAILURE=stop,
 #                                                  # under MPS (a time-sliced GPU can wedge
 #                                                  # when two processes trap at once:
-#                                                  # benchmarks/fault_campaign_cuda_h200.txt)
+#                                                  # benchmarks/fault_campaign_cuda_h200.txt;
+#                                                  # under MPS a stopped rank holds the others
+#                                                  # after their traps instead:
+#                                                  # benchmarks/fault_campaign_gpu_h200.txt)
 #   bash benchmarks/fault_campaign_gpu.sh poison   # cases 20..39, SPARKCCL_ON_FAILURE=poison
 # The record goes to ${OUT:-.}/fault_campaign_gpu_<mode>.txt as each case ends (a call cut
 # short still leaves it); this script's output to ${OUT:-.}/fault_campaign_gpu_<mode>.log.
