@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import sparkccl
+from sparkccl.dataplane import monitor
 from sparkccl.localrun import check, run_ranks
 
 # Multi-process, minutes on 2 cores: left out of the default run (README "Tests").
@@ -48,9 +49,18 @@ RUN = 8  # collectives each survivor queues without synchronizing
 # dumps all its threads' stacks into its stderr file (DUMP_S, then every DUMP_S), and a
 # read whose GPU work neither completes nor fails within READ_LIMIT_S is recorded as
 # "stuck" (with the GPU failure record) instead of blocking in a synchronization.
-RUN_TIMEOUT_S = 45
+RUN_TIMEOUT_S = 60
 DUMP_S = 30
 READ_LIMIT_S = 3 * TIMEOUT_S + 1.5 + 6  # the waits' timeouts, ACK_WAIT_NS, a margin
+# Under "stop", ranks sharing one GPU trap one at a time (docs/CONTRACT.md "Failure
+# behaviour": the GPU's trap lock), each holding it until its context is lost, at most
+# monitor.TRAP_GRACE_S + TRAP_SETTLE_S: the last of W - 1 survivors may wait behind W - 2.
+TRAP_TURN_S = monitor.TRAP_GRACE_S + monitor.TRAP_SETTLE_S
+
+
+def _read_limit_s(world: int) -> float:
+    stop = os.environ.get("SPARKCCL_ON_FAILURE", "stop") == "stop"
+    return READ_LIMIT_S + (max(world - 2, 0) * TRAP_TURN_S if stop else 0.0)
 # A CUDA error before this rank's report (its context lost by another process's trap under
 # MPS): how long the rank waits for the watchdog's note (its CAUSE_WAIT_S and a margin).
 LATE_NOTE_S = 3.0
@@ -169,7 +179,7 @@ def failstop_job(rank, world, store, topology, scenario, op, outdir, device="cud
         rec["queued"] = len(outs)
         for i, (y, want) in enumerate(zip(outs, wants[3:])):
             try:
-                if device == "cuda" and not _completes(dones[i], time.monotonic() + READ_LIMIT_S):
+                if device == "cuda" and not _completes(dones[i], time.monotonic() + _read_limit_s(world)):
                     rec["outputs"].append("stuck")
                     rec["stuck"] = _gpu_words(comm)
                     break
@@ -327,7 +337,9 @@ def _run_scenario(mode, topology, world, scenario, op, env, tmp_path, device):
             problems.append(f"rank {r}: unexpected {rec['error']}")
         if "stuck" in rec["outputs"]:
             problems.append(f"rank {r}: an output neither completed nor failed on the GPU "
-                            f"within {READ_LIMIT_S:g} s; fail-stop words: {rec.get('stuck')}")
+                            f"within its read limit ({READ_LIMIT_S:g} s, + {TRAP_TURN_S:g} s "
+                            f"per survivor ahead in the trap queue under stop); fail-stop "
+                            f"words: {rec.get('stuck')}")
         if "WRONG" in rec["outputs"]:
             problems.append(f"rank {r}: wrong data read silently: {rec['outputs']} {rec.get('wrong')}")
         if rec["raised_at"] is None and "poison" not in rec["outputs"]:
