@@ -1029,9 +1029,11 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            run, launch = dp.gpu.run_program, dp.launch
+            run, launch, launch_struct = dp.gpu.run_program, dp.launch, dp.launch_struct
             dp.gpu.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))[1]
             dp.launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
+            dp.launch_struct = lambda st, name, *a, f=launch_struct: (launched.append(name),
+                                                                      f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
         w.sync()

@@ -16,7 +16,6 @@ import torch
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import Op
 from .cpu import fin_slice
-from .cuda_runtime import kernel_u64 as _n
 from .engines import RS_WAIT, DirectCall
 from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
@@ -57,10 +56,10 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
     own_dst = slot + me * S if dst is None else 0
     engine.run(DirectCall(
         Op.AG, seq, ts, stream, S=S, L=L, call=call, first=first, kernel="sccl_ag_direct",
-        publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                 slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                 res_me),
-        consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
+        publish=dict(src=src_p, src_code=0, src_stride=0, src_sys=0, dtab=dtab.data_ptr(),
+                     own_dst=slot0 + me * S if dst is None else 0,
+                     own_dst_code=code if dst is None else 0, dst2=res_me),
+        consume=dict(slot=slot0, slot_code=code, out=dst_ptr, out_stride=dst_stride),
         wait_kernel="sccl_ag_wait", nb=nb, npub=plane.direct_blocks(piece * (plane.world - 1)),
         ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
         ce_consume=(slot, dst_ptr, dst_stride), output=out))
@@ -97,9 +96,10 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
                                      else (send0, scode, S, 1))
     engine.run(DirectCall(
         Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=RS_DIRECT[dtype],
-        publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                 0, _n(0), 0),
-        consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
+        publish=dict(src=sbase, src_code=scode_d, src_stride=sstride, src_sys=ssys,
+                     dtab=dtab.data_ptr()),
+        consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, own=own, own_code=own_code,
+                     own_sys=own_sys),
         wait_kernel=RS_WAIT[dtype], nb=min(plane.slice_wait_blocks(S),
                                            plane.max_direct_wait_blocks),
         npub=plane.direct_blocks(piece * (W - 1)),
