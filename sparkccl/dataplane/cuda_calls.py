@@ -50,7 +50,7 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
                                       res_me, out, zero_copy=dst is None)
         return
     # GPU-direct: this rank's publish streams run on the GPU
-    nb = 1 if dst is None else min(plane.slice_wait_blocks(S), plane.max_direct_wait_blocks)
+    nb = 1 if dst is None else min(engine.slice_wait_blocks(S), plane.max_direct_wait_blocks)
     # The own block of the slot is only written when the result stays there (zero-copy):
     # relays forward other origins' blocks, and no proxy reads it.
     own_dst = slot + me * S if dst is None else 0
@@ -60,7 +60,7 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
                      own_dst=slot0 + me * S if dst is None else 0,
                      own_dst_code=code if dst is None else 0, dst2=res_me),
         consume=dict(slot=slot0, slot_code=code, out=dst_ptr, out_stride=dst_stride),
-        wait_kernel="sccl_ag_wait", nb=nb, npub=plane.direct_blocks(piece * (plane.world - 1)),
+        wait_kernel="sccl_ag_wait", nb=nb, npub=engine.direct_blocks(piece * (plane.world - 1)),
         ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
         ce_consume=(slot, dst_ptr, dst_stride), output=out))
 
@@ -100,9 +100,9 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
                      dtab=dtab.data_ptr()),
         consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, own=own, own_code=own_code,
                      own_sys=own_sys),
-        wait_kernel=RS_WAIT[dtype], nb=min(plane.slice_wait_blocks(S),
+        wait_kernel=RS_WAIT[dtype], nb=min(engine.slice_wait_blocks(S),
                                            plane.max_direct_wait_blocks),
-        npub=plane.direct_blocks(piece * (W - 1)),
+        npub=engine.direct_blocks(piece * (W - 1)),
         # A zero-copy input already lies in pinned memory: no copy engine for it.
         ce_src=(base, src_stride) if src is not None else None, own=[],
         sum_kernel=RS_SUM_UNIT[dtype],

@@ -14,12 +14,13 @@ of each per data plane and is the one place that maps (collective, size, setting
 state) to an engine.
 
 The contract with the plane: an engine reads the plane's public state (device pointers of
-the regions and tables, the settings, ``phases``) and calls its public operations
+the regions and tables, the settings, ``phases``; the grid caps ``max_*_blocks``, within
+which :class:`Engine` sizes each launch's grid) and calls its public operations
 (``launch_struct`` with :mod:`.kernel_args`' structs, ``launch``, ``wait_args``,
-``poison_if_failed``, ``finish``, ``fork`` / ``join``, ``scratch``, the block counts,
-``issued``; for mode "ce"'s stream programs the device seam ``plane.gpu``, :mod:`.device`);
-it owns whatever state is its own (mode "ce": its programs, streams and events). ``phases``
-is a benchmark option of the plane (benchmarks/kernel_roofline.py times the publish and the
+``poison_if_failed``, ``finish``, ``fork`` / ``join``, ``scratch``, ``issued``; for mode
+"ce"'s stream programs the device seam ``plane.gpu``, :mod:`.device`); it owns whatever
+state is its own (mode "ce": its programs, streams and events). ``phases`` is
+a benchmark option of the plane (benchmarks/kernel_roofline.py times the publish and the
 wait roles one at a time); the proxy path reads it in one place
 (:meth:`ProxyPathEngine.issue`), the choice of engine in another.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
 from ..plan.model import Op
 from .kernel_args import (direct_args, finalize_args, finalize_direct_args, proxy_args,
@@ -38,6 +40,19 @@ WAIT_THREADS = 256
 DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 PUBLISH_THREADS = 512
 FIN_THREADS = 512
+# Grids: bytes of one launch's work per block (the caps are the plane's settings,
+# ``max_publish_blocks`` ...: tunable, and launch plans are dropped when they change).
+PUBLISH_BYTES_PER_BLOCK = 64 << 10
+WAIT_BYTES_PER_BLOCK = 32 << 10
+# The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
+# one 512-thread block per SM (127 registers): a grid of waiters on most SMs leaves another
+# rank's kernel on the same GPU no room to publish what they wait for (two ranks on one
+# H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
+# each, timed out). 32 keep more than 50 GB/s of pinned reads in flight. (The plane's
+# default max_wait_blocks.)
+MAX_WAIT_BLOCKS = 32
+# Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
+ONE_HANDOFF_SLICE = layout.protocol_constants()["ONE_HANDOFF_SLICE"]
 
 RS_WAIT = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
            torch.float32: "sccl_rs_wait_f32"}
@@ -102,6 +117,26 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds (the plane is closing)."""
 
+    # ---- grids: blocks for ``work`` bytes, within the plane's caps ------------------------
+    def publish_blocks(self, work: int) -> int:
+        """Blocks per piece of a proxy-path publish role (PIECES of them per launch)."""
+        cap = max(1, self.plane.max_publish_blocks // PIECES)
+        return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+
+    def direct_blocks(self, work: int) -> int:
+        """Publish blocks of a GPU-direct launch."""
+        return max(1, min(self.plane.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+
+    def wait_blocks(self, work: int) -> int:
+        """Consumer blocks of a wait role (one poller block comes on top)."""
+        return max(1, min(self.plane.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
+
+    def slice_wait_blocks(self, S: int) -> int:
+        """Consumer blocks of a collective of slice S: for what they move after one wait, a
+        piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
+        for its last unit, and need the blocks for all of it in flight at once)."""
+        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
+
 
 class ProxyPathEngine(Engine):
     """The proxy sends: the kernels publish each piece in the publish ring and wait for the
@@ -136,8 +171,8 @@ class ProxyPathEngine(Engine):
         if not zero_copy:
             p.plans.plannable()  # (kernels of constants and call pointers)
         slot0, code, me = p.ag_dev, p.ag_code, p.rank
-        bpp = p.publish_blocks(piece_bounds(S, 0)[1])
-        nb = 1 if zero_copy else p.slice_wait_blocks(S)
+        bpp = self.publish_blocks(piece_bounds(S, 0)[1])
+        nb = 1 if zero_copy else self.slice_wait_blocks(S)
         pub = publish_args(p, src_p, 0, slot0 + me * S, code, res_me, 1, L, S, call, bpp)
         self.issue(
             ts, stream, output,
@@ -157,12 +192,12 @@ class ProxyPathEngine(Engine):
         p.plans.plannable()  # (kernels of constants and call pointers)
         W, send0, recv0 = p.world, p.rs_send_dev, p.rs_recv_dev
         if base is not None:
-            bpp = p.publish_blocks(W * piece_bounds(S, 0)[1])
+            bpp = self.publish_blocks(W * piece_bounds(S, 0)[1])
             pub = publish_args(p, base, src_stride, send0, p.send_code, 0, W, L, S, call, bpp)
         else:  # (nothing to copy: nchunks 0)
             bpp = 1
             pub = publish_args(p, 0, 0, send0, p.send_code, 0, 0, L, S, call, bpp)
-        nb = p.slice_wait_blocks(S)
+        nb = self.slice_wait_blocks(S)
         self.issue(
             ts, stream, (dst_ptr, 0, 1, L),
             lambda: p.launch_struct(stream, RS_PROXY[dtype], PIECES * bpp + 1 + nb,
@@ -192,7 +227,7 @@ class ProxyPathEngine(Engine):
                             finalize_args(p, rows_args, own, call))
 
         def wait():
-            nb = p.wait_blocks(piece_bounds(S, 0, RB)[1])
+            nb = self.wait_blocks(piece_bounds(S, 0, RB)[1])
             p.launch_struct(stream, RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS,
                             wait_role_args(p, Op.RS, L, S, p.rs_recv_dev, p.recv_code, dst, 0,
                                            own, advance=(entries, 0)))
@@ -229,7 +264,7 @@ class FusedEngine(Engine):
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * p.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(p.max_direct_blocks, -(-units // DIRECT_THREADS)))
-        nb = min(p.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
+        nb = min(self.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
         p.launch_struct(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                         finalize_direct_args(p, rows_args, dtab.data_ptr(), call, npub, own,
                                              dst))
