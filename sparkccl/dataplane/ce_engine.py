@@ -29,6 +29,7 @@ emulation in tests/ implements on the host.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
 from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .engines import DIRECT_THREADS, WAIT_THREADS, DirectCall, Engine
-from .kernel_args import sum_unit_args
+from .kernel_args import sum_unit_args, wait_params
 from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
 _P = layout.protocol_constants()
@@ -145,6 +146,11 @@ class CeEngine(Engine):
         self.sums = None  # (stream, events) of the reduce-scatter sums, made on first use
         self.events: list[int] | None = None  # fork and join events, made on first use
         self.stream_handles: tuple | None = None  # the terms of its streams, once all exist
+        # The publish ring's entries as the host writes them (_issue: where the copy
+        # engines send, the host writes the fields, the streams only the tags).
+        words = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8
+        ring = (ctypes.c_uint64 * words).from_address(p.ctl + layout.RING_OFFSET)
+        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
 
     def close(self) -> None:
         """Free the events (the programs name them, so they go too) and the sums' stream."""
@@ -193,10 +199,10 @@ class CeEngine(Engine):
             p.ring_rows[:, 0] = seq
             i = first % layout.RING_ENTRIES
             if i + PIECES <= layout.RING_ENTRIES:
-                self.plane.ring_host[i:i + PIECES, 1:7] = p.ring_rows
+                self.ring_host[i:i + PIECES, 1:7] = p.ring_rows
             else:
-                self.plane.ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
-                                1:7] = p.ring_rows
+                self.ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
+                               1:7] = p.ring_rows
         terms = self._terms(seq, first, stream_term, args, stage)
         self.plane.issued(self.plane.gpu.run_program(p.program, terms, ts), ts)
 
@@ -285,7 +291,7 @@ class CeEngine(Engine):
         sums = self._sum_stream() if op == Op.RS and ce_wait else None
         fork, side_end, watch_end, sums_end = self._sync_events()
         state = self.plane.state.data_ptr()
-        waits = self.plane.wait_args(op)
+        waits = wait_params(self.plane, op)
         # The kernel table: parameter words with CallPtr marks become patches (the first
         # word is each launch's own value); the direct, wait and sum kernels take one struct
         # (args: DirectArgs, WaitRoleArgs), whose words a launch passes as they are.

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import torch
 
 from .. import config, layout
@@ -183,9 +182,6 @@ class CudaDataPlane(DataPlaneBase):
         self.direct_mode = direct_mode
         self.ce_min_slice = ce_min_slice
         self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
-        ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
-            ctl_addr + layout.RING_OFFSET)
-        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
         self.dcounters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # The peers' regions mapped here and the GPU-direct stream tables (map_peers).
@@ -407,14 +403,7 @@ class CudaDataPlane(DataPlaneBase):
             self._graph_bufs.append(buf)
         return buf
 
-    # ---- launch helpers --------------------------------------------------------------
-    def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
-        """WAIT_PARAMS: the op's WaitParams block, then advance = (ring entries, gate bumps)
-        when the kernel is the collective's last and moves the device state on itself
-        (kernels/common.cuh last_block_advances), else (0, 0) and :meth:`finish` queues
-        sccl_advance."""
-        return self.waits.block[op], _n(advance[0]), _n(advance[1])
-
+    # ---- capture ----------------------------------------------------------------------
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective

@@ -16,10 +16,10 @@ state) to an engine.
 The contract with the plane: an engine reads the plane's public state (device pointers of
 the regions and tables, the settings, ``phases``; the grid caps ``max_*_blocks``, within
 which :class:`Engine` sizes each launch's grid) and calls its public operations
-(``launch_struct`` with :mod:`.kernel_args`' structs, ``launch``, ``wait_args``,
-``poison_if_failed``, ``finish``, ``fork`` / ``join``, ``scratch``, ``issued``; for mode
-"ce"'s stream programs the device seam ``plane.gpu``, :mod:`.device`); it owns whatever
-state is its own (mode "ce": its programs, streams and events). ``phases`` is
+(``launch_struct`` with :mod:`.kernel_args`' structs, ``launch``, ``poison_if_failed``,
+``finish``, ``fork`` / ``join``, ``scratch``, ``issued``; for mode "ce"'s stream programs
+the device seam ``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode
+"ce": its programs, streams, events and its host view of the publish ring). ``phases`` is
 a benchmark option of the plane (benchmarks/kernel_roofline.py times the publish and the
 wait roles one at a time); the proxy path reads it in one place
 (:meth:`ProxyPathEngine.issue`), the choice of engine in another.

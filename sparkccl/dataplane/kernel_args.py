@@ -42,6 +42,13 @@ class WaitBlocks:
         self.block = {op: self.blocks[int(op)].data_ptr() for op in Op}
 
 
+def wait_params(plane, op: Op) -> tuple:
+    """WAIT_PARAMS of the small positional kernels (mode ce's ``sccl_wait_piece``, after its
+    piece, and ``sccl_fail_guard``): the op's WaitParams block, then adv_entries, adv_gate,
+    0 (they never move the device state on: sccl_advance does)."""
+    return plane.waits.block[op], 0, 0
+
+
 def ring(plane) -> int:
     """This rank's publish ring (the control segment's, mapped for the device): the ``ring``
     field of every struct whose kernel hands pieces off."""
