@@ -28,13 +28,27 @@ RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_
                torch.float32: "sccl_rs_sum_unit_f32"}
 
 
+def _start(plane, op: Op, seq: int, L: int, dtype: torch.dtype, part, kind: int,
+           zero_copy: str | None) -> tuple:
+    """What an all-gather's and a reduce-scatter's call do first: (S, call word, first ring
+    index, torch stream, cuda.core stream, direct table or None, engine). The call word says
+    ``part`` (kind, zero bytes) where the call is a step of an all-reduce (base.py
+    all_gather), else ``kind`` and this call's padding; plane.begin checks and counts the call
+    (``zero_copy``: the feature that needs the host's slot, see there); the engine is the
+    plane's choice for the slice."""
+    S = round_up(L, ALIGN)
+    call = call_word(op, dtype, *(part or (kind, S - L)))
+    first = plane.begin(op, seq, S, call, zero_copy=zero_copy)
+    ts, stream = plane.gpu.current_stream()
+    dtab = plane.direct_table(op, S)
+    return S, call, first, ts, stream, dtab, plane.engines.choose(op, S, dtab)
+
+
 def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                 dst_stride: int, L: int, dtype: torch.dtype, part) -> None:
-    S = round_up(L, ALIGN)
-    call = call_word(Op.AG, dtype, *(part or (ALL_GATHER, S - L)))
-    first = plane.begin(Op.AG, seq, S, call,
-                        zero_copy="a zero-copy result" if dst is None else None)
-    ts, stream = plane.gpu.current_stream()
+    S, call, first, ts, stream, dtab, engine = _start(
+        plane, Op.AG, seq, L, dtype, part, ALL_GATHER,
+        "a zero-copy result" if dst is None else None)
     slot0, code = plane.ag_dev, plane.ag_code
     slot = Slotted(slot0, 3, plane.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
     me = plane.rank
@@ -43,8 +57,6 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
     res_me = 0 if dst is None else dst_ptr + me * dst_stride
     out = (slot, S, plane.world, L) if dst is None else (dst_ptr, dst_stride, plane.world, L)
     piece = piece_bounds(S, 0)[1]
-    dtab = plane.direct_table(Op.AG, S)
-    engine = plane.engines.choose(Op.AG, S, dtab)
     if not engine.direct:
         plane.engines.proxy.all_gather(ts, stream, S, L, call, src_p, dst_ptr, dst_stride,
                                       res_me, out, zero_copy=dst is None)
@@ -67,11 +79,9 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
 
 def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
                     dtype: torch.dtype, part) -> None:
-    S = round_up(L, ALIGN)
-    call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, S - L)))
-    first = plane.begin(Op.RS, seq, S, call,
-                        zero_copy="a zero-copy input" if src is None else None)
-    ts, stream = plane.gpu.current_stream()
+    S, call, first, ts, stream, dtab, engine = _start(
+        plane, Op.RS, seq, L, dtype, part, REDUCE_SCATTER,
+        "a zero-copy input" if src is None else None)
     W, me = plane.world, plane.rank
     send0, recv0 = plane.rs_send_dev, plane.rs_recv_dev
     scode, rcode = plane.send_code, plane.recv_code
@@ -85,8 +95,6 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
     else:
         base = None
         own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-    dtab = plane.direct_table(Op.RS, S)
-    engine = plane.engines.choose(Op.RS, S, dtab)
     if not engine.direct:
         plane.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
                                           own_code, own_sys, dst_ptr, dtype)
