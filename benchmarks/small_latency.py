@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sparkccl.dataplane import cuda as C  # noqa: E402
+from sparkccl.dataplane import engines as EN  # noqa: E402
 from sparkccl.reference import reduce_scatter_reference  # noqa: E402
 from tests.test_cuda_dataplane import World  # noqa: E402  (the in-process world of the tests)
 
@@ -98,13 +98,13 @@ def main() -> None:
                     choices=["fused", "proxy"])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--wait-bytes", type=int, default=C.WAIT_BYTES_PER_BLOCK,
-                    help="bytes per consumer block (the data plane's WAIT_BYTES_PER_BLOCK), "
+    ap.add_argument("--wait-bytes", type=int, default=EN.WAIT_BYTES_PER_BLOCK,
+                    help="bytes per consumer block (the engines' WAIT_BYTES_PER_BLOCK), "
                     "to try other block counts")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"],
                     help="emu: the CPU emulation of the tests (to try the script, no timing)")
     args = ap.parse_args()
-    C.WAIT_BYTES_PER_BLOCK = args.wait_bytes  # (read at every planning)
+    EN.WAIT_BYTES_PER_BLOCK = args.wait_bytes  # (read at every planning)
     name = torch.cuda.get_device_name() if args.backend == "cuda" else "CPU emulation"
     print(f"# {name}: world 2 in one process, mesh, bf16; GPU us per "
           f"collective over {args.calls} back to back, median of {args.rounds}; KiB per rank; "

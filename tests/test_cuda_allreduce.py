@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sparkccl.reference import all_reduce_reference
-from test_cuda_dataplane import (BACKENDS, C, Graphs, World, check_ring_tickets, device_seq,
-                                 inputs)
+from test_cuda_dataplane import (BACKENDS, EN, C, Graphs, World, check_ring_tickets,
+                                 device_seq, inputs)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GUARD = 5
@@ -61,7 +61,7 @@ def test_one_shot_exact(backend, topology, world, roots, direct):
     with one sync: every rank's result is the reference's bits; then in place (out is x);
     then a slice above ONE_HANDOFF_SLICE (summed piece by piece); a shape's second call runs
     from its launch plan."""
-    oh = C.ONE_HANDOFF_SLICE
+    oh = EN.ONE_HANDOFF_SLICE
     big = (oh // 2 + 9,)  # bf16: S = oh + 32 > ONE_HANDOFF_SLICE
     with World(backend, topology, world, roots, max_slice=oh + 64, direct=direct) as w:
         pending = []

@@ -95,8 +95,10 @@ def test_python_constants_equal_the_compiled_header():
     from sparkccl.dataplane import direct_tables as D
     from sparkccl.dataplane import monitor as M
     from sparkccl.dataplane import ce_engine as E
-    for name in ("COUNTER_SETS", "FIN_SET", "ONE_HANDOFF_SLICE"):
+    from sparkccl.dataplane import engines as EN
+    for name in ("COUNTER_SETS", "FIN_SET"):
         assert getattr(C, name) == N.protocol()[name], name
+    assert EN.ONE_HANDOFF_SLICE == N.protocol()["ONE_HANDOFF_SLICE"]
     assert E.PROG_STRIDE == N.protocol()["PROG_STRIDE"]
     for name in ("NO_WORD", "NO_SOURCE"):  # (the failure record's: monitor.py reads it)
         assert getattr(M, name) == N.protocol()[name], name

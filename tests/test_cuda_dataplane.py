@@ -49,6 +49,7 @@ import sparkccl._native as N  # noqa: E402 - the native layer is not optional: n
 from sparkccl.dataplane import cuda as C  # noqa: E402
 from sparkccl.dataplane import cuda_runtime, nvrtc  # noqa: E402
 from sparkccl.dataplane import ce_engine as E  # noqa: E402
+from sparkccl.dataplane import engines as EN  # noqa: E402
 from sparkccl.dataplane import monitor as M  # noqa: E402
 from sparkccl.dataplane.device import Device  # noqa: E402
 
@@ -935,7 +936,7 @@ def test_both_sides_of_the_one_handoff_slice(backend, topology, world, roots, di
     """Slices up to ONE_HANDOFF_SLICE go in one hand-off (the GPU-direct publish flags the
     last piece only; the waits take the whole slice at once), larger ones piece by piece:
     the same bits on both sides of the bound and at it, tails included, back to back."""
-    oh = C.ONE_HANDOFF_SLICE
+    oh = EN.ONE_HANDOFF_SLICE
     ag_sizes = [oh - 21, oh, oh + 1]  # S = oh - 16, oh (one hand-off); oh + 16 (pieces)
     rs_cases = [(torch.bfloat16, (world * (oh // 2),)), (torch.bfloat16, (world * (oh // 2 + 1),)),
                 (torch.float32, (world * (oh // 4 - 3),))]
@@ -959,13 +960,14 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
     monkeypatch.setattr(EmuDevice, "sms", 200)
     monkeypatch.setattr(C.CudaDataPlane, "__init__", recording)
     with World("emu", "mesh", 2, max_slice=4096) as w:
-        assert defaults == [C.MAX_WAIT_BLOCKS] * 2
+        assert defaults == [EN.MAX_WAIT_BLOCKS] * 2
         dp = w.dps[0]
-        dp.max_wait_blocks = C.MAX_WAIT_BLOCKS
-        oh, per = C.ONE_HANDOFF_SLICE, C.WAIT_BYTES_PER_BLOCK
-        assert dp.slice_wait_blocks(oh) == oh // per
-        assert dp.slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
-        assert dp.slice_wait_blocks(1 << 30) == C.MAX_WAIT_BLOCKS
+        dp.max_wait_blocks = EN.MAX_WAIT_BLOCKS
+        oh, per = EN.ONE_HANDOFF_SLICE, EN.WAIT_BYTES_PER_BLOCK
+        grids = dp.engines.proxy  # (every engine sizes its grids so)
+        assert grids.slice_wait_blocks(oh) == oh // per
+        assert grids.slice_wait_blocks(oh + 16) == -(-G.piece_bounds(oh + 16, 0)[1] // per)
+        assert grids.slice_wait_blocks(1 << 30) == EN.MAX_WAIT_BLOCKS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -1029,9 +1031,11 @@ def test_auto_mode_picks_the_engine_by_slice():
         issued, launched = [], []
         for dp in w.dps:
             dp.ce_min_slice = 4096
-            run, launch = dp.gpu.run_program, dp.launch
+            run, launch, launch_struct = dp.gpu.run_program, dp.launch, dp.launch_struct
             dp.gpu.run_program = lambda p, t, ts, f=run: (issued.append(p.names), f(p, t, ts))[1]
             dp.launch = lambda st, name, *a, f=launch: (launched.append(name), f(st, name, *a))
+            dp.launch_struct = lambda st, name, *a, f=launch_struct: (launched.append(name),
+                                                                      f(st, name, *a))
         small = inputs(20, world, (4000,), torch.uint8)
         outs = w.all_gather(small)
         w.sync()

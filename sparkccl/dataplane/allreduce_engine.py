@@ -53,16 +53,16 @@ class OneShotEngine(Engine):
         # one wait, so one 16-byte unit per thread (each further round of a thread is
         # another read latency), within the plane's cap on spinning blocks (MAX_WAIT_BLOCKS:
         # ranks sharing a GPU need SMs for each other's publish blocks).
-        nb = p.slice_wait_blocks(S)
+        nb = self.slice_wait_blocks(S)
         if S <= ONE_HANDOFF_SLICE:
             nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * THREADS))))
         if direct:
-            npub = p.direct_blocks(piece * (p.world - 1))
+            npub = self.direct_blocks(piece * (p.world - 1))
             nb = min(nb, p.max_direct_wait_blocks)
         else:
             # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
-            npub = (p.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
-                    else PIECES * p.publish_blocks(piece))
+            npub = (self.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
+                    else PIECES * self.publish_blocks(piece))
         words = all_reduce_args(p, src, dst, L, S, avg, call, npub,
                                 table.data_ptr() if direct else 0,
                                 p.fin_gate.data_ptr() if in_place else 0)

@@ -29,6 +29,7 @@ emulation in tests/ implements on the host.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -42,9 +43,13 @@ from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
 from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .engines import DIRECT_THREADS, WAIT_THREADS, DirectCall, Engine
+from .kernel_args import sum_unit_args, wait_params
 from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
-PROG_STRIDE = layout.protocol_constants()["PROG_STRIDE"]  # progress word = seq * it + unit
+_P = layout.protocol_constants()
+PROG_STRIDE = _P["PROG_STRIDE"]  # progress word = seq * it + unit
+# The words of the sum's SumUnitArgs that are a call's terms (the staging buffer, own).
+SU_STAGE_WORD, SU_OWN_WORD = _P["SU_STAGE"] // 8, _P["SU_OWN"] // 8
 # stream operations of a program (native/src/cuda_ops.cpp)
 OP_COPY, OP_WRITE64, OP_LAUNCH, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE = 0, 1, 2, 3, 4, 5
 MAX_CE_PLANS = 64  # mode "ce" programs kept per data plane (all dropped when full)
@@ -76,12 +81,13 @@ def _sym(v) -> tuple:
     return int(v) & _MASK, T_ZERO, 0
 
 
-def _call_params(call) -> tuple:
-    """What of a call shapes its mode "ce" program: the kernels' parameters, the copy
-    engines' source, the consume side's values and the own copies' destinations (as the
-    program's rows take them: _sym)."""
-    return (*call.publish, *call.consume, *(call.ce_src or ()),
-            *(_sym(v) for v in call.ce_consume), *(_sym(d) for d, _, _ in call.own))
+def _call_params(call, direct: list) -> tuple:
+    """What of a call shapes its mode "ce" program: the direct kernel's DirectArgs
+    (``direct``: its wait role's WaitRoleArgs too), the copy engines' source, the consume
+    side's values and the own copies' destinations (as the program's rows take them:
+    _sym)."""
+    return (*direct, *(call.ce_src or ()), *(_sym(v) for v in call.ce_consume),
+            *(_sym(d) for d, _, _ in call.own))
 
 
 def _call_args(call, params: tuple) -> list:
@@ -140,6 +146,11 @@ class CeEngine(Engine):
         self.sums = None  # (stream, events) of the reduce-scatter sums, made on first use
         self.events: list[int] | None = None  # fork and join events, made on first use
         self.stream_handles: tuple | None = None  # the terms of its streams, once all exist
+        # The publish ring's entries as the host writes them (_issue: where the copy
+        # engines send, the host writes the fields, the streams only the tags).
+        words = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8
+        ring = (ctypes.c_uint64 * words).from_address(p.ctl + layout.RING_OFFSET)
+        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
 
     def close(self) -> None:
         """Free the events (the programs name them, so they go too) and the sums' stream."""
@@ -157,9 +168,10 @@ class CeEngine(Engine):
     def run(self, call: DirectCall) -> None:
         """The collective's program (:meth:`_program`) with this call's terms, in one native
         call; kept as the shape's plan when the call is being planned."""
-        ring, waits = self.direct_ring(call.call), self.plane.wait_args(call.op)
-        params = _call_params(call)
-        p = self._program(call, ring, waits, params)
+        wait = call.wait_args(self.plane)  # (sccl_advance moves the device state on)
+        args = (call.direct_args(self.plane, wait), wait)
+        params = _call_params(call, args[0])
+        p = self._program(call, args, params)
         stage = (self.plane.scratch("ce stage", self.plane.world * call.S).data_ptr()
                  if call.op == Op.RS and call.ce_consume else 0)
         self._issue(p, call.seq, call.first, self.plane.gpu.stream_term(call.ts), call.ts,
@@ -187,10 +199,10 @@ class CeEngine(Engine):
             p.ring_rows[:, 0] = seq
             i = first % layout.RING_ENTRIES
             if i + PIECES <= layout.RING_ENTRIES:
-                self.plane.ring_host[i:i + PIECES, 1:7] = p.ring_rows
+                self.ring_host[i:i + PIECES, 1:7] = p.ring_rows
             else:
-                self.plane.ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
-                                1:7] = p.ring_rows
+                self.ring_host[[(first + c) % layout.RING_ENTRIES for c in range(PIECES)],
+                               1:7] = p.ring_rows
         terms = self._terms(seq, first, stream_term, args, stage)
         self.plane.issued(self.plane.gpu.run_program(p.program, terms, ts), ts)
 
@@ -231,8 +243,7 @@ class CeEngine(Engine):
             t[T_MOD + i] = seq % m
         return t
 
-    def _program(self, call: DirectCall, ring: tuple, waits: tuple,
-                    params: tuple) -> CeProgram:
+    def _program(self, call: DirectCall, args: tuple, params: tuple) -> CeProgram:
         """The program of this call's shape, from the cache or built now (``stats``
         counts hits and misses). Its key holds every constant that shapes it: the shape, the
         kernels' constant parameters (``params``: _call_params(call)); what varies per call
@@ -251,11 +262,10 @@ class CeEngine(Engine):
         stats["misses"] += 1
         if len(plans) >= MAX_CE_PLANS:
             plans.clear()
-        p = plans[key] = self._build(call, ring, waits, host, words, params)
+        p = plans[key] = self._build(call, args, host, words)
         return p
 
-    def _build(self, call: DirectCall, ring: tuple, waits: tuple, host, words,
-                          params: tuple) -> CeProgram:
+    def _build(self, call: DirectCall, args: tuple, host, words) -> CeProgram:
         """Mode "ce" for the shape of ``call``, as program rows (what each stream does is
         described in the module docstring and in :meth:`_ce_publish_rows` /
         :meth:`_ce_receive_rows`):
@@ -281,18 +291,19 @@ class CeEngine(Engine):
         sums = self._sum_stream() if op == Op.RS and ce_wait else None
         fork, side_end, watch_end, sums_end = self._sync_events()
         state = self.plane.state.data_ptr()
-        # The kernel table: parameters with CallPtr marks become patches (the first
-        # parameter is each launch's own value).
+        waits = wait_params(self.plane, op)
+        # The kernel table: parameter words with CallPtr marks become patches (the first
+        # word is each launch's own value); the direct, wait and sum kernels take one struct
+        # (args: DirectArgs, WaitRoleArgs), whose words a launch passes as they are.
         table = {K_PIECE: ("sccl_wait_piece", 32, (0, *waits)),
-                 K_PUBLISH: (call.kernel, DIRECT_THREADS, (*call.publish, *ring, npub,
-                                                           *call.consume, *waits)),
-                 K_WAIT: (call.wait_kernel, WAIT_THREADS, (*call.consume, L, S, *waits)),
+                 K_PUBLISH: (call.kernel, DIRECT_THREADS, args[0]),
+                 K_WAIT: (call.wait_kernel, WAIT_THREADS, args[1]),
                  K_GUARD: ("sccl_fail_guard", 32, waits),
                  K_ADVANCE: ("sccl_advance", 32, (state, PIECES, 0))}
-        if sums is not None:  # stage, own (host view): terms (dst: a call pointer)
+        if sums is not None:  # unit per launch; stage, own (host view): terms; dst: a CallPtr
             table[K_SUM] = (call.sum_kernel, WAIT_THREADS,
-                            (0, 0, 0, hc[2], hc[3], L, S, self.plane.rank, self.plane.world,
-                             self.sum_parts_dev.data_ptr(), self.plane.maxw))
+                            sum_unit_args(self.plane, 0, 0, 0, hc[2], hc[3], L, S,
+                                          self.sum_parts_dev.data_ptr()))
         kernels, patches, slot, firsts = [], [], {}, {}
 
         def kernel(k: int) -> int:
@@ -305,7 +316,8 @@ class CeEngine(Engine):
                         patches.append((i, j, T_ARG + v.arg, 1, v.add & _MASK))
                 if k == K_SUM:
                     add, term, mult = _sym(hc[1])
-                    patches.extend([(i, 1, T_STAGE, 1, 0), (i, 2, term, mult, add)])
+                    patches.extend([(i, SU_STAGE_WORD, T_STAGE, 1, 0),
+                                    (i, SU_OWN_WORD, term, mult, add)])
                 kernels.append((name, block, [int(v) & _MASK for v in ps]))
                 firsts[k] = _sym(ps[0])
             return slot[k]

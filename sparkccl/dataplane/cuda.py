@@ -34,19 +34,18 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import torch
 
 from .. import config, layout
 from ..errors import CollectiveError, ConfigError
-from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
+from ..plan.geometry import ALIGN, PIECES, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
 from . import clock
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .ce_engine import CePlan
 from .engine_choice import Engines, direct_blocks_setting
-from .engines import RS_WAIT
+from .engines import MAX_WAIT_BLOCKS, RS_WAIT
 from .cuda_runtime import AlreadyRegistered
 from .cuda_runtime import kernel_u64 as _n
 from .cuda_runtime import u64_at as _u64
@@ -60,8 +59,6 @@ from .monitor import FailureMonitor
 _P = layout.protocol_constants()
 COUNTER_SETS = _P["COUNTER_SETS"]  # publish counters are indexed by seq % COUNTER_SETS
 FIN_SET = _P["FIN_SET"]  # finalize counters per set: item counters, then the claim counter
-# Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
-ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 STATE_SEQ, STATE_RING, STATE_TIMEOUT = _P["STATE_SEQ"], _P["STATE_RING"], _P["STATE_TIMEOUT"]
 _GPU_STATUS_WORD = layout.CTL_GPU_STATUS // 8
 _ABORT_WORD = layout.CTL_ABORT // 8
@@ -74,16 +71,6 @@ FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
 SIZE_CHECK_CALLS = 8
 POISON_THREADS = 256
 MAX_WORLD = 64
-
-PUBLISH_BYTES_PER_BLOCK = 64 << 10
-WAIT_BYTES_PER_BLOCK = 32 << 10
-# The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
-# one 512-thread block per SM (127 registers): a grid of waiters on most SMs leaves another
-# rank's kernel on the same GPU no room to publish what they wait for (two ranks on one
-# H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
-# each, timed out). 32 keep more than 50 GB/s of pinned reads in flight.
-MAX_WAIT_BLOCKS = 32
-
 
 
 # ---------------------------------------------------------------- the data plane
@@ -140,7 +127,8 @@ class CudaDataPlane(DataPlaneBase):
         # The watchdog, the fail-stop handshake, the release of stuck waits (monitor.py).
         self.monitor = FailureMonitor(self, self.gpu.trap_lock_path)
         # Grid caps (tunable: benchmarks; in-process tests with several ranks on one GPU
-        # lower the wait cap so that every rank's spinning wait kernel fits beside the others).
+        # lower the wait cap so that every rank's spinning wait kernel fits beside the others);
+        # the engines size each launch's grid within them (engines.Engine.publish_blocks ...).
         self.max_publish_blocks = 2 * self.sms
         self.max_wait_blocks = min(self.sms, MAX_WAIT_BLOCKS)
         self.phases = ("publish", "wait")  # benchmarks/kernel_roofline.py times one at a time
@@ -194,9 +182,6 @@ class CudaDataPlane(DataPlaneBase):
         self.direct_mode = direct_mode
         self.ce_min_slice = ce_min_slice
         self._side_streams: dict[str, torch.cuda.Stream] = {}  # modes split / ce (see _fork)
-        ring = (ctypes.c_uint64 * (layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8)).from_address(
-            ctl_addr + layout.RING_OFFSET)
-        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
         # the GPU-direct hand-offs' block counters (kernels/direct.cu hand_off)
         self.dcounters = self.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES, dtype=torch.int32))
         # The peers' regions mapped here and the GPU-direct stream tables (map_peers).
@@ -418,31 +403,7 @@ class CudaDataPlane(DataPlaneBase):
             self._graph_bufs.append(buf)
         return buf
 
-
-    def direct_blocks(self, work: int) -> int:
-        return max(1, min(self.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
-
-    # ---- launch helpers --------------------------------------------------------------
-    def wait_args(self, op: Op, advance: tuple = (0, 0)) -> tuple:
-        """WAIT_PARAMS: the op's WaitParams block, then advance = (ring entries, gate bumps)
-        when the kernel is the collective's last and moves the device state on itself
-        (kernels/common.cuh last_block_advances), else (0, 0) and :meth:`finish` queues
-        sccl_advance."""
-        return self.waits.block[op], _n(advance[0]), _n(advance[1])
-
-    def publish_blocks(self, work: int) -> int:
-        cap = max(1, self.max_publish_blocks // PIECES)
-        return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
-
-    def wait_blocks(self, work: int) -> int:
-        return max(1, min(self.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
-
-    def slice_wait_blocks(self, S: int) -> int:
-        """Consumer blocks of a collective of slice S: for what they move after one wait, a
-        piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
-        for its last unit, and need the blocks for all of it in flight at once)."""
-        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
-
+    # ---- capture ----------------------------------------------------------------------
     def seq_on_host(self) -> bool:
         """Does the host know the next collective's seq (and so its slots)? False while the
         caller's stream is being captured into a CUDA graph and ever after one collective

@@ -16,7 +16,6 @@ import torch
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import Op
 from .cpu import fin_slice
-from .cuda_runtime import kernel_u64 as _n
 from .engines import RS_WAIT, DirectCall
 from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
@@ -29,13 +28,27 @@ RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_
                torch.float32: "sccl_rs_sum_unit_f32"}
 
 
+def _start(plane, op: Op, seq: int, L: int, dtype: torch.dtype, part, kind: int,
+           zero_copy: str | None) -> tuple:
+    """What an all-gather's and a reduce-scatter's call do first: (S, call word, first ring
+    index, torch stream, cuda.core stream, direct table or None, engine). The call word says
+    ``part`` (kind, zero bytes) where the call is a step of an all-reduce (base.py
+    all_gather), else ``kind`` and this call's padding; plane.begin checks and counts the call
+    (``zero_copy``: the feature that needs the host's slot, see there); the engine is the
+    plane's choice for the slice."""
+    S = round_up(L, ALIGN)
+    call = call_word(op, dtype, *(part or (kind, S - L)))
+    first = plane.begin(op, seq, S, call, zero_copy=zero_copy)
+    ts, stream = plane.gpu.current_stream()
+    dtab = plane.direct_table(op, S)
+    return S, call, first, ts, stream, dtab, plane.engines.choose(op, S, dtab)
+
+
 def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst_off: int,
                 dst_stride: int, L: int, dtype: torch.dtype, part) -> None:
-    S = round_up(L, ALIGN)
-    call = call_word(Op.AG, dtype, *(part or (ALL_GATHER, S - L)))
-    first = plane.begin(Op.AG, seq, S, call,
-                        zero_copy="a zero-copy result" if dst is None else None)
-    ts, stream = plane.gpu.current_stream()
+    S, call, first, ts, stream, dtab, engine = _start(
+        plane, Op.AG, seq, L, dtype, part, ALL_GATHER,
+        "a zero-copy result" if dst is None else None)
     slot0, code = plane.ag_dev, plane.ag_code
     slot = Slotted(slot0, 3, plane.ag_stride, seq)  # (the host's view: zero-copy and mode ce)
     me = plane.rank
@@ -44,35 +57,31 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
     res_me = 0 if dst is None else dst_ptr + me * dst_stride
     out = (slot, S, plane.world, L) if dst is None else (dst_ptr, dst_stride, plane.world, L)
     piece = piece_bounds(S, 0)[1]
-    dtab = plane.direct_table(Op.AG, S)
-    engine = plane.engines.choose(Op.AG, S, dtab)
     if not engine.direct:
         plane.engines.proxy.all_gather(ts, stream, S, L, call, src_p, dst_ptr, dst_stride,
                                       res_me, out, zero_copy=dst is None)
         return
     # GPU-direct: this rank's publish streams run on the GPU
-    nb = 1 if dst is None else min(plane.slice_wait_blocks(S), plane.max_direct_wait_blocks)
+    nb = 1 if dst is None else min(engine.slice_wait_blocks(S), plane.max_direct_wait_blocks)
     # The own block of the slot is only written when the result stays there (zero-copy):
     # relays forward other origins' blocks, and no proxy reads it.
     own_dst = slot + me * S if dst is None else 0
     engine.run(DirectCall(
         Op.AG, seq, ts, stream, S=S, L=L, call=call, first=first, kernel="sccl_ag_direct",
-        publish=(src_p, _n(0), _n(0), _n(0), _n(L), _n(S), dtab.data_ptr(),
-                 slot0 + me * S if dst is None else 0, _n(code if dst is None else 0),
-                 res_me),
-        consume=(slot0, _n(code), dst_ptr, _n(dst_stride)),
-        wait_kernel="sccl_ag_wait", nb=nb, npub=plane.direct_blocks(piece * (plane.world - 1)),
+        publish=dict(src=src_p, src_code=0, src_stride=0, src_sys=0, dtab=dtab.data_ptr(),
+                     own_dst=slot0 + me * S if dst is None else 0,
+                     own_dst_code=code if dst is None else 0, dst2=res_me),
+        consume=dict(slot=slot0, slot_code=code, out=dst_ptr, out_stride=dst_stride),
+        wait_kernel="sccl_ag_wait", nb=nb, npub=engine.direct_blocks(piece * (plane.world - 1)),
         ce_src=(src_p, 0), own=[(d, src_p, L) for d in (own_dst, res_me) if d],
         ce_consume=(slot, dst_ptr, dst_stride), output=out))
 
 
 def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
                     dtype: torch.dtype, part) -> None:
-    S = round_up(L, ALIGN)
-    call = call_word(Op.RS, dtype, *(part or (REDUCE_SCATTER, S - L)))
-    first = plane.begin(Op.RS, seq, S, call,
-                        zero_copy="a zero-copy input" if src is None else None)
-    ts, stream = plane.gpu.current_stream()
+    S, call, first, ts, stream, dtab, engine = _start(
+        plane, Op.RS, seq, L, dtype, part, REDUCE_SCATTER,
+        "a zero-copy input" if src is None else None)
     W, me = plane.world, plane.rank
     send0, recv0 = plane.rs_send_dev, plane.rs_recv_dev
     scode, rcode = plane.send_code, plane.recv_code
@@ -86,8 +95,6 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
     else:
         base = None
         own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
-    dtab = plane.direct_table(Op.RS, S)
-    engine = plane.engines.choose(Op.RS, S, dtab)
     if not engine.direct:
         plane.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
                                           own_code, own_sys, dst_ptr, dtype)
@@ -97,12 +104,13 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
                                      else (send0, scode, S, 1))
     engine.run(DirectCall(
         Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=RS_DIRECT[dtype],
-        publish=(sbase, _n(scode_d), _n(sstride), _n(ssys), _n(L), _n(S), dtab.data_ptr(),
-                 0, _n(0), 0),
-        consume=(recv0, _n(rcode), own, _n(own_code), _n(own_sys), dst_ptr),
-        wait_kernel=RS_WAIT[dtype], nb=min(plane.slice_wait_blocks(S),
+        publish=dict(src=sbase, src_code=scode_d, src_stride=sstride, src_sys=ssys,
+                     dtab=dtab.data_ptr()),
+        consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, own=own, own_code=own_code,
+                     own_sys=own_sys),
+        wait_kernel=RS_WAIT[dtype], nb=min(engine.slice_wait_blocks(S),
                                            plane.max_direct_wait_blocks),
-        npub=plane.direct_blocks(piece * (W - 1)),
+        npub=engine.direct_blocks(piece * (W - 1)),
         # A zero-copy input already lies in pinned memory: no copy engine for it.
         ce_src=(base, src_stride) if src is not None else None, own=[],
         sum_kernel=RS_SUM_UNIT[dtype],

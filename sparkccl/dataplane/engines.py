@@ -14,13 +14,14 @@ of each per data plane and is the one place that maps (collective, size, setting
 state) to an engine.
 
 The contract with the plane: an engine reads the plane's public state (device pointers of
-the regions and tables, the settings, ``phases``) and calls its public operations
-(``launch``, ``launch_struct`` with :mod:`.kernel_args`' structs, ``wait_args``,
-``poison_if_failed``, ``finish``, ``fork`` / ``join``, ``scratch``, the block counts,
-``issued``; for mode "ce"'s stream programs the device seam
-``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode "ce": its programs,
-streams and events). ``phases`` is a benchmark option of the plane (benchmarks/kernel_roofline.py
-times the publish and the wait roles one at a time); the proxy path reads it in one place
+the regions and tables, the settings, ``phases``; the grid caps ``max_*_blocks``, within
+which :class:`Engine` sizes each launch's grid) and calls its public operations
+(``launch_struct`` with :mod:`.kernel_args`' structs, ``launch``, ``poison_if_failed``,
+``finish``, ``fork`` / ``join``, ``scratch``, ``issued``; for mode "ce"'s stream programs
+the device seam ``plane.gpu``, :mod:`.device`); it owns whatever state is its own (mode
+"ce": its programs, streams, events and its host view of the publish ring). ``phases`` is
+a benchmark option of the plane (benchmarks/kernel_roofline.py times the publish and the
+wait roles one at a time); the proxy path reads it in one place
 (:meth:`ProxyPathEngine.issue`), the choice of engine in another.
 """
 from __future__ import annotations
@@ -32,13 +33,26 @@ import torch
 from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
 from ..plan.model import Op
-from .kernel_args import finalize_args, finalize_direct_args, proxy_args, publish_args
-from .cuda_runtime import kernel_u64 as _n
+from .kernel_args import (direct_args, finalize_args, finalize_direct_args, proxy_args,
+                          publish_args, wait_role_args)
 
 WAIT_THREADS = 256
 DIRECT_THREADS = 256  # sccl_*_direct: both roles (__launch_bounds__(256, 2))
 PUBLISH_THREADS = 512
 FIN_THREADS = 512
+# Grids: bytes of one launch's work per block (the caps are the plane's settings,
+# ``max_publish_blocks`` ...: tunable, and launch plans are dropped when they change).
+PUBLISH_BYTES_PER_BLOCK = 64 << 10
+WAIT_BYTES_PER_BLOCK = 32 << 10
+# The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
+# one 512-thread block per SM (127 registers): a grid of waiters on most SMs leaves another
+# rank's kernel on the same GPU no room to publish what they wait for (two ranks on one
+# H200 under MPS: the proxy path's reduce-scatter at 16 MiB per rank, 1 + 132 waiters
+# each, timed out). 32 keep more than 50 GB/s of pinned reads in flight. (The plane's
+# default max_wait_blocks.)
+MAX_WAIT_BLOCKS = 32
+# Slices up to this many bytes are handed off once, not piece by piece (protocol.h)
+ONE_HANDOFF_SLICE = layout.protocol_constants()["ONE_HANDOFF_SLICE"]
 
 RS_WAIT = {torch.bfloat16: "sccl_rs_wait_bf16", torch.float16: "sccl_rs_wait_f16",
            torch.float32: "sccl_rs_wait_f32"}
@@ -50,8 +64,10 @@ RS_PROXY = {torch.bfloat16: "sccl_rs_proxy_bf16", torch.float16: "sccl_rs_proxy_
 class DirectCall:
     """One GPU-direct collective, as its engine needs it.
 
-    publish: the direct kernel's publish arguments up to ``own_dst, dst2``; consume: the wait
-    role's arguments before ``L, S`` (sccl_*_wait) or the wait parameters (direct kernel).
+    publish: the direct kernel's publish role, as keywords of
+    :func:`.kernel_args.direct_args` (src ... dst2); consume: the wait role's, as keywords of
+    :func:`.kernel_args.wait_role_args` (slot ... own_sys); :meth:`wait_args` and
+    :meth:`direct_args` pack them (protocol.h ``WaitRoleArgs``, ``DirectArgs``).
     ce_src: (input pointer, chunk stride) for the copy engines, or None (a zero-copy input,
     already pinned: the publish kernel sends it); own: (dst, src, bytes) copies of the own
     slice; sum_kernel: the reduce-scatter's sum per unit (piece, wait word) in mode "ce"
@@ -69,8 +85,8 @@ class DirectCall:
     call: int       # the ring entries' call word (peer_check.call_word)
     first: int      # first ring index reserved for the collective
     kernel: str     # the direct kernel (fused / split publish role)
-    publish: tuple
-    consume: tuple
+    publish: dict
+    consume: dict
     wait_kernel: str  # the wait kernel of modes split and ce's fallbacks
     nb: int         # consumer blocks of the wait role
     npub: int       # publish blocks
@@ -79,6 +95,15 @@ class DirectCall:
     sum_kernel: str | None = None
     ce_consume: tuple = ()
     output: tuple = ()
+
+    def wait_args(self, plane, advance: tuple = (0, 0)) -> list:
+        """The wait role's ``WaitRoleArgs`` (the wait kernel's one parameter; ``advance``: see
+        :func:`.kernel_args.wait_role_args`)."""
+        return wait_role_args(plane, self.op, self.L, self.S, advance=advance, **self.consume)
+
+    def direct_args(self, plane, wait: list) -> list:
+        """The direct kernel's ``DirectArgs``, its wait role ``wait`` (:meth:`wait_args`)."""
+        return direct_args(plane, wait, self.call, self.npub, **self.publish)
 
 
 class Engine:
@@ -92,18 +117,32 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds (the plane is closing)."""
 
-    def direct_ring(self, call: int) -> tuple:
-        """The direct kernels' ring parameters: ring, the entries' call word, the
-        hand-offs' counters."""
-        p = self.plane
-        return p.ctl_dev + layout.RING_OFFSET, _n(call), p.dcounters.data_ptr()
+    # ---- grids: blocks for ``work`` bytes, within the plane's caps ------------------------
+    def publish_blocks(self, work: int) -> int:
+        """Blocks per piece of a proxy-path publish role (PIECES of them per launch)."""
+        cap = max(1, self.plane.max_publish_blocks // PIECES)
+        return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+
+    def direct_blocks(self, work: int) -> int:
+        """Publish blocks of a GPU-direct launch."""
+        return max(1, min(self.plane.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+
+    def wait_blocks(self, work: int) -> int:
+        """Consumer blocks of a wait role (one poller block comes on top)."""
+        return max(1, min(self.plane.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
+
+    def slice_wait_blocks(self, S: int) -> int:
+        """Consumer blocks of a collective of slice S: for what they move after one wait, a
+        piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
+        for its last unit, and need the blocks for all of it in flight at once)."""
+        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
 
 
 class ProxyPathEngine(Engine):
     """The proxy sends: the kernels publish each piece in the publish ring and wait for the
-    peers' flags (``kernels/publish.cu``, ``wait.cu``, ``proxy_path.cu``). The publish role
-    and the combined kernels take one struct (protocol.h ``PublishArgs``, ``ProxyArgs``,
-    ``FinalizeArgs``: :mod:`.kernel_args`)."""
+    peers' flags (``kernels/publish.cu``, ``wait.cu``, ``proxy_path.cu``). Each kernel takes
+    one struct (protocol.h ``PublishArgs``, ``ProxyArgs``, ``FinalizeArgs``,
+    ``WaitRoleArgs``: :mod:`.kernel_args`)."""
 
     def issue(self, ts, stream, output: tuple, combined, publish, wait,
               entries: int = PIECES) -> None:
@@ -132,8 +171,8 @@ class ProxyPathEngine(Engine):
         if not zero_copy:
             p.plans.plannable()  # (kernels of constants and call pointers)
         slot0, code, me = p.ag_dev, p.ag_code, p.rank
-        bpp = p.publish_blocks(piece_bounds(S, 0)[1])
-        nb = 1 if zero_copy else p.slice_wait_blocks(S)
+        bpp = self.publish_blocks(piece_bounds(S, 0)[1])
+        nb = 1 if zero_copy else self.slice_wait_blocks(S)
         pub = publish_args(p, src_p, 0, slot0 + me * S, code, res_me, 1, L, S, call, bpp)
         self.issue(
             ts, stream, output,
@@ -141,9 +180,9 @@ class ProxyPathEngine(Engine):
                                     PUBLISH_THREADS,
                                     proxy_args(p, Op.AG, pub, slot0, code, dst_ptr, dst_stride)),
             lambda: p.launch_struct(stream, "sccl_publish", PIECES * bpp, PUBLISH_THREADS, pub),
-            lambda: p.launch(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS, slot0, _n(code),
-                             dst_ptr, _n(dst_stride), _n(L), _n(S),
-                             *p.wait_args(Op.AG, (PIECES, 0))))
+            lambda: p.launch_struct(stream, "sccl_ag_wait", 1 + nb, WAIT_THREADS,
+                                    wait_role_args(p, Op.AG, L, S, slot0, code, dst_ptr,
+                                                   dst_stride, advance=(PIECES, 0))))
 
     def reduce_scatter(self, ts, stream, S: int, L: int, call: int, base, src_stride: int,
                        own, own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
@@ -153,12 +192,12 @@ class ProxyPathEngine(Engine):
         p.plans.plannable()  # (kernels of constants and call pointers)
         W, send0, recv0 = p.world, p.rs_send_dev, p.rs_recv_dev
         if base is not None:
-            bpp = p.publish_blocks(W * piece_bounds(S, 0)[1])
+            bpp = self.publish_blocks(W * piece_bounds(S, 0)[1])
             pub = publish_args(p, base, src_stride, send0, p.send_code, 0, W, L, S, call, bpp)
         else:  # (nothing to copy: nchunks 0)
             bpp = 1
             pub = publish_args(p, 0, 0, send0, p.send_code, 0, 0, L, S, call, bpp)
-        nb = p.slice_wait_blocks(S)
+        nb = self.slice_wait_blocks(S)
         self.issue(
             ts, stream, (dst_ptr, 0, 1, L),
             lambda: p.launch_struct(stream, RS_PROXY[dtype], PIECES * bpp + 1 + nb,
@@ -167,9 +206,10 @@ class ProxyPathEngine(Engine):
                                                own, own_code, own_sys)),
             lambda: p.launch_struct(stream, "sccl_publish", PIECES * bpp,
                                     PUBLISH_THREADS if base is not None else 32, pub),
-            lambda: p.launch(stream, RS_WAIT[dtype], 1 + nb, WAIT_THREADS, recv0,
-                             _n(p.recv_code), own, _n(own_code), _n(own_sys), dst_ptr, _n(L),
-                             _n(S), *p.wait_args(Op.RS, (PIECES, 0))))
+            lambda: p.launch_struct(stream, RS_WAIT[dtype], 1 + nb, WAIT_THREADS,
+                                    wait_role_args(p, Op.RS, L, S, recv0, p.recv_code, dst_ptr,
+                                                   0, own, own_code, own_sys,
+                                                   advance=(PIECES, 0))))
 
     def finalize(self, ts, stream, rows_args: list, RB: int, S: int, L: int, call: int,
                  dst, own: int, entries: int) -> None:
@@ -187,10 +227,10 @@ class ProxyPathEngine(Engine):
                             finalize_args(p, rows_args, own, call))
 
         def wait():
-            nb = p.wait_blocks(piece_bounds(S, 0, RB)[1])
-            p.launch(stream, RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS, p.rs_recv_dev,
-                     _n(p.recv_code), own, _n(0), _n(0), dst, _n(L), _n(S),
-                     *p.wait_args(Op.RS, (entries, 0)))
+            nb = self.wait_blocks(piece_bounds(S, 0, RB)[1])
+            p.launch_struct(stream, RS_WAIT[torch.bfloat16], 1 + nb, WAIT_THREADS,
+                            wait_role_args(p, Op.RS, L, S, p.rs_recv_dev, p.recv_code, dst, 0,
+                                           own, advance=(entries, 0)))
 
         self.issue(ts, stream, (dst, 0, 1, L), None, publish, wait, entries)
 
@@ -203,13 +243,12 @@ class FusedEngine(Engine):
 
     def run(self, call: DirectCall) -> None:
         p, op = self.plane, call.op
-        if not (op == Op.AG and call.consume[2] == 0):  # (not a zero-copy result)
+        if not (op == Op.AG and call.consume["out"] == 0):  # (not a zero-copy result)
             p.plans.plannable(direct=True)  # one kernel of constants and call pointers
         waited = "wait" in p.phases  # (a benchmark may time the publish role alone)
         grid = call.npub + (1 + call.nb if waited else 0)
-        p.launch(call.stream, call.kernel, grid, DIRECT_THREADS, *call.publish,
-                 *self.direct_ring(call.call), _n(call.npub), *call.consume,
-                 *p.wait_args(op, (PIECES, 0)))
+        p.launch_struct(call.stream, call.kernel, grid, DIRECT_THREADS,
+                        call.direct_args(p, call.wait_args(p, (PIECES, 0))))
         p.direct_launches += 1
         p.poison_if_failed(call.stream, *call.output)
         p.finish(call.ts, call.stream, advanced=True)
@@ -225,7 +264,7 @@ class FusedEngine(Engine):
         piece = piece_bounds(S, 0)[1]
         units = -(-piece * p.world // 16)  # 16-byte row units of one piece, every destination
         npub = max(1, min(p.max_direct_blocks, -(-units // DIRECT_THREADS)))
-        nb = min(p.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
+        nb = min(self.wait_blocks(piece), max(1, 2 * p.sms - 1 - npub))
         p.launch_struct(stream, "sccl_finalize_direct", npub + 1 + nb, DIRECT_THREADS,
                         finalize_direct_args(p, rows_args, dtab.data_ptr(), call, npub, own,
                                              dst))
@@ -242,13 +281,11 @@ class SplitEngine(Engine):
     direct = True
 
     def run(self, call: DirectCall) -> None:
-        p, op, stream = self.plane, call.op, call.stream
-        waits = p.wait_args(op)
+        p, stream = self.plane, call.stream
+        wait = call.wait_args(p)  # (sccl_advance moves the device state on: finish)
         side_ts, side = p.fork(call.ts)
-        p.launch(side, call.kernel, call.npub, DIRECT_THREADS, *call.publish,
-                 *self.direct_ring(call.call), _n(call.npub), *call.consume, *waits)
-        p.launch(stream, call.wait_kernel, 1 + call.nb, WAIT_THREADS, *call.consume,
-                 _n(call.L), _n(call.S), *waits)
+        p.launch_struct(side, call.kernel, call.npub, DIRECT_THREADS, call.direct_args(p, wait))
+        p.launch_struct(stream, call.wait_kernel, 1 + call.nb, WAIT_THREADS, wait)
         p.join(call.ts, side_ts)
         p.direct_launches += 1
         p.poison_if_failed(stream, *call.output)

@@ -3,9 +3,11 @@
 Each ``*_args`` function returns the u64 words of one struct, packed by
 :func:`sparkccl.layout.pack_struct` at the field offsets protocol.h declares (and
 ``static_assert``s against the struct the kernels compile); the plane launches the words as
-the kernel's one parameter, by value (``CudaDataPlane.launch_struct``), and its launch plans
-record them so, a call's pointers (:class:`~.launch_plan.CallPtr`, passed through unchanged)
-patched at their fields' byte offsets (protocol.h says why by value). :class:`WaitBlocks`
+the kernel's one parameter, by value (``CudaDataPlane.launch_struct``; mode ce's programs
+as their kernels' parameter words), and its launch plans record them so, a call's pointers
+(:class:`~.launch_plan.CallPtr`, passed through unchanged) patched at their fields' byte
+offsets (protocol.h says why by value). Every collective's kernel takes one; the small
+utility kernels keep a few positional parameters (protocol.h says which). :class:`WaitBlocks`
 holds the other kind: the wait role's constants, one ``WaitParams`` block per op in device
 memory, written once, which every kernel with a wait role takes a pointer to.
 """
@@ -40,13 +42,26 @@ class WaitBlocks:
         self.block = {op: self.blocks[int(op)].data_ptr() for op in Op}
 
 
+def wait_params(plane, op: Op) -> tuple:
+    """WAIT_PARAMS of the small positional kernels (mode ce's ``sccl_wait_piece``, after its
+    piece, and ``sccl_fail_guard``): the op's WaitParams block, then adv_entries, adv_gate,
+    0 (they never move the device state on: sccl_advance does)."""
+    return plane.waits.block[op], 0, 0
+
+
+def ring(plane) -> int:
+    """This rank's publish ring (the control segment's, mapped for the device): the ``ring``
+    field of every struct whose kernel hands pieces off."""
+    return plane.ctl_dev + layout.RING_OFFSET
+
+
 def publish_args(plane, src, src_stride: int, dst: int, dst_code: int, dst2, nchunks: int,
                  L: int, S: int, call: int, bpp: int) -> list:
     """``PublishArgs``: chunk j < nchunks of the input to block j (S bytes apart) of the
     send region, each piece handed to the proxy (ring entries of call word ``call``)."""
     return layout.pack_struct("PUB", dict(
         SRC=src, SRC_STRIDE=src_stride, DST=dst, DST_CODE=dst_code, DST_STRIDE=S, DST2=dst2,
-        NCHUNKS=nchunks, L=L, S=S, RING=plane.ctl_dev + layout.RING_OFFSET,
+        NCHUNKS=nchunks, L=L, S=S, RING=ring(plane),
         STATE=plane.state.data_ptr(), CALL=call, COUNTERS=plane.counters.data_ptr(), BPP=bpp))
 
 
@@ -75,7 +90,7 @@ def finalize_args(plane, rows: list, own: int, call: int) -> list:
     ``own``, each (row piece, destination) handed to the proxy."""
     return layout.pack_struct("FN", dict(
         ROWS=rows, WORLD=plane.world, RANK=plane.rank, SEND=plane.rs_send_dev,
-        SEND_CODE=plane.send_code, OWN=own, RING=plane.ctl_dev + layout.RING_OFFSET,
+        SEND_CODE=plane.send_code, OWN=own, RING=ring(plane),
         STATE=plane.state.data_ptr(), CALL=call, COUNTERS=plane.fin_counters.data_ptr()))
 
 
@@ -85,7 +100,7 @@ def finalize_direct_args(plane, rows: list, dtab: int, call: int, npub: int, own
     [0, npub), the rank-order sum into ``dst`` by the others; the kernel advances the
     device state (its publish blocks bump the finalize gate once per piece: npub)."""
     return layout.pack_struct("FD", dict(
-        ROWS=rows, DTAB=dtab, RING=plane.ctl_dev + layout.RING_OFFSET, CALL=call,
+        ROWS=rows, DTAB=dtab, RING=ring(plane), CALL=call,
         COUNTERS=plane.dcounters.data_ptr(), NPUB=npub, GATE=plane.fin_gate.data_ptr(),
         RECV=plane.rs_recv_dev, RECV_CODE=plane.recv_code, OWN=own, DST=dst,
         WP=plane.waits.block[Op.RS], ADV_ENTRIES=PIECES, ADV_GATE=npub))
@@ -99,6 +114,42 @@ def all_reduce_args(plane, src, dst, L: int, S: int, avg: bool, call: int, npub:
     finalize's gate words where ``dst`` is ``src`` (0: not in place)."""
     return layout.pack_struct("AR", dict(
         SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=plane.ag_dev, SLOT_CODE=plane.ag_code,
-        DTAB=dtab, RING=plane.ctl_dev + layout.RING_OFFSET, CALL=call,
+        DTAB=dtab, RING=ring(plane), CALL=call,
         COUNTERS=(plane.dcounters if dtab else plane.counters).data_ptr(), NPUB=npub,
         GATE=gate, WP=plane.waits.block[Op.AG]))
+
+
+def wait_role_args(plane, op: Op, L: int, S: int, slot, slot_code: int, out, out_stride: int = 0,
+                   own=0, own_code: int = 0, own_sys: int = 0, advance: tuple = (0, 0)) -> list:
+    """``WaitRoleArgs``: the wait role alone (``sccl_ag_wait``, ``sccl_rs_wait_*``) or the
+    GPU-direct kernels' (their ``wait`` field): the peers' data in ``slot`` (slotted by
+    ``slot_code``), the result ``out``; reduce-scatter: this rank's own chunk (``own``...).
+    ``advance``: (ring entries, gate bumps) where the kernel is the collective's last and
+    moves the device state on itself (kernels/common.cuh last_block_advances), else (0, 0)
+    and the plane's ``finish`` queues sccl_advance."""
+    return layout.pack_struct("WR", dict(
+        IN=slot, IN_CODE=slot_code, OWN=own, OWN_CODE=own_code, OWN_SYS=own_sys, OUT=out,
+        OUT_STRIDE=out_stride, L=L, S=S, WP=plane.waits.block[op], ADV_ENTRIES=advance[0],
+        ADV_GATE=advance[1]))
+
+
+def direct_args(plane, wait: list, call: int, npub: int, src, src_code: int, src_stride: int,
+                src_sys: int, dtab: int, own_dst=0, own_dst_code: int = 0, dst2=0) -> list:
+    """``DirectArgs`` (``sccl_ag_direct``, ``sccl_rs_direct_*``): blocks [0, npub) write the
+    input along direct table ``dtab`` into the peers' regions (and this rank's own block to
+    ``own_dst`` / ``dst2``) and hand each piece off; the others run ``wait``
+    (:func:`wait_role_args`)."""
+    return layout.pack_struct("DX", dict(
+        SRC=src, SRC_CODE=src_code, SRC_STRIDE=src_stride, SRC_SYS=src_sys, DTAB=dtab,
+        OWN_DST=own_dst, OWN_DST_CODE=own_dst_code, DST2=dst2, RING=ring(plane), CALL=call,
+        COUNTERS=plane.dcounters.data_ptr(), NPUB=npub, WAIT=wait))
+
+
+def sum_unit_args(plane, unit: int, stage: int, own, own_sys: int, dst, L: int, S: int,
+                  parts: int) -> list:
+    """``SumUnitArgs`` (mode ce's ``sccl_rs_sum_unit_*``): the part of unit ``unit``'s piece
+    that the int32 table ``parts`` gives its wait word, summed in rank order from ``stage``
+    and ``own`` into ``dst``."""
+    return layout.pack_struct("SU", dict(
+        UNIT=unit, STAGE=stage, OWN=own, OWN_SYS=own_sys, DST=dst, L=L, S=S, RANK=plane.rank,
+        WORLD=plane.world, PARTS=parts, MAXW=plane.maxw))

@@ -103,45 +103,38 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
   }
 }
 
-// src and own_dst are slotted (src_code, own_dst_code: see slot_at); counters: COUNTER_SETS
-// sets of PIECES, by seq.
-#define DIRECT_PARAMS                                                                       \
-  const u8 *src, u64 src_code, u64 src_stride, u64 src_sys, u64 L, u64 S, const u64 *dtab,  \
-      u8 *own_dst, u64 own_dst_code, u8 *dst2, u8 *ring, u64 call, u32 *counters, u64 npub
-#define PUB_ARGS_INIT                                                                       \
-  PubArgs p;                                                                                \
-  p.src = slot_at(src, src_code, w.seq); p.src_stride = src_stride; p.src_sys = src_sys;    \
-  p.L = L; p.S = S; p.dtab = dtab; p.own_dst = slot_at(own_dst, own_dst_code, w.seq);         \
-  p.dst2 = dst2; p.ring = ring; p.state = state;                                            \
-  p.first_index = state_word(state, STATE_RING); p.seq = w.seq; p.call = call;              \
-  p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
+// The publish role's PubArgs of a protocol.h kargs::DirectArgs for collective seq: src and
+// own_dst are slotted (src_code, own_dst_code: see slot_at); counters: COUNTER_SETS sets of
+// PIECES, by seq.
+__device__ __forceinline__ PubArgs direct_pub_args(const DirectArgs& x, u64* state, u64 seq) {
+  PubArgs p;
+  p.src = slot_at((const u8*)x.src, x.src_code, seq); p.src_stride = x.src_stride;
+  p.src_sys = x.src_sys; p.L = x.wait.L; p.S = x.wait.S; p.dtab = (const u64*)x.dtab;
+  p.own_dst = slot_at((u8*)x.own_dst, x.own_dst_code, seq); p.dst2 = (u8*)x.dst2;
+  p.ring = (u8*)x.ring; p.state = state;
+  p.first_index = state_word(state, STATE_RING); p.seq = seq; p.call = x.call;
+  p.counters = (u32*)x.counters + (seq % COUNTER_SETS) * PIECES;
+  return p;
+}
 
 // Grid: npub publish blocks, then (optionally) 1 poller + consumer blocks of the wait.
-extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(
-    DIRECT_PARAMS, const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, WAIT_PARAMS) {
+// One parameter: protocol.h kargs::DirectArgs, by value (the wait role in x.wait).
+extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(const DirectArgs x) {
+  WAIT_PARAMS_OF(x.wait)
   WAIT_ARGS_INIT
-  if (blockIdx.x < npub) {
-    PUB_ARGS_INIT
-    direct_publish(p, blockIdx.x, (u32)npub);
-  } else {
-    ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x - (u32)npub,
-            gridDim.x - (u32)npub);
-  }
+  const u32 npub = (u32)x.npub;
+  if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub);
+  else ag_wait_role(x.wait, w, blockIdx.x - npub, gridDim.x - npub);
   last_block_advances(state, adv_entries, adv_gate);
 }
 
 #define RS_DIRECT_KERNEL(NAME, E)                                                            \
-  extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                 \
-      DIRECT_PARAMS, const u8* recv, u64 recv_code, const u8* own, u64 own_code,             \
-      u64 own_sys, u8* dst, WAIT_PARAMS) {                                                   \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(const DirectArgs x) {            \
+    WAIT_PARAMS_OF(x.wait)                                                                   \
     WAIT_ARGS_INIT                                                                           \
-    if (blockIdx.x < npub) {                                                                 \
-      PUB_ARGS_INIT                                                                          \
-      direct_publish(p, blockIdx.x, (u32)npub);                                              \
-    } else {                                                                                 \
-      rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys,    \
-                 dst, L, S, w, blockIdx.x - (u32)npub, gridDim.x - (u32)npub);               \
-    }                                                                                        \
+    const u32 npub = (u32)x.npub;                                                            \
+    if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub); \
+    else rs_wait_role<E>(x.wait, w, blockIdx.x - npub, gridDim.x - npub);                    \
     last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 

@@ -297,8 +297,8 @@ __device__ void fin_direct_publish(const FinArgs& a, u64 Rr, u64 row_lo, u64 row
 // One parameter: protocol.h kargs::FinalizeDirectArgs, by value.
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     const FinalizeDirectArgs x) {
-  const WaitParams* const wp = (const WaitParams*)x.wp;
-  const u64 adv_entries = x.adv_entries, adv_gate = x.adv_gate, npub = x.npub;
+  WAIT_PARAMS_OF(x)
+  const u64 npub = x.npub;
   WAIT_ARGS_INIT
   const u64 seq = w.seq;
   const u64 first_index = state_word(state, STATE_RING);

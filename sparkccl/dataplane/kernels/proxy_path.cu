@@ -15,8 +15,7 @@
 // One parameter: protocol.h kargs::ProxyArgs, by value (the publish role's PublishArgs,
 // the consume side, WAIT_PARAMS).
 #define PROXY_ROLES_INIT                                                                     \
-  const WaitParams* const wp = (const WaitParams*)x.wp;                                      \
-  const u64 adv_entries = x.adv_entries, adv_gate = x.adv_gate;                              \
+  WAIT_PARAMS_OF(x)                                                                          \
   WAIT_ARGS_INIT                                                                             \
   const u32 npub = PIECES * (u32)x.pub.bpp;                                                  \
   const u64 L = x.pub.L, S = x.pub.S;

@@ -190,14 +190,22 @@ __device__ void rs_wait(const u8* recv, const u8* own, u64 own_sys, u8* dst, u64
   }
 }
 
-// recv and own are slotted (recv_code, own_code: see slot_at).
+// rs_wait<E> of a protocol.h kargs::WaitRoleArgs (the receive slot `in`, own, the result
+// `out`); in and own are slotted (in_code, own_code: see slot_at).
+template <class E>
+__device__ __forceinline__ void rs_wait_role(const WaitRoleArgs& x, const WaitArgs& w, u32 blk,
+                                             u32 nblk) {
+  rs_wait<E>(slot_at((const u8*)x.in, x.in_code, w.seq),
+             slot_at((const u8*)x.own, x.own_code, w.seq), x.own_sys, (u8*)x.out, x.L, x.S, w,
+             blk, nblk);
+}
+
+// One parameter: protocol.h kargs::WaitRoleArgs.
 #define RS_KERNEL(NAME, E)                                                                   \
-  extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
-      const u8* recv, u64 recv_code, const u8* own, u64 own_code, u64 own_sys, u8* dst,      \
-      u64 L, u64 S, WAIT_PARAMS) {                                                           \
+  extern "C" __global__ void __launch_bounds__(512) NAME(const WaitRoleArgs x) {             \
+    WAIT_PARAMS_OF(x)                                                                        \
     WAIT_ARGS_INIT                                                                           \
-    rs_wait<E>(slot_at(recv, recv_code, w.seq), slot_at(own, own_code, w.seq), own_sys, dst, \
-               L, S, w, blockIdx.x, gridDim.x);                                              \
+    rs_wait_role<E>(x, w, blockIdx.x, gridDim.x);                                            \
     last_block_advances(state, adv_entries, adv_gate);                                       \
   }
 
@@ -206,23 +214,22 @@ RS_KERNEL(sccl_rs_wait_f16, F16)
 RS_KERNEL(sccl_rs_wait_f32, F32)
 
 // Copy-engine data plane ("ce" mode): the rank-order sum of the part of piece c that
-// reduce_parts gives wait word k (unit = c * maxw + k; the host passes the whole piece at
-// the last word: cuda.py ce_sum_parts), once the copy engines staged it (stage: source i's
-// chunk at stage + i * S, device memory; own as in rs_wait). Launched on a stream of its own behind an event
-// recorded after the unit's staging copies, so it waits for nothing itself and runs while
-// the next unit travels.
+// parts gives wait word k (unit = c * maxw + k; the host passes the whole piece at the last
+// word: ce_engine.py sum_parts), once the copy engines staged it (stage: source i's chunk at
+// stage + i * S, device memory; own as in rs_wait). Launched on a stream of its own behind
+// an event recorded after the unit's staging copies, so it waits for nothing itself and
+// runs while the next unit travels. One parameter: protocol.h kargs::SumUnitArgs (unit its
+// first field, set per launch).
 #define RS_SUM_UNIT_KERNEL(NAME, E)                                                          \
-  extern "C" __global__ void __launch_bounds__(512) NAME(                                    \
-      u64 unit, const u8* stage, const u8* own, u64 own_sys, u8* dst, u64 L, u64 S,          \
-      u64 rank, u64 world, const int* reduce_parts, u64 maxw) {                              \
-    const u32 part = (u32)reduce_parts[unit % maxw];                                         \
+  extern "C" __global__ void __launch_bounds__(512) NAME(const SumUnitArgs x) {              \
+    const u32 part = (u32)((const int*)x.parts)[x.unit % x.maxw];                            \
     if (part == PART_NONE) return;                                                           \
     u64 a, e;                                                                                \
-    piece_bounds(S, (int)(unit / maxw), &a, &e);                                             \
-    part_cut(part, L, &a, &e);                                                               \
+    piece_bounds(x.S, (int)(x.unit / x.maxw), &a, &e);                                       \
+    part_cut(part, x.L, &a, &e);                                                             \
     if (e > a)                                                                               \
-      team_reduce<E>(dst, stage, own, own_sys != 0, S, a, e, (int)rank, (int)world,          \
-                     blockIdx.x, gridDim.x);                                                 \
+      team_reduce<E>((u8*)x.dst, (const u8*)x.stage, (const u8*)x.own, x.own_sys != 0, x.S,  \
+                     a, e, (int)x.rank, (int)x.world, blockIdx.x, gridDim.x);                \
   }
 
 RS_SUM_UNIT_KERNEL(sccl_rs_sum_unit_bf16, BF16)

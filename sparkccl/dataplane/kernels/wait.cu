@@ -224,6 +224,11 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns;
 
 // WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
+// A kernel whose struct argument x carries them (protocol.h kargs: wp, adv_entries,
+// adv_gate fields) declares what WAIT_PARAMS would, for WAIT_ARGS_INIT.
+#define WAIT_PARAMS_OF(x)                                                                   \
+  const WaitParams* const wp = (const WaitParams*)(x).wp;                                   \
+  const u64 adv_entries = (x).adv_entries, adv_gate = (x).adv_gate;
 
 // sccl_wait_piece: the poller for piece c alone (one thread). The copy-engine data plane
 // ("ce" mode) launches one per piece on a stream of its own and has the copying stream wait
@@ -288,11 +293,18 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
   }
 }
 
-// Grid: 1 poller block + consumer blocks.
-extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(
-    const u8* slot, u64 slot_code, u8* dst, u64 dst_stride, u64 L, u64 S, WAIT_PARAMS) {
+// ag_wait of a protocol.h kargs::WaitRoleArgs (the slot `in`, the result `out`).
+__device__ __forceinline__ void ag_wait_role(const WaitRoleArgs& x, const WaitArgs& w, u32 blk,
+                                             u32 nblk) {
+  ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, x.L, x.S, w,
+          blk, nblk);
+}
+
+// Grid: 1 poller block + consumer blocks. One parameter: protocol.h kargs::WaitRoleArgs.
+extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(const WaitRoleArgs x) {
+  WAIT_PARAMS_OF(x)
   WAIT_ARGS_INIT
-  ag_wait(slot_at(slot, slot_code, w.seq), dst, dst_stride, L, S, w, blockIdx.x, gridDim.x);
+  ag_wait_role(x, w, blockIdx.x, gridDim.x);
   last_block_advances(state, adv_entries, adv_gate);
 }
 

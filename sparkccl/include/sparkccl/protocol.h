@@ -342,23 +342,33 @@ static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 // (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
 // static_asserts tie the offsets to the struct the kernels compile. Two kinds:
 // * a block in device memory, written once (WaitParams): constants of the plane;
-// * a struct passed by value as the kernel's one parameter (PublishArgs, ProxyArgs,
-//   FinalizeArgs, FinalizeDirectArgs): it carries the call's own pointers. Every field is a
-//   u64, so the struct's bytes are the u64 words the host packs; the native LaunchPlan
-//   (native/src/cuda_ops.cpp) keeps them as the launch's parameter buffer and patches a
-//   call's pointer at the field's byte offset. Why by value: the driver copies a launch's
-//   parameters when it is enqueued, so a plan-cache hit costs the patch of a few words in
-//   host memory and one cuLaunchKernel, as positional parameters did, and a CUDA graph's
-//   kernel node keeps its own copy (each replay launches exactly what was captured). A block
-//   in device or pinned memory would cost every call a copy ordered before the launch (or a
-//   ring of blocks, one per call in flight), and a captured graph would read whatever the
-//   latest eager call left there.
+// * a struct passed by value as the kernel's one parameter (AllReduceArgs, PublishArgs,
+//   ProxyArgs, FinalizeArgs, FinalizeDirectArgs, WaitRoleArgs, DirectArgs, SumUnitArgs):
+//   it carries the call's own pointers. Every field is a u64, so the struct's bytes are
+//   the u64 words the host packs; the native LaunchPlan (native/src/cuda_ops.cpp) keeps
+//   them as the launch's parameter buffer and patches a call's pointer at the field's byte
+//   offset. Mode ce's OpProgram launches them the same way: its parameter words are
+//   contiguous and the launch's first parameter pointer is the first word's, which is all
+//   the driver reads for a kernel of one parameter (so a struct's first field is the word
+//   the program sets per launch: DirectArgs src, WaitRoleArgs in, SumUnitArgs unit). Why
+//   by value: the driver copies a launch's parameters when it is enqueued, so a plan-cache
+//   hit costs the patch of a few words in host memory and one cuLaunchKernel, as
+//   positional parameters did, and a CUDA graph's kernel node keeps its own copy (each
+//   replay launches exactly what was captured). A block in device or pinned memory would
+//   cost every call a copy ordered before the launch (or a ring of blocks, one per call in
+//   flight), and a captured graph would read whatever the latest eager call left there.
+// Every collective's kernel takes one of these. The small utility kernels keep five
+// positional parameters or fewer (sccl_poison, sccl_advance, sccl_piece_bounds,
+// sccl_clock_probe; sccl_wait_piece and sccl_fail_guard: WAIT_PARAMS): a struct is there so
+// that no long list of parameters is copied by hand between a kernel, its launches and the
+// emulation, and theirs are too short to drift.
 namespace kargs {
 
 // The wait role's constants, one block per data plane and op (AG, RS), in device memory,
 // written once at creation. Every kernel with a wait role takes `const WaitParams* wp`
-// (kernels/wait.cu WAIT_PARAMS) and reads it once per block, plus the two values that
-// differ per launch (adv_entries, adv_gate: last_block_advances) as scalars.
+// (kernels/wait.cu WAIT_PARAMS, or its struct's wp field: WAIT_PARAMS_OF) and reads it once
+// per block, plus the two values that differ per launch (adv_entries, adv_gate:
+// last_block_advances).
 // A pointer rather than the struct by value: the block never changes while the plane lives,
 // so a CUDA graph's kernel nodes replay it as they are, and every launch passes one 8-byte
 // parameter instead of 80 bytes that the native LaunchPlan, mode ce's OpProgram and the
@@ -660,6 +670,131 @@ static_assert(SCCL_OFFSET_IS(FinalizeDirectArgs, rows, FD_ROWS) && FD_DTAB == FR
                   SCCL_OFFSET_IS(FinalizeDirectArgs, adv_gate, FD_ADV_GATE) &&
                   sizeof(FinalizeDirectArgs) == FD_BYTES,
               "FinalizeDirectArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The wait role alone (kernels/wait.cu sccl_ag_wait, kernels/reduce_scatter.cu
+// sccl_rs_wait_*: the split engine's and the proxy path's wait kernels), and the wait role of
+// the GPU-direct kernels (DirectArgs' last field): `in` the slot the peers' data lands in
+// (slotted by in_code); reduce-scatter: this rank's own chunk (own, own_code; own_sys: it
+// lies in pinned memory) and the result `out`; all-gather: rank i's bytes to
+// out + i * out_stride (out 0: zero-copy, only wait); L bytes per rank of a slice of S. Then
+// WAIT_PARAMS (wp, adv_entries, adv_gate) as in ProxyArgs. Its first field is `in`: mode
+// ce's programs set a launch's first word per launch (native OpProgram), a constant here.
+struct WaitRoleArgs {
+  pu64 in, in_code;
+  pu64 own, own_code, own_sys;
+  pu64 out, out_stride;
+  pu64 L, S;
+  pu64 wp, adv_entries, adv_gate;
+};
+constexpr pu64 WR_IN = 0;
+constexpr pu64 WR_IN_CODE = 8;
+constexpr pu64 WR_OWN = 16;
+constexpr pu64 WR_OWN_CODE = 24;
+constexpr pu64 WR_OWN_SYS = 32;
+constexpr pu64 WR_OUT = 40;
+constexpr pu64 WR_OUT_STRIDE = 48;
+constexpr pu64 WR_L = 56;
+constexpr pu64 WR_S = 64;
+constexpr pu64 WR_WP = 72;
+constexpr pu64 WR_ADV_ENTRIES = 80;
+constexpr pu64 WR_ADV_GATE = 88;
+constexpr pu64 WR_BYTES = 96;
+static_assert(SCCL_OFFSET_IS(WaitRoleArgs, in, WR_IN) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, in_code, WR_IN_CODE) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, own, WR_OWN) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, own_code, WR_OWN_CODE) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, own_sys, WR_OWN_SYS) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, out, WR_OUT) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, out_stride, WR_OUT_STRIDE) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, L, WR_L) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, S, WR_S) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, wp, WR_WP) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, adv_entries, WR_ADV_ENTRIES) &&
+                  SCCL_OFFSET_IS(WaitRoleArgs, adv_gate, WR_ADV_GATE) &&
+                  sizeof(WaitRoleArgs) == WR_BYTES,
+              "WaitRoleArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The GPU-direct kernels (kernels/direct.cu sccl_ag_direct, sccl_rs_direct_*): blocks
+// [0, npub) write chunk DT_CHUNK of the input (src slotted by src_code, chunks src_stride
+// apart; src_sys: it lies in pinned memory) along the direct table dtab into the peers'
+// regions, this rank's own block to own_dst (slotted by own_dst_code) and dst2 (each if
+// set), and hand each piece off (ring, call, counters: COUNTER_SETS sets of PIECES); the
+// other blocks run the wait role (`wait`, which also holds L and S). Its first field is
+// src: mode ce's program sets it per launch (native OpProgram), as it did the positional
+// first parameter.
+struct DirectArgs {
+  pu64 src, src_code, src_stride, src_sys;
+  pu64 dtab;
+  pu64 own_dst, own_dst_code, dst2;
+  pu64 ring, call, counters, npub;
+  WaitRoleArgs wait;
+};
+constexpr pu64 DX_SRC = 0;
+constexpr pu64 DX_SRC_CODE = 8;
+constexpr pu64 DX_SRC_STRIDE = 16;
+constexpr pu64 DX_SRC_SYS = 24;
+constexpr pu64 DX_DTAB = 32;
+constexpr pu64 DX_OWN_DST = 40;
+constexpr pu64 DX_OWN_DST_CODE = 48;
+constexpr pu64 DX_DST2 = 56;
+constexpr pu64 DX_RING = 64;
+constexpr pu64 DX_CALL = 72;
+constexpr pu64 DX_COUNTERS = 80;
+constexpr pu64 DX_NPUB = 88;
+constexpr pu64 DX_WAIT = 96;
+constexpr pu64 DX_BYTES = 192;
+static_assert(SCCL_OFFSET_IS(DirectArgs, src, DX_SRC) &&
+                  SCCL_OFFSET_IS(DirectArgs, src_code, DX_SRC_CODE) &&
+                  SCCL_OFFSET_IS(DirectArgs, src_stride, DX_SRC_STRIDE) &&
+                  SCCL_OFFSET_IS(DirectArgs, src_sys, DX_SRC_SYS) &&
+                  SCCL_OFFSET_IS(DirectArgs, dtab, DX_DTAB) &&
+                  SCCL_OFFSET_IS(DirectArgs, own_dst, DX_OWN_DST) &&
+                  SCCL_OFFSET_IS(DirectArgs, own_dst_code, DX_OWN_DST_CODE) &&
+                  SCCL_OFFSET_IS(DirectArgs, dst2, DX_DST2) &&
+                  SCCL_OFFSET_IS(DirectArgs, ring, DX_RING) &&
+                  SCCL_OFFSET_IS(DirectArgs, call, DX_CALL) &&
+                  SCCL_OFFSET_IS(DirectArgs, counters, DX_COUNTERS) &&
+                  SCCL_OFFSET_IS(DirectArgs, npub, DX_NPUB) &&
+                  SCCL_OFFSET_IS(DirectArgs, wait, DX_WAIT) && DX_BYTES == DX_WAIT + WR_BYTES &&
+                  sizeof(DirectArgs) == DX_BYTES,
+              "DirectArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// Mode ce's reduce-scatter sum of one unit (kernels/reduce_scatter.cu sccl_rs_sum_unit_*):
+// the part of piece unit / maxw that parts[unit % maxw] names, summed over the world's
+// sources in rank order from the staging buffer (source i's chunk at stage + i * S; own:
+// this rank's own chunk, own_sys: in pinned memory) into dst. unit is the first field: the
+// program sets it per launch (native OpProgram); stage and own are its per-call terms.
+struct SumUnitArgs {
+  pu64 unit;
+  pu64 stage, own, own_sys, dst;
+  pu64 L, S, rank, world;
+  pu64 parts, maxw;
+};
+constexpr pu64 SU_UNIT = 0;
+constexpr pu64 SU_STAGE = 8;
+constexpr pu64 SU_OWN = 16;
+constexpr pu64 SU_OWN_SYS = 24;
+constexpr pu64 SU_DST = 32;
+constexpr pu64 SU_L = 40;
+constexpr pu64 SU_S = 48;
+constexpr pu64 SU_RANK = 56;
+constexpr pu64 SU_WORLD = 64;
+constexpr pu64 SU_PARTS = 72;
+constexpr pu64 SU_MAXW = 80;
+constexpr pu64 SU_BYTES = 88;
+static_assert(SCCL_OFFSET_IS(SumUnitArgs, unit, SU_UNIT) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, stage, SU_STAGE) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, own, SU_OWN) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, own_sys, SU_OWN_SYS) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, dst, SU_DST) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, L, SU_L) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, S, SU_S) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, rank, SU_RANK) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, world, SU_WORLD) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, parts, SU_PARTS) &&
+                  SCCL_OFFSET_IS(SumUnitArgs, maxw, SU_MAXW) &&
+                  sizeof(SumUnitArgs) == SU_BYTES,
+              "SumUnitArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
 }  // namespace kargs
 }  // namespace sparkccl
