@@ -35,8 +35,9 @@ even while our own thread or the peer's is starved. Keepalive is not needed: the
 heartbeats keep data in flight whenever this thread runs, and while it does not run it
 could not act on a verdict anyway (a socket the kernel aborted meanwhile is read as soon as
 it runs again). A peer stopped for very long (its receive buffer full of heartbeats, a
-zero window for ``TCP_USER_TIMEOUT``) would be aborted too: at 6 bytes a second per peer
-that takes far longer than any collective timeout, which has reported it by then.
+zero window for ``TCP_USER_TIMEOUT``) would be aborted too: at 4 heartbeats a second
+(default) that takes hours -- a non-reading loopback peer took over 32000 one-byte sends
+without closing its window -- and the collective timeout has reported the stop by then.
 
 The victim's own side: a rank that was starved reads, when it runs again, whatever its
 sockets hold before it judges anything -- and it judges only what the kernel reports
