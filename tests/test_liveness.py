@@ -167,7 +167,7 @@ def _clean_close_job(rank, world, store, transport):
     # A second communicator after the first closed cleanly: no stale abort, works.
     with sparkccl.Communicator(store=store, rank=rank, world_size=world,
                                transport=transport, timeout_s=TIMEOUT_S) as comm:
-        time.sleep(2.5)  # longer than the dead-after time: heartbeats keep it alive
+        time.sleep(2.5)  # idle past SPARKCCL_LIVENESS_S: an idle healthy peer is not dead
         z = comm.all_gather(torch.full((8,), float(rank)))
     return y.tolist() == z.tolist(), [m for m in seen if "close()" in m or "liveness" in m]
 
