@@ -12,11 +12,12 @@ NIC of tests/emunic; on CUDA shm only), a topology (mesh, ring), a world of 2..6
   ``rootdown`` (verbs with SPARKCCL_ROOTS=2: root 0's ports down, root 1 up: sparkccl does
   not carry on over the other root, every rank fails naming the connection and root);
 * slow but alive (a quarter of the extended draw), which must NOT fail and must stay exact:
-  ``slowstop`` (SIGSTOP for ``hold_s``, under half the timeout on shm and under
-  SPARKCCL_LIVENESS_S on tcp / verbs, whose liveness channel declares a silent peer dead
-  after it: a stop longer than that is a death by design) and ``starve`` (every thread of
-  the victim in the idle scheduling class while two CPU burners per core run for
-  ``hold_s``; the ranks keep issuing small collectives until it is over);
+  ``slowstop`` (SIGSTOP for ``hold_s``, under half the collective timeout on every
+  transport: since issue 32 the liveness channel of tcp / verbs declares only exited
+  processes and unreachable hosts dead, never a silent one, sparkccl/liveness.py) and
+  ``starve`` (every thread of the victim in the idle scheduling class while two CPU burners
+  per core run for ``hold_s``, 1-4 s; the ranks keep issuing small collectives until it is
+  over);
 * moments, in collective k (1..6) of a run of bursts: ``before-publish`` (the victim stops
   just before calling it, the others are waiting in it), ``mid-piece`` (a timer fires at a
   random time inside a large collective), ``relay`` (the same on a ring of 4 or more, where
@@ -31,8 +32,9 @@ Checks per case (slow cases: no rank raises, every result exact): every survivor
 CollectiveError (at the call or, on CUDA, at the next synchronization -- or its process
 dies of a CUDA error after its watchdog printed ``sparkccl: CollectiveError: rank R: ...``,
 the report or, for a context another process's trap ended under MPS, the note with the
-cause the host knew) within its bound (bound_s: the collective timeout + 1 s; a stop on tcp
-/ verbs, SPARKCCL_LIVENESS_S + 1 s) of the fault; no rank hangs; every result a survivor
+cause the host knew) within its bound (bound_s: the collective timeout + 1 s, a stop on
+every transport included: a stopped process is reported by the timeout, not the liveness
+channel) of the fault; no rank hangs; every result a survivor
 got back is bit-exact (a wrong result returned as valid fails the case); no /dev/shm
 segment of the communicator (nor of the one made afterwards) is left once the processes
 exited; a new communicator among the survivors, in the same processes, works afterwards (on
@@ -42,6 +44,10 @@ Ranks are forked from a server that imported torch and sparkccl once (``warm_sta
 CUDA in it), a few seconds less per rank than a fresh interpreter (``--spawn``); a forked
 rank runs the atexit handlers at its end as a spawned one does at interpreter exit. Cases
 run one at a time: a starve case's burners end with it.
+
+Records after issue 32's liveness change (a stop on tcp / verbs is the timeout's):
+benchmarks/fault_campaign_liveness_*_cpu.txt (--faults / --transports selections: 120
+slow-but-alive cases over tcp / verbs, 0 false positives; a normal slice of seed 903).
 
 Elsewhere (issue 32): tcp partitions on network namespaces (benchmarks/
 partition_campaign.py), the emulated NIC refusing ibv_reg_mr (tests/test_regmr_enomem.py),
@@ -56,6 +62,10 @@ the store's host rank dying (tests/test_store_host_dies.py).
     python benchmarks/fault_campaign.py --device cuda --extended --cases 40 --seed 32 \
         --max-world 4 --on-failure poison                          # issue 32 (GPU)
     python benchmarks/fault_campaign.py --dry-run --cases 40 --seed 32   # list, run none
+    # only some faults: the first 60 slow-but-alive cases over tcp / verbs drawn from seed
+    # 905 (the draw is the same; other cases are skipped, each keeps its --index)
+    python benchmarks/fault_campaign.py --faults starve,slowstop --transports tcp,verbs \
+        --cases 60 --seed 905
     # one case by its fields (the ops are those of case `--index` of `--seed`), e.g. the
     # world-6 mesh case that hung once on the H200 (seed 1, case 0):
     python benchmarks/fault_campaign.py --device cuda --seed 1 --index 0 \
@@ -91,12 +101,12 @@ MOMENTS = ("before-publish", "mid-piece", "relay", "finalize")
 # (SystemExit before collective `call`: the at-exit path); linkdown: every port of the
 # emulated host down (verbs); rootdown: one root of two down (verbs, SPARKCCL_ROOTS=2).
 FAILING_FAULTS = ("kill", "stop", "pyexit", "linkdown", "rootdown")
-# slowstop: SIGSTOP shorter than what declares a peer dead (the timeout on shm; under
-# SPARKCCL_LIVENESS_S where the liveness channel runs); starve: the victim at nice 19 while
-# CPU burners hold every core.
+# slowstop: SIGSTOP for under half the collective timeout (every transport: the liveness
+# channel does not count silence, sparkccl/liveness.py); starve: the victim in the idle
+# scheduling class while CPU burners hold every core.
 SLOW_FAULTS = ("slowstop", "starve")
 FAULTS = FAILING_FAULTS + SLOW_FAULTS
-LIVENESS_S = 1.5  # SPARKCCL_LIVENESS_S's default (tcp, verbs)
+LIVENESS_S = 1.5  # SPARKCCL_LIVENESS_S's default (tcp, verbs): exited or unreachable only
 MIXES = ("v1", "all")
 # Mix "all": the big collective at the fault is one of these (or the finalize, for the
 # finalize moment); EP shapes are (tokens per rank, hidden, topk, e4m3).
@@ -209,8 +219,7 @@ def _draw_extended(n: int, seed: int, device: str, max_world: int) -> list[Case]
         moments = [m for m in MOMENTS if m != "relay" or (topology == "ring" and world >= 4)]
         moment = "before-publish" if fault == "pyexit" else rnd.choice(moments)
         victim = -1 if fault in ("linkdown", "rootdown") else rnd.randrange(world)
-        limit = TIMEOUT_S / 2 if transport == "shm" else LIVENESS_S * 0.6
-        hold = rnd.uniform(0.2, limit) if fault == "slowstop" else \
+        hold = rnd.uniform(0.2, TIMEOUT_S / 2) if fault == "slowstop" else \
             rnd.uniform(1.0, 4.0) if fault == "starve" else 0.0
         cases.append(Case(transport, topology, world, fault, moment, victim,
                           call=rnd.randint(1, 6), delay_ms=rnd.uniform(0, 20),
@@ -514,11 +523,12 @@ def fresh_job(rank, world, store, transport, device):
 # ---- the driver --------------------------------------------------------------------------
 
 def bound_s(case: Case) -> float:
-    """How soon after the fault every survivor must have raised: a stopped peer on tcp /
-    verbs is declared dead by the liveness channel (SPARKCCL_LIVENESS_S + 1 s); anything
-    else within the collective timeout + 1 s."""
-    liveness = case.fault == "stop" and case.transport != "shm"
-    return (LIVENESS_S if liveness else TIMEOUT_S) + 1
+    """How soon after the fault every survivor must have raised: within the collective
+    timeout + 1 s, whatever the fault. (Before issue 32's fix a stop on tcp / verbs had
+    SPARKCCL_LIVENESS_S + 1 s: the liveness channel declared a silent peer dead; it now
+    declares only exited processes and unreachable hosts dead, and a stopped process is
+    the timeout's, as on shm.)"""
+    return TIMEOUT_S + 1
 
 
 def run_case(case: Case, device: str = "cpu", rank_timeout_s: float = 120,
@@ -596,14 +606,15 @@ def _count(results, key) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
 
-def table(results, device) -> str:
-    """results: (case, passed, why, slowest survivor, seconds the case took)."""
+def table(results, device, seed: int | None = None) -> str:
+    """results: (case, passed, why, slowest survivor, seconds the case took); ``seed``:
+    the draw's, to name each case's --seed / --index."""
     groups: dict[tuple, list] = {}
     for case, ok, _, dt, _ in results:
         groups.setdefault((case.transport, case.fault), []).append((ok, dt, case))
     lines = [f"fault campaign, device {device}: collective timeout {TIMEOUT_S:g} s, liveness "
-             f"{LIVENESS_S:g} s; a pass = every survivor raised within its bound (a stop on tcp /"
-             " verbs: liveness + 1 s, else timeout + 1 s), no hang, no wrong result returned, "
+             f"{LIVENESS_S:g} s (exited processes, unreachable hosts); a pass = every survivor "
+             "raised within its bound (timeout + 1 s), no hang, no wrong result returned, "
              "no /dev/shm left, a new communicator works; slow but alive: no rank raised, "
              "every result exact",
              f"{'transport':9} {'fault':9} {'tried':>5} {'passed':>6} {'slowest raise (s)':>18} "
@@ -638,7 +649,9 @@ def table(results, device) -> str:
     lines.append("cases:")
     for case, ok, why, dt, sec in results:
         lines.append(f"  {'PASS' if ok else 'FAIL'} {case.label()}  (slowest survivor "
-                     f"{dt or 0:.2f} s; {sec:.1f} s; --case {case.spec()}){': ' + why if why else ''}")
+                     f"{dt or 0:.2f} s; {sec:.1f} s; --case {case.spec()}"
+                     + ("" if seed is None else f" --seed {seed} --index {case.seed - seed * 1000}")
+                     + f"){': ' + why if why else ''}")
     return "\n".join(lines)
 
 
@@ -664,16 +677,31 @@ def main(argv=None) -> int:
                          "as before issue 32's 500; default: forked from a warm server")
     ap.add_argument("--on-failure", choices=("stop", "poison"), default=None,
                     help="SPARKCCL_ON_FAILURE in the ranks (CUDA; default: the setting's)")
+    ap.add_argument("--faults", default=None,
+                    help="comma-separated faults (of FAULTS): run only drawn cases of these; "
+                         "--cases then counts those (the draw itself is unchanged, each case "
+                         "keeps its --index)")
+    ap.add_argument("--transports", default=None,
+                    help="comma-separated transports: as --faults, only drawn cases over these")
     ap.add_argument("--dry-run", action="store_true",
                     help="list the cases (label, collective, replay spec) and run none")
     a = ap.parse_args(argv)
     from bench_record import case_line, emit
-    cases = ([parse_case(c, a.seed, a.index) for c in a.case] if a.case
-             else draw_cases(a.first + a.cases, a.seed, a.device, a.max_world,
-                             True if a.extended else None)[a.first:])
+    if a.case:
+        indexed = [(a.index, parse_case(c, a.seed, a.index)) for c in a.case]
+    else:
+        want = set(a.faults.split(",")) if a.faults else set(FAULTS)
+        if not want <= set(FAULTS):
+            raise SystemExit(f"--faults {a.faults!r}: each one of {FAULTS}")
+        over = set(a.transports.split(",")) if a.transports else {"shm", "tcp", "verbs"}
+        # Seeds name cases seed * 1000 + index: at most 1000 indices per seed.
+        drawn = draw_cases(max(1000, a.first + a.cases), a.seed, a.device, a.max_world, True if a.extended else None)
+        indexed = [(i, c) for i, c in enumerate(drawn) if i >= a.first and c.fault in want
+                   and c.transport in over]
+        indexed = indexed[:a.cases]
+    cases = [c for _, c in indexed]
     if a.dry_run:
-        for i, case in enumerate(cases):
-            index = a.index if a.case else a.first + i
+        for (index, case) in indexed:
             print(f"{index:4} {case.label()} [{fault_collective(case)}]  --case {case.spec()} "
                   f"--seed {a.seed} --index {index}")
         return 0
@@ -685,14 +713,15 @@ def main(argv=None) -> int:
               + f"\n(ranks started by {start_method}; SPARKCCL_ON_FAILURE "
               f"{a.on_failure or os.environ.get('SPARKCCL_ON_FAILURE', 'default')}; load {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} cores at the start)\n")
+    seed = None if a.case else a.seed  # replayed cases: their --index is the one given
     results = []
     for case in cases:
         t0 = time.monotonic()
         ok, why, dt = run_case(case, a.device, a.rank_timeout, start_method, a.on_failure)
         results.append((case, ok, why, dt, time.monotonic() - t0))
         print(case_line(ok, case.label(), time.monotonic() - t0, "" if ok else why), flush=True)
-        emit(header + table(results, a.device), a.out, quiet=True)  # as it goes
-    emit(header + table(results, a.device), a.out)
+        emit(header + table(results, a.device, seed), a.out, quiet=True)  # as it goes
+    emit(header + table(results, a.device, seed), a.out)
     return 0 if all(r[1] for r in results) else 1
 
 

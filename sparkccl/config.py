@@ -192,8 +192,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "seconds the ranks may take to all join (construction) and to all reach close()",
        default_text="the timeout (timeout_s / SPARKCCL_TIMEOUT_S)", lo=1e-3),
     _v("SPARKCCL_LIVENESS_S", "float", 1.5, "communicator",
-       "verbs / tcp: a peer silent this long on the liveness channel (heartbeats every 1/6 of "
-       "it over the bootstrap network) is declared dead; 0 = no liveness channel", lo=0),
+       "verbs / tcp: a peer whose host acknowledges nothing on the liveness channel for "
+       "about this long (TCP user timeout; heartbeats every 1/6 of it over the bootstrap "
+       "network) is declared dead, as is one whose process exited (at once); a peer that is "
+       "only silent (stopped, starved) is not: the collective timeout reports it; 0 = no "
+       "liveness channel", lo=0),
     _v("SPARKCCL_ROOTS", "int", DEFAULT_ROOTS, "plan",
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
