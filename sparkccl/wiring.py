@@ -269,7 +269,7 @@ class Wiring:
         nat, ctl, px, dp = self.nat, self.ctl_addr, self.proxy, self.dp
         if px is None or ctl is None or nat.abort_code(ctl):
             return False
-        if hasattr(dp, "synchronize"):  # queued GPU collectives publish their pieces first
+        if dp is not None:  # queued GPU collectives publish their pieces first
             try:
                 dp.synchronize()
             except Exception as e:  # noqa: BLE001 - failed: leave as after any failure
