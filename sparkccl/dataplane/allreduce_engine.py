@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
-from .engines import Engine
+from .engines import ONE_HANDOFF_SLICE, Engine
 from .kernel_args import all_reduce_args
 
-_P = layout.protocol_constants()
-ONE_HANDOFF_SLICE = _P["ONE_HANDOFF_SLICE"]
 THREADS = 256  # __launch_bounds__(256, 2), as the direct kernels
 KERNELS = {torch.bfloat16: "sccl_allreduce_bf16", torch.float16: "sccl_allreduce_f16",
            torch.float32: "sccl_allreduce_f32"}
