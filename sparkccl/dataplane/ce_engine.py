@@ -43,7 +43,7 @@ from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
 from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .engines import DIRECT_THREADS, WAIT_THREADS, DirectCall, Engine
-from .kernel_args import sum_unit_args, wait_params
+from .kernel_args import ring, sum_unit_args, wait_params
 from .launch_plan import MAX_ARGS, CallPtr, Slotted
 
 _P = layout.protocol_constants()
@@ -149,8 +149,8 @@ class CeEngine(Engine):
         # The publish ring's entries as the host writes them (_issue: where the copy
         # engines send, the host writes the fields, the streams only the tags).
         words = layout.RING_ENTRIES * layout.RING_ENTRY_BYTES // 8
-        ring = (ctypes.c_uint64 * words).from_address(p.ctl + layout.RING_OFFSET)
-        self.ring_host = np.frombuffer(ring, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
+        view = (ctypes.c_uint64 * words).from_address(p.ctl + layout.RING_OFFSET)
+        self.ring_host = np.frombuffer(view, dtype=np.uint64).reshape(layout.RING_ENTRIES, -1)
 
     def close(self) -> None:
         """Free the events (the programs name them, so they go too) and the sums' stream."""
@@ -235,7 +235,7 @@ class CeEngine(Engine):
         t[T_PROG] = (seq * PROG_STRIDE) & _MASK
         t[T_FIRST] = first
         t[T_STAGE] = stage
-        tags = self.plane.ctl_dev + layout.RING_OFFSET + layout.ENT_TAG
+        tags = ring(self.plane) + layout.ENT_TAG
         for c in range(PIECES):
             t[T_TAG + c] = tags + ((first + c) % layout.RING_ENTRIES) * layout.RING_ENTRY_BYTES
         t[T_ARG:T_ARG + len(args)] = args
