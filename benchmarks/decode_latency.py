@@ -15,6 +15,11 @@ Runs the ranks twice, GPU-direct (the default on one host) and the proxy path
   graph (``--per-graph`` calls per replay, p50 per call), and the same regime as it was
   before, ``ag+sum``: an all-gather and torch adds in rank order (allreduce.rank_order_sum).
 
+``--timeline`` (SPARKCCL_GPU_TIMELINE: kernels built with step stamps, so run it apart from
+the figures above) adds, per size, where a replayed one-shot call's time goes on the GPU
+clock (sparkccl/dataplane/timeline.py): launch gap, publish, hand-off, flag to the peer's
+poller, poller to consumer, sum, exit; p50 and p90 over every rank's calls of one replay.
+
 The floor is ``flag rtt`` (GPU-direct) or ``flag rtt + proxy 1pc`` (the proxy path); the
 table prints each replayed all-reduce's ratio to it (issue bar: <= 2) and the before/after
 ratio. Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
@@ -59,7 +64,7 @@ def _flag_rtt(comm, rounds: int) -> float:
     return statistics.median(each[rounds // 10:]) / 1e9  # (the first rounds warm up)
 
 
-def _job(rank, world, store, sizes, iters, per_graph):
+def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
     import torch
     import torch.distributed as dist
 
@@ -124,6 +129,11 @@ def _job(rank, world, store, sizes, iters, per_graph):
                 if not (bits(out.cpu()) == want).all():
                     raise AssertionError(f"rank {rank}: {name} {size} B replayed differs")
                 row[name + " graph"] = p50(g.replay, max(5, iters // per_graph)) / per_graph
+                if with_timeline and name == "ar":
+                    from sparkccl.dataplane import timeline
+                    g.replay()
+                    sync()
+                    row["timeline"] = timeline.last_rows(comm.data_plane, per_graph)
                 del g
             rows.append(row)
         comm.synchronize()
@@ -139,11 +149,18 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--per-graph", type=int, default=20)
     ap.add_argument("--max-bytes", type=int, default=2 << 20)
+    ap.add_argument("--paths", default="direct,proxy", help="direct, proxy or both")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also the GPU step timeline of the replayed one shot (SPARKCCL_GPU_TIMELINE)")
     a = ap.parse_args()
     sizes = [s for s in SIZES if s <= a.max_bytes]
-    for path, env in (("GPU-direct", {}), ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})):
-        res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph), env=env,
-                              timeout_s=1200))
+    paths = {"direct": ("GPU-direct", {}), "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
+    for key in a.paths.split(","):
+        path, env = paths[key]
+        if a.timeline:
+            env = {**env, "SPARKCCL_GPU_TIMELINE": "1"}
+        res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph, a.timeline),
+                              env=env, timeout_s=1200))
         floors = {k: max(r[0][k] for r in res) for k in res[0][0]}
         floor = floors["flag rtt"] + (floors["proxy 1pc"] if env else 0.0)
         print(f"# decode all-reduce, cuda world {a.world} mesh, {path}, bf16; p50 per call "
@@ -157,6 +174,14 @@ def main() -> None:
             t = {k: max(r[1][i][k] for r in res) for k in keys}
             print(f"{row['size']:>10} " + " ".join(f"{t[k] * 1e6:13.1f}" for k in keys)
                   + f"  {t['ar graph'] / floor:11.2f}  {t['ag+sum graph'] / t['ar graph']:19.2f}")
+        if a.timeline:
+            from sparkccl.dataplane import timeline
+            print("# GPU timeline of one replay (kernels with step stamps), us: p50 / p90 "
+                  "over every rank's calls")
+            for i, row in enumerate(res[0][1]):
+                steps = timeline.summary([r[1][i]["timeline"] for r in res])
+                print(f"{row['size']:>10}  " + "  ".join(f"{n} {p:.1f}/{q:.1f}"
+                                                         for n, p, q, _ in steps))
         proxy = res[0][2]
         if proxy.get("delay_samples"):
             print(f"# proxy (rank 0): ring entry consumed -> first write posted: p50 "

@@ -37,6 +37,20 @@ def test_kernels_compile(arch, tmp_path, monkeypatch):
 
 
 @needs_nvrtc
+@pytest.mark.slow
+def test_kernels_compile_with_the_timeline(tmp_path, monkeypatch):
+    """SPARKCCL_GPU_TIMELINE's build (the step stamps compiled in) compiles, under its own
+    cache key."""
+    from sparkccl.dataplane import timeline
+    monkeypatch.setenv("SPARKCCL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARKCCL_GPU_TIMELINE", "1")
+    src = timeline.kernel_source(nvrtc.source())
+    assert src.startswith(timeline.DEFINE)
+    assert nvrtc.compile_cubin("sm_90", src=src)[:4] == b"\x7fELF"
+    assert nvrtc.cache_key("sm_90", src) != nvrtc.cache_key("sm_90")
+
+
+@needs_nvrtc
 def test_cache_key_depends_on_source_and_arch():
     k90 = nvrtc.cache_key("sm_90")
     assert k90 == nvrtc.cache_key("sm_90")

@@ -87,7 +87,7 @@ def emu_lib():
             if not out.exists():
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
-                       "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
+                       "-Wno-unknown-pragmas", "-DSCCL_TIMELINE", f"-I{EMU_DIR}",
                        *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
                        str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)

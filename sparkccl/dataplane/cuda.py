@@ -40,7 +40,7 @@ from .. import config, layout
 from ..errors import CollectiveError, ConfigError
 from ..plan.geometry import ALIGN, PIECES, round_up
 from ..plan.model import REGION_SLOTS, Op, RankPlan, Region
-from . import clock
+from . import clock, timeline
 from .base import OP_NAMES, DataPlaneBase
 from .cpu import fin_slice
 from .ce_engine import CePlan
@@ -147,6 +147,12 @@ class CudaDataPlane(DataPlaneBase):
         head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
         init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
         init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
+        # SPARKCCL_GPU_TIMELINE: the kernels' step stamps (timeline.py), else none.
+        self.timeline = None
+        if timeline.enabled():
+            self.timeline = self.gpu.to_device(
+                torch.zeros(timeline.TL_CALLS * timeline.TL_POINTS, dtype=torch.int64))
+            init[timeline.STATE_TIMELINE] = self.timeline.data_ptr()
         self.state = self.gpu.to_device(init)
         # The host's copy of the next seq and ring index: true until a collective is
         # captured in a CUDA graph (replays advance only the device's; see seq_on_host).

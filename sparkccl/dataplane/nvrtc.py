@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .. import config
 from ..errors import CudaUnavailable  # noqa: F401 - raised here, defined with the others
+from .timeline import kernel_source
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 KERNELS_CU = KERNELS_DIR / "kernels.cu"
@@ -198,6 +199,6 @@ def load_kernels(arch) -> dict:
     """{name: cuda.core Kernel} for the current device (call ``Device(i).set_current()``
     first)."""
     cc = import_cuda_core()
-    data = compile_cubin(arch)
+    data = compile_cubin(arch, src=kernel_source(source()))
     obj = cc.ObjectCode.from_cubin(data, name="sparkccl_kernels")
     return {n: obj.get_kernel(n) for n in KERNEL_NAMES}

@@ -329,7 +329,22 @@ constexpr int STATE_CLOCK = 7;     // CLOCK_MONOTONIC - %globaltimer (ns, mod 2^
                                    // entries carry publish stamps; 0: none (SPARKCCL_GPU_STAMPS)
 constexpr int STATE_TAIL = 8;      // a ring tail the GPU read before: the proxy's tail only
                                    // grows, so it bounds the room without a read across PCIe
-constexpr int STATE_WORDS = 9;
+constexpr int STATE_TIMELINE = 9;  // device pointer to TL_CALLS x TL_POINTS u64 stamps, or 0:
+                                   // kernels built with SCCL_TIMELINE stamp their steps there
+                                   // (SPARKCCL_GPU_TIMELINE, dataplane/timeline.py)
+constexpr int STATE_WORDS = 10;
+// The timeline (a measurement aid, compiled in only with SCCL_TIMELINE): per collective seq,
+// row seq % TL_CALLS of TL_POINTS %globaltimer stamps, each written by one thread when the
+// step happens (the last writer wins where several blocks pass a step).
+constexpr int TL_CALLS = 64;
+constexpr int TL_POINTS = 8;
+constexpr int TL_ENTER = 0;     // block 0 read the collective's seq
+constexpr int TL_WRITTEN = 1;   // the last publish block's data is written and fenced
+constexpr int TL_HANDED = 2;    // flags (GPU-direct) or ring entries (proxy path) stored
+constexpr int TL_SEEN = 3;      // the poller saw every source's flag of the last piece
+constexpr int TL_RELEASED = 4;  // consumer block 0 passed its wait for the last piece
+constexpr int TL_SUMMED = 5;    // consumer block 0 finished its share of the result
+constexpr int TL_EXIT = 6;      // the launch's last block is done (it advances the state)
 // A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
 // the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
 constexpr int SLOT_SHIFT = 56;
