@@ -37,7 +37,8 @@ __device__ __forceinline__ void allreduce_src_read(u32* gate) {
 }
 
 // The poller of a one-hand-off slice (one thread): its consumers wait for the last unit
-// only, so every source's every wait word is waited for at the last piece's value (a flag
+// only, so every source's every wait word is waited for at the last piece's value, all of
+// them at once (wait_all_words) (a flag
 // says its piece and every one before it) and the last unit is released once. (wait.cu's
 // poller releases every unit on the way, a gpu-scope release store each, on the path
 // between the flags' arrival and the sum.) A failure is recorded at piece 7.
@@ -45,9 +46,8 @@ __device__ void poll_whole_slice(const WaitArgs& w) {
   if (earlier_wait_failed(w)) return;
   const u64 t0 = globaltimer();
   FlagsSeen seen = {};
-  for (int k = 0; k < w.maxw; ++k)
-    for (int i = 0; i < w.world; ++i)
-      if (!wait_word(w, PIECES - 1, k, i, t0, seen)) return;
+  if (!wait_all_words(w, PIECES - 1, t0, seen)) return;
+  TL_STAMP(w.state, w.seq, TL_SEEN);
   st_release_gpu(w.state, w.seq * PROG_STRIDE + unit(w, PIECES - 1, w.maxw - 1, w.world - 1));
 }
 
@@ -70,7 +70,9 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
   if (a.gate && !wait_gate(w, (const u32*)a.gate + PIECES - 1, gate_target, t0)) return;
   if (a.S <= ONE_HANDOFF_SLICE) {  // one wait for the last unit, then one sum of L bytes
     if (!wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0)) return;
+    if (b == 0 && threadIdx.x == 0) TL_STAMP(w.state, w.seq, TL_RELEASED);
     team_reduce<E>(dst, slot, own, false, a.S, 0, a.L, w.rank, w.world, b, nb, avg);
+    if (b == 0 && threadIdx.x == 0) TL_STAMP(w.state, w.seq, TL_SUMMED);
     return;
   }
   for (int c = 0; c < PIECES; ++c) {
@@ -91,6 +93,7 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
   const u32 gate_target = (u32)state_word(state, STATE_GATE) + npub;
   u8* slot = slot_at((u8*)a.slot, a.slot_code, w.seq);
   u32* counters = (u32*)a.counters;
+  if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
   if (blockIdx.x < npub) {
     if (a.dtab) {
       PubArgs p;

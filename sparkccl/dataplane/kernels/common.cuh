@@ -18,6 +18,7 @@ using namespace sparkccl::kargs;
 // Kernel-only tuning.
 #define UNROLL 4
 #define BATCH 8  // reduce-scatter: sources loaded together when world <= BATCH
+#define UNIT_BATCH 8  // GPU-direct one-hand-off publish: units a thread loads together
 
 // ---------------------------------------------------------------- geometry (protocol.h)
 
@@ -222,6 +223,18 @@ __device__ __forceinline__ void team_copy(u8* dst, u8* dst2, const u8* src, u64 
 __device__ __forceinline__ u64 state_word(const u64* state, int k) {
   return *(volatile const u64*)(state + k);
 }
+// The timeline (protocol.h TL_*, a measurement aid: SPARKCCL_GPU_TIMELINE compiles it in):
+// one thread notes when this collective passed a step. Compiled out otherwise, so the
+// kernels that measure latency are not slowed by the measuring.
+#ifdef SCCL_TIMELINE
+__device__ __forceinline__ void timeline_stamp(const u64* state, u64 seq, int point) {
+  u64* tl = (u64*)state_word(state, STATE_TIMELINE);
+  if (tl) st_volatile_u64(tl + (seq % TL_CALLS) * TL_POINTS + point, globaltimer());
+}
+#define TL_STAMP(state, seq, point) timeline_stamp(state, seq, point)
+#else
+#define TL_STAMP(state, seq, point) ((void)0)
+#endif
 // The next collective's state: seq + 1, ring index + entries (the ring entries this one
 // used), the finalize gate + gate_add (sccl_finalize_direct's publish blocks, else 0).
 __device__ __forceinline__ void advance_state(u64* state, u64 entries, u64 gate_add) {
@@ -241,6 +254,7 @@ __device__ __forceinline__ void last_block_advances(u64* state, u64 entries, u64
   if (atomicAdd((u32*)(state + STATE_EXITS), 1u) != gridDim.x - 1) return;
   __threadfence();  // every other block's reads of the state came before their counts
   st_volatile_u64(state + STATE_EXITS, 0);
+  TL_STAMP(state, state_word(state, STATE_SEQ), TL_EXIT);
   advance_state(state, entries, gate_add);
 }
 // Has a wait of this data plane failed (state[1], the dead word)? Then its later collectives

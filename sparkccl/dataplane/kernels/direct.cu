@@ -51,19 +51,25 @@ __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
                                          int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT) {
   if (!last_block_arrives(counter, n)) return;
-  u32 room = 0;  // bit c: entry first_index + c has its fields (its ring wait passed)
-  for (int c = c0; c <= c1; ++c) {
-    u64 lo, hi;
-    piece_bounds(S, c, &lo, &hi);
-    if (entry_fields(ring, state, first_index + c, seq, S, lo, hi, call, (u32)c, chunk, ALIGN))
-      room |= 1u << c;
+  TL_STAMP(state, seq, TL_WRITTEN);
+  // One wait for ring room, for the last entry: it is room for every entry before it (the
+  // proxy's tail only grows; each wait was an acquire, ~0.4 us apiece, one after another).
+  const bool room = ring_room(ring, state, first_index + c1, seq, (u32)c1);
+  if (room) {
+    const u64 clock = state[STATE_CLOCK];
+    for (int c = c0; c <= c1; ++c) {
+      u64 lo, hi;
+      piece_bounds(S, c, &lo, &hi);
+      fields_only(ring, clock, first_index + c, seq, S, lo, hi, call, (u32)c, chunk, ALIGN);
+    }
   }
   __threadfence_system();
   const u64 ns = dtab ? dtab[0] : 0;
   for (u64 s = 0; s < ns; ++s)
     st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
-  for (int c = c0; c <= c1; ++c)
-    if (room & (1u << c)) st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
+  for (int c = c0; c <= c1 && room; ++c)
+    st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
+  TL_STAMP(state, seq, TL_HANDED);
 }
 
 __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,
@@ -72,11 +78,84 @@ __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n
   else team_copy<false>(dst, dst2, src, n, b, nb);
 }
 
+// A thread's 16-byte units of a one-hand-off publish, loaded together before any is stored.
+struct UnitBatch {
+  const u8* from[UNIT_BATCH];
+  u8* to[UNIT_BATCH];
+  int n;
+};
+template <bool SRC_SYS>
+__device__ __forceinline__ void flush_units(UnitBatch& u) {
+  V16 v[UNIT_BATCH];
+#pragma unroll
+  for (int k = 0; k < UNIT_BATCH; ++k)
+    if (k < u.n) v[k] = SRC_SYS ? ld_sys16(u.from[k]) : ld_dev16(u.from[k]);
+#pragma unroll
+  for (int k = 0; k < UNIT_BATCH; ++k)
+    if (k < u.n) st16(u.to[k], v[k]);
+  u.n = 0;
+}
+
+// The publish of a slice handed off once (S <= ONE_HANDOFF_SLICE): item by item, each read
+// from the table once, every piece of it; a thread's units of all of them loaded UNIT_BATCH
+// at a time before they are stored. (Piece by piece, every small copy's loads waited for its
+// stores, the copies being ordered asm, and each piece read the table again: an 8 KiB
+// all-reduce at world 2 spent 13 us here on an H200, benchmarks/decode_latency.py --timeline.)
+// Units are dealt round-robin over the team across the items' pieces, so a small slice
+// spreads over every thread; a segment that is not 16-byte aligned is copied as before.
+template <bool SRC_SYS>
+__device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
+  const u64 ns = p.dtab[0];
+  const u64* items = p.dtab + 1 + ns * DT_STREAM;
+  const u64 tid = (u64)b * blockDim.x + threadIdx.x, nthreads = (u64)nb * blockDim.x;
+  UnitBatch u;
+  u.n = 0;
+  u64 before = 0;  // units dealt so far (over the items' pieces before this one)
+  for (u64 s = 0; s < ns; ++s) {
+    const u64* row = p.dtab + 1 + s * DT_STREAM;
+    for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
+      const u64* m = items + t * DT_ITEM;
+      u8* const base = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S;
+      const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
+      const u32 part = (u32)m[DT_PART];
+      for (int c = 0; c < PIECES; ++c) {
+        u64 a, e;
+        piece_bounds(p.S, c, &a, &e);
+        part_cut(part, p.L, &a, &e);
+        if (e <= a) continue;
+        if ((((u64)(base + a)) | ((u64)(from + a))) & 15) {
+          copy_any(base + a, (u8*)0, from + a, e - a, SRC_SYS, b, nb);
+          continue;
+        }
+        const u64 units = (e - a) / 16;
+        for (u64 k = (tid + nthreads - before % nthreads) % nthreads; k < units; k += nthreads) {
+          u.from[u.n] = from + a + 16 * k;
+          u.to[u.n] = base + a + 16 * k;
+          if (++u.n == UNIT_BATCH) flush_units<SRC_SYS>(u);
+        }
+        for (u64 k = a + 16 * units + tid; k < e; k += nthreads)  // the last bytes below L
+          base[k] = SRC_SYS ? ld_sys8(from + k) : from[k];
+        before += units;
+      }
+    }
+  }
+  flush_units<SRC_SYS>(u);
+}
+
 __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
   if (plane_failed(p.state)) return;  // nothing to the peers, no ring entry (see plane_failed)
   const u64 ns = p.dtab[0];
   const u64* items = p.dtab + 1 + ns * DT_STREAM;
-  const int group = p.S <= ONE_HANDOFF_SLICE ? PIECES : 1;  // pieces per hand-off
+  if (p.S <= ONE_HANDOFF_SLICE) {  // one hand-off, after the last piece
+    if (p.src_sys) direct_publish_whole<true>(p, b, nb);
+    else direct_publish_whole<false>(p, b, nb);
+    hand_off(p.counters + PIECES - 1, nb, p.dtab, p.ring, p.state, p.first_index, p.seq, p.S,
+             p.call, 0, PIECES - 1);
+    if (p.own_dst || p.dst2)  // (every piece's own bytes: [0, L) in one team copy)
+      copy_any(p.own_dst ? p.own_dst : p.dst2, p.own_dst && p.dst2 ? p.dst2 : (u8*)0, p.src, p.L,
+               p.src_sys != 0, b, nb);
+    return;
+  }
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(p.S, c, &lo, &hi);
@@ -92,9 +171,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
         }
       }
     }
-    if ((c + 1) % group == 0)
-      hand_off(p.counters + c, nb, p.dtab, p.ring, p.state, p.first_index, p.seq, p.S,
-               p.call, c + 1 - group, c);
+    hand_off(p.counters + c, nb, p.dtab, p.ring, p.state, p.first_index, p.seq, p.S, p.call, c, c);
     const u64 a = lo < p.L ? lo : p.L;
     const u64 e = hi < p.L ? hi : p.L;
     if ((p.own_dst || p.dst2) && e > a)
