@@ -410,6 +410,54 @@ def local_counters(ifnames) -> dict[str, tuple[int, int]]:
     return out
 
 
+def local_tcp_sockets() -> dict[tuple[str, str], dict[str, int]]:
+    """{(local "addr:port", peer "addr:port"): counters} of this namespace's established TCP
+    sockets, from ``ss -tin`` (call inside a rank). Counters, per socket since it opened:
+    ``bytes_sent`` (payload, retransmissions included), ``bytes_retrans`` (payload sent
+    again), ``bytes_received`` (payload delivered in order, each byte once), ``retrans_segs``
+    (segments sent again); ss leaves out the ones that are still 0."""
+    out = subprocess.run(["ss", "-tinOH", "state", "established"], capture_output=True,
+                         text=True, check=True).stdout
+    socks = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) < 4:
+            continue
+        c = dict(bytes_sent=0, bytes_retrans=0, bytes_received=0, retrans_segs=0)
+        for tok in f[4:]:
+            k, _, v = tok.partition(":")
+            if k in ("bytes_sent", "bytes_retrans", "bytes_received") and v.isdigit():
+                c[k] = int(v)
+            elif k == "retrans" and "/" in v:  # retrans:<now outstanding>/<total>
+                c["retrans_segs"] = int(v.split("/")[1])
+        socks[(f[2], f[3])] = c
+    return socks
+
+
+# Per-namespace TCP counters (/proc/net/snmp "Tcp:", /proc/net/netstat "TcpExt:") that say
+# whether and why segments were sent again on the fabric's links.
+TCP_COUNTERS = ("RetransSegs", "TCPLossProbes", "TCPTimeouts", "TCPSpuriousRTOs",
+                "TCPFastRetrans", "TCPLostRetransmit", "TCPDSACKRecv", "TCPDSACKOldSent",
+                "TCPSACKReorder", "TCPTSReorder", "TCPOFOQueue", "TCPOFODrop", "TCPRcvQDrop",
+                "TCPBacklogDrop", "TCPRetransFail", "TCPSpuriousRtxHostQueues")
+
+
+def local_tcp_counters() -> dict[str, int]:
+    """TCP_COUNTERS of this namespace (call inside a rank: /proc/net is the namespace's)."""
+    vals = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            prefix, _, names = names.partition(":")
+            if prefix not in ("Tcp", "TcpExt"):
+                continue
+            for k, v in zip(names.split(), values.partition(":")[2].split()):
+                if k in TCP_COUNTERS:
+                    vals[k] = int(v)
+    return vals
+
+
 def _load_fn(spec):
     for p in reversed(spec["sys_path"]):
         if p not in sys.path:
