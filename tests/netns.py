@@ -13,8 +13,9 @@ Two fabrics (docs/CONTRACT.md §3), each with a separate **management** bridge t
 Management: bridge ``brmg`` in the switch namespace (``10.99.0.254/24``), box r's ``mg``
 is ``10.99.0.{r+1}``. The store (a ``TCPStore``) is served by rank 0 in box 0 on the
 management address. Links can be shaped with ``tc`` (``rate`` with tbf, ``delay`` with
-netem where the kernel has it). Fabric links use MTU 9000 (as RoCE clusters do) and IPv6
-is off in every namespace, so link counters show only our traffic.
+netem where the kernel has it). Fabric links use MTU 9000 (as RoCE clusters do), IPv6
+is off in every namespace, so link counters show only our traffic, and every interface has
+RPS on, so that a veth delivers each flow in order as a cable does (``Fabric._in_order``).
 
 Everything is created under names ``sccl-<pid>-<n>-...`` and removed on exit, also when a
 test fails; namespaces left by a killed run (their pid is gone) are removed by the next.
@@ -137,6 +138,7 @@ class Fabric:
         self.created: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self.runs = 0
+        self.in_order = True  # every interface has RPS on (_in_order); False where it can't
         self.tmp = tempfile.mkdtemp(prefix=f"{self.tag}-")
 
     # ---- lifetime ---------------------------------------------------------------------
@@ -196,9 +198,36 @@ class Fabric:
                     ip("-n", self.boxes[nxt], "addr", "add", f"{net}.2/24", "dev", b)
                     self.links.append(Link(r, a, "next", k, f"{net}.1", nxt))
                     self.links.append(Link(nxt, b, "prev", k, f"{net}.2", r))
+        for ns in [sw, *self.boxes]:
+            self._in_order(ns)
         if self.rate or self.delay:
             for lk in self.links:
                 self.shape(lk.box, lk.ifname, self.rate, self.delay)
+
+    def _in_order(self, ns: str) -> None:
+        """Make ns's interfaces deliver each flow in order, as a cable does. A veth hands a
+        sent packet to the receive backlog of the CPU that sends it, and a TCP flow is sent
+        from process context and from softirqs (the ACKs' processing) on any CPU: when two
+        CPUs' backlogs drain in the other order the receiver gets segments out of order, and
+        the sender's loss detection (RACK: its reordering window is at most a quarter of the
+        minimum RTT, microseconds on a veth) takes the earlier ones for lost and sends them
+        again; the receiver's DSACKs then show they were not. With RPS the receiving side
+        queues every packet of a flow (by its hash) on one CPU's backlog whichever CPU sent
+        it, so a flow stays in order (benchmarks/ring_link_bytes.py prints the counters).
+        Kernels without RPS (no rps_cpus files) keep the reordering; ``in_order`` says so."""
+        mask = (1 << (os.cpu_count() or 1)) - 1
+        words = []
+        while True:  # the cpumask format: 32-bit hex words, most significant first
+            words.append(f"{mask & 0xFFFFFFFF:08x}")
+            mask >>= 32
+            if not mask:
+                break
+        out = in_ns(ns, "sh", "-c", "ok=0; bad=0; for f in /sys/class/net/*/queues/rx-*/rps_cpus; "
+                    f"do [ -e $f ] || continue; if echo {','.join(reversed(words))} > $f; "
+                    "then ok=$((ok+1)); else bad=$((bad+1)); fi; done; echo $ok $bad")
+        ok, bad = (int(v) for v in out.split()[-2:])
+        if ok == 0 or bad:
+            self.in_order = False
 
     def _veth(self, ns_a: str, a: str, ns_b: str, b: str, master: str | None = None,
               mtu: int = 1500) -> None:
@@ -379,6 +408,54 @@ def local_counters(ifnames) -> dict[str, tuple[int, int]]:
             rx = int(f.read())
         out[n] = (tx, rx)
     return out
+
+
+def local_tcp_sockets() -> dict[tuple[str, str], dict[str, int]]:
+    """{(local "addr:port", peer "addr:port"): counters} of this namespace's established TCP
+    sockets, from ``ss -tin`` (call inside a rank). Counters, per socket since it opened:
+    ``bytes_sent`` (payload, retransmissions included), ``bytes_retrans`` (payload sent
+    again), ``bytes_received`` (payload delivered in order, each byte once), ``retrans_segs``
+    (segments sent again); ss leaves out the ones that are still 0."""
+    out = subprocess.run(["ss", "-tinOH", "state", "established"], capture_output=True,
+                         text=True, check=True).stdout
+    socks = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) < 4:
+            continue
+        c = dict(bytes_sent=0, bytes_retrans=0, bytes_received=0, retrans_segs=0)
+        for tok in f[4:]:
+            k, _, v = tok.partition(":")
+            if k in ("bytes_sent", "bytes_retrans", "bytes_received") and v.isdigit():
+                c[k] = int(v)
+            elif k == "retrans" and "/" in v:  # retrans:<now outstanding>/<total>
+                c["retrans_segs"] = int(v.split("/")[1])
+        socks[(f[2], f[3])] = c
+    return socks
+
+
+# Per-namespace TCP counters (/proc/net/snmp "Tcp:", /proc/net/netstat "TcpExt:") that say
+# whether and why segments were sent again on the fabric's links.
+TCP_COUNTERS = ("RetransSegs", "TCPLossProbes", "TCPTimeouts", "TCPSpuriousRTOs",
+                "TCPFastRetrans", "TCPLostRetransmit", "TCPDSACKRecv", "TCPDSACKOldSent",
+                "TCPSACKReorder", "TCPTSReorder", "TCPOFOQueue", "TCPOFODrop", "TCPRcvQDrop",
+                "TCPBacklogDrop", "TCPRetransFail", "TCPSpuriousRtxHostQueues")
+
+
+def local_tcp_counters() -> dict[str, int]:
+    """TCP_COUNTERS of this namespace (call inside a rank: /proc/net is the namespace's)."""
+    vals = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            prefix, _, names = names.partition(":")
+            if prefix not in ("Tcp", "TcpExt"):
+                continue
+            for k, v in zip(names.split(), values.partition(":")[2].split()):
+                if k in TCP_COUNTERS:
+                    vals[k] = int(v)
+    return vals
 
 
 def _load_fn(spec):
