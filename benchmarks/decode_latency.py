@@ -139,7 +139,9 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
         comm.synchronize()
         stats = comm.proxy_stats()
     return row0, rows, {k: stats.get(k) for k in ("delay_p50_ns", "delay_p99_ns",
-                                                   "delay_samples")}
+                                                   "delay_samples", "first_p50_ns",
+                                                   "first_p99_ns", "first_samples",
+                                                   "naps", "turns")}
 
 
 def main() -> None:
@@ -157,8 +159,8 @@ def main() -> None:
     paths = {"direct": ("GPU-direct", {}), "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
     for key in a.paths.split(","):
         path, env = paths[key]
-        if a.timeline:
-            env = {**env, "SPARKCCL_GPU_TIMELINE": "1"}
+        if a.timeline:  # (the proxy path: its publish -> post too, on the GPU's stamps)
+            env = {**env, "SPARKCCL_GPU_TIMELINE": "1", "SPARKCCL_GPU_STAMPS": "1"}
         res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph, a.timeline),
                               env=env, timeout_s=1200))
         floors = {k: max(r[0][k] for r in res) for k in res[0][0]}
@@ -187,6 +189,12 @@ def main() -> None:
             print(f"# proxy (rank 0): ring entry consumed -> first write posted: p50 "
                   f"{proxy['delay_p50_ns'] / 1e3:.1f} us, p99 {proxy['delay_p99_ns'] / 1e3:.1f} "
                   f"us over {proxy['delay_samples']} entries")
+        if proxy.get("first_samples"):
+            print(f"# proxy (rank 0): GPU publish of a collective's piece 0 -> its first write "
+                  f"posted: p50 {proxy['first_p50_ns'] / 1e3:.1f} us, p99 "
+                  f"{proxy['first_p99_ns'] / 1e3:.1f} us over {proxy['first_samples']} "
+                  f"collectives (SPARKCCL_GPU_STAMPS); proxy naps {proxy['naps']} in "
+                  f"{proxy['turns']} turns")
         print()
 
 
