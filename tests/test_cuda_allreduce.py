@@ -299,7 +299,7 @@ def test_one_shot_timeline_stamps_every_step_in_order(direct, monkeypatch):
                 # (the publish blocks and the wait role's run side by side: own hand-off
                 # and the peer's flag come in either order, and block 0, which notes the
                 # enter, need not start first)
-                for chain in (("enter", "written", "handed", "exit"),
+                for chain in (("enter", "stored", "written", "handed", "exit"),
                               ("seen", "released", "summed", "exit")):
                     assert [row[p] for p in chain] == sorted(row[p] for p in chain), (r, s, row)
                 peer = per_rank[1 - r][s]

@@ -153,6 +153,7 @@ nb::dict protocol_dict() {
   SPARKCCL_PUT(TL_RELEASED);
   SPARKCCL_PUT(TL_SUMMED);
   SPARKCCL_PUT(TL_EXIT);
+  SPARKCCL_PUT(TL_STORED);
   SPARKCCL_PUT(SLOT_SHIFT);
   {
     using namespace sparkccl::kargs;

@@ -17,7 +17,7 @@ from .. import config, layout
 _P = layout.protocol_constants()
 TL_CALLS, TL_POINTS = _P["TL_CALLS"], _P["TL_POINTS"]
 STATE_TIMELINE = _P["STATE_TIMELINE"]
-POINTS = ("enter", "written", "handed", "seen", "released", "summed", "exit")
+POINTS = ("enter", "written", "handed", "seen", "released", "summed", "exit", "stored")
 assert [_P["TL_" + p.upper()] for p in POINTS] == list(range(len(POINTS)))
 DEFINE = "#define SCCL_TIMELINE 1\n"
 
@@ -53,7 +53,8 @@ def last_rows(plane, n: int) -> dict[int, dict[str, int]]:
 # means the latest of the other ranks' stamps of the same seq.
 STEPS = (
     ("launch gap", ("prev", "exit"), "enter"),
-    ("publish", ("own", "enter"), "written"),
+    ("publish", ("own", "enter"), "stored"),
+    ("fence", ("own", "stored"), "written"),
     ("hand-off", ("own", "written"), "handed"),
     ("flag to poller", ("peers", "handed"), "seen"),
     ("poller to consumer", ("own", "seen"), "released"),

@@ -50,6 +50,7 @@ struct PubArgs {
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
                                          int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT) {
+  if (threadIdx.x == 0) TL_STAMP(state, seq, TL_STORED);
   if (!last_block_arrives(counter, n)) return;
   TL_STAMP(state, seq, TL_WRITTEN);
   // One wait for ring room, for the last entry: it is room for every entry before it (the

@@ -345,6 +345,7 @@ constexpr int TL_SEEN = 3;      // the poller saw every source's flag of the las
 constexpr int TL_RELEASED = 4;  // consumer block 0 passed its wait for the last piece
 constexpr int TL_SUMMED = 5;    // consumer block 0 finished its share of the result
 constexpr int TL_EXIT = 6;      // the launch's last block is done (it advances the state)
+constexpr int TL_STORED = 7;    // a publish block's stores issued, before its fence (the last)
 // A slotted pointer argument: slot seq % slots of a region is base + (seq % slots) * stride;
 // the kernel gets base and the code slots << SLOT_SHIFT | stride (code 0: not slotted).
 constexpr int SLOT_SHIFT = 56;
