@@ -18,7 +18,6 @@ using namespace sparkccl::kargs;
 // Kernel-only tuning.
 #define UNROLL 4
 #define BATCH 8  // reduce-scatter: sources loaded together when world <= BATCH
-#define UNIT_BATCH 8  // GPU-direct one-hand-off publish: units a thread loads together
 
 // ---------------------------------------------------------------- geometry (protocol.h)
 

@@ -79,68 +79,56 @@ __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n
   else team_copy<false>(dst, dst2, src, n, b, nb);
 }
 
-// A thread's 16-byte units of a one-hand-off publish, loaded together before any is stored.
-struct UnitBatch {
-  const u8* from[UNIT_BATCH];
-  u8* to[UNIT_BATCH];
-  int n;
-};
-template <bool SRC_SYS>
-__device__ __forceinline__ void flush_units(UnitBatch& u) {
-  V16 v[UNIT_BATCH];
-#pragma unroll
-  for (int k = 0; k < UNIT_BATCH; ++k)
-    if (k < u.n) v[k] = SRC_SYS ? ld_sys16(u.from[k]) : ld_dev16(u.from[k]);
-#pragma unroll
-  for (int k = 0; k < UNIT_BATCH; ++k)
-    if (k < u.n) st16(u.to[k], v[k]);
-  u.n = 0;
-}
-
-// The publish of a slice handed off once (S <= ONE_HANDOFF_SLICE): item by item, each read
-// from the table once, every piece of it; a thread's units of all of them loaded UNIT_BATCH
-// at a time before they are stored. (Piece by piece, every small copy's loads waited for its
-// stores, the copies being ordered asm, and each piece read the table again: an 8 KiB
-// all-reduce at world 2 spent 13 us here on an H200, benchmarks/decode_latency.py --timeline.)
-// Units are dealt round-robin over the team across the items' pieces, so a small slice
-// spreads over every thread; a segment that is not 16-byte aligned is copied as before.
+// The publish of a slice handed off once (S <= ONE_HANDOFF_SLICE), spread as work items:
+// (item, piece, sub-block of SUB_BYTES), one per warp at a time, every lane a few 16-byte
+// units loaded together before they are stored. Each work item's bounds (the piece, the
+// item's part of it, cut at L: a chain of 64-bit integer steps) are worked out by its warp
+// alone. (Walked by every thread over every item and piece, those chains came one after
+// the other: an 8 KiB all-reduce at world 2 spent 8-13 us publishing on an H200, the
+// copying itself well under 1 us; benchmarks/decode_latency.py --timeline.)
+#define SUB_BYTES 2048u  // 32 lanes x 4 units of 16 bytes
 template <bool SRC_SYS>
 __device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
-  const u64 ns = p.dtab[0];
-  const u64* items = p.dtab + 1 + ns * DT_STREAM;
-  const u64 tid = (u64)b * blockDim.x + threadIdx.x, nthreads = (u64)nb * blockDim.x;
-  UnitBatch u;
-  u.n = 0;
-  u64 before = 0;  // units dealt so far (over the items' pieces before this one)
-  for (u64 s = 0; s < ns; ++s) {
-    const u64* row = p.dtab + 1 + s * DT_STREAM;
-    for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
-      const u64* m = items + t * DT_ITEM;
-      u8* const base = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S;
-      const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
-      const u32 part = (u32)m[DT_PART];
-      for (int c = 0; c < PIECES; ++c) {
-        u64 a, e;
-        piece_bounds(p.S, c, &a, &e);
-        part_cut(part, p.L, &a, &e);
-        if (e <= a) continue;
-        if ((((u64)(base + a)) | ((u64)(from + a))) & 15) {
-          copy_any(base + a, (u8*)0, from + a, e - a, SRC_SYS, b, nb);
-          continue;
-        }
-        const u64 units = (e - a) / 16;
-        for (u64 k = (tid + nthreads - before % nthreads) % nthreads; k < units; k += nthreads) {
-          u.from[u.n] = from + a + 16 * k;
-          u.to[u.n] = base + a + 16 * k;
-          if (++u.n == UNIT_BATCH) flush_units<SRC_SYS>(u);
-        }
-        for (u64 k = a + 16 * units + tid; k < e; k += nthreads)  // the last bytes below L
-          base[k] = SRC_SYS ? ld_sys8(from + k) : from[k];
-        before += units;
+  const u32 ns = (u32)p.dtab[0];
+  if (!ns) return;
+  const u64* last = p.dtab + 1 + (u64)(ns - 1) * DT_STREAM;  // (items are numbered in row order)
+  const u32 nitems = (u32)(last[DT_FIRST] + last[DT_ITEMS]);
+  const u64* items = p.dtab + 1 + (u64)ns * DT_STREAM;
+  const u32 subs = (u32)((piece_step(p.S, ALIGN) + SUB_BYTES - 1) / SUB_BYTES);
+  const u32 lanes = blockDim.x < 32 ? blockDim.x : 32;  // (the emulation: one thread a block)
+  const u32 lane = threadIdx.x % lanes;
+  const u32 team = (b * blockDim.x + threadIdx.x) / lanes, teams = nb * blockDim.x / lanes;
+  const u32 work = nitems * PIECES * subs;
+  for (u32 g = team; g < work; g += teams) {
+    const u32 t = g / (PIECES * subs), c = g / subs % PIECES, k = g % subs;
+    const u64* m = items + (u64)t * DT_ITEM;
+    u64 a, e;
+    piece_bounds(p.S, (int)c, &a, &e);
+    part_cut((u32)m[DT_PART], p.L, &a, &e);
+    const u64 lo = a + (u64)k * SUB_BYTES;
+    if (lo >= e) continue;
+    const u64 hi = e < lo + SUB_BYTES ? e : lo + SUB_BYTES;
+    u8* const to = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S;
+    const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
+    u64 x = lo;
+    if (((((u64)(to + lo)) | ((u64)(from + lo))) & 15) == 0) {
+      const u32 units = (u32)((hi - lo) / 16);
+      for (u32 u0 = lane; u0 < units; u0 += lanes * UNROLL) {
+        V16 v[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j)
+          if (u0 + j * lanes < units)
+            v[j] = SRC_SYS ? ld_sys16(from + lo + 16 * (u0 + j * lanes))
+                           : ld_dev16(from + lo + 16 * (u0 + j * lanes));
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j)
+          if (u0 + j * lanes < units) st16(to + lo + 16 * (u0 + j * lanes), v[j]);
       }
+      x = lo + 16 * (u64)units;
     }
+    for (x += lane; x < hi; x += lanes)  // (unaligned, or the last bytes below L)
+      to[x] = SRC_SYS ? ld_sys8(from + x) : from[x];
   }
-  flush_units<SRC_SYS>(u);
 }
 
 __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
