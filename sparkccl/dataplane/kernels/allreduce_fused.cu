@@ -1,0 +1,136 @@
+// The two-step all-reduce as one operation under one seq (docs/PROTOCOL.md "All-reduce",
+// "Two steps fused on CUDA"), the proxy path: one launch per collective, the union of a
+// reduce-scatter's and an all-gather's wire (ring entries of op RS, then of op AG; the
+// proxies cannot tell it from the CPU twin's, CpuDataPlane.all_reduce). Roles:
+//
+//   blocks [0, npub): the RS publish. Chunks j != rank of the input go into RS send slot
+//      seq % 2 (a zero-copy input lies there already: npub is 1 and it only hands off), and
+//      the RS entries (first ring index + c) go to the proxy: a slice of at most
+//      ONE_HANDOFF_SLICE, or a zero-copy input, in one hand-off (every piece is ready at
+//      once); else piece by piece, publish.cu's finish_piece. The own chunk is not copied:
+//      no stream sends it, the sum reads it from the input, and in place a copy of it could
+//      read a result the consumers already wrote.
+//   block npub: the poller. One progress word serves both parts: the RS part's units first
+//      (wait.cu, the RS WaitParams), then the AG part's, counted on from the RS part's last
+//      (WaitArgs::ubase). RS data depends only on the publishes at the start, and AG piece c
+//      of a source only on RS piece c of every rank, so waiting for the whole RS part first
+//      never holds back a wait another rank's progress needs; it is also the wire's order
+//      (each connection carries the RS pieces, all queued at the start, ahead of the AG's).
+//   blocks npub + 1 ..: the consumers. Per piece c (a one-hand-off slice: all at once), once
+//      piece c of this rank's chunk came from every source, reduce_scatter.cu's team_reduce,
+//      the reduce-scatter's very sum (rank order, fp32, AVG divided once, rounded once),
+//      stores the rounded piece into this rank's block of AG slot seq % 3 and into the
+//      result, from the same registers; the last consumer block to finish the piece hands it
+//      to the proxy as AG piece c (ring index first + PIECES + c). Then wait.cu's ag_wait
+//      copies the peers' AG pieces out as they arrive.
+//
+// The last block to finish advances the device state by both parts' entries (2 * PIECES), so
+// a captured all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
+#pragma once
+#include "allreduce.cu"
+
+__device__ void fused_rs_publish(const FusedAllReduceArgs& a, u64* state, u64 seq, u64 first,
+                                 int rank, int world, u32 blk, u32 npub) {
+  if (plane_failed(state)) return;  // (nothing more to the peers: see plane_failed)
+  u32* counters = (u32*)a.counters + (seq % COUNTER_SETS) * PIECES;
+  u8* send = slot_at((u8*)a.send, a.send_code, seq);
+  const u8* src = (const u8*)a.src;
+  u8* ring = (u8*)a.ring;
+  if (!src || a.S <= ONE_HANDOFF_SLICE) {
+    if (src)
+      for (int j = 0; j < world; ++j)
+        if (j != rank) team_copy<false>(send + j * a.S, (u8*)0, src + j * a.src_stride, a.L, blk, npub);
+    hand_off(counters, npub, (const u64*)0, ring, state, first, seq, a.S, a.rs_call, 0,
+             PIECES - 1, (u32)CHUNK_ALL);
+    return;
+  }
+  const u32 bpp = npub / PIECES;
+  const int c = (int)(blk / bpp);
+  if (c >= PIECES) return;
+  u64 lo, hi;
+  piece_bounds(a.S, c, &lo, &hi);
+  const u64 x = lo < a.L ? lo : a.L;
+  const u64 e = hi < a.L ? hi : a.L;
+  if (e > x)
+    for (int j = 0; j < world; ++j)
+      if (j != rank)
+        team_copy<false>(send + j * a.S + x, (u8*)0, src + j * a.src_stride + x, e - x, blk % bpp, bpp);
+  finish_piece(counters + c, bpp, ring, state, first + c, seq, a.S, a.rs_call, c);
+}
+
+// The poller (one thread): the RS part's waits, then the AG part's (see above).
+__device__ void fused_poll(const WaitArgs& wr, const WaitArgs& wa, bool whole) {
+  if (whole) poll_whole_slice(wr);
+  else poller(wr);
+  if (plane_failed(wr.state)) return;  // (recorded once, by the RS part's wait)
+  if (whole) poll_whole_slice(wa);
+  else poller(wa);
+}
+
+template <class E>
+__device__ void fused_consume(const FusedAllReduceArgs& a, const WaitArgs& wr,
+                              const WaitArgs& wa, u64 first, u32 b, u32 nb) {
+  const u64 seq = wr.seq, L = a.L, S = a.S;
+  const int rank = wr.rank, world = wr.world;
+  u8* const ag = slot_at((u8*)a.ag, a.ag_code, seq);
+  u8* const block = ag + rank * S;  // this rank's AG block: what the proxy sends on
+  const u8* const recv = slot_at((const u8*)a.recv, a.recv_code, seq);
+  const bool zero_copy = a.src == 0;
+  const u8* const own = zero_copy ? slot_at((const u8*)a.send, a.send_code, seq) + rank * S
+                                  : (const u8*)a.src + rank * a.src_stride;
+  u8* const mine = (u8*)a.dst + rank * a.dst_stride;
+  u32* const counters = (u32*)a.ag_counters + (seq % COUNTER_SETS) * PIECES;
+  u8* const ring = (u8*)a.ring;
+  u64* const state = wr.state;
+  const bool avg = a.avg != 0;
+  u64 seen = 0;
+  const u64 t0 = globaltimer();
+  if (S <= ONE_HANDOFF_SLICE) {  // one wait for the RS part's last unit, one sum, one hand-off
+    if (!wait_progress(wr, unit(wr, PIECES - 1, wr.maxw - 1, world - 1), &seen, t0)) return;
+    team_reduce<E>(block, recv, own, zero_copy, S, 0, L, rank, world, b, nb, avg, mine);
+    hand_off(counters, nb, (const u64*)0, ring, state, first + PIECES, seq, S, a.ag_call, 0,
+             PIECES - 1, (u32)CHUNK_ALL);
+  } else {
+    for (int c = 0; c < PIECES; ++c) {
+      u64 lo, hi;
+      piece_bounds(S, c, &lo, &hi);
+      if (!wait_progress(wr, unit(wr, c, wr.maxw - 1, world - 1), &seen, t0)) return;
+      const u64 e = hi < L ? hi : L;
+      if (e > lo) team_reduce<E>(block, recv, own, zero_copy, S, lo, e, rank, world, b, nb, avg, mine);
+      finish_piece(counters + c, nb, ring, state, first + PIECES + c, seq, S, a.ag_call, c);
+    }
+  }
+  ag_wait(ag, (u8*)a.dst, a.dst_stride, L, S, wa, b + 1, nb + 1);  // (its block 0 polls)
+}
+
+template <class E>
+__device__ __forceinline__ void allreduce_fused(const FusedAllReduceArgs& a) {
+  const WaitParams* wp = (const WaitParams*)a.wp_rs;
+  WAIT_ARGS_INIT
+  // The AG part's wait differs from the RS part's only in its tables (the WaitParams blocks
+  // of one plane share everything else, maxw included) and in where its units start.
+  const WaitParams* const wp_ag = (const WaitParams*)a.wp_ag;
+  WaitArgs wa = w;
+  wa.waits = (const int*)wp_ag->waits;
+  wa.parts = (const int*)wp_ag->parts;
+  wa.ubase = unit(w, PIECES - 1, w.maxw - 1, w.world - 1);
+  const u32 npub = (u32)a.npub;
+  const u64 first = state_word(state, STATE_RING);
+  if (blockIdx.x < npub) {
+    fused_rs_publish(a, state, w.seq, first, w.rank, w.world, blockIdx.x, npub);
+  } else if (blockIdx.x == npub) {
+    if (threadIdx.x == 0) fused_poll(w, wa, a.S <= ONE_HANDOFF_SLICE);
+  } else {
+    fused_consume<E>(a, w, wa, first, blockIdx.x - npub - 1, gridDim.x - npub - 1);
+  }
+  last_block_advances(state, 2 * PIECES, 0);
+}
+
+#define ALLREDUCE_FUSED_KERNEL(NAME, E)                                                      \
+  extern "C" __global__ void __launch_bounds__(512) NAME(const FusedAllReduceArgs a) {       \
+    allreduce_fused<E>(a);                                                                   \
+  }
+
+ALLREDUCE_FUSED_KERNEL(sccl_ar_fused_bf16, BF16)
+ALLREDUCE_FUSED_KERNEL(sccl_ar_fused_f16, F16)
+ALLREDUCE_FUSED_KERNEL(sccl_ar_fused_f32, F32)
