@@ -275,3 +275,146 @@ def test_fused_capture_and_replay(backend, topology, world, roots):
         for r in range(world):
             assert device_seq(w, r) == count, (r, device_seq(w, r), count)
         w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_timeout_names_the_peer_and_poisons(backend):
+    """Only rank 0 calls (rank 1 never sends): its RS wait times out on the GPU clock,
+    synchronize() raises CollectiveError naming rank 1 and the connection, the output is
+    poisoned (mode poison, the World's default), and the next call raises at once."""
+    world = 2
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5) as w:
+        xs = inputs(1, world, (100,), torch.bfloat16)
+        with w.be.on(0):
+            x = w.keep(w.be.to_dev(xs[0]))
+            out, res = output(w, x)
+            issue_rank(w, 0, 0, x, res, "sum", one=False)
+        with pytest.raises(C.CollectiveError) as ei:
+            w.dps[0].synchronize()
+        msg = str(ei.value)
+        # (a one-hand-off slice is waited for at its last piece; the RS part comes first)
+        assert "timed out" in msg and f"all_reduce seq 0 piece {PIECES - 1} from rank 1" in msg, \
+            msg
+        assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        w.be.sync()
+        assert (out.cpu()[:res.nbytes] == 0xFF).all()
+        with pytest.raises(C.CollectiveError):
+            with w.be.on(0):
+                issue_rank(w, 0, 1, x, res, "sum", one=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("calls,said", [
+    (((100, torch.bfloat16, "sum"), (100, torch.bfloat16, "avg")),
+     ("200 bytes of bfloat16 to all_reduce(sum)", "200 bytes of bfloat16 to all_reduce(avg)")),
+    (((5, torch.bfloat16, "sum"), (6, torch.bfloat16, "sum")),
+     ("10 bytes of bfloat16 to all_reduce(sum)", "12 bytes of bfloat16 to all_reduce(sum)")),
+], ids=["sum-avg", "5v6-bf16"])
+def test_fused_different_calls_are_reported(backend, calls, said):
+    """The fused collective's entries carry the all-reduce's call word: a sum beside an
+    average of the same bytes, and sizes the padding to W chunks of 16 bytes hides, fail
+    every rank at synchronize() naming both calls."""
+    world = 2
+    with World(backend, "mesh", world, max_slice=4096, timeout_s=20) as w:
+        for r in range(world):
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
+        for r, (n, dtype, op) in enumerate(calls):
+            with w.be.on(r):
+                x = w.keep(w.be.to_dev(torch.zeros(n, dtype=dtype)))
+                issue_rank(w, r, 0, x, output(w, x)[1], op, one=False)
+        w.be.sync()
+        with pytest.raises(C.CollectiveError, match=re.escape(
+                f"rank 0: all_reduce({calls[0][2]}) seq 0: rank 1 made a different call than "
+                f"rank 0 (this rank): rank 1 passed {said[1]}, rank 0 passed {said[0]}")):
+            w.dps[0].synchronize()
+        with pytest.raises(C.CollectiveError, match=re.escape(f"rank 1 passed {said[1]}")):
+            w.dps[1].synchronize()
+
+
+# ---------------------------------------------------------------- through the Communicator
+
+def _comm_fused_job(rank, world, store, topology, slot_bytes):
+    """A CUDA and a CPU communicator over tcp (the proxy carries every byte, as between
+    boxes): the CUDA one takes the fused kernel; its all-reduces (every dtype and op, padded
+    sizes, several slots, in place, the two collectives forced with fused=False, a CUDA graph
+    replay) equal the reference and the CPU twin's bits. Over shm the CUDA plane keeps two
+    collectives (GPU-direct has no fused kernel yet)."""
+    import torch as T
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.reference import all_reduce_reference as arr
+    from sparkccl.reference import bits as B
+    from sparkccl.reference import make_input as mk
+    T.cuda.set_device(rank % T.cuda.device_count())
+    W, bad = world, []
+    kw = dict(rank=rank, world_size=W, topology=topology, slot_bytes=slot_bytes, timeout_s=60,
+              transport="tcp")
+    cases = [((W * 1000 + 3,), T.bfloat16, "sum"), ((777, 5), T.float16, "avg"),
+             ((W * 4096,), T.float32, "avg"), ((3 << 20,), T.bfloat16, "avg"),
+             ((1 << 20,), T.float32, "sum")]
+    with sparkccl.Communicator(store=dist.PrefixStore("gpu", store), device="cuda", **kw) as g, \
+            sparkccl.Communicator(store=dist.PrefixStore("cpu", store), device="cpu", **kw) as c:
+        dp = g.data_plane
+        if not dp.fused_all_reduce:
+            return ["the CUDA plane over tcp does not take the fused all-reduce"]
+        seed = 0
+        for shape, dtype, op in cases:
+            seed += 1
+            xs = [mk(seed, r, shape, dtype) for r in range(W)]
+            want = arr(xs, op)
+            before = dp.engines.two_step.launches + dp.plans.stats["hits"]
+            y = g.all_reduce(xs[rank].cuda(), op, regime="two_step")
+            y2 = g.all_reduce(xs[rank].cuda(), op, regime="two_step", fused=False)
+            x = xs[rank].cuda()
+            g.all_reduce(x, op, out=x, regime="two_step")  # in place
+            yc = c.all_reduce(xs[rank], op, regime="two_step")
+            g.synchronize()
+            what = f"all_reduce {list(shape)} {dtype} {op}"
+            if dp.engines.two_step.launches + dp.plans.stats["hits"] == before:
+                bad.append(f"{what}: the fused kernel did not run")
+            for name, got in (("fused", y), ("two collectives", y2), ("in place", x),
+                              ("CPU twin", yc)):
+                if not (B(got.cpu()) == want).all():
+                    bad.append(f"{what}: {name} differs from the reference")
+        # A CUDA graph of two fused all-reduces, replayed with fresh inputs.
+        xin = T.zeros(W * 2048 + 5, dtype=T.bfloat16, device="cuda")
+        out = T.empty_like(xin)
+        s = T.cuda.Stream()
+        s.wait_stream(T.cuda.current_stream())
+        graph = T.cuda.CUDAGraph()
+        with T.cuda.stream(s):
+            with T.cuda.graph(graph, stream=s):
+                g.all_reduce(xin, "avg", out=out, regime="two_step")
+                g.all_reduce(out, "sum", out=out, regime="two_step")
+        for it in range(5):
+            xs = [mk(100 + it, r, tuple(xin.shape), T.bfloat16) for r in range(W)]
+            xin.copy_(xs[rank].cuda())
+            graph.replay()
+            T.cuda.synchronize()
+            avg = [T.from_numpy(arr(xs, "avg").copy()).view(T.bfloat16)] * W
+            if not (B(out.cpu()) == arr(avg, "sum")).all():
+                bad.append(f"graph replay {it}: differs from the reference")
+        g.synchronize()
+    with sparkccl.Communicator(store=dist.PrefixStore("shm", store), device="cuda",
+                               **{**kw, "transport": "shm"}) as h:
+        if h.data_plane.fused_all_reduce:
+            bad.append("over shm the CUDA plane took the fused all-reduce (no GPU-direct kernel)")
+        xs = [mk(7, r, (W * 999,), T.float16) for r in range(W)]
+        if not (B(h.all_reduce(xs[rank].cuda(), "avg", regime="two_step").cpu())
+                == arr(xs, "avg")).all():
+            bad.append("shm: the two collectives differ from the reference")
+    return bad
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("topology,world,slot_bytes", [
+    ("mesh", 2, 8 << 20), ("ring", 3, 8 << 20), ("mesh", 4, 8 << 20),
+    ("ring", 4, 256 << 10)])  # (a small slot: chunks of several collectives)
+def test_communicator_cuda_fused(topology, world, slot_bytes):
+    from sparkccl.localrun import check, run_ranks
+    values = check(run_ranks(_comm_fused_job, world, args=(topology, slot_bytes),
+                             timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)

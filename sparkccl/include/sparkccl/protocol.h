@@ -342,8 +342,9 @@ static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 // (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
 // static_asserts tie the offsets to the struct the kernels compile. Two kinds:
 // * a block in device memory, written once (WaitParams): constants of the plane;
-// * a struct passed by value as the kernel's one parameter (AllReduceArgs, PublishArgs,
-//   ProxyArgs, FinalizeArgs, FinalizeDirectArgs, WaitRoleArgs, DirectArgs, SumUnitArgs):
+// * a struct passed by value as the kernel's one parameter (AllReduceArgs,
+//   FusedAllReduceArgs, PublishArgs, ProxyArgs, FinalizeArgs, FinalizeDirectArgs,
+//   WaitRoleArgs, DirectArgs, SumUnitArgs):
 //   it carries the call's own pointers. Every field is a u64, so the struct's bytes are
 //   the u64 words the host packs; the native LaunchPlan (native/src/cuda_ops.cpp) keeps
 //   them as the launch's parameter buffer and patches a call's pointer at the field's byte
