@@ -585,7 +585,7 @@ class CudaDataPlane(DataPlaneBase):
     # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
     # The proxy path's fused kernel. The Communicator's wiring turns it off where GPU-direct
     # may run (the transport maps peers, which every rank agrees on), which has none yet.
-    fused_all_reduce = True
+    fused_all_reduce, fused_input_in_slot = True, False
 
     def all_reduce(self, seq: int, src, src_off: int, src_stride: int, L: int, dst,
                    dst_off: int, dst_stride: int, dtype: torch.dtype, avg: bool, pad: int = 0):
