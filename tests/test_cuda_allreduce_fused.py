@@ -24,7 +24,7 @@ from sparkccl.dataplane.peer_check import (ALL_REDUCE_AVG, ALL_REDUCE_SUM, calls
 from sparkccl.plan.geometry import PIECES
 from sparkccl.plan.model import Op, num_flag_words
 from sparkccl.reference import all_reduce_reference
-from test_cuda_dataplane import BACKENDS, EN, C, Graphs, World, device_seq, inputs
+from test_cuda_dataplane import BACKENDS, CXX, EN, C, N, Graphs, World, device_seq, inputs
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GUARD = 5
@@ -329,6 +329,49 @@ def test_fused_different_calls_are_reported(backend, calls, said):
             w.dps[0].synchronize()
         with pytest.raises(C.CollectiveError, match=re.escape(f"rank 1 passed {said[1]}")):
             w.dps[1].synchronize()
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2), ("mesh", 4, 2)])
+def test_fused_beside_the_cpu_twin(topology, world, roots):
+    """The last rank runs the CPU twin (CpuDataPlane.all_reduce), the others the emulated CUDA
+    kernel, on one World (its proxies), the cross-rank check on: every call passes it (the
+    call words are equal: a sum beside an average still fails, last), the CPU rank waits on
+    the CUDA ranks' RS and AG flags and they on its, and every rank gets the reference's
+    bits: proxies and peers cannot tell the two planes apart."""
+    from sparkccl.dataplane.cpu import CpuDataPlane
+    with World("emu", topology, world, roots, max_slice=4096, timeout_s=20) as w:
+        me = world - 1
+        w.dps[me].close()
+        rs = w.rs[me].t
+        cpu = CpuDataPlane(N, plan=w.plans[me], ctl_addr=w.ctl[me].addr,
+                           flags_addr=w.ctl[me].addr + L.FLAGS_OFFSET, ag=w.ag[me].t,
+                           ag_stride=w.ag_stride, timeout_s=20)
+        cpu.attach_rs(rs[:w.send_bytes], w.send_stride, rs[w.send_bytes:], w.recv_stride)
+        w.dps[me] = cpu
+        for r in range(world):
+            w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
+        seed = 0
+        for dtype in DTYPES:
+            for shape, zero_copy in (((37,), True), ((129, 7), False),
+                                     ((world * 2100 + 1,), False), ((world * 2100,), True)):
+                for op in ("sum", "avg"):
+                    seed += 1
+                    xs = inputs(seed, world, shape, dtype)
+                    outs, seqs = fused(w, xs, op, zero_copy=zero_copy)  # (the CPU rank last)
+                    w.sync()
+                    check(xs, op, outs, f"beside the CPU twin, zero_copy={zero_copy}")
+                    check_fused_entries(w, xs, op, seqs)  # (the CPU twin's entries too)
+        w.healthy()
+        xs = inputs(1, world, (100,), torch.bfloat16)
+        with pytest.raises(C.CollectiveError, match=re.escape(
+                f"rank {me} passed 200 bytes of bfloat16 to all_reduce(avg)")):
+            for r in range(world):
+                with w.be.on(r):
+                    x = w.keep(w.be.to_dev(xs[r]))
+                    issue_rank(w, r, w.seq, x, output(w, x)[1], "avg" if r == me else "sum",
+                               one=False)
+            w.sync()
 
 
 # ---------------------------------------------------------------- through the Communicator
