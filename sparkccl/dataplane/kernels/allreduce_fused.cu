@@ -17,7 +17,8 @@
 //      never holds back a wait another rank's progress needs; it is also the wire's order
 //      (each connection carries the RS pieces, all queued at the start, ahead of the AG's).
 //   blocks npub + 1 ..: the consumers. Per piece c (a one-hand-off slice: all at once), once
-//      piece c of this rank's chunk came from every source, reduce_scatter.cu's team_reduce,
+//      piece c of this rank's chunk came from every source (part by part, as rs_wait sums
+//      it), reduce_scatter.cu's team_reduce,
 //      the reduce-scatter's very sum (rank order, fp32, AVG divided once, rounded once),
 //      stores the rounded piece into this rank's block of AG slot seq % 3 and into the
 //      result, from the same registers; the last consumer block to finish the piece hands it
@@ -94,9 +95,17 @@ __device__ void fused_consume(const FusedAllReduceArgs& a, const WaitArgs& wr,
     for (int c = 0; c < PIECES; ++c) {
       u64 lo, hi;
       piece_bounds(S, c, &lo, &hi);
-      if (!wait_progress(wr, unit(wr, c, wr.maxw - 1, world - 1), &seen, t0)) return;
-      const u64 e = hi < L ? hi : L;
-      if (e > lo) team_reduce<E>(block, recv, own, zero_copy, S, lo, e, rank, world, b, nb, avg, mine);
+      // As rs_wait: part k of the piece once every source's wait word k came (two roots or
+      // directions per port send a piece in two parts), so the sum of the first part
+      // overlaps the second's arrival; the piece is handed off once all of it is summed.
+      for (int k = 0; k < wr.maxw; ++k) {
+        const u32 part = (u32)wr.parts[world * wr.maxw + k];
+        if (part == PART_NONE) continue;
+        if (!wait_progress(wr, unit(wr, c, k, world - 1), &seen, t0)) return;
+        u64 x = lo, e = hi;
+        part_cut(part, L, &x, &e);
+        if (e > x) team_reduce<E>(block, recv, own, zero_copy, S, x, e, rank, world, b, nb, avg, mine);
+      }
       finish_piece(counters + c, nb, ring, state, first + PIECES + c, seq, S, a.ag_call, c);
     }
   }
