@@ -17,10 +17,12 @@ rank's), host-synchronized after every call (eager latency); ``--graph`` (CUDA) 
 each all-reduce captured in a CUDA graph, ``--per-graph`` calls per replay, and reports the
 p50 per call. Ratios are taken within the run: ``2step/1shot`` > 1 means one shot is faster
 at that size; ``2step/rs+ag`` is what fusing the two steps saves against the two
-collectives run on their own (the header says whether ``2step`` was fused: on CUDA it is
-where the proxy carries the data, ``--transport tcp`` or ``verbs``; over shm the CUDA plane
-keeps two collectives). Every result of the timed all-reduces is checked bit for bit against
-the rank-order reference once, before timing.
+collectives run on their own (the header says whether ``2step`` was fused). On one host
+``--transport tcp`` makes the proxy carry every byte (GB10's path between boxes); the default
+(shm) runs the CUDA kernels GPU-direct (``SPARKCCL_GPU_DIRECT=0``: through the proxy), where
+the two collectives' ``auto`` mode takes the copy engines from 16 MiB and the fused kernel
+SMs. Every result of the timed all-reduces is checked bit for bit against the rank-order
+reference once, before timing.
 """
 from __future__ import annotations
 

@@ -148,11 +148,6 @@ class Wiring:
                                     flags_addr=self.flags_addr, ag=ag.tensor,
                                     ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                     peer_calls=calls, device=self.device)
-            # GPU-direct has no fused two-step all-reduce yet: where it may run, every rank
-            # keeps the reduce-scatter + all-gather. Decided by the transport, which every
-            # rank agrees on, not by SPARKCCL_GPU_DIRECT, which each rank reads for itself
-            # (ranks running the two ways would number their collectives differently).
-            self.dp.fused_all_reduce = not link.maps_peers
             if link.maps_peers and s.gpu_direct and self.dp.maps_peers:
                 self._setup_gpu_direct()
         else:

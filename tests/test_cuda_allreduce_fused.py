@@ -117,9 +117,10 @@ def ring_entries(w: World, r: int, seq: int) -> list:
     return sorted(found)
 
 
-def check_fused_entries(w: World, xs, op: str, seqs) -> None:
+def check_fused_entries(w: World, xs, op: str, seqs, direct: bool = False) -> None:
     """Each collective of the call took one seq and published 8 RS then 8 AG entries (chunk
-    -1: the proxy sends), with the call words the CPU twin writes."""
+    -1: the proxy sends; -2: GPU-direct, the kernel sent them), with the call words the CPU
+    twin writes."""
     W, dtype = w.world, xs[0].dtype
     n, esize = xs[0].numel(), xs[0].element_size()
     chunk = padded(n, W, dtype)[1]
@@ -129,7 +130,7 @@ def check_fused_entries(w: World, xs, op: str, seqs) -> None:
         off = k * w.max_slice if count > 1 else 0
         ln = min(w.max_slice, chunk - off) if count > 1 else chunk
         pad = zero_bytes(n * esize, chunk, W, off, ln)
-        want = sorted((int(o), c, -1, ln, call_word(o, dtype, kind, pad)
+        want = sorted((int(o), c, -2 if direct else -1, ln, call_word(o, dtype, kind, pad)
                        | c << L.CALL_PIECE_SHIFT) for o in (Op.AG, Op.RS) for c in range(PIECES))
         for r in range(W):
             assert ring_entries(w, r, first + k) == want, (r, first + k)
@@ -142,14 +143,16 @@ SHAPES = [(1,), (37,), (129, 7), (1000,)]  # every one padded at every world of 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
 @pytest.mark.parametrize("topology,world,roots", CONFIGS)
-def test_fused_exact(backend, topology, world, roots):
+def test_fused_exact(backend, topology, world, roots, direct):
     """bf16 / fp16 / fp32, SUM and AVG, sizes that pad (one element, odd counts), queued back
     to back with one sync: zero-copy, then from the input, then in place (out is x), then
     chunks of several slots (several fused collectives per call); a shape's second call runs
-    from its launch plan. Every result the reference's bits, every collective the fused one."""
+    from its launch plan. Every result the reference's bits, every collective the fused one
+    (GPU-direct: the kernel wrote the peers' slots and flags, the entries say so)."""
     max_slice = 4096
-    with World(backend, topology, world, roots, max_slice=max_slice) as w:
+    with World(backend, topology, world, roots, max_slice=max_slice, direct=direct) as w:
         pending = []
         seed = 0
         for dtype in DTYPES:
@@ -166,7 +169,7 @@ def test_fused_exact(backend, topology, world, roots):
                             for xs_, op_, outs_, seqs_ in pending:
                                 check(xs_, op_, outs_, f"zero_copy={zero_copy}")
                                 if seqs_ is pending[-1][3]:
-                                    check_fused_entries(w, xs_, op_, seqs_)
+                                    check_fused_entries(w, xs_, op_, seqs_, direct)
                             pending = []
         w.sync()
         for xs, op, outs, seqs in pending:
@@ -177,7 +180,7 @@ def test_fused_exact(backend, topology, world, roots):
         outs, seqs = fused(w, xs, "avg")
         w.sync()
         check(xs, "avg", outs, "planned")
-        check_fused_entries(w, xs, "avg", seqs)
+        check_fused_entries(w, xs, "avg", seqs, direct)
         assert [dp.plans.stats["hits"] for dp in w.dps] == [h + 1 for h in hits]
         assert [dp.engines.two_step.launches for dp in w.dps] == launches
         for k, dtype in enumerate(DTYPES):  # in place: n a multiple of W * 16 bytes
@@ -186,7 +189,7 @@ def test_fused_exact(backend, topology, world, roots):
             outs, seqs = fused(w, xs, "avg", zero_copy=False, in_place=True)
             w.sync()
             check(xs, "avg", outs, "in place", in_place=True)
-            check_fused_entries(w, xs, "avg", seqs)
+            check_fused_entries(w, xs, "avg", seqs, direct)
         for k, dtype in enumerate(DTYPES):  # chunks above a slot: several collectives
             esize = torch.empty((), dtype=dtype).element_size()
             xs = inputs(300 + k, world, (world * (2 * max_slice + 48) // esize + 3,), dtype)
@@ -195,18 +198,20 @@ def test_fused_exact(backend, topology, world, roots):
                 assert seqs[1] == 3
                 w.sync()
                 check(xs, "sum" if k % 2 else "avg", outs, "several slots")
-                check_fused_entries(w, xs, "sum" if k % 2 else "avg", seqs)
+                check_fused_entries(w, xs, "sum" if k % 2 else "avg", seqs, direct)
         assert all(device_seq(w, r) == w.seq for r in range(world))
+        assert all(dp.direct_launches > 0 for dp in w.dps) == direct
         w.healthy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2)])
-def test_fused_above_one_handoff_slice(backend, topology, world, roots):
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2), ("ring", 4, 1)])
+def test_fused_above_one_handoff_slice(backend, topology, world, roots, direct):
     """A chunk above ONE_HANDOFF_SLICE goes piece by piece (an RS entry per piece as its
     copy is done, an AG entry per piece as its sum is done): exact, zero-copy and not."""
     oh = EN.ONE_HANDOFF_SLICE
-    with World(backend, topology, world, roots, max_slice=oh + 4096) as w:
+    with World(backend, topology, world, roots, max_slice=oh + 4096, direct=direct) as w:
         for k, (dtype, op) in enumerate(((torch.bfloat16, "avg"), (torch.float32, "sum"))):
             esize = torch.empty((), dtype=dtype).element_size()
             xs = inputs(40 + k, world, (world * (oh + 32) // esize - 5,), dtype)
@@ -215,13 +220,15 @@ def test_fused_above_one_handoff_slice(backend, topology, world, roots):
                 outs, seqs = fused(w, xs, op, zero_copy=zero_copy)
                 w.sync()
                 check(xs, op, outs, f"above one hand-off, zero_copy={zero_copy}")
-                check_fused_entries(w, xs, op, seqs)
+                check_fused_entries(w, xs, op, seqs, direct)
+        assert all(dp.direct_launches > 0 for dp in w.dps) == direct
         w.healthy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2)])
-def test_fused_capture_and_replay(backend, topology, world, roots):
+@pytest.mark.parametrize("topology,world,roots,direct", [("mesh", 2, 2, False), ("ring", 3, 2, False),
+                                                         ("mesh", 2, 2, True), ("ring", 3, 2, True)])
+def test_fused_capture_and_replay(backend, topology, world, roots, direct):
     """Fused all-reduces captured once per rank (bf16 sum padded, fp16 avg in place, fp32
     avg over two slots) and replayed with fresh inputs written into the captured tensors,
     an eager fused all-reduce between replays: every output exact, and the device's seq
@@ -234,7 +241,7 @@ def test_fused_capture_and_replay(backend, topology, world, roots):
     specs = [((world * 512 + 3 * pad,), torch.bfloat16, "sum", False),
              ((world * 64,), torch.float16, "avg", True),
              ((world * (ms + 16) // 4 + pad,), torch.float32, "avg", False)]
-    with World(backend, topology, world, roots, max_slice=ms) as w:
+    with World(backend, topology, world, roots, max_slice=ms, direct=direct) as w:
         xs = inputs(1, world, (333,), torch.bfloat16)  # eager first (sets up nothing here)
         outs, _ = fused(w, xs, "sum")
         w.sync()
@@ -278,12 +285,14 @@ def test_fused_capture_and_replay(backend, topology, world, roots):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_timeout_names_the_peer_and_poisons(backend):
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+def test_fused_timeout_names_the_peer_and_poisons(backend, direct):
     """Only rank 0 calls (rank 1 never sends): its RS wait times out on the GPU clock,
     synchronize() raises CollectiveError naming rank 1 and the connection, the output is
     poisoned (mode poison, the World's default), and the next call raises at once."""
     world = 2
-    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5) as w:
+    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5,
+               direct=direct) as w:
         xs = inputs(1, world, (100,), torch.bfloat16)
         with w.be.on(0):
             x = w.keep(w.be.to_dev(xs[0]))
@@ -331,6 +340,29 @@ def test_fused_different_calls_are_reported(backend, calls, said):
             w.dps[1].synchronize()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology,world", [("ring", 3), ("mesh", 4)])
+def test_fused_direct_and_proxy_ranks_mix(backend, topology, world):
+    """GPU-direct is each rank's own choice for the fused all-reduce too: rank 1 sends
+    through its proxy (entries chunk -1), the others write the peers' slots and flags
+    themselves (chunk -2); the same flag words and bytes, so every result is exact."""
+    with World(backend, topology, world, max_slice=1 << 14, direct=True) as w:
+        w.dps[1].direct.tables.clear()
+        w.dps[1].plans.invalidate()
+        for k, (dtype, op, shape) in enumerate(((torch.bfloat16, "avg", (world * 3000 + 1,)),
+                                                (torch.float32, "sum", (77, 5)))):
+            xs = inputs(60 + k, world, shape, dtype)
+            outs, seqs = fused(w, xs, op, zero_copy=bool(k))
+            w.sync()
+            check(xs, op, outs, "mixed")
+            for r in range(world):
+                got = {e[2] for e in ring_entries(w, r, seqs[0])}
+                assert got == ({-1} if r == 1 else {-2}), (r, got)
+        assert w.dps[1].direct_launches == 0 and w.proxies[1].stats()["gpu_pieces"] == 0
+        assert all(w.dps[r].direct_launches == 2 for r in range(world) if r != 1)
+        w.healthy()
+
+
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("ring", 3, 2), ("mesh", 4, 2)])
 def test_fused_beside_the_cpu_twin(topology, world, roots):
@@ -376,12 +408,14 @@ def test_fused_beside_the_cpu_twin(topology, world, roots):
 
 # ---------------------------------------------------------------- through the Communicator
 
-def _comm_fused_job(rank, world, store, topology, slot_bytes):
-    """A CUDA and a CPU communicator over tcp (the proxy carries every byte, as between
-    boxes): the CUDA one takes the fused kernel; its all-reduces (every dtype and op, padded
-    sizes, several slots, in place, the two collectives forced with fused=False, a CUDA graph
-    replay) equal the reference and the CPU twin's bits. Over shm the CUDA plane keeps two
-    collectives (GPU-direct has no fused kernel yet)."""
+def _comm_fused_job(rank, world, store, topology, slot_bytes, transport):
+    """A CUDA and a CPU communicator over ``transport``: the CUDA one takes the fused kernel
+    (over tcp the proxy carries every byte, as between boxes; over shm GPU-direct, unless
+    this rank's SPARKCCL_GPU_DIRECT=0: each rank's own choice); its all-reduces (every dtype
+    and op, padded sizes, several slots, in place, the two collectives forced with
+    fused=False, a CUDA graph replay) equal the reference and the CPU twin's bits."""
+    import os
+
     import torch as T
     import torch.distributed as dist
 
@@ -391,8 +425,9 @@ def _comm_fused_job(rank, world, store, topology, slot_bytes):
     from sparkccl.reference import make_input as mk
     T.cuda.set_device(rank % T.cuda.device_count())
     W, bad = world, []
+    direct = transport == "shm" and os.environ.get("SPARKCCL_GPU_DIRECT", "1") != "0"
     kw = dict(rank=rank, world_size=W, topology=topology, slot_bytes=slot_bytes, timeout_s=60,
-              transport="tcp")
+              transport=transport)
     cases = [((W * 1000 + 3,), T.bfloat16, "sum"), ((777, 5), T.float16, "avg"),
              ((W * 4096,), T.float32, "avg"), ((3 << 20,), T.bfloat16, "avg"),
              ((1 << 20,), T.float32, "sum")]
@@ -400,22 +435,25 @@ def _comm_fused_job(rank, world, store, topology, slot_bytes):
             sparkccl.Communicator(store=dist.PrefixStore("cpu", store), device="cpu", **kw) as c:
         dp = g.data_plane
         if not dp.fused_all_reduce:
-            return ["the CUDA plane over tcp does not take the fused all-reduce"]
+            return [f"the CUDA plane over {transport} does not take the fused all-reduce"]
         seed = 0
         for shape, dtype, op in cases:
             seed += 1
             xs = [mk(seed, r, shape, dtype) for r in range(W)]
             want = arr(xs, op)
             before = dp.engines.two_step.launches + dp.plans.stats["hits"]
+            launched = dp.direct_launches
             y = g.all_reduce(xs[rank].cuda(), op, regime="two_step")
+            what = f"all_reduce {list(shape)} {dtype} {op}"
+            if dp.engines.two_step.launches + dp.plans.stats["hits"] == before:
+                bad.append(f"{what}: the fused kernel did not run")
+            if (dp.direct_launches > launched) != direct:
+                bad.append(f"{what}: GPU-direct {dp.direct_launches > launched}, not {direct}")
             y2 = g.all_reduce(xs[rank].cuda(), op, regime="two_step", fused=False)
             x = xs[rank].cuda()
             g.all_reduce(x, op, out=x, regime="two_step")  # in place
             yc = c.all_reduce(xs[rank], op, regime="two_step")
             g.synchronize()
-            what = f"all_reduce {list(shape)} {dtype} {op}"
-            if dp.engines.two_step.launches + dp.plans.stats["hits"] == before:
-                bad.append(f"{what}: the fused kernel did not run")
             for name, got in (("fused", y), ("two collectives", y2), ("in place", x),
                               ("CPU twin", yc)):
                 if not (B(got.cpu()) == want).all():
@@ -439,25 +477,23 @@ def _comm_fused_job(rank, world, store, topology, slot_bytes):
             if not (B(out.cpu()) == arr(avg, "sum")).all():
                 bad.append(f"graph replay {it}: differs from the reference")
         g.synchronize()
-    with sparkccl.Communicator(store=dist.PrefixStore("shm", store), device="cuda",
-                               **{**kw, "transport": "shm"}) as h:
-        if h.data_plane.fused_all_reduce:
-            bad.append("over shm the CUDA plane took the fused all-reduce (no GPU-direct kernel)")
-        xs = [mk(7, r, (W * 999,), T.float16) for r in range(W)]
-        if not (B(h.all_reduce(xs[rank].cuda(), "avg", regime="two_step").cpu())
-                == arr(xs, "avg")).all():
-            bad.append("shm: the two collectives differ from the reference")
     return bad
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("topology,world,slot_bytes", [
-    ("mesh", 2, 8 << 20), ("ring", 3, 8 << 20), ("mesh", 4, 8 << 20),
-    ("ring", 4, 256 << 10)])  # (a small slot: chunks of several collectives)
-def test_communicator_cuda_fused(topology, world, slot_bytes):
+@pytest.mark.parametrize("topology,world,slot_bytes,transport,rank_env", [
+    ("mesh", 2, 8 << 20, "tcp", None), ("ring", 3, 8 << 20, "tcp", None),
+    ("mesh", 4, 8 << 20, "tcp", None),
+    ("ring", 4, 256 << 10, "tcp", None),  # (a small slot: chunks of several collectives)
+    ("mesh", 2, 8 << 20, "shm", None), ("ring", 3, 8 << 20, "shm", None),
+    ("ring", 4, 256 << 10, "shm", None),
+    # rank 0 takes the proxy path, the others GPU-direct: peers cannot tell
+    ("mesh", 3, 8 << 20, "shm", {0: {"SPARKCCL_GPU_DIRECT": "0"}}),
+    ("ring", 3, 8 << 20, "shm", {1: {"SPARKCCL_GPU_DIRECT": "0"}})])
+def test_communicator_cuda_fused(topology, world, slot_bytes, transport, rank_env):
     from sparkccl.localrun import check, run_ranks
-    values = check(run_ranks(_comm_fused_job, world, args=(topology, slot_bytes),
-                             timeout_s=600))
+    values = check(run_ranks(_comm_fused_job, world, args=(topology, slot_bytes, transport),
+                             rank_env=rank_env, timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)

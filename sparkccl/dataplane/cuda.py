@@ -583,8 +583,7 @@ class CudaDataPlane(DataPlaneBase):
             cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
 
     # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
-    # The proxy path's fused kernel. The Communicator's wiring turns it off where GPU-direct
-    # may run (the transport maps peers, which every rank agrees on), which has none yet.
+    # One kernel, GPU-direct or the proxy path (each rank's choice, which peers cannot tell).
     fused_all_reduce, fused_input_in_slot = True, False
 
     def all_reduce(self, seq: int, src, src_off: int, src_stride: int, L: int, dst,

@@ -470,10 +470,11 @@ static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
 // The two-step all-reduce as one operation (sccl_ar_fused_*, kernels/allreduce_fused.cu;
-// docs/PROTOCOL.md "All-reduce", "Two steps fused on CUDA"), the proxy path: one struct by
-// value, as AllReduceArgs (sparkccl/dataplane/allreduce_engine.py FusedAllReduceEngine,
-// layout.pack_struct "FAR"; src and dst are the call's pointers). Its reduce-scatter part
-// takes the plane's RS WaitParams block and its all-gather part the AG one.
+// docs/PROTOCOL.md "All-reduce", "Two steps fused on CUDA"), GPU-direct or the proxy path:
+// one struct by value, as AllReduceArgs (sparkccl/dataplane/allreduce_engine.py
+// TwoStepEngine, layout.pack_struct "FAR"; src and dst are the call's pointers). Its
+// reduce-scatter part takes the plane's RS WaitParams block and its all-gather part the AG
+// one.
 struct FusedAllReduceArgs {
   pu64 src;          // chunk 0 of the input at the collective's offset (device; chunk j at
                      // src + j * src_stride), or 0: the chunks lie in RS send slot seq % 2
@@ -490,10 +491,13 @@ struct FusedAllReduceArgs {
   pu64 rs_call;      // the RS entries' call word (op RS, the caller's dtype,
                      // KIND_ALL_REDUCE_SUM / _AVG, the padding) ...
   pu64 ag_call;      // ... and the AG entries' (the same but the op)
-  pu64 counters;     // the RS publish's piece counters (u32, COUNTER_SETS sets of PIECES)
+  pu64 counters;     // the RS publish's piece counters (u32, COUNTER_SETS sets of PIECES;
+                     // GPU-direct: the plane's hand-off counters, direct.cu direct_publish)
   pu64 ag_counters;  // the AG hand-offs' (the consumers'), the same shape
-  pu64 npub;         // publish blocks: 1 for a zero-copy input, else PIECES * blocks per piece
-                     // (a slice of at most ONE_HANDOFF_SLICE: any number, one hand-off)
+  pu64 npub;         // publish blocks (proxy path: 1 for a zero-copy input, else PIECES *
+                     // blocks per piece or, a slice of at most ONE_HANDOFF_SLICE, any number)
+  pu64 rs_dtab;      // GPU-direct: the RS and AG direct tables (direct.cu): the chunks and the
+  pu64 ag_dtab;      // rounded pieces go straight into the peers' slots; 0, 0: the proxy path
   pu64 wp_rs;        // the plane's RS WaitParams (device)
   pu64 wp_ag;        // the plane's AG WaitParams (device)
 };
@@ -516,9 +520,11 @@ constexpr pu64 FAR_AG_CALL = 120;
 constexpr pu64 FAR_COUNTERS = 128;
 constexpr pu64 FAR_AG_COUNTERS = 136;
 constexpr pu64 FAR_NPUB = 144;
-constexpr pu64 FAR_WP_RS = 152;
-constexpr pu64 FAR_WP_AG = 160;
-constexpr pu64 FAR_BYTES = 168;
+constexpr pu64 FAR_RS_DTAB = 152;
+constexpr pu64 FAR_AG_DTAB = 160;
+constexpr pu64 FAR_WP_RS = 168;
+constexpr pu64 FAR_WP_AG = 176;
+constexpr pu64 FAR_BYTES = 184;
 static_assert(SCCL_OFFSET_IS(FusedAllReduceArgs, src, FAR_SRC) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, src_stride, FAR_SRC_STRIDE) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, dst, FAR_DST) &&
@@ -538,6 +544,8 @@ static_assert(SCCL_OFFSET_IS(FusedAllReduceArgs, src, FAR_SRC) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, counters, FAR_COUNTERS) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, ag_counters, FAR_AG_COUNTERS) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, npub, FAR_NPUB) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, rs_dtab, FAR_RS_DTAB) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag_dtab, FAR_AG_DTAB) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, wp_rs, FAR_WP_RS) &&
                   SCCL_OFFSET_IS(FusedAllReduceArgs, wp_ag, FAR_WP_AG) &&
                   sizeof(FusedAllReduceArgs) == FAR_BYTES,
