@@ -113,11 +113,13 @@ def test_exact_ring_world_6():
 
 
 def test_fused_all_reduce_is_a_declared_capability():
-    """The CPU plane has the fused operation; the base (so the CUDA plane until its kernel)
-    says it has not, and its all_reduce raises NotImplementedError naming the plane."""
+    """The CPU and the CUDA plane have the fused operation; the base says it has not, and
+    its all_reduce raises NotImplementedError naming the plane."""
     from sparkccl.dataplane.base import DataPlaneBase
     from sparkccl.dataplane.cpu import CpuDataPlane
-    assert CpuDataPlane.fused_all_reduce and not DataPlaneBase.fused_all_reduce
+    from sparkccl.dataplane.cuda import CudaDataPlane
+    assert CpuDataPlane.fused_all_reduce and CudaDataPlane.fused_all_reduce
+    assert not DataPlaneBase.fused_all_reduce
     with pytest.raises(NotImplementedError, match="DataPlaneBase has no fused all-reduce"):
         object.__new__(DataPlaneBase).all_reduce(0, None, 0, 16, 16, None, 0, 16,
                                                  torch.float32, False)
