@@ -305,6 +305,7 @@ def test_fused_timeout_names_the_peer_and_poisons(backend, direct):
         assert "timed out" in msg and f"all_reduce seq 0 piece {PIECES - 1} from rank 1" in msg, \
             msg
         assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        assert "GPU wait of its reduce_scatter part" in msg, msg
         w.be.sync()
         assert (out.cpu()[:res.nbytes] == 0xFF).all()
         with pytest.raises(C.CollectiveError):
