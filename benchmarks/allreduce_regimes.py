@@ -1,7 +1,7 @@
 """All-reduce regimes measured against each other in one run: the data for
 ``SPARKCCL_ALLREDUCE_ONESHOT_BYTES`` (docs/CONTRACT.md "All-reduce").
 
-    python benchmarks/allreduce_regimes.py --device cuda --world 2            # one GPU, MPS
+    python benchmarks/allreduce_regimes.py --device cuda --world 2    # one GPU (MPS), or one each
     python benchmarks/allreduce_regimes.py --device cuda --world 4 --graph
     python benchmarks/allreduce_regimes.py --device cpu --world 2 --iters 50
     python benchmarks/allreduce_regimes.py --device cuda --world 2 --transport tcp \
@@ -41,9 +41,9 @@ def _job(rank, world, store, device, topology, sizes, iters, graph, per_graph, t
     from sparkccl import allreduce as A
     from sparkccl.reference import all_reduce_reference, bits, make_input
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
-        dev = torch.device("cuda", 0)
+    if dev.type == "cuda":  # (one GPU: every rank on it, under MPS; else a GPU per rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
 
     def sync():
         if dev.type == "cuda":
