@@ -226,8 +226,8 @@ def test_fused_above_one_handoff_slice(backend, topology, world, roots, direct):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("topology,world,roots,direct", [("mesh", 2, 2, False), ("ring", 3, 2, False),
-                                                         ("mesh", 2, 2, True), ("ring", 3, 2, True)])
+@pytest.mark.parametrize("topology,world,roots,direct", [
+    ("mesh", 2, 2, False), ("ring", 3, 2, False), ("mesh", 2, 2, True), ("ring", 3, 2, True)])
 def test_fused_capture_and_replay(backend, topology, world, roots, direct):
     """Fused all-reduces captured once per rank (bf16 sum padded, fp16 avg in place, fp32
     avg over two slots) and replayed with fresh inputs written into the captured tensors,

@@ -22,11 +22,12 @@
 //   blocks npub + 1 ..: the consumers. Per piece c (a one-hand-off slice: all at once), once
 //      piece c of this rank's chunk came from every source (part by part, as rs_wait sums
 //      it), reduce_scatter.cu's team_reduce, the reduce-scatter's very sum (rank order,
-//      fp32, AVG divided once, rounded once), stores the rounded piece into this rank's block of AG slot seq % 3 and into the
-//      result, from the same registers; the last consumer block to finish the piece hands it
-//      to the proxy as AG piece c (ring index first + PIECES + c); GPU-direct, the sum goes to
-//      the result alone and on from there to the peers (fused_ag_send) before the hand-off.
-//      Then wait.cu's ag_wait copies the peers' AG pieces out as they arrive.
+//      fp32, AVG divided once, rounded once), stores the rounded piece into this rank's
+//      block of AG slot seq % 3 and into the result, from the same registers; the last
+//      consumer block to finish the piece hands it to the proxy as AG piece c (ring index
+//      first + PIECES + c); GPU-direct, the sum goes to the result alone and on from there
+//      to the peers (fused_ag_send) before the hand-off. Then wait.cu's ag_wait copies the
+//      peers' AG pieces out as they arrive.
 //
 // The last block to finish advances the device state by both parts' entries (2 * PIECES), so
 // a captured all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
@@ -52,7 +53,8 @@ __device__ void fused_rs_publish(const FusedAllReduceArgs& a, u64* state, u64 se
   if (!src || a.S <= ONE_HANDOFF_SLICE) {
     if (src)
       for (int j = 0; j < world; ++j)
-        if (j != rank) team_copy<false>(send + j * a.S, (u8*)0, src + j * a.src_stride, a.L, blk, npub);
+        if (j != rank)
+          team_copy<false>(send + j * a.S, (u8*)0, src + j * a.src_stride, a.L, blk, npub);
     hand_off(counters, npub, (const u64*)0, ring, state, first, seq, a.S, a.rs_call, 0,
              PIECES - 1, (u32)CHUNK_ALL);
     return;
@@ -67,7 +69,8 @@ __device__ void fused_rs_publish(const FusedAllReduceArgs& a, u64* state, u64 se
   if (e > x)
     for (int j = 0; j < world; ++j)
       if (j != rank)
-        team_copy<false>(send + j * a.S + x, (u8*)0, src + j * a.src_stride + x, e - x, blk % bpp, bpp);
+        team_copy<false>(send + j * a.S + x, (u8*)0, src + j * a.src_stride + x, e - x,
+                         blk % bpp, bpp);
   finish_piece(counters + c, bpp, ring, state, first + c, seq, a.S, a.rs_call, c);
 }
 
