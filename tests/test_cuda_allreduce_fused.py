@@ -229,8 +229,8 @@ def test_fused_above_one_handoff_slice(backend, topology, world, roots, direct):
 @pytest.mark.parametrize("topology,world,roots,direct", [
     ("mesh", 2, 2, False), ("ring", 3, 2, False), ("mesh", 2, 2, True), ("ring", 3, 2, True)])
 def test_fused_capture_and_replay(backend, topology, world, roots, direct):
-    """Fused all-reduces captured once per rank (bf16 sum padded, fp16 avg in place, fp32
-    avg over two slots) and replayed with fresh inputs written into the captured tensors,
+    """Fused all-reduces captured once per rank (bf16 sum, fp16 avg in place, fp32 avg over
+    two slots; padded sizes on the GPU) and replayed with fresh inputs written into the captured tensors,
     an eager fused all-reduce between replays: every output exact, and the device's seq
     counts every collective."""
     replays = 6 if backend == "cuda" else 3
