@@ -9,7 +9,7 @@ every rank released at one instant, as benchmarks/emunic_efficiency.py):
 
 * ``fused``: ``all_reduce`` in the two-step regime on the CPU data plane's fused operation;
 * ``2 calls``: the same regime as reduce-scatter (zero-copy input) + all-gather
-  (``fused=False``: what the CUDA plane runs until its kernel exists);
+  (``fused=False``: the path of a data plane without the fused operation);
 * ``rs+ag``: plain ``reduce_scatter`` then ``all_gather`` of the reduced chunk;
 
 and the bound: the union plan's max port load (slices of n / world bytes, from the plan

@@ -15,7 +15,8 @@ same bits, whichever of the two regimes below ran:
 * **two step** (prefill, bandwidth-bound sizes): a reduce-scatter (each rank sums its
   1/W chunk, through the zero-copy input buffer) then an all-gather of the reduced chunks;
   each rank receives 2 (W-1)/W x n bytes. Where the data plane implements it
-  (``fused_all_reduce``: the CPU twin), the two are one operation under one sequence
+  (``fused_all_reduce``: the CPU twin; the CUDA plane, one kernel per collective), the two
+  are one operation under one sequence
   number: piece c of the rank's reduced chunk is published as all-gather piece c as soon
   as it is summed (docs/PROTOCOL.md "All-reduce"), and AVG's inputs travel in their own
   dtype (the plane divides its fp32 sum before rounding). Elsewhere two collectives.

@@ -489,7 +489,8 @@ class Communicator:
         """The two-step regime as the data plane's one operation per slot-sized piece of the
         chunks (``DataPlaneBase.all_reduce``): the input padded with zeros to W chunks of a
         multiple of 16 bytes, written straight into the reduce-scatter send slot when the
-        chunk fits one (zero-copy input, as :meth:`reduce_scatter_input`)."""
+        chunk fits one and the plane wants it there (``fused_input_in_slot``: zero-copy
+        input, as :meth:`reduce_scatter_input`)."""
         n, W, dtype = flat.numel(), self.world_size, flat.dtype
         total, chunk = _allreduce.padded(n, W, dtype)
         res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
@@ -499,7 +500,8 @@ class Communicator:
                 self._check_setup_capturable("all_reduce")
                 self._ensure_rs()
             dp = self._dp
-            if chunk <= self.max_slice and self._seq_on_host():  # (else the slot is the GPU's)
+            # (after a capture the slot is the GPU's: the host no longer knows it)
+            if chunk <= self.max_slice and dp.fused_input_in_slot and self._seq_on_host():
                 base = (self.seq % RS_SLOTS) * self.sizes.rs_send_stride
                 buf = dp.rs_send[base:base + total * dtype.itemsize].view(dtype)
                 buf[:n].copy_(flat)
@@ -515,7 +517,8 @@ class Communicator:
                     L = min(self.max_slice, chunk - off)
                     dp.all_reduce(self._next_seq(), src, off, chunk, L, res, off, chunk, dtype,
                                   avg, _allreduce.zero_bytes(flat.nbytes, chunk, W, off, L))
-                dp.poison_call(res)  # several collectives: all of the result or none (CUDA)
+                if chunk > self.max_slice:  # all of the result or none (CUDA)
+                    dp.poison_call(res)
             # The send slot was overwritten: a reduce_scatter_input() buffer handed out
             # before is no longer the next reduce-scatter's (reduce_scatter refuses it).
             self._rs_count += 1

@@ -113,11 +113,13 @@ def test_exact_ring_world_6():
 
 
 def test_fused_all_reduce_is_a_declared_capability():
-    """The CPU plane has the fused operation; the base (so the CUDA plane until its kernel)
-    says it has not, and its all_reduce raises NotImplementedError naming the plane."""
+    """The CPU and the CUDA plane have the fused operation; the base says it has not, and
+    its all_reduce raises NotImplementedError naming the plane."""
     from sparkccl.dataplane.base import DataPlaneBase
     from sparkccl.dataplane.cpu import CpuDataPlane
-    assert CpuDataPlane.fused_all_reduce and not DataPlaneBase.fused_all_reduce
+    from sparkccl.dataplane.cuda import CudaDataPlane
+    assert CpuDataPlane.fused_all_reduce and CudaDataPlane.fused_all_reduce
+    assert not DataPlaneBase.fused_all_reduce
     with pytest.raises(NotImplementedError, match="DataPlaneBase has no fused all-reduce"):
         object.__new__(DataPlaneBase).all_reduce(0, None, 0, 16, 16, None, 0, 16,
                                                  torch.float32, False)
@@ -210,10 +212,12 @@ def test_a_killed_peer_fails_the_survivors_all_reduce():
 
 # ---- CUDA: capture and replay (several ranks sharing one GPU; the lead runs -m cuda) ----
 
-def _graph_job(rank, world, store, topology, replays):
+def _graph_job(rank, world, store, topology, replays, transport="auto"):
     """All-reduces of both regimes, several dtypes and both ops captured in one CUDA graph
     (after one eager reduce-scatter, which sets its buffers up), replayed with new inputs
-    copied into the captured ones, eager all-reduces between replays: every output exact."""
+    copied into the captured ones, eager all-reduces between replays: every output exact.
+    (The two-step ones are the CUDA plane's fused kernel: GPU-direct over shm by default,
+    the proxy path with SPARKCCL_GPU_DIRECT=0 and over tcp.)"""
     import torch.distributed as dist
     torch.cuda.set_device(0)
     W = world
@@ -225,7 +229,9 @@ def _graph_job(rank, world, store, topology, replays):
     bad = []
     with sparkccl.Communicator(store=dist.PrefixStore("argraph", store), rank=rank,
                                world_size=W, topology=topology, device="cuda",
-                               timeout_s=60) as comm:
+                               transport=transport, timeout_s=60) as comm:
+        if not comm.data_plane.fused_all_reduce:
+            bad.append(f"over {transport} the CUDA plane has no fused all-reduce")
         xin = [torch.zeros(s, dtype=d, device="cuda") for s, d, _, _ in specs]
 
         def step():
@@ -256,9 +262,11 @@ def _graph_job(rank, world, store, topology, replays):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: "
                     "torch.cuda.is_available() is False")
-@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}], ids=["direct", "proxy"])
+@pytest.mark.parametrize("env,transport", [({}, "auto"), ({"SPARKCCL_GPU_DIRECT": "0"}, "auto"),
+                                           ({}, "tcp")], ids=["direct", "proxy", "tcp-fused"])
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 3), ("mesh", 4)])
-def test_cuda_graph_capture_and_replay(topology, world, env):
-    values = check(run_ranks(_graph_job, world, args=(topology, 10), env=env, timeout_s=300))
+def test_cuda_graph_capture_and_replay(topology, world, env, transport):
+    values = check(run_ranks(_graph_job, world, args=(topology, 10, transport), env=env,
+                             timeout_s=300))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)

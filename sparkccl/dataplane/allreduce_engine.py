@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import torch
 
+from .. import layout
 from ..plan.geometry import PIECES, piece_bounds
-from .engines import ONE_HANDOFF_SLICE, Engine
-from .kernel_args import all_reduce_args
+from .engines import ONE_HANDOFF_SLICE, PUBLISH_THREADS, Engine
+from .kernel_args import all_reduce_args, fused_all_reduce_args
 
 THREADS = 256  # __launch_bounds__(256, 2), as the direct kernels
 KERNELS = {torch.bfloat16: "sccl_allreduce_bf16", torch.float16: "sccl_allreduce_f16",
            torch.float32: "sccl_allreduce_f32"}
+FUSED_KERNELS = {torch.bfloat16: "sccl_ar_fused_bf16", torch.float16: "sccl_ar_fused_f16",
+                 torch.float32: "sccl_ar_fused_f32"}
+COUNTER_SETS = layout.protocol_constants()["COUNTER_SETS"]
 
 
 class OneShotEngine(Engine):
@@ -69,4 +73,57 @@ class OneShotEngine(Engine):
         if direct:
             p.direct_launches += 1
         p.poison_if_failed(stream, dst, 0, 1, L)
+        p.finish(ts, stream, advanced=True)
+
+
+class TwoStepEngine(Engine):
+    """The two-step all-reduce as one operation (``DataPlaneBase.all_reduce``): one launch of
+    ``sccl_ar_fused_*`` per collective (``kernels/allreduce_fused.cu``). Its ring entries are
+    the CPU twin's: 8 of op RS (the chunks), then 8 of op AG (the rank's rounded sum, piece
+    by piece as each is summed), each with the all-reduce's call word, so peers and proxies
+    cannot tell it from ``CpuDataPlane.all_reduce``. GPU-direct where the plane has both
+    ops' direct tables for the slice (the kernel writes the peers' slots and flags itself,
+    entries chunk -2, whatever ``SPARKCCL_DIRECT_MODE`` says: one launch, as "fused"); else
+    the proxy sends (chunk -1), which peers cannot tell apart either."""
+
+    def __init__(self, plane):
+        super().__init__(plane)
+        # The AG hand-offs' piece counters (its consumers'; the RS publish uses the plane's):
+        # the last consumer block to finish a piece resets its counter for the next use.
+        self.ag_counters = plane.gpu.to_device(torch.zeros(COUNTER_SETS * PIECES,
+                                                           dtype=torch.int32))
+        self.launches = 0  # planned here (a launch plan's replays are the plans' hits)
+
+    def run(self, ts, stream, *, S: int, L: int, src, src_stride: int, dst, dst_stride: int,
+            dtype: torch.dtype, avg: bool, rs_call: int, ag_call: int, tables) -> None:
+        """``src`` / ``dst``: the call's pointers at the collective's offset (launch_plan
+        .CallPtr; ``src`` None: a zero-copy input, already in the RS send slot); ``tables``:
+        the RS and AG direct tables (GPU-direct), or None (the proxy path)."""
+        p = self.plane
+        others = (p.world - 1) * piece_bounds(S, 0)[1]  # the bytes one piece copies
+        direct = tables is not None
+        if direct:
+            npub = self.direct_blocks(others)
+        elif src is None:
+            npub = 1  # (nothing to copy: one block hands the eight entries off at once)
+        elif S <= ONE_HANDOFF_SLICE:
+            npub = self.publish_blocks((p.world - 1) * S)
+        else:
+            npub = PIECES * self.publish_blocks(others)
+        # Consumers: as the one shot's, one 16-byte unit per thread where the slice is summed
+        # in one pass after one wait (within the cap on spinning blocks).
+        nb = self.slice_wait_blocks(S)
+        if S <= ONE_HANDOFF_SLICE:
+            nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * PUBLISH_THREADS))))
+        if direct:
+            nb = min(nb, p.max_direct_wait_blocks)
+        words = fused_all_reduce_args(p, 0 if src is None else src, src_stride, dst, dst_stride,
+                                      L, S, avg, rs_call, ag_call, npub,
+                                      self.ag_counters.data_ptr(),
+                                      tuple(t.data_ptr() for t in tables) if direct else (0, 0))
+        p.plans.plannable(2 * PIECES, direct=direct)  # one launch of constants and call pointers
+        p.launch_struct(stream, FUSED_KERNELS[dtype], npub + 1 + nb, PUBLISH_THREADS, words)
+        self.launches += 1
+        p.direct_launches += direct
+        p.poison_if_failed(stream, dst, dst_stride, p.world, L)
         p.finish(ts, stream, advanced=True)

@@ -144,6 +144,12 @@ class DataPlaneBase:
                                   "(fused_all_reduce is False): use sparkccl/allreduce.py's "
                                   "reduce-scatter + all-gather")
 
+    fused_input_in_slot = True
+    """True: :meth:`all_reduce` wants its input in the reduce-scatter send slot where the chunk
+    fits one (the communicator writes it there; the CPU twin then publishes without a copy).
+    False: it is given the input itself (the CUDA kernel copies the peers' chunks in its own
+    launch: an unpadded input costs one launch, and the own chunk is never copied)."""
+
     # The one-shot all-reduce in one operation (docs/PROTOCOL.md "All-reduce").
     one_shot_all_reduce = False
     """Whether :meth:`all_reduce_one_shot` is implemented (the CUDA plane: one launch).

@@ -588,6 +588,22 @@ class CudaDataPlane(DataPlaneBase):
         with self.plans.planning(key, self.gpu.make_plan):
             cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
 
+    # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
+    # One kernel, GPU-direct or the proxy path (each rank's choice, which peers cannot tell).
+    fused_all_reduce, fused_input_in_slot = True, False
+
+    def all_reduce(self, seq: int, src, src_off: int, src_stride: int, L: int, dst,
+                   dst_off: int, dst_stride: int, dtype: torch.dtype, avg: bool, pad: int = 0):
+        """One launch (DataPlaneBase.all_reduce); later calls of the shape run from its plan."""
+        key = ("all_reduce", L, src_stride, dst_stride, dtype, avg, src is None, pad)
+        src_p = None if src is None else src.data_ptr() + src_off
+        dst_p = dst.data_ptr() + dst_off
+        if self._planned(key, Op.RS, seq, L, src_p or 0, dst_p, what="all_reduce"):
+            return
+        with self.plans.planning(key, self.gpu.make_plan):
+            cuda_calls.all_reduce_fused(self, seq, src_p, src_stride, L, dst_p, dst_stride,
+                                        dtype, avg, pad)
+
     # ---- MoE finalize + reduce-scatter -----------------------------------------------
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:

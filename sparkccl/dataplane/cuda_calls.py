@@ -131,6 +131,28 @@ def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: 
                                table=table)
 
 
+def all_reduce_fused(plane, seq: int, src_p: int | None, src_stride: int, L: int, dst_p: int,
+                     dst_stride: int, dtype: torch.dtype, avg: bool, pad: int) -> None:
+    """The two-step all-reduce's one launch (:mod:`.allreduce_engine` TwoStepEngine;
+    GPU-direct where the plane has both ops' direct tables for the slice): ``src_p`` None for
+    a zero-copy input. Its RS and AG entries carry the CPU twin's call
+    words (op RS / AG, the caller's dtype, the all-reduce's kind and ``pad``)."""
+    if dtype not in RS_WAIT or L % ALIGN or plane.rs_send is None:
+        raise ValueError(f"all_reduce: {dtype} chunks of {L} bytes: needs bf16 / fp16 / fp32 "
+                         "chunks of a multiple of 16 bytes, and attach_rs() called")
+    kind = ALL_REDUCE_AVG if avg else ALL_REDUCE_SUM
+    rs_call, ag_call = call_word(Op.RS, dtype, kind, pad), call_word(Op.AG, dtype, kind, pad)
+    plane.begin(Op.RS, seq, L, rs_call, entries=2 * PIECES, what="all_reduce",
+                zero_copy="a zero-copy input" if src_p is None else None)
+    ts, stream = plane.gpu.current_stream()
+    tables = plane.direct_table(Op.RS, L), plane.direct_table(Op.AG, L)
+    plane.engines.two_step.run(
+        ts, stream, S=L, L=L, src=None if src_p is None else CallPtr(src_p, 0),
+        src_stride=src_stride, dst=CallPtr(dst_p, 1), dst_stride=dst_stride, dtype=dtype,
+        avg=avg, rs_call=rs_call, ag_call=ag_call,
+        tables=None if any(t is None for t in tables) else tables)
+
+
 def finalize(plane, seq: int, f, row_lo: int, rows: int, ptrs: tuple) -> None:
     """ptrs: (y, scales or 0, pos, weights, shared, this rank's result)."""
     S, L = fin_slice(rows, 2 * f.H)

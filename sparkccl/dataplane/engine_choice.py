@@ -1,9 +1,10 @@
 """The one place that maps a collective to an engine of the CUDA data plane: (collective,
 slice size, settings, capture state) -> :class:`~.engines.ProxyPathEngine`,
 :class:`~.engines.FusedEngine`, :class:`~.engines.SplitEngine` or
-:class:`~.ce_engine.CeEngine`; and the one-shot all-reduce's
-:class:`~.allreduce_engine.OneShotEngine` (GPU-direct or the proxy path). One object of
-each per data plane, made once.
+:class:`~.ce_engine.CeEngine`; the one-shot all-reduce's
+:class:`~.allreduce_engine.OneShotEngine` (GPU-direct or the proxy path) and the fused
+two-step all-reduce's :class:`~.allreduce_engine.TwoStepEngine` (GPU-direct or the proxy
+path, by the direct tables, as the one shot). One object of each per data plane, made once.
 
 A new engine: a class with ``run(call: DirectCall)`` (GPU-direct) in its own module, its
 name added to :data:`sparkccl.config.DIRECT_ENGINES` (the setting's choices) and to
@@ -14,7 +15,7 @@ from __future__ import annotations
 from .. import config
 from ..errors import ConfigError
 from ..plan.model import Op
-from .allreduce_engine import OneShotEngine
+from .allreduce_engine import OneShotEngine, TwoStepEngine
 from .ce_engine import CeEngine
 from .engines import Engine, FusedEngine, ProxyPathEngine, SplitEngine
 
@@ -30,6 +31,7 @@ class Engines:
         self.direct = {name: cls(plane) for name, cls in _CLASSES.items()}
         self.fused, self.split, self.ce = (self.direct[n] for n in ("fused", "split", "ce"))
         self.one_shot = OneShotEngine(plane)  # the one-shot all-reduce (allreduce_engine.py)
+        self.two_step = TwoStepEngine(plane)  # the fused two-step all-reduce
 
     def choose(self, op: Op, S: int, table, finalize: bool = False) -> Engine:
         """The engine of a collective of slice ``S``; ``table``: the plane's GPU-direct
@@ -70,7 +72,7 @@ class Engines:
         return table
 
     def close(self) -> None:
-        for engine in (self.proxy, *self.direct.values(), self.one_shot):
+        for engine in (self.proxy, *self.direct.values(), self.one_shot, self.two_step):
             engine.close()
 
 

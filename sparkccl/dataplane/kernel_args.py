@@ -119,6 +119,24 @@ def all_reduce_args(plane, src, dst, L: int, S: int, avg: bool, call: int, npub:
         GATE=gate, WP=plane.waits.block[Op.AG]))
 
 
+def fused_all_reduce_args(plane, src, src_stride: int, dst, dst_stride: int, L: int, S: int,
+                          avg: bool, rs_call: int, ag_call: int, npub: int, ag_counters: int,
+                          dtabs: tuple = (0, 0)) -> list:
+    """``FusedAllReduceArgs`` (the two-step all-reduce as one operation:
+    :mod:`.allreduce_engine`): chunk j of ``src`` (0: already in RS send slot seq % 2) out as
+    a reduce-scatter's, this rank's rank-order sum into ``dst`` (and, the proxy path, its AG
+    block) and on as an all-gather's, the peers' AG blocks into ``dst`` (chunk i at
+    ``i * dst_stride``). ``dtabs``: the RS and AG direct tables (GPU-direct), or (0, 0)."""
+    return layout.pack_struct("FAR", dict(
+        SRC=src, SRC_STRIDE=src_stride, DST=dst, DST_STRIDE=dst_stride, L=L, S=S,
+        AVG=int(avg), SEND=plane.rs_send_dev, SEND_CODE=plane.send_code,
+        RECV=plane.rs_recv_dev, RECV_CODE=plane.recv_code, AG=plane.ag_dev,
+        AG_CODE=plane.ag_code, RING=ring(plane), RS_CALL=rs_call, AG_CALL=ag_call,
+        COUNTERS=(plane.dcounters if dtabs[0] else plane.counters).data_ptr(),
+        AG_COUNTERS=ag_counters, NPUB=npub, RS_DTAB=dtabs[0], AG_DTAB=dtabs[1],
+        WP_RS=plane.waits.block[Op.RS], WP_AG=plane.waits.block[Op.AG]))
+
+
 def wait_role_args(plane, op: Op, L: int, S: int, slot, slot_code: int, out, out_stride: int = 0,
                    own=0, own_code: int = 0, own_sys: int = 0, advance: tuple = (0, 0)) -> list:
     """``WaitRoleArgs``: the wait role alone (``sccl_ag_wait``, ``sccl_rs_wait_*``) or the

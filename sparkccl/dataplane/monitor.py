@@ -30,6 +30,8 @@ import time
 
 from .. import layout
 from ..errors import CollectiveError
+from ..plan.model import decode_flag_word
+from .base import OP_NAMES
 from .cuda_runtime import u64_at as _u64
 from .trap_lock import TrapLock
 
@@ -212,7 +214,10 @@ class FailureMonitor:
         if word == NO_WORD or name is None:
             p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for {what} "
                    f"piece {piece} from rank {source}", layout.ABORT_TIMEOUT, peer=source)
-        p.timed_out(what, piece, word, "; GPU wait")
+        note = "; GPU wait"
+        if name == "all_reduce":  # (one collective of two ops: the flag word says which part)
+            note += f" of its {OP_NAMES[decode_flag_word(p.world, word)[0]]} part"
+        p.timed_out(what, piece, word, note)
 
     def _stuck_error(self) -> CollectiveError:
         code, source, word, piece, seq = self.gpu_record()

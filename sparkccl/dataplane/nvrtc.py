@@ -39,7 +39,8 @@ KERNEL_NAMES = ("sccl_publish", "sccl_ag_wait", "sccl_rs_wait_bf16", "sccl_rs_wa
                 "sccl_rs_sum_unit_f16", "sccl_rs_sum_unit_f32", "sccl_poison", "sccl_advance",
                 "sccl_fail_guard", "sccl_clock_probe", "sccl_ag_proxy", "sccl_rs_proxy_bf16",
                 "sccl_rs_proxy_f16", "sccl_rs_proxy_f32", "sccl_allreduce_bf16",
-                "sccl_allreduce_f16", "sccl_allreduce_f32")
+                "sccl_allreduce_f16", "sccl_allreduce_f32", "sccl_ar_fused_bf16",
+                "sccl_ar_fused_f16", "sccl_ar_fused_f32")
 MIN_ARCH = 80
 INSTALL_HINT = ("pip install 'sparkccl[cuda]' (or: pip install cuda-core cuda-bindings "
                 "nvidia-cuda-nvrtc, matching your CUDA major version)")

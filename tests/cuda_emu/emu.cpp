@@ -90,6 +90,9 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   BY_VALUE(sccl_allreduce_bf16, AllReduceArgs)
   BY_VALUE(sccl_allreduce_f16, AllReduceArgs)
   BY_VALUE(sccl_allreduce_f32, AllReduceArgs)
+  BY_VALUE(sccl_ar_fused_bf16, FusedAllReduceArgs)
+  BY_VALUE(sccl_ar_fused_f16, FusedAllReduceArgs)
+  BY_VALUE(sccl_ar_fused_f32, FusedAllReduceArgs)
   else if (n == "sccl_clock_probe") {
     run_grid(grid, [=] { sccl_clock_probe(P(0, const u64*), P(1, u64*), a[2], a[3]); });
   } else if (n == "sccl_piece_bounds") {

@@ -55,6 +55,7 @@
 #include "proxy_path.cu"
 #include "finalize.cu"
 #include "allreduce.cu"
+#include "allreduce_fused.cu"
 
 // ---------------------------------------------------------------- self-test helpers
 

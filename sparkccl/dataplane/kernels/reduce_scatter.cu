@@ -56,10 +56,13 @@ __device__ __forceinline__ V16 pack(const float* f) {
 // Sum bytes [a, e) of the piece over sources in rank order: source i's bytes are at
 // recv + i * S (pinned, 16-aligned), except the own source at own (device input or own
 // send slot; own_sys says which). Writes dst[a, e). avg: the fp32 sum divided once by
-// world (IEEE division) before the one rounding (the one-shot all-reduce's AVG).
+// world (IEEE division) before the one rounding (the all-reduce's AVG). dst2: a second
+// destination of the same bytes, or null (the fused all-reduce stores each rounded sum in
+// its all-gather block and in the result from the same registers: no read back across PCIe).
 template <class E>
 __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys, u64 S, u64 a,
-                            u64 e, int rank, int world, u32 b, u32 nb, bool avg = false) {
+                            u64 e, int rank, int world, u32 b, u32 nb, bool avg = false,
+                            u8* dst2 = 0) {
   const int VEC = 16 / sizeof(typename E::T);
   const u64 n = e - a;
   const u64 units = n / 16;
@@ -102,7 +105,9 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)world);
     }
-    st_any16(dst + off, pack<E>(acc));
+    const V16 r = pack<E>(acc);
+    st_any16(dst + off, r);
+    if (dst2) st_any16(dst2 + off, r);
   }
   // Tail: the last elements of the last piece (L not a multiple of 16).
   typedef typename E::T T;
@@ -121,7 +126,10 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
     }
     if (avg) acc = __fdiv_rn(acc, (float)world);
     const u32 r = (u32)E::store(acc);
-    for (int q = 0; q < (int)sizeof(T); ++q) dst[off + q] = (u8)(r >> (8 * q));
+    for (int q = 0; q < (int)sizeof(T); ++q) {
+      dst[off + q] = (u8)(r >> (8 * q));
+      if (dst2) dst2[off + q] = (u8)(r >> (8 * q));
+    }
   }
 }
 

@@ -15,11 +15,14 @@ struct WaitArgs {
   u64 seq;
   int rank, world, maxw;
   u64 timeout_ns;
+  u64 ubase;  // units before this wait's first: a second wait of the same collective on the
+              // one progress word (the fused all-reduce's all-gather part after its
+              // reduce-scatter part, allreduce_fused.cu) counts on from where the first ends
 };
 
 // Progress unit of (piece c, wait-word index k, source i).
 __device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
-  return (u64)((c * w.maxw + k) * w.world + i + 1);
+  return w.ubase + (u64)((c * w.maxw + k) * w.world + i + 1);
 }
 
 // Fail-stop (mode GPU_FAIL_STOP, the default): the record is published; give the host's
@@ -277,7 +280,7 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
   w.status = (u64*)wp->status; w.waits = (const int*)wp->waits;                             \
   w.parts = (const int*)wp->parts; w.state = state; w.seq = state_word(state, STATE_SEQ);   \
   w.rank = (int)wp->rank; w.world = (int)wp->world;                                         \
-  w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns;
+  w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns; w.ubase = 0;
 
 // WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 // A kernel whose struct argument x carries them (protocol.h kargs: wp, adv_entries,

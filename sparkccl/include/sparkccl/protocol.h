@@ -358,8 +358,9 @@ static_assert(FAILED < PROG_STRIDE, "a failure is not a unit");
 // (sparkccl/layout.py pack_struct) writes each field at its constant offset, and the
 // static_asserts tie the offsets to the struct the kernels compile. Two kinds:
 // * a block in device memory, written once (WaitParams): constants of the plane;
-// * a struct passed by value as the kernel's one parameter (AllReduceArgs, PublishArgs,
-//   ProxyArgs, FinalizeArgs, FinalizeDirectArgs, WaitRoleArgs, DirectArgs, SumUnitArgs):
+// * a struct passed by value as the kernel's one parameter (AllReduceArgs,
+//   FusedAllReduceArgs, PublishArgs, ProxyArgs, FinalizeArgs, FinalizeDirectArgs,
+//   WaitRoleArgs, DirectArgs, SumUnitArgs):
 //   it carries the call's own pointers. Every field is a u64, so the struct's bytes are
 //   the u64 words the host packs; the native LaunchPlan (native/src/cuda_ops.cpp) keeps
 //   them as the launch's parameter buffer and patches a call's pointer at the field's byte
@@ -483,6 +484,88 @@ static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
                   SCCL_OFFSET_IS(AllReduceArgs, wp, AR_WP) &&
                   sizeof(AllReduceArgs) == AR_BYTES,
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
+
+// The two-step all-reduce as one operation (sccl_ar_fused_*, kernels/allreduce_fused.cu;
+// docs/PROTOCOL.md "All-reduce", "Two steps fused on CUDA"), GPU-direct or the proxy path:
+// one struct by value, as AllReduceArgs (sparkccl/dataplane/allreduce_engine.py
+// TwoStepEngine, layout.pack_struct "FAR"; src and dst are the call's pointers). Its
+// reduce-scatter part takes the plane's RS WaitParams block and its all-gather part the AG
+// one.
+struct FusedAllReduceArgs {
+  pu64 src;          // chunk 0 of the input at the collective's offset (device; chunk j at
+                     // src + j * src_stride), or 0: the chunks lie in RS send slot seq % 2
+  pu64 src_stride;
+  pu64 dst;          // chunk 0 of the result at the collective's offset (device; may be src)
+  pu64 dst_stride;
+  pu64 L;            // bytes of each chunk this collective moves
+  pu64 S;            // the slice: L rounded up to ALIGN (the same for both parts)
+  pu64 avg;          // 1: divide the fp32 sum once by world (AVG)
+  pu64 send, send_code;  // RS send slot 0 (mapped) and its code (common.cuh slot_at)
+  pu64 recv, recv_code;  // RS receive slot 0 (mapped) and its code
+  pu64 ag, ag_code;      // AG slot 0 (mapped) and its code
+  pu64 ring;         // this rank's publish ring (mapped)
+  pu64 rs_call;      // the RS entries' call word (op RS, the caller's dtype,
+                     // KIND_ALL_REDUCE_SUM / _AVG, the padding) ...
+  pu64 ag_call;      // ... and the AG entries' (the same but the op)
+  pu64 counters;     // the RS publish's piece counters (u32, COUNTER_SETS sets of PIECES;
+                     // GPU-direct: the plane's hand-off counters, direct.cu direct_publish)
+  pu64 ag_counters;  // the AG hand-offs' (the consumers'), the same shape
+  pu64 npub;         // publish blocks (proxy path: 1 for a zero-copy input, else PIECES *
+                     // blocks per piece or, a slice of at most ONE_HANDOFF_SLICE, any number)
+  pu64 rs_dtab;      // GPU-direct: the RS and AG direct tables (direct.cu): the chunks and the
+  pu64 ag_dtab;      // rounded pieces go straight into the peers' slots; 0, 0: the proxy path
+  pu64 wp_rs;        // the plane's RS WaitParams (device)
+  pu64 wp_ag;        // the plane's AG WaitParams (device)
+};
+constexpr pu64 FAR_SRC = 0;
+constexpr pu64 FAR_SRC_STRIDE = 8;
+constexpr pu64 FAR_DST = 16;
+constexpr pu64 FAR_DST_STRIDE = 24;
+constexpr pu64 FAR_L = 32;
+constexpr pu64 FAR_S = 40;
+constexpr pu64 FAR_AVG = 48;
+constexpr pu64 FAR_SEND = 56;
+constexpr pu64 FAR_SEND_CODE = 64;
+constexpr pu64 FAR_RECV = 72;
+constexpr pu64 FAR_RECV_CODE = 80;
+constexpr pu64 FAR_AG = 88;
+constexpr pu64 FAR_AG_CODE = 96;
+constexpr pu64 FAR_RING = 104;
+constexpr pu64 FAR_RS_CALL = 112;
+constexpr pu64 FAR_AG_CALL = 120;
+constexpr pu64 FAR_COUNTERS = 128;
+constexpr pu64 FAR_AG_COUNTERS = 136;
+constexpr pu64 FAR_NPUB = 144;
+constexpr pu64 FAR_RS_DTAB = 152;
+constexpr pu64 FAR_AG_DTAB = 160;
+constexpr pu64 FAR_WP_RS = 168;
+constexpr pu64 FAR_WP_AG = 176;
+constexpr pu64 FAR_BYTES = 184;
+static_assert(SCCL_OFFSET_IS(FusedAllReduceArgs, src, FAR_SRC) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, src_stride, FAR_SRC_STRIDE) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, dst, FAR_DST) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, dst_stride, FAR_DST_STRIDE) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, L, FAR_L) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, S, FAR_S) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, avg, FAR_AVG) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, send, FAR_SEND) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, send_code, FAR_SEND_CODE) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, recv, FAR_RECV) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, recv_code, FAR_RECV_CODE) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag, FAR_AG) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag_code, FAR_AG_CODE) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ring, FAR_RING) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, rs_call, FAR_RS_CALL) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag_call, FAR_AG_CALL) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, counters, FAR_COUNTERS) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag_counters, FAR_AG_COUNTERS) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, npub, FAR_NPUB) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, rs_dtab, FAR_RS_DTAB) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, ag_dtab, FAR_AG_DTAB) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, wp_rs, FAR_WP_RS) &&
+                  SCCL_OFFSET_IS(FusedAllReduceArgs, wp_ag, FAR_WP_AG) &&
+                  sizeof(FusedAllReduceArgs) == FAR_BYTES,
+              "FusedAllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
 // The proxy path's publish role (kernels/publish.cu publish_role): copy chunk j < nchunks
 // of the input (src + j * src_stride, L bytes) to the send region (dst, slotted by
