@@ -22,13 +22,19 @@ struct CopyOp {
   uint64_t len;
   uint64_t* flag;      // flag: the peer's word
   uint64_t value;
+  uint64_t pushed_ns;  // a data flag (flag(), not a call word): when the proxy pushed it
 };
+
+// Data flags sampled per worker (Transport::flag_samples); one sample per data flag: a
+// decode-sized post has one, so the ring holds the last thousand posts or so.
+constexpr size_t FLAG_SAMPLES = 1024;
 
 struct Worker : OrderedQueue<CopyOp> {
   bool stopping = false;
   std::atomic<bool> quit{false};
   std::thread thread;
   uint64_t spin_ns = 0;
+  SampleRing<FLAG_SAMPLES> flag_ring;  // written by this worker only
 
   void run() {
     std::vector<CopyOp> batch;
@@ -51,11 +57,13 @@ struct Worker : OrderedQueue<CopyOp> {
         batch.swap(queue);
       }
       taken += batch.size();
+      const uint64_t taken_ns = now_ns();  // (one clock read per batch, for the samples)
       for (const CopyOp& op : batch) {
         if (quit.load(std::memory_order_relaxed)) return;
         if (op.flag) {
           std::atomic_thread_fence(std::memory_order_seq_cst);
           store_release(op.flag, op.value);
+          if (op.pushed_ns) flag_ring.add(flag_sample(op.pushed_ns, taken_ns, now_ns()));
         } else {
           std::memcpy(op.dst, op.src, op.len);
         }
@@ -111,7 +119,7 @@ class ShmTransport final : public Transport {
     if (!dst_base) return false;
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
-              nullptr, 0};
+              nullptr, 0, 0};
     // No wake-up for a write: the proxy's post ends with the stream's flag (below), which
     // wakes a sleeping worker once for all of it.
     workers_[size_t(conn)]->push(op, false);
@@ -124,28 +132,36 @@ class ShmTransport final : public Transport {
                std::to_string(reg_->num_flags) + " words)";
       return false;
     }
-    return store(conn, word, value, cause);
+    return store(conn, word, value, true, cause);
   }
 
   bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
     if (!call_entry_in_range(*reg_, word, cause)) return false;
     for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
-      if (!store(conn, word + k, values[k], cause)) return false;
+      if (!store(conn, word + k, values[k], false, cause)) return false;
     return true;
   }
 
   bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
 
+  uint64_t flag_samples(std::vector<uint64_t>* out) const override {
+    uint64_t n = 0;
+    for (auto& w : workers_) n += w->flag_ring.read(out);
+    return n;
+  }
+
  private:
-  // A release store of value into the peer's word (from FLAGS_OFFSET), in connection order.
-  bool store(int conn, uint64_t word, uint64_t value, std::string* cause) {
+  // A release store of value into the peer's word (from FLAGS_OFFSET), in connection order;
+  // stamped: a data flag, whose way through the worker is sampled (flag_samples).
+  bool store(int conn, uint64_t word, uint64_t value, bool stamped, std::string* cause) {
     const ConnInfo& c = conns_[size_t(conn)];
     uint64_t flags = reg_->peers[c.peer].flags.load(std::memory_order_acquire);
     if (!flags) {
       *cause = "peer's flag words are not mapped";
       return false;
     }
-    CopyOp op{nullptr, nullptr, 0, word_at(flags, word * layout::FLAG_BYTES), value};
+    CopyOp op{nullptr, nullptr, 0, word_at(flags, word * layout::FLAG_BYTES), value,
+              stamped ? now_ns() : 0};
     workers_[size_t(conn)]->push(op);
     return true;
   }

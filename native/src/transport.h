@@ -3,6 +3,7 @@
 // becomes visible only after every earlier write on that connection, plus polling for
 // asynchronous completion errors. The proxy is the only caller (one thread).
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -89,6 +90,38 @@ struct Registry {
   std::unique_ptr<Peer[]> peers;
 };
 
+// The last CAP samples of one writer thread, for readers on other threads (the proxy's
+// stats()): relaxed atomics, so the writer (a transport's worker, in its hot path) takes no
+// lock. A reader racing the writer may get a slot of the writer's next lap: a sample all the
+// same.
+template <size_t CAP>
+struct SampleRing {
+  std::atomic<uint64_t> slot[CAP]{};
+  std::atomic<uint64_t> total{0};
+
+  void add(uint64_t v) {  // the one writer thread only
+    const uint64_t n = total.load(std::memory_order_relaxed);
+    slot[n % CAP].store(v, std::memory_order_relaxed);
+    total.store(n + 1, std::memory_order_release);
+  }
+  // Appends the samples kept to *out; returns how many were ever added.
+  uint64_t read(std::vector<uint64_t>* out) const {
+    const uint64_t n = total.load(std::memory_order_acquire);
+    for (size_t k = 0; k < std::min<uint64_t>(n, CAP); ++k)
+      out->push_back(slot[k].load(std::memory_order_relaxed));
+    return n;
+  }
+};
+
+// A flag's way through a transport with worker threads (shm), one sample: ns from the
+// proxy's push to the worker taking it from the queue (high 32 bits), and from then to the
+// flag's store (low 32 bits; the batch's earlier copies and the fence included). One word,
+// so that a reader never pairs halves of two samples.
+inline uint64_t flag_sample(uint64_t pushed, uint64_t taken, uint64_t stored) {
+  auto clamp = [](uint64_t a, uint64_t b) { return b > a ? std::min<uint64_t>(b - a, 0xFFFFFFFFu) : 0; };
+  return clamp(pushed, taken) << 32 | clamp(taken, stored);
+}
+
 struct ConnInfo {
   int peer, channel, root;
 };
@@ -134,6 +167,13 @@ class Transport {
   // the peers that nothing more will come, so that the close is not taken for a crash.
   // Called before stop().
   virtual void finish() {}
+  // Latency samples of data flags (flag(), not put_call's words) through the transport's
+  // workers (flag_sample words) appended to *out; returns how many were taken in all (0: the
+  // transport does not sample; shm does). Any thread.
+  virtual uint64_t flag_samples(std::vector<uint64_t>* out) const {
+    (void)out;
+    return 0;
+  }
 };
 
 // What a transport is built on: the proxy's registry (rank, world, memory), its connection
