@@ -66,12 +66,14 @@ def _flag_rtt(comm, rounds: int) -> float:
 
 # proxy_stats() keys returned by _job (rank 0's are printed): consumed -> first post, the
 # proxy's first write -> flag pushed per post, and (shm) each data flag's way through its
-# connection's copy worker: pushed -> taken from the queue -> stored in the peer's word.
+# connection's copy worker: pushed -> taken from the queue -> stored in the peer's word, and
+# how often the workers blocked on their queues (a futex wake for the proxy, a wake-up for
+# the worker). Over the whole run of the GPU communicator (every size, eager and replayed).
 PROXY_KEYS = ("delay_p50_ns", "delay_p99_ns", "delay_samples",
               "write_flag_samples", "write_flag_p50_ns", "write_flag_p99_ns",
               "shm_flag_samples", "shm_flag_take_p50_ns", "shm_flag_take_p99_ns",
               "shm_flag_store_p50_ns", "shm_flag_store_p99_ns",
-              "shm_flag_total_p50_ns", "shm_flag_total_p99_ns")
+              "shm_flag_total_p50_ns", "shm_flag_total_p99_ns", "shm_worker_sleeps")
 
 
 def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
@@ -207,7 +209,8 @@ def main() -> None:
                         f"{proxy[f'shm_flag_{k}_p99_ns'] / 1e3:.1f}")
             print(f"# shm copy workers (rank 0), per data flag, p50 / p99 us (the last 1024 "
                   f"per connection of {proxy['shm_flag_samples']}): pushed -> taken "
-                  f"{pq('take')}, taken -> stored {pq('store')}, pushed -> stored {pq('total')}")
+                  f"{pq('take')}, taken -> stored {pq('store')}, pushed -> stored {pq('total')}"
+                  f"; the workers blocked {proxy['shm_worker_sleeps']} times")
         print()
 
 

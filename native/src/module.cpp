@@ -486,7 +486,8 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(shm_flag_store_p50_ns),
                        SPARKCCL_FIELD(shm_flag_store_p99_ns),
                        SPARKCCL_FIELD(shm_flag_total_p50_ns),
-                       SPARKCCL_FIELD(shm_flag_total_p99_ns));
+                       SPARKCCL_FIELD(shm_flag_total_p99_ns),
+                       SPARKCCL_FIELD(shm_worker_sleeps));
       });
 
   sparkccl::bind_verbs(m);

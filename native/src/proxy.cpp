@@ -701,10 +701,12 @@ ProxyStats Proxy::stats() {
     std::lock_guard<std::mutex> lk(life_mu_);
     tr = transport_.get();
   }
-  std::vector<uint64_t> packed;
-  if (tr) st.shm_flag_samples = tr->flag_samples(&packed);
+  Transport::Stats ts;
+  if (tr) tr->stats(&ts);
+  st.shm_flag_samples = ts.flags_sampled;
+  st.shm_worker_sleeps = ts.worker_sleeps;
   std::vector<uint64_t> take, store, total;
-  for (uint64_t x : packed) {
+  for (uint64_t x : ts.flag_samples) {
     take.push_back(x >> 32);
     store.push_back(x & 0xFFFFFFFFu);
     total.push_back((x >> 32) + (x & 0xFFFFFFFFu));

@@ -43,6 +43,9 @@ struct ProxyStats {
   uint64_t shm_flag_samples, shm_flag_take_p50_ns, shm_flag_take_p99_ns,
       shm_flag_store_p50_ns, shm_flag_store_p99_ns, shm_flag_total_p50_ns,
       shm_flag_total_p99_ns;
+  // times a copy worker blocked on its queue's condition variable (each costs the proxy's
+  // next push a futex wake and the worker a wake-up): near 0 while workers spin
+  uint64_t shm_worker_sleeps;
 };
 
 class Proxy {

@@ -35,6 +35,7 @@ struct Worker : OrderedQueue<CopyOp> {
   std::thread thread;
   uint64_t spin_ns = 0;
   SampleRing<FLAG_SAMPLES> flag_ring;  // written by this worker only
+  std::atomic<uint64_t> sleeps{0};     // cv waits (the slow path: a futex each way)
 
   void run() {
     std::vector<CopyOp> batch;
@@ -50,6 +51,7 @@ struct Worker : OrderedQueue<CopyOp> {
         std::unique_lock<std::mutex> lk(mu);
         while (queue.empty() && !stopping) {
           waiting = true;
+          sleeps.fetch_add(1, std::memory_order_relaxed);
           cv.wait(lk);
           waiting = false;
         }
@@ -144,10 +146,11 @@ class ShmTransport final : public Transport {
 
   bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
 
-  uint64_t flag_samples(std::vector<uint64_t>* out) const override {
-    uint64_t n = 0;
-    for (auto& w : workers_) n += w->flag_ring.read(out);
-    return n;
+  void stats(Stats* out) const override {
+    for (auto& w : workers_) {
+      out->flags_sampled += w->flag_ring.read(&out->flag_samples);
+      out->worker_sleeps += w->sleeps.load(std::memory_order_relaxed);
+    }
   }
 
  private:

@@ -167,13 +167,15 @@ class Transport {
   // the peers that nothing more will come, so that the close is not taken for a crash.
   // Called before stop().
   virtual void finish() {}
-  // Latency samples of data flags (flag(), not put_call's words) through the transport's
-  // workers (flag_sample words) appended to *out; returns how many were taken in all (0: the
-  // transport does not sample; shm does). Any thread.
-  virtual uint64_t flag_samples(std::vector<uint64_t>* out) const {
-    (void)out;
-    return 0;
-  }
+  // What a transport with worker threads measures (shm does; others leave it empty): any
+  // thread, for Proxy::stats().
+  struct Stats {
+    std::vector<uint64_t> flag_samples;  // data flags (flag(), not put_call's words):
+                                         // flag_sample words, the last ones kept
+    uint64_t flags_sampled = 0;          // how many were taken in all
+    uint64_t worker_sleeps = 0;          // times a worker blocked on its queue's condvar
+  };
+  virtual void stats(Stats* out) const { (void)out; }
 };
 
 // What a transport is built on: the proxy's registry (rank, world, memory), its connection
