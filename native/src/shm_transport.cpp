@@ -39,16 +39,17 @@ struct Worker : OrderedQueue<CopyOp> {
 
   void run() {
     std::vector<CopyOp> batch;
-    uint64_t taken = 0;  // operations taken from the queue (posted counts those pushed)
+    uint64_t taken = 0;  // operations taken from the queue (queued counts those put in)
     for (;;) {
       if (spin_ns) {
         const uint64_t t0 = now_ns();
-        while (posted.load(std::memory_order_acquire) == taken &&
+        while (queued.load(std::memory_order_acquire) == taken &&
                !quit.load(std::memory_order_relaxed) && now_ns() - t0 < spin_ns)
           cpu_relax();
       }
       {
-        std::unique_lock<std::mutex> lk(mu);
+        lock_briefly(mu);  // (the proxy may be pushing the post's next operation)
+        std::unique_lock<std::mutex> lk(mu, std::adopt_lock);
         while (queue.empty() && !stopping) {
           waiting = true;
           sleeps.fetch_add(1, std::memory_order_relaxed);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "control.h"
 #include "layout.h"
 
 namespace sparkccl {
@@ -229,6 +230,19 @@ class TcpFactory final : public TransportFactory {
   std::vector<std::vector<int64_t>> recv_;
 };
 
+// Takes a mutex held only for moments (OrderedQueue::mu: a push_back, a swap): tries for a
+// while before it blocks. A contended std::mutex sleeps at once (a futex wait), and its
+// holder's unlock then pays a futex wake and the sleeper a wake-up, microseconds each; the
+// proxy's push and a spinning copy worker's take meet there several times per post (the
+// post's pushes come back to back). 256 tries are far longer than such a hold.
+inline void lock_briefly(std::mutex& mu) {
+  for (int k = 0; k < 256; ++k) {
+    if (mu.try_lock()) return;
+    cpu_relax();
+  }
+  mu.lock();
+}
+
 // The queue in front of one connection's worker thread (shm copy worker, tcp sender): the
 // proxy pushes operations in stream order, the worker takes them in batches under `mu`
 // and sleeps on `cv` while `waiting` (its own wait predicate: each transport adds states).
@@ -239,7 +253,15 @@ struct OrderedQueue {
   std::condition_variable cv;
   std::vector<Op> queue;
   bool waiting = false;
-  std::atomic<uint64_t> posted{0}, done{0};
+  std::atomic<uint64_t> posted{0};
+  // Operations put in the queue so far, counted under mu after the push_back: what a
+  // spinning worker watches, so that when it sees the count move, the operation is there.
+  // (posted moves before the lock, so that outstanding() never counts an operation done
+  // before it counted it posted; a worker that went by posted could take mu ahead of the
+  // push, find the queue empty and block on cv: a futex wake in the push and a wake-up for
+  // the worker, each flag's way several microseconds longer.)
+  std::atomic<uint64_t> queued{0};
+  alignas(64) std::atomic<uint64_t> done{0};  // (the worker's: not on the proxy's line)
 
   // wake = false: leave a sleeping worker asleep; the caller pushes an operation with
   // wake = true next (the shm transport: a write, whose flag always follows), so the
@@ -247,9 +269,11 @@ struct OrderedQueue {
   void push(const Op& op, bool wake_now = true) {
     bool wake;
     posted.fetch_add(1, std::memory_order_relaxed);
+    lock_briefly(mu);
     {
-      std::lock_guard<std::mutex> lk(mu);
+      std::lock_guard<std::mutex> lk(mu, std::adopt_lock);
       queue.push_back(op);
+      queued.store(queued.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       wake = waiting && wake_now;
     }
     if (wake) cv.notify_one();
