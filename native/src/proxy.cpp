@@ -647,14 +647,13 @@ void Proxy::keep_sample(std::vector<uint64_t>& v, uint64_t& total, uint64_t x) {
 }
 
 void Proxy::record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece) {
-  auto& keep = keep_sample;
   std::lock_guard<std::mutex> lk(samples_mu_);
-  keep(samples_, samples_total_, ns);
-  if (publish_ns) keep(publish_samples_, publish_total_, publish_ns);
+  keep_sample(samples_, samples_total_, ns);
+  if (publish_ns) keep_sample(publish_samples_, publish_total_, publish_ns);
   if (publish_ns && first_piece) {
     uint64_t total = first_total_;  // (both vectors fill in step)
-    keep(first_samples_, first_total_, publish_ns);
-    keep(first_delays_, total, ns);
+    keep_sample(first_samples_, first_total_, publish_ns);
+    keep_sample(first_delays_, total, ns);
   }
 }
 

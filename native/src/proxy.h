@@ -36,7 +36,7 @@ struct ProxyStats {
   // post_pieces: its first write handed to the transport -> its flag handed over (the
   // pushes of the post's writes and flag), per post with writes
   uint64_t write_flag_samples, write_flag_p50_ns, write_flag_p99_ns;
-  // a data flag's way through the transport's workers (Transport::flag_samples; shm only,
+  // a data flag's way through the transport's workers (Transport::stats; shm only,
   // 0 elsewhere): pushed by the proxy -> taken from its connection's queue by the copy
   // worker (take), taken -> stored in the peer's flag word (store: the batch's earlier
   // copies, the fence), and pushed -> stored (total); the last 1024 per connection
