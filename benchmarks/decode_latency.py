@@ -64,6 +64,19 @@ def _flag_rtt(comm, rounds: int) -> float:
     return statistics.median(each[rounds // 10:]) / 1e9  # (the first rounds warm up)
 
 
+# proxy_stats() keys returned by _job (rank 0's are printed): consumed -> first post, the
+# proxy's first write -> flag pushed per post, and (shm) each data flag's way through its
+# connection's copy worker: pushed -> taken from the queue -> stored in the peer's word, and
+# how often the workers blocked on their queues (a futex wake for the proxy, a wake-up for
+# the worker). Over the whole run of the GPU communicator (every size, eager and replayed).
+PROXY_KEYS = ("delay_p50_ns", "delay_p99_ns", "delay_samples",
+              "write_flag_samples", "write_flag_p50_ns", "write_flag_p99_ns",
+              "shm_flag_samples", "shm_flag_take_p50_ns", "shm_flag_take_p99_ns",
+              "shm_flag_store_p50_ns", "shm_flag_store_p99_ns",
+              "shm_flag_total_p50_ns", "shm_flag_total_p99_ns", "shm_worker_sleeps",
+              "first_p50_ns", "first_p99_ns", "first_samples", "naps", "turns")
+
+
 def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
     import torch
     import torch.distributed as dist
@@ -138,10 +151,7 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
             rows.append(row)
         comm.synchronize()
         stats = comm.proxy_stats()
-    return row0, rows, {k: stats.get(k) for k in ("delay_p50_ns", "delay_p99_ns",
-                                                   "delay_samples", "first_p50_ns",
-                                                   "first_p99_ns", "first_samples",
-                                                   "naps", "turns")}
+    return row0, rows, {k: stats.get(k) for k in PROXY_KEYS}
 
 
 def main() -> None:
@@ -195,6 +205,19 @@ def main() -> None:
                   f"{proxy['first_p99_ns'] / 1e3:.1f} us over {proxy['first_samples']} "
                   f"collectives (SPARKCCL_GPU_STAMPS); proxy naps {proxy['naps']} in "
                   f"{proxy['turns']} turns")
+        if proxy.get("write_flag_samples"):
+            print(f"# proxy (rank 0): a post's first write pushed -> its flag pushed: p50 "
+                  f"{proxy['write_flag_p50_ns'] / 1e3:.1f} us, p99 "
+                  f"{proxy['write_flag_p99_ns'] / 1e3:.1f} us over {proxy['write_flag_samples']} "
+                  "posts")
+        if proxy.get("shm_flag_samples"):
+            def pq(k):
+                return (f"{proxy[f'shm_flag_{k}_p50_ns'] / 1e3:.1f} / "
+                        f"{proxy[f'shm_flag_{k}_p99_ns'] / 1e3:.1f}")
+            print(f"# shm copy workers (rank 0), per data flag, p50 / p99 us (the last 1024 "
+                  f"per connection of {proxy['shm_flag_samples']}): pushed -> taken "
+                  f"{pq('take')}, taken -> stored {pq('store')}, pushed -> stored {pq('total')}"
+                  f"; the workers blocked {proxy['shm_worker_sleeps']} times")
         print()
 
 

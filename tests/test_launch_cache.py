@@ -114,6 +114,30 @@ def test_proxy_reports_publish_to_post_latency():
             assert 5 <= st["first_samples"] <= 6, (transport, st)
             assert 0 < st["first_p50_ns"] <= st["first_p99_ns"], (transport, st)
             assert 0 < st["first_delay_p50_ns"] <= st["first_delay_p99_ns"], (transport, st)
+            assert st["shm_flag_samples"] == st["shm_worker_sleeps"] == 0, st  # (shm's own)
+
+
+@pytest.mark.slow
+def test_shm_reports_flag_latency():
+    """Over shm between processes (world 2, CPU): every data flag the proxy posted is sampled
+    on its way through its copy worker (pushed -> taken -> stored) once stored; the figures
+    are ordered (per sample taken <= stored, so pushed -> stored bounds pushed -> taken at
+    every quantile) and within the run's time."""
+    for st in check(run_ranks(_latency_job, 2, args=("shm",), timeout_s=300)):
+        # One sample per flag, but the rank returns while its last collective's flags (one per
+        # connection: mesh, 2 roots) may be on their way, and stats() reads the proxy's count
+        # before the workers' samples: those may be counted on one side only.
+        assert st["shm_flag_samples"] > 0, st
+        assert abs(st["flags"] - st["shm_flag_samples"]) <= 2, st
+        assert 0 < st["write_flag_samples"] <= st["flags"], st
+        assert 0 < st["write_flag_p50_ns"] <= st["write_flag_p99_ns"] < 60 * 10**9, st
+        for k in ("take", "store", "total"):
+            assert 0 <= st[f"shm_flag_{k}_p50_ns"] <= st[f"shm_flag_{k}_p99_ns"] < 60 * 10**9, st
+        assert 0 < st["shm_flag_total_p50_ns"], st
+        for q in ("p50", "p99"):
+            assert st[f"shm_flag_take_{q}_ns"] <= st[f"shm_flag_total_{q}_ns"], st
+            assert st[f"shm_flag_store_{q}_ns"] <= st[f"shm_flag_total_{q}_ns"], st
+        assert st["shm_worker_sleeps"] >= 0
 
 
 def test_ce_launch_plans_hit_and_go_stale():

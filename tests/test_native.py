@@ -266,6 +266,41 @@ def test_spinning_copy_workers(topology, world):
         assert time.monotonic() - t0 < 0.4, "stop() waited for the workers' spin to end"
 
 
+@pytest.mark.parametrize("worker_spin_us", [0, 500_000])
+def test_shm_flag_latency_stats(worker_spin_us):
+    """The shm transport samples every data flag's way through its copy worker (pushed ->
+    taken -> stored) and the proxy every post's first write -> flag pushed; stats() reports
+    their counts and percentiles. Call-entry words are not sampled: one sample per flag the
+    proxy posted. Per sample taken <= stored, so total (pushed -> stored) is >= take at every
+    quantile."""
+    w = World("mesh", 2, 2, max(SLICES), worker_spin_us=worker_spin_us)
+    w.start()
+    try:
+        run_every_slot(w)
+        w.check_healthy()
+        for p in w.proxies:
+            st = p.stats()
+            # (a worker samples a flag just after storing it: the peer may have seen it first)
+            deadline = time.monotonic() + 10
+            while st["shm_flag_samples"] < st["flags"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+                st = p.stats()
+            assert st["flags"] > 0 and st["shm_flag_samples"] == st["flags"], st
+            assert st["call_entries"] > 0  # (their words went through the workers unsampled)
+            # a post has writes unless every item's part is empty (a 1-byte slice's pieces)
+            assert 0 < st["write_flag_samples"] <= st["flags"], st
+            assert 0 < st["write_flag_p50_ns"] <= st["write_flag_p99_ns"] < 10**10, st
+            for k in ("take", "store", "total"):
+                assert 0 <= st[f"shm_flag_{k}_p50_ns"] <= st[f"shm_flag_{k}_p99_ns"] < 10**10, st
+            assert 0 < st["shm_flag_total_p50_ns"], st
+            assert st["shm_flag_take_p50_ns"] <= st["shm_flag_total_p50_ns"], st
+            assert st["shm_flag_take_p99_ns"] <= st["shm_flag_total_p99_ns"], st
+            assert st["shm_flag_store_p50_ns"] <= st["shm_flag_total_p50_ns"], st
+            assert st["shm_flag_store_p99_ns"] <= st["shm_flag_total_p99_ns"], st
+    finally:
+        w.stop()
+
+
 @pytest.mark.parametrize("topology,world", [("mesh", 4), ("mesh", 8), ("ring", 4), ("ring", 5), ("ring", 6)])
 def test_finalize_style_publishes(topology, world):
     row = 48

@@ -501,7 +501,18 @@ NB_MODULE(_native, m) {
                        SPARKCCL_FIELD(first_delay_p50_ns),
                        SPARKCCL_FIELD(first_delay_p99_ns),
                        SPARKCCL_FIELD(post_ns),
-                       SPARKCCL_FIELD(call_entries));
+                       SPARKCCL_FIELD(call_entries),
+                       SPARKCCL_FIELD(write_flag_samples),
+                       SPARKCCL_FIELD(write_flag_p50_ns),
+                       SPARKCCL_FIELD(write_flag_p99_ns),
+                       SPARKCCL_FIELD(shm_flag_samples),
+                       SPARKCCL_FIELD(shm_flag_take_p50_ns),
+                       SPARKCCL_FIELD(shm_flag_take_p99_ns),
+                       SPARKCCL_FIELD(shm_flag_store_p50_ns),
+                       SPARKCCL_FIELD(shm_flag_store_p99_ns),
+                       SPARKCCL_FIELD(shm_flag_total_p50_ns),
+                       SPARKCCL_FIELD(shm_flag_total_p99_ns),
+                       SPARKCCL_FIELD(shm_worker_sleeps));
       });
 
   sparkccl::bind_verbs(m);

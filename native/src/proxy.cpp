@@ -460,12 +460,14 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   std::string cause;
   bool ok = true;
   const uint64_t t0 = now_ns();
+  uint64_t t_write = 0;  // the first write handed to the transport
   // Each item's part of pieces piece..last, in piece order; parts that follow each other in
   // both regions (one root, one direction: the pieces are contiguous) go as one write.
   uint64_t run_src = 0, run_dst = 0, run_len = 0;
   const ItemRow* run_item = nullptr;
   auto flush = [&]() {
     if (!run_len || !ok) return;
+    if (!t_write) t_write = now_ns();
     ok = transport_->write(s.conn, run_item->src_region, run_src, run_item->dst_region, run_dst,
                            run_len, &cause);
     if (ok) {
@@ -501,7 +503,12 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   }
   flush();
   if (ok) ok = transport_->flag(s.conn, s.dst_flag, geom::flag_value(c.seq, last), &cause);
-  n_post_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  const uint64_t t1 = now_ns();
+  n_post_ns_.fetch_add(t1 - t0, std::memory_order_relaxed);
+  if (ok && t_write) {
+    std::lock_guard<std::mutex> lk(samples_mu_);
+    keep_sample(write_flag_, write_flag_total_, t1 - t_write);
+  }
   if (!ok) {
     const ConnInfo& cn = conns_[size_t(s.conn)];
     fail(ABORT_TRANSPORT,
@@ -631,21 +638,22 @@ void Proxy::watch() {
   }
 }
 
+void Proxy::keep_sample(std::vector<uint64_t>& v, uint64_t& total, uint64_t x) {
+  if (v.size() < MAX_SAMPLES)
+    v.push_back(x);
+  else
+    v[total % MAX_SAMPLES] = x;
+  ++total;
+}
+
 void Proxy::record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece) {
-  auto keep = [](std::vector<uint64_t>& v, uint64_t& total, uint64_t x) {
-    if (v.size() < MAX_SAMPLES)
-      v.push_back(x);
-    else
-      v[total % MAX_SAMPLES] = x;
-    ++total;
-  };
   std::lock_guard<std::mutex> lk(samples_mu_);
-  keep(samples_, samples_total_, ns);
-  if (publish_ns) keep(publish_samples_, publish_total_, publish_ns);
+  keep_sample(samples_, samples_total_, ns);
+  if (publish_ns) keep_sample(publish_samples_, publish_total_, publish_ns);
   if (publish_ns && first_piece) {
     uint64_t total = first_total_;  // (both vectors fill in step)
-    keep(first_samples_, first_total_, publish_ns);
-    keep(first_delays_, total, ns);
+    keep_sample(first_samples_, first_total_, publish_ns);
+    keep_sample(first_delays_, total, ns);
   }
 }
 
@@ -661,7 +669,7 @@ ProxyStats Proxy::stats() {
   st.gpu_pieces = n_gpu_pieces_.load();
   st.post_ns = n_post_ns_.load();
   st.call_entries = n_calls_.load();
-  std::vector<uint64_t> s, pub, first, first_delay;
+  std::vector<uint64_t> s, pub, first, first_delay, write_flag;
   {
     std::lock_guard<std::mutex> lk(samples_mu_);
     s = samples_;
@@ -671,6 +679,8 @@ ProxyStats Proxy::stats() {
     first = first_samples_;
     first_delay = first_delays_;
     st.first_samples = first_total_;
+    write_flag = write_flag_;
+    st.write_flag_samples = write_flag_total_;
   }
   auto percentiles = [](std::vector<uint64_t>& v, uint64_t* p50, uint64_t* p99) {
     if (v.empty()) return;
@@ -682,6 +692,27 @@ ProxyStats Proxy::stats() {
   percentiles(pub, &st.publish_p50_ns, &st.publish_p99_ns);
   percentiles(first, &st.first_p50_ns, &st.first_p99_ns);
   percentiles(first_delay, &st.first_delay_p50_ns, &st.first_delay_p99_ns);
+  percentiles(write_flag, &st.write_flag_p50_ns, &st.write_flag_p99_ns);
+  // The transport's flag samples (attach() happens before start(): taken under life_mu_
+  // so that a stats() racing attach() sees it whole or not at all).
+  Transport* tr;
+  {
+    std::lock_guard<std::mutex> lk(life_mu_);
+    tr = transport_.get();
+  }
+  Transport::Stats ts;
+  if (tr) tr->stats(&ts);
+  st.shm_flag_samples = ts.flags_sampled;
+  st.shm_worker_sleeps = ts.worker_sleeps;
+  std::vector<uint64_t> take, store, total;
+  for (uint64_t x : ts.flag_samples) {
+    take.push_back(x >> 32);
+    store.push_back(x & 0xFFFFFFFFu);
+    total.push_back((x >> 32) + (x & 0xFFFFFFFFu));
+  }
+  percentiles(take, &st.shm_flag_take_p50_ns, &st.shm_flag_take_p99_ns);
+  percentiles(store, &st.shm_flag_store_p50_ns, &st.shm_flag_store_p99_ns);
+  percentiles(total, &st.shm_flag_total_p50_ns, &st.shm_flag_total_p99_ns);
   return st;
 }
 

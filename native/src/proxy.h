@@ -33,6 +33,19 @@ struct ProxyStats {
   uint64_t post_ns;
   // call entries posted (Transport::put_call): one per connection per collective
   uint64_t call_entries;
+  // post_pieces: its first write handed to the transport -> its flag handed over (the
+  // pushes of the post's writes and flag), per post with writes
+  uint64_t write_flag_samples, write_flag_p50_ns, write_flag_p99_ns;
+  // a data flag's way through the transport's workers (Transport::stats; shm only,
+  // 0 elsewhere): pushed by the proxy -> taken from its connection's queue by the copy
+  // worker (take), taken -> stored in the peer's flag word (store: the batch's earlier
+  // copies, the fence), and pushed -> stored (total); the last 1024 per connection
+  uint64_t shm_flag_samples, shm_flag_take_p50_ns, shm_flag_take_p99_ns,
+      shm_flag_store_p50_ns, shm_flag_store_p99_ns, shm_flag_total_p50_ns,
+      shm_flag_total_p99_ns;
+  // times a copy worker blocked on its queue's condition variable (each costs the proxy's
+  // next push a futex wake and the worker a wake-up): near 0 while workers spin
+  uint64_t shm_worker_sleeps;
 };
 
 class Proxy {
@@ -126,6 +139,8 @@ class Proxy {
   // consume -> first post, and publish -> first post (0: no stamp); under one lock so that
   // stats() sees both or neither.
   void record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece);
+  // The last MAX_SAMPLES of a sample series (under samples_mu_).
+  static void keep_sample(std::vector<uint64_t>& v, uint64_t& total, uint64_t x);
 
   const int rank_, world_;
   const uint64_t ctl_, flags_;
@@ -160,6 +175,8 @@ class Proxy {
   std::vector<uint64_t> first_samples_;  // publish -> first post of piece 0
   std::vector<uint64_t> first_delays_;   // its consume -> first post (same samples)
   uint64_t first_total_ = 0;
+  std::vector<uint64_t> write_flag_;  // post_pieces: first write -> flag pushed
+  uint64_t write_flag_total_ = 0;
 };
 
 }  // namespace sparkccl

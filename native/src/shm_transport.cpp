@@ -1,6 +1,8 @@
 // shm transport (docs/PROTOCOL.md "The transport contract"): ranks on one host. Each connection has one copy worker thread
-// that performs its operations in order: memcpy for a write, and for a flag a full fence
-// then a release store of the value into the peer's flag word. An idle worker spins for
+// that performs its operations in order: memcpy for a write, for a flag a full fence then a
+// release store of the value into the peer's flag word, and for a call entry its words'
+// release stores (no fence: the entry need only precede later flags, and their fences order
+// it). An idle worker spins for
 // spin_ns after its last operation (the proxy's own spin, where the host has the cores:
 // waking a sleeping worker is a futex call in the proxy's post, several microseconds of its
 // publish -> post latency on the H200 machine, benchmarks/proxy_latency_h200.txt), then
@@ -17,33 +19,43 @@ namespace sparkccl {
 namespace {
 
 struct CopyOp {
-  uint8_t* dst;        // write: destination bytes; flag: nullptr
+  uint8_t* dst;        // write: destination bytes; else nullptr
   const uint8_t* src;
   uint64_t len;
-  uint64_t* flag;      // flag: the peer's word
-  uint64_t value;
+  uint64_t* flag;      // flag: the peer's word; call entry: its first word
+  uint64_t value[layout::CALL_ENTRY_WORDS];  // flag: value[0]; call entry: its words
+  uint64_t pushed_ns;  // a data flag: when the proxy pushed it (sampled)
+  bool call;           // a call entry (put_call)
 };
+
+// Data flags sampled per worker (Transport::stats); one sample per data flag: a
+// decode-sized post has one, so the ring holds the last thousand posts or so.
+constexpr size_t FLAG_SAMPLES = 1024;
 
 struct Worker : OrderedQueue<CopyOp> {
   bool stopping = false;
   std::atomic<bool> quit{false};
   std::thread thread;
   uint64_t spin_ns = 0;
+  SampleRing<FLAG_SAMPLES> flag_ring;  // written by this worker only
+  std::atomic<uint64_t> sleeps{0};     // cv waits (the slow path: a futex each way)
 
   void run() {
     std::vector<CopyOp> batch;
-    uint64_t taken = 0;  // operations taken from the queue (posted counts those pushed)
+    uint64_t taken = 0;  // operations taken from the queue (queued counts those put in)
     for (;;) {
       if (spin_ns) {
         const uint64_t t0 = now_ns();
-        while (posted.load(std::memory_order_acquire) == taken &&
+        while (queued.load(std::memory_order_acquire) == taken &&
                !quit.load(std::memory_order_relaxed) && now_ns() - t0 < spin_ns)
           cpu_relax();
       }
       {
-        std::unique_lock<std::mutex> lk(mu);
+        lock_briefly(mu);  // (the proxy may be pushing the post's next operation)
+        std::unique_lock<std::mutex> lk(mu, std::adopt_lock);
         while (queue.empty() && !stopping) {
           waiting = true;
+          sleeps.fetch_add(1, std::memory_order_relaxed);
           cv.wait(lk);
           waiting = false;
         }
@@ -51,11 +63,16 @@ struct Worker : OrderedQueue<CopyOp> {
         batch.swap(queue);
       }
       taken += batch.size();
+      const uint64_t taken_ns = now_ns();  // (one clock read per batch, for the samples)
       for (const CopyOp& op : batch) {
         if (quit.load(std::memory_order_relaxed)) return;
-        if (op.flag) {
+        if (op.call) {
+          for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
+            store_release(op.flag + k, op.value[k]);
+        } else if (op.flag) {
           std::atomic_thread_fence(std::memory_order_seq_cst);
-          store_release(op.flag, op.value);
+          store_release(op.flag, op.value[0]);
+          if (op.pushed_ns) flag_ring.add(flag_sample(op.pushed_ns, taken_ns, now_ns()));
         } else {
           std::memcpy(op.dst, op.src, op.len);
         }
@@ -111,7 +128,7 @@ class ShmTransport final : public Transport {
     if (!dst_base) return false;
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
-              nullptr, 0};
+              nullptr, {}, 0, false};
     // No wake-up for a write: the proxy's post ends with the stream's flag (below), which
     // wakes a sleeping worker once for all of it.
     workers_[size_t(conn)]->push(op, false);
@@ -124,30 +141,44 @@ class ShmTransport final : public Transport {
                std::to_string(reg_->num_flags) + " words)";
       return false;
     }
-    return store(conn, word, value, cause);
+    uint64_t* at = peer_word(conn, word, cause);
+    if (!at) return false;
+    CopyOp op{nullptr, nullptr, 0, at, {value}, now_ns(), false};
+    workers_[size_t(conn)]->push(op);
+    return true;
   }
 
+  // One operation for the whole entry (one push, and no fence per word: it needs to precede
+  // only the connection's later flags, whose own fences see to that).
   bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
     if (!call_entry_in_range(*reg_, word, cause)) return false;
-    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
-      if (!store(conn, word + k, values[k], cause)) return false;
+    uint64_t* at = peer_word(conn, word, cause);
+    if (!at) return false;
+    CopyOp op{nullptr, nullptr, 0, at, {}, 0, true};
+    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) op.value[k] = values[k];
+    workers_[size_t(conn)]->push(op);
     return true;
   }
 
   bool poll(int*, std::string*) override { return true; }  // memcpy cannot fail later
 
+  void stats(Stats* out) const override {
+    for (auto& w : workers_) {
+      out->flags_sampled += w->flag_ring.read(&out->flag_samples);
+      out->worker_sleeps += w->sleeps.load(std::memory_order_relaxed);
+    }
+  }
+
  private:
-  // A release store of value into the peer's word (from FLAGS_OFFSET), in connection order.
-  bool store(int conn, uint64_t word, uint64_t value, std::string* cause) {
+  // The peer's word (from FLAGS_OFFSET) as mapped here, or nullptr and *cause.
+  uint64_t* peer_word(int conn, uint64_t word, std::string* cause) {
     const ConnInfo& c = conns_[size_t(conn)];
     uint64_t flags = reg_->peers[c.peer].flags.load(std::memory_order_acquire);
     if (!flags) {
       *cause = "peer's flag words are not mapped";
-      return false;
+      return nullptr;
     }
-    CopyOp op{nullptr, nullptr, 0, word_at(flags, word * layout::FLAG_BYTES), value};
-    workers_[size_t(conn)]->push(op);
-    return true;
+    return word_at(flags, word * layout::FLAG_BYTES);
   }
 
  public:

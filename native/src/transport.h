@@ -3,6 +3,7 @@
 // becomes visible only after every earlier write on that connection, plus polling for
 // asynchronous completion errors. The proxy is the only caller (one thread).
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "control.h"
 #include "layout.h"
 
 namespace sparkccl {
@@ -89,6 +91,38 @@ struct Registry {
   std::unique_ptr<Peer[]> peers;
 };
 
+// The last CAP samples of one writer thread, for readers on other threads (the proxy's
+// stats()): relaxed atomics, so the writer (a transport's worker, in its hot path) takes no
+// lock. A reader racing the writer may get a slot of the writer's next lap: a sample all the
+// same.
+template <size_t CAP>
+struct SampleRing {
+  std::atomic<uint64_t> slot[CAP]{};
+  std::atomic<uint64_t> total{0};
+
+  void add(uint64_t v) {  // the one writer thread only
+    const uint64_t n = total.load(std::memory_order_relaxed);
+    slot[n % CAP].store(v, std::memory_order_relaxed);
+    total.store(n + 1, std::memory_order_release);
+  }
+  // Appends the samples kept to *out; returns how many were ever added.
+  uint64_t read(std::vector<uint64_t>* out) const {
+    const uint64_t n = total.load(std::memory_order_acquire);
+    for (size_t k = 0; k < std::min<uint64_t>(n, CAP); ++k)
+      out->push_back(slot[k].load(std::memory_order_relaxed));
+    return n;
+  }
+};
+
+// A flag's way through a transport with worker threads (shm), one sample: ns from the
+// proxy's push to the worker taking it from the queue (high 32 bits), and from then to the
+// flag's store (low 32 bits; the batch's earlier copies and the fence included). One word,
+// so that a reader never pairs halves of two samples.
+inline uint64_t flag_sample(uint64_t pushed, uint64_t taken, uint64_t stored) {
+  auto clamp = [](uint64_t a, uint64_t b) { return b > a ? std::min<uint64_t>(b - a, 0xFFFFFFFFu) : 0; };
+  return clamp(pushed, taken) << 32 | clamp(taken, stored);
+}
+
 struct ConnInfo {
   int peer, channel, root;
 };
@@ -134,6 +168,15 @@ class Transport {
   // the peers that nothing more will come, so that the close is not taken for a crash.
   // Called before stop().
   virtual void finish() {}
+  // What a transport with worker threads measures (shm does; others leave it empty): any
+  // thread, for Proxy::stats().
+  struct Stats {
+    std::vector<uint64_t> flag_samples;  // data flags (flag(), not put_call's words):
+                                         // flag_sample words, the last ones kept
+    uint64_t flags_sampled = 0;          // how many were taken in all
+    uint64_t worker_sleeps = 0;          // times a worker blocked on its queue's condvar
+  };
+  virtual void stats(Stats* out) const { (void)out; }
 };
 
 // What a transport is built on: the proxy's registry (rank, world, memory), its connection
@@ -187,6 +230,19 @@ class TcpFactory final : public TransportFactory {
   std::vector<std::vector<int64_t>> recv_;
 };
 
+// Takes a mutex held only for moments (OrderedQueue::mu: a push_back, a swap): tries for a
+// while before it blocks. A contended std::mutex sleeps at once (a futex wait), and its
+// holder's unlock then pays a futex wake and the sleeper a wake-up, microseconds each; the
+// proxy's push and a spinning copy worker's take meet there several times per post (the
+// post's pushes come back to back). 256 tries are far longer than such a hold.
+inline void lock_briefly(std::mutex& mu) {
+  for (int k = 0; k < 256; ++k) {
+    if (mu.try_lock()) return;
+    cpu_relax();
+  }
+  mu.lock();
+}
+
 // The queue in front of one connection's worker thread (shm copy worker, tcp sender): the
 // proxy pushes operations in stream order, the worker takes them in batches under `mu`
 // and sleeps on `cv` while `waiting` (its own wait predicate: each transport adds states).
@@ -197,7 +253,15 @@ struct OrderedQueue {
   std::condition_variable cv;
   std::vector<Op> queue;
   bool waiting = false;
-  std::atomic<uint64_t> posted{0}, done{0};
+  std::atomic<uint64_t> posted{0};
+  // Operations put in the queue so far, counted under mu after the push_back: what a
+  // spinning worker watches, so that when it sees the count move, the operation is there.
+  // (posted moves before the lock, so that outstanding() never counts an operation done
+  // before it counted it posted; a worker that went by posted could take mu ahead of the
+  // push, find the queue empty and block on cv: a futex wake in the push and a wake-up for
+  // the worker, each flag's way several microseconds longer.)
+  std::atomic<uint64_t> queued{0};
+  alignas(64) std::atomic<uint64_t> done{0};  // (the worker's: not on the proxy's line)
 
   // wake = false: leave a sleeping worker asleep; the caller pushes an operation with
   // wake = true next (the shm transport: a write, whose flag always follows), so the
@@ -205,9 +269,11 @@ struct OrderedQueue {
   void push(const Op& op, bool wake_now = true) {
     bool wake;
     posted.fetch_add(1, std::memory_order_relaxed);
+    lock_briefly(mu);
     {
-      std::lock_guard<std::mutex> lk(mu);
+      std::lock_guard<std::mutex> lk(mu, std::adopt_lock);
       queue.push_back(op);
+      queued.store(queued.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       wake = waiting && wake_now;
     }
     if (wake) cv.notify_one();
