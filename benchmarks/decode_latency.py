@@ -8,8 +8,8 @@ Runs the ranks twice, GPU-direct (the default on one host) and the proxy path
 
 * ``flag rtt``: a GPU -> CPU -> GPU flag round trip (sccl_clock_probe: the host writes a
   word in pinned memory, the spinning kernel answers with a store the host sees), p50;
-* ``proxy 1pc``: a one-piece write through the proxy: an all-gather of 16 bytes on a CPU
-  communicator of the same ranks (publish -> proxy -> peer's flag -> wait), p50 per call;
+* ``write``, per size: what the proxy path adds to that round trip at the least, a host
+  thread's copy of the vector between two pinned buffers (``ctypes.memmove``), p50;
 * per size (bf16, bytes per rank): the one-shot all-reduce ``ar`` (CUDA: one kernel,
   sccl_allreduce_*) eager (host-synchronized after every call) and replayed in a CUDA
   graph (``--per-graph`` calls per replay, p50 per call), and the same regime as it was
@@ -20,7 +20,9 @@ the figures above) adds, per size, where a replayed one-shot call's time goes on
 clock (sparkccl/dataplane/timeline.py): launch gap, publish, hand-off, flag to the peer's
 poller, poller to consumer, sum, exit; p50 and p90 over every rank's calls of one replay.
 
-The floor is ``flag rtt`` (GPU-direct) or ``flag rtt + proxy 1pc`` (the proxy path); the
+The floor is the mechanism's: ``flag rtt`` (GPU-direct: the GPU stores into the peer's
+memory and the peer's GPU sees it, a flag each way at the least) or ``flag rtt + write`` (the
+proxy path: the GPU's entry seen by the host, the host's copy, its flag seen by the GPU); the
 table prints each replayed all-reduce's ratio to it (issue bar: <= 2) and the before/after
 ratio. Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
 bit against the rank-order reference once, before timing.
@@ -77,6 +79,22 @@ PROXY_KEYS = ("delay_p50_ns", "delay_p99_ns", "delay_samples",
               "first_p50_ns", "first_p99_ns", "first_samples", "naps", "turns")
 
 
+def _host_write(nbytes: int, rounds: int) -> float:
+    """p50 seconds of a host thread's copy of nbytes between two pinned buffers."""
+    import ctypes
+
+    import torch
+    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    a, b = dst.data_ptr(), src.data_ptr()
+    each = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        ctypes.memmove(a, b, nbytes)
+        each.append(time.perf_counter_ns() - t0)
+    return statistics.median(each[rounds // 10:]) / 1e9
+
+
 def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
     import torch
     import torch.distributed as dist
@@ -101,10 +119,6 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
             each.append(time.perf_counter() - t0)
         return statistics.median(each)
 
-    with sparkccl.Communicator(store=dist.PrefixStore("cpu", store), rank=rank,
-                               world_size=world, device="cpu", timeout_s=120) as cpu:
-        tiny = torch.zeros(8, dtype=torch.bfloat16)
-        row0["proxy 1pc"] = p50(lambda: cpu.all_gather(tiny), iters, sync_each=False)
     rows = []
     with sparkccl.Communicator(store=dist.PrefixStore("gpu", store), rank=rank,
                                world_size=world, device=dev, timeout_s=120) as comm:
@@ -123,7 +137,7 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
                 g = comm.all_gather(x)
                 A.rank_order_sum([g[r * n:(r + 1) * n] for r in range(world)], False, out)
 
-            row = {"size": size}
+            row = {"size": size, "write": _host_write(size, max(50, iters))}
             for name, fn in (("ar", ar), ("ag+sum", before)):
                 out.view(torch.uint8).fill_(0xFF)  # (each check sees its own result)
                 fn()
@@ -173,19 +187,20 @@ def main() -> None:
             env = {**env, "SPARKCCL_GPU_TIMELINE": "1", "SPARKCCL_GPU_STAMPS": "1"}
         res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph, a.timeline),
                               env=env, timeout_s=1200))
-        floors = {k: max(r[0][k] for r in res) for k in res[0][0]}
-        floor = floors["flag rtt"] + (floors["proxy 1pc"] if env else 0.0)
+        rtt = max(r[0]["flag rtt"] for r in res)
         print(f"# decode all-reduce, cuda world {a.world} mesh, {path}, bf16; p50 per call "
               f"(us, slowest rank); {a.iters} eager calls, replays of {a.per_graph} calls")
-        print(f"# floors: flag rtt {floors['flag rtt'] * 1e6:.1f} us, proxy 1pc "
-              f"{floors['proxy 1pc'] * 1e6:.1f} us -> floor {floor * 1e6:.1f} us")
+        print(f"# floor: flag rtt {rtt * 1e6:.1f} us"
+              + (" + the host's copy of the vector (write)" if key == "proxy" else ""))
         keys = ["ar graph", "ar", "ag+sum graph", "ag+sum"]
         print("bytes/rank " + " ".join(f"{k:>13}" for k in keys)
-              + "  graph/floor  before/after(graph)")
+              + "  write  floor  graph/floor  before/after(graph)")
         for i, row in enumerate(res[0][1]):
-            t = {k: max(r[1][i][k] for r in res) for k in keys}
+            t = {k: max(r[1][i][k] for r in res) for k in [*keys, "write"]}
+            floor = rtt + (t["write"] if key == "proxy" else 0.0)
             print(f"{row['size']:>10} " + " ".join(f"{t[k] * 1e6:13.1f}" for k in keys)
-                  + f"  {t['ar graph'] / floor:11.2f}  {t['ag+sum graph'] / t['ar graph']:19.2f}")
+                  + f"  {t['write'] * 1e6:5.1f}  {floor * 1e6:5.1f}  {t['ar graph'] / floor:11.2f}"
+                  + f"  {t['ag+sum graph'] / t['ar graph']:19.2f}")
         if a.timeline:
             from sparkccl.dataplane import timeline
             print("# GPU timeline of one replay (kernels with step stamps), us: p50 / p90 "
