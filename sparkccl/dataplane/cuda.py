@@ -147,12 +147,7 @@ class CudaDataPlane(DataPlaneBase):
         head = int(_u64(ctl_addr + layout.CTL_RING_HEAD).value)
         init = torch.zeros(_P["STATE_WORDS"], dtype=torch.int64)
         init[STATE_RING], init[STATE_TIMEOUT] = head, int(timeout_s * 1e9)
-        # SPARKCCL_GPU_TIMELINE: the kernels' step stamps (timeline.py), else none.
-        self.timeline = None
-        if timeline.enabled():
-            self.timeline = self.gpu.to_device(
-                torch.zeros(timeline.TL_CALLS * timeline.TL_POINTS, dtype=torch.int64))
-            init[timeline.STATE_TIMELINE] = self.timeline.data_ptr()
+        self.timeline = timeline.attach(self.gpu, init)  # SPARKCCL_GPU_TIMELINE's stamps
         self.state = self.gpu.to_device(init)
         # The host's copy of the next seq and ring index: true until a collective is
         # captured in a CUDA graph (replays advance only the device's; see seq_on_host).

@@ -26,6 +26,18 @@ def enabled() -> bool:
     return bool(config.get("SPARKCCL_GPU_TIMELINE"))
 
 
+def attach(gpu, state_init):
+    """Where SPARKCCL_GPU_TIMELINE is on: the stamps' buffer in device memory (through the
+    plane's device seam), its address put in the device state's first values
+    ``state_init``; else None."""
+    if not enabled():
+        return None
+    import torch
+    buf = gpu.to_device(torch.zeros(TL_CALLS * TL_POINTS, dtype=torch.int64))
+    state_init[STATE_TIMELINE] = buf.data_ptr()
+    return buf
+
+
 def kernel_source(src: str) -> str:
     """The kernels' source as this process compiles it: with the stamps where enabled (a
     different text, so a different cache entry)."""
