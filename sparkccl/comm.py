@@ -163,7 +163,8 @@ class Communicator:
         try:
             if bad_boot is not None:
                 raise bad_boot
-            s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=w)
+            s = config.resolve(slot_bytes=slot_bytes, timeout_s=timeout_s, local_ranks=w,
+                               world=w)
             s = dataclasses.replace(s, bootstrap_timeout_s=boot)
             self._nat = _native()
         except (ValueError, TypeError, ImportError) as e:

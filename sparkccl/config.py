@@ -26,7 +26,10 @@ from .errors import ConfigError
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_ALLREDUCE_ONESHOT_BYTES = 256 << 10  # why: docs/CONTRACT.md "All-reduce"
+# The one-shot all-reduce's largest tensor by default, per world (why: docs/CONTRACT.md
+# "All-reduce"): at world 2 it moves no more bytes than the two steps and saves a hop.
+DEFAULT_ALLREDUCE_ONESHOT_BYTES = 256 << 10
+ALLREDUCE_ONESHOT_BYTES_WORLD2 = 2 << 20
 DEFAULT_ROOTS = 2
 DEFAULT_SPIN_US = 200_000
 DEFAULT_NAP_US = 200
@@ -201,11 +204,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "PCIe functions (roots) per port that traffic is split over", lo=1, hi=2),
     _v("SPARKCCL_RS_UP_FRONT", "bool", False, "communicator",
        "1: create the reduce-scatter buffers at construction instead of on first use"),
-    _v("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", "bytes", DEFAULT_ALLREDUCE_ONESHOT_BYTES,
+    _v("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", "bytes", None,
        "communicator",
        "all-reduce: the largest tensor (bytes per rank) summed in one shot (one all-gather, "
        "then a local sum); larger ones run reduce-scatter + all-gather. Same bits either "
-       "way; every rank must agree", lo=0),
+       "way; every rank must agree", lo=0,
+       default_text="2 MiB at world 2, 256 KiB from world 3"),
     _v("SPARKCCL_PROXY_SPIN_US", "int", None, "proxy",
        "the proxy keeps spinning this long after its last work",
        default_text=f"{DEFAULT_SPIN_US} ({OVERSUBSCRIBED_SPIN_US} when oversubscribed)", lo=0),
@@ -380,7 +384,7 @@ def _seconds(name: str, arg: str, value, env) -> tuple[float, str]:
 
 def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = None,
             bootstrap_timeout_s: float | None = None, local_ranks: int = 1,
-            env=None) -> Settings:
+            world: int = 1, env=None) -> Settings:
     """Settings for one communicator: each argument beats its ``SPARKCCL_*`` variable, which
     beats the default. Raises :class:`ConfigError` naming the bad argument or variable."""
     if slot_bytes is None:
@@ -418,7 +422,16 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
                     relay_lead=get("SPARKCCL_RELAY_LEAD", env),
-                    allreduce_oneshot_bytes=get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env))
+                    allreduce_oneshot_bytes=oneshot_bytes(
+                        get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env), world))
+
+
+def oneshot_bytes(setting: int | None, world: int) -> int:
+    """The all-reduce's one-shot limit: the setting, else the default for ``world`` (a
+    function of what every rank agrees on, so every rank's is the same)."""
+    if setting is not None:
+        return setting
+    return ALLREDUCE_ONESHOT_BYTES_WORLD2 if world == 2 else DEFAULT_ALLREDUCE_ONESHOT_BYTES
 
 
 # ---- where each effective setting comes from (sparkccl doctor) ---------------------------
