@@ -282,11 +282,12 @@ class Communicator:
         # The all-reduces that all_reduce's eager fast path takes: up to this many bytes (-1:
         # none) go to the plane's one-shot operation with no further decision. What
         # allreduce.all_reduce would choose for them too: the one-shot regime (the agreed
-        # crossover, fixed at creation), the plane's one operation, one slot.
+        # crossover, fixed at creation; forced: any size), the plane's one operation, one slot.
         self._one_shot_dp = dp if dp is not None and dp.one_shot_all_reduce else None
+        fast = self._typed_dp is not None and self._one_shot_dp is not None
+        self._one_shot_forced = self.max_slice if fast else -1
         self._one_shot_max = (min(self._wiring.settings.allreduce_oneshot_bytes, self.max_slice)
-                              if self._typed_dp is not None and self._one_shot_dp is not None
-                              else -1)
+                              if fast else -1)
         self._send_bounds = (0, 0)
         self._note_send_slots()
 
@@ -477,14 +478,20 @@ class Communicator:
         # allreduce.all_reduce and that it would send to the plane's one-shot operation goes
         # there directly, with no views, no regime lookup through the layers, and the
         # plane's launch plan for its shape; anything else (a bad argument, which then
-        # raises there, a forced regime, another size or plane) takes allreduce.all_reduce.
+        # raises there, the two-step regime, another plane) takes allreduce.all_reduce.
         if self._closed:
             self.check_open("all_reduce")
-        if regime is None and op.__class__ is str and x.__class__ is torch.Tensor:
+        if regime is None:
+            cap = self._one_shot_max
+        elif regime.__class__ is str and regime == _allreduce.ONE_SHOT:
+            cap = self._one_shot_forced
+        else:
+            cap = -1
+        if cap > 0 and op.__class__ is str and x.__class__ is torch.Tensor:
             avg = _FAST_OPS.get(op)
             device, dtype = self.device, x.dtype
             if (avg is not None and dtype in RS_DTYPES and checks.usable(x, device)
-                    and 0 < (n := x.nbytes) <= self._one_shot_max):
+                    and 0 < (n := x.nbytes) <= cap):
                 if out is None:  # (x is contiguous: its shape, dtype and device, as checks.out)
                     out = torch.empty_like(x, memory_format=torch.contiguous_format)
                     self._one_shot(x, avg, out, n)

@@ -344,10 +344,11 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
     """``Communicator.all_reduce``'s eager fast path (a one-slot all-reduce straight to the
     plane's one-shot operation) gives the reference's bits for every dtype, both ops, a
     0-dim tensor, ``out=`` given, ``out`` = x and no ``out`` (a fresh contiguous tensor of x's
-    shape); a shape's later calls replay its launch plan; what the fast path does not take
-    (out partly over x, shifted; a forced regime; a size above the crossover, which takes
-    the two-step regime on every rank) goes through allreduce.all_reduce with the same bits;
-    and bad input raises there before anything is sent (no sequence number used)."""
+    shape), the one-shot regime forced at any size that fits a slot; a shape's later calls
+    replay its launch plan; what the fast path does not take (out partly over x, shifted; an
+    op the layers accept in another spelling; the two-step regime, forced or above the
+    crossover on every rank) goes through allreduce.all_reduce with the same bits; and bad
+    input raises there before anything is sent (no sequence number used)."""
     from sparkccl import allreduce as AR
     from sparkccl import comm as CM
 
@@ -363,31 +364,32 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
         comms = _communicators(w, oneshot_bytes=1024)
         dev = w.be.to_dev
 
-        def run(xs, op, mode, kw=None):
+        def run(xs, op, mode, regime=None):
             """Every rank's all-reduce of xs[r]; returns the results (mode: "out", "fresh",
-            "in_place", "shifted": out one element further into the same buffer as x)."""
+            "in_place", "shifted": out one element further into the same buffer as x; op: one
+            for every rank, or each rank's)."""
             res = []
-            every = kw or {}
             for r, c in enumerate(comms):
-                kw = every.get(r, {}) if 0 in every else every  # ({rank: kw}: per rank)
+                kw = {"regime": regime} if regime else {}
                 with w.be.on(r):
+                    op_r = op if isinstance(op, str) else op[r]
                     x = w.keep(dev(xs[r]))
                     if mode == "fresh":
-                        y = c.all_reduce(x, op, **kw)
+                        y = c.all_reduce(x, op_r, **kw)
                         assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
                     elif mode == "in_place":
-                        y = c.all_reduce(x, op, out=x, **kw)
+                        y = c.all_reduce(x, op_r, out=x, **kw)
                         assert y is x
                     elif mode == "shifted":
                         n = x.numel()
                         buf = w.keep(dev(torch.zeros(n + 1, dtype=x.dtype)))
                         buf[:n].copy_(x)
                         x, out = buf[:n].view(x.shape), buf[1:].view(x.shape)
-                        y = c.all_reduce(x, op, out=out, **kw)
+                        y = c.all_reduce(x, op_r, out=out, **kw)
                         assert y is out
                     else:
                         out = w.keep(dev(torch.full(x.shape, 7, dtype=x.dtype)))
-                        y = c.all_reduce(x, op, out=out, **kw)
+                        y = c.all_reduce(x, op_r, out=out, **kw)
                         assert y is out
                     res.append(w.keep(y))
             return res
@@ -413,30 +415,31 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
             expect(xs, op, res, what)
         assert all(dp.plans.stats["hits"] > 0 for dp in w.dps)
 
-        # Not for the fast path: the layers, with the same bits.
-        for k, (shape, mode, kw) in enumerate([((40,), "shifted", {}),
-                                               ((40,), "out", {"regime": "one_shot"}),
-                                               # (one call word, either way: one rank each)
-                                               ((24,), "out", {0: {}, 1: {"regime": "one_shot"}}),
-                                               ((300,), "out", {}),  # 600 bytes: one shot
-                                               # 1216 bytes: two step (W chunks of 16-byte
-                                               # multiples: no padding, whose temporaries
-                                               # the emulation would free under the kernel)
-                                               ((608,), "out", {}),
-                                               ((608,), "fresh", {"op": "sum"})]):
-            xs = inputs(100 + k, 2, shape, torch.bfloat16)
-            before = len(layered)
-            op = kw.pop("op", "avg")
+        # The rest: (shape, mode, each rank's op, regime, calls that took allreduce.py's
+        # layers), every result with the reference's bits.
+        for k, (shape, mode, ops, regime, layers) in enumerate([
+                ((40,), "shifted", ("avg", "avg"), None, 2),
+                ((40,), "out", ("avg", "avg"), "one_shot", 0),  # forced one shot: fast too
+                ((2000,), "out", ("avg", "avg"), "one_shot", 0),  # ... above the crossover
+                # (one call word either way: an op in capitals is for the layers)
+                ((24,), "out", ("sum", "SUM"), None, 1),
+                ((300,), "out", ("avg", "avg"), None, 0),  # 600 bytes: one shot
+                # 1216 bytes: the two-step regime (W chunks of 16-byte multiples: no padding,
+                # whose temporaries the emulation would free under the kernel)
+                ((608,), "out", ("avg", "avg"), None, 2),
+                ((608,), "fresh", ("sum", "sum"), None, 2),
+                ((48,), "out", ("sum", "sum"), "two_step", 2)]):  # (48: no padding either)
             if mode == "shifted" and backend != "cuda":
                 # (it takes allreduce.py's all-gather into a fresh tensor and torch adds,
                 # which the emulation runs on the host at once, not after the emulated
                 # stream's kernels: the tensor would be freed under the kernel)
                 continue
-            res = run(xs, op, mode, kw=kw)
+            xs = inputs(100 + k, 2, shape, torch.bfloat16)
+            before = len(layered)
+            res = run(xs, ops, mode, regime)
             w.sync()
-            expect(xs, op, res, f"{list(shape)} {mode} {kw}")
-            taken = len(layered) - before
-            assert taken == {(300,): 0, (24,): 1}.get(shape, 2), (shape, mode, kw, taken)
+            expect(xs, ops[0].lower(), res, f"{list(shape)} {mode} {ops} {regime}")
+            assert len(layered) - before == layers, (shape, mode, ops, regime, layered)
 
         # Bad input: refused on the calling rank before anything is sent.
         c = comms[0]
