@@ -49,6 +49,7 @@ log = logging.getLogger("sparkccl")
 SINGLE_RANK = "none"  # the transport of a world of one: nothing leaves the process
 RS_DTYPES = checks.REDUCE_DTYPES
 RS_SLOTS = REGION_SLOTS[Region.RS_SEND]
+_FAST_OPS = {"sum": False, "avg": True}  # all_reduce's fast path: op -> avg (else allreduce.py)
 
 
 def _native():
@@ -279,6 +280,15 @@ class Communicator:
         dp = self._dp
         self._typed_dp = dp if dp is not None and dp.typed_io else None
         self._zero_copy_results = dp is not None and dp.zero_copy_results
+        # The all-reduces that all_reduce's eager fast path takes: up to this many bytes (-1:
+        # none) go to the plane's one-shot operation with no further decision. What
+        # allreduce.all_reduce would choose for them too: the one-shot regime (the agreed
+        # crossover, fixed at creation; forced: any size), the plane's one operation, one slot.
+        self._one_shot_dp = dp if dp is not None and dp.one_shot_all_reduce else None
+        fast = self._typed_dp is not None and self._one_shot_dp is not None
+        self._one_shot_forced = self.max_slice if fast else -1
+        self._one_shot_max = (min(self._wiring.settings.allreduce_oneshot_bytes, self.max_slice)
+                              if fast else -1)
         self._send_bounds = (0, 0)
         self._note_send_slots()
 
@@ -464,7 +474,37 @@ class Communicator:
         two-step regime's two collectives where the data plane has the fused operation:
         for tests and benchmarks (every rank must pass the same; the bits do not change).
         """
-        self.check_open("all_reduce")
+        # The eager fast path (the decode regime: an all-reduce of one slot on the CUDA plane),
+        # checks written as in all_gather: the call that passes every check of
+        # allreduce.all_reduce and that it would send to the plane's one-shot operation goes
+        # there directly, with no views, no regime lookup through the layers, and the
+        # plane's launch plan for its shape; anything else (a bad argument, which then
+        # raises there, the two-step regime, another plane) takes allreduce.all_reduce.
+        if self._closed:
+            self.check_open("all_reduce")
+        if regime is None:
+            cap = self._one_shot_max
+        elif regime.__class__ is str and regime == _allreduce.ONE_SHOT:
+            cap = self._one_shot_forced
+        else:
+            cap = -1
+        if cap > 0 and op.__class__ is str and x.__class__ is torch.Tensor:
+            avg = _FAST_OPS.get(op)
+            device, dtype = self.device, x.dtype
+            if (avg is not None and dtype in RS_DTYPES and checks.usable(x, device)
+                    and 0 < (n := x.nbytes) <= cap):
+                if out is None:  # (x is contiguous: its shape, dtype and device, as checks.out)
+                    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+                    self._one_shot(x, avg, out, n)
+                    return out
+                if (out.__class__ is torch.Tensor and out.dtype is dtype
+                        and out.shape == x.shape and checks.usable(out, device)):
+                    a0, b0 = x.data_ptr(), out.data_ptr()
+                    # (out partly over x, shifted, takes allreduce.all_reduce's other way,
+                    # as it would there: the kernel would read terms it already wrote)
+                    if a0 == b0 or a0 >= b0 + n or b0 >= a0 + n:
+                        self._one_shot(x, avg, out, n)
+                        return out
         return _allreduce.all_reduce(self, x, op, out, fused_op=self._fused_all_reduce,
                                      one_shot_op=self._one_shot_all_reduce, regime=regime,
                                      fused=fused)
@@ -478,13 +518,19 @@ class Communicator:
     def _one_shot_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
         """The one-shot regime as the data plane's one operation
         (``DataPlaneBase.all_reduce_one_shot``): one collective, one sequence number."""
+        self._one_shot(flat, avg, dst, flat.nbytes)
+
+    def _one_shot(self, x: torch.Tensor, avg: bool, dst: torch.Tensor, n: int) -> None:
+        """:meth:`_one_shot_all_reduce` of ``x`` (``n`` bytes, contiguous, any shape) into
+        ``dst`` (the plane reads their bytes and pointers only)."""
         with self._lock:
             self._check_alive("all_reduce")
             # The padding as the all-gather of allreduce.py's one shot says it (_part): one
-            # call word, whichever way each rank takes.
-            S = round_up(flat.nbytes, ALIGN)
-            pad = _allreduce.zero_bytes(flat.nbytes, S, self.world_size, 0, S)
-            self._dp.all_reduce_one_shot(self._next_seq(), flat, dst, avg, pad)
+            # call word, whichever way each rank takes: zero_bytes(n, S, W, 0, S) with S = n
+            # rounded up to ALIGN, in closed form (W chunks of S bytes carried, of which the
+            # first n are the caller's; tests/test_allreduce.py checks the two agree).
+            pad = self.world_size * ((n + ALIGN - 1) // ALIGN * ALIGN) - n
+            self._one_shot_dp.all_reduce_one_shot(self._next_seq(), x, dst, avg, pad)
 
     def _fused_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
         """The two-step regime as the data plane's one operation per slot-sized piece of the

@@ -112,6 +112,16 @@ def test_exact_ring_world_6():
     _run(6, [(6, "ring", "few", None, "shm")])
 
 
+def test_one_shot_padding_closed_form():
+    """Communicator._one_shot's padding, W * S - n (S: n rounded up to 16 bytes), is what
+    zero_bytes says for the one-shot all-gather (allreduce._one_shot through _part): one
+    call word whichever way a rank takes (peer_check.py compares it)."""
+    for W in range(1, 9):
+        for n in [*range(1, 70), 1000, 4095, 4096, 8192, 65521]:
+            S = -(-n // 16) * 16
+            assert A.zero_bytes(n, S, W, 0, S) == W * S - n, (W, n)
+
+
 def test_fused_all_reduce_is_a_declared_capability():
     """The CPU and the CUDA plane have the fused operation; the base says it has not, and
     its all_reduce raises NotImplementedError naming the plane."""

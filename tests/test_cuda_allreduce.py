@@ -309,3 +309,157 @@ def test_one_shot_timeline_stamps_every_step_in_order(direct, monkeypatch):
         assert [name for name, *_ in T.summary(per_rank)] == [*(n for n, _, _ in T.STEPS),
                                                               "period"]
         w.healthy()
+
+
+# ---------------------------------------------------------------- through the Communicator
+
+def _communicators(w: World, oneshot_bytes: int | None = None) -> list:
+    """One ``Communicator`` per rank around the World's data planes, as wiring.py would
+    build it (what benchmarks/host_python.py does for rank 0)."""
+    import threading
+    import types
+
+    import sparkccl._native as nat
+    from sparkccl.comm import Communicator
+    from sparkccl.config import DEFAULT_ALLREDUCE_ONESHOT_BYTES
+
+    comms = []
+    for r, dp in enumerate(w.dps):
+        c = object.__new__(Communicator)
+        c.device, c.world_size, c.rank = w.be.device, w.world, r
+        c._closed, c._lock, c._nat = False, threading.Lock(), nat
+        c.max_slice, c.seq, c._rs_count, c._handout = w.max_slice, w.seq, 0, None
+        c._wiring = types.SimpleNamespace(
+            dp=dp, ctl_addr=w.ctl[r].addr, rs_ready=True, ensure_rs=lambda: None,
+            settings=types.SimpleNamespace(allreduce_oneshot_bytes=(
+                DEFAULT_ALLREDUCE_ONESHOT_BYTES if oneshot_bytes is None else oneshot_bytes)))
+        c._calls_ready()
+        comms.append(c)
+    return comms
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
+    """``Communicator.all_reduce``'s eager fast path (a one-slot all-reduce straight to the
+    plane's one-shot operation) gives the reference's bits for every dtype, both ops, a
+    0-dim tensor, ``out=`` given, ``out`` = x and no ``out`` (a fresh contiguous tensor of x's
+    shape), the one-shot regime forced at any size that fits a slot; a shape's later calls
+    replay its launch plan; what the fast path does not take (out partly over x, shifted; an
+    op the layers accept in another spelling; the two-step regime, forced or above the
+    crossover on every rank) goes through allreduce.all_reduce with the same bits; and bad
+    input raises there before anything is sent (no sequence number used)."""
+    from sparkccl import allreduce as AR
+    from sparkccl import comm as CM
+
+    layered = []
+    real = AR.all_reduce
+
+    def counted(*a, **k):
+        layered.append(getattr(a[1], "shape", None))
+        return real(*a, **k)
+
+    monkeypatch.setattr(CM._allreduce, "all_reduce", counted)
+    with World(backend, "mesh", 2, 2, max_slice=1 << 12, direct=direct) as w:
+        comms = _communicators(w, oneshot_bytes=1024)
+        dev = w.be.to_dev
+
+        def run(xs, op, mode, regime=None):
+            """Every rank's all-reduce of xs[r]; returns the results (mode: "out", "fresh",
+            "in_place", "shifted": out one element further into the same buffer as x; op: one
+            for every rank, or each rank's)."""
+            res = []
+            for r, c in enumerate(comms):
+                kw = {"regime": regime} if regime else {}
+                with w.be.on(r):
+                    op_r = op if isinstance(op, str) else op[r]
+                    x = w.keep(dev(xs[r]))
+                    if mode == "fresh":
+                        y = c.all_reduce(x, op_r, **kw)
+                        assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+                    elif mode == "in_place":
+                        y = c.all_reduce(x, op_r, out=x, **kw)
+                        assert y is x
+                    elif mode == "shifted":
+                        n = x.numel()
+                        buf = w.keep(dev(torch.zeros(n + 1, dtype=x.dtype)))
+                        buf[:n].copy_(x)
+                        x, out = buf[:n].view(x.shape), buf[1:].view(x.shape)
+                        y = c.all_reduce(x, op_r, out=out, **kw)
+                        assert y is out
+                    else:
+                        out = w.keep(dev(torch.full(x.shape, 7, dtype=x.dtype)))
+                        y = c.all_reduce(x, op_r, out=out, **kw)
+                        assert y is out
+                    res.append(w.keep(y))
+            return res
+
+        def expect(xs, op, res, what):
+            ref = all_reduce_reference(xs, op)
+            for r, y in enumerate(res):
+                got = y.cpu().reshape(-1).view(torch.uint8).numpy()
+                assert np.array_equal(got, ref), f"{what}: rank {r} {xs[0].dtype} {op}"
+
+        seed = 0
+        pending = []
+        for dtype in DTYPES:
+            for shape in [(), (17,), (3, 33)]:
+                for op, mode in [("sum", "out"), ("avg", "fresh"), ("avg", "in_place"),
+                                 ("sum", "out")]:  # (the last: the shape's launch plan)
+                    seed += 1
+                    xs = inputs(seed, 2, shape, dtype)
+                    pending.append((xs, op, run(xs, op, mode), f"{list(shape)} {mode}"))
+        assert not layered, layered  # all of them on the fast path
+        w.sync()
+        for xs, op, res, what in pending:
+            expect(xs, op, res, what)
+        assert all(dp.plans.stats["hits"] > 0 for dp in w.dps)
+
+        # The rest: (shape, mode, each rank's op, regime, calls that took allreduce.py's
+        # layers), every result with the reference's bits.
+        for k, (shape, mode, ops, regime, layers) in enumerate([
+                ((40,), "shifted", ("avg", "avg"), None, 2),
+                ((40,), "out", ("avg", "avg"), "one_shot", 0),  # forced one shot: fast too
+                ((2000,), "out", ("avg", "avg"), "one_shot", 0),  # ... above the crossover
+                # (one call word either way: an op in capitals is for the layers)
+                ((24,), "out", ("sum", "SUM"), None, 1),
+                ((300,), "out", ("avg", "avg"), None, 0),  # 600 bytes: one shot
+                # 1216 bytes: the two-step regime (W chunks of 16-byte multiples: no padding,
+                # whose temporaries the emulation would free under the kernel)
+                ((608,), "out", ("avg", "avg"), None, 2),
+                ((608,), "fresh", ("sum", "sum"), None, 2),
+                ((48,), "out", ("sum", "sum"), "two_step", 2)]):  # (48: no padding either)
+            if mode == "shifted" and backend != "cuda":
+                # (it takes allreduce.py's all-gather into a fresh tensor and torch adds,
+                # which the emulation runs on the host at once, not after the emulated
+                # stream's kernels: the tensor would be freed under the kernel)
+                continue
+            xs = inputs(100 + k, 2, shape, torch.bfloat16)
+            before = len(layered)
+            res = run(xs, ops, mode, regime)
+            w.sync()
+            expect(xs, ops[0].lower(), res, f"{list(shape)} {mode} {ops} {regime}")
+            assert len(layered) - before == layers, (shape, mode, ops, regime, layered)
+
+        # Bad input: refused on the calling rank before anything is sent.
+        c = comms[0]
+        x = dev(torch.ones(8, dtype=torch.bfloat16))
+        seqs = (c.seq, w.dps[0].plans.stats["hits"])
+        with w.be.on(0):
+            for kw, err, said in [
+                    ({"out": dev(torch.ones(8, dtype=torch.float16))}, ValueError, "out must"),
+                    ({"out": dev(torch.ones(9, dtype=torch.bfloat16))}, ValueError, "out must"),
+                    ({"out": dev(torch.ones(16, dtype=torch.bfloat16))[::2]}, ValueError,
+                     "contiguous"),
+                    ({"op": "max"}, ValueError, "'sum' or 'avg'"),
+                    ({"op": 3}, TypeError, "op must be a str"),
+                    ({"regime": "bogus"}, ValueError, "regime="),
+                    ({"x": dev(torch.ones(16, dtype=torch.bfloat16))[::2]}, ValueError,
+                     "contiguous"),
+                    ({"x": dev(torch.ones(8, dtype=torch.int32))}, TypeError, "not supported"),
+                    ({"x": [1.0]}, TypeError, "torch.Tensor")]:
+                kw = dict(kw)
+                with pytest.raises(err, match=re.escape(said)):
+                    c.all_reduce(kw.pop("x", x), kw.pop("op", "sum"), **kw)
+        assert (c.seq, w.dps[0].plans.stats["hits"]) == seqs
+        w.healthy()
