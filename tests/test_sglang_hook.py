@@ -258,7 +258,10 @@ def _captured_job(rank, world, store):
 
 @pytest.mark.slow
 def test_sglang_hook_routes_captured_calls_with_the_setting(sglang_env):
-    env = {**sglang_env, "SPARKCCL_SGLANG": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
+    # (the one-shot limit pinned below the (256, 1024) bf16 all-reduces, 512 KiB, so they take
+    # the two-step regime whatever the world's default: the case this test is about)
+    env = {**sglang_env, "SPARKCCL_SGLANG": "1", "SPARKCCL_ENGINE_CAPTURED": "1",
+           "SPARKCCL_ALLREDUCE_ONESHOT_BYTES": "256K"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):
         assert all(r[k] is True for k in ("rs_before_setup", "rs_eager", "ag_captured",
                                           "rs_captured")), r

@@ -436,7 +436,10 @@ def _captured_job(rank, world, store):
 
 @pytest.mark.slow
 def test_vllm_plugin_routes_captured_calls_with_the_setting(vllm_ok):
-    env = {**VLLM_ENV, "SPARKCCL_VLLM": "1", "SPARKCCL_ENGINE_CAPTURED": "1"}
+    # (the one-shot limit pinned below the (256, 1024) bf16 all-reduces, 512 KiB, so they take
+    # the two-step regime whatever the world's default: the case this test is about)
+    env = {**VLLM_ENV, "SPARKCCL_VLLM": "1", "SPARKCCL_ENGINE_CAPTURED": "1",
+           "SPARKCCL_ALLREDUCE_ONESHOT_BYTES": "256K"}
     for r in check(run_ranks(_captured_job, world=2, env=env, timeout_s=600)):
         assert "captured calls too (SPARKCCL_ENGINE_CAPTURED=1)" in r["log"][-1], r["log"]
         assert r["rs_before_setup"] == "base" and r["ar_big_before_setup"] == "base"
