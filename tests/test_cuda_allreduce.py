@@ -37,6 +37,17 @@ def all_reduce(w: World, xs, op: str, *, in_place: bool = False):
     return outs
 
 
+def different_call_reported(w: World, calls, said) -> None:
+    """Ranks 0 and 1 made the different all-reduces ``calls`` (n, dtype, op), said as
+    ``said``: each rank's synchronize() names both calls, rank 0's seq 0 first."""
+    with pytest.raises(C.CollectiveError, match=re.escape(
+            f"rank 0: all_reduce({calls[0][2]}) seq 0: rank 1 made a different call than "
+            f"rank 0 (this rank): rank 1 passed {said[1]}, rank 0 passed {said[0]}")):
+        w.dps[0].synchronize()
+    with pytest.raises(C.CollectiveError, match=re.escape(f"rank 1 passed {said[1]}")):
+        w.dps[1].synchronize()
+
+
 def check(w: World, xs, op: str, outs, what: str = "") -> None:
     ref = all_reduce_reference(xs, op)
     for r, out in enumerate(outs):
@@ -202,12 +213,7 @@ def test_one_shot_different_calls_are_reported(backend, direct, calls, said):
                 w.dps[r].all_reduce_one_shot(0, x, out, op == "avg",
                                              zero_bytes(x.nbytes, S, world, 0, S))
         w.be.sync()
-        with pytest.raises(C.CollectiveError, match=re.escape(
-                f"rank 0: all_reduce({calls[0][2]}) seq 0: rank 1 made a different call than "
-                f"rank 0 (this rank): rank 1 passed {said[1]}, rank 0 passed {said[0]}")):
-            w.dps[0].synchronize()
-        with pytest.raises(C.CollectiveError, match=re.escape(f"rank 1 passed {said[1]}")):
-            w.dps[1].synchronize()
+        different_call_reported(w, calls, said)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
