@@ -85,7 +85,7 @@ def _inputs(op: str, seed: int, rank: int, world: int, device):
         return make_input(seed, rank, (4096,), torch.float32).to(device)
     if op == "ar":  # 8 KiB bf16: the one-shot all-reduce (on CUDA: sccl_allreduce_*)
         return make_input(seed, rank, (4096,), torch.bfloat16).to(device)
-    if op == "rs":
+    if op in ("rs", "ar2"):  # ar2: the two-step all-reduce (on CUDA: sccl_ar_fused_*)
         return make_input(seed, rank, (world * 1024,), torch.float32).to(device)
     if op == "rs_split":
         return make_input(seed, rank, (world * _split_elems(world),), torch.float32).to(device)
@@ -97,7 +97,7 @@ def _expected(op: str, seed: int, rank: int, world: int) -> bytes:
     from sparkccl.reference import (all_reduce_reference, moe_finalize_reference,
                                     reduce_scatter_reference)
     xs = [_inputs(op, seed, r, world, "cpu") for r in range(world)]
-    if op == "ar":
+    if op in ("ar", "ar2"):
         return all_reduce_reference(xs, "sum").tobytes()
     if op == "ag":
         return torch.cat(xs).view(torch.uint8).numpy().tobytes()
@@ -111,6 +111,8 @@ def _call(comm, op: str, x):
         return comm.all_gather(x)
     if op == "ar":
         return comm.all_reduce(x)
+    if op == "ar2":  # (forced: the size alone would take the one shot)
+        return comm.all_reduce(x, regime="two_step")
     if op in ("rs", "rs_split"):
         return comm.reduce_scatter(x)
     W = comm.world_size
@@ -286,6 +288,10 @@ SCENARIOS = [  # (on_failure, topology, world, scenario, op, extra environment):
     ("poison", "mesh", 2, "kill", "ar", {}),
     ("poison", "ring", 4, "stall", "ar", {}),
     ("stop", "ring", 4, "stall", "ar", {"SPARKCCL_GPU_DIRECT": "0"}),
+    # The two-step all-reduce (one fused kernel: the reduce-scatter and all-gather parts).
+    ("stop", "mesh", 2, "kill", "ar2", {}),
+    ("stop", "mesh", 2, "kill", "ar2", {"SPARKCCL_GPU_DIRECT": "0"}),
+    ("poison", "ring", 4, "stall", "ar2", {}),
 ]
 
 
@@ -306,6 +312,8 @@ def test_failed_collective_is_never_consumed_as_valid(mode, topology, world, sce
 @pytest.mark.parametrize("mode,world,scenario,op", [("stop", 2, "kill", "ag"),
                                                      ("poison", 2, "stall", "ag"),
                                                      ("stop", 2, "kill", "ar"),
+                                                     ("stop", 2, "kill", "ar2"),
+                                                     ("poison", 3, "stall", "ar2"),
                                                      ("stop", 3, "kill", "rs_split")])
 def test_the_same_scenarios_on_cpu_raise_at_the_call(mode, world, scenario, op, tmp_path):
     """The harness on the CPU data plane, where the failing call itself raises (and checks
