@@ -50,16 +50,9 @@ class OneShotEngine(Engine):
         p = self.plane
         direct = table is not None
         piece = piece_bounds(S, 0)[1]
-        # Consumers: a one-hand-off slice's sum reads every source across PCIe at once after
-        # one wait, so one 16-byte unit per thread (each further round of a thread is
-        # another read latency), within the plane's cap on spinning blocks (MAX_WAIT_BLOCKS:
-        # ranks sharing a GPU need SMs for each other's publish blocks).
-        nb = self.slice_wait_blocks(S)
-        if S <= ONE_HANDOFF_SLICE:
-            nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * THREADS))))
+        nb = self.sum_wait_blocks(S, THREADS, direct)
         if direct:
             npub = self.direct_blocks(piece * (p.world - 1))
-            nb = min(nb, p.max_direct_wait_blocks)
         else:
             # (at most ONE_HANDOFF_SLICE: the whole slice, then one hand-off; allreduce.cu)
             npub = (self.publish_blocks(S) if S <= ONE_HANDOFF_SLICE
@@ -110,13 +103,7 @@ class TwoStepEngine(Engine):
             npub = self.publish_blocks((p.world - 1) * S)
         else:
             npub = PIECES * self.publish_blocks(others)
-        # Consumers: as the one shot's, one 16-byte unit per thread where the slice is summed
-        # in one pass after one wait (within the cap on spinning blocks).
-        nb = self.slice_wait_blocks(S)
-        if S <= ONE_HANDOFF_SLICE:
-            nb = max(nb, min(p.max_wait_blocks, -(-S // (16 * PUBLISH_THREADS))))
-        if direct:
-            nb = min(nb, p.max_direct_wait_blocks)
+        nb = self.sum_wait_blocks(S, PUBLISH_THREADS, direct)
         words = fused_all_reduce_args(p, 0 if src is None else src, src_stride, dst, dst_stride,
                                       L, S, avg, rs_call, ag_call, npub,
                                       self.ag_counters.data_ptr(),

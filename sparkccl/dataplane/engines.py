@@ -137,6 +137,18 @@ class Engine:
         for its last unit, and need the blocks for all of it in flight at once)."""
         return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
 
+    def sum_wait_blocks(self, S: int, threads: int, direct: bool) -> int:
+        """Consumer blocks of an all-reduce kernel (the one shot's, the fused two steps'): a
+        one-hand-off slice's sum reads every source across PCIe at once after one wait, so
+        one 16-byte unit per thread of ``threads`` a block (each further round of a thread
+        is another read latency), within the plane's cap on spinning blocks (MAX_WAIT_BLOCKS:
+        ranks sharing a GPU need SMs for each other's publish blocks; GPU-direct, the
+        direct kernels' cap)."""
+        nb = self.slice_wait_blocks(S)
+        if S <= ONE_HANDOFF_SLICE:
+            nb = max(nb, min(self.plane.max_wait_blocks, -(-S // (16 * threads))))
+        return min(nb, self.plane.max_direct_wait_blocks) if direct else nb
+
 
 class ProxyPathEngine(Engine):
     """The proxy sends: the kernels publish each piece in the publish ring and wait for the
