@@ -529,7 +529,7 @@ class Communicator:
             # call word, whichever way each rank takes: zero_bytes(n, S, W, 0, S) with S = n
             # rounded up to ALIGN, in closed form (W chunks of S bytes carried, of which the
             # first n are the caller's; tests/test_allreduce.py checks the two agree).
-            pad = self.world_size * ((n + ALIGN - 1) // ALIGN * ALIGN) - n
+            pad = self.world_size * round_up(n, ALIGN) - n
             self._one_shot_dp.all_reduce_one_shot(self._next_seq(), x, dst, avg, pad)
 
     def _fused_all_reduce(self, flat: torch.Tensor, avg: bool, dst: torch.Tensor) -> None:
