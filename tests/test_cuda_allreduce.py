@@ -37,6 +37,19 @@ def all_reduce(w: World, xs, op: str, *, in_place: bool = False):
     return outs
 
 
+def last_piece_timed_out(w: World) -> str:
+    """Rank 0 called alone: its synchronize() raises a timeout at the last piece of seq 0
+    (a one-hand-off slice is waited for there) from rank 1, naming the connection; the
+    message."""
+    with pytest.raises(C.CollectiveError) as ei:
+        w.dps[0].synchronize()
+    msg = str(ei.value)
+    assert "timed out" in msg and f"all_reduce seq 0 piece {C.PIECES - 1} from rank 1" in msg, \
+        msg
+    assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+    return msg
+
+
 def different_call_reported(w: World, calls, said) -> None:
     """Ranks 0 and 1 made the different all-reduces ``calls`` (n, dtype, op), said as
     ``said``: each rank's synchronize() names both calls, rank 0's seq 0 first."""
@@ -172,13 +185,7 @@ def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
             x = w.keep(w.be.to_dev(xs[0]))
             out = w.keep(w.be.to_dev(torch.zeros(100, dtype=torch.bfloat16)))
             w.dps[0].all_reduce_one_shot(0, x, out, False)
-        with pytest.raises(C.CollectiveError) as ei:
-            w.dps[0].synchronize()
-        msg = str(ei.value)
-        # (a one-hand-off slice is waited for at its last piece)
-        assert "timed out" in msg and f"all_reduce seq 0 piece {C.PIECES - 1} from rank 1" in msg, \
-            msg
-        assert ei.value.peer == 1 and "channel 0 root" in ei.value.connection
+        last_piece_timed_out(w)
         w.be.sync()
         assert (out.cpu().view(torch.uint8) == 0xFF).all()
         with pytest.raises(C.CollectiveError):
