@@ -458,6 +458,58 @@ class Communicator:
             self._handout = None
         return out
 
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Exchange equal blocks: ``x`` is ``[world * m, ...]`` (any dtype, contiguous); block
+        j (rows ``j * m ... (j + 1) * m``) goes to rank j, and rank i's block for this rank
+        lands at block i of the result (``[world * m, ...]``, a fresh tensor or ``out``,
+        which must not overlap ``x``): ``torch.distributed.all_to_all_single`` with equal
+        splits. The bytes arrive unchanged. On the wire it is a reduce-scatter (the same
+        slots, flags, roots and ring relays: docs/PROTOCOL.md "All-to-all") whose receiver
+        copies each source's block instead of summing; blocks above the slot capacity are
+        split into several collectives."""
+        what = "all_to_all"
+        if self._closed:
+            self.check_open(what)
+        device = self.device
+        if not checks.usable(x, device):
+            self._check_tensor(x, what)
+        shape, W = x.shape, self.world_size
+        if not shape:
+            raise ValueError(f"{what}: x must have at least one dimension ([world * m, ...]), "
+                             "got a 0-dim tensor")
+        if shape[0] % W:
+            raise ValueError(f"{what}: x.shape[0] = {shape[0]} must be a multiple of the world "
+                             f"size {W} (x is [world * m, ...], block j for rank j)")
+        out = checks.out(out, device, what, tuple(shape), x.dtype)
+        n = x.nbytes
+        a0, b0 = x.data_ptr(), out.data_ptr()
+        if n and a0 < b0 + n and b0 < a0 + n:
+            raise ValueError(f"{what}: out overlaps x (an all-to-all is not done in place)")
+        chunk = n // W
+        if chunk == 0:
+            return out
+        if self.single:
+            out.copy_(x.detach())
+            return out
+        with self._lock:
+            self._check_alive(what)
+            if not self._rs_ready:
+                self._check_setup_capturable(what)
+                self._ensure_rs()
+            dp = self._dp
+            if not dp.has_all_to_all:
+                raise NotImplementedError(f"{what}: the {self.device.type} data plane "
+                                          f"({type(dp).__name__}) has no all-to-all yet")
+            src = x.detach().reshape(-1).view(torch.uint8)
+            dst = out.detach().reshape(-1).view(torch.uint8)
+            for off in range(0, chunk, self.max_slice):
+                L = min(self.max_slice, chunk - off)
+                dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk, x.dtype)
+            if chunk > self.max_slice:
+                dp.poison_call(out)
+            self._handout = None
+        return out
+
     def all_reduce(self, x: torch.Tensor, op: str = "sum", *,
                    out: torch.Tensor | None = None, regime: str | None = None,
                    fused: bool | None = None) -> torch.Tensor:

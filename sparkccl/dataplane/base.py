@@ -119,6 +119,18 @@ class DataPlaneBase:
         chunks already lie in the send slot). ``part``: as in :meth:`all_gather`."""
         raise NotImplementedError
 
+    has_all_to_all = False
+    """Whether :meth:`all_to_all` is implemented."""
+
+    def all_to_all(self, seq: int, src: torch.Tensor, src_off: int, src_stride: int, L: int,
+                   dst: torch.Tensor, dst_off: int, dst_stride: int,
+                   dtype: torch.dtype) -> None:
+        """The reduce-scatter's wire (same slots, flags, relays) with a copy for a sum: chunk
+        j of ``src`` (bytes ``j * src_stride + src_off ... + L``) goes to rank j, and source
+        i's chunk for this rank lands, byte for byte, at ``i * dst_stride + dst_off`` of
+        ``dst``. ``dtype``: what the peers compare (the bytes are never read as numbers)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
+
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
                                     dst: torch.Tensor, dst_off: int) -> None:
         """One MoE-finalize collective (``f``: :class:`sparkccl.finalize.FinalizeInputs`)."""

@@ -42,8 +42,8 @@ from .. import layout
 from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
 from ..plan.model import Op, RankPlan
 from .base import OP_NAMES, DataPlaneBase
-from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, MOE_FINALIZE,
-                         REDUCE_SCATTER, call_word)
+from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
+                         MOE_FINALIZE, REDUCE_SCATTER, call_word)
 
 SMALL_SLICE = 64 << 10
 """Slices up to this size are copied and waited for as a whole (see ``groups``)."""
@@ -117,13 +117,20 @@ class CpuDataPlane(DataPlaneBase):
             peers=[[(i, slot.data_ptr() + i * S + a) for i in range(self.world) if i != me]
                    for _, _, a, b in groups])
 
-    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype) -> CallPlan:
+    def _rs_plan(self, L: int, slot_index: int, dtype: torch.dtype | None) -> CallPlan:
+        """``dtype=None``: an all-to-all's plan (its blocks are copied, not summed): the
+        groups, the send slot and every source's block address (``peers``), no accumulators."""
         S = round_up(L, ALIGN)
         sbase = slot_index * self.rs_send_stride
         rbase = slot_index * self.rs_recv_stride
         send = self.rs_send[sbase:sbase + self.world * S]
         recv = self.rs_recv[rbase:rbase + self.world * S]
         groups = self.groups(S, L)
+        if dtype is None:
+            me = self.rank
+            return CallPlan(S=S, groups=groups, own=[], send_base=send.data_ptr(),
+                            peers=[(i, (send if i == me else recv).data_ptr() + i * S)
+                                   for i in range(self.world)])
         esize = torch.empty((), dtype=dtype).element_size()
         acc = torch.empty(max(b - a for _, _, a, b in groups) // esize, dtype=torch.float32)
         me = self.rank
@@ -249,7 +256,7 @@ class CpuDataPlane(DataPlaneBase):
         self._rs_sum(lp, seq, dst, dst_off, dtype, deadline, call)
 
     def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                 L: int, dtype: torch.dtype, deadline: float, call: int) -> CallPlan:
+                 L: int, dtype: torch.dtype | None, deadline: float, call: int) -> CallPlan:
         """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
         ``seq % 2`` (unless ``src`` is None: already there) and publish it."""
         slot_index = seq % 2
@@ -264,6 +271,25 @@ class CpuDataPlane(DataPlaneBase):
                     move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
             self._publish_group(Op.RS, seq, c0, c1, S, deadline, call)
         return lp
+
+    has_all_to_all = True
+
+    def all_to_all(self, seq: int, src: torch.Tensor, src_off: int, src_stride: int, L: int,
+                   dst: torch.Tensor, dst_off: int, dst_stride: int,
+                   dtype: torch.dtype) -> None:
+        """(DataPlaneBase.all_to_all) The reduce-scatter's send step, then each group of
+        every source's block moved as it arrives (this rank's own from the send slot)."""
+        deadline = time.monotonic() + self.timeout_s
+        call = call_word(Op.RS, dtype, ALL_TO_ALL, round_up(L, ALIGN) - L)
+        lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call)
+        me, S, move = self.rank, lp.S, ctypes.memmove
+        base = dst.data_ptr() + dst_off
+        for g, (_, c1, a, b) in enumerate(lp.groups):
+            for i, block in lp.peers:
+                if i != me:
+                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
+                if b > a:
+                    move(base + i * dst_stride + a, block + a, b - a)
 
     def _sum_group(self, lp: CallPlan, g: int, seq: int, deadline: float, call: int):
         """Wait for group ``g`` of this rank's chunk from every source and sum it in rank

@@ -133,6 +133,7 @@ constexpr int KIND_REDUCE_SCATTER_SUM = 2;
 constexpr int KIND_ALL_REDUCE_SUM = 3;
 constexpr int KIND_ALL_REDUCE_AVG = 4;
 constexpr int KIND_MOE_FINALIZE = 5;
+constexpr int KIND_ALL_TO_ALL = 6;  // the reduce-scatter's wire, each source's block copied out
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
 
