@@ -13,16 +13,23 @@ order, rounded once to bf16: the one-box finalize (on CPU :func:`sparkccl.finali
 native ``finalize_rows``; on CUDA the data plane's ``fin_unit`` in a kernel of its own,
 :mod:`sparkccl.ep_cuda`), so EP gives the same bits as every expert on one box.
 
-The data movement here is the *reference formulation*, built from the communicator's exact
-collectives: dispatch is one all-gather of fixed-size blocks (every rank's tokens padded to
-``max_tokens`` rows, with their routing), after which each rank selects the rows of its
-local experts in (source rank, token) order; combine is one reduce-scatter of fixed-size
-blocks of ``world * max_tokens * topk`` rows in which each rank writes the rows it computed
-at their (source rank, token, k) slot and -0.0 everywhere else, so the rank-order fp32 sum
-is an exact selection (``-0.0 + v == v`` for every v, signed zeros included), and each home
-rank receives exactly its own tokens' rows. The proxy-driven high-throughput and
-low-latency paths (counts first, variable-size pieces) will replace the movement under the
-same API, handle and receive layout.
+The movement is two all-to-alls (:meth:`sparkccl.Communicator.all_to_all`: the
+reduce-scatter's wire, so the same slots, roots, ring relays and failure behaviour), each
+one block per (source, destination) pair of a capacity every rank knows:
+
+* dispatch: each token goes once to every rank that holds one of its experts, with its
+  token index and top-k ids (a block of ``P`` such rows per destination, in token order);
+  the receiver keeps the entries of its own experts, ordered by (local expert, source
+  rank, token);
+* combine: each computed row goes back to its token's home rank at the place that rank
+  computed for it at dispatch (the entries (t, k) it sent to that rank, in (t, k) order),
+  and the home rank runs the finalize over them.
+
+``high_throughput`` learns the capacities from the counts, exchanged first (one small
+all-gather: per destination the tokens and the entries; ``P`` = the largest pair), so the
+wire carries the largest pair's rows, not ``max_tokens``; ``low_latency`` uses the fixed
+bounds (``max_tokens`` tokens, ``max_tokens * min(topk, E / world)`` entries per pair) and
+reads nothing on the host.
 """
 from __future__ import annotations
 
@@ -39,7 +46,6 @@ MAX_TOPK = _finalize.MAX_TOPK
 SCALE_COLS = _finalize.SCALE_COLS
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 INDEX_DTYPES = (torch.int32, torch.int64)
-NEG_ZERO_BF16 = -32768  # 0x8000 as int16: bf16 -0.0, the identity of the rank-order sum
 NAN_BF16 = 0x7FC0
 _ALIGN = 16  # block sections start on 16-byte boundaries (the collectives' granule)
 
@@ -90,8 +96,9 @@ def placement_table(placement, num_experts: int, world: int) -> list[int]:
 
 @dataclass
 class BlockLayout:
-    """One rank's dispatch block (bytes), the same on every rank: ``max_tokens`` token rows
-    (bf16 or e4m3 bytes), their fp32 scales (e4m3), their int32 top-k expert ids (-1: no
+    """One dispatch block (bytes) from a source to a destination, the same size on every
+    rank: ``T`` token rows (bf16 or e4m3 bytes), their fp32 scales (e4m3), per row ``topk``
+    int32 (the dispatch puts the token index first, then its top-k expert ids; -1: no
     token in that row). Sections start on 16-byte boundaries."""
 
     T: int
@@ -163,13 +170,20 @@ class DispatchResult:
 
 @dataclass
 class Handle:
-    """What :meth:`ExpertParallel.combine` needs from its dispatch: the combine slot of
-    every received row (``(src_rank * max_tokens + token) * topk + k``, ``-1`` past the
-    counts), this rank's token count, top-k weights and top-k, the receive layout, and the
-    entries refused on the device (CUDA, see :meth:`ExpertParallel.check`)."""
+    """What :meth:`ExpertParallel.combine` needs from its dispatch: for every received row
+    its row in combine's send block (``slots``: ``source * ret_rows + i``, the i-th of that
+    source's entries held here in (token, k) order; ``-1`` past the counts), the rows of a
+    dispatch block and of a combine block (``dispatch_rows``, ``ret_rows``: the same on
+    every rank), ``pos`` (int32 ``[n * topk]``: where this rank's entry (t, k) arrives in
+    combine's receive block; refused entries point at a NaN row), this rank's token count,
+    top-k weights and top-k, the receive layout, and the entries refused on the device
+    (CUDA, see :meth:`ExpertParallel.check`)."""
 
     mode: str
     slots: torch.Tensor
+    dispatch_rows: int
+    ret_rows: int
+    pos: torch.Tensor
     num_tokens: int
     topk: int
     weights: torch.Tensor
@@ -239,7 +253,7 @@ class ExpertParallel:
         self._local_dev = torch.tensor(local, dtype=torch.int32, device=dev)
         self._row_bytes = H * (1 if fp8 else 2)
         self._scale_cols = H // SCALE_COLS if fp8 else 0
-        self._blocks: dict[int, tuple] = {}  # topk -> (layout, send block)
+        self._topk = 1  # of the dispatch being made (the low-latency bounds)
         cuda = dev.type == "cuda"
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
         # there (see check()); the tests turn this on for CPU too.
@@ -323,13 +337,17 @@ class ExpertParallel:
             bad = bad | (eq & earlier).any(dim=2)
         return bad
 
-    def _block(self, K: int):
-        got = self._blocks.get(K)
-        if got is None:
-            lay = BlockLayout(self.max_tokens, self.hidden, K, self._row_bytes, self._scale_cols)
-            send = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.comm.device)
-            got = self._blocks[K] = (lay, send)
-        return got
+    def _capacities(self, hit: torch.Tensor, per_owner: torch.Tensor) -> tuple[int, int]:
+        """(dispatch rows, combine rows) a block: low-latency the fixed bounds; high-
+        throughput the largest pair over every rank's counts (exchanged first: one
+        all-gather, read on the host)."""
+        W, T, K = self.world, self.max_tokens, per_owner.shape[1] if per_owner.dim() > 1 else 1
+        if self.mode == "low_latency":
+            return T, T * min(self._topk, self.num_local_experts)
+        counts = torch.cat([hit.sum(0), per_owner]).to(torch.int32)  # [2W]
+        table = self.comm.all_gather(counts).view(W, 2 * W)
+        rows = table.amax(0)
+        return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -350,75 +368,102 @@ class ExpertParallel:
         """
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
         comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
-        lay, send = self._block(K)
+        El = self.num_local_experts
         dev = comm.device
-        blk = send.view(1, -1)
+        self._topk = K
         idx = topk_idx.to(torch.int32)
         bad = None
         if n and self._device_checks:
             bad = self._device_bad_entries(idx)
             idx = idx.masked_fill(bad, -1)
             self._bad_entries += bad.sum()
-        lay.x(blk)[0, :n].copy_(x.view(torch.uint8))
-        if self.fp8:
-            lay.scales(blk)[0, :n].copy_(x_scales.view(torch.uint8).view(n, self._scale_cols * 4))
-        ids = lay.idx(blk)[0].view(torch.int32).view(T, K)
-        ids[:n].copy_(idx)
-        ids[n:].fill_(-1)
+        # Every entry's owner rank (W: refused), the tokens each rank gets (once each), and
+        # each entry's rank among this rank's entries with the same owner, in (t, k) order.
+        own = torch.where(idx >= 0, self._owner_dev[idx.clamp(min=0).long()],
+                          W).long().reshape(-1)
+        onehot = torch.nn.functional.one_hot(own, W + 1)  # [n * K, W + 1]
+        hit = onehot[:, :W].view(n, K, W).any(1)  # [n, W]
+        Pd, Pc = self._capacities(hit, onehot[:, :W].sum(0))
+        nth = onehot.cumsum(0).gather(1, own.unsqueeze(1)).squeeze(1) - 1
+        pos = torch.where(own < W, own * Pc + nth, W * Pc).to(torch.int32)
 
-        got = comm.all_gather(send).view(W, lay.nbytes)
-        g_idx = lay.idx(got).reshape(W * T, K * 4).view(torch.int32).reshape(-1)  # entry (s, t, k)
-        valid = g_idx >= 0
-        safe = g_idx.clamp(min=0).long()
-        mine = valid & (self._owner_dev[safe] == self.rank)
-        El = self.num_local_experts
-        key = torch.where(mine, self._local_dev[safe], El)  # non-local entries sort last
-        order = torch.sort(key, stable=True).indices  # entries by (local expert, s, t, k)
+        # One block per destination (and a last one that takes the rows of no destination):
+        # its tokens in order, each with its index and top-k ids.
+        lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
+        send = torch.empty((W + 1, lay.nbytes), dtype=torch.uint8, device=dev)
+        ids = lay.idx(send).view(torch.int32)  # [W + 1, Pd, K + 1] (views across blocks)
+        ids.fill_(-1)
+        if n:
+            rows = lay.x(send)
+            scales = lay.scales(send) if self.fp8 else None
+            tagged = torch.cat([torch.arange(n, dtype=torch.int32, device=dev).unsqueeze(1),
+                                idx], dim=1)
+            xb = x.view(torch.uint8)
+            sb = x_scales.view(torch.uint8).view(n, -1) if self.fp8 else None
+            row_in = hit.cumsum(0) - 1  # [n, W]
+            for d in range(W):
+                at = (torch.where(hit[:, d], d, W), row_in[:, d].clamp(min=0))
+                rows[at] = xb
+                ids[at] = tagged
+                if sb is not None:
+                    scales[at] = sb
+        got = comm.all_to_all(send[:W])  # [W, nbytes]: source s's block for this rank
+
+        # This rank's entries (s, p, k) of every received row, by (local expert, s, token).
+        g = lay.idx(got).view(torch.int32).view(W, Pd, K + 1)
+        token, gid = g[:, :, 0], g[:, :, 1:]
+        safe = gid.clamp(min=0).long()
+        mine = (gid >= 0) & (self._owner_dev[safe] == self.rank)  # [W, Pd, K]
+        key = torch.where(mine, self._local_dev[safe], El).reshape(-1)
+        order = torch.sort(key, stable=True).indices
         counts_all = torch.zeros(El + 1, dtype=torch.int64, device=dev)
         counts_all.index_add_(0, key.long(), torch.ones_like(key, dtype=torch.int64))
         counts = counts_all[:El].to(torch.int32)
-        starts = torch.cumsum(counts_all, 0) - counts_all
+        # Each entry's row in combine's block for its source: the source's entries held
+        # here, in (p, k) = (token, k) order, which is how the source numbered them (pos).
+        ret = (mine.view(W, Pd * K).cumsum(1) - 1
+               + torch.arange(W, device=dev).unsqueeze(1) * Pc).reshape(-1)
 
         if self.mode == "high_throughput":
-            R = int(counts_all[:El].sum())  # the one host read (CUDA: a stream sync)
-            entries = order[:R]
+            R = int(counts_all[:El].sum())  # the host read (CUDA: a stream sync)
+            ent = order[:R]
             offsets = torch.zeros(El + 1, dtype=torch.int64, device=dev)
             offsets[1:] = torch.cumsum(counts_all[:El], 0)
-            slots = entries.to(torch.int32)
             recv_shape = (R,)
         else:
             # A token reaches each expert at most once (ids distinct per token), so at most
-            # W * T rows per local expert and W * T * min(K, El) local entries, which the
+            # W * T rows per local expert and W * Pd * min(K, El) local entries, which the
             # stable order puts first.
             cap = W * T
-            M = W * T * min(K, El)
-            entries = order[:M]
-            ekey = key[entries]
+            M = min(W * Pd * min(K, El), key.numel())
+            first = order[:M]
+            ekey = key[first]
+            starts = torch.cumsum(counts_all, 0) - counts_all
             rank_in = torch.arange(M, device=dev) - starts[ekey]
             dest = torch.where(ekey < El, ekey * cap + rank_in, El * cap)  # past the end: dropped
-            slots = torch.full((El * cap + 1,), -1, dtype=torch.int32, device=dev)
-            slots[dest] = entries.to(torch.int32)
-            slots = slots[:El * cap]
+            ent = torch.full((El * cap + 1,), -1, dtype=torch.int64, device=dev)
+            ent[dest] = first
+            ent = ent[:El * cap]
             offsets = None
             recv_shape = (El, cap)
 
-        src_row = (slots.clamp(min=0) // K).long() if self.mode == "low_latency" else \
-            (slots // K).long()
-        rows = lay.x(got).reshape(W * T, self._row_bytes)
-        rx = rows[src_row]
+        none = ent < 0
+        e = ent.clamp(min=0)
+        src_row = e // K  # the row (s, p) of got
+        rx = lay.x(got).reshape(W * Pd, self._row_bytes)[src_row]
+        rx = rx.view(self.dtype).reshape(*recv_shape, H)
         xs = None
         if self.fp8:
-            xs = lay.scales(got).reshape(W * T, self._scale_cols * 4)[src_row]
+            xs = lay.scales(got).reshape(W * Pd, -1)[src_row]
             xs = xs.view(torch.float32).reshape(*recv_shape, self._scale_cols)
-        rx = rx.view(self.dtype).reshape(*recv_shape, H)
-        none = slots < 0
-        src_rank = torch.where(none, -1, slots // (T * K)).to(torch.int32)
-        src_token = torch.where(none, -1, (slots // K) % T).to(torch.int32)
-        src_k = torch.where(none, -1, slots % K).to(torch.int32)
+        src_rank = torch.where(none, -1, src_row // Pd).to(torch.int32)
+        src_token = torch.where(none, -1, token.reshape(-1)[src_row]).to(torch.int32)
+        src_k = torch.where(none, -1, e % K).to(torch.int32)
+        slots = torch.where(none, -1, ret[e]).to(torch.int32)
         recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
                               src_token.view(recv_shape), src_k.view(recv_shape),
                               list(self.local_experts))
-        handle = Handle(self.mode, slots.view(-1), n, K, topk_weights, bad, recv_shape)
+        handle = Handle(self.mode, slots, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
@@ -432,7 +477,7 @@ class ExpertParallel:
         ``[E_local, world * max_tokens, H]`` low-latency; rows past the counts are ignored).
         """
         what = "ExpertParallel.combine"
-        comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
+        comm, W, H = self.comm, self.world, self.hidden
         dev = comm.device
         comm.check_open(what)
         if not isinstance(handle, Handle):
@@ -453,27 +498,24 @@ class ExpertParallel:
                 raise ValueError(f"{what}: shared must be [n, hidden] = [{n}, {H}], got "
                                  f"{list(shared.shape)}")
 
-        # Every rank's computed rows at their (source rank, token, k) slot, -0.0 elsewhere
-        # (the last row takes the rows past the counts and is not sent).
-        N = W * T * K
-        block = torch.full((N + 1, H), NEG_ZERO_BF16, dtype=torch.int16, device=dev)
+        # Every computed row at its row of the block for its home rank (the last row takes
+        # the rows past the counts and is not sent); the home's receive block gets a last
+        # row of NaN, where its refused entries (CUDA) point.
+        N = W * handle.ret_rows
+        send = torch.empty((N + 1, H), dtype=torch.bfloat16, device=dev)
         slots = handle.slots.long()
-        block[torch.where(slots >= 0, slots, N)] = expert_out.reshape(-1, H).view(torch.int16)
-        if handle.bad_entries is not None:
-            # Refused entries (CUDA): reached no expert; their terms are NaN at home.
-            own = torch.zeros(N + 1, dtype=torch.bool, device=dev)
-            own[self.rank * T * K:self.rank * T * K + n * K] = handle.bad_entries.reshape(-1)
-            block.masked_fill_(own.unsqueeze(1), NAN_BF16)
-        mine = comm.reduce_scatter(block[:N].view(torch.bfloat16))  # [T * K, H]: own (t, k)
+        send[torch.where(slots >= 0, slots, N)] = expert_out.reshape(-1, H)
+        y = torch.empty((N + 1, H), dtype=torch.bfloat16, device=dev)
+        y[N].view(torch.int16).fill_(NAN_BF16)
+        comm.all_to_all(send[:N], out=y[:N])
         if shared is None:
             shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
         out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
         if n == 0:
             return out
-        pos = torch.arange(n * K, dtype=torch.int32, device=dev)
-        f = _finalize.FinalizeInputs(y=mine, scales=None, pos=pos, weights=handle.weights,
+        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
                                      shared=shared, num_tokens=n, padded_tokens=n, world=1,
-                                     topk=K, H=H, R=T * K)
+                                     topk=K, H=H, R=N + 1)
         if dev.type == "cuda":
             from . import ep_cuda
             ep_cuda.finalize_rows(f, out, self._fin_bad)

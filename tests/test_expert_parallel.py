@@ -8,7 +8,7 @@ docs/EXPERT_PARALLEL.md), checked bit for bit in W processes:
   tokens (sparkccl/reference.py), with and without a shared expert, token counts that
   differ per rank (zero included), experts that receive no token, tokens whose top-k all
   live on one rank, rows past the counts that are NaN (never read);
-* world 2-4, mesh and ring over shm, and tcp; world 1;
+* world 2-4, mesh and ring over shm, tcp and the emulated NIC (verbs); world 5-6 (slow); world 1;
 * every bad input raising before anything is sent.
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ def ep_cases(W: int):
     some_empty = [0 if r == W - 1 else 9 for r in range(W)]
     rr = "round_robin"
     explicit = [(e * 7 + 3) % W for e in range(4 * W)]  # each rank 4 experts (W coprime to 7)
-    return [(16, per_rank, 64, 4, 4 * W, False, "high_throughput", "contiguous", True),
-            (16, per_rank, 128, 2, 4 * W, True, "low_latency", "contiguous", False),
+    T0 = max(16, per_rank[-1])
+    return [(T0, per_rank, 64, 4, 4 * W, False, "high_throughput", "contiguous", True),
+            (T0, per_rank, 128, 2, 4 * W, True, "low_latency", "contiguous", False),
             (12, some_empty, 256, 8, 8 * W, True, "high_throughput", rr, True),
             (9, [9] * W, 64, 1, W, False, "low_latency", rr, False),
             (10, some_empty, 32, 3, 4 * W, False, "low_latency", explicit, True),
@@ -126,8 +127,8 @@ def test_routings_cover_idle_experts_and_one_rank_tokens():
         assert idle > 0 and one_rank > 0, (W, idle, one_rank)
 
 
-def _run(nprocs, configs, device="cpu"):
-    values = check(run_ranks(ep_job, nprocs, args=(configs, device), timeout_s=600))
+def _run(nprocs, configs, device="cpu", env=None):
+    values = check(run_ranks(ep_job, nprocs, args=(configs, device), timeout_s=600, env=env))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
 
@@ -140,6 +141,17 @@ def test_ep_cpu_worlds():
     _run(4, [(2, "mesh", "shm", MiB), (2, "ring", "shm", MiB), (3, "ring", "shm", MiB),
              (4, "mesh", "shm", MiB), (4, "ring", "tcp", MiB), (1, "mesh", "auto", MiB),
              (3, "mesh", "shm", 24 << 10)])
+
+
+@pytest.mark.slow
+def test_ep_cpu_worlds_5_6():
+    MiB = 1 << 20
+    _run(6, [(5, "ring", "shm", MiB), (6, "ring", "shm", 64 << 10), (6, "mesh", "tcp", MiB)])
+
+
+def test_ep_verbs_through_emulated_nic(emunic_env):
+    MiB = 1 << 20
+    _run(4, [(2, "mesh", "verbs", MiB), (4, "ring", "verbs", 64 << 10)], env=emunic_env)
 
 
 # ---------------------------------------------------------------- bad input

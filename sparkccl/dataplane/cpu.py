@@ -66,6 +66,14 @@ class CallPlan:
     rounded: object = None         # RS of one group: the sum rounded to dtype, then moved
 
 
+def _name(op: Op, call: int) -> str:
+    """What a failure message calls the collective: its op, but an all-to-all by its name
+    (it runs as a reduce-scatter on the wire)."""
+    if call >> layout.CALL_KIND_SHIFT & 0xFF == ALL_TO_ALL:
+        return "all_to_all"
+    return OP_NAMES[op]
+
+
 class CpuDataPlane(DataPlaneBase):
     def __init__(self, native, *, plan: RankPlan, ctl_addr: int, flags_addr: int,
                  ag: torch.Tensor, ag_stride: int, timeout_s: float,
@@ -165,9 +173,9 @@ class CpuDataPlane(DataPlaneBase):
         if code == 0:
             return
         if self.nat.abort_code(self.ctl):
-            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq}")
+            self.raise_recorded(code, f"{_name(op, call)} seq {seq}")
         self.fail(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for space in "
-                  f"the publish ring for {OP_NAMES[op]} seq {seq} piece {piece} (the proxy is "
+                  f"the publish ring for {_name(op, call)} seq {seq} piece {piece} (the proxy is "
                   "not consuming it)", layout.ABORT_TIMEOUT)
 
     def _wait(self, op: Op, seq: int, piece: int, source: int, deadline: float,
@@ -186,11 +194,11 @@ class CpuDataPlane(DataPlaneBase):
                 self.peer_check.check(op, seq, source, slice_bytes, call)
             return
         if code != layout.ABORT_TIMEOUT or self.nat.abort_code(self.ctl):
-            self.raise_recorded(code, f"{OP_NAMES[op]} seq {seq} piece {piece} from rank {source}")
+            self.raise_recorded(code, f"{_name(op, call)} seq {seq} piece {piece} from rank {source}")
         if self.peer_check is not None:  # the source made another call (of another op: an
             self.peer_check.check(op, seq, source, slice_bytes, call,  # all-reduce's regimes)
                                   arrived=False)
-        self.timed_out(f"{OP_NAMES[op]} seq {seq}", piece,
+        self.timed_out(f"{_name(op, call)} seq {seq}", piece,
                         words[idx if 0 <= idx < len(words) else 0])
 
     # ---- collectives ---------------------------------------------------------------

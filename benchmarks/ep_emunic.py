@@ -1,0 +1,122 @@
+"""Expert-parallel dispatch and combine (high-throughput mode) on the emulated RoCE NIC
+(tests/emunic, every root rate-limited), against their plans' line-rate bound, in the
+same run.
+
+Both move their rows with one all-to-all each (docs/PROTOCOL.md "All-to-all": the
+reduce-scatter's wire), of one block per (source, destination) pair sized by the largest
+pair (dispatch: the tokens a rank sends another, each once; combine: the expert rows that
+go back). Per (topology, world), every rank has ``--tokens`` tokens of hidden ``--hidden``
+(bf16) routed to top-``--topk`` of ``--experts-per-rank`` x world experts (random, as the
+tests' routings). Times are the slowest rank's call (median of ``--iters``, every rank
+released at one instant, as benchmarks/emunic_efficiency.py):
+
+* ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
+  all-to-all, the receiver's selection);
+* ``combine``: ``ExpertParallel.combine`` (the all-to-all back and the finalize);
+
+and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
+block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
+wire carries whole blocks; a fill below 1 is what equal blocks cost against pieces of
+each pair's own size). The combine is checked bit for bit against the one-box finalize
+reference before timing.
+
+    nice -n 19 python benchmarks/ep_emunic.py --rate-gbps 0.2 --worlds 2,3,4,5,6
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+from emunic_efficiency import (  # noqa: E402
+    add_nic_arguments, common_start, load_average, max_port_load, nic_env,
+)
+
+PHASES = ("dispatch", "combine")
+
+
+def _job(rank, world, store, topology, T, H, K, E, iters):
+    import numpy as np
+    import torch
+
+    import sparkccl
+    from ep_cases import combine_reference, make_ep_input, run_experts
+    inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    x, idx, w, shared = inp["x"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
+    with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
+                               transport="verbs", timeout_s=300) as comm:
+        barrier = common_start(store, rank, world)
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T)
+        recv, handle = ep.dispatch(x, idx, w)
+        out = run_experts(ep, recv)
+        z = ep.combine(out, handle, shared=shared)
+        if not np.array_equal(z.view(torch.int16).numpy().view(np.uint16),
+                              combine_reference(inp)):
+            raise AssertionError(f"rank {rank}: combine differs from the one-box reference")
+        # this rank's rows to each destination: tokens (once each) and entries
+        owner = torch.tensor(ep.owners)[idx]
+        sent = [int((owner == d).any(1).sum()) for d in range(world)]
+        back = [int((owner == d).sum()) for d in range(world)]
+        ts = {p: [] for p in PHASES}
+        for _ in range(iters):
+            barrier()
+            t0 = time.perf_counter()
+            recv, handle = ep.dispatch(x, idx, w)
+            ts["dispatch"].append(time.perf_counter() - t0)
+            barrier()
+            t0 = time.perf_counter()
+            ep.combine(out, handle, shared=shared)
+            ts["combine"].append(time.perf_counter() - t0)
+        return {"t": ts, "rows": (handle.dispatch_rows, handle.ret_rows), "sent": sent,
+                "back": back, "row_bytes": (H * 2, H * 2)}
+
+
+def main(argv=None) -> int:
+    from sparkccl.localrun import check, run_ranks
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_nic_arguments(ap, rate_gbps=0.2, sizes="-", iters=3)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--experts-per-rank", type=int, default=8)
+    a = ap.parse_args(argv)
+    env = nic_env(a, "emunic-ep-")
+    T, H, K = a.tokens, a.hidden, a.topk
+    print(f"# python benchmarks/ep_emunic.py {' '.join(argv or sys.argv[1:])}")
+    print(f"# load average at start: {load_average()}")
+    print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
+          f"{a.latency_us:g} us latency; {os.cpu_count()} CPUs; {T} tokens/rank, hidden {H} "
+          f"bf16, top-{K} of {a.experts_per_rank} experts/rank; median of {a.iters} calls "
+          "(slowest rank)")
+    print(f"{'topology':<8} {'world':>5} {'load':>5} "
+          + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {p + ' ms':>11} {'of bound':>8}"
+                     for p in PHASES))
+    for topology in a.topologies.split(","):
+        for world in (int(w) for w in a.worlds.split(",")):
+            E = a.experts_per_rank * world
+            res = check(run_ranks(_job, world, args=(topology, T, H, K, E, a.iters), env=env,
+                                  timeout_s=1800))
+            load = max_port_load(topology, world, a.roots, "reduce_scatter")
+            cols = []
+            for i, (p, key) in enumerate(zip(PHASES, ("sent", "back"))):
+                t = statistics.median(max(r["t"][p][j] for r in res) for j in range(a.iters))
+                rows = res[0]["rows"][i]
+                block = rows * res[0]["row_bytes"][i]
+                pairs = [r[key][d] for q, r in enumerate(res) for d in range(world) if d != q]
+                fill = statistics.mean(pairs) / rows
+                bound = load * block * 8 / (a.rate_gbps * 1e9 * a.roots)
+                cols.append(f"{block / 1024:>13.0f} {fill:>5.2f} {bound * 1e3:>8.1f} "
+                            f"{t * 1e3:>11.1f} {bound / t:>8.0%}")
+            print(f"{topology:<8} {world:>5} {load:>5g} " + " ".join(cols)
+                  + f"  load {load_average().split()[0]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
