@@ -13,6 +13,7 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 * ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
   all-to-all, the receiver's selection);
 * ``combine``: ``ExpertParallel.combine`` (the all-to-all back and the finalize);
+* ``a2a``: ``all_to_all`` alone of blocks of the same sizes (the wire's share);
 
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
 block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
@@ -48,6 +49,10 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
     import sparkccl
     from ep_cases import combine_reference, make_ep_input, run_experts
     inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    # uniform routing (the tests' routings are skewed on purpose: idle experts, tokens whose
+    # top-k all live on one rank)
+    g = torch.Generator().manual_seed(1000 + rank)
+    inp["topk_idx"] = torch.rand(T, E, generator=g).topk(K).indices
     x, idx, w, shared = inp["x"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport="verbs", timeout_s=300) as comm:
@@ -63,8 +68,16 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         owner = torch.tensor(ep.owners)[idx]
         sent = [int((owner == d).any(1).sum()) for d in range(world)]
         back = [int((owner == d).sum()) for d in range(world)]
-        ts = {p: [] for p in PHASES}
+        ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine")}
+        blocks = {"a2a dispatch": torch.zeros(world, handle.dispatch_rows * (H * 2 + (K + 1) * 4)
+                                              + 16, dtype=torch.uint8),
+                  "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
         for _ in range(iters):
+            for p, b in blocks.items():  # the all-to-all alone, blocks of the same size
+                barrier()
+                t0 = time.perf_counter()
+                comm.all_to_all(b)
+                ts[p].append(time.perf_counter() - t0)
             barrier()
             t0 = time.perf_counter()
             recv, handle = ep.dispatch(x, idx, w)
@@ -95,8 +108,8 @@ def main(argv=None) -> int:
           f"bf16, top-{K} of {a.experts_per_rank} experts/rank; median of {a.iters} calls "
           "(slowest rank)")
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
-          + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {p + ' ms':>11} {'of bound':>8}"
-                     for p in PHASES))
+          + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'a2a ms':>7} "
+                     f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES))
     for topology in a.topologies.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
             E = a.experts_per_rank * world
@@ -105,14 +118,17 @@ def main(argv=None) -> int:
             load = max_port_load(topology, world, a.roots, "reduce_scatter")
             cols = []
             for i, (p, key) in enumerate(zip(PHASES, ("sent", "back"))):
-                t = statistics.median(max(r["t"][p][j] for r in res) for j in range(a.iters))
+                def med(name):
+                    return statistics.median(max(r["t"][name][j] for r in res)
+                                             for j in range(a.iters))
+                t, t_a2a = med(p), med("a2a " + p)
                 rows = res[0]["rows"][i]
                 block = rows * res[0]["row_bytes"][i]
                 pairs = [r[key][d] for q, r in enumerate(res) for d in range(world) if d != q]
                 fill = statistics.mean(pairs) / rows
                 bound = load * block * 8 / (a.rate_gbps * 1e9 * a.roots)
                 cols.append(f"{block / 1024:>13.0f} {fill:>5.2f} {bound * 1e3:>8.1f} "
-                            f"{t * 1e3:>11.1f} {bound / t:>8.0%}")
+                            f"{t_a2a * 1e3:>7.1f} {t * 1e3:>11.1f} {bound / t:>8.0%}")
             print(f"{topology:<8} {world:>5} {load:>5g} " + " ".join(cols)
                   + f"  load {load_average().split()[0]}", flush=True)
     return 0

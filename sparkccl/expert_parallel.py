@@ -33,6 +33,7 @@ reads nothing on the host.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -254,6 +255,7 @@ class ExpertParallel:
         self._row_bytes = H * (1 if fp8 else 2)
         self._scale_cols = H // SCALE_COLS if fp8 else 0
         self._topk = 1  # of the dispatch being made (the low-latency bounds)
+        self._scratch: dict[str, torch.Tensor] = {}
         cuda = dev.type == "cuda"
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
         # there (see check()); the tests turn this on for CPU too.
@@ -349,6 +351,17 @@ class ExpertParallel:
         rows = table.amax(0)
         return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
 
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A work buffer kept between calls (grown when too small): a fresh large tensor
+        per call costs page faults on CPU, and stable addresses suit graph capture. Later
+        uses are ordered after earlier ones by the stream (CUDA) or the call (CPU)."""
+        n = math.prod(shape) * dtype.itemsize
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[name] = torch.empty(n, dtype=torch.uint8,
+                                                    device=self.comm.device)
+        return buf[:n].view(dtype).view(shape)
+
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  x_scales: torch.Tensor | None = None) -> tuple[DispatchResult, Handle]:
@@ -390,16 +403,17 @@ class ExpertParallel:
         # One block per destination (and a last one that takes the rows of no destination):
         # its tokens in order, each with its index and top-k ids.
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
-        send = torch.empty((W + 1, lay.nbytes), dtype=torch.uint8, device=dev)
+        send = self._buffer("dispatch send", (W + 1, lay.nbytes), torch.uint8)
         ids = lay.idx(send).view(torch.int32)  # [W + 1, Pd, K + 1] (views across blocks)
         ids.fill_(-1)
         if n:
-            rows = lay.x(send)
-            scales = lay.scales(send) if self.fp8 else None
+            # (rows as 8-byte words, scales as 4-byte ones: indexed copies go by element)
+            rows = lay.x(send).view(torch.int64)
+            scales = lay.scales(send).view(torch.int32) if self.fp8 else None
             tagged = torch.cat([torch.arange(n, dtype=torch.int32, device=dev).unsqueeze(1),
                                 idx], dim=1)
-            xb = x.view(torch.uint8)
-            sb = x_scales.view(torch.uint8).view(n, -1) if self.fp8 else None
+            xb = x.view(torch.uint8).view(torch.int64)
+            sb = x_scales.view(torch.int32) if self.fp8 else None
             row_in = hit.cumsum(0) - 1  # [n, W]
             for d in range(W):
                 at = (torch.where(hit[:, d], d, W), row_in[:, d].clamp(min=0))
@@ -407,7 +421,9 @@ class ExpertParallel:
                 ids[at] = tagged
                 if sb is not None:
                     scales[at] = sb
-        got = comm.all_to_all(send[:W])  # [W, nbytes]: source s's block for this rank
+        # [W, nbytes]: source s's block for this rank
+        got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
+                                                         torch.uint8))
 
         # This rank's entries (s, p, k) of every received row, by (local expert, s, token).
         g = lay.idx(got).view(torch.int32).view(W, Pd, K + 1)
@@ -450,12 +466,12 @@ class ExpertParallel:
         none = ent < 0
         e = ent.clamp(min=0)
         src_row = e // K  # the row (s, p) of got
-        rx = lay.x(got).reshape(W * Pd, self._row_bytes)[src_row]
-        rx = rx.view(self.dtype).reshape(*recv_shape, H)
+        at = (src_row // Pd, src_row % Pd)
+        rx = lay.x(got).view(torch.int64)[at]
+        rx = rx.view(torch.uint8).view(self.dtype).reshape(*recv_shape, H)
         xs = None
         if self.fp8:
-            xs = lay.scales(got).reshape(W * Pd, -1)[src_row]
-            xs = xs.view(torch.float32).reshape(*recv_shape, self._scale_cols)
+            xs = lay.scales(got).view(torch.float32)[at].reshape(*recv_shape, self._scale_cols)
         src_rank = torch.where(none, -1, src_row // Pd).to(torch.int32)
         src_token = torch.where(none, -1, token.reshape(-1)[src_row]).to(torch.int32)
         src_k = torch.where(none, -1, e % K).to(torch.int32)
@@ -502,10 +518,12 @@ class ExpertParallel:
         # the rows past the counts and is not sent); the home's receive block gets a last
         # row of NaN, where its refused entries (CUDA) point.
         N = W * handle.ret_rows
-        send = torch.empty((N + 1, H), dtype=torch.bfloat16, device=dev)
+        send = self._buffer("combine send", (N + 1, H), torch.bfloat16)
         slots = handle.slots.long()
-        send[torch.where(slots >= 0, slots, N)] = expert_out.reshape(-1, H)
-        y = torch.empty((N + 1, H), dtype=torch.bfloat16, device=dev)
+        words = H // 4  # (rows as 8-byte words: indexed copies go by element)
+        send.view(torch.int64)[torch.where(slots >= 0, slots, N)] = \
+            expert_out.reshape(-1, H).view(torch.int64).view(-1, words)
+        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
         y[N].view(torch.int16).fill_(NAN_BF16)
         comm.all_to_all(send[:N], out=y[:N])
         if shared is None:
