@@ -4,9 +4,8 @@ the same MoE layer, measured in the same run (CPU ranks over shm by default).
 One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
 
   ep            ExpertParallel.dispatch (bf16 tokens) + combine (bf16 expert outputs, the
-                finalize on the home rank): the reference formulation of
-                sparkccl/expert_parallel.py (one all-gather of max_tokens-padded blocks, one
-                reduce-scatter of world * T * topk rows), bit-exact with one box
+                finalize on the home rank): two all-to-alls (docs/EXPERT_PARALLEL.md "The
+                movement"), bit-exact with one box
   ag+rs         all_gather of the tokens and of the routing (ids + weights), then every
                 rank's partial outputs finalized into the reduce-scatter
                 (moe_finalize_reduce_scatter over world * T rows): vLLM's

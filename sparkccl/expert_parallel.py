@@ -394,7 +394,8 @@ class ExpertParallel:
         # each entry's rank among this rank's entries with the same owner, in (t, k) order.
         own = torch.where(idx >= 0, self._owner_dev[idx.clamp(min=0).long()],
                           W).long().reshape(-1)
-        onehot = torch.nn.functional.one_hot(own, W + 1)  # [n * K, W + 1]
+        # [n * K, W + 1] (not F.one_hot: on CUDA it checks its input on the host)
+        onehot = (own.unsqueeze(1) == torch.arange(W + 1, device=dev)).long()
         hit = onehot[:, :W].view(n, K, W).any(1)  # [n, W]
         Pd, Pc = self._capacities(hit, onehot[:, :W].sum(0))
         nth = onehot.cumsum(0).gather(1, own.unsqueeze(1)).squeeze(1) - 1

@@ -1,0 +1,134 @@
+"""Expert-parallel low-latency mode on CUDA (decode): dispatch and combine each replayed in a
+CUDA graph, beside the floor measured in the same run (issue 31).
+
+    python3 benchmarks/ep_latency.py --world 2        # ranks sharing one GPU, under MPS
+    python3 benchmarks/ep_latency.py --world 4 --tokens 128 --hidden 7168 --topk 8 --experts 256
+
+Per rank: ``--tokens`` tokens of hidden ``--hidden`` routed uniformly to top-``--topk`` of
+``--experts`` experts (``--experts / world`` per rank); dispatch e4m3 with fp32 scales per
+128 columns (``--bf16``: bf16), combine bf16. Every rank captures ``--per-graph``
+dispatches in one graph and as many combines (of the eager dispatch's handle) in another,
+and replays each; a figure is the p50 per call of the slowest rank. The combine's result
+is checked bit for bit against the one-box finalize reference before timing.
+
+The floor is the mechanism's, as benchmarks/decode_latency.py's proxy-path floor: the flag
+round trip (GPU -> CPU -> GPU) plus a host thread's copy of the bytes the phase must move
+off this rank at the least (each token once to every rank that holds one of its experts,
+each expert output row once back to its home rank; the equal blocks on the wire carry
+more, printed as ``wire KiB``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+
+def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import sparkccl
+    from decode_latency import _flag_rtt, _host_write
+    from ep_cases import combine_reference, make_ep_input, run_experts
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    inp = make_ep_input(5, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world,
+                        fp8=fp8)
+    g = torch.Generator().manual_seed(100 + rank)
+    inp["topk_idx"] = torch.rand(T, E, generator=g).topk(K).indices  # uniform routing
+    a = {k: None if v is None else v.to(dev) for k, v in inp.items()}
+    row = H * (1 if fp8 else 2) + (H // 128 * 4 if fp8 else 0)
+    # a slot that holds a combine's blocks: one collective per call
+    slot = max(8 << 20, world * T * min(K, E // world) * H * 2)
+    with sparkccl.Communicator(store=dist.PrefixStore("ep", store), rank=rank, world_size=world,
+                               device=dev, timeout_s=120, slot_bytes=slot) as comm:
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                     dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                     mode="low_latency")
+        recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
+        out = run_experts(ep, recv)
+        z = ep.combine(out, handle, shared=a["shared"])
+        torch.cuda.synchronize()
+        if not np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                              combine_reference(inp)):
+            raise AssertionError(f"rank {rank}: combine differs from the one-box reference")
+        owner = torch.tensor(ep.owners)[inp["topk_idx"]]
+        least = {"dispatch": sum(int((owner == d).any(1).sum()) for d in range(world)
+                                 if d != rank) * row,
+                 "combine": sum(int((owner == d).sum()) for d in range(world)
+                                if d != rank) * H * 2}
+        wire = {"dispatch": (world - 1) * handle.dispatch_rows * (row + (K + 1) * 4),
+                "combine": (world - 1) * handle.ret_rows * H * 2}
+        res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
+        for phase in ("dispatch", "combine"):
+            res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
+        fns = {"dispatch": lambda: ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"],
+                                               a["x_scales"]),
+               "combine": lambda: ep.combine(out, handle, shared=a["shared"])}
+        for phase, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(per_graph):
+                    fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            each = []
+            for _ in range(max(5, iters // per_graph)):
+                t0 = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize()
+                each.append((time.perf_counter() - t0) / per_graph)
+            res[phase] = statistics.median(each)
+            del graph
+        comm.check()
+        ep.check()
+        res.update({"least " + k: v for k, v in least.items()})
+        res.update({"wire " + k: v for k, v in wire.items()})
+        return res
+
+
+def main() -> None:
+    from sparkccl.localrun import check, run_ranks
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--bf16", action="store_true", help="dispatch bf16 (default e4m3)")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--per-graph", type=int, default=10)
+    a = ap.parse_args()
+    res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
+                                               not a.bf16, a.iters, a.per_graph),
+                          timeout_s=1200))
+    rtt = max(r["flag rtt"] for r in res)
+    print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
+          f"{a.topk} of {a.experts} experts, dispatch {'bf16' if a.bf16 else 'e4m3'}, combine "
+          f"bf16; replays of {a.per_graph} calls, p50 per call (us, slowest rank)")
+    print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
+          "must move")
+    print(f"{'phase':<9} {'us':>9} {'least KiB':>10} {'wire KiB':>9} {'write us':>9} "
+          f"{'floor us':>9} {'/floor':>7}")
+    for phase in ("dispatch", "combine"):
+        t = max(r[phase] for r in res)
+        least = max(r["least " + phase] for r in res)
+        wire = res[0]["wire " + phase]
+        write = max(r[phase + " write"] for r in res)
+        floor = rtt + write
+        print(f"{phase:<9} {t * 1e6:>9.1f} {least / 1024:>10.0f} {wire / 1024:>9.0f} "
+              f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
