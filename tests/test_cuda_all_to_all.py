@@ -16,8 +16,9 @@ import torch
 
 from sparkccl.errors import CollectiveError
 from sparkccl.plan.model import num_flag_words
-from test_cuda_dataplane import (BACKENDS, CXX, EN, HAVE_GPU, L, N, Graphs, World, check_ag,
-                                 check_rs, device_seq, inputs)
+from sparkccl.reference import all_gather_reference, reduce_scatter_reference
+from test_cuda_dataplane import (BACKENDS, CXX, EN, HAVE_GPU, L, N, Graphs, World,
+                                 _skip_trapping_ce, check_ag, check_rs, device_seq, inputs)
 
 GUARD = 5
 ENGINES = [None, "fused", "split", "ce"]  # None: the proxy path
@@ -127,8 +128,10 @@ def test_all_to_all_exact(backend, topology, world, roots, mode):
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("mode", ENGINES, ids=["proxy", "fused", "split", "ce"])
-def test_all_to_all_kernels_and_tables(mode):
-    """The launches: the all-gather's consumer kernels, the reduce-scatter's tables."""
+def test_all_to_all_launches_the_all_gathers_consumer(mode):
+    """No reduce-scatter kernel runs (nothing is summed or staged): the proxy path launches
+    sccl_ag_proxy, "fused" and "split" sccl_ag_direct (mode ce: copy rows only); the host
+    names the call all_to_all."""
     world = 2
     with World("emu", "mesh", world, max_slice=4096, direct=mode is not None, mode=mode) as w:
         launched = []
@@ -234,14 +237,9 @@ def test_all_to_all_graph_replay_interleaved_with_eager(backend, topology, world
             for k, (kind, shape, dtype) in enumerate(specs):
                 for r in range(world):
                     got = out[k][r].cpu().numpy()
-                    if kind == "a2a":
-                        ref = reference(xs_g[k], r)
-                    elif kind == "rs":
-                        from sparkccl.reference import reduce_scatter_reference
-                        ref = reduce_scatter_reference(xs_g[k], r)
-                    else:
-                        from sparkccl.reference import all_gather_reference
-                        ref = all_gather_reference(xs_g[k])
+                    ref = (reference(xs_g[k], r) if kind == "a2a" else
+                           reduce_scatter_reference(xs_g[k], r) if kind == "rs" else
+                           all_gather_reference(xs_g[k]))
                     assert np.array_equal(got[:-GUARD], ref), \
                         f"replay {it}: {kind} {list(shape)} {dtype} rank {r}: " \
                         f"{np.flatnonzero(got[:-GUARD] != ref)[:10]}"
@@ -254,12 +252,6 @@ def test_all_to_all_graph_replay_interleaved_with_eager(backend, topology, world
 
 
 # ---------------------------------------------------------------- failure
-
-def _skip_trapping_ce(backend: str, mode) -> None:
-    if backend == "cuda" and mode == "ce":
-        pytest.skip("mode ce fails by a device trap: on the GPU that loses this process's "
-                    "context; the emulation checks it")
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ENGINES, ids=["proxy", "fused", "split", "ce"])
@@ -401,18 +393,27 @@ def _comm_a2a_job(rank, world, store, topology, slot_bytes, replays):
     return bad
 
 
+ENVS = {"direct": {}, "proxy": {"SPARKCCL_GPU_DIRECT": "0"},
+        "ce": {"SPARKCCL_DIRECT_MODE": "ce"}, "split": {"SPARKCCL_DIRECT_MODE": "split"}}
+# (topology, world, slot bytes, engines): every config on GPU-direct and the proxy path,
+# modes ce and split on two of them; a small slot splits a block into several collectives.
+COMM_RUNS = [pytest.param(t, w, s, e, id=f"{t}-{w}-{s >> 10}k-{e}")
+             for t, w, s, engines in [
+                 ("mesh", 2, 8 << 20, ("direct", "proxy", "ce", "split")),
+                 ("ring", 2, 8 << 20, ("direct", "proxy")),
+                 ("mesh", 4, 8 << 20, ("direct", "proxy")),
+                 ("ring", 4, 8 << 20, ("direct", "proxy")),
+                 ("ring", 4, 256 << 10, ("direct", "proxy", "ce", "split")),
+                 ("mesh", 2, 256 << 10, ("direct", "proxy"))]
+             for e in engines]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
-@pytest.mark.parametrize("env", [{}, {"SPARKCCL_GPU_DIRECT": "0"}, {"SPARKCCL_DIRECT_MODE": "ce"},
-                                 {"SPARKCCL_DIRECT_MODE": "split"}],
-                         ids=["direct", "proxy", "ce", "split"])
-@pytest.mark.parametrize("topology,world,slot_bytes", [
-    ("mesh", 2, 8 << 20), ("ring", 2, 8 << 20), ("mesh", 4, 8 << 20), ("ring", 4, 8 << 20),
-    ("ring", 4, 256 << 10),  # a small slot: a block over it is several collectives
-    ("mesh", 2, 256 << 10)])
-def test_communicator_cuda_all_to_all(topology, world, slot_bytes, env):
+@pytest.mark.parametrize("topology,world,slot_bytes,engine", COMM_RUNS)
+def test_communicator_cuda_all_to_all(topology, world, slot_bytes, engine):
     from sparkccl.localrun import check, run_ranks
-    values = check(run_ranks(_comm_a2a_job, world, args=(topology, slot_bytes, 6), env=env,
-                             timeout_s=600))
+    values = check(run_ranks(_comm_a2a_job, world, args=(topology, slot_bytes, 6),
+                             env=ENVS[engine], timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)

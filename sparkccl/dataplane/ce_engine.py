@@ -222,8 +222,9 @@ class CeEngine(Engine):
             while last - int(tail.value) >= layout.RING_ENTRIES:
                 p.check_abort()
                 if time.monotonic() > deadline:
+                    what = p.name_of(seq) or OP_NAMES[op]  # (an all-to-all is op RS)
                     p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for "
-                           f"space in the publish ring for {OP_NAMES[op]} seq {seq} (the proxy "
+                           f"space in the publish ring for {what} seq {seq} (the proxy "
                            "is not consuming it, or the GPU is not running this rank's "
                            "earlier collectives)", layout.ABORT_TIMEOUT)
                 spins += 1
