@@ -69,18 +69,19 @@ def check_a2a(w: World, xs, outs, out_offset: int = 0, what: str = "") -> None:
             f"{what} all_to_all rank {r} wrote outside its output"
 
 
-# (topology, world, roots): mesh and ring at world 2 and 4; ring 3 relays through a peer.
-CONFIGS = [("mesh", 2, 2), ("ring", 2, 2), ("mesh", 4, 2), ("ring", 4, 2), ("ring", 3, 2)]
+# (topology, world, roots): mesh and ring at world 2 and 4 (one root: a source's piece in
+# one word, two: in two parts); rings of 3 and 4 relay through peers.
+CONFIGS = [("mesh", 2, 2), ("ring", 2, 2), ("mesh", 4, 2), ("ring", 4, 2), ("ring", 3, 2),
+           ("mesh", 4, 1), ("ring", 4, 1)]
 # (rows per chunk, row shape, dtype): a chunk of 1 byte, odd sizes, every width
 CASES = [(1, (), torch.uint8), (3, (5,), torch.bfloat16), (2, (3,), torch.int64),
          (7, (129,), torch.float32), (1, (16,), torch.uint8), (100, (41,), torch.bfloat16),
          (37, (), torch.float32)]
 
 
-def _cases(backend: str, big: bool) -> list:
-    cases = list(CASES)
-    if big:  # a chunk above the one-hand-off slice: copied out piece by piece, word by word
-        cases.append((ONE_HANDOFF // 4 + 12, (), torch.float32))
+def _cases(backend: str) -> list:
+    # a chunk above the one-hand-off slice: copied out piece by piece, word by word
+    cases = [*CASES, (ONE_HANDOFF // 4 + 12, (), torch.float32)]
     if backend == "cuda":
         cases += [(1 << 10, (512,), torch.bfloat16), (3 << 18, (), torch.float32),
                   ((1 << 20) + 3, (), torch.uint8), (1 << 17, (), torch.int64)]
@@ -98,8 +99,7 @@ def test_all_to_all_exact(backend, topology, world, roots, mode):
     """Every case twice (the second from the shape's launch plan, with fresh pointers; mode
     split never plans), each followed by a reduce-scatter and an all-gather (the slots'
     parities move under it), one at an odd output offset: every byte exact."""
-    big = backend == "cuda" or (topology, world) == ("ring", 3)
-    cases = _cases(backend, big)
+    cases = _cases(backend)
     with World(backend, topology, world, roots, max_slice=_max_slice(world, cases),
                direct=mode is not None, mode=mode) as w:
         pending = []
