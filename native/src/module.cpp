@@ -100,7 +100,8 @@ nb::dict protocol_dict() {
                            {"KIND_REDUCE_SCATTER_SUM", KIND_REDUCE_SCATTER_SUM},
                            {"KIND_ALL_REDUCE_SUM", KIND_ALL_REDUCE_SUM},
                            {"KIND_ALL_REDUCE_AVG", KIND_ALL_REDUCE_AVG},
-                           {"KIND_MOE_FINALIZE", KIND_MOE_FINALIZE}})
+                           {"KIND_MOE_FINALIZE", KIND_MOE_FINALIZE},
+                           {"KIND_ALL_TO_ALL", KIND_ALL_TO_ALL}})
       d[name] = nb::int_(v);
   }
   SPARKCCL_PUT(PIECES);

@@ -140,6 +140,10 @@ class CeEngine(Engine):
         self.sum_parts = [PART_NONE] * (p.maxw - 1) + [PART_WHOLE]
         self.words = {op: ce_words(table[int(op)], parts[int(op)][:p.world] + [self.sum_parts],
                                    p.rank, op == Op.RS) for op in Op}
+        # The all-to-all's receiver: the reduce-scatter's words, each source's part copied
+        # into the result as the all-gather's (no sums; docs/PROTOCOL.md "All-to-all").
+        self.copy_words = ce_words(table[int(Op.RS)], parts[int(Op.RS)][:p.world], p.rank,
+                                   False)
         self.sum_parts_dev = p.gpu.to_device(torch.tensor(self.sum_parts, dtype=torch.int32))
         self.programs: dict = {}  # key -> CeProgram (all dropped when MAX_CE_PLANS are kept)
         self.stats = {"hits": 0, "misses": 0}
@@ -173,7 +177,7 @@ class CeEngine(Engine):
         params = _call_params(call, args[0])
         p = self._program(call, args, params)
         stage = (self.plane.scratch("ce stage", self.plane.world * call.S).data_ptr()
-                 if call.op == Op.RS and call.ce_consume else 0)
+                 if call.sum_kernel is not None and call.ce_consume else 0)
         self._issue(p, call.seq, call.first, self.plane.gpu.stream_term(call.ts), call.ts,
                        _call_args(call, params), stage)
         self.plane.direct_launches += 1
@@ -218,8 +222,9 @@ class CeEngine(Engine):
             while last - int(tail.value) >= layout.RING_ENTRIES:
                 p.check_abort()
                 if time.monotonic() > deadline:
+                    what = p.name_of(seq) or OP_NAMES[op]  # (an all-to-all is op RS)
                     p.fail(f"rank {p.rank}: timed out after {p.timeout_s:g} s waiting for "
-                           f"space in the publish ring for {OP_NAMES[op]} seq {seq} (the proxy "
+                           f"space in the publish ring for {what} seq {seq} (the proxy "
                            "is not consuming it, or the GPU is not running this rank's "
                            "earlier collectives)", layout.ABORT_TIMEOUT)
                 spins += 1
@@ -250,7 +255,8 @@ class CeEngine(Engine):
         is a term (T_*)."""
         op, S, L = call.op, call.S, call.L
         plans, stats = self.programs, self.stats
-        host, words = self.plane.direct.host.get(op), self.words[op]
+        host = self.plane.direct.host.get(op)
+        words = self.words[op] if op == Op.AG or call.sum_kernel else self.copy_words
         # (a numpy integer hashes and compares as the int of its value)
         key = (op, S, L, call.call, call.kernel, call.wait_kernel, call.sum_kernel, call.nb, call.npub,
                len(call.own), self.plane.on_failure,
@@ -288,7 +294,7 @@ class CeEngine(Engine):
         hc = call.ce_consume
         ce_pub = call.ce_src is not None
         ce_wait = op == Op.RS or int(hc[1]) != 0
-        sums = self._sum_stream() if op == Op.RS and ce_wait else None
+        sums = self._sum_stream() if call.sum_kernel is not None and ce_wait else None
         fork, side_end, watch_end, sums_end = self._sync_events()
         state = self.plane.state.data_ptr()
         waits = wait_params(self.plane, op)

@@ -19,8 +19,8 @@ from .cpu import fin_slice
 from .engines import RS_WAIT, DirectCall
 from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
-from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, MOE_FINALIZE,
-                         REDUCE_SCATTER, call_word)
+from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
+                         MOE_FINALIZE, REDUCE_SCATTER, call_word)
 
 RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
              torch.float32: "sccl_rs_direct_f32"}
@@ -29,16 +29,16 @@ RS_SUM_UNIT = {torch.bfloat16: "sccl_rs_sum_unit_bf16", torch.float16: "sccl_rs_
 
 
 def _start(plane, op: Op, seq: int, L: int, dtype: torch.dtype, part, kind: int,
-           zero_copy: str | None) -> tuple:
+           zero_copy: str | None, what: str | None = None) -> tuple:
     """What an all-gather's and a reduce-scatter's call do first: (S, call word, first ring
     index, torch stream, cuda.core stream, direct table or None, engine). The call word says
     ``part`` (kind, zero bytes) where the call is a step of an all-reduce (base.py
     all_gather), else ``kind`` and this call's padding; plane.begin checks and counts the call
-    (``zero_copy``: the feature that needs the host's slot, see there); the engine is the
-    plane's choice for the slice."""
+    (``zero_copy``: the feature that needs the host's slot, see there; ``what``: the name in
+    messages); the engine is the plane's choice for the slice."""
     S = round_up(L, ALIGN)
     call = call_word(op, dtype, *(part or (kind, S - L)))
-    first = plane.begin(op, seq, S, call, zero_copy=zero_copy)
+    first = plane.begin(op, seq, S, call, zero_copy=zero_copy, what=what)
     ts, stream = plane.gpu.current_stream()
     dtab = plane.direct_table(op, S)
     return S, call, first, ts, stream, dtab, plane.engines.choose(op, S, dtab)
@@ -78,10 +78,12 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
 
 
 def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
-                    dtype: torch.dtype, part) -> None:
+                    dtype: torch.dtype, part, dst_stride: int | None = None) -> None:
+    """``dst_stride`` not None: an all-to-all (:func:`all_to_all`)."""
+    a2a = dst_stride is not None
     S, call, first, ts, stream, dtab, engine = _start(
-        plane, Op.RS, seq, L, dtype, part, REDUCE_SCATTER,
-        "a zero-copy input" if src is None else None)
+        plane, Op.RS, seq, L, dtype, part, ALL_TO_ALL if a2a else REDUCE_SCATTER,
+        "a zero-copy input" if src is None else None, "all_to_all" if a2a else None)
     W, me = plane.world, plane.rank
     send0, recv0 = plane.rs_send_dev, plane.rs_recv_dev
     scode, rcode = plane.send_code, plane.recv_code
@@ -97,24 +99,42 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
         own, own_code, own_sys, own_host = send0 + me * S, scode, 1, send + me * S
     if not engine.direct:
         plane.engines.proxy.reduce_scatter(ts, stream, S, L, call, base, src_stride, own,
-                                          own_code, own_sys, dst_ptr, dtype)
+                                          own_code, own_sys, dst_ptr, None if a2a else dtype,
+                                          dst_stride or 0)
         return
     # GPU-direct: chunks straight to the peers
     sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
                                      else (send0, scode, S, 1))
+    if a2a:  # the all-gather's copy-out and its kernels (kernels/wait.cu ag_wait), no sums
+        kernel, wait_kernel, sum_kernel = "sccl_ag_direct", "sccl_ag_wait", None
+        own_copies = [(dst_ptr + me * dst_stride, own_host, L)]  # (mode ce's)
+        ce_consume, output = (recv, dst_ptr, dst_stride), (dst_ptr, dst_stride, W, L)
+    else:
+        kernel, wait_kernel, sum_kernel = RS_DIRECT[dtype], RS_WAIT[dtype], RS_SUM_UNIT[dtype]
+        own_copies, ce_consume = [], (recv, own_host, own_sys, dst_ptr)
+        output = (dst_ptr, 0, 1, L)
     engine.run(DirectCall(
-        Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=RS_DIRECT[dtype],
+        Op.RS, seq, ts, stream, S=S, L=L, call=call, first=first, kernel=kernel,
         publish=dict(src=sbase, src_code=scode_d, src_stride=sstride, src_sys=ssys,
                      dtab=dtab.data_ptr()),
-        consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, own=own, own_code=own_code,
-                     own_sys=own_sys),
-        wait_kernel=RS_WAIT[dtype], nb=min(engine.slice_wait_blocks(S),
-                                           plane.max_direct_wait_blocks),
+        consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, out_stride=dst_stride or 0,
+                     own=own, own_code=own_code, own_sys=own_sys),
+        wait_kernel=wait_kernel, nb=min(engine.slice_wait_blocks(S),
+                                        plane.max_direct_wait_blocks),
         npub=engine.direct_blocks(piece * (W - 1)),
         # A zero-copy input already lies in pinned memory: no copy engine for it.
-        ce_src=(base, src_stride) if src is not None else None, own=[],
-        sum_kernel=RS_SUM_UNIT[dtype],
-        ce_consume=(recv, own_host, own_sys, dst_ptr), output=(dst_ptr, 0, 1, L)))
+        ce_src=(base, src_stride) if src is not None else None, own=own_copies,
+        sum_kernel=sum_kernel, ce_consume=ce_consume, output=output))
+
+
+def all_to_all(plane, seq: int, src: torch.Tensor, src_p: int, src_stride: int, L: int,
+               dst_p: int, dst_stride: int, dtype: torch.dtype) -> None:
+    """The all-to-all (docs/PROTOCOL.md "All-to-all"): a reduce-scatter on the wire (its
+    call word's kind ALL_TO_ALL), on whichever engine the plane picks for the slice, like
+    the reduce-scatter's (the peers cannot tell them apart); the receiver copies source
+    i's chunk to ``dst_p + i * dst_stride`` (this rank's from its input chunk) where the
+    reduce-scatter sums: the all-gather's copy-out on the reduce-scatter's tables."""
+    reduce_scatter(plane, seq, src, src_p, src_stride, L, dst_p, dtype, None, dst_stride)
 
 
 def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: torch.dtype,

@@ -197,9 +197,13 @@ class ProxyPathEngine(Engine):
                                                    dst_stride, advance=(PIECES, 0))))
 
     def reduce_scatter(self, ts, stream, S: int, L: int, call: int, base, src_stride: int,
-                       own, own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype) -> None:
+                       own, own_code: int, own_sys: int, dst_ptr, dtype: torch.dtype | None,
+                       dst_stride: int = 0) -> None:
         """``base``: the input's chunk 0, or None for a zero-copy input (the chunks lie in
-        the send slot already: only the ring entries are written)."""
+        the send slot already: only the ring entries are written). ``dtype`` None: an
+        all-to-all (the same publish; the receiver is the all-gather's copy-out on the
+        reduce-scatter's tables, source i's chunk to ``dst_ptr + i * dst_stride``, this
+        rank's from ``own``: kernels/wait.cu ag_wait)."""
         p = self.plane
         p.plans.plannable()  # (kernels of constants and call pointers)
         W, send0, recv0 = p.world, p.rs_send_dev, p.rs_recv_dev
@@ -210,17 +214,19 @@ class ProxyPathEngine(Engine):
             bpp = 1
             pub = publish_args(p, 0, 0, send0, p.send_code, 0, 0, L, S, call, bpp)
         nb = self.slice_wait_blocks(S)
+        a2a = dtype is None
         self.issue(
-            ts, stream, (dst_ptr, 0, 1, L),
-            lambda: p.launch_struct(stream, RS_PROXY[dtype], PIECES * bpp + 1 + nb,
-                                    PUBLISH_THREADS,
-                                    proxy_args(p, Op.RS, pub, recv0, p.recv_code, dst_ptr, 0,
-                                               own, own_code, own_sys)),
+            ts, stream, (dst_ptr, dst_stride, W, L) if a2a else (dst_ptr, 0, 1, L),
+            lambda: p.launch_struct(stream, "sccl_ag_proxy" if a2a else RS_PROXY[dtype],
+                                    PIECES * bpp + 1 + nb, PUBLISH_THREADS,
+                                    proxy_args(p, Op.RS, pub, recv0, p.recv_code, dst_ptr,
+                                               dst_stride, own, own_code, own_sys)),
             lambda: p.launch_struct(stream, "sccl_publish", PIECES * bpp,
                                     PUBLISH_THREADS if base is not None else 32, pub),
-            lambda: p.launch_struct(stream, RS_WAIT[dtype], 1 + nb, WAIT_THREADS,
+            lambda: p.launch_struct(stream, "sccl_ag_wait" if a2a else RS_WAIT[dtype], 1 + nb,
+                                    WAIT_THREADS,
                                     wait_role_args(p, Op.RS, L, S, recv0, p.recv_code, dst_ptr,
-                                                   0, own, own_code, own_sys,
+                                                   dst_stride, own, own_code, own_sys,
                                                    advance=(PIECES, 0))))
 
     def finalize(self, ts, stream, rows_args: list, RB: int, S: int, L: int, call: int,

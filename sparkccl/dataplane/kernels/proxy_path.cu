@@ -26,7 +26,8 @@ extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(const ProxyArgs 
     publish_role(x.pub, blockIdx.x);
   } else {
     ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, L, S, w,
-            blockIdx.x - npub, gridDim.x - npub);
+            blockIdx.x - npub, gridDim.x - npub, slot_at((const u8*)x.own, x.own_code, w.seq),
+            x.own_sys);
   }
   last_block_advances(state, adv_entries, adv_gate);
 }

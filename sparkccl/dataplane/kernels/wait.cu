@@ -316,14 +316,23 @@ extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
 // All-gather wait + copy-out, run by blocks blk = 0..nblk-1 of the launch (blk 0 polls).
 // slot: AG slot of this seq (block i = rank i's slice, S bytes apart). dst: result + dst_off
 // (rank i's bytes at dst + i * dst_stride), or null (zero-copy: only wait).
+// The all-to-all's receiver is this copy-out too, with the reduce-scatter's WaitParams (w:
+// its flag words and per-source parts) and slot the RS recv slot (source i's block for this
+// rank at i * S); own (its own block, in device memory, or pinned where own_sys) goes to
+// dst + rank * dst_stride first, while the peers' blocks travel (docs/PROTOCOL.md
+// "All-to-all"). The all-gather's own block is its publish role's (own null).
 __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, const WaitArgs& w,
-                        u32 blk, u32 nblk) {
+                        u32 blk, u32 nblk, const u8* own = 0, u64 own_sys = 0) {
   if (blk == 0) {
     if (threadIdx.x == 0) poller(w);
     return;
   }
-  if (w.world < 2) return;
   const u32 b = blk - 1, nb = nblk - 1;
+  if (own && dst) {
+    if (own_sys) team_copy<true>(dst + w.rank * dst_stride, (u8*)0, own, L, b, nb);
+    else team_copy<false>(dst + w.rank * dst_stride, (u8*)0, own, L, b, nb);
+  }
+  if (w.world < 2) return;
   u64 seen = 0;
   const u64 t0 = globaltimer();
   if (!dst) {  // zero-copy: the launch completes once every piece arrived
@@ -352,11 +361,12 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
   }
 }
 
-// ag_wait of a protocol.h kargs::WaitRoleArgs (the slot `in`, the result `out`).
+// ag_wait of a protocol.h kargs::WaitRoleArgs (the slot `in`, the result `out`; the
+// all-to-all's own block `own`, slotted by own_code, see slot_at).
 __device__ __forceinline__ void ag_wait_role(const WaitRoleArgs& x, const WaitArgs& w, u32 blk,
                                              u32 nblk) {
   ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, x.L, x.S, w,
-          blk, nblk);
+          blk, nblk, slot_at((const u8*)x.own, x.own_code, w.seq), x.own_sys);
 }
 
 // Grid: 1 poller block + consumer blocks. One parameter: protocol.h kargs::WaitRoleArgs.
