@@ -8,7 +8,9 @@ Per rank: ``--tokens`` tokens of hidden ``--hidden`` routed uniformly to top-``-
 ``--experts`` experts (``--experts / world`` per rank); dispatch e4m3 with fp32 scales per
 128 columns (``--bf16``: bf16), combine bf16. Every rank captures ``--per-graph``
 dispatches in one graph and as many combines (of the eager dispatch's handle) in another,
-and replays each; a figure is the p50 per call of the slowest rank. The combine's result
+and replays each; a figure is the p50 per call of the slowest rank. ``a2a``: the
+all-to-all alone of blocks of the same sizes, replayed the same way (the movement's share;
+the rest is the packing, selection and finalize around it). The combine's result
 is checked bit for bit against the one-box finalize reference before timing.
 
 The floor is the mechanism's, as benchmarks/decode_latency.py's proxy-path floor: the flag
@@ -70,9 +72,14 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph):
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
+        blocks = {p: torch.zeros((world, wire[p] // (world - 1)), dtype=torch.uint8, device=dev)
+                  for p in wire}
         fns = {"dispatch": lambda: ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"],
                                                a["x_scales"]),
-               "combine": lambda: ep.combine(out, handle, shared=a["shared"])}
+               "combine": lambda: ep.combine(out, handle, shared=a["shared"]),
+               # the all-to-all alone, of the same blocks: the movement's share
+               "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"]),
+               "a2a combine": lambda: comm.all_to_all(blocks["combine"])}
         for phase, fn in fns.items():
             fn()
             torch.cuda.synchronize()
@@ -118,15 +125,17 @@ def main() -> None:
           f"bf16; replays of {a.per_graph} calls, p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
           "must move")
-    print(f"{'phase':<9} {'us':>9} {'least KiB':>10} {'wire KiB':>9} {'write us':>9} "
-          f"{'floor us':>9} {'/floor':>7}")
+    print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "
+          f"{'write us':>9} {'floor us':>9} {'/floor':>7}")
     for phase in ("dispatch", "combine"):
         t = max(r[phase] for r in res)
         least = max(r["least " + phase] for r in res)
         wire = res[0]["wire " + phase]
         write = max(r[phase + " write"] for r in res)
         floor = rtt + write
-        print(f"{phase:<9} {t * 1e6:>9.1f} {least / 1024:>10.0f} {wire / 1024:>9.0f} "
+        t_a2a = max(r["a2a " + phase] for r in res)
+        print(f"{phase:<9} {t * 1e6:>9.1f} {t_a2a * 1e6:>7.1f} {least / 1024:>10.0f} "
+              f"{wire / 1024:>9.0f} "
               f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f}")
 
 

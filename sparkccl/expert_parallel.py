@@ -173,7 +173,8 @@ class DispatchResult:
 class Handle:
     """What :meth:`ExpertParallel.combine` needs from its dispatch: for every received row
     its row in combine's send block (``slots``: ``source * ret_rows + i``, the i-th of that
-    source's entries held here in (token, k) order; ``-1`` past the counts), the rows of a
+    source's entries held here in (token, k) order; ``-1`` past the counts), its inverse
+    ``feed`` (per send row, the received row it takes; int64), the rows of a
     dispatch block and of a combine block (``dispatch_rows``, ``ret_rows``: the same on
     every rank), ``pos`` (int32 ``[n * topk]``: where this rank's entry (t, k) arrives in
     combine's receive block; refused entries point at a NaN row), this rank's token count,
@@ -182,6 +183,7 @@ class Handle:
 
     mode: str
     slots: torch.Tensor
+    feed: torch.Tensor
     dispatch_rows: int
     ret_rows: int
     pos: torch.Tensor
@@ -441,46 +443,70 @@ class ExpertParallel:
         ret = (mine.view(W, Pd * K).cumsum(1) - 1
                + torch.arange(W, device=dev).unsqueeze(1) * Pc).reshape(-1)
 
+        rows_got = lay.x(got).view(torch.int64)  # [W, Pd, words]: (rows as 8-byte words)
+        scales_got = lay.scales(got).view(torch.float32) if self.fp8 else None
         if self.mode == "high_throughput":
             R = int(counts_all[:El].sum())  # the host read (CUDA: a stream sync)
             ent = order[:R]
             offsets = torch.zeros(El + 1, dtype=torch.int64, device=dev)
             offsets[1:] = torch.cumsum(counts_all[:El], 0)
             recv_shape = (R,)
+            at = (ent // K // Pd, ent // K % Pd)
+            rx = rows_got[at]
+            xs = scales_got[at] if self.fp8 else None
         else:
             # A token reaches each expert at most once (ids distinct per token), so at most
             # W * T rows per local expert and W * Pd * min(K, El) local entries, which the
-            # stable order puts first.
+            # stable order puts first. Only those rows are written (each region's rows past
+            # its count are left as they are); the ones that are not this rank's go to rows
+            # of their own past the end (no two writes to one row).
             cap = W * T
             M = min(W * Pd * min(K, El), key.numel())
             first = order[:M]
             ekey = key[first]
             starts = torch.cumsum(counts_all, 0) - counts_all
             rank_in = torch.arange(M, device=dev) - starts[ekey]
-            dest = torch.where(ekey < El, ekey * cap + rank_in, El * cap)  # past the end: dropped
-            ent = torch.full((El * cap + 1,), -1, dtype=torch.int64, device=dev)
+            spare = El * cap + torch.arange(M, device=dev)
+            dest = torch.where(ekey < El, ekey * cap + rank_in, spare)
+            ent = torch.full((El * cap + M,), -1, dtype=torch.int64, device=dev)
             ent[dest] = first
             ent = ent[:El * cap]
             offsets = None
             recv_shape = (El, cap)
+            at = (first // K // Pd, first // K % Pd)
+            rx = torch.empty((El * cap + M, rows_got.shape[2]), dtype=torch.int64, device=dev)
+            rx[dest] = rows_got[at]
+            rx = rx[:El * cap]
+            xs = None
+            if self.fp8:
+                xs = torch.empty((El * cap + M, self._scale_cols), dtype=torch.float32,
+                                 device=dev)
+                xs[dest] = scales_got[at]
+                xs = xs[:El * cap]
+        rx = rx.view(torch.uint8).view(self.dtype).reshape(*recv_shape, H)
+        if xs is not None:
+            xs = xs.reshape(*recv_shape, self._scale_cols)
 
         none = ent < 0
         e = ent.clamp(min=0)
         src_row = e // K  # the row (s, p) of got
-        at = (src_row // Pd, src_row % Pd)
-        rx = lay.x(got).view(torch.int64)[at]
-        rx = rx.view(torch.uint8).view(self.dtype).reshape(*recv_shape, H)
-        xs = None
-        if self.fp8:
-            xs = lay.scales(got).view(torch.float32)[at].reshape(*recv_shape, self._scale_cols)
         src_rank = torch.where(none, -1, src_row // Pd).to(torch.int32)
         src_token = torch.where(none, -1, token.reshape(-1)[src_row]).to(torch.int32)
         src_k = torch.where(none, -1, e % K).to(torch.int32)
-        slots = torch.where(none, -1, ret[e]).to(torch.int32)
+        slots = torch.where(none, -1, ret[e])
+        # combine's send rows gather from the received rows: feed[i] = the received row that
+        # goes to send row i (0 where none does: those rows are sent, never read)
+        N = W * Pc
+        feed = torch.zeros(N + slots.numel(), dtype=torch.int64, device=dev)
+        feed[torch.where(none, N + torch.arange(slots.numel(), device=dev), slots)] = \
+            torch.arange(slots.numel(), device=dev)
+        feed = feed[:N]
+        slots = slots.to(torch.int32)
         recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
                               src_token.view(recv_shape), src_k.view(recv_shape),
                               list(self.local_experts))
-        handle = Handle(self.mode, slots, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
+        handle = Handle(self.mode, slots, feed, Pd, Pc, pos, n, K, topk_weights, bad,
+                        recv_shape)
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
@@ -515,18 +541,17 @@ class ExpertParallel:
                 raise ValueError(f"{what}: shared must be [n, hidden] = [{n}, {H}], got "
                                  f"{list(shared.shape)}")
 
-        # Every computed row at its row of the block for its home rank (the last row takes
-        # the rows past the counts and is not sent); the home's receive block gets a last
-        # row of NaN, where its refused entries (CUDA) point.
+        # Every computed row at its row of the block for its home rank (a gather: rows past
+        # the counts are never read); the home's receive block gets a last row of NaN, where
+        # its refused entries (CUDA) point.
         N = W * handle.ret_rows
-        send = self._buffer("combine send", (N + 1, H), torch.bfloat16)
-        slots = handle.slots.long()
-        words = H // 4  # (rows as 8-byte words: indexed copies go by element)
-        send.view(torch.int64)[torch.where(slots >= 0, slots, N)] = \
-            expert_out.reshape(-1, H).view(torch.int64).view(-1, words)
+        send = self._buffer("combine send", (N, H), torch.bfloat16)
+        if expert_out.numel():  # (none received: no send row is read)
+            torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, handle.feed,
+                               out=send.view(torch.int64))  # (rows as 8-byte words)
         y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
         y[N].view(torch.int16).fill_(NAN_BF16)
-        comm.all_to_all(send[:N], out=y[:N])
+        comm.all_to_all(send, out=y[:N])
         if shared is None:
             shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
         out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
