@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
-def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph):
+def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -54,7 +54,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph):
                                device=dev, timeout_s=120, slot_bytes=slot) as comm:
         ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
                                      dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                                     mode="low_latency")
+                                     mode="low_latency", combine_rows=combine_rows)
         recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=a["shared"])
@@ -115,14 +115,18 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="dispatch bf16 (default e4m3)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--per-graph", type=int, default=10)
+    ap.add_argument("--combine-rows", type=int, default=None,
+                    help="ExpertParallel combine_rows (default: the bound no routing exceeds)")
     a = ap.parse_args()
     res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
-                                               not a.bf16, a.iters, a.per_graph),
+                                               not a.bf16, a.iters, a.per_graph,
+                                               a.combine_rows),
                           timeout_s=1200))
     rtt = max(r["flag rtt"] for r in res)
     print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
           f"{a.topk} of {a.experts} experts, dispatch {'bf16' if a.bf16 else 'e4m3'}, combine "
-          f"bf16; replays of {a.per_graph} calls, p50 per call (us, slowest rank)")
+          f"bf16, combine_rows {a.combine_rows or 'default'}; replays of {a.per_graph} calls, "
+          "p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
           "must move")
     print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "

@@ -209,6 +209,13 @@ class ExpertParallel:
             or ``"low_latency"`` (fixed-size receive buffers, no host read in dispatch).
         placement: ``"contiguous"`` (default: expert e on rank e // (E / world)),
             ``"round_robin"``, or a sequence of E owner ranks, E / world each.
+        combine_rows: low-latency mode: the rows of a combine block (the expert outputs one
+            rank returns to one home rank in a call). Default ``max_tokens * min(topk,
+            E / world)``, which no routing exceeds; a smaller value moves less (uniform
+            routing needs about ``max_tokens * topk / world``). A call whose routing exceeds
+            it is refused for the entries past it: on CUDA on the device (their tokens'
+            rows are NaN and :meth:`check` raises, as for a bad expert id), on CPU before
+            anything is sent (``ValueError``). The same on every rank.
 
     All ranks must make the same calls in the same order with the same ``topk``, as for the
     collectives; the token count may differ per rank (up to ``max_tokens``).
@@ -216,7 +223,7 @@ class ExpertParallel:
 
     def __init__(self, comm, *, num_experts: int, hidden: int, max_tokens: int,
                  dtype: torch.dtype = torch.bfloat16, mode: str = "high_throughput",
-                 placement="contiguous"):
+                 placement="contiguous", combine_rows: int | None = None):
         what = "ExpertParallel"
         W = comm.world_size
         E = _int(num_experts, "num_experts", what)
@@ -240,6 +247,13 @@ class ExpertParallel:
                              f"{SCALE_COLS} (one fp32 scale per 128 columns)")
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"{what}: mode={mode!r}: must be one of {', '.join(MODES)}")
+        if combine_rows is not None:
+            combine_rows = _int(combine_rows, "combine_rows", what)
+            if mode != "low_latency" or combine_rows <= 0:
+                raise ValueError(f"{what}: combine_rows = {combine_rows} needs "
+                                 "mode='low_latency' and a positive value (high-throughput "
+                                 "sizes its blocks from the counts)")
+        self.combine_rows = combine_rows
         self.comm, self.num_experts, self.hidden, self.max_tokens = comm, E, H, T
         self.dtype, self.fp8, self.mode = dtype, fp8, mode
         self.world, self.rank = W, comm.rank
@@ -263,6 +277,7 @@ class ExpertParallel:
         # there (see check()); the tests turn this on for CPU too.
         self._device_checks = cuda
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
+        self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
         if cuda:
@@ -345,9 +360,9 @@ class ExpertParallel:
         """(dispatch rows, combine rows) a block: low-latency the fixed bounds; high-
         throughput the largest pair over every rank's counts (exchanged first: one
         all-gather, read on the host)."""
-        W, T, K = self.world, self.max_tokens, per_owner.shape[1] if per_owner.dim() > 1 else 1
+        W, T = self.world, self.max_tokens
         if self.mode == "low_latency":
-            return T, T * min(self._topk, self.num_local_experts)
+            return T, self.combine_rows or T * min(self._topk, self.num_local_experts)
         counts = torch.cat([hit.sum(0), per_owner]).to(torch.int32)  # [2W]
         table = self.comm.all_gather(counts).view(W, 2 * W)
         rows = table.amax(0)
@@ -401,7 +416,18 @@ class ExpertParallel:
         hit = onehot[:, :W].view(n, K, W).any(1)  # [n, W]
         Pd, Pc = self._capacities(hit, onehot[:, :W].sum(0))
         nth = onehot.cumsum(0).gather(1, own.unsqueeze(1)).squeeze(1) - 1
-        pos = torch.where(own < W, own * Pc + nth, W * Pc).to(torch.int32)
+        pos = torch.where(own < W, own * Pc + nth, W * Pc)
+        if self.combine_rows is not None and n:
+            # entries past a block's rows (combine_rows): not returned, refused here
+            over = (own < W) & (nth >= Pc)
+            if not self._device_checks and bool(over.any()):
+                d = int(own[over][0])
+                raise ValueError(f"ExpertParallel.dispatch: {int(onehot[:, d].sum())} top-k "
+                                 f"entries of this rank's tokens name experts on rank {d}, "
+                                 f"more than combine_rows = {Pc}")
+            self._overflow += over.sum()
+            pos = torch.where(over, W * Pc, pos)
+        pos = pos.to(torch.int32)
 
         # One block per destination (and a last one that takes the rows of no destination):
         # its tokens in order, each with its index and top-k ids.
@@ -440,8 +466,10 @@ class ExpertParallel:
         counts = counts_all[:El].to(torch.int32)
         # Each entry's row in combine's block for its source: the source's entries held
         # here, in (p, k) = (token, k) order, which is how the source numbered them (pos).
-        ret = (mine.view(W, Pd * K).cumsum(1) - 1
-               + torch.arange(W, device=dev).unsqueeze(1) * Pc).reshape(-1)
+        nth_in = mine.view(W, Pd * K).cumsum(1) - 1
+        ret = (nth_in + torch.arange(W, device=dev).unsqueeze(1) * Pc).reshape(-1)
+        if self.combine_rows is not None:  # (past the block: the home refused them)
+            ret = torch.where(nth_in.reshape(-1) < Pc, ret, -1)
 
         rows_got = lay.x(got).view(torch.int64)  # [W, Pd, words]: (rows as 8-byte words)
         scales_got = lay.scales(got).view(torch.float32) if self.fp8 else None
@@ -494,6 +522,7 @@ class ExpertParallel:
         src_token = torch.where(none, -1, token.reshape(-1)[src_row]).to(torch.int32)
         src_k = torch.where(none, -1, e % K).to(torch.int32)
         slots = torch.where(none, -1, ret[e])
+        none = slots < 0
         # combine's send rows gather from the received rows: feed[i] = the received row that
         # goes to send row i (0 where none does: those rows are sent, never read)
         N = W * Pc
@@ -570,17 +599,22 @@ class ExpertParallel:
 
     def check(self) -> None:
         """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or
-        repeated (checked on the device, without a stream sync; such an entry reached no
-        expert and its token's combined row is NaN). Synchronizes the current stream. CPU
+        repeated, or past ``combine_rows`` (checked on the device, without a stream sync; such
+        an entry's token's combined row is NaN). Synchronizes the current stream. CPU
         dispatch refuses them before sending, so this returns at once."""
         if not self._device_checks:
             return
         if self.comm.device.type == "cuda":
             torch.cuda.current_stream(self.comm.device).synchronize()
-        n = int(self._bad_entries)
+        n, over = int(self._bad_entries), int(self._overflow)
         if n:
             self._bad_entries.zero_()
             raise ValueError(f"rank {self.rank}: ExpertParallel.dispatch: {n} top-k entries "
                              f"were out of range (0 <= id < num_experts = {self.num_experts}) "
                              "or repeated a token's earlier expert; they reached no expert and "
                              "their tokens' combined rows are NaN")
+        if over:
+            self._overflow.zero_()
+            raise ValueError(f"rank {self.rank}: ExpertParallel.dispatch: {over} top-k entries "
+                             f"were past combine_rows = {self.combine_rows} (the rows one rank "
+                             "returns to this one); their tokens' combined rows are NaN")

@@ -216,6 +216,12 @@ def _bad_cases(comm):
         ("fp8 given bf16", d(ep8, over={"x": good["x"]}), TypeError, "float8_e4m3fn"),
         ("combine no handle", lambda: ep.combine(torch.zeros(1, H, dtype=torch.bfloat16), None),
          TypeError, "Handle"),
+        ("combine_rows high-throughput", make(combine_rows=4), ValueError, "mode='low_latency'"),
+        ("combine_rows 0", make(mode="low_latency", combine_rows=0), ValueError, "positive"),
+        ("combine_rows exceeded", d(sparkccl.ExpertParallel(comm, num_experts=E, hidden=H,
+                                                           max_tokens=T, mode="low_latency",
+                                                           combine_rows=1), over=good),
+         ValueError, "more than combine_rows = 1"),
     ]
 
 
@@ -268,8 +274,50 @@ def ep_bad_input_job(rank, world, store):
         inputs = [make_ep_input(8, r, tokens=T - 1, hidden=H, topk=K, num_experts=E, world=world)
                   for r in range(world)]
         problems = _device_refusal(ep, inputs, "cpu")
+        problems += _combine_rows_refusal(comm, inputs, T, H, K, E)
     result["device-side routing checks"] = "; ".join(problems) or None
     return result
+
+
+def _combine_rows_refusal(comm, inputs, T, H, K, E):
+    """low_latency with combine_rows below what the routing needs, the device-side checks
+    on: a token with an entry past its block's rows has the canonical NaN row, every other
+    token is exact, check() raises; with combine_rows at what the routing needs, exact."""
+    import sparkccl
+    from sparkccl.expert_parallel import placement_table
+    W, rank, bad = comm.world_size, comm.rank, []
+    owners = placement_table("contiguous", E, W)
+    need = max(sum(owners[int(e)] == d for e in inp["topk_idx"].reshape(-1))
+               for inp in inputs for d in range(W))
+    for rows in (need - 2, need):
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                     mode="low_latency", combine_rows=rows)
+        ep._device_checks = True
+        mine = inputs[rank]
+        recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+        experts = torch.tensor(ep.local_experts)
+        z = ep.combine(graph_experts(recv, experts), handle, shared=mine["shared"])
+        got = z.view(torch.int16).numpy().view(np.uint16)
+        want = combine_reference(mine)
+        seen, over = [0] * W, set()
+        for t, row in enumerate(mine["topk_idx"].tolist()):
+            for e in row:
+                seen[owners[e]] += 1
+                if seen[owners[e]] > rows:
+                    over.add(t)
+        keep = [t for t in range(got.shape[0]) if t not in over]
+        if not np.array_equal(got[keep], want[keep]):
+            bad.append(f"combine_rows {rows}: rows of tokens within the blocks differ")
+        if over and not (got[sorted(over)] == 0x7FFF).all():
+            bad.append(f"combine_rows {rows}: tokens past the blocks are not the canonical NaN")
+        try:
+            ep.check()
+            if over:
+                bad.append(f"combine_rows {rows}: check() did not raise")
+        except ValueError as e:
+            if not over or "past combine_rows" not in str(e):
+                bad.append(f"combine_rows {rows}: check(): {e}")
+    return bad
 
 
 def test_bad_input_raises_before_sending_and_device_checks():
