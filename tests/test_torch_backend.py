@@ -760,6 +760,15 @@ def cuda_job(rank, world, store):
         z = zs[rank].to(dev)
         dist.all_reduce(z)
         expect(f"all_reduce {dtype}", bits(z.cpu()), _all_reduce_reference(zs, world))
+        # all_to_all_single of equal blocks, enqueued on a side stream
+        adt = (dtype, torch.int8, torch.int64)[k]
+        As = [make_input(65 + k, r, (world * 40, 17), adt) for r in range(world)]
+        a = torch.empty(world * 40, 17, dtype=adt, device=dev)
+        with torch.cuda.stream(side):
+            ai = As[rank].to(dev)
+            work = dist.all_to_all_single(a, ai, async_op=True)
+        work.wait()
+        expect(f"all_to_all_single {adt}", bits(a.cpu()), _a2a_reference(As, rank))
     # graph capture: declined, so NCCL is captured and replays correctly
     x = torch.full((256,), float(rank), device=dev)
     out = torch.empty(world * 256, device=dev)
@@ -787,7 +796,8 @@ def test_cuda_backend_bit_exact_async_and_graph_capture():
     for v in values:
         assert v["bad"] == [], v["bad"]
         assert v["captured"] == 1
-        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3,
+                               "all_to_all": 3}, v["routed"]
 
 
 def shared_gpu_job(rank, world, store):
@@ -821,6 +831,11 @@ def shared_gpu_job(rank, world, store):
         dist.all_reduce(z)
         if bits(z.cpu()).tolist() != _all_reduce_reference(zs, world).tolist():
             bad.append(f"all_reduce {dtype}")
+        As = [make_input(95 + k, r, (world * 40, 17), dtype) for r in range(world)]
+        a = torch.empty(world * 40, 17, dtype=dtype, device=dev)
+        dist.all_to_all_single(a, As[rank].to(dev))
+        if bits(a.cpu()).tolist() != _a2a_reference(As, rank).tolist():
+            bad.append(f"all_to_all_single {dtype}")
     routed = dict(pg.routed)
     dist.destroy_process_group()
     return dict(bad=bad, routed=routed)
@@ -832,4 +847,5 @@ def test_cuda_backend_ranks_sharing_one_gpu():
     values = check(run_ranks(shared_gpu_job, 2, timeout_s=300))
     for v in values:
         assert v["bad"] == [], v["bad"]
-        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3,
+                               "all_to_all": 3}, v["routed"]
