@@ -242,7 +242,8 @@ def _write_into(output: torch.Tensor, input: torch.Tensor, call) -> None:
 
 class SparkcclProcessGroup(dist.ProcessGroup):
     """A ProcessGroup that sends all-gather, reduce-scatter, all-reduce (SUM / AVG) and
-    all-to-all of equal blocks through sparkccl and everything else through its own fallback group.
+    all-to-all of equal blocks through sparkccl and everything else through its own
+    fallback group.
 
     ``routed`` counts the calls sparkccl ran (by collective), ``declined`` the calls sent
     to the fallback instead (by reason).
