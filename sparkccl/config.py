@@ -335,7 +335,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "sparkccl at every size (captured calls as SPARKCCL_ENGINE_CAPTURED says); 0: it stays "
        "on the engine's custom all-reduce / NCCL"),
     _v("SPARKCCL_TORCH_MIN_BYTES", "bytes", 1 << 20, "torch.distributed backend",
-       "smallest all-gather (gathered output) sent through sparkccl; smaller ones go to the "
+       "smallest all-gather (gathered output) or all-to-all (input) sent through sparkccl; "
+       "smaller ones go to the "
        "fallback group, exact either way. Reductions stay in sparkccl at every size unless "
        "SPARKCCL_TORCH_INEXACT_SMALL=1 (docs/TORCH.md)", lo=0),
     _v("SPARKCCL_TORCH_INEXACT_SMALL", "bool", False, "torch.distributed backend",

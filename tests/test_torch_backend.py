@@ -270,6 +270,129 @@ def test_backend_bit_exact_and_fallbacks_mesh_ring_world_2_and_4():
     assert values[0]["pair_declined"] == values[2]["pair_declined"]
 
 
+# ---- all_to_all_single ---------------------------------------------------------------
+
+A2A_CASES = (  # (dtype, shape of one rank's input with the world's blocks as dim 0 / world)
+    (torch.bfloat16, (3, 5)), (torch.float16, (1,)), (torch.float32, (7, 2, 3)),
+    (torch.float64, (2, 9)), (torch.int8, (5,)), (torch.uint8, (4, 33)),
+    (torch.int32, (2, 2, 2)), (torch.int64, (3, 1)), (torch.bool, (6, 7)),
+    (torch.complex64, (2, 3)),
+    (torch.float32, (12_000, 2)),  # 96 KB blocks: above the 64 KiB slots, several pieces
+)
+
+
+def _a2a_reference(xs, rank):
+    """Raw bytes rank ``rank`` receives: block ``rank`` of every rank's input, in rank order."""
+    import numpy as np
+    w = len(xs)
+    m = xs[0].shape[0] // w
+    return np.concatenate([bits(x[rank * m:(rank + 1) * m]) for x in xs])
+
+
+def _a2a_checks(pg, rank, world, seed) -> list[str]:
+    """Equal blocks (no split sizes) through both method names, bit for bit; split sizes
+    (uneven, and equal lists too) through the fallback, still right. (A non-contiguous
+    tensor is declined too, test_decline_rule; gloo then refuses it, as without sparkccl.)"""
+    from torch._C._distributed_c10d import AllToAllOptions
+    bad = []
+
+    def expect(what, got, want):
+        if got.size != want.size or not (got == want).all():
+            bad.append(f"{what}: wrong bits")
+
+    for k, (dtype, block) in enumerate(A2A_CASES):
+        shape = (world * block[0],) + block[1:]
+        xs = [make_input(seed * 100 + k, r, shape, dtype) for r in range(world)]
+        want = _a2a_reference(xs, rank)
+        out = torch.empty(shape, dtype=dtype)
+        dist.all_to_all_single(out, xs[rank], group=pg)
+        expect(f"all_to_all_single {dtype} {shape}", bits(out), want)
+        if k % 3 == 0:
+            # the ProcessGroup's methods by both names; the output in another shape
+            flat = torch.empty(out.numel(), dtype=dtype)
+            pg.alltoall_base(flat, xs[rank], [], [], AllToAllOptions()).wait()
+            expect(f"alltoall_base {dtype}", bits(flat), want)
+            if hasattr(dist.ProcessGroup, "all_to_all_single"):
+                out2 = torch.full(shape, 0, dtype=dtype)
+                pg.all_to_all_single(out2, xs[rank], [], [], AllToAllOptions()).wait()
+                expect(f"pg.all_to_all_single {dtype}", bits(out2), want)
+    # in place (output is the input): through a temporary
+    xs = [make_input(seed * 100 + 50, r, (world * 4, 3), torch.float32) for r in range(world)]
+    x = xs[rank].clone()
+    work = dist.all_to_all_single(x, x, group=pg, async_op=True)
+    work.wait()
+    expect("in-place all_to_all_single", bits(x), _a2a_reference(xs, rank))
+
+    # uneven splits: rank r sends f(r, j) rows to rank j -> the fallback
+    def f(r, j):
+        return (r + 2 * j) % 3 + 1
+    rows = [[f(r, j) for j in range(world)] for r in range(world)]
+    xs = [make_input(seed * 100 + 60, r, (sum(rows[r]), 5), torch.bfloat16) for r in range(world)]
+    out = torch.empty(sum(rows[i][rank] for i in range(world)), 5, dtype=torch.bfloat16)
+    dist.all_to_all_single(out, xs[rank], output_split_sizes=[rows[i][rank] for i in range(world)],
+                           input_split_sizes=rows[rank], group=pg)
+    import numpy as np
+    want = np.concatenate([bits(xs[i][sum(rows[i][:rank]):sum(rows[i][:rank + 1])])
+                           for i in range(world)])
+    expect("all_to_all_single uneven splits", bits(out), want)
+    # equal split lists: per-rank data, so the fallback too (decline_reason says why)
+    xs = [make_input(seed * 100 + 70, r, (world * 2, 3), torch.float32) for r in range(world)]
+    out = torch.empty(world * 2, 3)
+    dist.all_to_all_single(out, xs[rank], output_split_sizes=[2] * world,
+                           input_split_sizes=[2] * world, group=pg)
+    expect("all_to_all_single equal split lists", bits(out), _a2a_reference(xs, rank))
+    return bad
+
+
+def a2a_job(rank, world, store):
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import sparkccl.integrations.torch_backend as tb_
+    dist.init_process_group("sparkccl", store=store, rank=rank, world_size=world,
+                            pg_options=tb_.Options(min_bytes=0, slot_bytes=1 << 16))
+    ring = dist.new_group(backend="sparkccl",
+                          pg_options=tb_.Options(topology="ring", min_bytes=0, slot_bytes=1 << 16))
+    small = dist.new_group(backend="sparkccl")  # SPARKCCL_TORCH_MIN_BYTES from the env (1K)
+    out = {}
+    for name, pg in (("mesh", dist.group.WORLD), ("ring", ring)):
+        out[name] = _a2a_checks(pg, rank, world, seed=len(name))
+        out[name + "_comm"] = pg.communicator("cpu").topology
+        out[name + "_counts"] = (dict(pg.routed), dict(pg.declined))
+    # the threshold (1 KiB): 3 * 85 fp32 (1020 bytes) to the fallback, 3 * 86 (1032) to
+    # sparkccl, both exact
+    bad = []
+    for n in (world * 85, world * 86):
+        xs = [make_input(500 + n, r, (n,), torch.float32) for r in range(world)]
+        o = torch.empty(n)
+        dist.all_to_all_single(o, xs[rank], group=small)
+        if not (bits(o) == _a2a_reference(xs, rank)).all():
+            bad.append(f"small group: {n} elements")
+    out["small"] = bad
+    out["small_counts"] = (dict(small.routed), dict(small.declined))
+    dist.destroy_process_group()
+    return out
+
+
+def test_all_to_all_single_equal_blocks_routed_others_fallback_mesh_ring():
+    world = 3
+    values = check(run_ranks(a2a_job, world, timeout_s=240,
+                             env={"SPARKCCL_TORCH_MIN_BYTES": "1K"}))
+    named = sum(1 + hasattr(dist.ProcessGroup, "all_to_all_single")
+                for k in range(len(A2A_CASES)) if k % 3 == 0)
+    for v in values:
+        for name in ("mesh", "ring"):
+            assert v[name] == [], (name, v[name])
+            assert v[name + "_comm"] == name
+            routed, declined = v[name + "_counts"]
+            # every equal-block call (the in-place one too) ran in sparkccl
+            assert routed == {"all_to_all": len(A2A_CASES) + named + 1}, (name, routed)
+            assert declined == {"split sizes given": 2}, (name, declined)
+        assert v["small"] == []
+        assert v["small_counts"] == ({"all_to_all": 1},
+                                     {f"below {tb.MIN_BYTES_VARIABLE}": 1}), v["small_counts"]
+    for key in ("mesh_counts", "ring_counts", "small_counts"):
+        assert all(v[key] == values[0][key] for v in values), key
+
+
 # ---- default settings: reductions exact at every size --------------------------------
 
 # 2 bytes (one bf16) up to 3 MiB, not multiples of 16 bytes or of the world size among them
@@ -460,6 +583,29 @@ def test_decline_rule():
                                  inexact_small=True) == "below SPARKCCL_TORCH_MIN_BYTES"
         assert tb.decline_reason(kind, a, b, world=4, min_bytes=512, op=AVG,
                                  inexact_small=True) is None
+    # all-to-all: any dtype, equal blocks only, no split lists, min_bytes on the input
+    a = torch.empty(12, 5, dtype=torch.int16)
+    assert tb.decline_reason("all_to_all", a, torch.empty(60, dtype=torch.int16), world=4,
+                             min_bytes=120) is None
+    assert tb.decline_reason("all_to_all", a, a, world=4, min_bytes=121) == \
+        "below SPARKCCL_TORCH_MIN_BYTES"
+    assert tb.decline_reason("all_to_all", a, a, world=4, min_bytes=0,
+                             split_sizes=([], [])) is None
+    assert tb.decline_reason("all_to_all", a, a, world=4, min_bytes=0,
+                             split_sizes=([3] * 4, [3] * 4)) == "split sizes given"
+    assert tb.decline_reason("all_to_all", a, a, world=5, min_bytes=0) == "uneven sizes"
+    assert tb.decline_reason("all_to_all", a, torch.empty(4, 15, dtype=torch.int16), world=4,
+                             min_bytes=0) is None
+    assert tb.decline_reason("all_to_all", a, torch.empty(8, 5, dtype=torch.int16), world=4,
+                             min_bytes=0) == "uneven sizes"
+    assert tb.decline_reason("all_to_all", a, torch.empty(12, 5), world=4,
+                             min_bytes=0) == "mixed dtypes"
+    assert tb.decline_reason("all_to_all", torch.empty(5, 12).t(), a.float(), world=4,
+                             min_bytes=0) == "non-contiguous"
+    assert tb.decline_reason("all_to_all", torch.tensor(1.0), torch.tensor(1.0), world=1,
+                             min_bytes=0) == "world size 1"
+    assert tb.decline_reason("all_to_all", torch.tensor(1.0), torch.tensor(1.0), world=2,
+                             min_bytes=0) == "0-dim tensor"
 
 
 def test_graph_capture_declined(monkeypatch):
@@ -469,7 +615,7 @@ def test_graph_capture_declined(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert tb.capturing()
     for kind, a, b in (("all_gather", x, out), ("reduce_scatter", out, x),
-                       ("all_reduce", out, out)):
+                       ("all_reduce", out, out), ("all_to_all", out, out)):
         assert tb.decline_reason(kind, a, b, world=4, min_bytes=0, op=SUM) == \
             "CUDA graph capture"
 
@@ -614,6 +760,15 @@ def cuda_job(rank, world, store):
         z = zs[rank].to(dev)
         dist.all_reduce(z)
         expect(f"all_reduce {dtype}", bits(z.cpu()), _all_reduce_reference(zs, world))
+        # all_to_all_single of equal blocks, enqueued on a side stream
+        adt = (dtype, torch.int8, torch.int64)[k]
+        As = [make_input(65 + k, r, (world * 40, 17), adt) for r in range(world)]
+        a = torch.empty(world * 40, 17, dtype=adt, device=dev)
+        with torch.cuda.stream(side):
+            ai = As[rank].to(dev)
+            work = dist.all_to_all_single(a, ai, async_op=True)
+        work.wait()
+        expect(f"all_to_all_single {adt}", bits(a.cpu()), _a2a_reference(As, rank))
     # graph capture: declined, so NCCL is captured and replays correctly
     x = torch.full((256,), float(rank), device=dev)
     out = torch.empty(world * 256, device=dev)
@@ -641,7 +796,8 @@ def test_cuda_backend_bit_exact_async_and_graph_capture():
     for v in values:
         assert v["bad"] == [], v["bad"]
         assert v["captured"] == 1
-        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3,
+                               "all_to_all": 3}, v["routed"]
 
 
 def shared_gpu_job(rank, world, store):
@@ -675,6 +831,11 @@ def shared_gpu_job(rank, world, store):
         dist.all_reduce(z)
         if bits(z.cpu()).tolist() != _all_reduce_reference(zs, world).tolist():
             bad.append(f"all_reduce {dtype}")
+        As = [make_input(95 + k, r, (world * 40, 17), dtype) for r in range(world)]
+        a = torch.empty(world * 40, 17, dtype=dtype, device=dev)
+        dist.all_to_all_single(a, As[rank].to(dev))
+        if bits(a.cpu()).tolist() != _a2a_reference(As, rank).tolist():
+            bad.append(f"all_to_all_single {dtype}")
     routed = dict(pg.routed)
     dist.destroy_process_group()
     return dict(bad=bad, routed=routed)
@@ -686,4 +847,5 @@ def test_cuda_backend_ranks_sharing_one_gpu():
     values = check(run_ranks(shared_gpu_job, 2, timeout_s=300))
     for v in values:
         assert v["bad"] == [], v["bad"]
-        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, v["routed"]
+        assert v["routed"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3,
+                               "all_to_all": 3}, v["routed"]

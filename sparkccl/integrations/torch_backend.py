@@ -7,6 +7,7 @@
     dist.all_gather_single(out, x)      # -> sparkccl (before torch 2.13: all_gather_into_tensor)
     dist.reduce_scatter_single(out, y)  # -> sparkccl, SUM / AVG (before 2.13: reduce_scatter_tensor)
     dist.all_reduce(z)                  # -> sparkccl, SUM / AVG, any size
+    dist.all_to_all_single(out, x)      # -> sparkccl, equal blocks (no split sizes given)
     dist.broadcast(z, 0)                                 # -> the fallback group (gloo / NCCL)
 
 The group is a Python ``ProcessGroup``: c10d uses it as it is, so it holds its own fallback
@@ -18,8 +19,8 @@ NCCL would hang both).
 
 Reductions (all-reduce, reduce-scatter; SUM / AVG in bf16 / fp16 / fp32) stay in sparkccl
 at every size, so their sums are the rank-order fp32 sums everywhere (gloo's and NCCL's
-are not). ``SPARKCCL_TORCH_MIN_BYTES`` sends small all-gathers (exact on either path) to
-the fallback; small reductions follow it only on the opt-in
+are not). ``SPARKCCL_TORCH_MIN_BYTES`` sends small all-gathers and all-to-alls (exact on
+either path) to the fallback; small reductions follow it only on the opt-in
 ``SPARKCCL_TORCH_INEXACT_SMALL=1``, which gives up exactness for them.
 
 The Communicator of a device type is created on the first call routed to sparkccl for that
@@ -35,7 +36,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
+                                        ReduceScatterOptions)
 
 from .. import config
 from ..allreduce import divide
@@ -53,12 +55,13 @@ _PG = dist.ProcessGroup
 _AG_SINGLE = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
 _RS_SINGLE = ("reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single")
               else "_reduce_scatter_base")
+_A2A_SINGLE = "all_to_all_single" if hasattr(_PG, "all_to_all_single") else "alltoall_base"
 
 # Calls that always go to the fallback group, by every name some torch version uses.
 FALLBACK_METHODS = (
-    "allgather", "allgather_coalesced", "allreduce_coalesced", "alltoall", "alltoall_base",
-    "all_to_all_single", "barrier", "broadcast", "gather", "monitored_barrier", "recv",
-    "recv_anysource", "reduce", "reduce_scatter", "scatter", "send",
+    "allgather", "allgather_coalesced", "allreduce_coalesced", "alltoall", "barrier",
+    "broadcast", "gather", "monitored_barrier", "recv", "recv_anysource", "reduce",
+    "reduce_scatter", "scatter", "send",
 )
 
 
@@ -105,15 +108,24 @@ def capturing() -> bool:
 
 
 def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: int,
-                   min_bytes: int, op=None, inexact_small: bool = False) -> str | None:
+                   min_bytes: int, op=None, inexact_small: bool = False,
+                   split_sizes: tuple = ()) -> str | None:
     """Why a call goes to the fallback group, or None when sparkccl takes it.
 
     ``kind`` is ``"all_gather"`` (``out`` is the gathered tensor), ``"reduce_scatter"``
-    (``inp`` is the full tensor) or ``"all_reduce"`` (``inp is out``). The answer depends
-    only on shapes, dtypes, layout, device type, the group's size, the reduce op and the
-    settings (and on CUDA graph capture, which every rank enters together), never on
-    anything one rank could see differently. ``min_bytes`` applies to all-gathers, and to
-    reductions only with ``inexact_small`` (the fallback's sums are not rank-order exact).
+    (``inp`` is the full tensor), ``"all_reduce"`` (``inp is out``) or ``"all_to_all"``
+    (``all_to_all_single``; ``split_sizes``: its output and input split lists). The answer
+    depends only on shapes, dtypes, layout, device type, the group's size, the reduce op and
+    the settings (and on CUDA graph capture, which every rank enters together), never on
+    anything one rank could see differently. ``min_bytes`` applies to all-gathers and
+    all-to-alls, and to reductions only with ``inexact_small`` (the fallback's sums are not
+    rank-order exact).
+
+    An all-to-all with split lists goes to the fallback even when every list is equal:
+    the lists are per-rank data, and one rank's can be equal while another's are not in
+    the same valid call (world 2: rank 0 [2, 2] / [2, 2], rank 1 [2, 5] / [2, 5]); the two
+    ranks would then wait in different groups. Without lists every rank's blocks are
+    dim0 / world rows, the same bytes on every rank.
     """
     if world < 2:
         # The Communicator needs two ranks or more.
@@ -135,6 +147,14 @@ def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: in
         if out.numel() != world * inp.numel():
             return "uneven sizes"
         full = out
+    elif kind == "all_to_all":
+        if any(len(s) for s in split_sizes):
+            return "split sizes given"
+        if inp.dim() == 0 or out.dim() == 0:
+            return "0-dim tensor"
+        if inp.shape[0] % world or out.shape[0] % world or inp.numel() != out.numel():
+            return "uneven sizes"
+        full = inp
     else:
         if inp.dtype not in REDUCE_DTYPES:
             return f"dtype {inp.dtype}"
@@ -143,7 +163,7 @@ def decline_reason(kind: str, inp: torch.Tensor, out: torch.Tensor, *, world: in
         if kind == "reduce_scatter" and inp.numel() != world * out.numel():
             return "uneven sizes"
         full = inp
-    if ((kind == "all_gather" or inexact_small)
+    if ((kind in ("all_gather", "all_to_all") or inexact_small)
             and full.numel() * full.element_size() < min_bytes):
         return f"below {MIN_BYTES_VARIABLE}"
     return None
@@ -221,8 +241,9 @@ def _write_into(output: torch.Tensor, input: torch.Tensor, call) -> None:
 
 
 class SparkcclProcessGroup(dist.ProcessGroup):
-    """A ProcessGroup that sends all-gather, reduce-scatter and all-reduce (SUM / AVG)
-    through sparkccl and everything else through its own fallback group.
+    """A ProcessGroup that sends all-gather, reduce-scatter, all-reduce (SUM / AVG) and
+    all-to-all of equal blocks through sparkccl and everything else through its own
+    fallback group.
 
     ``routed`` counts the calls sparkccl ran (by collective), ``declined`` the calls sent
     to the fallback instead (by reason).
@@ -322,12 +343,13 @@ class SparkcclProcessGroup(dist.ProcessGroup):
                              "GPU per rank (torch.cuda.set_device before the first collective)")
         return comm
 
-    def decline_reason(self, kind: str, inp: torch.Tensor, out: torch.Tensor, op=None):
+    def decline_reason(self, kind: str, inp: torch.Tensor, out: torch.Tensor, op=None,
+                       split_sizes: tuple = ()):
         return decline_reason(kind, inp, out, world=self._world, min_bytes=self.min_bytes, op=op,
-                              inexact_small=self.inexact_small)
+                              inexact_small=self.inexact_small, split_sizes=split_sizes)
 
-    def _route(self, kind, inp, out, op=None) -> bool:
-        reason = self.decline_reason(kind, inp, out, op)
+    def _route(self, kind, inp, out, op=None, split_sizes: tuple = ()) -> bool:
+        reason = self.decline_reason(kind, inp, out, op, split_sizes)
         if reason is None:
             self.routed[kind] += 1
             return True
@@ -422,6 +444,25 @@ class SparkcclProcessGroup(dist.ProcessGroup):
             if dev.type == device.type:
                 return kind
         return None
+
+    # ---- all-to-all -----------------------------------------------------------------
+    def _all_to_all_into(self, output, input, output_split_sizes, input_split_sizes,
+                         opts=None):
+        if not self._route("all_to_all", input, output,
+                           split_sizes=(output_split_sizes, input_split_sizes)):
+            return getattr(self._fallback, _A2A_SINGLE)(
+                output, input, output_split_sizes, input_split_sizes,
+                AllToAllOptions() if opts is None else opts)
+        comm = self.communicator(input.device)
+
+        def run():
+            # Contiguous, dim0 % world == 0 on both sides and the same numel: block j of
+            # the flat input is its j-th byte chunk, block i of the output likewise.
+            _write_into(output, input, lambda out: comm.all_to_all(input.reshape(-1), out=out))
+        return self._run([output], run)
+
+    # torch's older name first, then the one c10d's all_to_all_single calls from 2.13.
+    alltoall_base = all_to_all_single = _all_to_all_into
 
     # ---- lifetime -------------------------------------------------------------------
     def shutdown(self) -> None:
