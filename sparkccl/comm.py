@@ -266,6 +266,16 @@ class Communicator:
             self._wiring.ensure_rs()
             self._note_send_slots()
 
+    def _rs_plane(self, what: str):
+        """Under the lock, what a collective on the reduce-scatter's buffers does first: the
+        liveness check, the buffers set up on first use (refused inside a graph capture),
+        then the data plane."""
+        self._check_alive(what)
+        if not self._rs_ready:
+            self._check_setup_capturable(what)
+            self._ensure_rs()
+        return self._dp
+
     # ---- internal interface (finalize, selftest, bench, tests) -----------------------
     def proxy_stats(self) -> dict:
         """The native proxy's counters ({} without a proxy: world 1, or closed)."""
@@ -432,11 +442,7 @@ class Communicator:
             out.copy_(x.detach().to(torch.float32))
             return out
         with self._lock:
-            self._check_alive(what)
-            if not self._rs_ready:
-                self._check_setup_capturable(what)
-                self._ensure_rs()
-            dp = self._dp
+            dp = self._rs_plane(what)
             if chunk <= self.max_slice and self._typed_dp is not None:
                 dst = out  # the plane counts bytes itself: no views per call
             else:
@@ -492,11 +498,7 @@ class Communicator:
             out.copy_(x.detach())
             return out
         with self._lock:
-            self._check_alive(what)
-            if not self._rs_ready:
-                self._check_setup_capturable(what)
-                self._ensure_rs()
-            dp = self._dp
+            dp = self._rs_plane(what)
             if not dp.has_all_to_all:
                 raise NotImplementedError(f"{what}: the {self.device.type} data plane "
                                           f"({type(dp).__name__}) has no all-to-all yet")
@@ -594,10 +596,7 @@ class Communicator:
         total, chunk = _allreduce.padded(n, W, dtype)
         res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
         with self._lock:
-            self._check_alive("all_reduce")
-            if not self._rs_ready:
-                self._check_setup_capturable("all_reduce")
-                self._ensure_rs()
+            self._rs_plane("all_reduce")
             dp = self._dp
             # (after a capture the slot is the GPU's: the host no longer knows it)
             if chunk <= self.max_slice and dp.fused_input_in_slot and self._seq_on_host():
