@@ -11,8 +11,10 @@ Runs the ranks twice, GPU-direct (the default on one host) and the proxy path
 * ``write``, per size: what the proxy path adds to that round trip at the least, a host
   thread's copy of the vector between two pinned buffers (``ctypes.memmove``), p50;
 * per size (bf16, bytes per rank): the one-shot all-reduce ``ar`` (CUDA: one kernel,
-  sccl_allreduce_*) eager (host-synchronized after every call) and replayed in a CUDA
-  graph (``--per-graph`` calls per replay, p50 per call), and the same regime as it was
+  sccl_allreduce_*) eager (host-synchronized after every call), eager back to back (``ar
+  b2b``: ``--per-graph`` calls issued, then one sync, per call: how a decode loop without
+  graphs issues them, and how nccl-tests times), and replayed in a CUDA graph
+  (``--per-graph`` calls per replay, p50 per call), and the same regime as it was
   before, ``ag+sum``: an all-gather and torch adds in rank order (allreduce.rank_order_sum).
 
 ``--timeline`` (SPARKCCL_GPU_TIMELINE: kernels built with step stamps, so run it apart from
@@ -146,6 +148,10 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
                     raise AssertionError(f"rank {rank}: {name} {size} B differs from the "
                                          "rank-order reference")
                 row[name] = p50(fn, iters)
+                if name == "ar":  # eager back to back: the host enqueues, one sync at the end
+                    row["ar b2b"] = statistics.median(
+                        p50(lambda: [fn() for _ in range(per_graph)], 1) / per_graph
+                        for _ in range(max(5, iters // per_graph)))
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     for _ in range(per_graph):
@@ -192,7 +198,7 @@ def main() -> None:
               f"(us, slowest rank); {a.iters} eager calls, replays of {a.per_graph} calls")
         print(f"# floor: flag rtt {rtt * 1e6:.1f} us"
               + (" + the host's copy of the vector (write)" if key == "proxy" else ""))
-        keys = ["ar graph", "ar", "ag+sum graph", "ag+sum"]
+        keys = ["ar graph", "ar", "ar b2b", "ag+sum graph", "ag+sum"]
         print("bytes/rank " + " ".join(f"{k:>13}" for k in keys)
               + "  write  floor  graph/floor  before/after(graph)")
         for i, row in enumerate(res[0][1]):
