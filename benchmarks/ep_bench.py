@@ -37,7 +37,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 
 def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
@@ -45,7 +44,7 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
     import torch
 
     import sparkccl
-    from ep_cases import combine_reference, make_ep_input, run_experts
+    from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     cpu_inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)

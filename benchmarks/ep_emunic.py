@@ -33,7 +33,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from emunic_efficiency import (  # noqa: E402
     add_nic_arguments, common_start, load_average, max_port_load, nic_env,
@@ -47,7 +46,7 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
     import torch
 
     import sparkccl
-    from ep_cases import combine_reference, make_ep_input, run_experts
+    from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
     # uniform routing (the tests' routings are skewed on purpose: idle experts, tokens whose
     # top-k all live on one rank)

@@ -29,7 +29,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
 def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows):
@@ -39,7 +38,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows):
 
     import sparkccl
     from decode_latency import _flag_rtt, _host_write
-    from ep_cases import combine_reference, make_ep_input, run_experts
+    from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     inp = make_ep_input(5, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world,

@@ -82,7 +82,7 @@ def _fin_inputs(s, shape, rank, world):
 
 
 def _ep_input(s, shape, rank, world):
-    from ep_cases import make_ep_input
+    from sparkccl.ep_reference import make_ep_input
     T, H, topk, fp8 = shape
     return make_ep_input(s, rank, tokens=T, hidden=H, topk=topk, num_experts=4 * world,
                          world=world, fp8=fp8)
@@ -106,12 +106,12 @@ def issue(comm, op, rank, world, to, state: dict | None = None):
     """Issue one op on ``comm``; returns its output (unchecked). Kinds: "ag" all-gather,
     "rs" reduce-scatter, "rsz" reduce-scatter through the zero-copy input, "ar" all-reduce,
     "fin" fused MoE finalize, "ep" expert-parallel dispatch, the stand-in experts
-    (tests/ep_cases.py) and combine (``state``: a dict kept with ``comm``, for its
+    (sparkccl/ep_reference.py) and combine (``state``: a dict kept with ``comm``, for its
     ExpertParallel)."""
     from sparkccl.exact_checks import reduce_scatter_via_input
     kind, s, shape, dname = op
     if kind == "ep":
-        from ep_cases import run_experts
+        from sparkccl.ep_reference import run_experts
         inp = _ep_input(s, shape, rank, world)
         if state is None:
             raise ValueError("an 'ep' op needs the communicator's state dict")
@@ -141,7 +141,7 @@ def reference(op, rank, world):
                                     moe_finalize_reference, reduce_scatter_reference)
     kind, s, shape, dname = op
     if kind == "ep":
-        from ep_cases import combine_reference
+        from sparkccl.ep_reference import combine_reference
         return combine_reference(_ep_input(s, shape, rank, world)).reshape(-1).view("uint8")
     if kind == "fin":
         inputs = [_fin_inputs(s, shape, q, world)[0] for q in range(world)]

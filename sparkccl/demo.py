@@ -3,7 +3,8 @@
 Part 1 sweeps sizes and dtypes, timing each call (all-reduce at sizes on both sides of the
 one-shot crossover, so both regimes run); part 2 issues bursts of mixed
 collectives back to back (slot reuse at full speed) and checks them only afterwards;
-part 3 runs the fused MoE finalize + reduce-scatter.
+part 3 runs the fused MoE finalize + reduce-scatter, part 4 expert-parallel dispatch and
+combine.
 Each rank rebuilds every other rank's input from a seed, so it checks its own results
 against an independent rank-order reference (numpy, fp32, rounded once) without
 communicating.
@@ -20,6 +21,9 @@ RS_CASES = [(1, "bfloat16"), (333, "float16"), (4096, "float32"), (1 << 16, "bfl
             (1 << 19, "float16"), (1 << 22, "bfloat16")]
 AR_CASES = [(1, "bfloat16"), (3000, "float16"), (1 << 16, "bfloat16"), (1 << 19, "float32"),
             (1 << 22, "bfloat16")]
+# all-to-all: elements per block (one block per destination)
+A2A_CASES = [(1, "uint8"), (333, "bfloat16"), (4096, "float32"), (1 << 16, "int32"),
+             (1 << 20, "bfloat16")]
 QUICK_MAX_ELEMS = 1 << 19
 ITERS = 3
 
@@ -44,12 +48,12 @@ def _done(comm) -> None:
 def _cases(quick: bool):
     return {kind: [(e, d) for e, d in cases if not (quick and e > QUICK_MAX_ELEMS)]
             for kind, cases in (("all_gather", AG_CASES), ("reduce_scatter", RS_CASES),
-                                ("all_reduce", AR_CASES))}
+                                ("all_reduce", AR_CASES), ("all_to_all", A2A_CASES))}
 
 
 def _sweep(comm, world: int, rank: int, quick: bool, progress):
-    from .reference import (all_gather_reference, all_reduce_reference, bits, make_input,
-                            reduce_scatter_reference)
+    from .reference import (all_gather_reference, all_reduce_reference, all_to_all_reference,
+                            bits, make_input, reduce_scatter_reference)
 
     rows = []
     case = 0
@@ -57,7 +61,7 @@ def _sweep(comm, world: int, rank: int, quick: bool, progress):
         for done, (elems, dname) in enumerate(cases, 1):
             case += 1
             dtype = _dtype(dname)
-            shape = (world * elems,) if kind == "reduce_scatter" else (elems,)
+            shape = (world * elems,) if kind in ("reduce_scatter", "all_to_all") else (elems,)
             inputs = [make_input(case, r, shape, dtype) for r in range(world)]
             if kind == "all_gather":
                 want = all_gather_reference(inputs)
@@ -66,6 +70,10 @@ def _sweep(comm, world: int, rank: int, quick: bool, progress):
             elif kind == "reduce_scatter":
                 want = reduce_scatter_reference(inputs, rank)
                 run = comm.reduce_scatter
+                nbytes = inputs[rank].nbytes
+            elif kind == "all_to_all":
+                want = all_to_all_reference(inputs, rank)
+                run = comm.all_to_all
                 nbytes = inputs[rank].nbytes
             else:
                 want = all_reduce_reference(inputs)
@@ -93,7 +101,7 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
         import torch
         # One process per GPU, or several sharing one when world > GPUs.
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    from .exact_checks import finalize_demo_case, run_bursts
+    from .exact_checks import ep_demo_case, finalize_demo_case, run_bursts
     from .localrun import report_progress
 
     def progress(label, done, total, unit="sizes"):
@@ -111,8 +119,11 @@ def _demo_rank(rank, world, store, topology, transport, device, quick):
         t0 = time.perf_counter()
         fin_ok = finalize_demo_case(comm, world, rank, seed=1)
         progress("moe_finalize", 1, 1, "checks")
+        ep_ok = ep_demo_case(comm, world, rank, seed=2)
+        progress("expert_parallel", 1, 1, "checks")
         return {"rows": rows, "burst_total": total, "burst_bad": bad, "finalize_ok": fin_ok,
-                "finalize_s": time.perf_counter() - t0, "pinned_bytes": comm.pinned_bytes}
+                "finalize_s": time.perf_counter() - t0, "ep_ok": ep_ok,
+                "pinned_bytes": comm.pinned_bytes}
 
 
 def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
@@ -160,7 +171,11 @@ def run_demo(world: int = 4, topology: str = "mesh", transport: str = "shm",
     fin_bad = [r for r, v in enumerate(vals) if not v["finalize_ok"]]
     print("moe_finalize_reduce_scatter (bf16 and e4m3 experts, T < Tpad): "
           + ("bit-exact on every rank" if not fin_bad else f"MISMATCH on ranks {fin_bad}"))
+    ep_bad = [r for r, v in enumerate(vals) if not v["ep_ok"]]
+    print("ExpertParallel dispatch + combine (high-throughput bf16, low-latency e4m3): "
+          + ("bit for bit the one-box finalize on every rank" if not ep_bad else
+             f"MISMATCH on ranks {ep_bad}"))
     print(f"shared memory per rank: {format_bytes(vals[0]['pinned_bytes'])}")
-    ok = not mismatches and not burst_bad and not fin_bad
+    ok = not mismatches and not burst_bad and not fin_bad and not ep_bad
     print(f"demo: {'passed' if ok else 'FAILED'} in {time.monotonic() - t0:.1f} s")
     return 0 if ok else 1

@@ -112,3 +112,31 @@ def finalize_demo_case(comm, world: int, rank: int, seed: int) -> bool:
         ok = ok and tuple(z.shape) == (Tpad // world, H) and z.dtype == torch.bfloat16 \
             and got.size == want.size and bool((got == want).all())
     return ok
+
+
+def ep_demo_case(comm, world: int, rank: int, seed: int) -> bool:
+    """Expert-parallel dispatch + the stand-in experts + combine on ``comm`` (CPU or CUDA),
+    high-throughput with bf16 tokens and low-latency with e4m3 ones, the combine checked bit
+    for bit against the one-box finalize reference (:mod:`sparkccl.ep_reference`). Every
+    rank must call it with the same ``seed``; True when all agree."""
+    import numpy as np
+    import torch
+
+    import sparkccl
+
+    from .ep_reference import combine_reference, make_ep_input, run_experts
+    ok = True
+    T, H, K, E = 24, 256, 4, 4 * world
+    for k, (mode, fp8) in enumerate((("high_throughput", False), ("low_latency", True))):
+        inputs = [make_ep_input(seed * 10 + k, r, tokens=T - r % 3, hidden=H, topk=K,
+                                num_experts=E, world=world, fp8=fp8) for r in range(world)]
+        mine = {n: None if v is None else v.to(comm.device) for n, v in inputs[rank].items()}
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T, mode=mode,
+                                     dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"],
+                                   mine["x_scales"])
+        z = ep.combine(run_experts(ep, recv), handle, shared=mine["shared"])
+        ep.check()
+        got = z.cpu().view(torch.int16).numpy().view(np.uint16)
+        ok = ok and bool(np.array_equal(got, combine_reference(inputs[rank])))
+    return ok

@@ -99,6 +99,15 @@ def all_gather_reference(inputs):
     return np.concatenate([bits(x) for x in inputs]) if inputs else np.zeros(0, np.uint8)
 
 
+def all_to_all_reference(inputs, rank: int):
+    """Raw bytes of rank ``rank``'s all-to-all result: block ``rank`` of every rank's input
+    (each ``[world * m, ...]``), in rank order."""
+    import numpy as np
+    W = len(inputs)
+    m = inputs[0].shape[0] // W
+    return np.concatenate([bits(x[rank * m:(rank + 1) * m]) for x in inputs])
+
+
 # ---- MoE finalize (docs/CONTRACT.md "MoE finalize"): inputs and a numpy reference ------
 
 def fma_f32(a, b, c):

@@ -9,6 +9,7 @@ import torch
 
 import sparkccl
 from sparkccl.localrun import check, run_ranks
+from sparkccl.reference import all_to_all_reference as reference
 from sparkccl.reference import bits, make_input
 
 MiB = 1 << 20
@@ -17,12 +18,6 @@ CASES = [(1, (), torch.uint8), (3, (5,), torch.bfloat16), (7, (129,), torch.floa
          (2, (3,), torch.int64), (1, (16,), torch.uint8), (100, (257,), torch.bfloat16),
          (5, (3, 3), torch.float16), (0, (4,), torch.float32)]
 BIG = [(512, (1025,), torch.float32)]  # 2 MiB a block: several collectives on a small slot
-
-
-def reference(xs: list[torch.Tensor], rank: int) -> np.ndarray:
-    W = len(xs)
-    m = xs[0].shape[0] // W
-    return np.concatenate([bits(x[rank * m:(rank + 1) * m]) for x in xs])
 
 
 def a2a_checks(comm, seed: int, cases) -> list[str]:

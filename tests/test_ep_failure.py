@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import sparkccl
-from ep_cases import make_ep_input
+from sparkccl.ep_reference import make_ep_input
 from helpers import shm_leftovers
 from sparkccl.localrun import KILLED, check, run_ranks
 

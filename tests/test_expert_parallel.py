@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ep_cases import combine_reference, make_ep_input, run_experts
+from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
 from helpers import assert_no_problems, expect_errors
 from sparkccl.localrun import check, run_ranks
 
@@ -341,9 +341,9 @@ def test_ep_cuda(topology, world):
 
 
 def graph_experts(recv, experts: torch.Tensor) -> torch.Tensor:
-    """expert_fn (tests/ep_cases.py) of every local expert on its whole receive region, with
+    """expert_fn (sparkccl/ep_reference.py) of every local expert on its whole receive region, with
     device ops only (capturable): the same elementwise fp32 operations, so the same bits."""
-    from ep_cases import decode
+    from sparkccl.ep_reference import decode
     ge = experts.to(torch.float32).view(-1, 1, 1)
     return (decode(recv.x, recv.x_scales) * (1.0 + ge / 8.0) - ge / 32.0).to(torch.bfloat16)
 

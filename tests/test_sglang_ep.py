@@ -6,7 +6,7 @@ uses) where SGLang does not import; ``benchmarks/integrations_check.sh`` install
 runs this. SGLang's own plugin loader runs the ``sparkccl`` entry point and applies the
 AROUND hook on ``create_moe_dispatcher``; SGLang's own ``GroupCoordinator`` is the MoE EP
 group and its ``MoeRunnerConfig`` describes the layer. The experts are the tests'
-stand-ins (tests/ep_cases.py); combine's output is checked bit for bit against the one-box
+stand-ins (sparkccl/ep_reference.py); combine's output is checked bit for bit against the one-box
 fused finalize reference of each rank's tokens.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ep_cases import combine_reference, expert_fn, make_ep_input
+from sparkccl.ep_reference import combine_reference, expert_fn, make_ep_input
 from sparkccl.localrun import check, run_ranks
 from test_sglang_hook import _import_sglang, sglang_env  # noqa: F401 - the fixture
 

@@ -7,7 +7,7 @@ runs this. As in tests/test_vllm_plugin.py, ranks are processes over gloo, vLLM'
 plugin loader runs the ``sparkccl`` entry point, and vLLM's own ``GroupCoordinator``
 builds the EP group. The layer's ``FusedMoEConfig`` is vLLM's own class, and the
 prepare/finalize comes from vLLM's ``maybe_make_prepare_finalize`` as the fused-MoE oracles
-call it. The experts are the tests' stand-ins (tests/ep_cases.py: vLLM's expert kernels
+call it. The experts are the tests' stand-ins (sparkccl/ep_reference.py: vLLM's expert kernels
 need a GPU); finalize's output is checked bit for bit against the one-box fused finalize
 reference of each rank's tokens.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from ep_cases import combine_reference, expert_fn, make_ep_input
+from sparkccl.ep_reference import combine_reference, expert_fn, make_ep_input
 from sparkccl.localrun import check, run_ranks
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1",

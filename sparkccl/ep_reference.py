@@ -1,12 +1,12 @@
 """Expert-parallel inputs any rank can rebuild for any other, the stand-in experts, and the
-one-box reference of dispatch + combine (tests/test_expert_parallel.py,
-benchmarks/ep_bench.py)."""
+one-box reference of dispatch + combine (``sparkccl demo``, tests/test_expert_parallel.py,
+the engine hooks' tests, benchmarks/ep_*.py)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from sparkccl.reference import finalize_rows_reference, make_weights_and_shared
+from .reference import finalize_rows_reference, make_weights_and_shared
 
 
 def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
