@@ -596,8 +596,7 @@ class Communicator:
         total, chunk = _allreduce.padded(n, W, dtype)
         res = dst if total == n else torch.empty(total, dtype=dtype, device=flat.device)
         with self._lock:
-            self._rs_plane("all_reduce")
-            dp = self._dp
+            dp = self._rs_plane("all_reduce")
             # (after a capture the slot is the GPU's: the host no longer knows it)
             if chunk <= self.max_slice and dp.fused_input_in_slot and self._seq_on_host():
                 base = (self.seq % RS_SLOTS) * self.sizes.rs_send_stride

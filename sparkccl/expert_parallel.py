@@ -171,18 +171,16 @@ class DispatchResult:
 
 @dataclass
 class Handle:
-    """What :meth:`ExpertParallel.combine` needs from its dispatch: for every received row
-    its row in combine's send block (``slots``: ``source * ret_rows + i``, the i-th of that
-    source's entries held here in (token, k) order; ``-1`` past the counts), its inverse
-    ``feed`` (per send row, the received row it takes; int64), the rows of a
-    dispatch block and of a combine block (``dispatch_rows``, ``ret_rows``: the same on
+    """What :meth:`ExpertParallel.combine` needs from its dispatch: ``feed`` (per row of
+    combine's send block, the received row it takes, int64; source s's block holds, from
+    row ``s * ret_rows``, that source's entries held here in (token, k) order), the rows of
+    a dispatch block and of a combine block (``dispatch_rows``, ``ret_rows``: the same on
     every rank), ``pos`` (int32 ``[n * topk]``: where this rank's entry (t, k) arrives in
     combine's receive block; refused entries point at a NaN row), this rank's token count,
     top-k weights and top-k, the receive layout, and the entries refused on the device
     (CUDA, see :meth:`ExpertParallel.check`)."""
 
     mode: str
-    slots: torch.Tensor
     feed: torch.Tensor
     dispatch_rows: int
     ret_rows: int
@@ -356,14 +354,15 @@ class ExpertParallel:
             bad = bad | (eq & earlier).any(dim=2)
         return bad
 
-    def _capacities(self, hit: torch.Tensor, per_owner: torch.Tensor) -> tuple[int, int]:
+    def _capacities(self, hit: torch.Tensor, onehot: torch.Tensor) -> tuple[int, int]:
         """(dispatch rows, combine rows) a block: low-latency the fixed bounds; high-
         throughput the largest pair over every rank's counts (exchanged first: one
-        all-gather, read on the host)."""
+        all-gather, read on the host). ``hit``: [n, W] tokens to each rank; ``onehot``:
+        [n * K, W + 1] each entry's owner (W: refused)."""
         W, T = self.world, self.max_tokens
         if self.mode == "low_latency":
             return T, self.combine_rows or T * min(self._topk, self.num_local_experts)
-        counts = torch.cat([hit.sum(0), per_owner]).to(torch.int32)  # [2W]
+        counts = torch.cat([hit.sum(0), onehot[:, :W].sum(0)]).to(torch.int32)  # [2W]
         table = self.comm.all_gather(counts).view(W, 2 * W)
         rows = table.amax(0)
         return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
@@ -414,7 +413,7 @@ class ExpertParallel:
         # [n * K, W + 1] (not F.one_hot: on CUDA it checks its input on the host)
         onehot = (own.unsqueeze(1) == torch.arange(W + 1, device=dev)).long()
         hit = onehot[:, :W].view(n, K, W).any(1)  # [n, W]
-        Pd, Pc = self._capacities(hit, onehot[:, :W].sum(0))
+        Pd, Pc = self._capacities(hit, onehot)
         nth = onehot.cumsum(0).gather(1, own.unsqueeze(1)).squeeze(1) - 1
         pos = torch.where(own < W, own * Pc + nth, W * Pc)
         if self.combine_rows is not None and n:
@@ -530,12 +529,10 @@ class ExpertParallel:
         feed[torch.where(none, N + torch.arange(slots.numel(), device=dev), slots)] = \
             torch.arange(slots.numel(), device=dev)
         feed = feed[:N]
-        slots = slots.to(torch.int32)
         recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
                               src_token.view(recv_shape), src_k.view(recv_shape),
                               list(self.local_experts))
-        handle = Handle(self.mode, slots, feed, Pd, Pc, pos, n, K, topk_weights, bad,
-                        recv_shape)
+        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
