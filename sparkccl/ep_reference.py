@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .reference import finalize_rows_reference, make_weights_and_shared
+from .reference import finalize_rows_reference, make_rows, make_weights_and_shared
 
 
 def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
@@ -18,15 +18,9 @@ def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
     g = torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919 + 29) & 0x7FFFFFFFFFFF)
     n, H, E, K = tokens, hidden, num_experts, topk
     scale = float(2.0 ** (rank % 3 - 1))
-    if fp8:
-        x = (torch.randn((n, H), generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        e = torch.randint(-8, 3, (n, H // 128), generator=g).to(torch.float32)
-        x_scales = torch.exp2(e) * (1 + torch.rand((n, H // 128), generator=g)) * scale
-    else:
-        x = (torch.randn((n, H), generator=g) * scale).to(torch.bfloat16)
-        if x.numel():
-            x.view(-1)[::7] = -0.0
-        x_scales = None
+    x, x_scales = make_rows(g, n, H, fp8, scale)
+    if not fp8 and x.numel():
+        x.view(-1)[::7] = -0.0
     allowed = [e for e in range(E) if e % 5 != 3]
     if len(allowed) < K:
         allowed = list(range(E))

@@ -131,6 +131,19 @@ def fma_f32(a, b, c):
     return s.astype(np.float32)
 
 
+def make_rows(g, n: int, H: int, fp8: bool, scale: float):
+    """``n`` rows of ``H`` drawn from ``g``: bf16 times ``scale`` (scales None), or e4m3 with
+    fp32 scales per 128 columns (times ``scale``): what the finalize's expert rows and the
+    expert-parallel tokens share."""
+    import torch
+    if fp8:
+        # Clamped: torch versions differ on out-of-range e4m3 conversion (NaN or saturate).
+        x = (torch.randn((n, H), generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        e = torch.randint(-8, 3, (n, H // 128), generator=g).to(torch.float32)
+        return x, torch.exp2(e) * (1 + torch.rand((n, H // 128), generator=g)) * scale
+    return (torch.randn((n, H), generator=g) * scale).to(torch.bfloat16), None
+
+
 def make_finalize_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
                         experts_rows: int, fp8: bool = False, pow2_weights: bool = True):
     """One rank's finalize inputs for test ``seed`` (any rank can rebuild any other's):
@@ -142,14 +155,7 @@ def make_finalize_input(seed: int, rank: int, *, tokens: int, hidden: int, topk:
     g = torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919 + 17) & 0x7FFFFFFFFFFF)
     T, H, R = tokens, hidden, experts_rows
     scale = float(2.0 ** (rank % 3 - 1))
-    if fp8:
-        # Clamped: torch versions differ on out-of-range e4m3 conversion (NaN or saturate).
-        y = (torch.randn((R, H), generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        e = torch.randint(-8, 3, (R, H // 128), generator=g).to(torch.float32)
-        y_scales = torch.exp2(e) * (1 + torch.rand((R, H // 128), generator=g)) * scale
-    else:
-        y = (torch.randn((R, H), generator=g) * scale).to(torch.bfloat16)
-        y_scales = None
+    y, y_scales = make_rows(g, R, H, fp8, scale)
     pos = torch.randint(0, max(R, 1), (T * topk,), generator=g, dtype=torch.int32)
     weights, shared = make_weights_and_shared(g, T, topk, H, scale, pow2_weights)
     return dict(y=y, pos=pos, weights=weights, shared=shared, y_scales=y_scales)
