@@ -4,15 +4,19 @@
 # under its own time limit. Results land in $OUT (or ./h200_out by hand), one file per stage.
 #   tests  the GPU tests (pytest -m cuda) of the whole suite (more than one call's limit:
 #          tests1 and tests2 split it, the data plane's and all-reduce's files, then the rest)
-#   demos  sparkccl demo --device cuda, world 2 and 4, mesh and ring
+#   demos  sparkccl demo --device cuda, world 2 and 4, mesh and ring (DEMOS="2:mesh 4:ring" picks)
+#   torch  the torch.distributed backend's GPU tests (tests/test_torch_backend.py -m cuda)
+#   eplat  expert parallelism: its GPU tests, then benchmarks/ep_latency.py world 2 and 4 (default
+#          combine block, then combine_rows 640 / 384) under MPS
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
 #   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
-#          world 2 and 4 under MPS (GPU-direct and proxy path beside their floors), and the
+#          world 2 and 4 (DECODE_WORLDS; DECODE_ARGS: more arguments) under MPS (GPU-direct and proxy path beside their floors), and the
 #          proxy's publish -> post figures at 8 and 64 KiB (SPARKCCL_GPU_STAMPS)
-# DECODE_TESTS=0: the decode stage without its tests (tests2 holds them); AB_ROUNDS, AB_MAX: the
+# DECODE_TESTS=0: the decode stage without its tests (tests2 holds them); DECODE_PROXY_SIZES="":
+# without the proxy's figures; AB_ROUNDS, AB_MAX: the
 # A/B's rounds (2) and largest size (64M).
 # e.g. STAGES="tests demos" bash benchmarks/h200_one_gpu.sh
 #      STAGES="ab ar ep" BASE=.base bash benchmarks/h200_one_gpu.sh
@@ -49,10 +53,26 @@ for s in $STAGES; do
       timeout ${TESTS_S:-420} python3 -m pytest -q -rs -p no:cacheprovider -m cuda "${sel[@]}" 2>&1 \
         | tail -40 | tee "$OUT/gpu_$s.txt" ;;
     demos)
-      for w in 2 4; do for t in mesh ring; do
+      for wt in ${DEMOS:-2:mesh 2:ring 4:mesh 4:ring}; do
+        w=${wt%%:*} t=${wt##*:}
         stage "demo --device cuda --world $w --topology $t"
         timeout 120 python3 -m sparkccl.cli demo --device cuda --world $w --topology $t --quick 2>&1 | tail -3
-      done; done | tee "$OUT/demo_cuda.txt" ;;
+      done | tee "$OUT/demo_cuda.txt" ;;
+    torch)
+      stage "torch.distributed backend GPU tests"
+      timeout ${TESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
+        tests/test_torch_backend.py 2>&1 | tail -20 | tee "$OUT/gpu_torch.txt" ;;
+    eplat)
+      stage "EP GPU tests"
+      timeout ${TESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
+        tests/test_expert_parallel.py 2>&1 | tail -20 | tee "$OUT/gpu_ep.txt"
+      mps_on
+      for wc in 2: 4: 2:640 4:384; do
+        w=${wc%%:*} c=${wc##*:}
+        stage "EP latency, world $w ${c:+combine_rows $c}"
+        timeout 150 python3 benchmarks/ep_latency.py --world $w ${c:+--combine-rows $c} 2>&1
+      done | tee "$OUT/ep_latency.txt"
+      mps_off ;;
     ab)
       [ -n "$BASE" ] || { echo "ab needs BASE"; continue; }
       mps_on
@@ -78,11 +98,11 @@ for s in $STAGES; do
           tests/test_failstop.py -k "kill-ar or stall-ar" 2>&1 | tail -20
       } | tee "$OUT/decode_tests.txt"
       mps_on
-      for w in 2 4; do
+      for w in ${DECODE_WORLDS:-2 4}; do
         stage "decode latency, world $w"
-        timeout 240 python3 benchmarks/decode_latency.py --world $w 2>&1
+        timeout 240 python3 benchmarks/decode_latency.py --world $w ${DECODE_ARGS:-} 2>&1
       done | tee "$OUT/decode_latency.txt"
-      for n in 8192 65536; do  # the proxy's own figures (benchmarks/proxy_latency_h200.txt)
+      for n in ${DECODE_PROXY_SIZES-8192 65536}; do  # the proxy's own figures (benchmarks/proxy_latency_h200.txt)
         stage "proxy latency $n"
         SPARKCCL_GPU_STAMPS=1 SPARKCCL_GPU_DIRECT=0 timeout 120 python3 -m sparkccl.cli bench \
           --device cuda --world 2 --no-baseline --iters 200 --min-bytes $n --max-bytes $n 2>&1
