@@ -82,7 +82,8 @@ def launch(dev: torch.device, name: str, grid: tuple, args: list) -> None:
     cc = nvrtc.import_cuda_core()
     stream = _stream(dev)
     with torch.cuda.device(dev):
-        cc.launch(stream, cc.LaunchConfig(grid=grid[0] if len(grid) == 1 else grid, block=THREADS), k,
+        config = cc.LaunchConfig(grid=grid[0] if len(grid) == 1 else grid, block=THREADS)
+        cc.launch(stream, config, k,
                   *(kernel_u64(a) if isinstance(a, U64) else int(a) for a in args))
 
 

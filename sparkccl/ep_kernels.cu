@@ -24,9 +24,9 @@ extern "C" __global__ void __launch_bounds__(256) sccl_ep_finalize(
 // ExpertParallel.dispatch on CUDA (sparkccl/ep_cuda.py): sccl_ep_pack builds the all-to-all's
 // send blocks from the tokens and their top-k ids, sccl_ep_unpack (low-latency mode) selects
 // this rank's entries from the received blocks. The torch path of expert_parallel.py is the
-// specification: the same bytes everywhere it defines them. Block b's rows follow (b, scan)
-// order; every block redoes the (cheap: n * topk ids) scans of its index, so one launch
-// needs no grid-wide sync, and extra blocks (blockIdx.y) only split the row copies.
+// specification: the same bytes everywhere it defines them. Every block of a destination
+// (pack) or local expert (unpack) redoes that index's scan (cheap: a few thousand ids), so
+// one launch needs no grid-wide sync; the extra blocks (blockIdx.y) only split the copies.
 
 #define EP_THREADS 256
 #define EP_MAX_TOPK 16
@@ -136,7 +136,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
       for (u64 i = tid; i < mine * upr; i += nt) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
-        if (r < Pd) st16(blk + r * row_bytes + u * 16, ld_dev16(x + (u64)tok[j] * row_bytes + u * 16));
+        if (r < Pd)
+          st16(blk + r * row_bytes + u * 16, ld_dev16(x + (u64)tok[j] * row_bytes + u * 16));
       }
       for (u64 i = tid; i < mine * spr; i += nt) {
         const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares, r = rows + j;

@@ -25,6 +25,9 @@ one block per (source, destination) pair of a capacity every rank knows:
   computed for it at dispatch (the entries (t, k) it sent to that rank, in (t, k) order),
   and the home rank runs the finalize over them.
 
+On CUDA dispatch packs and (low-latency) selects with fused kernels (:mod:`sparkccl.ep_cuda`);
+the torch code here is their specification and the CPU path.
+
 ``high_throughput`` learns the capacities from the counts, exchanged first (one small
 all-gather: per destination the tokens and the entries; ``P`` = the largest pair), so the
 wire carries the largest pair's rows, not ``max_tokens``; ``low_latency`` uses the fixed

@@ -428,7 +428,7 @@ def _device_refusal(ep, inputs, device):
     return bad
 
 
-@pytest.mark.parametrize("world,fp8", [(2, True), (4, False)])
+@pytest.mark.parametrize("world,fp8", [(2, True), (2, False), (4, True), (4, False)])
 @cuda_only[0]
 @cuda_only[1]
 def test_ep_low_latency_graph_replay(world, fp8):
@@ -538,7 +538,7 @@ def test_world_one_finalize_keeps_the_canonical_nan():
 
 
 
-# ---------------------------------------------------------------- the fused dispatch kernels, emulated
+# ---------------------------------------------------------------- fused dispatch kernels, emulated
 
 _EMU_DISPATCH = r"""
 #include <condition_variable>
@@ -767,5 +767,162 @@ def test_ep_dispatch_kernels_emulated(world, tmp_path):
     experts with no tokens, one-rank tokens, int32 and int64 ids, both modes."""
     so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
     values = check(run_ranks(ep_emu_job, world, args=(so,), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+
+def _fused_cases(W: int):
+    """_emu_cases plus more than one 256-token tile of tokens and of received rows per
+    source, DeepSeek-like rows (e4m3, hidden 7168), and a skewed routing (every token on
+    rank 0's experts)."""
+    return [c[:10] for c in _emu_cases(W)] + [
+        (300, [300] * W, 512, 8, 8 * W, True, "low_latency", "contiguous", None, False),
+        (64, [64] * W, 7168, 8, 32 * W, True, "low_latency", "contiguous", 40, False),
+        (40, [40] * W, 256, 4, 4 * W, False, "low_latency", "skewed", None, True)]
+
+
+def _emu_launcher(so_path: str, threads: int):
+    """ep_cuda.launch's twin that runs the kernels in the CPU emulation (_EMU_DISPATCH)."""
+    import ctypes
+    so = ctypes.CDLL(so_path)
+    so.run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                       ctypes.POINTER(ctypes.c_uint64)]
+    so.run.restype = ctypes.c_int
+
+    def launch(dev, name, grid, args):
+        a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
+        assert so.run(name.encode(), grid[0], grid[1], threads, a) == 0, name
+    return launch
+
+
+def ep_fused_job(rank, world, store, device="cuda", so_path=None):
+    """The fused dispatch (sccl_ep_pack / sccl_ep_unpack) against the torch path
+    (ExpertParallel(_fused=False)) on the same inputs: send blocks, pos, refused entries
+    and their counts, recv (counts, src_*, rows and scales up to the counts), feed; then
+    combine of the fused dispatch against the one-box reference (refused tokens: the
+    canonical NaN, check() raises). On CUDA ranks; on CPU ranks (device "cpu") with the
+    kernels run by the CPU emulation, which checks the Python side of the fused path."""
+    import sparkccl
+    from sparkccl import ep_cuda
+    from sparkccl.expert_parallel import BlockLayout
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        ep_cuda.launch = _emu_launcher(so_path, 32)
+    W, bad = world, []
+    with sparkccl.Communicator(store=store, rank=rank, world_size=W, device=device,
+                               slot_bytes=8 << 20, timeout_s=60) as comm:
+        dev = comm.device
+        for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32) in \
+                enumerate(_fused_cases(W)):
+            name = f"case {c} ({mode}, fp8 {fp8}, T {T}, H {H}, K {K})"
+            inp = make_ep_input(120 + c, rank, tokens=ns[rank], hidden=H, topk=K,
+                                num_experts=E, world=W, fp8=fp8)
+            if placement == "skewed":  # every token's top-k on rank 0's experts
+                placement = "contiguous"
+                g = torch.Generator().manual_seed(c * 31 + rank)
+                inp["topk_idx"] = torch.stack([torch.randperm(E // W, generator=g)[:K]
+                                               for _ in range(ns[rank])])
+            idx = _emu_routing(inp, rank, E, int32).to(dev)
+            a = {k: None if v is None else v.to(dev) for k, v in inp.items()}
+            got = []
+            eps = [sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                           dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                           mode=mode, placement=placement, combine_rows=rows,
+                                           _fused=fused and device == "cuda")
+                   for fused in (True, False)]
+            if device == "cpu":
+                eps[0]._fused = True
+                for ep in eps:
+                    ep._device_checks = True
+            for ep in eps:
+                recv, handle = ep.dispatch(a["x"], idx, a["topk_weights"], a["x_scales"])
+                lay = BlockLayout(handle.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
+                send = ep._scratch["dispatch send"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+                got.append((recv, handle, lay, send))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            (rf, hf, lay, sf), (rt, ht, lay_t, st) = got
+            if lay != lay_t:
+                bad.append(f"{name}: layouts {lay} / {lay_t}")
+                continue
+            if not torch.equal(lay.idx(sf), lay.idx(st)):
+                bad.append(f"{name}: send ids differ")
+            filled = (lay.idx(st).view(torch.int32).view(W, lay.T, K + 1)[:, :, 0] >= 0).sum(1)
+            for d, m in enumerate(filled.tolist()):
+                if not torch.equal(lay.x(sf)[d, :m], lay.x(st)[d, :m]):
+                    bad.append(f"{name}: send rows of block {d} differ")
+                if fp8 and not torch.equal(lay.scales(sf)[d, :m], lay.scales(st)[d, :m]):
+                    bad.append(f"{name}: send scales of block {d} differ")
+            for f in ("pos", "feed", "dispatch_rows", "ret_rows", "recv_shape"):
+                x, y = getattr(hf, f), getattr(ht, f)
+                if not (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y):
+                    bad.append(f"{name}: handle.{f} differs")
+            if (hf.bad_entries is None) != (ht.bad_entries is None) or (
+                    hf.bad_entries is not None and not torch.equal(hf.bad_entries,
+                                                                   ht.bad_entries)):
+                bad.append(f"{name}: handle.bad_entries differ")
+            for f in ("_bad_entries", "_overflow"):
+                if int(getattr(eps[0], f)) != int(getattr(eps[1], f)):
+                    bad.append(f"{name}: {f} {int(getattr(eps[0], f))}, torch path "
+                               f"{int(getattr(eps[1], f))}")
+            for f in ("counts", "src_rank", "src_token", "src_k"):
+                if not torch.equal(getattr(rf, f), getattr(rt, f)):
+                    bad.append(f"{name}: recv.{f} differs")
+            if mode == "low_latency":
+                for e, m in enumerate(rt.counts.tolist()):
+                    if not torch.equal(rf.x[e, :m].view(torch.uint8),
+                                       rt.x[e, :m].view(torch.uint8)):
+                        bad.append(f"{name}: recv.x of local expert {e} differs")
+                    if fp8 and not torch.equal(rf.x_scales[e, :m].view(torch.int32),
+                                               rt.x_scales[e, :m].view(torch.int32)):
+                        bad.append(f"{name}: recv.x_scales of local expert {e} differ")
+            else:
+                same = torch.equal(rf.offsets, rt.offsets) and torch.equal(
+                    rf.x.view(torch.uint8), rt.x.view(torch.uint8))
+                if fp8:
+                    same = same and torch.equal(rf.x_scales.view(torch.int32),
+                                                rt.x_scales.view(torch.int32))
+                if not same:
+                    bad.append(f"{name}: high-throughput recv rows differ")
+            # combine of the fused dispatch: the one-box bits, refused tokens NaN
+            z = eps[0].combine(run_experts(eps[0], rf), hf, shared=a["shared"])
+            z = z.cpu().view(torch.int16).numpy().view(np.uint16)
+            want = combine_reference(inp)
+            n = ns[rank]
+            refused = (ht.pos.view(n, K) == W * ht.ret_rows).any(1).cpu().numpy() if n else \
+                np.zeros(0, dtype=bool)
+            if not np.array_equal(z[~refused], want[~refused]):
+                bad.append(f"{name}: combine of the fused dispatch differs from the one-box "
+                           "reference")
+            if refused.any() and not (z[refused] == 0x7FFF).all():
+                bad.append(f"{name}: refused tokens are not the canonical NaN")
+            for ep in eps:
+                try:
+                    ep.check()
+                    if refused.any():
+                        bad.append(f"{name}: check() did not raise (fused {ep._fused})")
+                except ValueError as e:
+                    if not refused.any():
+                        bad.append(f"{name}: check(): {e}")
+    return bad
+
+
+@pytest.mark.slow
+def test_ep_fused_dispatch_path_emulated(tmp_path):
+    """ep_fused_job on CPU ranks, the kernels emulated: the fused path's Python side (the
+    arguments, buffers, shapes, the high-throughput count launch) end to end."""
+    so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
+    values = check(run_ranks(ep_fused_job, 2, args=("cpu", so), timeout_s=900))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@cuda_only[0]
+@cuda_only[1]
+def test_ep_fused_dispatch_equals_torch_path(world):
+    values = check(run_ranks(ep_fused_job, world, timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
