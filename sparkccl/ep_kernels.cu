@@ -86,13 +86,13 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
   u64 nbad = 0, nover = 0;
   for (u64 t0 = 0; t0 < n; t0 += nt) {
     const u64 t = t0 + tid;
-    int cid[EP_MAX_TOPK];
+    int cid[EP_MAX_TOPK], raw[EP_MAX_TOPK];
     u64 hit = 0, cnt = 0;
     if (t < n) {
       for (u64 k = 0; k < K; ++k) {
-        const int v = ep_id(idx, idx64, t * K + k);
+        const int v = raw[k] = ep_id(idx, idx64, t * K + k);
         bool b = v < 0 || (u64)v >= E;
-        for (u64 j = 0; j < k; ++j) b = b || ep_id(idx, idx64, t * K + j) == v;
+        for (u64 j = 0; j < k; ++j) b = b || raw[j] == v;
         cid[k] = b ? -1 : v;
         if (!b && (u64)owner[v] == d) ++cnt;
       }
