@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows):
+def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -53,7 +53,8 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows):
                                device=dev, timeout_s=120, slot_bytes=slot) as comm:
         ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
                                      dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                                     mode="low_latency", combine_rows=combine_rows)
+                                     mode="low_latency", combine_rows=combine_rows,
+                                     _fused=fused)
         recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=a["shared"])
@@ -116,15 +117,20 @@ def main() -> None:
     ap.add_argument("--per-graph", type=int, default=10)
     ap.add_argument("--combine-rows", type=int, default=None,
                     help="ExpertParallel combine_rows (default: the bound no routing exceeds)")
+    ap.add_argument("--torch-dispatch", action="store_true",
+                    help="dispatch with the torch ops (ExpertParallel(_fused=False)), not the "
+                         "fused kernels")
     a = ap.parse_args()
     res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
                                                not a.bf16, a.iters, a.per_graph,
-                                               a.combine_rows),
+                                               a.combine_rows, not a.torch_dispatch),
                           timeout_s=1200))
     rtt = max(r["flag rtt"] for r in res)
     print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
           f"{a.topk} of {a.experts} experts, dispatch {'bf16' if a.bf16 else 'e4m3'}, combine "
-          f"bf16, combine_rows {a.combine_rows or 'default'}; replays of {a.per_graph} calls, "
+          f"bf16, combine_rows {a.combine_rows or 'default'}, dispatch "
+          f"{'torch ops' if a.torch_dispatch else 'fused kernels'}; replays of {a.per_graph} "
+          "calls, "
           "p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
           "must move")

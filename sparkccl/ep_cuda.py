@@ -1,8 +1,13 @@
-"""The one-box MoE finalize on the GPU, for :meth:`sparkccl.ExpertParallel.combine`:
-``sccl_ep_finalize`` (``ep_kernels.cu``) computes every row with the data plane's own
-``fin_unit`` (``dataplane/kernels/finalize.cu``), so the bits are those of the fused
-finalize and of its CPU twin, with no host read (capturable in a CUDA graph). Compiled with
-NVRTC through the data plane's compiler and cache (:mod:`sparkccl.dataplane.nvrtc`).
+"""The expert-parallel kernels (``ep_kernels.cu``), compiled with NVRTC through the data
+plane's compiler and cache (:mod:`sparkccl.dataplane.nvrtc`), each queued on the current
+stream with no host read (capturable in a CUDA graph):
+
+* ``sccl_ep_finalize``, the one-box MoE finalize for :meth:`sparkccl.ExpertParallel.combine`:
+  every row computed with the data plane's own ``fin_unit`` (``dataplane/kernels/finalize.cu``),
+  so the bits are those of the fused finalize and of its CPU twin;
+* ``sccl_ep_pack`` / ``sccl_ep_unpack``, :meth:`sparkccl.ExpertParallel.dispatch`'s send
+  blocks and its low-latency selection of this rank's entries: the same bytes as the torch
+  path of ``expert_parallel.py``, which stays the specification (and the CPU path).
 """
 from __future__ import annotations
 
@@ -16,8 +21,15 @@ from .dataplane.cuda_runtime import kernel_u64, set_current
 
 SOURCE = Path(__file__).with_name("ep_kernels.cu")
 KERNEL = "sccl_ep_finalize"
-THREADS = 256
+KERNELS = (KERNEL, "sccl_ep_pack", "sccl_ep_unpack")
+THREADS = 256  # EP_THREADS of ep_kernels.cu (the pack / unpack scans' shared arrays)
 MAX_BLOCKS = 1024
+SPREAD = 256  # pack / unpack: about this many blocks share the row copies
+
+
+class U64(int):
+    """A 64-bit unsigned scalar kernel argument (the others are pointers)."""
+
 
 _lock = threading.Lock()
 _kernels: dict = {}
@@ -33,9 +45,9 @@ def compile_cubin(arch) -> bytes:
     return nvrtc.compile_cubin(arch, src=source())
 
 
-def kernel(device_index: int):
-    """The compiled kernel for a device, loaded now (not at first launch: see the data
-    plane's ``cuda_runtime`` on lazy loading)."""
+def kernels(device_index: int) -> dict:
+    """{name: kernel} for a device, compiled and loaded now (not at first launch: see the
+    data plane's ``cuda_runtime`` on lazy loading)."""
     with _lock:
         k = _kernels.get(device_index)
         if k is None:
@@ -43,30 +55,79 @@ def kernel(device_index: int):
             cc = nvrtc.import_cuda_core()
             arch = nvrtc.arch_of(torch.cuda.get_device_capability(device_index))
             obj = cc.ObjectCode.from_cubin(compile_cubin(arch), name="sparkccl_ep_kernels")
-            loaded = {KERNEL: obj.get_kernel(KERNEL)}
+            loaded = {name: obj.get_kernel(name) for name in KERNELS}
             cuda_runtime.load_now(loaded)
-            k = _kernels[device_index] = loaded[KERNEL]
+            k = _kernels[device_index] = loaded
         return k
+
+
+def kernel(device_index: int, name: str = KERNEL):
+    return kernels(device_index)[name]
+
+
+def _stream(dev: torch.device):
+    cc = nvrtc.import_cuda_core()
+    h = int(torch.cuda.current_stream(dev).cuda_stream)
+    stream = _streams.get(h)
+    if stream is None:
+        stream = _streams[h] = cc.Stream.from_handle(h)
+    return stream
+
+
+def launch(dev: torch.device, name: str, grid: tuple, args: list) -> None:
+    """Queue kernel ``name`` on ``dev``'s current stream; ``args``: pointers (int) and
+    :class:`U64` scalars, in the kernel's order."""
+    k = kernel(dev.index, name)
+    set_current(dev.index)
+    cc = nvrtc.import_cuda_core()
+    stream = _stream(dev)
+    with torch.cuda.device(dev):
+        config = cc.LaunchConfig(grid=grid[0] if len(grid) == 1 else grid, block=THREADS)
+        cc.launch(stream, config, k,
+                  *(kernel_u64(a) if isinstance(a, U64) else int(a) for a in args))
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def pack_args(*, idx, owner, E, W, Pd, Pc, limit, x, x_scales, row_bytes, scale_bytes, send,
+              lay, pos, bad, bad_count, overflow, counts=None) -> list:
+    """sccl_ep_pack's arguments. ``idx``: int64 / int32 [n, K]; ``send``: [W, lay.nbytes]
+    uint8; ``counts`` (int32 [2W]): count only (high-throughput capacities)."""
+    n, K = idx.shape
+    return [_ptr(idx), U64(idx.dtype == torch.int64), _ptr(owner), U64(n), U64(K), U64(E),
+            U64(W), U64(Pd), U64(Pc), U64(bool(limit)), _ptr(x), _ptr(x_scales),
+            U64(row_bytes), U64(scale_bytes), _ptr(send), U64(lay.nbytes), U64(lay.scales_off),
+            U64(lay.idx_off), _ptr(pos), _ptr(bad), _ptr(bad_count), _ptr(overflow),
+            _ptr(counts)]
+
+
+def pack_grid(W: int, Pd: int, count_only: bool) -> tuple:
+    return (W, 1 if count_only else max(1, min(Pd, SPREAD // W)))
+
+
+def unpack_args(*, got, lay, owner, experts, rank, E, W, Pd, K, cap, Pc, limit, row_bytes,
+                scale_bytes, rx, xs, counts, src_rank, src_token, src_k, feed) -> list:
+    """sccl_ep_unpack's arguments (low-latency: ``rx`` [E_local * cap, row_bytes] bytes)."""
+    return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), _ptr(owner),
+            _ptr(experts), U64(rank), U64(E), U64(W), U64(Pd), U64(K), U64(cap), U64(Pc),
+            U64(bool(limit)), U64(row_bytes), U64(scale_bytes), _ptr(rx), _ptr(xs),
+            _ptr(counts), _ptr(src_rank), _ptr(src_token), _ptr(src_k), _ptr(feed)]
+
+
+def unpack_grid(El: int, cap: int) -> tuple:
+    return (El, max(1, min(cap, SPREAD // El)))
 
 
 def finalize_rows(f, out: torch.Tensor, bad: torch.Tensor) -> None:
     """``out`` (bf16 ``[f.num_tokens, f.H]``) = the finalize rows of ``f``
     (:class:`sparkccl.finalize.FinalizeInputs`, on ``out``'s device), queued on the current
     stream. ``bad``: uint32 ``[4]``, the kernel's record of a ``pos`` outside ``[0, R)``."""
-    dev = out.device
-    k = kernel(dev.index)
-    set_current(dev.index)
-    cc = nvrtc.import_cuda_core()
-    h = int(torch.cuda.current_stream(dev).cuda_stream)
-    stream = _streams.get(h)
-    if stream is None:
-        stream = _streams[h] = cc.Stream.from_handle(h)
+    n = U64
     units = f.num_tokens * (f.H // 8)
     grid = max(1, min(MAX_BLOCKS, -(-units // THREADS)))
-    n = kernel_u64
-    with torch.cuda.device(dev):
-        cc.launch(stream, cc.LaunchConfig(grid=grid, block=THREADS), k,
-                  f.y.data_ptr(), 0 if f.scales is None else f.scales.data_ptr(),
-                  f.pos.data_ptr(), f.weights.data_ptr(), f.shared.data_ptr(), bad.data_ptr(),
-                  n(f.num_tokens), n(f.topk), n(f.H), n(f.R), n(1 if f.fp8 else 0),
-                  out.data_ptr())
+    launch(out.device, KERNEL, (grid,),
+           [f.y.data_ptr(), _ptr(f.scales), f.pos.data_ptr(), f.weights.data_ptr(),
+            f.shared.data_ptr(), bad.data_ptr(), n(f.num_tokens), n(f.topk), n(f.H), n(f.R),
+            n(1 if f.fp8 else 0), out.data_ptr()])

@@ -18,3 +18,241 @@ extern "C" __global__ void __launch_bounds__(256) sccl_ep_finalize(
     st16(out + t * 2 * H + cu * 16, fp8 ? fin_unit<true>(a, t, cu) : fin_unit<false>(a, t, cu));
   }
 }
+
+// ---------------------------------------------------------------- dispatch: pack and unpack
+//
+// ExpertParallel.dispatch on CUDA (sparkccl/ep_cuda.py): sccl_ep_pack builds the all-to-all's
+// send blocks from the tokens and their top-k ids, sccl_ep_unpack (low-latency mode) selects
+// this rank's entries from the received blocks. The torch path of expert_parallel.py is the
+// specification: the same bytes everywhere it defines them. Every block of a destination
+// (pack) or local expert (unpack) redoes that index's scan (cheap: a few thousand ids), so
+// one launch needs no grid-wide sync; the extra blocks (blockIdx.y) only split the copies.
+
+#define EP_THREADS 256
+#define EP_MAX_TOPK 16
+
+// Exclusive prefix sum of v over the block (any blockDim.x <= EP_THREADS, all threads call
+// it); *total = the block's sum. sh: 2 * blockDim.x words, free again on return.
+__device__ __forceinline__ u64 ep_block_scan(u64 v, u64* sh, u64* total) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  u64* a = sh;
+  u64* b = sh + nt;
+  a[tid] = v;
+  __syncthreads();
+  for (unsigned off = 1; off < nt; off <<= 1) {
+    u64 s = a[tid];
+    if (tid >= off) s += a[tid - off];
+    b[tid] = s;
+    __syncthreads();  // every read of a is done before a becomes the next step's b
+    u64* t = a;
+    a = b;
+    b = t;
+  }
+  const u64 incl = a[tid];
+  *total = a[nt - 1];
+  __syncthreads();  // sh is reused by the caller's next scan
+  return incl - v;
+}
+
+// Top-k id k of token t, as torch's .to(torch.int32) makes it (int64 ids wrap).
+__device__ __forceinline__ int ep_id(const void* idx, u64 idx64, u64 i) {
+  return idx64 ? (int)((const long long*)idx)[i] : ((const int*)idx)[i];
+}
+
+// Pack. Block x = destination d (0..W-1), y = which of gridDim.y shares of d's rows it copies.
+// Per token t (thread), the cleaned ids (out of range, or equal to an earlier k: -1), the
+// owner of each, hit = some id on d, cnt = its ids on d; a block scan gives t's row in d's
+// block (tokens in order) and each entry's rank nth among this rank's entries on d in (t, k)
+// order: pos[t * K + k] = d * Pc + nth (limit and nth >= Pc: W * Pc, counted in *overflow).
+// Block (0, 0) also writes pos = W * Pc and bad[] = 1 for refused entries (counted in
+// *bad_count), bad[] = 0 elsewhere. counts (non-null): only count, [d] = d's tokens,
+// [W + d] = d's entries, nothing else written. Row r of d's block: the token's row bytes
+// (16-byte units), its scales (4-byte words), ids [t, id_0 .. id_{K-1}]; ids of rows past
+// d's tokens are -1 (their row bytes and scales are left as they are).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
+    const void* idx, u64 idx64, const int* owner, u64 n, u64 K, u64 E, u64 W, u64 Pd, u64 Pc,
+    u64 limit, const u8* x, const u8* xs, u64 row_bytes, u64 scale_bytes, u8* send,
+    u64 block_bytes, u64 scales_off, u64 idx_off, int* pos, u8* bad, u64* bad_count,
+    u64* overflow, int* counts) {
+  __shared__ u64 sh[2 * EP_THREADS];
+  __shared__ int tok[EP_THREADS];
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  const u64 d = blockIdx.x, share = blockIdx.y, shares = gridDim.y;
+  const bool lead = share == 0;
+  u8* blk = send + d * block_bytes;
+  int* ids = (int*)(blk + idx_off);
+  const u64 upr = row_bytes / 16, spr = scale_bytes / 4;
+  u64 rows = 0, ents = 0;  // d's tokens and entries before this tile
+  u64 nbad = 0, nover = 0;
+  for (u64 t0 = 0; t0 < n; t0 += nt) {
+    const u64 t = t0 + tid;
+    int cid[EP_MAX_TOPK], raw[EP_MAX_TOPK];
+    u64 hit = 0, cnt = 0;
+    if (t < n) {
+      for (u64 k = 0; k < K; ++k) {
+        const int v = raw[k] = ep_id(idx, idx64, t * K + k);
+        bool b = v < 0 || (u64)v >= E;
+        for (u64 j = 0; j < k; ++j) b = b || raw[j] == v;
+        cid[k] = b ? -1 : v;
+        if (!b && (u64)owner[v] == d) ++cnt;
+      }
+      hit = cnt ? 1 : 0;
+    }
+    u64 tile;
+    const u64 ex = ep_block_scan((hit << 32) | cnt, sh, &tile);
+    const u64 row = rows + (ex >> 32), nth0 = ents + (ex & 0xffffffffull);
+    const u64 tile_rows = tile >> 32;
+    if (t < n && !counts) {
+      if (hit) tok[ex >> 32] = (int)t;
+      if (lead) {
+        u64 nth = nth0;
+        for (u64 k = 0; k < K; ++k) {
+          const int v = cid[k];
+          if (v >= 0 && (u64)owner[v] == d) {
+            const bool over = limit && nth >= Pc;
+            nover += over;
+            pos[t * K + k] = (int)(over ? W * Pc : d * Pc + nth);
+            ++nth;
+          }
+          if (d == 0) {  // refused entries have no destination: block (0, 0) takes them
+            bad[t * K + k] = v < 0;
+            if (v < 0) {
+              pos[t * K + k] = (int)(W * Pc);
+              ++nbad;
+            }
+          }
+        }
+      }
+      if (hit && row < Pd && row % shares == share) {
+        int* r = ids + row * (K + 1);
+        r[0] = (int)t;
+        for (u64 k = 0; k < K; ++k) r[k + 1] = cid[k];
+      }
+    }
+    __syncthreads();  // tok[] complete
+    if (!counts) {
+      // this share's rows of the tile: j = j0, j0 + shares, ... (row = rows + j)
+      const u64 j0 = (share + shares - rows % shares) % shares;
+      const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
+      for (u64 i = tid; i < mine * upr; i += nt) {
+        const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
+        if (r < Pd)
+          st16(blk + r * row_bytes + u * 16, ld_dev16(x + (u64)tok[j] * row_bytes + u * 16));
+      }
+      for (u64 i = tid; i < mine * spr; i += nt) {
+        const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares, r = rows + j;
+        if (r < Pd)
+          ((u32*)(blk + scales_off + r * scale_bytes))[w] =
+              ((const u32*)(xs + (u64)tok[j] * scale_bytes))[w];
+      }
+    }
+    __syncthreads();  // tok[] is rewritten by the next tile
+    rows += tile_rows;
+    ents += tile & 0xffffffffull;
+  }
+  if (counts) {
+    if (lead && tid == 0) {
+      counts[d] = (int)rows;
+      counts[W + d] = (int)ents;
+    }
+    return;
+  }
+  if (lead) {
+    for (u64 i = rows * (K + 1) + tid; i < Pd * (K + 1); i += nt) ids[i] = -1;
+    if (nbad) atomicAdd((unsigned long long*)bad_count, (unsigned long long)nbad);
+    if (nover) atomicAdd((unsigned long long*)overflow, (unsigned long long)nover);
+  }
+}
+
+// Unpack (low-latency). Block x = local expert e (global id experts[e]), y = which of
+// gridDim.y shares of e's rows it copies. Over the received rows (s, p) in order (source s's
+// block, row p; ids [token, id_0 ..]), an entry is "mine" when its id's owner is this rank:
+// a block scan gives, per row that names e (at k; at most once, ids are distinct per row),
+// rank_in (e's rows before it) and nth_in (source s's mine entries before (p, k), the
+// row the source numbered for it). Received row i = e * cap + rank_in takes the token's row
+// bytes, scales, (s, token, k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block
+// (e, 0) writes counts[e] and -1 in e's src_* past the count; block (0, 0) writes feed = 0
+// at the rows no entry takes (each source's rows past its mine entries).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
+    const u8* got, u64 block_bytes, u64 scales_off, u64 idx_off, const int* owner,
+    const int* experts, u64 rank, u64 E, u64 W, u64 Pd, u64 K, u64 cap, u64 Pc, u64 limit,
+    u64 row_bytes, u64 scale_bytes, u8* rx, u8* xs, int* counts, int* src_rank,
+    int* src_token, int* src_k, long long* feed) {
+  __shared__ u64 sh[2 * EP_THREADS];
+  __shared__ u64 srow[EP_THREADS];
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  const u64 e = blockIdx.x, share = blockIdx.y, shares = gridDim.y;
+  const bool lead = share == 0;
+  const int ge = experts[e];
+  const u64 upr = row_bytes / 16, spr = scale_bytes / 4;
+  u64 have = 0;  // e's rows before this tile
+  for (u64 s = 0; s < W; ++s) {
+    const int* ids = (const int*)(got + s * block_bytes + idx_off);
+    u64 held = 0;  // source s's mine entries before this tile
+    for (u64 p0 = 0; p0 < Pd; p0 += nt) {
+      const u64 p = p0 + tid;
+      u64 has = 0, m = 0, before = 0;  // before: mine entries of the row ahead of e's
+      int kk = -1, token = -1;
+      if (p < Pd) {
+        const int* r = ids + p * (K + 1);
+        token = r[0];
+        for (u64 k = 0; k < K; ++k) {
+          const int v = r[k + 1];
+          if (v >= 0 && (u64)v < E && (u64)owner[v] == rank) {
+            if (v == ge && kk < 0) {
+              kk = (int)k;
+              before = m;
+            }
+            ++m;
+          }
+        }
+        has = kk >= 0;
+      }
+      u64 tile;
+      const u64 ex = ep_block_scan((has << 32) | m, sh, &tile);
+      const u64 rank_in = have + (ex >> 32);
+      const u64 nth_in = held + (ex & 0xffffffffull) + before;
+      const u64 tile_rows = tile >> 32;
+      if (has) {
+        srow[ex >> 32] = s * Pd + p;
+        const u64 i = e * cap + rank_in;
+        if (rank_in % shares == share) {
+          src_rank[i] = (int)s;
+          src_token[i] = token;
+          src_k[i] = kk;
+          if (!limit || nth_in < Pc) feed[s * Pc + nth_in] = (long long)i;
+        }
+      }
+      __syncthreads();  // srow[] complete
+      const u64 j0 = (share + shares - have % shares) % shares;
+      const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
+      for (u64 i = tid; i < mine * upr; i += nt) {
+        const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
+        const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
+        st16(rx + (e * cap + have + j) * row_bytes + u * 16,
+             ld_dev16(got + off + q * row_bytes + u * 16));
+      }
+      for (u64 i = tid; i < mine * spr; i += nt) {
+        const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares;
+        const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
+        ((u32*)(xs + (e * cap + have + j) * scale_bytes))[w] =
+            ((const u32*)(got + off + scales_off + q * scale_bytes))[w];
+      }
+      __syncthreads();  // srow[] is rewritten by the next tile
+      have += tile_rows;
+      held += tile & 0xffffffffull;
+    }
+    if (e == 0 && lead) {
+      const u64 lo = held < Pc ? held : Pc;
+      for (u64 q = lo + tid; q < Pc; q += nt) feed[s * Pc + q] = 0;
+    }
+  }
+  if (lead) {
+    if (tid == 0) counts[e] = (int)have;
+    for (u64 i = have + tid; i < cap; i += nt) {
+      src_rank[e * cap + i] = -1;
+      src_token[e * cap + i] = -1;
+      src_k[e * cap + i] = -1;
+    }
+  }
+}

@@ -25,6 +25,9 @@ one block per (source, destination) pair of a capacity every rank knows:
   computed for it at dispatch (the entries (t, k) it sent to that rank, in (t, k) order),
   and the home rank runs the finalize over them.
 
+On CUDA dispatch packs and (low-latency) selects with fused kernels (:mod:`sparkccl.ep_cuda`);
+the torch code here is their specification and the CPU path.
+
 ``high_throughput`` learns the capacities from the counts, exchanged first (one small
 all-gather: per destination the tokens and the entries; ``P`` = the largest pair), so the
 wire carries the largest pair's rows, not ``max_tokens``; ``low_latency`` uses the fixed
@@ -221,7 +224,8 @@ class ExpertParallel:
 
     def __init__(self, comm, *, num_experts: int, hidden: int, max_tokens: int,
                  dtype: torch.dtype = torch.bfloat16, mode: str = "high_throughput",
-                 placement="contiguous", combine_rows: int | None = None):
+                 placement="contiguous", combine_rows: int | None = None,
+                 _fused: bool | None = None):
         what = "ExpertParallel"
         W = comm.world_size
         E = _int(num_experts, "num_experts", what)
@@ -278,9 +282,16 @@ class ExpertParallel:
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
+        # CUDA dispatch runs fused kernels (ep_cuda: pack, and in low-latency mode unpack);
+        # _fused=False keeps the torch path there, which is the specification (and the CPU
+        # path), for the tests that compare the two.
+        self._fused = cuda if _fused is None else bool(_fused)
+        if self._fused and not cuda:
+            raise ValueError(f"{what}: the fused dispatch kernels need a CUDA communicator")
+        self._experts_dev = torch.tensor(self.local_experts, dtype=torch.int32, device=dev)
         if cuda:
             from . import ep_cuda
-            ep_cuda.kernel(dev.index)  # compiled and loaded before any collective runs
+            ep_cuda.kernels(dev.index)  # compiled and loaded before any collective runs
 
     # ---- checks (everything before anything is sent) ----------------------------------
     def _check_dispatch(self, x, topk_idx, topk_weights, x_scales):
@@ -354,16 +365,15 @@ class ExpertParallel:
             bad = bad | (eq & earlier).any(dim=2)
         return bad
 
-    def _capacities(self, hit: torch.Tensor, onehot: torch.Tensor) -> tuple[int, int]:
+    def _capacities(self, counts) -> tuple[int, int]:
         """(dispatch rows, combine rows) a block: low-latency the fixed bounds; high-
         throughput the largest pair over every rank's counts (exchanged first: one
-        all-gather, read on the host). ``hit``: [n, W] tokens to each rank; ``onehot``:
-        [n * K, W + 1] each entry's owner (W: refused)."""
+        all-gather, read on the host). ``counts``: a callable giving int32 [2W] (the tokens
+        to each rank, then the entries), called in high-throughput mode only."""
         W, T = self.world, self.max_tokens
         if self.mode == "low_latency":
             return T, self.combine_rows or T * min(self._topk, self.num_local_experts)
-        counts = torch.cat([hit.sum(0), onehot[:, :W].sum(0)]).to(torch.int32)  # [2W]
-        table = self.comm.all_gather(counts).view(W, 2 * W)
+        table = self.comm.all_gather(counts()).view(W, 2 * W)
         rows = table.amax(0)
         return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
 
@@ -397,9 +407,10 @@ class ExpertParallel:
         """
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
         comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
-        El = self.num_local_experts
         dev = comm.device
         self._topk = K
+        if self._fused:
+            return self._dispatch_fused(x, topk_idx, topk_weights, x_scales, n, K)
         idx = topk_idx.to(torch.int32)
         bad = None
         if n and self._device_checks:
@@ -413,7 +424,8 @@ class ExpertParallel:
         # [n * K, W + 1] (not F.one_hot: on CUDA it checks its input on the host)
         onehot = (own.unsqueeze(1) == torch.arange(W + 1, device=dev)).long()
         hit = onehot[:, :W].view(n, K, W).any(1)  # [n, W]
-        Pd, Pc = self._capacities(hit, onehot)
+        Pd, Pc = self._capacities(lambda: torch.cat([hit.sum(0), onehot[:, :W].sum(0)]).to(
+            torch.int32))
         nth = onehot.cumsum(0).gather(1, own.unsqueeze(1)).squeeze(1) - 1
         pos = torch.where(own < W, own * Pc + nth, W * Pc)
         if self.combine_rows is not None and n:
@@ -452,6 +464,16 @@ class ExpertParallel:
         # [W, nbytes]: source s's block for this rank
         got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
                                                          torch.uint8))
+        recv, feed = self._select(got, lay, Pd, Pc, K)
+        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad,
+                        tuple(recv.src_rank.shape))
+        return recv, handle
+
+    def _select(self, got: torch.Tensor, lay: BlockLayout, Pd: int, Pc: int, K: int):
+        """The torch path's selection of this rank's entries from the received blocks
+        ``got`` [W, nbytes]: (recv, feed)."""
+        W, T, H, El = self.world, self.max_tokens, self.hidden, self.num_local_experts
+        dev = self.comm.device
 
         # This rank's entries (s, p, k) of every received row, by (local expert, s, token).
         g = lay.idx(got).view(torch.int32).view(W, Pd, K + 1)
@@ -532,7 +554,72 @@ class ExpertParallel:
         recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
                               src_token.view(recv_shape), src_k.view(recv_shape),
                               list(self.local_experts))
-        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
+        return recv, feed
+
+    def _dispatch_fused(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
+        """dispatch on CUDA: sccl_ep_pack builds the send blocks, pos and the refusals (the
+        device checks and their counts folded in); after the all-to-all, low-latency mode
+        selects this rank's entries with sccl_ep_unpack, high-throughput with the torch
+        path (its receive rows are sized on the host anyway). The same bytes as the torch
+        path wherever that defines them (tests/test_expert_parallel.py compares)."""
+        from . import ep_cuda
+        comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
+        El, E = self.num_local_experts, self.num_experts
+        dev = comm.device
+        if x.data_ptr() % _ALIGN:  # the row copies are 16-byte accesses
+            x = x.clone()
+        xb = x.view(torch.uint8)
+        xs_in = x_scales if self.fp8 else None
+        limit = self.combine_rows is not None
+        bad = torch.empty((n, K), dtype=torch.bool, device=dev)
+        pos = torch.empty(n * K, dtype=torch.int32, device=dev)
+        scale_bytes = self._scale_cols * 4
+
+        def pack(Pd, Pc, send, lay, counts=None):
+            args = ep_cuda.pack_args(idx=topk_idx, owner=self._owner_dev, E=E, W=W, Pd=Pd, Pc=Pc,
+                                     limit=limit, x=xb, x_scales=xs_in,
+                                     row_bytes=self._row_bytes, scale_bytes=scale_bytes,
+                                     send=send, lay=lay, pos=pos, bad=bad,
+                                     bad_count=self._bad_entries, overflow=self._overflow,
+                                     counts=counts)
+            ep_cuda.launch(dev, "sccl_ep_pack", ep_cuda.pack_grid(W, Pd, counts is not None),
+                           args)
+
+        def counts():
+            c = torch.empty(2 * W, dtype=torch.int32, device=dev)
+            pack(1, 1, None, BlockLayout(1, H, K + 1, self._row_bytes, self._scale_cols), c)
+            return c
+
+        Pd, Pc = self._capacities(counts)
+        if W * Pc >= 2 ** 31:
+            raise ValueError(f"ExpertParallel.dispatch: world * combine rows = {W} * {Pc} "
+                             "exceeds int32 (pos); lower max_tokens or combine_rows")
+        lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
+        send = self._buffer("dispatch send", (W, lay.nbytes), torch.uint8)
+        pack(Pd, Pc, send, lay)
+        got = comm.all_to_all(send, out=self._buffer("dispatch recv", (W, lay.nbytes),
+                                                     torch.uint8))
+        if self.mode == "low_latency":
+            cap = W * T
+            rx = torch.empty((El, cap, H), dtype=self.dtype, device=dev)
+            xs = (torch.empty((El, cap, self._scale_cols), dtype=torch.float32, device=dev)
+                  if self.fp8 else None)
+            counts_e = torch.empty(El, dtype=torch.int32, device=dev)
+            src = [torch.empty((El, cap), dtype=torch.int32, device=dev) for _ in range(3)]
+            feed = torch.empty(W * Pc, dtype=torch.int64, device=dev)
+            args = ep_cuda.unpack_args(got=got, lay=lay, owner=self._owner_dev,
+                                       experts=self._experts_dev, rank=self.rank, E=E, W=W,
+                                       Pd=Pd, K=K, cap=cap, Pc=Pc, limit=limit,
+                                       row_bytes=self._row_bytes, scale_bytes=scale_bytes,
+                                       rx=rx, xs=xs, counts=counts_e, src_rank=src[0],
+                                       src_token=src[1], src_k=src[2], feed=feed)
+            ep_cuda.launch(dev, "sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), args)
+            recv = DispatchResult(self.mode, rx, xs, counts_e, None, *src,
+                                  list(self.local_experts))
+        else:
+            recv, feed = self._select(got, lay, Pd, Pc, K)
+        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad if n else None,
+                        tuple(recv.src_rank.shape))
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------

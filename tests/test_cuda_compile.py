@@ -37,6 +37,19 @@ def test_kernels_compile(arch, tmp_path, monkeypatch):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("arch", [pytest.param("sm_90", marks=pytest.mark.slow), "sm_121"])
+def test_ep_kernels_compile(arch, tmp_path, monkeypatch):
+    """The expert-parallel kernels (sparkccl/ep_kernels.cu: the finalize, the dispatch pack
+    and unpack), one NVRTC text of their own."""
+    from sparkccl import ep_cuda
+    monkeypatch.setenv("SPARKCCL_CACHE_DIR", str(tmp_path))
+    cubin = ep_cuda.compile_cubin(arch)
+    assert cubin[:4] == b"\x7fELF"
+    for name in ep_cuda.KERNELS:
+        assert name.encode() in cubin, name
+
+
+@needs_nvrtc
 @pytest.mark.slow
 def test_kernels_compile_with_the_timeline(tmp_path, monkeypatch):
     """SPARKCCL_GPU_TIMELINE's build (the step stamps compiled in) compiles, under its own

@@ -428,7 +428,7 @@ def _device_refusal(ep, inputs, device):
     return bad
 
 
-@pytest.mark.parametrize("world,fp8", [(2, True), (4, False)])
+@pytest.mark.parametrize("world,fp8", [(2, True), (2, False), (4, True), (4, False)])
 @cuda_only[0]
 @cuda_only[1]
 def test_ep_low_latency_graph_replay(world, fp8):
@@ -463,8 +463,7 @@ extern "C" void run(unsigned grid, const u64* a) {
 """
 
 
-def _emu_ep_finalize(tmp_path):
-    import ctypes
+def _emu_build(tmp_path, main: str = _EMU_MAIN, name: str = "ep_emu"):
     import shutil
     import subprocess
     from pathlib import Path
@@ -475,15 +474,20 @@ def _emu_ep_finalize(tmp_path):
     if cxx is None:
         pytest.skip("needs g++ to build the CPU emulation of the kernel")
     emu_dir = Path(__file__).parent / "cuda_emu"
-    src = tmp_path / "ep_emu.cpp"
-    src.write_text(_EMU_MAIN)
-    lib = tmp_path / "ep_emu.so"
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(main)
+    lib = tmp_path / f"{name}.so"
     cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wno-unknown-pragmas",
            f"-I{emu_dir}", *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS),
            f'-DEP_KERNELS_CU="{ep_cuda.SOURCE.resolve()}"', str(src), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    return str(lib)
+
+
+def _emu_ep_finalize(tmp_path):
+    import ctypes
+    so = ctypes.CDLL(_emu_build(tmp_path))
     so.run.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)]
     return so
 
@@ -531,3 +535,394 @@ def test_world_one_finalize_keeps_the_canonical_nan():
                                              inp["shared"], num_tokens=8, padded_tokens=8)
         assert (z.view(torch.int16) == 0x7FFF).any()
         assert (bits(z) == moe_finalize_reference([inp], 0, 8, 8)).all()
+
+
+
+# ---------------------------------------------------------------- fused dispatch kernels, emulated
+
+_EMU_DISPATCH = r"""
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+#define SCCL_EMU 1
+#include "sccl_emu.h"
+thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+// Whole blocks: blockDim.x threads (std::thread each) meet at a barrier for __syncthreads and
+// share one copy of each __shared__ array (blocks run one after another).
+struct EmuBarrier {
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned n = 0, waiting = 0;
+  u64 gen = 0;
+  void wait() {
+    std::unique_lock<std::mutex> l(m);
+    const u64 g = gen;
+    if (++waiting == n) {
+      waiting = 0;
+      ++gen;
+      cv.notify_all();
+      return;
+    }
+    cv.wait(l, [&] { return gen != g; });
+  }
+};
+static EmuBarrier emu_bar;
+static void emu_syncthreads() { emu_bar.wait(); }
+#undef __shared__
+#define __shared__ static
+#define __syncthreads emu_syncthreads
+#include EP_KERNELS_CU
+#define P(i, T) ((T)(uintptr_t)a[i])
+extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, const u64* a) {
+  const std::string k(name);
+  if (k != "sccl_ep_pack" && k != "sccl_ep_unpack") return -1;
+  for (unsigned by = 0; by < gy; ++by)
+    for (unsigned bx = 0; bx < gx; ++bx) {
+      emu_bar.n = nt;
+      std::vector<std::thread> ts;
+      for (unsigned t = 0; t < nt; ++t)
+        ts.emplace_back([=] {
+          blockIdx.x = bx; blockIdx.y = by; gridDim.x = gx; gridDim.y = gy;
+          blockDim.x = nt; threadIdx.x = t;
+          if (k == "sccl_ep_pack")
+            sccl_ep_pack(P(0, const void*), a[1], P(2, const int*), a[3], a[4], a[5], a[6],
+                         a[7], a[8], a[9], P(10, const u8*), P(11, const u8*), a[12], a[13],
+                         P(14, u8*), a[15], a[16], a[17], P(18, int*), P(19, u8*),
+                         P(20, u64*), P(21, u64*), P(22, int*));
+          else
+            sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], P(4, const int*),
+                           P(5, const int*), a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
+                           a[14], a[15], P(16, u8*), P(17, u8*), P(18, int*), P(19, int*),
+                           P(20, int*), P(21, int*), P(22, long long*));
+        });
+      for (auto& t : ts) t.join();
+    }
+  return 0;
+}
+"""
+
+
+def _emu_cases(W: int):
+    """(T, tokens per rank, H, topk, E, fp8, mode, placement, combine_rows, int32 ids,
+    threads per emulated block)."""
+    explicit = [(e * 7 + 3) % W for e in range(4 * W)]
+    return [(16, [16 if r else 5 for r in range(W - 1)] + [0], 64, 4, 4 * W, False,
+             "low_latency", "contiguous", None, False, 7),
+            (12, [12] * W, 256, 8, 8 * W, True, "low_latency", "round_robin", 9, False, 32),
+            (10, [10, 7] + [3] * (W - 2), 32, 2, 4 * W, False, "high_throughput", explicit,
+             None, True, 256),
+            (9, [9] * W, 128, 1, W, True, "low_latency", "round_robin", None, True, 5),
+            (20, [20] * W, 64, 16, 16 * W, False, "low_latency", "contiguous", None, True, 7),
+            (11, [11] * W, 128, 4, 4 * W, True, "high_throughput", "contiguous", None, False,
+             64)]
+
+
+def _emu_routing(inp, rank, E, int32):
+    """Bad entries on rank 0 (out of range, negative, repeated; an int64 id past 2^32 that
+    int32 wraps onto a good one), the ids as int32 where asked."""
+    idx = inp["topk_idx"].clone()
+    n, K = idx.shape
+    if rank == 0 and n >= 5:
+        idx[2, K - 1] = E
+        idx[1, 0] = -7
+        if K > 1:
+            idx[3, K - 1] = idx[3, 0]
+        if not int32:
+            idx[4, 0] += 1 << 32
+    return idx.to(torch.int32) if int32 else idx
+
+
+def ep_emu_job(rank, world, store, so_path):
+    """The torch path (the specification) dispatches on CPU ranks with the device checks
+    on; on each rank the emulated sccl_ep_pack (and, low-latency, sccl_ep_unpack on the
+    received blocks) must give the same bytes wherever the torch path defines them."""
+    import ctypes
+
+    import sparkccl
+    from sparkccl import ep_cuda
+    from sparkccl.expert_parallel import BlockLayout, placement_table
+    so = ctypes.CDLL(so_path)
+    so.run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                       ctypes.POINTER(ctypes.c_uint64)]
+    so.run.restype = ctypes.c_int
+
+    def run(name, grid, nt, args):
+        a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
+        assert so.run(name.encode(), grid[0], grid[1], nt, a) == 0
+
+    bad = []
+    W = world
+    met = {"bad": 0, "overflow": 0}
+    with sparkccl.Communicator(store=store, rank=rank, world_size=W, timeout_s=60,
+                               slot_bytes=1 << 20) as comm:
+        for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32, nt) in \
+                enumerate(_emu_cases(W)):
+            name = f"case {c} ({mode}, fp8 {fp8}, K {K}, threads {nt})"
+            inp = make_ep_input(90 + c, rank, tokens=ns[rank], hidden=H, topk=K, num_experts=E,
+                                world=W, fp8=fp8)
+            idx = _emu_routing(inp, rank, E, int32)
+            ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                         dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                         mode=mode, placement=placement, combine_rows=rows)
+            ep._device_checks = True
+            recv, handle = ep.dispatch(inp["x"], idx, inp["topk_weights"], inp["x_scales"])
+            n, Pd, Pc = ns[rank], handle.dispatch_rows, handle.ret_rows
+            lay = BlockLayout(Pd, H, K + 1, ep._row_bytes, ep._scale_cols)
+            want = ep._scratch["dispatch send"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+            got = ep._scratch["dispatch recv"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+            want_bad, want_over = int(ep._bad_entries), int(ep._overflow)
+            met["bad"] += want_bad
+            met["overflow"] += want_over
+
+            # pack: count-only, then the blocks
+            owners = placement_table(placement, E, W)
+            clean = idx.long().to(torch.int32).long()
+            if handle.bad_entries is not None:
+                clean = clean.masked_fill(handle.bad_entries, -1)
+            own = torch.tensor([[owners[e] if e >= 0 else W for e in row]
+                                for row in clean.tolist()], dtype=torch.long).view(n, K)
+            want_counts = [int((own == d).any(1).sum()) for d in range(W)] + \
+                          [int((own == d).sum()) for d in range(W)]
+            common = dict(idx=idx, owner=ep._owner_dev, E=E, W=W, limit=rows is not None,
+                          x=inp["x"].view(torch.uint8), x_scales=inp["x_scales"],
+                          row_bytes=ep._row_bytes, scale_bytes=ep._scale_cols * 4)
+            cnt = torch.full((2 * W,), -5, dtype=torch.int32)
+            zero = torch.zeros((), dtype=torch.int64)
+            run("sccl_ep_pack", ep_cuda.pack_grid(W, 1, True), nt, ep_cuda.pack_args(
+                **common, Pd=1, Pc=1, send=None, lay=BlockLayout(1, H, K + 1, 1, 0), pos=None,
+                bad=None, bad_count=zero, overflow=zero, counts=cnt))
+            if cnt.tolist() != want_counts:
+                bad.append(f"{name}: pack counts {cnt.tolist()}, want {want_counts}")
+            send = torch.full((W, lay.nbytes), 0xA5, dtype=torch.uint8)
+            pos = torch.full((n * K,), 12345, dtype=torch.int32)
+            refused = torch.ones((n, K), dtype=torch.bool)
+            nbad = torch.full((), 100, dtype=torch.int64)
+            nover = torch.full((), 200, dtype=torch.int64)
+            run("sccl_ep_pack", ep_cuda.pack_grid(W, Pd, False), nt, ep_cuda.pack_args(
+                **common, Pd=Pd, Pc=Pc, send=send, lay=lay, pos=pos, bad=refused,
+                bad_count=nbad, overflow=nover))
+            if not torch.equal(lay.idx(send), lay.idx(want[:W])):
+                bad.append(f"{name}: send ids differ")
+            for d in range(W):
+                m = want_counts[d]
+                if not torch.equal(lay.x(send)[d, :m], lay.x(want)[d, :m]):
+                    bad.append(f"{name}: send rows of block {d} differ")
+                if fp8 and not torch.equal(lay.scales(send)[d, :m], lay.scales(want)[d, :m]):
+                    bad.append(f"{name}: send scales of block {d} differ")
+            if not torch.equal(pos, handle.pos):
+                bad.append(f"{name}: pos {pos.tolist()[:12]}, want {handle.pos.tolist()[:12]}")
+            if n and not torch.equal(refused, handle.bad_entries):
+                bad.append(f"{name}: refused entries differ")
+            if (int(nbad) - 100, int(nover) - 200) != (want_bad, want_over):
+                bad.append(f"{name}: counted bad {int(nbad) - 100}, overflow {int(nover) - 200}; "
+                           f"want {want_bad}, {want_over}")
+            if mode != "low_latency":
+                continue
+
+            # unpack of the received blocks
+            El, cap = ep.num_local_experts, W * T
+            rx = torch.full((El, cap, ep._row_bytes), 0x5A, dtype=torch.uint8)
+            xs = torch.full((El, cap, ep._scale_cols), 7.0) if fp8 else None
+            counts = torch.full((El,), -9, dtype=torch.int32)
+            src = [torch.full((El, cap), -9, dtype=torch.int32) for _ in range(3)]
+            feed = torch.full((W * Pc,), -9, dtype=torch.int64)
+            run("sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), nt, ep_cuda.unpack_args(
+                got=got, lay=lay, owner=ep._owner_dev, experts=ep._experts_dev, rank=rank,
+                E=E, W=W, Pd=Pd, K=K, cap=cap, Pc=Pc, limit=rows is not None,
+                row_bytes=ep._row_bytes, scale_bytes=ep._scale_cols * 4, rx=rx, xs=xs,
+                counts=counts, src_rank=src[0], src_token=src[1], src_k=src[2], feed=feed))
+            if not torch.equal(counts, recv.counts):
+                bad.append(f"{name}: counts {counts.tolist()}, want {recv.counts.tolist()}")
+                continue
+            for f, a, b in zip(("src_rank", "src_token", "src_k"), src,
+                               (recv.src_rank, recv.src_token, recv.src_k)):
+                if not torch.equal(a, b):
+                    bad.append(f"{name}: {f} differs")
+            if not torch.equal(feed, handle.feed):
+                bad.append(f"{name}: feed differs")
+            for e, m in enumerate(counts.tolist()):
+                if not torch.equal(rx[e, :m], recv.x[e, :m].view(torch.uint8)):
+                    bad.append(f"{name}: rows of local expert {e} differ")
+                if fp8 and not torch.equal(xs[e, :m].view(torch.int32),
+                                           recv.x_scales[e, :m].view(torch.int32)):
+                    bad.append(f"{name}: scales of local expert {e} differ")
+    if rank == 0 and not (met["bad"] and met["overflow"]):
+        bad.append(f"the cases met no bad entry or no overflow: {met}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ep_dispatch_kernels_emulated(world, tmp_path):
+    """sccl_ep_pack / sccl_ep_unpack compiled as host C++ (whole blocks of threads with a
+    barrier for __syncthreads; blocks of 5 to 256 threads, so the scans cover several tiles)
+    against the torch path on CPU ranks: bad entries, combine_rows overflow, an empty rank,
+    experts with no tokens, one-rank tokens, int32 and int64 ids, both modes."""
+    so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
+    values = check(run_ranks(ep_emu_job, world, args=(so,), timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+
+def _fused_cases(W: int):
+    """_emu_cases plus more than one 256-token tile of tokens and of received rows per
+    source, DeepSeek-like rows (e4m3, hidden 7168), and a skewed routing (every token on
+    rank 0's experts)."""
+    return [c[:10] for c in _emu_cases(W)] + [
+        (300, [300] * W, 512, 8, 8 * W, True, "low_latency", "contiguous", None, False),
+        (64, [64] * W, 7168, 8, 32 * W, True, "low_latency", "contiguous", 40, False),
+        (40, [40] * W, 256, 4, 4 * W, False, "low_latency", "skewed", None, True)]
+
+
+def _emu_launcher(so_path: str, threads: int):
+    """ep_cuda.launch's twin that runs the kernels in the CPU emulation (_EMU_DISPATCH)."""
+    import ctypes
+    so = ctypes.CDLL(so_path)
+    so.run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                       ctypes.POINTER(ctypes.c_uint64)]
+    so.run.restype = ctypes.c_int
+
+    def launch(dev, name, grid, args):
+        a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
+        assert so.run(name.encode(), grid[0], grid[1], threads, a) == 0, name
+    return launch
+
+
+def ep_fused_job(rank, world, store, device="cuda", so_path=None):
+    """The fused dispatch (sccl_ep_pack / sccl_ep_unpack) against the torch path
+    (ExpertParallel(_fused=False)) on the same inputs: send blocks, pos, refused entries
+    and their counts, recv (counts, src_*, rows and scales up to the counts), feed; then
+    combine of the fused dispatch against the one-box reference (refused tokens: the
+    canonical NaN, check() raises). On CUDA ranks; on CPU ranks (device "cpu") with the
+    kernels run by the CPU emulation, which checks the Python side of the fused path."""
+    import sparkccl
+    from sparkccl import ep_cuda
+    from sparkccl.expert_parallel import BlockLayout
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        ep_cuda.launch = _emu_launcher(so_path, 32)
+    W, bad = world, []
+    with sparkccl.Communicator(store=store, rank=rank, world_size=W, device=device,
+                               slot_bytes=8 << 20, timeout_s=60) as comm:
+        dev = comm.device
+        for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32) in \
+                enumerate(_fused_cases(W)):
+            name = f"case {c} ({mode}, fp8 {fp8}, T {T}, H {H}, K {K})"
+            inp = make_ep_input(120 + c, rank, tokens=ns[rank], hidden=H, topk=K,
+                                num_experts=E, world=W, fp8=fp8)
+            if placement == "skewed":  # every token's top-k on rank 0's experts
+                placement = "contiguous"
+                g = torch.Generator().manual_seed(c * 31 + rank)
+                inp["topk_idx"] = torch.stack([torch.randperm(E // W, generator=g)[:K]
+                                               for _ in range(ns[rank])])
+            idx = _emu_routing(inp, rank, E, int32).to(dev)
+            a = {k: None if v is None else v.to(dev) for k, v in inp.items()}
+            got = []
+            eps = [sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                           dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                           mode=mode, placement=placement, combine_rows=rows,
+                                           _fused=fused and device == "cuda")
+                   for fused in (True, False)]
+            if device == "cpu":
+                eps[0]._fused = True
+                for ep in eps:
+                    ep._device_checks = True
+            for ep in eps:
+                recv, handle = ep.dispatch(a["x"], idx, a["topk_weights"], a["x_scales"])
+                lay = BlockLayout(handle.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
+                send = ep._scratch["dispatch send"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+                got.append((recv, handle, lay, send))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            (rf, hf, lay, sf), (rt, ht, lay_t, st) = got
+            if lay != lay_t:
+                bad.append(f"{name}: layouts {lay} / {lay_t}")
+                continue
+            if not torch.equal(lay.idx(sf), lay.idx(st)):
+                bad.append(f"{name}: send ids differ")
+            filled = (lay.idx(st).view(torch.int32).view(W, lay.T, K + 1)[:, :, 0] >= 0).sum(1)
+            for d, m in enumerate(filled.tolist()):
+                if not torch.equal(lay.x(sf)[d, :m], lay.x(st)[d, :m]):
+                    bad.append(f"{name}: send rows of block {d} differ")
+                if fp8 and not torch.equal(lay.scales(sf)[d, :m], lay.scales(st)[d, :m]):
+                    bad.append(f"{name}: send scales of block {d} differ")
+            for f in ("pos", "feed", "dispatch_rows", "ret_rows", "recv_shape"):
+                x, y = getattr(hf, f), getattr(ht, f)
+                if not (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y):
+                    bad.append(f"{name}: handle.{f} differs")
+            if (hf.bad_entries is None) != (ht.bad_entries is None) or (
+                    hf.bad_entries is not None and not torch.equal(hf.bad_entries,
+                                                                   ht.bad_entries)):
+                bad.append(f"{name}: handle.bad_entries differ")
+            for f in ("_bad_entries", "_overflow"):
+                if int(getattr(eps[0], f)) != int(getattr(eps[1], f)):
+                    bad.append(f"{name}: {f} {int(getattr(eps[0], f))}, torch path "
+                               f"{int(getattr(eps[1], f))}")
+            for f in ("counts", "src_rank", "src_token", "src_k"):
+                if not torch.equal(getattr(rf, f), getattr(rt, f)):
+                    bad.append(f"{name}: recv.{f} differs")
+            if mode == "low_latency":
+                for e, m in enumerate(rt.counts.tolist()):
+                    if not torch.equal(rf.x[e, :m].view(torch.uint8),
+                                       rt.x[e, :m].view(torch.uint8)):
+                        bad.append(f"{name}: recv.x of local expert {e} differs")
+                    if fp8 and not torch.equal(rf.x_scales[e, :m].view(torch.int32),
+                                               rt.x_scales[e, :m].view(torch.int32)):
+                        bad.append(f"{name}: recv.x_scales of local expert {e} differ")
+            else:
+                same = torch.equal(rf.offsets, rt.offsets) and torch.equal(
+                    rf.x.view(torch.uint8), rt.x.view(torch.uint8))
+                if fp8:
+                    same = same and torch.equal(rf.x_scales.view(torch.int32),
+                                                rt.x_scales.view(torch.int32))
+                if not same:
+                    bad.append(f"{name}: high-throughput recv rows differ")
+            # combine of the fused dispatch: the one-box bits, refused tokens NaN
+            z = eps[0].combine(run_experts(eps[0], rf), hf, shared=a["shared"])
+            z = z.cpu().view(torch.int16).numpy().view(np.uint16)
+            want = combine_reference(inp)
+            n = ns[rank]
+            refused = (ht.pos.view(n, K) == W * ht.ret_rows).any(1).cpu().numpy() if n else \
+                np.zeros(0, dtype=bool)
+            if not np.array_equal(z[~refused], want[~refused]):
+                bad.append(f"{name}: combine of the fused dispatch differs from the one-box "
+                           "reference")
+            if refused.any() and not (z[refused] == 0x7FFF).all():
+                bad.append(f"{name}: refused tokens are not the canonical NaN")
+            for ep in eps:
+                try:
+                    ep.check()
+                    if refused.any():
+                        bad.append(f"{name}: check() did not raise (fused {ep._fused})")
+                except ValueError as e:
+                    if not refused.any():
+                        bad.append(f"{name}: check(): {e}")
+    return bad
+
+
+@pytest.mark.slow
+def test_ep_fused_dispatch_path_emulated(tmp_path):
+    """ep_fused_job on CPU ranks, the kernels emulated: the fused path's Python side (the
+    arguments, buffers, shapes, the high-throughput count launch) end to end."""
+    so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
+    values = check(run_ranks(ep_fused_job, 2, args=("cpu", so), timeout_s=900))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@cuda_only[0]
+@cuda_only[1]
+def test_ep_fused_dispatch_equals_torch_path(world):
+    values = check(run_ranks(ep_fused_job, world, timeout_s=600))
+    bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
+    assert not bad, "\n".join(bad)
