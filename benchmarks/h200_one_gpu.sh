@@ -6,8 +6,8 @@
 #          tests1 and tests2 split it, the data plane's and all-reduce's files, then the rest)
 #   demos  sparkccl demo --device cuda, world 2 and 4, mesh and ring (DEMOS="2:mesh 4:ring" picks)
 #   torch  the torch.distributed backend's GPU tests (tests/test_torch_backend.py -m cuda)
-#   eplat  expert parallelism: its GPU tests, then benchmarks/ep_latency.py world 2 and 4 (default
-#          combine block, then combine_rows 640 / 384) under MPS
+#   eplat  expert parallelism: its GPU tests, then benchmarks/ep_latency.py under MPS for EP_CASES
+#          (world[:combine_rows|:torch], default "2 4 2:640 4:384 2:torch"; torch: the torch-op dispatch)
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
@@ -67,10 +67,11 @@ for s in $STAGES; do
       timeout ${TESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
         tests/test_expert_parallel.py 2>&1 | tail -20 | tee "$OUT/gpu_ep.txt"
       mps_on
-      for wc in 2: 4: 2:640 4:384; do
-        w=${wc%%:*} c=${wc##*:}
-        stage "EP latency, world $w ${c:+combine_rows $c}"
-        timeout 150 python3 benchmarks/ep_latency.py --world $w ${c:+--combine-rows $c} 2>&1
+      for wc in ${EP_CASES:-2 4 2:640 4:384 2:torch}; do
+        w=${wc%%:*} c=${wc#$w}; c=${c#:}; arg=()
+        case $c in torch) arg=(--torch-dispatch) ;; ?*) arg=(--combine-rows $c) ;; esac
+        stage "EP latency, world $w ${arg[*]}"
+        timeout 150 python3 benchmarks/ep_latency.py --world $w "${arg[@]}" 2>&1
       done | tee "$OUT/ep_latency.txt"
       mps_off ;;
     ab)
