@@ -4,11 +4,20 @@
 
     python3 benchmarks/ep_percall_cpu.py
 """
-import time, torch
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
 from sparkccl.localrun import check, run_ranks
 
+
 def job(rank, world, store):
-    import sparkccl, torch.distributed as dist
+    import torch.distributed as dist
+
+    import sparkccl
     from sparkccl.ep_reference import make_ep_input, run_experts
     T, H, K, E = 512, 2048, 4, 8 * world
     inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
@@ -25,17 +34,26 @@ def job(rank, world, store):
                 out = run_experts(ep, recv)
                 td, tc = [], []
                 for _ in range(7):
-                    pass
-                    t = time.perf_counter(); recv, h = ep.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"]); td.append(time.perf_counter() - t)
-                    t = time.perf_counter(); ep.combine(out, h, shared=inp["shared"]); tc.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    recv, h = ep.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"])
+                    td.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    ep.combine(out, h, shared=inp["shared"])
+                    tc.append(time.perf_counter() - t)
                 res[(mode, native)] = (sorted(td)[3] * 1e3, sorted(tc)[3] * 1e3)
     return res
 
-def main():
-  for W in (1, 2):
-    r = check(run_ranks(job, W, timeout_s=300))
-    for key in r[0]:
-        print(f"world {W} {key[0]:<16} {'native' if key[1] else 'torch ':<6} dispatch {max(x[key][0] for x in r):7.2f} ms  combine {max(x[key][1] for x in r):7.2f} ms")
 
-if __name__ == '__main__':
-    main()
+
+def main() -> int:
+    for W in (1, 2):
+        r = check(run_ranks(job, W, timeout_s=300))
+        for key in r[0]:
+            d, c = (max(x[key][i] for x in r) for i in (0, 1))
+            print(f"world {W} {key[0]:<16} {'native' if key[1] else 'torch ':<6} "
+                  f"dispatch {d:7.2f} ms  combine {c:7.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
