@@ -278,6 +278,10 @@ class ExpertParallel:
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
         # there (see check()); the tests turn this on for CPU too.
         self._device_checks = cuda
+        # CPU: dispatch's host work in native/src/ep_cpu.cpp (one pass each for the send
+        # blocks and the received rows); the torch path below stays the reference (the tests
+        # turn this off to compare the two).
+        self._native_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
@@ -417,6 +421,8 @@ class ExpertParallel:
             bad = self._device_bad_entries(idx)
             idx = idx.masked_fill(bad, -1)
             self._bad_entries += bad.sum()
+        if self._native_cpu:
+            return self._dispatch_native(x, idx.contiguous(), topk_weights, x_scales, n, K, bad)
         # Every entry's owner rank (W: refused), the tokens each rank gets (once each), and
         # each entry's rank among this rank's entries with the same owner, in (t, k) order.
         own = torch.where(idx >= 0, self._owner_dev[idx.clamp(min=0).long()],
@@ -620,6 +626,59 @@ class ExpertParallel:
             recv, feed = self._select(got, lay, Pd, Pc, K)
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad if n else None,
                         tuple(recv.src_rank.shape))
+        return recv, handle
+
+    def _dispatch_native(self, x, idx, topk_weights, x_scales, n, K, bad):
+        """dispatch on CPU with the native pack and unpack: the same send blocks, pos, rows,
+        counts, src_* and feed as the torch path (``idx``: int32 [n, K], refused entries -1)."""
+        from . import _native
+        comm, W, T, H, E = self.comm, self.world, self.max_tokens, self.hidden, self.num_experts
+        El = self.num_local_experts
+        own, loc = self._owner_dev.data_ptr(), self._local_dev.data_ptr()
+        if self.mode == "low_latency":
+            Pd, Pc = T, self.combine_rows or T * min(K, El)
+        else:  # as _capacities: the largest pair over every rank's counts
+            counts = torch.empty(2 * W, dtype=torch.int32)
+            _native.ep_counts(idx.data_ptr(), n, K, own, E, W, counts.data_ptr())
+            rows = comm.all_gather(counts).view(W, 2 * W).amax(0)
+            Pd, Pc = max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
+        lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
+        send = self._buffer("dispatch send", (W + 1, lay.nbytes), torch.uint8)
+        pos = torch.empty(n * K, dtype=torch.int32)
+        over, d, ents = _native.ep_pack(
+            x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
+            self._scale_cols * 4, idx.data_ptr(), n, K, own, E, W, Pd, Pc, send.data_ptr(),
+            lay.nbytes, lay.scales_off, lay.idx_off, pos.data_ptr())
+        if over:  # (only with combine_rows: no routing exceeds the other bounds)
+            if not self._device_checks:
+                raise ValueError(f"ExpertParallel.dispatch: {ents} top-k entries of this rank's "
+                                 f"tokens name experts on rank {d}, more than combine_rows = "
+                                 f"{Pc}")
+            self._overflow += over
+        got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
+                                                         torch.uint8))
+        cnt = torch.empty(El, dtype=torch.int64)
+        _native.ep_unpack_counts(got.data_ptr(), W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
+                                 self.rank, El, cnt.data_ptr())
+        if self.mode == "high_throughput":
+            recv_shape = (int(cnt.sum()),)
+            offsets = torch.zeros(El + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(cnt, 0)
+        else:
+            recv_shape, offsets = (El, W * T), None
+        rx = torch.empty((*recv_shape, H), dtype=self.dtype)
+        xs = torch.empty((*recv_shape, self._scale_cols), dtype=torch.float32) if self.fp8 \
+            else None
+        src = [torch.empty(recv_shape, dtype=torch.int32) for _ in range(3)]
+        feed = torch.empty(W * Pc, dtype=torch.int64)
+        _native.ep_unpack(got.data_ptr(), W, lay.nbytes, self._row_bytes, lay.scales_off,
+                          self._scale_cols * 4, lay.idx_off, Pd, K, own, loc, E, self.rank, El,
+                          cnt.data_ptr(), self.mode == "low_latency", W * T, Pc, rx.data_ptr(),
+                          xs.data_ptr() if xs is not None else 0, *(t.data_ptr() for t in src),
+                          feed.data_ptr())
+        recv = DispatchResult(self.mode, rx, xs, cnt.to(torch.int32), offsets, *src,
+                              list(self.local_experts))
+        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------

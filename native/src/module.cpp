@@ -333,6 +333,7 @@ void bind_verbs(nb::module_& m);  // verbs_module.cpp: verbs transport, lane che
 
 namespace sparkccl {
 void bind_finalize(nb::module_& m);  // finalize_cpu.cpp: the CPU twin of the finalize rows
+void bind_ep_cpu(nb::module_& m);  // ep_cpu.cpp: the CPU twin of EP dispatch's pack / unpack
 void bind_cuda_ops(nb::module_& m);  // cuda_ops.cpp: the copy-engine data plane's stream ops
 }
 
@@ -518,5 +519,6 @@ NB_MODULE(_native, m) {
 
   sparkccl::bind_verbs(m);
   sparkccl::bind_finalize(m);
+  sparkccl::bind_ep_cpu(m);
   sparkccl::bind_cuda_ops(m);
 }

@@ -1,0 +1,242 @@
+// The CPU twin of ExpertParallel.dispatch's host work (sparkccl/expert_parallel.py,
+// docs/EXPERT_PARALLEL.md): the send blocks before the all-to-all and the per-expert rows
+// after it. The torch path there stays the reference (tests compare the two field by field);
+// on 2 cores shared by every rank its many small ops cost several ms per call, a single pass
+// here costs the row copies. Pointers are addresses from tensor.data_ptr(); the Python side
+// checks shapes, dtypes and the routing first. One dispatch block (BlockLayout): Pd rows of
+// row_bytes, then (from scales_off) Pd rows of scale_bytes, then (from idx_off) Pd rows of
+// 1 + K int32 (token index, top-k ids; -1: no token).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace sparkccl {
+namespace {
+
+template <class T>
+T* ptr(uint64_t a) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(a));
+}
+
+void need(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+// The owner rank of entry g (W: refused, g < 0). Ids >= E never reach here: the Python side
+// refuses them on CPU, or masks them to -1 (device checks).
+inline int64_t owner_of(const int32_t* owner, int64_t E, int64_t W, int32_t g) {
+  if (g < 0) return W;
+  need(g < E, "ep: expert id out of range");
+  return owner[g];
+}
+
+// counts[d] = tokens of this rank that go to rank d (once each), counts[W + d] = its top-k
+// entries that name an expert on d: what high-throughput's capacities are gathered from.
+void ep_counts(uint64_t idx_a, int64_t n, int64_t K, uint64_t owner_a, int64_t E, int64_t W,
+               uint64_t counts_a) {
+  need(n >= 0 && K >= 1 && W >= 1 && E >= 1, "ep_counts: bad sizes");
+  need(counts_a && (!n || (idx_a && owner_a)), "ep_counts: null pointer");
+  const int32_t* idx = ptr<const int32_t>(idx_a);
+  const int32_t* owner = ptr<const int32_t>(owner_a);
+  int32_t* counts = ptr<int32_t>(counts_a);
+  std::memset(counts, 0, size_t(2 * W) * 4);
+  std::vector<int64_t> seen(size_t(W) + 1, -1);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t d = owner_of(owner, E, W, idx[t * K + k]);
+      if (d == W) continue;
+      ++counts[W + d];
+      if (seen[d] != t) seen[d] = t, ++counts[d];
+    }
+}
+
+// The W + 1 send blocks (the last takes no rows, as the torch path's: only its ids are set)
+// and pos[t * K + k] = d * Pc + (the entry's rank among this rank's entries to d, in (t, k)
+// order), W * Pc for a refused entry or one past Pc. Returns (entries past Pc, the first
+// one's owner, that owner's entry count) for the caller's combine_rows refusal.
+std::tuple<int64_t, int64_t, int64_t> ep_pack(uint64_t x_a, int64_t row_bytes, uint64_t sc_a,
+                                              int64_t scale_bytes, uint64_t idx_a, int64_t n,
+                                              int64_t K, uint64_t owner_a, int64_t E, int64_t W,
+                                              int64_t Pd, int64_t Pc, uint64_t send_a,
+                                              int64_t nbytes, int64_t scales_off, int64_t idx_off,
+                                              uint64_t pos_a) {
+  need(n >= 0 && K >= 1 && W >= 1 && E >= 1 && Pd >= 1 && Pc >= 1 && row_bytes > 0 &&
+           scale_bytes >= 0,
+       "ep_pack: bad sizes");
+  need(scales_off >= Pd * row_bytes && idx_off >= scales_off + Pd * scale_bytes &&
+           nbytes >= idx_off + Pd * (K + 1) * 4,
+       "ep_pack: block layout does not fit");
+  need(send_a && (!n || (x_a && idx_a && owner_a && pos_a && (!scale_bytes || sc_a))),
+       "ep_pack: null pointer");
+  const uint8_t* x = ptr<const uint8_t>(x_a);
+  const uint8_t* sc = ptr<const uint8_t>(sc_a);
+  const int32_t* idx = ptr<const int32_t>(idx_a);
+  const int32_t* owner = ptr<const int32_t>(owner_a);
+  uint8_t* send = ptr<uint8_t>(send_a);
+  int32_t* pos = ptr<int32_t>(pos_a);
+  const int64_t cols = K + 1;
+  for (int64_t b = 0; b <= W; ++b) {
+    int32_t* ids = reinterpret_cast<int32_t*>(send + b * nbytes + idx_off);
+    for (int64_t i = 0; i < Pd * cols; ++i) ids[i] = -1;
+  }
+  std::vector<int64_t> rows(size_t(W), 0), ents(size_t(W) + 1, 0), seen(size_t(W) + 1, -1);
+  int64_t over = 0, over_d = -1;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t d = owner_of(owner, E, W, idx[t * K + k]);
+      int64_t p = W * Pc;
+      if (d < W) {
+        const int64_t nth = ents[d]++;
+        if (nth < Pc) {
+          p = d * Pc + nth;
+        } else if (over++ == 0) {
+          over_d = d;
+        }
+      }
+      pos[t * K + k] = int32_t(p);
+      if (d == W || seen[d] == t) continue;
+      seen[d] = t;
+      const int64_t r = rows[d]++;
+      need(r < Pd, "ep_pack: more tokens to one rank than the block's rows");
+      uint8_t* blk = send + d * nbytes;
+      std::memcpy(blk + r * row_bytes, x + t * row_bytes, size_t(row_bytes));
+      if (scale_bytes)
+        std::memcpy(blk + scales_off + r * scale_bytes, sc + t * scale_bytes, size_t(scale_bytes));
+      int32_t* ids = reinterpret_cast<int32_t*>(blk + idx_off) + r * cols;
+      ids[0] = int32_t(t);
+      std::memcpy(ids + 1, idx + t * K, size_t(K) * 4);
+    }
+  }
+  return {over, over_d, over_d >= 0 ? ents[over_d] : 0};
+}
+
+struct Recv {
+  const uint8_t* got;
+  int64_t W, nbytes, idx_off, Pd, K, E, rank;
+  const int32_t* owner;
+  const int32_t* local;
+  // The local expert of received entry (s, p, k), or -1 when it is not this rank's.
+  int64_t expert(int64_t s, int64_t p, int64_t k, int32_t* token) const {
+    const int32_t* ids = reinterpret_cast<const int32_t*>(got + s * nbytes + idx_off) + p * (K + 1);
+    const int32_t g = ids[1 + k];
+    if (g < 0) return -1;
+    need(g < E, "ep_unpack: received expert id out of range");
+    if (owner[g] != rank) return -1;
+    if (token) *token = ids[0];
+    return local[g];
+  }
+};
+
+Recv recv_of(uint64_t got_a, int64_t W, int64_t nbytes, int64_t idx_off, int64_t Pd, int64_t K,
+             uint64_t owner_a, uint64_t local_a, int64_t E, int64_t rank) {
+  need(W >= 1 && Pd >= 1 && K >= 1 && E >= 1 && nbytes >= idx_off + Pd * (K + 1) * 4,
+       "ep_unpack: bad sizes");
+  need(got_a && owner_a && local_a, "ep_unpack: null pointer");
+  return Recv{ptr<const uint8_t>(got_a), W, nbytes, idx_off, Pd, K, E, rank,
+              ptr<const int32_t>(owner_a), ptr<const int32_t>(local_a)};
+}
+
+// counts[e] (int64 [El]): the received entries of local expert e.
+void ep_unpack_counts(uint64_t got_a, int64_t W, int64_t nbytes, int64_t idx_off, int64_t Pd,
+                      int64_t K, uint64_t owner_a, uint64_t local_a, int64_t E, int64_t rank,
+                      int64_t El, uint64_t counts_a) {
+  const Recv r = recv_of(got_a, W, nbytes, idx_off, Pd, K, owner_a, local_a, E, rank);
+  need(El >= 1 && counts_a, "ep_unpack_counts: bad output");
+  int64_t* counts = ptr<int64_t>(counts_a);
+  std::memset(counts, 0, size_t(El) * 8);
+  for (int64_t s = 0; s < W; ++s)
+    for (int64_t p = 0; p < Pd; ++p)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = r.expert(s, p, k, nullptr);
+        if (e >= 0) ++counts[e];
+      }
+}
+
+// The received entries in (local expert, source, token) order: local expert e's i-th row is
+// out row base[e] + i (high-throughput: the prefix of counts; low-latency: e * cap, where the
+// rows past the count keep src_* = -1 and leave rx / xs as they are). feed[s * Pc + j] = the
+// out row of source s's j-th entry here in (token, k) order (j < Pc), 0 where there is none.
+void ep_unpack(uint64_t got_a, int64_t W, int64_t nbytes, int64_t row_bytes, int64_t scales_off,
+               int64_t scale_bytes, int64_t idx_off, int64_t Pd, int64_t K, uint64_t owner_a,
+               uint64_t local_a, int64_t E, int64_t rank, int64_t El, uint64_t counts_a, bool ll,
+               int64_t cap, int64_t Pc, uint64_t rx_a, uint64_t xs_a, uint64_t src_rank_a,
+               uint64_t src_token_a, uint64_t src_k_a, uint64_t feed_a) {
+  const Recv r = recv_of(got_a, W, nbytes, idx_off, Pd, K, owner_a, local_a, E, rank);
+  need(El >= 1 && Pc >= 1 && row_bytes > 0 && scale_bytes >= 0 && (!ll || cap >= 1),
+       "ep_unpack: bad sizes");
+  need(counts_a && feed_a, "ep_unpack: null pointer");
+  const int64_t* counts = ptr<const int64_t>(counts_a);
+  std::vector<int64_t> base(static_cast<size_t>(El)), cur(static_cast<size_t>(El), 0);
+  int64_t rows = 0;
+  for (int64_t e = 0; e < El; ++e) {
+    need(!ll || counts[e] <= cap, "ep_unpack: more rows for an expert than world * max_tokens");
+    base[e] = ll ? e * cap : rows;
+    rows += counts[e];
+  }
+  if (ll) rows = El * cap;
+  need(!rows || (rx_a && (!scale_bytes || xs_a) && src_rank_a && src_token_a && src_k_a),
+       "ep_unpack: null pointer");
+  uint8_t* rx = ptr<uint8_t>(rx_a);
+  uint8_t* xs = ptr<uint8_t>(xs_a);
+  int32_t* src_rank = ptr<int32_t>(src_rank_a);
+  int32_t* src_token = ptr<int32_t>(src_token_a);
+  int32_t* src_k = ptr<int32_t>(src_k_a);
+  int64_t* feed = ptr<int64_t>(feed_a);
+  if (ll)
+    for (int64_t i = 0; i < rows; ++i) src_rank[i] = src_token[i] = src_k[i] = -1;
+  std::memset(feed, 0, size_t(W * Pc) * 8);
+  for (int64_t s = 0; s < W; ++s) {
+    const uint8_t* blk = r.got + s * nbytes;
+    int64_t nth = 0;  // source s's entries held here, in (token, k) order
+    for (int64_t p = 0; p < Pd; ++p)
+      for (int64_t k = 0; k < K; ++k) {
+        int32_t token = -1;
+        const int64_t e = r.expert(s, p, k, &token);
+        if (e < 0) continue;
+        need(cur[e] < counts[e], "ep_unpack: counts do not match the blocks");
+        const int64_t i = base[e] + cur[e]++;
+        std::memcpy(rx + i * row_bytes, blk + p * row_bytes, size_t(row_bytes));
+        if (scale_bytes)
+          std::memcpy(xs + i * scale_bytes, blk + scales_off + p * scale_bytes,
+                      size_t(scale_bytes));
+        src_rank[i] = int32_t(s);
+        src_token[i] = token;
+        src_k[i] = int32_t(k);
+        if (nth < Pc) feed[s * Pc + nth] = i;  // (past Pc: refused by the home rank)
+        ++nth;
+      }
+  }
+}
+
+}  // namespace
+
+void bind_ep_cpu(nb::module_& m) {
+  auto nogil = nb::call_guard<nb::gil_scoped_release>();
+  m.def("ep_counts", &ep_counts, nogil, "idx_addr"_a, "n"_a, "K"_a, "owner_addr"_a, "E"_a,
+        "W"_a, "counts_addr"_a,
+        "EP dispatch: int32 [2W] tokens and top-k entries of this rank per destination.");
+  m.def("ep_pack", &ep_pack, nogil, "x_addr"_a, "row_bytes"_a, "scales_addr"_a,
+        "scale_bytes"_a, "idx_addr"_a, "n"_a, "K"_a, "owner_addr"_a, "E"_a, "W"_a, "Pd"_a,
+        "Pc"_a, "send_addr"_a, "nbytes"_a, "scales_off"_a, "idx_off"_a, "pos_addr"_a,
+        "EP dispatch: the W + 1 send blocks and pos; returns (entries past Pc, the first "
+        "one's owner or -1, that owner's entries).");
+  m.def("ep_unpack_counts", &ep_unpack_counts, nogil, "got_addr"_a, "W"_a, "nbytes"_a,
+        "idx_off"_a, "Pd"_a, "K"_a, "owner_addr"_a, "local_addr"_a, "E"_a, "rank"_a, "El"_a,
+        "counts_addr"_a, "EP dispatch: int64 [El] received entries per local expert.");
+  m.def("ep_unpack", &ep_unpack, nogil, "got_addr"_a, "W"_a, "nbytes"_a, "row_bytes"_a,
+        "scales_off"_a, "scale_bytes"_a, "idx_off"_a, "Pd"_a, "K"_a, "owner_addr"_a,
+        "local_addr"_a, "E"_a, "rank"_a, "El"_a, "counts_addr"_a, "ll"_a, "cap"_a, "Pc"_a,
+        "rx_addr"_a, "xs_addr"_a, "src_rank_addr"_a, "src_token_addr"_a, "src_k_addr"_a,
+        "feed_addr"_a,
+        "EP dispatch: received rows, scales, src_* and combine's feed, per local expert.");
+}
+
+}  // namespace sparkccl
