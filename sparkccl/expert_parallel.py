@@ -635,13 +635,12 @@ class ExpertParallel:
         comm, W, T, H, E = self.comm, self.world, self.max_tokens, self.hidden, self.num_experts
         El = self.num_local_experts
         own, loc = self._owner_dev.data_ptr(), self._local_dev.data_ptr()
-        if self.mode == "low_latency":
-            Pd, Pc = T, self.combine_rows or T * min(K, El)
-        else:  # as _capacities: the largest pair over every rank's counts
-            counts = torch.empty(2 * W, dtype=torch.int32)
-            _native.ep_counts(idx.data_ptr(), n, K, own, E, W, counts.data_ptr())
-            rows = comm.all_gather(counts).view(W, 2 * W).amax(0)
-            Pd, Pc = max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
+        def counts():
+            c = torch.empty(2 * W, dtype=torch.int32)
+            _native.ep_counts(idx.data_ptr(), n, K, own, E, W, c.data_ptr())
+            return c
+
+        Pd, Pc = self._capacities(counts)
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
         send = self._buffer("dispatch send", (W + 1, lay.nbytes), torch.uint8)
         pos = torch.empty(n * K, dtype=torch.int32)
