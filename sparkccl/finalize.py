@@ -182,7 +182,10 @@ def single_rank(nat, f: FinalizeInputs, out: torch.Tensor) -> None:
             i = int(bad[0, 0])
             raise ValueError(f"moe_finalize_reduce_scatter: pos[{i}] = {int(p[i])} is not a row "
                              f"of y (0 <= pos < R = {f.R}); {bad.numel()} such entries")
-    rows = torch.empty((f.padded_tokens, f.H), dtype=torch.bfloat16)
+    direct = (out.device.type == "cpu" and out.dtype == torch.bfloat16 and out.is_contiguous()
+              and tuple(out.shape) == (f.padded_tokens, f.H))
+    rows = out if direct else torch.empty((f.padded_tokens, f.H), dtype=torch.bfloat16)
     if rows.numel():
         nat.finalize_rows(*f.native_args(), 0, f.padded_tokens, rows.data_ptr())
-    out.copy_(rows)
+    if not direct:
+        out.copy_(rows)
