@@ -55,6 +55,28 @@ __device__ __forceinline__ u64 ep_block_scan(u64 v, u64* sh, u64* total) {
   return incl - v;
 }
 
+// The block's 16-byte units 0..n-1, unit i copied *from -> *to where at(i, &from, &to) says
+// so: EP_UNROLL loads in flight per thread before their stores (the accesses are volatile
+// asm, kept in program order), as a prefill's thousands of 14 KiB rows need.
+template <class At>
+__device__ __forceinline__ void ep_copy16(u64 n, At at) {
+  const u64 nt = blockDim.x;
+  for (u64 i0 = threadIdx.x; i0 < n; i0 += EP_UNROLL * nt) {
+    V16 v[EP_UNROLL];
+    u8* to[EP_UNROLL];
+#pragma unroll
+    for (int k = 0; k < EP_UNROLL; ++k) {
+      const u8* from = nullptr;
+      to[k] = nullptr;
+      if (i0 + k * nt < n && at(i0 + k * nt, &from, &to[k])) v[k] = ld_dev16(from);
+      else to[k] = nullptr;
+    }
+#pragma unroll
+    for (int k = 0; k < EP_UNROLL; ++k)
+      if (to[k]) st16(to[k], v[k]);
+  }
+}
+
 // Top-k id k of token t, as torch's .to(torch.int32) makes it (int64 ids wrap).
 __device__ __forceinline__ int ep_id(const void* idx, u64 idx64, u64 i) {
   return idx64 ? (int)((const long long*)idx)[i] : ((const int*)idx)[i];
@@ -135,11 +157,12 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
       // this share's rows of the tile: j = j0, j0 + shares, ... (row = rows + j)
       const u64 j0 = (share + shares - rows % shares) % shares;
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      for (u64 i = tid; i < mine * upr; i += nt) {
+      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
-        if (r < Pd)
-          st16(blk + r * row_bytes + u * 16, ld_dev16(x + (u64)tok[j] * row_bytes + u * 16));
-      }
+        *from = x + (u64)tok[j] * row_bytes + u * 16;
+        *to = blk + r * row_bytes + u * 16;
+        return r < Pd;
+      });
       for (u64 i = tid; i < mine * spr; i += nt) {
         const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares, r = rows + j;
         if (r < Pd)
@@ -244,26 +267,13 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
       __syncthreads();  // srow[] complete
       const u64 j0 = (share + shares - have % shares) % shares;
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      // EP_UNROLL loads in flight per thread before their stores (the accesses are
-      // volatile asm, kept in program order): prefill copies thousands of 14 KiB rows.
-      for (u64 i0 = tid; i0 < mine * upr; i0 += EP_UNROLL * nt) {
-        V16 v[EP_UNROLL];
-        u8* to[EP_UNROLL];
-#pragma unroll
-        for (int k = 0; k < EP_UNROLL; ++k) {
-          const u64 i = i0 + k * nt;
-          to[k] = nullptr;
-          if (i < mine * upr) {
-            const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
-            const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-            v[k] = ld_dev16(got + off + q * row_bytes + u * 16);
-            to[k] = rx + (base + have + j) * row_bytes + u * 16;
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < EP_UNROLL; ++k)
-          if (to[k]) st16(to[k], v[k]);
-      }
+      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
+        const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
+        const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
+        *from = got + off + q * row_bytes + u * 16;
+        *to = rx + (base + have + j) * row_bytes + u * 16;
+        return true;
+      });
       for (u64 i = tid; i < mine * spr; i += nt) {
         const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares;
         const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
