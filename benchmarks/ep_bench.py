@@ -23,7 +23,7 @@ per world.
     python3 benchmarks/ep_bench.py --device cuda --worlds 2 4 --tokens 128 --hidden 7168 \
         --topk 8 --experts-per-rank 64 --mode low_latency --slot-mib 256
     python3 benchmarks/ep_bench.py --device cuda --worlds 4 --tokens 4096 --hidden 7168 \
-        --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5
+        --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5 [--torch-dispatch]
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
+def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
+              torch_dispatch=False):
     import numpy as np
     import torch
 
@@ -78,9 +79,9 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        def ep_layer():
-            r, h = ep.dispatch(x, idx, w)
-            return ep.combine(out, h, shared=shared)
+        def ep_layer(e=ep):
+            r, h = e.dispatch(x, idx, w)
+            return e.combine(out, h, shared=shared)
 
         def agrs_layer():
             xs = comm.all_gather(x)
@@ -90,9 +91,14 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib):
             return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all,
                                                     num_tokens=N, padded_tokens=N)
 
-        times = {"ep": [], "ag+rs": []}
+        layers = [("ep", ep_layer), ("ag+rs", agrs_layer)]
+        if torch_dispatch:  # the same layer with dispatch's torch ops (the fused kernels' spec)
+            ep_t = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                           mode=mode, _fused=False)
+            layers.append(("ep torch", lambda: ep_layer(ep_t)))
+        times = {name: [] for name, _ in layers}
         for it in range(iters + 2):
-            for name, fn in (("ep", ep_layer), ("ag+rs", agrs_layer)):
+            for name, fn in layers:
                 comm.all_gather(tick)  # align the ranks
                 sync()
                 t0 = time.perf_counter()
@@ -116,6 +122,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs)")
     ap.add_argument("--slot-mib", type=int, default=0,
                     help="cap the slot (default: the whole combine block)")
+    ap.add_argument("--torch-dispatch", action="store_true",
+                    help="CUDA: also time ep with dispatch's torch ops (_fused=False)")
     ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args()
     from sparkccl.localrun import check, run_ranks
@@ -124,19 +132,22 @@ def main():
              f"# T {a.tokens} tokens/rank, H {a.hidden}, top-{a.topk} of "
              f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, {a.device} ranks over "
              "shm; median of the slowest rank, ms",
-             f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"]
+             f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"
+             + (f" {'ep torch ms':>12}" if a.torch_dispatch else "")]
     print("\n".join(lines), flush=True)
     for W in a.worlds:
         E = a.experts_per_rank * W
         vals = check(run_ranks(bench_job, W, args=(a.tokens, a.hidden, a.topk, E, a.iters,
-                                                   a.mode, a.device, a.slot_mib),
+                                                   a.mode, a.device, a.slot_mib,
+                                                   a.torch_dispatch),
                               timeout_s=1800))
         med = {}
-        for name in ("ep", "ag+rs"):
+        for name in vals[0]["times"]:
             per_iter = zip(*(v["times"][name] for v in vals))
             med[name] = statistics.median(max(t) for t in per_iter) * 1e3
         line = (f"{W:>5} {med['ep']:>9.2f} {med['ag+rs']:>9.2f} "
-                f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}")
+                f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}"
+                + (f" {med['ep torch']:>12.2f}" if a.torch_dispatch else ""))
         print(line, flush=True)
         lines.append(line)
     if a.out:

@@ -6,7 +6,7 @@ stream with no host read (capturable in a CUDA graph):
   every row computed with the data plane's own ``fin_unit`` (``dataplane/kernels/finalize.cu``),
   so the bits are those of the fused finalize and of its CPU twin;
 * ``sccl_ep_pack`` / ``sccl_ep_unpack``, :meth:`sparkccl.ExpertParallel.dispatch`'s send
-  blocks and its low-latency selection of this rank's entries: the same bytes as the torch
+  blocks and its selection of this rank's entries (both modes): the same bytes as the torch
   path of ``expert_parallel.py``, which stays the specification (and the CPU path).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ KERNELS = (KERNEL, "sccl_ep_pack", "sccl_ep_unpack")
 THREADS = 256  # EP_THREADS of ep_kernels.cu (the pack / unpack scans' shared arrays)
 MAX_BLOCKS = 1024
 SPREAD = 256  # pack / unpack: about this many blocks share the row copies
+HT_SPREAD = 1024  # high-throughput unpack (prefill: up to ~500 MB of rows to copy)
 
 
 class U64(int):
@@ -108,16 +109,23 @@ def pack_grid(W: int, Pd: int, count_only: bool) -> tuple:
 
 
 def unpack_args(*, got, lay, owner, experts, rank, E, W, Pd, K, cap, Pc, limit, row_bytes,
-                scale_bytes, rx, xs, counts, src_rank, src_token, src_k, feed) -> list:
-    """sccl_ep_unpack's arguments (low-latency: ``rx`` [E_local * cap, row_bytes] bytes)."""
+                scale_bytes, rx, xs, counts, src_rank, src_token, src_k, feed, offsets=None,
+                count_only=False) -> list:
+    """sccl_ep_unpack's arguments. Low-latency: ``rx`` [E_local * cap, row_bytes] bytes.
+    High-throughput: ``offsets`` (int64 [E_local + 1]) and ``rx`` [R, row_bytes]; first
+    ``count_only`` (writes ``counts`` alone; the other outputs may be None)."""
     return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), _ptr(owner),
             _ptr(experts), U64(rank), U64(E), U64(W), U64(Pd), U64(K), U64(cap), U64(Pc),
             U64(bool(limit)), U64(row_bytes), U64(scale_bytes), _ptr(rx), _ptr(xs),
-            _ptr(counts), _ptr(src_rank), _ptr(src_token), _ptr(src_k), _ptr(feed)]
+            _ptr(counts), _ptr(src_rank), _ptr(src_token), _ptr(src_k), _ptr(feed),
+            _ptr(offsets), U64(bool(count_only))]
 
 
-def unpack_grid(El: int, cap: int) -> tuple:
-    return (El, max(1, min(cap, SPREAD // El)))
+def unpack_grid(El: int, rows: int, spread: int = SPREAD) -> tuple:
+    """``rows``: the most rows a local expert can take (low-latency: cap; high-throughput:
+    its mean, R / E_local). Prefill passes a larger ``spread``: its copies dwarf the
+    re-scan of the received ids that every extra block costs."""
+    return (El, max(1, min(rows, spread // El)))
 
 
 def finalize_rows(f, out: torch.Tensor, bad: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ extern "C" __global__ void __launch_bounds__(256) sccl_ep_finalize(
 
 #define EP_THREADS 256
 #define EP_MAX_TOPK 16
+#define EP_UNROLL 4
 
 // Exclusive prefix sum of v over the block (any blockDim.x <= EP_THREADS, all threads call
 // it); *total = the block's sum. sh: 2 * blockDim.x words, free again on return.
@@ -52,6 +53,28 @@ __device__ __forceinline__ u64 ep_block_scan(u64 v, u64* sh, u64* total) {
   *total = a[nt - 1];
   __syncthreads();  // sh is reused by the caller's next scan
   return incl - v;
+}
+
+// The block's 16-byte units 0..n-1, unit i copied *from -> *to where at(i, &from, &to) says
+// so: EP_UNROLL loads in flight per thread before their stores (the accesses are volatile
+// asm, kept in program order), as a prefill's thousands of 14 KiB rows need.
+template <class At>
+__device__ __forceinline__ void ep_copy16(u64 n, At at) {
+  const u64 nt = blockDim.x;
+  for (u64 i0 = threadIdx.x; i0 < n; i0 += EP_UNROLL * nt) {
+    V16 v[EP_UNROLL];
+    u8* to[EP_UNROLL];
+#pragma unroll
+    for (int k = 0; k < EP_UNROLL; ++k) {
+      const u8* from = nullptr;
+      to[k] = nullptr;
+      if (i0 + k * nt < n && at(i0 + k * nt, &from, &to[k])) v[k] = ld_dev16(from);
+      else to[k] = nullptr;
+    }
+#pragma unroll
+    for (int k = 0; k < EP_UNROLL; ++k)
+      if (to[k]) st16(to[k], v[k]);
+  }
 }
 
 // Top-k id k of token t, as torch's .to(torch.int32) makes it (int64 ids wrap).
@@ -134,11 +157,12 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
       // this share's rows of the tile: j = j0, j0 + shares, ... (row = rows + j)
       const u64 j0 = (share + shares - rows % shares) % shares;
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      for (u64 i = tid; i < mine * upr; i += nt) {
+      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
-        if (r < Pd)
-          st16(blk + r * row_bytes + u * 16, ld_dev16(x + (u64)tok[j] * row_bytes + u * 16));
-      }
+        *from = x + (u64)tok[j] * row_bytes + u * 16;
+        *to = blk + r * row_bytes + u * 16;
+        return r < Pd;
+      });
       for (u64 i = tid; i < mine * spr; i += nt) {
         const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares, r = rows + j;
         if (r < Pd)
@@ -164,26 +188,43 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
   }
 }
 
-// Unpack (low-latency). Block x = local expert e (global id experts[e]), y = which of
-// gridDim.y shares of e's rows it copies. Over the received rows (s, p) in order (source s's
-// block, row p; ids [token, id_0 ..]), an entry is "mine" when its id's owner is this rank:
-// a block scan gives, per row that names e (at k; at most once, ids are distinct per row),
-// rank_in (e's rows before it) and nth_in (source s's mine entries before (p, k), the
-// row the source numbered for it). Received row i = e * cap + rank_in takes the token's row
-// bytes, scales, (s, token, k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block
-// (e, 0) writes counts[e] and -1 in e's src_* past the count; block (0, 0) writes feed = 0
-// at the rows no entry takes (each source's rows past its mine entries).
+// Unpack. Block x = local expert e (global id experts[e]), y = which of gridDim.y shares of
+// e's rows it copies. Over the received rows (s, p) in order (source s's block, row p; ids
+// [token, id_0 ..]), an entry is "mine" when its id's owner is this rank: a block scan gives,
+// per row that names e (at k; at most once, ids are distinct per row), rank_in (e's rows
+// before it) and nth_in (source s's mine entries before (p, k), the row the source numbered
+// for it). Received row i = base + rank_in takes the token's row bytes, scales, (s, token,
+// k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block (e, 0) writes counts[e];
+// block (0, 0) writes feed = 0 at the rows no entry takes (each source's rows past its mine
+// entries). Low-latency (offsets null): base = e * cap, and -1 in e's src_* past the count.
+// High-throughput: base = offsets[e] (packed rows; the host sized them from a count_only
+// launch, which writes counts[e] and nothing else, with no scan: one sum per block).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     const u8* got, u64 block_bytes, u64 scales_off, u64 idx_off, const int* owner,
     const int* experts, u64 rank, u64 E, u64 W, u64 Pd, u64 K, u64 cap, u64 Pc, u64 limit,
     u64 row_bytes, u64 scale_bytes, u8* rx, u8* xs, int* counts, int* src_rank,
-    int* src_token, int* src_k, long long* feed) {
+    int* src_token, int* src_k, long long* feed, const long long* offsets, u64 count_only) {
   __shared__ u64 sh[2 * EP_THREADS];
   __shared__ u64 srow[EP_THREADS];
   const unsigned tid = threadIdx.x, nt = blockDim.x;
   const u64 e = blockIdx.x, share = blockIdx.y, shares = gridDim.y;
   const bool lead = share == 0;
   const int ge = experts[e];
+  if (count_only) {
+    u64 c = 0, total;
+    for (u64 q = tid; q < W * Pd; q += nt) {
+      const int* r = (const int*)(got + q / Pd * block_bytes + idx_off) + q % Pd * (K + 1);
+      for (u64 k = 0; k < K; ++k)
+        if (r[k + 1] == ge) {
+          ++c;
+          break;
+        }
+    }
+    ep_block_scan(c, sh, &total);
+    if (lead && tid == 0) counts[e] = (int)total;
+    return;
+  }
+  const u64 base = offsets ? (u64)offsets[e] : e * cap;
   const u64 upr = row_bytes / 16, spr = scale_bytes / 4;
   u64 have = 0;  // e's rows before this tile
   for (u64 s = 0; s < W; ++s) {
@@ -215,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
       const u64 tile_rows = tile >> 32;
       if (has) {
         srow[ex >> 32] = s * Pd + p;
-        const u64 i = e * cap + rank_in;
+        const u64 i = base + rank_in;
         if (rank_in % shares == share) {
           src_rank[i] = (int)s;
           src_token[i] = token;
@@ -226,16 +267,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
       __syncthreads();  // srow[] complete
       const u64 j0 = (share + shares - have % shares) % shares;
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      for (u64 i = tid; i < mine * upr; i += nt) {
+      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
         const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-        st16(rx + (e * cap + have + j) * row_bytes + u * 16,
-             ld_dev16(got + off + q * row_bytes + u * 16));
-      }
+        *from = got + off + q * row_bytes + u * 16;
+        *to = rx + (base + have + j) * row_bytes + u * 16;
+        return true;
+      });
       for (u64 i = tid; i < mine * spr; i += nt) {
         const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares;
         const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-        ((u32*)(xs + (e * cap + have + j) * scale_bytes))[w] =
+        ((u32*)(xs + (base + have + j) * scale_bytes))[w] =
             ((const u32*)(got + off + scales_off + q * scale_bytes))[w];
       }
       __syncthreads();  // srow[] is rewritten by the next tile
@@ -249,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
   }
   if (lead) {
     if (tid == 0) counts[e] = (int)have;
-    for (u64 i = have + tid; i < cap; i += nt) {
+    for (u64 i = have + tid; !offsets && i < cap; i += nt) {
       src_rank[e * cap + i] = -1;
       src_token[e * cap + i] = -1;
       src_k[e * cap + i] = -1;

@@ -25,7 +25,7 @@ one block per (source, destination) pair of a capacity every rank knows:
   computed for it at dispatch (the entries (t, k) it sent to that rank, in (t, k) order),
   and the home rank runs the finalize over them.
 
-On CUDA dispatch packs and (low-latency) selects with fused kernels (:mod:`sparkccl.ep_cuda`);
+On CUDA dispatch packs and selects with fused kernels (:mod:`sparkccl.ep_cuda`, both modes);
 the torch code here is their specification and the CPU path.
 
 ``high_throughput`` learns the capacities from the counts, exchanged first (one small
@@ -286,7 +286,7 @@ class ExpertParallel:
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
-        # CUDA dispatch runs fused kernels (ep_cuda: pack, and in low-latency mode unpack);
+        # CUDA dispatch runs fused kernels (ep_cuda: pack and unpack);
         # _fused=False keeps the torch path there, which is the specification (and the CPU
         # path), for the tests that compare the two.
         self._fused = cuda if _fused is None else bool(_fused)
@@ -564,9 +564,9 @@ class ExpertParallel:
 
     def _dispatch_fused(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
         """dispatch on CUDA: sccl_ep_pack builds the send blocks, pos and the refusals (the
-        device checks and their counts folded in); after the all-to-all, low-latency mode
-        selects this rank's entries with sccl_ep_unpack, high-throughput with the torch
-        path (its receive rows are sized on the host anyway). The same bytes as the torch
+        device checks and their counts folded in); after the all-to-all, sccl_ep_unpack
+        selects this rank's entries (high-throughput: after a count launch that sizes the
+        packed rows on the host). The same bytes as the torch
         path wherever that defines them (tests/test_expert_parallel.py compares)."""
         from . import ep_cuda
         comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
@@ -623,7 +623,30 @@ class ExpertParallel:
             recv = DispatchResult(self.mode, rx, xs, counts_e, None, *src,
                                   list(self.local_experts))
         else:
-            recv, feed = self._select(got, lay, Pd, Pc, K)
+            # a count launch, the offsets, R read on the host (a stream sync, as the torch
+            # path's), then the rows packed at offsets[e] + their rank
+            common = dict(got=got, lay=lay, owner=self._owner_dev, experts=self._experts_dev,
+                          rank=self.rank, E=E, W=W, Pd=Pd, K=K, cap=0, Pc=Pc, limit=limit,
+                          row_bytes=self._row_bytes, scale_bytes=scale_bytes)
+            counts_e = torch.empty(El, dtype=torch.int32, device=dev)
+            ep_cuda.launch(dev, "sccl_ep_unpack", (El, 1), ep_cuda.unpack_args(
+                **common, rx=None, xs=None, counts=counts_e, src_rank=None, src_token=None,
+                src_k=None, feed=None, count_only=True))
+            offsets = torch.zeros(El + 1, dtype=torch.int64, device=dev)
+            offsets[1:] = torch.cumsum(counts_e, 0)
+            R = int(offsets[El])
+            rx = torch.empty((R, H), dtype=self.dtype, device=dev)
+            xs = (torch.empty((R, self._scale_cols), dtype=torch.float32, device=dev)
+                  if self.fp8 else None)
+            src = [torch.empty(R, dtype=torch.int32, device=dev) for _ in range(3)]
+            feed = torch.empty(W * Pc, dtype=torch.int64, device=dev)
+            ep_cuda.launch(dev, "sccl_ep_unpack",
+                           ep_cuda.unpack_grid(El, -(-R // El), ep_cuda.HT_SPREAD),
+                           ep_cuda.unpack_args(**common, rx=rx, xs=xs, counts=counts_e,
+                                               src_rank=src[0], src_token=src[1],
+                                               src_k=src[2], feed=feed, offsets=offsets))
+            recv = DispatchResult(self.mode, rx, xs, counts_e, offsets, *src,
+                                  list(self.local_experts))
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad if n else None,
                         tuple(recv.src_rank.shape))
         return recv, handle

@@ -601,7 +601,8 @@ extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, cons
             sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], P(4, const int*),
                            P(5, const int*), a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
                            a[14], a[15], P(16, u8*), P(17, u8*), P(18, int*), P(19, int*),
-                           P(20, int*), P(21, int*), P(22, long long*));
+                           P(20, int*), P(21, int*), P(22, long long*),
+                           P(23, const long long*), a[24]);
         });
       for (auto& t : ts) t.join();
     }
@@ -622,7 +623,10 @@ def _emu_cases(W: int):
             (9, [9] * W, 128, 1, W, True, "low_latency", "round_robin", None, True, 5),
             (20, [20] * W, 64, 16, 16 * W, False, "low_latency", "contiguous", None, True, 7),
             (11, [11] * W, 128, 4, 4 * W, True, "high_throughput", "contiguous", None, False,
-             64)]
+             64),
+            (16, [16 if r else 5 for r in range(W - 1)] + [0], 128, 3, 4 * W, True,
+             "high_throughput", "round_robin", None, False, 5),
+            (9, [9] * W, 64, 1, 2 * W, False, "high_throughput", "contiguous", None, True, 3)]
 
 
 def _emu_routing(inp, rank, E, int32):
@@ -724,21 +728,24 @@ def ep_emu_job(rank, world, store, so_path):
             if (int(nbad) - 100, int(nover) - 200) != (want_bad, want_over):
                 bad.append(f"{name}: counted bad {int(nbad) - 100}, overflow {int(nover) - 200}; "
                            f"want {want_bad}, {want_over}")
-            if mode != "low_latency":
+            El = ep.num_local_experts
+            unpack = dict(got=got, lay=lay, owner=ep._owner_dev, experts=ep._experts_dev,
+                          rank=rank, E=E, W=W, Pd=Pd, K=K, Pc=Pc, limit=rows is not None,
+                          row_bytes=ep._row_bytes, scale_bytes=ep._scale_cols * 4)
+            if mode == "high_throughput":
+                bad += _emu_unpack_packed(name, run, nt, unpack, recv, handle, El, fp8, ep)
                 continue
 
             # unpack of the received blocks
-            El, cap = ep.num_local_experts, W * T
+            cap = W * T
             rx = torch.full((El, cap, ep._row_bytes), 0x5A, dtype=torch.uint8)
             xs = torch.full((El, cap, ep._scale_cols), 7.0) if fp8 else None
             counts = torch.full((El,), -9, dtype=torch.int32)
             src = [torch.full((El, cap), -9, dtype=torch.int32) for _ in range(3)]
             feed = torch.full((W * Pc,), -9, dtype=torch.int64)
             run("sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), nt, ep_cuda.unpack_args(
-                got=got, lay=lay, owner=ep._owner_dev, experts=ep._experts_dev, rank=rank,
-                E=E, W=W, Pd=Pd, K=K, cap=cap, Pc=Pc, limit=rows is not None,
-                row_bytes=ep._row_bytes, scale_bytes=ep._scale_cols * 4, rx=rx, xs=xs,
-                counts=counts, src_rank=src[0], src_token=src[1], src_k=src[2], feed=feed))
+                **unpack, cap=cap, rx=rx, xs=xs, counts=counts, src_rank=src[0],
+                src_token=src[1], src_k=src[2], feed=feed))
             if not torch.equal(counts, recv.counts):
                 bad.append(f"{name}: counts {counts.tolist()}, want {recv.counts.tolist()}")
                 continue
@@ -759,6 +766,47 @@ def ep_emu_job(rank, world, store, so_path):
     return bad
 
 
+def _emu_unpack_packed(name, run, nt, unpack, recv, handle, El, fp8, ep):
+    """High-throughput unpack, as _dispatch_fused runs it: the count launch, the offsets,
+    then the packed rows (every one of them defined), against the torch path's recv."""
+    from sparkccl import ep_cuda
+    bad = []
+    counts = torch.full((El,), -9, dtype=torch.int32)
+    run("sccl_ep_unpack", (El, 1), nt, ep_cuda.unpack_args(
+        **unpack, cap=0, rx=None, xs=None, counts=counts, src_rank=None, src_token=None,
+        src_k=None, feed=None, count_only=True))
+    if not torch.equal(counts, recv.counts):
+        return [f"{name}: count launch {counts.tolist()}, want {recv.counts.tolist()}"]
+    offsets = torch.zeros(El + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(counts, 0)
+    if not torch.equal(offsets, recv.offsets):
+        return [f"{name}: offsets {offsets.tolist()}, want {recv.offsets.tolist()}"]
+    R = int(offsets[El])
+    rx = torch.full((R, ep._row_bytes), 0x5A, dtype=torch.uint8)
+    xs = torch.full((R, ep._scale_cols), 7.0) if fp8 else None
+    src = [torch.full((R,), -9, dtype=torch.int32) for _ in range(3)]
+    feed = torch.full(handle.feed.shape, -9, dtype=torch.int64)
+    counts.fill_(-9)
+    # shares from the rows (more than one block per expert where there are rows to share)
+    grid = ep_cuda.unpack_grid(El, -(-R // El), ep_cuda.HT_SPREAD)
+    run("sccl_ep_unpack", grid, nt, ep_cuda.unpack_args(
+        **unpack, cap=0, rx=rx, xs=xs, counts=counts, src_rank=src[0], src_token=src[1],
+        src_k=src[2], feed=feed, offsets=offsets))
+    if not torch.equal(counts, recv.counts):
+        bad.append(f"{name}: counts {counts.tolist()}, want {recv.counts.tolist()}")
+    for f, a, b in zip(("src_rank", "src_token", "src_k"), src,
+                       (recv.src_rank, recv.src_token, recv.src_k)):
+        if not torch.equal(a, b):
+            bad.append(f"{name}: {f} {a.tolist()[:8]}, want {b.tolist()[:8]}")
+    if not torch.equal(feed, handle.feed):
+        bad.append(f"{name}: feed differs")
+    if not torch.equal(rx, recv.x.view(torch.uint8).reshape(R, ep._row_bytes)):
+        bad.append(f"{name}: packed rows differ")
+    if fp8 and not torch.equal(xs.view(torch.int32), recv.x_scales.view(torch.int32)):
+        bad.append(f"{name}: packed scales differ")
+    return bad
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ep_dispatch_kernels_emulated(world, tmp_path):
     """sccl_ep_pack / sccl_ep_unpack compiled as host C++ (whole blocks of threads with a
@@ -773,13 +821,19 @@ def test_ep_dispatch_kernels_emulated(world, tmp_path):
 
 
 def _fused_cases(W: int):
-    """_emu_cases plus more than one 256-token tile of tokens and of received rows per
-    source, DeepSeek-like rows (e4m3, hidden 7168), and a skewed routing (every token on
-    rank 0's experts)."""
+    """_emu_cases plus, in both modes, more than one 256-token tile of tokens and of
+    received rows per source, DeepSeek-like rows (hidden 7168; e4m3, and bf16 in
+    high-throughput mode), and a skewed routing (every token on rank 0's experts: the other
+    ranks receive no row)."""
     return [c[:10] for c in _emu_cases(W)] + [
         (300, [300] * W, 512, 8, 8 * W, True, "low_latency", "contiguous", None, False),
         (64, [64] * W, 7168, 8, 32 * W, True, "low_latency", "contiguous", 40, False),
-        (40, [40] * W, 256, 4, 4 * W, False, "low_latency", "skewed", None, True)]
+        (40, [40] * W, 256, 4, 4 * W, False, "low_latency", "skewed", None, True),
+        (300, [300, 280] + [260] * (W - 2), 512, 8, 8 * W, True, "high_throughput",
+         "round_robin", None, False),
+        (64, [64] * W, 7168, 8, 32 * W, False, "high_throughput", "contiguous", None, True),
+        (48, [48] * W, 7168, 8, 32 * W, True, "high_throughput", "contiguous", None, False),
+        (40, [40] * W, 256, 4, 4 * W, True, "high_throughput", "skewed", None, False)]
 
 
 def _emu_launcher(so_path: str, threads: int):
