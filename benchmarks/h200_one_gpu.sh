@@ -11,6 +11,8 @@
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
+#   epht   benchmarks/ep_bench.py high-throughput at prefill sizes (4096 tokens x 7168, top-8 of 64
+#          experts per rank, world 4), the fused and the torch-op dispatch in the same run
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
 #   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
 #          world 2 and 4 (DECODE_WORLDS; DECODE_ARGS: more arguments) under MPS (GPU-direct and proxy path beside their floors), and the
@@ -108,6 +110,12 @@ for s in $STAGES; do
         SPARKCCL_GPU_STAMPS=1 SPARKCCL_GPU_DIRECT=0 timeout 120 python3 -m sparkccl.cli bench \
           --device cuda --world 2 --no-baseline --iters 200 --min-bytes $n --max-bytes $n 2>&1
       done | tee "$OUT/decode_proxy_latency.txt"
+      mps_off ;;
+    epht)
+      mps_on
+      stage "EP high throughput (prefill), world 4, fused and torch-op dispatch"
+      timeout 300 python3 benchmarks/ep_bench.py --device cuda --worlds 4 --tokens 4096 --hidden 7168 \
+        --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5 --torch-dispatch 2>&1 | tee "$OUT/ep_bench_ht.txt"
       mps_off ;;
     ep)
       mps_on
