@@ -658,6 +658,7 @@ class ExpertParallel:
         comm, W, T, H, E = self.comm, self.world, self.max_tokens, self.hidden, self.num_experts
         El = self.num_local_experts
         own, loc = self._owner_dev.data_ptr(), self._local_dev.data_ptr()
+
         def counts():
             c = torch.empty(2 * W, dtype=torch.int32)
             _native.ep_counts(idx.data_ptr(), n, K, own, E, W, c.data_ptr())
