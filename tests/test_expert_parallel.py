@@ -439,9 +439,13 @@ def test_ep_low_latency_graph_replay(world, fp8):
 
 # ---------------------------------------------------------------- the CUDA finalize kernel, emulated
 
-_EMU_MAIN = r"""
+# What every emulation build starts with: the kernels' integer types and the data plane's
+# emulation header (sccl_emu.h: the CUDA built-ins as host C++).
+_EMU_HEADER = r"""
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -452,6 +456,9 @@ typedef unsigned char u8;
 #define SCCL_EMU 1
 #include "sccl_emu.h"
 thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+"""
+
+_EMU_MAIN = _EMU_HEADER + r"""
 #include EP_KERNELS_CU
 extern "C" void run(unsigned grid, const u64* a) {
   for (unsigned b = 0; b < grid; ++b) {  // one thread per block, blocks one after another
@@ -540,21 +547,7 @@ def test_world_one_finalize_keeps_the_canonical_nan():
 
 # ---------------------------------------------------------------- fused dispatch kernels, emulated
 
-_EMU_DISPATCH = r"""
-#include <condition_variable>
-#include <cstdint>
-#include <cstring>
-#include <mutex>
-#include <string>
-#include <thread>
-#include <vector>
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-#define SCCL_EMU 1
-#include "sccl_emu.h"
-thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+_EMU_DISPATCH = _EMU_HEADER + r"""
 // Whole blocks: blockDim.x threads (std::thread each) meet at a barrier for __syncthreads and
 // share one copy of each __shared__ array (blocks run one after another).
 struct EmuBarrier {
