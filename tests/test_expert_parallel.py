@@ -641,19 +641,13 @@ def ep_emu_job(rank, world, store, so_path):
     """The torch path (the specification) dispatches on CPU ranks with the device checks
     on; on each rank the emulated sccl_ep_pack (and, low-latency, sccl_ep_unpack on the
     received blocks) must give the same bytes wherever the torch path defines them."""
-    import ctypes
-
     import sparkccl
     from sparkccl import ep_cuda
     from sparkccl.expert_parallel import BlockLayout, placement_table
-    so = ctypes.CDLL(so_path)
-    so.run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                       ctypes.POINTER(ctypes.c_uint64)]
-    so.run.restype = ctypes.c_int
+    launch = _emu_launcher(so_path, 0)
 
     def run(name, grid, nt, args):
-        a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
-        assert so.run(name.encode(), grid[0], grid[1], nt, a) == 0
+        launch(None, name, grid, args, threads=nt)
 
     bad = []
     W = world
@@ -837,7 +831,7 @@ def _emu_launcher(so_path: str, threads: int):
                        ctypes.POINTER(ctypes.c_uint64)]
     so.run.restype = ctypes.c_int
 
-    def launch(dev, name, grid, args):
+    def launch(dev, name, grid, args, threads=threads):
         a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
         assert so.run(name.encode(), grid[0], grid[1], threads, a) == 0, name
     return launch
