@@ -605,6 +605,9 @@ class ExpertParallel:
         pack(Pd, Pc, send, lay)
         got = comm.all_to_all(send, out=self._buffer("dispatch recv", (W, lay.nbytes),
                                                      torch.uint8))
+        common = dict(got=got, lay=lay, owner=self._owner_dev, experts=self._experts_dev,
+                      rank=self.rank, E=E, W=W, Pd=Pd, K=K, Pc=Pc, limit=limit,
+                      row_bytes=self._row_bytes, scale_bytes=scale_bytes)
         if self.mode == "low_latency":
             cap = W * T
             rx = torch.empty((El, cap, H), dtype=self.dtype, device=dev)
@@ -613,21 +616,15 @@ class ExpertParallel:
             counts_e = torch.empty(El, dtype=torch.int32, device=dev)
             src = [torch.empty((El, cap), dtype=torch.int32, device=dev) for _ in range(3)]
             feed = torch.empty(W * Pc, dtype=torch.int64, device=dev)
-            args = ep_cuda.unpack_args(got=got, lay=lay, owner=self._owner_dev,
-                                       experts=self._experts_dev, rank=self.rank, E=E, W=W,
-                                       Pd=Pd, K=K, cap=cap, Pc=Pc, limit=limit,
-                                       row_bytes=self._row_bytes, scale_bytes=scale_bytes,
-                                       rx=rx, xs=xs, counts=counts_e, src_rank=src[0],
-                                       src_token=src[1], src_k=src[2], feed=feed)
-            ep_cuda.launch(dev, "sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), args)
+            ep_cuda.launch(dev, "sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), ep_cuda.unpack_args(
+                **common, cap=cap, rx=rx, xs=xs, counts=counts_e, src_rank=src[0],
+                src_token=src[1], src_k=src[2], feed=feed))
             recv = DispatchResult(self.mode, rx, xs, counts_e, None, *src,
                                   list(self.local_experts))
         else:
             # a count launch, the offsets, R read on the host (a stream sync, as the torch
             # path's), then the rows packed at offsets[e] + their rank
-            common = dict(got=got, lay=lay, owner=self._owner_dev, experts=self._experts_dev,
-                          rank=self.rank, E=E, W=W, Pd=Pd, K=K, cap=0, Pc=Pc, limit=limit,
-                          row_bytes=self._row_bytes, scale_bytes=scale_bytes)
+            common["cap"] = 0
             counts_e = torch.empty(El, dtype=torch.int32, device=dev)
             ep_cuda.launch(dev, "sccl_ep_unpack", (El, 1), ep_cuda.unpack_args(
                 **common, rx=None, xs=None, counts=counts_e, src_rank=None, src_token=None,
