@@ -94,10 +94,14 @@ def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fuse
         return out
     flat = x.detach().reshape(-1)
     if (regime or regime_for(comm, x.nbytes)) == ONE_SHOT:
-        # (out partly over x, shifted: the kernel would read terms it already wrote)
-        if (one_shot_op is not None and comm.data_plane.one_shot_all_reduce
+        # (out partly over x, shifted: the kernel would read terms it already wrote; the LL
+        # way copies x first, and must be taken by every rank: its wire is its own)
+        plane = comm.data_plane
+        ll = getattr(plane, "ll_for", None)
+        if (one_shot_op is not None and plane.one_shot_all_reduce
                 and x.nbytes <= comm.max_slice
-                and (dst.data_ptr() == flat.data_ptr() or not _overlaps(dst, flat))):
+                and (dst.data_ptr() == flat.data_ptr() or not _overlaps(dst, flat)
+                     or (ll is not None and ll(x.nbytes)))):
             one_shot_op(flat, avg, dst)
         else:
             _one_shot(comm, flat, avg, dst)

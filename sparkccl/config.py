@@ -229,6 +229,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_GPU_DIRECT", "bool", True, "data plane (CUDA)",
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),
+    _v("SPARKCCL_ALLREDUCE_LL", "bool", True, "data plane (CUDA)",
+       "GPU-direct on a mesh: one-shot all-reduces of up to 32 KiB send lines that carry "
+       "their own flags (no fence, flag word or poller; the same bits); on only where every "
+       "rank has it on (agreed at creation); 0: the flag-word way"),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
        choices=("auto", *DIRECT_ENGINES)),
@@ -364,6 +368,7 @@ class Settings:
     oversubscribed: bool
     worker_spin_us: int  # shm copy workers (SPARKCCL_SHM_WORKER_SPIN_US)
     gpu_direct: bool = True
+    allreduce_ll: bool = True
     relay_lead: int = -1
     allreduce_oneshot_bytes: int = DEFAULT_ALLREDUCE_ONESHOT_BYTES
 
@@ -422,6 +427,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     worker_spin_us=worker_spin if worker_spin is not None else
                     (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
+                    allreduce_ll=get("SPARKCCL_ALLREDUCE_LL", env),
                     relay_lead=get("SPARKCCL_RELAY_LEAD", env),
                     allreduce_oneshot_bytes=oneshot_bytes(
                         get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env), world))

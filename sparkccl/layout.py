@@ -10,7 +10,8 @@ what is read here.
 Each rank owns three shared segments:
 
 * control: the control block (abort word, error text, publish-ring indices), then the
-  publish ring, then the flag words;
+  publish ring, then the flag words, the call words and the LL area (the one-shot
+  all-reduce's lines between GPU-direct peers);
 * ag: the all-gather region (3 slots);
 * rs: the reduce-scatter send region (2 slots) then the receive region (2 slots), created
   on first reduce-scatter (or up front when asked) so that pure all-gather users do not
@@ -165,8 +166,22 @@ def call_area(num_flag_words: int) -> tuple[int, int]:
     return start, (flag_section_words(num_flag_words) - num_flag_words) * FLAG_BYTES
 
 
+LL_SLOTS = _P["LL_SLOTS"]
+LL_SOURCE_BYTES = _P["LL_SOURCE_BYTES"]
+LL_MAX_BYTES = _P["LL_MAX_BYTES"]
+
+
+def ll_area(num_flag_words: int) -> tuple[int, int]:
+    """(byte offset in the control segment, bytes) of the LL area (protocol.h ``LL_SLOTS``):
+    page-aligned after the call words, a block per (slot, source rank)."""
+    world = num_flag_words // FLAG_WORDS_PER_RANK
+    start = _round_up(FLAGS_OFFSET + flag_section_words(num_flag_words) * FLAG_BYTES, PAGE)
+    return start, LL_SLOTS * world * LL_SOURCE_BYTES
+
+
 def control_bytes(num_flag_words: int) -> int:
-    return _round_up(FLAGS_OFFSET + flag_section_words(num_flag_words) * FLAG_BYTES, PAGE)
+    start, n = ll_area(num_flag_words)
+    return _round_up(start + n, PAGE)
 
 
 def slot_stride(slot_bytes: int) -> int:

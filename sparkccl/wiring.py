@@ -32,6 +32,7 @@ log = logging.getLogger("sparkccl")
 
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 PROTOCOL_VERSION = 1
+LL_MAX_WORLD = 8  # the LL all-reduce reads every source's lines at once (allreduce.cu BATCH)
 # What every rank's join record must agree on (each rank raises the same ValueError).
 AGREED = ("version", "world", "topology", "transport", "slot_bytes", "roots", "rs_up_front",
           "allreduce_oneshot_bytes")
@@ -155,6 +156,7 @@ class Wiring:
                                    flags_addr=self.flags_addr, ag=ag.tensor,
                                    ag_stride=self.sizes.ag_stride, timeout_s=s.timeout_s,
                                    peer_calls=calls)
+        self._agree_ll()
         if bufs.has("rs"):
             self._attach_rs_dataplane()
         if lane_check.enabled():  # one small write and flag over every connection
@@ -204,6 +206,18 @@ class Wiring:
         self.dp.map_peers(ctl={p: (seg(p, "ctl").addr, self.sizes.ctl_bytes) for p in peers},
                           ag={p: (seg(p, "ag").addr, self.sizes.ag_bytes) for p in peers})
         self.gpu_direct = True
+
+    def _agree_ll(self) -> None:
+        """The one-shot all-reduce's LL way (CudaDataPlane.enable_ll) where every rank can
+        take it: GPU-direct to every peer (a mesh on one host, world <= 8) and
+        ``SPARKCCL_ALLREDUCE_LL`` on. All or none: a rank that waits for LL lines a peer
+        never writes would time out, so the ranks say what they can through the store."""
+        if not (self.link.maps_peers and self.topology == "mesh"):  # (agreed: no exchange)
+            return
+        able = bool(self.gpu_direct and self.settings.allreduce_ll
+                    and self.world <= LL_MAX_WORLD)
+        if all(self.rv.exchange("allreduce_ll", able, "agree on the LL all-reduce")):
+            self.dp.enable_ll()
 
     def _attach_rs_dataplane(self) -> None:
         sz = self.sizes

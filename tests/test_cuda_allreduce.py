@@ -72,9 +72,17 @@ def check(w: World, xs, op: str, outs, what: str = "") -> None:
         assert (got[n:] == 0xAB).all(), f"{what} rank {r} wrote past its output"
 
 
-# (topology, world, roots, GPU-direct): mesh and ring at world 2 and 3, both paths.
+# (topology, world, roots, way): mesh and ring at world 2 and 3, every way: the proxy path
+# (False), GPU-direct with flag words (True), GPU-direct with LL lines ("ll": a mesh).
 CASES = [("mesh", 2, 2, False), ("mesh", 2, 2, True), ("mesh", 3, 1, True),
-         ("ring", 3, 2, False), ("ring", 3, 2, True)]
+         ("ring", 3, 2, False), ("ring", 3, 2, True), ("mesh", 2, 2, "ll"), ("mesh", 3, 1, "ll")]
+WAYS = [False, True, "ll"]
+WAY_IDS = ["proxy", "direct", "ll"]
+
+
+def world_of(backend, topology, world, roots=2, *, direct, **kw) -> World:
+    """The in-process World for a way of CASES / WAYS."""
+    return World(backend, topology, world, roots, direct=bool(direct), ll=direct == "ll", **kw)
 SHAPES = [(1,), (17,), (129, 7), (1000,)]
 
 
@@ -87,7 +95,7 @@ def test_one_shot_exact(backend, topology, world, roots, direct):
     from its launch plan."""
     oh = EN.ONE_HANDOFF_SLICE
     big = (oh // 2 + 9,)  # bf16: S = oh + 32 > ONE_HANDOFF_SLICE
-    with World(backend, topology, world, roots, max_slice=oh + 64, direct=direct) as w:
+    with world_of(backend, topology, world, roots, max_slice=oh + 64, direct=direct) as w:
         pending = []
         seed = 0
         for dtype in DTYPES:
@@ -114,13 +122,15 @@ def test_one_shot_exact(backend, topology, world, roots, direct):
         outs = all_reduce(w, xs, "sum")
         w.sync()
         check(w, xs, "sum", outs, "above one hand-off")
-        assert all(dp.direct_launches > 0 for dp in w.dps) == direct
+        assert all(dp.direct_launches > 0 for dp in w.dps) == bool(direct)
+        assert all(dp.ll_launches > 0 for dp in w.dps) == (direct == "ll")
         w.healthy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("topology,world,roots,direct", [("mesh", 2, 2, True),
-                                                         ("ring", 3, 2, False)])
+                                                         ("ring", 3, 2, False),
+                                                         ("mesh", 3, 2, "ll")])
 def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
     """One-shot all-reduces (every dtype, both ops, one in place) captured once per rank
     and replayed with fresh inputs written into the captured tensors, an eager all-reduce
@@ -128,7 +138,7 @@ def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
     specs = [((4096,), torch.bfloat16, "sum"), ((3, 333), torch.float16, "avg"),
              ((17,), torch.float32, "avg"), ((1000,), torch.bfloat16, "avg")]
     replays = 10 if backend == "cuda" else 4
-    with World(backend, topology, world, roots, max_slice=1 << 14, direct=direct) as w:
+    with world_of(backend, topology, world, roots, max_slice=1 << 14, direct=direct) as w:
         xs = inputs(1, world, (64,), torch.bfloat16)  # eager first
         outs = all_reduce(w, xs, "sum")
         w.sync()
@@ -171,15 +181,15 @@ def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("direct", WAYS, ids=WAY_IDS)
 def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
     """Only rank 0 calls (rank 1 never sends): its wait times out on the GPU clock,
     synchronize() raises CollectiveError naming rank 1 and the connection, the output is
     poisoned (every byte 0xFF: mode poison, the World's default), and the next call raises
     at once."""
     world = 2
-    with World(backend, "mesh", world, roots=2, max_slice=4096, timeout_s=0.5,
-               direct=direct) as w:
+    with world_of(backend, "mesh", world, 2, max_slice=4096, timeout_s=0.5,
+                  direct=direct) as w:
         xs = inputs(1, world, (100,), torch.bfloat16)
         with w.be.on(0):
             x = w.keep(w.be.to_dev(xs[0]))
@@ -194,7 +204,7 @@ def test_one_shot_timeout_names_the_peer_and_poisons(backend, direct):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("direct", WAYS, ids=WAY_IDS)
 @pytest.mark.parametrize("calls,said", [
     (((100, torch.bfloat16, "sum"), (100, torch.bfloat16, "avg")),
      ("200 bytes of bfloat16 to all_reduce(sum)", "200 bytes of bfloat16 to all_reduce(avg)")),
@@ -209,7 +219,7 @@ def test_one_shot_different_calls_are_reported(backend, direct, calls, said):
     from sparkccl.dataplane.peer_check import calls_view
     from sparkccl.plan.model import num_flag_words
     world = 2
-    with World(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
+    with world_of(backend, "mesh", world, max_slice=4096, timeout_s=20, direct=direct) as w:
         for r in range(world):
             w.dps[r].peer_calls = calls_view(w.ctl[r].t, num_flag_words(world))
         for r, (n, dtype, op) in enumerate(calls):

@@ -416,13 +416,16 @@ class Buf:
 class World:
     """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
-    and the proxies keep only the relays, as a CUDA + shm Communicator does). ``on_failure``: "poison" by default, since a
+    and the proxies keep only the relays, as a CUDA + shm Communicator does); ``ll`` with
+    it: the one-shot all-reduce's LL way (CudaDataPlane.enable_ll). ``on_failure``:
+    "poison" by default, since a
     fail-stop trap would lose the CUDA context of this (the test) process; "stop" with mode
     "ce", which mode poison runs as "fused" (engine_choice.Engines.choose)."""
 
     def __init__(self, backend: str, topology: str, world: int, roots: int = 2,
                  max_slice: int = 1 << 16, timeout_s: float = 30.0, direct: bool = False,
-                 mode: str | None = None, on_failure: str | None = None, hold: tuple = ()):
+                 mode: str | None = None, on_failure: str | None = None, hold: tuple = (),
+                 ll: bool = False):
         if on_failure is None:
             on_failure = "stop" if mode == "ce" else "poison"
         self.world = world
@@ -479,6 +482,8 @@ class World:
                                  ag={q: (self.ag[q].addr, len(self.ag[q].mm)) for q in peers})
                     dp.map_peers_rs({q: (self.rs[q].addr, len(self.rs[q].mm)) for q in peers},
                                     self.send_bytes)
+                    if ll:  # (the wiring's choice where every peer is mapped: a mesh)
+                        dp.enable_ll()
         except BaseException:
             self.close()
             raise

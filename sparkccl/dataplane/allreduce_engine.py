@@ -43,11 +43,17 @@ class OneShotEngine(Engine):
     direct table for the slice, else the proxy sends (chosen in :mod:`.engine_choice`)."""
 
     def run(self, ts, stream, *, S: int, L: int, call: int, src, dst, dtype: torch.dtype,
-            avg: bool, in_place: bool, table) -> None:
+            avg: bool, in_place: bool, table, ll=None) -> None:
         """``src`` / ``dst``: the call's pointers (launch_plan.CallPtr); ``call``: the ring
         entries' call word (peer_check.py); ``table``: the AG direct table (GPU-direct) or
-        None (the proxy path)."""
+        None (the proxy path); ``ll``: the ranks' LL areas (the LL way) or None."""
         p = self.plane
+        if ll is not None:
+            self._run_ll(stream, S=S, L=L, call=call, src=src, dst=dst, dtype=dtype, avg=avg,
+                         table=table, ll=ll)
+            p.poison_if_failed(stream, dst, 0, 1, L)
+            p.finish(ts, stream, advanced=True)
+            return
         direct = table is not None
         piece = piece_bounds(S, 0)[1]
         nb = self.sum_wait_blocks(S, THREADS, direct)
@@ -67,6 +73,20 @@ class OneShotEngine(Engine):
             p.direct_launches += 1
         p.poison_if_failed(stream, dst, 0, 1, L)
         p.finish(ts, stream, advanced=True)
+
+
+    def _run_ll(self, stream, *, S, L, call, src, dst, dtype, avg, table, ll) -> None:
+        """The LL way (kernels/allreduce.cu allreduce_ll): a 16-byte unit per thread, each
+        block's units stored and then summed by its own threads, and one block more that
+        hands the ring entries off (with ``table``'s flag words, where it is given)."""
+        p = self.plane
+        nb = max(1, min(p.max_direct_wait_blocks, -(-L // (16 * THREADS))))
+        words = all_reduce_args(p, src, dst, L, S, avg, call, 0,
+                                0 if table is None else table.data_ptr(), 0, ll.data_ptr())
+        p.plans.plannable(direct=True)
+        p.launch_struct(stream, KERNELS[dtype], nb + 1, THREADS, words)
+        p.direct_launches += 1
+        p.ll_launches += 1
 
 
 class TwoStepEngine(Engine):

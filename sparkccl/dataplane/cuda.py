@@ -188,6 +188,8 @@ class CudaDataPlane(DataPlaneBase):
         # The peers' regions mapped here and the GPU-direct stream tables (map_peers).
         self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
+        self.ll_table = None  # the ranks' LL areas (enable_ll), else the flag-word way
+        self.ll_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
         _u64(ctl_addr + CTL_GPU_ACK).value = 0
@@ -365,6 +367,18 @@ class CudaDataPlane(DataPlaneBase):
         self.direct.map("ctl", ctl)
         self.direct.map("ag", ag)
         self._build_direct(Op.AG)
+
+    def enable_ll(self) -> None:
+        """One-shot all-reduces of up to ``layout.LL_MAX_BYTES`` go the LL way from now on
+        (kernels/allreduce.cu allreduce_ll: lines that carry their own flags, written
+        straight into every rank's LL area). After :meth:`map_peers` with every peer's control
+        segment; every rank calls it or none (a rank waiting for lines a peer never writes
+        would time out), so the wiring agrees on it at creation (``SPARKCCL_ALLREDUCE_LL``)."""
+        off = layout.ll_area(self.plan.num_flag_words)[0]
+        addrs = [self.ctl_dev + off if r == self.rank else self.direct.peers[(r, "ctl")][0] + off
+                 for r in range(self.world)]
+        self.ll_table = self.gpu.to_device(torch.tensor(addrs, dtype=torch.int64))
+        self.plans.invalidate()
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:
         """The same for the peers' reduce-scatter segments (send slots, then from
@@ -593,6 +607,11 @@ class CudaDataPlane(DataPlaneBase):
         L, dtype = src.nbytes, src.dtype
         a0, b0 = src.data_ptr(), dst.data_ptr()
         in_place = a0 < b0 + dst.nbytes and b0 < a0 + L
+        if in_place and a0 != b0 and self.ll_for(L):
+            # (the LL kernel reads and writes each unit in one thread: dst may be src, not a
+            # shifted view of it)
+            src = src.clone()
+            a0, in_place = src.data_ptr(), False
         key = ("all_reduce_one_shot", L, dtype, avg, in_place, pad)
         if self._planned(key, Op.AG, seq, round_up(L, ALIGN), a0, b0, what="all_reduce"):
             return
@@ -600,6 +619,11 @@ class CudaDataPlane(DataPlaneBase):
             raise TypeError(f"all_reduce: dtype {dtype} is not supported")
         with self.plans.planning(key, self.gpu.make_plan):
             cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
+
+    def ll_for(self, L: int) -> bool:
+        """Does a one-shot all-reduce of ``L`` bytes per rank go the LL way? (The same answer
+        on every rank: :meth:`enable_ll` was called on all or none.)"""
+        return self.ll_table is not None and L <= layout.LL_MAX_BYTES
 
     # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
     # One kernel, GPU-direct or the proxy path (each rank's choice, which peers cannot tell).

@@ -148,7 +148,7 @@ def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: 
     table = plane.engines.one_shot_table(plane.direct_table(Op.AG, S))
     plane.engines.one_shot.run(ts, stream, S=S, L=L, call=call, src=CallPtr(src_p, 0),
                                dst=CallPtr(dst_p, 1), dtype=dtype, avg=avg, in_place=in_place,
-                               table=table)
+                               table=table, ll=plane.ll_table if plane.ll_for(L) else None)
 
 
 def all_reduce_fused(plane, seq: int, src_p: int | None, src_stride: int, L: int, dst_p: int,

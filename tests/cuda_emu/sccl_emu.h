@@ -60,5 +60,17 @@ inline void st16(u8* p, V16 v) {
   std::memcpy(p, &v, 16);
 }
 inline u8 ld_sys8(const u8* p) { return *(volatile const u8*)p; }
+// LL lines: each 8-byte half {data, flag} stored and loaded whole, as on the GPU.
+inline void st_ll16(u8* p, V16 v) {
+  if ((u64)p & 15) __builtin_trap();
+  __atomic_store_n((u64*)p, (u64)v.x | (u64)v.y << 32, __ATOMIC_RELAXED);
+  __atomic_store_n((u64*)p + 1, (u64)v.z | (u64)v.w << 32, __ATOMIC_RELAXED);
+}
+inline V16 ld_ll16(const u8* p) {
+  if ((u64)p & 15) __builtin_trap();
+  const u64 a = __atomic_load_n((const u64*)p, __ATOMIC_RELAXED);
+  const u64 b = __atomic_load_n((const u64*)p + 1, __ATOMIC_RELAXED);
+  return V16{(u32)a, (u32)(a >> 32), (u32)b, (u32)(b >> 32)};
+}
 inline float f16_to_f32(u16 v) { _Float16 h; std::memcpy(&h, &v, 2); return (float)h; }
 inline u16 f32_to_f16_rn(float f) { _Float16 h = (_Float16)f; u16 v; std::memcpy(&v, &h, 2); return v; }

@@ -85,10 +85,136 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
   }
 }
 
+// ---------------------------------------------------------------- LL (a.ll != 0)
+//
+// GPU-direct peers, every one of them mapped (a mesh on one host), and a vector of at most
+// LL_MAX_BYTES: the data carries its own flags (docs/PROTOCOL.md "One shot, LL"). Thread t
+// takes 16-byte units u = t, t + T, ...: it loads its units of src and stores each to every
+// peer's LL area (slot seq % LL_SLOTS, block of this rank) as two lines {4 data bytes, flag}
+// x 2, flag = (u32)(seq + 1); then, unit by unit, it reads every source's lines in its own
+// area until all four flags say seq, and sums them with its own unit in rank order: fp32,
+// AVG divided once, rounded once (team_reduce's arithmetic, so the same bits as every other
+// regime). No fence, no flag word, no poller between the stores and the sum. Each unit is
+// read and written by one thread, so dst may be src (not a partial overlap: the host copies
+// src first then). The last block hands off the eight ring entries (chunk CHUNK_DIRECT: the
+// proxy posts nothing; the peers' checks of the call see them as for any collective) and the
+// AG flag words, as direct_publish would, off the path of the sum.
+
+// Unit u of src (bytes past L read as zero).
+__device__ __forceinline__ V16 ll_own_unit(const u8* src, u64 L, u64 u) {
+  const u64 off = 16 * u;
+  if (off + 16 <= L) return ld_any16(src + off, false);
+  u32 w[4] = {0, 0, 0, 0};
+  for (u64 k = off; k < L; ++k) w[(k - off) / 4] |= (u32)src[k] << (8 * ((k - off) % 4));
+  return V16{w[0], w[1], w[2], w[3]};
+}
+
+__device__ __forceinline__ bool ll_complete(V16 lo, V16 hi, u32 f) {
+  return lo.y == f && lo.w == f && hi.y == f && hi.w == f;
+}
+
+template <class E>
+__device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
+  const int VEC = 16 / sizeof(typename E::T);
+  const u64* ll = (const u64*)a.ll;
+  const u32 nb = gridDim.x - 1;  // (the last block hands off)
+  if (blockIdx.x == nb) {
+    if (!plane_failed(state))
+      hand_off((u32*)a.counters + (w.seq % COUNTER_SETS) * PIECES + PIECES - 1, 1,
+               (const u64*)a.dtab, (u8*)a.ring, state, state_word(state, STATE_RING), w.seq,
+               a.S, a.call, 0, PIECES - 1);
+    return;
+  }
+  if (plane_failed(state)) {  // publish nothing; the first thread records why (as a poller)
+    if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
+    return;
+  }
+  const u8* src = (const u8*)a.src;
+  u8* dst = (u8*)a.dst;
+  const u32 f = (u32)(w.seq + 1);
+  const u64 slot = (w.seq % LL_SLOTS) * (u64)w.world * LL_SOURCE_BYTES;
+  const u64 units = (a.L + 15) / 16;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)nb * blockDim.x;
+  for (u64 u = tid; u < units; u += nthreads) {
+    const V16 v = ll_own_unit(src, a.L, u);
+    for (int d = 0; d < w.world; ++d) {
+      if (d == w.rank) continue;
+      u8* to = (u8*)ll[d] + slot + (u64)w.rank * LL_SOURCE_BYTES + 32 * u;
+      st_ll16(to, V16{v.x, f, v.y, f});
+      st_ll16(to + 16, V16{v.z, f, v.w, f});
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_STORED);
+  const u8* mine = (const u8*)ll[w.rank] + slot;
+  const u64 t0 = globaltimer();
+  for (u64 u = tid; u < units; u += nthreads) {
+    V16 lo[BATCH], hi[BATCH];  // (LL needs world <= BATCH)
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+      if (i < w.world && i != w.rank) {
+        lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
+        hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
+      }
+    }
+    for (u32 spins = 1;; ++spins) {  // every source's lines read together, again while short
+      int short_at = -1;
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        if (i < w.world && i != w.rank && !ll_complete(lo[i], hi[i], f)) {
+          lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
+          hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
+          if (!ll_complete(lo[i], hi[i], f)) short_at = i;
+        }
+      }
+      if (short_at < 0) break;
+      if (spins % ABORT_EVERY == 0 && plane_failed(state)) return;  // another thread failed
+      // (a failure names the source's first AG wait word: its connection)
+      const int word = w.waits[short_at * w.maxw];
+      if (!still_waiting(w, spins, t0, (u64)short_at, word < 0 ? NO_WORD : (u64)word, PIECES - 1))
+        return;
+    }
+    if (u == 0) TL_STAMP(state, w.seq, TL_RELEASED);
+    float acc[VEC];
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+      if (i >= w.world) continue;
+      const V16 v = i == w.rank ? ll_own_unit(src, a.L, u)
+                                : V16{lo[i].x, lo[i].z, hi[i].x, hi[i].z};
+      if (i == 0) {
+        unpack<E>(v, acc);
+      } else {
+        float t[VEC];
+        unpack<E>(v, t);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+      }
+    }
+    if (a.avg) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)w.world);
+    }
+    const V16 r = pack<E>(acc);
+    const u64 off = 16 * u;
+    if (off + 16 <= a.L) {
+      st_any16(dst + off, r);
+    } else {
+      const u32 rw[4] = {r.x, r.y, r.z, r.w};
+      for (u64 k = off; k < a.L; ++k) dst[k] = (u8)(rw[(k - off) / 4] >> (8 * ((k - off) % 4)));
+    }
+    if (u == 0) TL_STAMP(state, w.seq, TL_SUMMED);
+  }
+}
+
 template <class E>
 __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
   const WaitParams* wp = (const WaitParams*)a.wp;
   WAIT_ARGS_INIT
+  if (a.ll) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
+    allreduce_ll<E>(a, w, state);
+    last_block_advances(state, PIECES, 0);
+    return;
+  }
   const u32 npub = (u32)a.npub;
   const u32 gate_target = (u32)state_word(state, STATE_GATE) + npub;
   u8* slot = slot_at((u8*)a.slot, a.slot_code, w.seq);

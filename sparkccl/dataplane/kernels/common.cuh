@@ -124,6 +124,19 @@ __device__ __forceinline__ u8 ld_sys8(const u8* p) {
   asm volatile("ld.global.cv.u8 %0, [%1];" : "=r"(v) : "l"(p));
   return (u8)v;
 }
+// LL lines (protocol.h LL_SLOTS) in mapped host memory: 16 bytes stored at once, as two
+// 8-byte halves {data, flag} that each arrive whole (the GPU's aligned 8-byte stores are not
+// split); read back volatile, so a line not yet complete is read again from memory.
+__device__ __forceinline__ void st_ll16(u8* p, V16 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ V16 ld_ll16(const u8* p) {
+  V16 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 // fp16 conversions through 32-bit registers only (a 16-bit "h" asm operand later stored
 // byte by byte came out wrong on sm_90 with NVRTC 13.0).
 __device__ __forceinline__ float f16_to_f32(u16 v) {

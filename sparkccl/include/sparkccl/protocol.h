@@ -154,6 +154,17 @@ constexpr pu64 CALL_SLICE = 1;
 constexpr pu64 CALL_TAG_MASK = 0xFFFF;
 constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 
+// The low-latency (LL) area of the control segment (docs/PROTOCOL.md "One shot, LL"): page-
+// aligned after the call words, LL_SLOTS slots (seq % LL_SLOTS) of one LL_SOURCE_BYTES block
+// per source rank, which that source's GPU writes directly (GPU-direct peers only). Each
+// 16-byte line is two 8-byte halves {4 data bytes, the flag (u32)(seq + 1)}, each written
+// at once, so a reader that sees a half's flag has its data: no fence, no separate flag.
+// A source's vector of L <= LL_MAX_BYTES bytes takes 2 L bytes of lines.
+constexpr pu64 LL_SLOTS = 3;
+constexpr pu64 LL_SOURCE_BYTES = 64 << 10;
+constexpr pu64 LL_MAX_BYTES = 32 << 10;  // LL_SOURCE_BYTES / 2
+
+static_assert(2 * LL_MAX_BYTES == LL_SOURCE_BYTES, "an LL line carries half its bytes");
 static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
               "the wait kernels write the GPU record as status[0..2]");
 static_assert(CTL_GPU_ACK == CTL_GPU_STATUS + 24 && CTL_GPU_MODE == CTL_GPU_STATUS + 32,
@@ -453,6 +464,8 @@ struct AllReduceArgs {
   pu64 gate;       // in place (dst overlaps src): u32 gate[PIECES] the publish blocks bump
                    // once read of src is done (the finalize's gate words); 0: no gate
   pu64 wp;         // the plane's AG WaitParams (device)
+  pu64 ll;         // LL: u64[world] the ranks' LL areas (mapped; this rank's own at its
+                   // index); 0: not LL (kernels/allreduce.cu allreduce_ll)
 };
 constexpr pu64 AR_SRC = 0;
 constexpr pu64 AR_DST = 8;
@@ -468,7 +481,8 @@ constexpr pu64 AR_COUNTERS = 80;
 constexpr pu64 AR_NPUB = 88;
 constexpr pu64 AR_GATE = 96;
 constexpr pu64 AR_WP = 104;
-constexpr pu64 AR_BYTES = 112;
+constexpr pu64 AR_LL = 112;
+constexpr pu64 AR_BYTES = 120;
 static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
                   SCCL_OFFSET_IS(AllReduceArgs, dst, AR_DST) &&
                   SCCL_OFFSET_IS(AllReduceArgs, L, AR_L) &&
@@ -483,6 +497,7 @@ static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
                   SCCL_OFFSET_IS(AllReduceArgs, npub, AR_NPUB) &&
                   SCCL_OFFSET_IS(AllReduceArgs, gate, AR_GATE) &&
                   SCCL_OFFSET_IS(AllReduceArgs, wp, AR_WP) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, ll, AR_LL) &&
                   sizeof(AllReduceArgs) == AR_BYTES,
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
