@@ -3,7 +3,9 @@
     python benchmarks/decode_latency.py --world 2            # one GPU shared under MPS
     python benchmarks/decode_latency.py --world 4 --iters 300
 
-Runs the ranks twice, GPU-direct (the default on one host) and the proxy path
+Runs the ranks three times: GPU-direct (the default on one host: a one shot of up to 32 KiB
+sends LL lines, which carry their own flags), GPU-direct with flag words only
+(``SPARKCCL_ALLREDUCE_LL=0``, the way before LL) and the proxy path
 (``SPARKCCL_GPU_DIRECT=0``). Per run, every rank measures:
 
 * ``flag rtt``: a GPU -> CPU -> GPU flag round trip (sccl_clock_probe: the host writes a
@@ -181,12 +183,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--per-graph", type=int, default=20)
     ap.add_argument("--max-bytes", type=int, default=2 << 20)
-    ap.add_argument("--paths", default="direct,proxy", help="direct, proxy or both")
+    ap.add_argument("--paths", default="direct,flags,proxy",
+                    help="a comma list of direct (GPU-direct, LL lines up to 32 KiB), flags "
+                         "(GPU-direct with flag words only: SPARKCCL_ALLREDUCE_LL=0), proxy")
     ap.add_argument("--timeline", action="store_true",
                     help="also the GPU step timeline of the replayed one shot (SPARKCCL_GPU_TIMELINE)")
     a = ap.parse_args()
     sizes = [s for s in SIZES if s <= a.max_bytes]
-    paths = {"direct": ("GPU-direct", {}), "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
+    paths = {"direct": ("GPU-direct", {}),
+             "flags": ("GPU-direct, flag words only", {"SPARKCCL_ALLREDUCE_LL": "0"}),
+             "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
     for key in a.paths.split(","):
         path, env = paths[key]
         if a.timeline:  # (the proxy path: its publish -> post too, on the GPU's stamps)
