@@ -216,7 +216,8 @@ class Wiring:
             return
         able = bool(self.gpu_direct and self.settings.allreduce_ll
                     and self.world <= LL_MAX_WORLD)
-        if all(self.rv.exchange("allreduce_ll", able, "agree on the LL all-reduce")):
+        if all(self.rv.exchange("allreduce_ll", able, "agree on the LL all-reduce",
+                                self.dp.check_abort)):
             self.dp.enable_ll()
 
     def _attach_rs_dataplane(self) -> None:
