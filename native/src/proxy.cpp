@@ -290,6 +290,11 @@ bool Proxy::consume_ring() {
   for (int k = 0;; ++k) {
     uint64_t ent = ctl_ + RING_OFFSET + (tail_ % RING_ENTRIES) * RING_ENTRY_BYTES;
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
+    if (k == 0)  // (the GPU writes a one-hand-off collective's entries at once: read them
+                 // from memory together, not one cache miss after another)
+      for (int j = 1; j < geom::PIECES; ++j)
+        __builtin_prefetch(reinterpret_cast<const void*>(static_cast<uintptr_t>(
+            ctl_ + RING_OFFSET + ((tail_ + j) % RING_ENTRIES) * RING_ENTRY_BYTES)));
     uint64_t seq = *word_at(ent, ENT_SEQ);
     uint64_t slice = *word_at(ent, ENT_SLICE);
     // (the call word's other bytes, dtype, kind and padding, are for the peers' check:
