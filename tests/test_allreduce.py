@@ -6,6 +6,8 @@ crossover setting agreed at creation; on a GPU, capture and replay in a CUDA gra
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -266,6 +268,12 @@ def _graph_job(rank, world, store, topology, replays, transport="auto"):
                     bad.append(f"replay {it}: {list(s)} {d} {op} {reg} differs")
             if not (bits(ey.cpu()) == all_reduce_reference(ex, "avg")).all():
                 bad.append(f"eager after replay {it} differs")
+        # GPU-direct on a mesh (shm on one host): the one shots up to 32 KiB went the LL way
+        ll = (transport == "auto" and topology == "mesh"
+              and os.environ.get("SPARKCCL_GPU_DIRECT", "1") != "0")
+        if (comm.data_plane.ll_launches > 0) != ll:
+            bad.append(f"LL launches {comm.data_plane.ll_launches}, expected "
+                       f"{'some' if ll else 'none'}")
     return bad
 
 
