@@ -74,7 +74,6 @@ class OneShotEngine(Engine):
         p.poison_if_failed(stream, dst, 0, 1, L)
         p.finish(ts, stream, advanced=True)
 
-
     def _run_ll(self, stream, *, S, L, call, src, dst, dtype, avg, table, ll) -> None:
         """The LL way (kernels/allreduce.cu allreduce_ll): a 16-byte unit per thread, each
         block's units stored and then summed by its own threads, and one block more that
