@@ -184,15 +184,13 @@ def main() -> None:
     ap.add_argument("--per-graph", type=int, default=20)
     ap.add_argument("--max-bytes", type=int, default=2 << 20)
     ap.add_argument("--paths", default="direct,flags,proxy",
-                    help="a comma list of direct (GPU-direct, LL lines up to 32 KiB), thread "
-                         "(the same, every LL reader polling: SPARKCCL_LL_POLL=thread), flags "
+                    help="a comma list of direct (GPU-direct, LL lines up to 32 KiB), flags "
                          "(GPU-direct with flag words only: SPARKCCL_ALLREDUCE_LL=0), proxy")
     ap.add_argument("--timeline", action="store_true",
                     help="also the GPU step timeline of the replayed one shot (SPARKCCL_GPU_TIMELINE)")
     a = ap.parse_args()
     sizes = [s for s in SIZES if s <= a.max_bytes]
     paths = {"direct": ("GPU-direct", {}),
-             "thread": ("GPU-direct, LL read by every thread", {"SPARKCCL_LL_POLL": "thread"}),
              "flags": ("GPU-direct, flag words only", {"SPARKCCL_ALLREDUCE_LL": "0"}),
              "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
     for key in a.paths.split(","):

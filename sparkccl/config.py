@@ -233,10 +233,6 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "GPU-direct on a mesh: one-shot all-reduces of up to 32 KiB send lines that carry "
        "their own flags (no fence, flag word or poller; the same bits); on only where every "
        "rank has it on (agreed at creation); 0: the flag-word way"),
-    _v("SPARKCCL_LL_POLL", "choice", "warp", "data plane (CUDA)",
-       "for measurements: how the LL all-reduce's readers poll: warp (lane 0 one unit per "
-       "source, then every lane its own) or thread (every thread its own lines)",
-       choices=("warp", "thread")),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
        choices=("auto", *DIRECT_ENGINES)),

@@ -75,21 +75,14 @@ def check(w: World, xs, op: str, outs, what: str = "") -> None:
 # (topology, world, roots, way): mesh and ring at world 2 and 3, every way: the proxy path
 # (False), GPU-direct with flag words (True), GPU-direct with LL lines ("ll": a mesh).
 CASES = [("mesh", 2, 2, False), ("mesh", 2, 2, True), ("mesh", 3, 1, True),
-         ("ring", 3, 2, False), ("ring", 3, 2, True), ("mesh", 2, 2, "ll"), ("mesh", 3, 1, "ll"),
-         ("mesh", 3, 2, "ll-thread")]
+         ("ring", 3, 2, False), ("ring", 3, 2, True), ("mesh", 2, 2, "ll"), ("mesh", 3, 1, "ll")]
 WAYS = [False, True, "ll"]
 WAY_IDS = ["proxy", "direct", "ll"]
 
 
 def world_of(backend, topology, world, roots=2, *, direct, **kw) -> World:
-    """The in-process World for a way of CASES / WAYS ("ll-thread": LL, every thread polling
-    its own lines, SPARKCCL_LL_POLL=thread)."""
-    w = World(backend, topology, world, roots, direct=bool(direct),
-              ll=direct in ("ll", "ll-thread"), **kw)
-    if direct == "ll-thread":
-        for dp in w.dps:
-            dp.ll_poll = C.LL_POLL["thread"]
-    return w
+    """The in-process World for a way of CASES / WAYS."""
+    return World(backend, topology, world, roots, direct=bool(direct), ll=direct == "ll", **kw)
 SHAPES = [(1,), (17,), (129, 7), (1000,)]
 
 
@@ -130,7 +123,7 @@ def test_one_shot_exact(backend, topology, world, roots, direct):
         w.sync()
         check(w, xs, "sum", outs, "above one hand-off")
         assert all(dp.direct_launches > 0 for dp in w.dps) == bool(direct)
-        assert all(dp.ll_launches > 0 for dp in w.dps) == (direct in ("ll", "ll-thread"))
+        assert all(dp.ll_launches > 0 for dp in w.dps) == (direct == "ll")
         w.healthy()
 
 

@@ -80,7 +80,7 @@ class OneShotEngine(Engine):
         hands the ring entries off (with ``table``'s flag words, where it is given)."""
         p = self.plane
         nb = max(1, min(p.max_direct_wait_blocks, -(-L // (16 * THREADS))))
-        words = all_reduce_args(p, src, dst, L, S, avg, call, p.ll_poll,
+        words = all_reduce_args(p, src, dst, L, S, avg, call, 0,
                                 0 if table is None else table.data_ptr(), 0, ll.data_ptr())
         p.plans.plannable(direct=True)
         p.launch_struct(stream, KERNELS[dtype], nb + 1, THREADS, words)

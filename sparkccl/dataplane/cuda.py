@@ -65,7 +65,6 @@ _ABORT_WORD = layout.CTL_ABORT // 8
 SLOT_SHIFT = _P["SLOT_SHIFT"]
 CTL_GPU_ACK, CTL_GPU_MODE = layout.CTL_GPU_ACK, layout.CTL_GPU_MODE  # fail-stop handshake
 FAIL_MODES = {"stop": _P["GPU_FAIL_STOP"], "poison": _P["GPU_FAIL_POISON"]}
-LL_POLL = {"thread": _P["LL_POLL_THREAD"], "warp": _P["LL_POLL_WARP"]}  # SPARKCCL_LL_POLL
 # Before a collective the peers' sizes are compared every SIZE_CHECK_CALLS-th call only: each
 # comparison reads rows the peers' GPUs write (cache misses across PCIe, microseconds per
 # call), and a mismatch said a few calls later is as clear (synchronize() checks them all).
@@ -190,7 +189,6 @@ class CudaDataPlane(DataPlaneBase):
         self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
         self.ll_table = None  # the ranks' LL areas (enable_ll), else the flag-word way
-        self.ll_poll = LL_POLL[config.get("SPARKCCL_LL_POLL")]
         self.ll_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.

@@ -112,8 +112,7 @@ def all_reduce_args(plane, src, dst, L: int, S: int, avg: bool, call: int, npub:
     vector to the AG slot (GPU-direct along direct table ``dtab``, else the proxy path:
     ``dtab`` 0), the rank-order sum of the W vectors into ``dst``; ``gate``: the
     finalize's gate words where ``dst`` is ``src`` (0: not in place); ``ll``: the ranks' LL
-    areas (the LL way; then ``npub`` says how its readers poll, protocol.h ``LL_POLL_*``,
-    and ``gate`` is not read), or 0."""
+    areas (the LL way; then ``npub`` and ``gate`` are not read), or 0."""
     return layout.pack_struct("AR", dict(
         SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=plane.ag_dev, SLOT_CODE=plane.ag_code,
         DTAB=dtab, RING=ring(plane), CALL=call,

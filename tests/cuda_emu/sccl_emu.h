@@ -17,8 +17,6 @@ extern thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __shared__ static thread_local
 
 inline void __syncthreads() {}
-inline unsigned __activemask() { return 1u; }  // (one thread a block: a warp of one)
-inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
 // A device trap ends the launch and loses the context: emu.cpp catches it per block and
 // reports the launch as trapped; the emulated stream then refuses everything after it.
 struct EmuTrap {};

@@ -113,37 +113,6 @@ __device__ __forceinline__ bool ll_complete(V16 lo, V16 hi, u32 f) {
   return lo.y == f && lo.w == f && hi.y == f && hi.w == f;
 }
 
-// One thread: every source's lines of unit u in this rank's LL area (`mine`, the slot), read
-// together, again while any half's flag is not f; into lo[i], hi[i]. False: the wait failed
-// (recorded, naming the source and its first AG wait word: its connection) or another thread's
-// did.
-__device__ bool ll_read_unit(const WaitArgs& w, const u8* mine, u64 u, u32 f, u64 t0,
-                             const u64* state, V16* lo, V16* hi) {
-#pragma unroll
-  for (int i = 0; i < BATCH; ++i) {
-    if (i < w.world && i != w.rank) {
-      lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
-      hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
-    }
-  }
-  for (u32 spins = 1;; ++spins) {
-    int short_at = -1;
-#pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      if (i < w.world && i != w.rank && !ll_complete(lo[i], hi[i], f)) {
-        lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
-        hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
-        if (!ll_complete(lo[i], hi[i], f)) short_at = i;
-      }
-    }
-    if (short_at < 0) return true;
-    if (spins % ABORT_EVERY == 0 && plane_failed(state)) return false;
-    const int word = w.waits[short_at * w.maxw];
-    if (!still_waiting(w, spins, t0, (u64)short_at, word < 0 ? NO_WORD : (u64)word, PIECES - 1))
-      return false;
-  }
-}
-
 template <class E>
 __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
   const int VEC = 16 / sizeof(typename E::T);
@@ -180,16 +149,30 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
   const u64 t0 = globaltimer();
   for (u64 u = tid; u < units; u += nthreads) {
     V16 lo[BATCH], hi[BATCH];  // (LL needs world <= BATCH)
-    if (a.npub == LL_POLL_WARP) {
-      // Lane 0 waits for one unit of every source (the warp's last) before every lane reads
-      // its own: a warp's polling is one read per source, not 64 (read by every lane of
-      // every rank at once, they queued behind each other on the PCIe link).
-      const u32 mask = __activemask();
-      if ((threadIdx.x & 31) == 0) ll_read_unit(w, mine, u + 31 < units ? u + 31 : units - 1, f,
-                                                t0, state, lo, hi);
-      __syncwarp(mask);
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+      if (i < w.world && i != w.rank) {
+        lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
+        hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
+      }
     }
-    if (!ll_read_unit(w, mine, u, f, t0, state, lo, hi)) return;
+    for (u32 spins = 1;; ++spins) {  // every source's lines read together, again while short
+      int short_at = -1;
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        if (i < w.world && i != w.rank && !ll_complete(lo[i], hi[i], f)) {
+          lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
+          hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
+          if (!ll_complete(lo[i], hi[i], f)) short_at = i;
+        }
+      }
+      if (short_at < 0) break;
+      if (spins % ABORT_EVERY == 0 && plane_failed(state)) return;  // another thread failed
+      // (a failure names the source's first AG wait word: its connection)
+      const int word = w.waits[short_at * w.maxw];
+      if (!still_waiting(w, spins, t0, (u64)short_at, word < 0 ? NO_WORD : (u64)word, PIECES - 1))
+        return;
+    }
     if (u == 0) TL_STAMP(state, w.seq, TL_RELEASED);
     float acc[VEC];
 #pragma unroll

@@ -163,10 +163,6 @@ constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 constexpr pu64 LL_SLOTS = 3;
 constexpr pu64 LL_SOURCE_BYTES = 64 << 10;
 constexpr pu64 LL_MAX_BYTES = 32 << 10;  // LL_SOURCE_BYTES / 2
-// How an LL reader polls (AllReduceArgs npub, SPARKCCL_LL_POLL): every thread its own lines,
-// or a warp's lane 0 one unit per source before the warp reads its own.
-constexpr int LL_POLL_THREAD = 0;
-constexpr int LL_POLL_WARP = 1;
 
 static_assert(2 * LL_MAX_BYTES == LL_SOURCE_BYTES, "an LL line carries half its bytes");
 static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
@@ -464,7 +460,7 @@ struct AllReduceArgs {
   pu64 call;       // the ring entries' call word (layout::call_word: op AG, the caller's
                    // dtype, KIND_ALL_REDUCE_SUM / _AVG, the padding)
   pu64 counters;   // hand-off / piece counters (u32, COUNTER_SETS sets of PIECES)
-  pu64 npub;       // publish blocks (proxy path: PIECES * blocks per piece); LL: LL_POLL_*
+  pu64 npub;       // publish blocks (proxy path: PIECES * blocks per piece)
   pu64 gate;       // in place (dst overlaps src): u32 gate[PIECES] the publish blocks bump
                    // once read of src is done (the finalize's gate words); 0: no gate
   pu64 wp;         // the plane's AG WaitParams (device)
