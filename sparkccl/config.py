@@ -230,7 +230,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),
     _v("SPARKCCL_ALLREDUCE_LL", "bool", True, "data plane (CUDA)",
-       "GPU-direct on a mesh: one-shot all-reduces of up to 32 KiB send lines that carry "
+       "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB x (world - 1) send lines that carry "
        "their own flags (no fence, flag word or poller; the same bits); on only where every "
        "rank has it on (agreed at creation); 0: the flag-word way"),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",

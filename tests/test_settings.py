@@ -126,18 +126,18 @@ def test_doctor_prints_settings_with_their_sources(tmp_path):
 def test_doctor_computes_the_memory_a_rank_needs(tmp_path):
     per_rank = doctor.bytes_per_rank(4, "mesh", 64 << 20, 2)
     # 3 all-gather + 2 send + 2 receive slots of 64 MiB, and the control block's pages
-    # (3 x 4 x 64 KiB of them the LL area).
-    assert (448 << 20) + 3 * 4 * (64 << 10) < per_rank < (448 << 20) + (1 << 20)
+    # (3 x 4 x 16 KiB of them the LL area).
+    assert (448 << 20) + 3 * 4 * (16 << 10) < per_rank < (448 << 20) + (1 << 20)
     assert doctor.bytes_per_rank(4, None, 64 << 20, 2) >= per_rank  # the larger topology
     rc, out = _doctor(tmp_path, shm_space=lambda: 1 << 40)
-    assert rc == 0 and "memory: 448.8 MiB of shared memory per rank (world 4, slot 64 MiB" in out
-    assert "448.8 MiB" in (ROOT / "README.md").read_text()
+    assert rc == 0 and "memory: 448.2 MiB of shared memory per rank (world 4, slot 64 MiB" in out
+    assert "448.2 MiB" in (ROOT / "README.md").read_text()
 
 
 def test_doctor_fails_when_dev_shm_is_too_small(tmp_path):
     rc, out = _doctor(tmp_path, shm_space=lambda: 64 << 20, local_ranks=4)
     assert rc == 1
-    assert "/dev/shm: 64 MiB free, 1.753 GiB needed: too small" in out
+    assert "/dev/shm: 64 MiB free, 1.751 GiB needed: too small" in out
     assert "--shm-size=" in out and "SPARKCCL_SLOT_BYTES" in out
     rc, out = _doctor(tmp_path, shm_space=lambda: None)
     assert rc == 1 and "/dev/shm is not mounted" in out

@@ -369,7 +369,8 @@ class CudaDataPlane(DataPlaneBase):
         self._build_direct(Op.AG)
 
     def enable_ll(self) -> None:
-        """One-shot all-reduces of up to ``layout.LL_MAX_BYTES`` go the LL way from now on
+        """One-shot all-reduces of ``L`` bytes, ``L * (world - 1) <= layout.LL_MAX_BYTES``,
+        go the LL way from now on
         (kernels/allreduce.cu allreduce_ll: lines that carry their own flags, written
         straight into every rank's LL area). After :meth:`map_peers` with every peer's control
         segment; every rank calls it or none (a rank waiting for lines a peer never writes
@@ -621,9 +622,11 @@ class CudaDataPlane(DataPlaneBase):
             cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
 
     def ll_for(self, L: int) -> bool:
-        """Does a one-shot all-reduce of ``L`` bytes per rank go the LL way? (The same answer
-        on every rank: :meth:`enable_ll` was called on all or none.)"""
-        return self.ll_table is not None and L <= layout.LL_MAX_BYTES
+        """Does a one-shot all-reduce of ``L`` bytes per rank go the LL way? While what a
+        reader polls each round, ``L * (world - 1)``, is at most ``LL_MAX_BYTES`` (8 KiB: the
+        crossover measured against the flag words, protocol.h). The same answer on every
+        rank: :meth:`enable_ll` was called on all or none."""
+        return self.ll_table is not None and L * (self.world - 1) <= layout.LL_MAX_BYTES
 
     # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
     # One kernel, GPU-direct or the proxy path (each rank's choice, which peers cannot tell).

@@ -159,10 +159,13 @@ constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 // per source rank, which that source's GPU writes directly (GPU-direct peers only). Each
 // 16-byte line is two 8-byte halves {4 data bytes, the flag (u32)(seq + 1)}, each written
 // at once, so a reader that sees a half's flag has its data: no fence, no separate flag.
-// A source's vector of L <= LL_MAX_BYTES bytes takes 2 L bytes of lines.
+// A source's vector of L bytes takes 2 L bytes of lines. The way is taken while L x (world - 1)
+// <= LL_MAX_BYTES (what a reader polls across PCIe each round): measured on an H200 under MPS,
+// LL beat the flag words at 8 KiB x 1 (13.7 vs 16.7 us) and lost at 16 KiB x 1 and 8 KiB x 3
+// (benchmarks/decode_latency_h200.txt).
 constexpr pu64 LL_SLOTS = 3;
-constexpr pu64 LL_SOURCE_BYTES = 64 << 10;
-constexpr pu64 LL_MAX_BYTES = 32 << 10;  // LL_SOURCE_BYTES / 2
+constexpr pu64 LL_SOURCE_BYTES = 16 << 10;
+constexpr pu64 LL_MAX_BYTES = 8 << 10;  // LL_SOURCE_BYTES / 2
 
 static_assert(2 * LL_MAX_BYTES == LL_SOURCE_BYTES, "an LL line carries half its bytes");
 static_assert(CTL_GPU_DETAIL == CTL_GPU_STATUS + 8 && CTL_GPU_SEQ == CTL_GPU_STATUS + 16,
