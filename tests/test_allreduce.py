@@ -202,6 +202,35 @@ def _bad_input_job(rank, world, store):
     return problems
 
 
+@pytest.mark.parametrize("able,taken", [((True, True), True), ((True, False), False),
+                                         ((False, True), False), ((False, False), False)])
+def test_ll_way_is_taken_by_every_rank_or_none(able, taken):
+    """The LL all-reduce (wiring.py _agree_ll): each rank says whether it can take it (GPU-
+    direct to every peer, SPARKCCL_ALLREDUCE_LL) through the store, and every rank enables
+    it only if all can, so no rank waits for lines a peer never writes. (Where no rank can,
+    a ring or a transport that maps no peer, the store is not asked at all.)"""
+    import types
+
+    from sparkccl import wiring
+
+    said, enabled = [], []
+    for rank in range(2):
+        w = object.__new__(wiring.Wiring)
+        w.rank, w.world, w.topology, w.gpu_direct = rank, 2, "mesh", able[rank]
+        w.link = types.SimpleNamespace(maps_peers=True)
+        w.settings = types.SimpleNamespace(allreduce_ll=True)
+        w.dp = types.SimpleNamespace(check_abort=None,
+                                     enable_ll=lambda rank=rank: enabled.append(rank))
+        w.rv = types.SimpleNamespace(exchange=lambda name, value, *a: said.append(value)
+                                     or list(able))
+        w._agree_ll()
+    assert said == list(able)
+    assert enabled == ([0, 1] if taken else [])
+    w.topology, said[:] = "ring", []
+    w._agree_ll()
+    assert said == []
+
+
 def test_bad_input_refused_world_of_one_and_the_crossover_agreed():
     """Bad input is refused before anything is sent; a world of one; ranks that disagree on
     SPARKCCL_ALLREDUCE_ONESHOT_BYTES fail at creation, each with the same error."""
