@@ -316,11 +316,11 @@ bool Proxy::consume_ring() {
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);
     // Taken and cleared before the slot is handed back: a publisher that does not stamp
     // (the GPU kernels) must not leave an earlier lap's stamp behind.
+    // (Written only where stamped: a store takes the line from the GPU's write, a miss.)
     uint64_t publish_ns = *word_at(ent, ENT_PUBLISH_NS);
-    *word_at(ent, ENT_PUBLISH_NS) = 0;
+    if (publish_ns) *word_at(ent, ENT_PUBLISH_NS) = 0;
     uint64_t index = tail_;
     ++tail_;
-    store_release(tail_word, tail_);
     n_entries_.fetch_add(1, std::memory_order_relaxed);
     progress = true;
 
@@ -381,7 +381,13 @@ bool Proxy::consume_ring() {
     else
       c->chunks[piece] |= 1u << chunk;
   }
-  if (progress) trim();
+  // The entries read are handed back once per turn (the tail is a word the GPU reads: one
+  // store, not one per entry; the ring has room for RING_ENTRIES, a turn takes at most a
+  // collective's PIECES).
+  if (progress) {
+    store_release(tail_word, tail_);
+    trim();
+  }
   return progress;
 }
 
