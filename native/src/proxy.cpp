@@ -290,11 +290,6 @@ bool Proxy::consume_ring() {
   for (int k = 0;; ++k) {
     uint64_t ent = ctl_ + RING_OFFSET + (tail_ % RING_ENTRIES) * RING_ENTRY_BYTES;
     if (load_acquire(word_at(ent, ENT_TAG)) != tail_ + 1) break;
-    if (k == 0)  // (the GPU writes a one-hand-off collective's entries at once: read them
-                 // from memory together, not one cache miss after another)
-      for (int j = 1; j < geom::PIECES; ++j)
-        __builtin_prefetch(reinterpret_cast<const void*>(static_cast<uintptr_t>(
-            ctl_ + RING_OFFSET + ((tail_ + j) % RING_ENTRIES) * RING_ENTRY_BYTES)));
     uint64_t seq = *word_at(ent, ENT_SEQ);
     uint64_t slice = *word_at(ent, ENT_SLICE);
     // (the call word's other bytes, dtype, kind and padding, are for the peers' check:
@@ -316,11 +311,11 @@ bool Proxy::consume_ring() {
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(ent + ENT_GRANULE)), 4);
     // Taken and cleared before the slot is handed back: a publisher that does not stamp
     // (the GPU kernels) must not leave an earlier lap's stamp behind.
-    // (Written only where stamped: a store takes the line from the GPU's write, a miss.)
     uint64_t publish_ns = *word_at(ent, ENT_PUBLISH_NS);
-    if (publish_ns) *word_at(ent, ENT_PUBLISH_NS) = 0;
+    *word_at(ent, ENT_PUBLISH_NS) = 0;
     uint64_t index = tail_;
     ++tail_;
+    store_release(tail_word, tail_);
     n_entries_.fetch_add(1, std::memory_order_relaxed);
     progress = true;
 
@@ -381,13 +376,7 @@ bool Proxy::consume_ring() {
     else
       c->chunks[piece] |= 1u << chunk;
   }
-  // The entries read are handed back once per turn (the tail is a word the GPU reads: one
-  // store, not one per entry; the ring has room for RING_ENTRIES, a turn takes at most a
-  // collective's PIECES).
-  if (progress) {
-    store_release(tail_word, tail_);
-    trim();
-  }
+  if (progress) trim();
   return progress;
 }
 
