@@ -510,8 +510,13 @@ def _rank_main(spec_path: str, rank: int) -> int:
         try:  # rank 0 serves the store: keep it up until every rank has its result
             store.add("netns-done", 1)
             if rank == 0:
+                # (a rank cut off from the management network has its result once its
+                # file is written, though it cannot say so through the store)
+                results = [os.path.join(os.path.dirname(spec_path), f"rank{q}.result")
+                           for q in range(world)]
                 deadline = time.monotonic() + 60
-                while store.add("netns-done", 0) < world and time.monotonic() < deadline:
+                while (store.add("netns-done", 0) < world and time.monotonic() < deadline
+                       and not all(os.path.exists(p) for p in results)):
                     time.sleep(0.01)
         except Exception:
             pass

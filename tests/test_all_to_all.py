@@ -70,8 +70,13 @@ def test_all_to_all_world_2_3_4_mesh_and_ring_shm():
 
 
 @pytest.mark.slow
-def test_all_to_all_rings_5_to_8_and_tcp():
+@pytest.mark.extended  # the rings of worlds 2-4 above, at worlds 5-8
+def test_all_to_all_rings_5_to_8():
     _run(8, [(w, "ring", 256 << 10, False) for w in (5, 6, 7, 8)] + [(8, "mesh", None, False)])
+
+
+@pytest.mark.slow
+def test_all_to_all_tcp():
     _run(4, [(4, "ring", 64 << 10, True), (3, "mesh", None, False)], transport="tcp")
 
 

@@ -110,6 +110,7 @@ def test_exact_tcp_and_verbs_through_emulated_nic(emunic_env):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the ring of worlds 2-4 above, at world 6
 def test_exact_ring_world_6():
     _run(6, [(6, "ring", "few", None, "shm")])
 

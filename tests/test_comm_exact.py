@@ -126,6 +126,7 @@ def test_exact_world_2_3_4_mesh_and_ring():
              (3, "mesh", "few", 64 << 10), (4, "ring", "few", 64 << 10)])
 
 
+@pytest.mark.extended  # the "few" profile at worlds 5-8 (CI: worlds 2-4, and 5 in the bursts)
 def test_exact_ring_world_5_to_8():
     _run(8, [(w, "ring", "few", 256 << 10) for w in (5, 6, 7, 8)] + [(8, "mesh", "few", None)])
 

@@ -8,7 +8,8 @@ docs/EXPERT_PARALLEL.md), checked bit for bit in W processes:
   tokens (sparkccl/reference.py), with and without a shared expert, token counts that
   differ per rank (zero included), experts that receive no token, tokens whose top-k all
   live on one rank, rows past the counts that are NaN (never read);
-* world 2-4, mesh and ring over shm, tcp and the emulated NIC (verbs); world 5-6 (slow); world 1;
+* world 2-4, mesh and ring over shm, tcp and the emulated NIC (verbs); world 5-6 (extended);
+  world 1;
 * every bad input raising before anything is sent.
 """
 from __future__ import annotations
@@ -144,6 +145,7 @@ def test_ep_cpu_worlds():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the same cases as test_ep_cpu_worlds (2-4), at larger worlds
 def test_ep_cpu_worlds_5_6():
     MiB = 1 << 20
     _run(6, [(5, "ring", "shm", MiB), (6, "ring", "shm", 64 << 10), (6, "mesh", "tcp", MiB)])
@@ -794,7 +796,7 @@ def _emu_unpack_packed(name, run, nt, unpack, recv, handle, El, fp8, ep):
     return bad
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_ep_dispatch_kernels_emulated(world, tmp_path):
     """sccl_ep_pack / sccl_ep_unpack compiled as host C++ (whole blocks of threads with a
     barrier for __syncthreads; blocks of 5 to 256 threads, so the scans cover several tiles)
@@ -837,13 +839,21 @@ def _emu_launcher(so_path: str, threads: int):
     return launch
 
 
-def ep_fused_job(rank, world, store, device="cuda", so_path=None):
+def _large_fused_case(c) -> bool:
+    """More than one 256-token tile (300 tokens) or DeepSeek-like rows (hidden 7168): the
+    kernels' tiling and row sizes. Minutes under the CPU emulation (std::thread per lane),
+    where the tiles are covered by test_ep_dispatch_kernels_emulated's small blocks."""
+    return c[0] >= 256 or c[2] >= 7168
+
+
+def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
     """The fused dispatch (sccl_ep_pack / sccl_ep_unpack) against the torch path
     (ExpertParallel(_fused=False)) on the same inputs: send blocks, pos, refused entries
     and their counts, recv (counts, src_*, rows and scales up to the counts), feed; then
     combine of the fused dispatch against the one-box reference (refused tokens: the
     canonical NaN, check() raises). On CUDA ranks; on CPU ranks (device "cpu") with the
-    kernels run by the CPU emulation, which checks the Python side of the fused path."""
+    kernels run by the CPU emulation, which checks the Python side of the fused path.
+    ``which``: "all" the cases, or only the "small" / "large" ones (_large_fused_case)."""
     import sparkccl
     from sparkccl import ep_cuda
     from sparkccl.expert_parallel import BlockLayout
@@ -857,6 +867,8 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None):
         dev = comm.device
         for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32) in \
                 enumerate(_fused_cases(W)):
+            if which != "all" and _large_fused_case(_fused_cases(W)[c]) != (which == "large"):
+                continue
             name = f"case {c} ({mode}, fp8 {fp8}, T {T}, H {H}, K {K})"
             inp = make_ep_input(120 + c, rank, tokens=ns[rank], hidden=H, topk=K,
                                 num_experts=E, world=W, fp8=fp8)
@@ -951,11 +963,13 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None):
 
 
 @pytest.mark.slow
-def test_ep_fused_dispatch_path_emulated(tmp_path):
+@pytest.mark.parametrize("which", ["small", pytest.param("large", marks=pytest.mark.extended)])
+def test_ep_fused_dispatch_path_emulated(which, tmp_path):
     """ep_fused_job on CPU ranks, the kernels emulated: the fused path's Python side (the
-    arguments, buffers, shapes, the high-throughput count launch) end to end."""
+    arguments, buffers, shapes, the high-throughput count launch) end to end. The large
+    cases (300 tokens, hidden 7168: about 3 minutes emulated) are in the extended tier."""
     so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
-    values = check(run_ranks(ep_fused_job, 2, args=("cpu", so), timeout_s=900))
+    values = check(run_ranks(ep_fused_job, 2, args=("cpu", so, which), timeout_s=900))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
     assert not bad, "\n".join(bad)
 

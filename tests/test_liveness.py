@@ -134,8 +134,9 @@ def _slow_job(rank, world, store, transport, victim, topology):
     return bad, longest, dead
 
 
-@pytest.mark.parametrize("transport,world,topology", [("verbs", 2, "mesh"),
-                                                      ("tcp", 3, "ring")])
+@pytest.mark.parametrize("transport,world,topology", [
+    pytest.param("verbs", 2, "mesh", marks=pytest.mark.extended),  # (the same channel as tcp's)
+    ("tcp", 3, "ring")])
 def test_stopped_for_longer_than_liveness_is_not_dead(emunic_env, transport, world,
                                                       topology):
     """Issue 32: a rank stopped for 2-3x SPARKCCL_LIVENESS_S (less than the collective

@@ -401,7 +401,9 @@ def same_as_shm_job(rank, world, store, topology, slot_bytes):
 
 # (Every world and fabric again, between namespaces: test_tcp_netns.py.)
 @pytest.mark.parametrize("topology,world,slot", [
-    ("mesh", 2, None), ("ring", 3, 64 << 10), ("mesh", 4, None), ("ring", 4, None)])
+    ("mesh", 2, None), ("ring", 3, 64 << 10),
+    pytest.param("mesh", 4, None, marks=pytest.mark.extended),  # (mesh W3-4: netns, EP, a2a)
+    ("ring", 4, None)])
 @pytest.mark.slow
 def test_loopback_exact_and_same_as_shm(topology, world, slot):
     values = check(run_ranks(same_as_shm_job, world, args=(topology, slot), timeout_s=300))
