@@ -24,6 +24,9 @@
 //
 // The last block to finish advances the device state (seq + 1, ring + PIECES), so a captured
 // all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
+//
+// Small vectors between GPU-direct peers of a mesh take the LL way instead (a.ll != 0,
+// allreduce_ll below): no flag words, poller or fence between the stores and the sum.
 #pragma once
 #include "direct.cu"
 
@@ -87,8 +90,8 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
 
 // ---------------------------------------------------------------- LL (a.ll != 0)
 //
-// GPU-direct peers, every one of them mapped (a mesh on one host), and a vector of at most
-// LL_MAX_BYTES: the data carries its own flags (docs/PROTOCOL.md "One shot, LL"). Thread t
+// GPU-direct peers, every one of them mapped (a mesh on one host), and a vector of L bytes,
+// L x (world - 1) <= LL_MAX_BYTES (cuda.py ll_for): the data carries its own flags (docs/PROTOCOL.md "One shot, LL"). Thread t
 // takes 16-byte units u = t, t + T, ...: it loads its units of src and stores each to every
 // peer's LL area (slot seq % LL_SLOTS, block of this rank) as two lines {4 data bytes, flag}
 // x 2, flag = (u32)(seq + 1); then, unit by unit, it reads every source's lines in its own
