@@ -230,9 +230,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),
     _v("SPARKCCL_ALLREDUCE_LL", "bool", True, "data plane (CUDA)",
-       "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB x (world - 1) send lines that carry "
-       "their own flags (no fence, flag word or poller; the same bits); on only where every "
-       "rank has it on (agreed at creation); 0: the flag-word way"),
+       "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank "
+       "send lines that carry their own flags (no fence, flag word or poller; the same "
+       "bits); on only where every rank has it on (agreed at creation); 0: the flag-word way"),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
        choices=("auto", *DIRECT_ENGINES)),
