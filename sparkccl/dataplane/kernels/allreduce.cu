@@ -91,12 +91,12 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
 // ---------------------------------------------------------------- LL (a.ll != 0)
 //
 // GPU-direct peers, every one of them mapped (a mesh on one host), and a vector of L bytes,
-// L x (world - 1) <= LL_MAX_BYTES (cuda.py ll_for): the data carries its own flags (docs/PROTOCOL.md "One shot, LL"). Thread t
-// takes 16-byte units u = t, t + T, ...: it loads its units of src and stores each to every
-// peer's LL area (slot seq % LL_SLOTS, block of this rank) as two lines {4 data bytes, flag}
-// x 2, flag = (u32)(seq + 1); then, unit by unit, it reads every source's lines in its own
-// area until all four flags say seq, and sums them with its own unit in rank order: fp32,
-// AVG divided once, rounded once (team_reduce's arithmetic, so the same bits as every other
+// L x (world - 1) <= LL_MAX_BYTES (cuda.py ll_for): the data carries its own flags
+// (docs/PROTOCOL.md "One shot, LL"). Thread t takes 16-byte units u = t, t + T, ...: it loads
+// its units of src and stores each to every peer's LL area (slot seq % LL_SLOTS, block of this
+// rank) as two lines {4 data bytes, flag} x 2, flag = (u32)(seq + 1); then, unit by unit, it
+// reads every source's lines in its own area until all four flags say seq, and sums them with
+// its own unit in rank order (sum_sources, reduce_scatter.cu: the same bits as every other
 // regime). No fence, no flag word, no poller between the stores and the sum. Each unit is
 // read and written by one thread, so dst may be src (not a partial overlap: the host copies
 // src first then). The last block hands off the eight ring entries (chunk CHUNK_DIRECT: the
@@ -118,7 +118,6 @@ __device__ __forceinline__ bool ll_complete(V16 lo, V16 hi, u32 f) {
 
 template <class E>
 __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
-  const int VEC = 16 / sizeof(typename E::T);
   const u64* ll = (const u64*)a.ll;
   const u32 nb = gridDim.x - 1;  // (the last block hands off)
   if (blockIdx.x == nb) {
@@ -151,14 +150,9 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
   const u8* mine = (const u8*)ll[w.rank] + slot;
   const u64 t0 = globaltimer();
   for (u64 u = tid; u < units; u += nthreads) {
-    V16 lo[BATCH], hi[BATCH];  // (LL needs world <= BATCH)
+    V16 lo[BATCH], hi[BATCH];  // (LL needs world <= BATCH; ~f: no line read yet)
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      if (i < w.world && i != w.rank) {
-        lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
-        hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
-      }
-    }
+    for (int i = 0; i < BATCH; ++i) lo[i] = hi[i] = V16{0, ~f, 0, ~f};
     for (u32 spins = 1;; ++spins) {  // every source's lines read together, again while short
       int short_at = -1;
 #pragma unroll
@@ -177,26 +171,12 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
         return;
     }
     if (u == 0) TL_STAMP(state, w.seq, TL_RELEASED);
-    float acc[VEC];
+    V16 v[BATCH];  // (the data halves of each source's lines, this rank's own unit at rank)
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      if (i >= w.world) continue;
-      const V16 v = i == w.rank ? ll_own_unit(src, a.L, u)
-                                : V16{lo[i].x, lo[i].z, hi[i].x, hi[i].z};
-      if (i == 0) {
-        unpack<E>(v, acc);
-      } else {
-        float t[VEC];
-        unpack<E>(v, t);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
-      }
-    }
-    if (a.avg) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)w.world);
-    }
-    const V16 r = pack<E>(acc);
+    for (int i = 0; i < BATCH; ++i)
+      if (i < w.world)
+        v[i] = i == w.rank ? ll_own_unit(src, a.L, u) : V16{lo[i].x, lo[i].z, hi[i].x, hi[i].z};
+    const V16 r = sum_sources<E>(v, w.world, a.avg != 0);
     const u64 off = 16 * u;
     if (off + 16 <= a.L) {
       st_any16(dst + off, r);

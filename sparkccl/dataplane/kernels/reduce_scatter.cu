@@ -53,6 +53,39 @@ __device__ __forceinline__ V16 pack(const float* f) {
   return v;
 }
 
+// The end of a rank-order sum: AVG's fp32 sum divided once by world (IEEE division), then
+// the one rounding to E.
+template <class E>
+__device__ __forceinline__ V16 round_sum(float* acc, int world, bool avg) {
+  const int VEC = 16 / sizeof(typename E::T);
+  if (avg) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)world);
+  }
+  return pack<E>(acc);
+}
+
+// One 16-byte unit of every source, v[0 .. world) (world <= BATCH), summed in rank order:
+// fp32 from rank 0's value, one __fadd_rn per later rank, then round_sum. The one definition
+// of the reductions' bits (docs/CONTRACT.md "All-reduce"), for every kernel that has the
+// sources' units in registers (team_reduce, the one shot's LL way).
+template <class E>
+__device__ __forceinline__ V16 sum_sources(const V16* v, int world, bool avg) {
+  const int VEC = 16 / sizeof(typename E::T);
+  float acc[VEC];
+  unpack<E>(v[0], acc);
+#pragma unroll
+  for (int i = 1; i < BATCH; ++i) {
+    if (i < world) {
+      float t[VEC];
+      unpack<E>(v[i], t);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
+    }
+  }
+  return round_sum<E>(acc, world, avg);
+}
+
 // Sum bytes [a, e) of the piece over sources in rank order: source i's bytes are at
 // recv + i * S (pinned, 16-aligned), except the own source at own (device input or own
 // send slot; own_sys says which). Writes dst[a, e). avg: the fp32 sum divided once by
@@ -70,24 +103,16 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
   const u64 nthreads = (u64)nb * blockDim.x;
   for (u64 u = tid; u < units; u += nthreads) {
     const u64 off = a + 16 * u;
-    float acc[VEC];
+    V16 r;
     if (world <= BATCH) {
       // Every source's load in flight at once, then the sum in rank order.
       V16 v[BATCH];
 #pragma unroll
       for (int i = 0; i < BATCH; ++i)
         if (i < world) v[i] = i == rank ? ld_any16(own + off, own_sys) : ld_sys16(recv + i * S + off);
-      unpack<E>(v[0], acc);
-#pragma unroll
-      for (int i = 1; i < BATCH; ++i) {
-        if (i < world) {
-          float t[VEC];
-          unpack<E>(v[i], t);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
-        }
-      }
+      r = sum_sources<E>(v, world, avg);
     } else {
+      float acc[VEC];
       {
         const u8* p = rank == 0 ? own + off : recv + off;
         V16 v = rank == 0 ? ld_any16(p, own_sys) : ld_sys16(p);
@@ -100,12 +125,8 @@ __device__ void team_reduce(u8* dst, const u8* recv, const u8* own, bool own_sys
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] = __fadd_rn(acc[k], t[k]);
       }
+      r = round_sum<E>(acc, world, avg);
     }
-    if (avg) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] = __fdiv_rn(acc[k], (float)world);
-    }
-    const V16 r = pack<E>(acc);
     st_any16(dst + off, r);
     if (dst2) st_any16(dst2 + off, r);
   }
