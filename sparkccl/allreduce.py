@@ -97,11 +97,10 @@ def all_reduce(comm, x: torch.Tensor, op: str, out: torch.Tensor | None, *, fuse
         # (out partly over x, shifted: the kernel would read terms it already wrote; the LL
         # way copies x first, and must be taken by every rank: its wire is its own)
         plane = comm.data_plane
-        ll = getattr(plane, "ll_for", None)
         if (one_shot_op is not None and plane.one_shot_all_reduce
                 and x.nbytes <= comm.max_slice
                 and (dst.data_ptr() == flat.data_ptr() or not _overlaps(dst, flat)
-                     or (ll is not None and ll(x.nbytes)))):
+                     or plane.ll_for(x.nbytes))):
             one_shot_op(flat, avg, dst)
         else:
             _one_shot(comm, flat, avg, dst)

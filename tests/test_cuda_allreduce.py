@@ -83,6 +83,8 @@ WAY_IDS = ["proxy", "direct", "ll"]
 def world_of(backend, topology, world, roots=2, *, direct, **kw) -> World:
     """The in-process World for a way of CASES / WAYS."""
     return World(backend, topology, world, roots, direct=bool(direct), ll=direct == "ll", **kw)
+
+
 SHAPES = [(1,), (17,), (129, 7), (1000,)]
 
 

@@ -167,6 +167,12 @@ class DataPlaneBase:
     """Whether :meth:`all_reduce_one_shot` is implemented (the CUDA plane: one launch).
     Planes without it get ``sparkccl/allreduce.py``'s all-gather and local sum."""
 
+    def ll_for(self, L: int) -> bool:
+        """Does a one-shot all-reduce of ``L`` bytes per rank take the LL way (lines that carry
+        their own flags: the CUDA plane between GPU-direct peers, ``CudaDataPlane.enable_ll``)?
+        It copies a shifted input itself, and every rank must take it or none."""
+        return False
+
     def all_reduce_one_shot(self, seq: int, src, dst, avg: bool, pad: int = 0) -> None:
         """All-reduce ``src`` (contiguous, bf16 / fp16 / fp32, at most one slot) into ``dst``
         (same dtype and size; may be ``src``) as one collective: an all-gather of ``src`` on

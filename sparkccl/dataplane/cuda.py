@@ -622,10 +622,10 @@ class CudaDataPlane(DataPlaneBase):
             cuda_calls.all_reduce_one_shot(self, seq, a0, b0, L, dtype, avg, pad, in_place)
 
     def ll_for(self, L: int) -> bool:
-        """Does a one-shot all-reduce of ``L`` bytes per rank go the LL way? While what a
-        reader polls each round, ``L * (world - 1)``, is at most ``LL_MAX_BYTES`` (8 KiB: the
-        crossover measured against the flag words, protocol.h). The same answer on every
-        rank: :meth:`enable_ll` was called on all or none."""
+        """(DataPlaneBase.ll_for) While what a reader polls each round, ``L * (world - 1)``,
+        is at most ``LL_MAX_BYTES`` (8 KiB: the crossover measured against the flag words,
+        protocol.h). The same answer on every rank: :meth:`enable_ll` was called on all or
+        none."""
         return self.ll_table is not None and L * (self.world - 1) <= layout.LL_MAX_BYTES
 
     # ---- two-step all-reduce as one operation (allreduce_engine.py TwoStepEngine) --------
