@@ -129,9 +129,9 @@ class ShmTransport final : public Transport {
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
               nullptr, {}, 0, false};
-    // No wake-up for a write: the proxy's post ends with the stream's flag (below), which
-    // wakes a sleeping worker once for all of it.
-    workers_[size_t(conn)]->push(op, false);
+    // Queued with the post's flag (below), which always follows: one lock and one batch
+    // for the worker, and one wake-up if it sleeps.
+    workers_[size_t(conn)]->defer(op);
     return true;
   }
 
