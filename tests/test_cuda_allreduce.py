@@ -363,6 +363,28 @@ def _communicators(w: World, oneshot_bytes: int | None = None) -> list:
     return comms
 
 
+def _load_layer_kernels(w: World) -> None:
+    """Run the torch kernels of allreduce.py's layers once on every rank's stream, before any
+    collective is waiting. This harness issues every rank from one thread, and CUDA loads a
+    kernel on its first launch (CUDA_MODULE_LOADING=LAZY, the default), which waits for the
+    kernels running in the process: a first torch kernel queued behind rank 0's collective
+    would hold this thread until that collective, which waits for rank 1's call, times out
+    (the shifted call on the proxy path did: it takes allreduce.py's all-gather and torch
+    sums). A rank of its own process only waits for its peers there, which go on."""
+    from sparkccl import allreduce as AR
+
+    for r in range(w.world):
+        with w.be.on(r):
+            for dtype in DTYPES:
+                parts = [w.be.to_dev(torch.ones(40, dtype=dtype)) for _ in range(2)]
+                for avg in (False, True):
+                    for dst_dtype in {dtype, torch.float32}:
+                        AR.rank_order_sum(parts, avg,
+                                          torch.empty(40, dtype=dst_dtype, device=w.be.device))
+                parts[0].zero_()
+    w.sync()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
 def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
@@ -440,6 +462,8 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
             expect(xs, op, res, what)
         assert all(dp.plans.stats["hits"] > 0 for dp in w.dps)
 
+        if backend == "cuda":
+            _load_layer_kernels(w)
         # The rest: (shape, mode, each rank's op, regime, calls that took allreduce.py's
         # layers), every result with the reference's bits.
         for k, (shape, mode, ops, regime, layers) in enumerate([
