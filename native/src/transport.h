@@ -253,6 +253,7 @@ struct OrderedQueue {
   std::condition_variable cv;
   std::vector<Op> queue;
   bool waiting = false;
+  std::atomic<uint64_t> posted{0};
   // Operations put in the queue so far, counted under mu after the push_back: what a
   // spinning worker watches, so that when it sees the count move, the operation is there.
   // (posted moves before the lock, so that outstanding() never counts an operation done
@@ -261,10 +262,7 @@ struct OrderedQueue {
   // the worker, each flag's way several microseconds longer.)
   std::atomic<uint64_t> queued{0};
   alignas(64) std::atomic<uint64_t> done{0};  // (the worker's: not on the proxy's line)
-  // The pushing thread's own line: counting an operation (every write) does not take the
-  // line the spinning worker reads (queued) away from it.
-  alignas(64) std::atomic<uint64_t> posted{0};
-  std::vector<Op> deferred;  // (defer)
+  alignas(64) std::vector<Op> deferred;        // (the pushing thread's own: defer)
 
   // An operation held back until the pushing thread's next push(), which puts it in the
   // queue ahead of its own under the same lock: the shm transport's writes wait for their
