@@ -282,6 +282,9 @@ class ExpertParallel:
         # blocks and the received rows); the torch path below stays the reference (the tests
         # turn this off to compare the two).
         self._native_cpu = dev.type == "cpu"
+        # CPU: combine's gather and finalize run beside its all-to-all (fill / arrived,
+        # Communicator.all_to_all); False: one after the other (the same bits; A/B, tests).
+        self._stream_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
@@ -663,20 +666,27 @@ class ExpertParallel:
 
         Pd, Pc = self._capacities(counts)
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
-        send = self._buffer("dispatch send", (W + 1, lay.nbytes), torch.uint8)
         pos = torch.empty(n * K, dtype=torch.int32)
-        over, d, ents = _native.ep_pack(
-            x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
-            self._scale_cols * 4, idx.data_ptr(), n, K, own, E, W, Pd, Pc, send.data_ptr(),
-            lay.nbytes, lay.scales_off, lay.idx_off, pos.data_ptr())
+        rowtok = self._buffer("dispatch rows", (W, Pd), torch.int32)
+        over, d, ents = _native.ep_plan(idx.data_ptr(), n, K, own, E, W, Pd, Pc, pos.data_ptr(),
+                                        rowtok.data_ptr())
         if over:  # (only with combine_rows: no routing exceeds the other bounds)
             if not self._device_checks:
                 raise ValueError(f"ExpertParallel.dispatch: {ents} top-k entries of this rank's "
                                  f"tokens name experts on rank {d}, more than combine_rows = "
                                  f"{Pc}")
             self._overflow += over
-        got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
-                                                         torch.uint8))
+        # the send blocks are written group by group straight into the all-to-all's send
+        # slot, each just before it goes (the first rows travel while later ones are copied)
+        fill_args = (x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
+                     self._scale_cols * 4, idx.data_ptr(), n, K, rowtok.data_ptr(), W, Pd,
+                     lay.nbytes, lay.scales_off, lay.idx_off)
+
+        def fill(base, stride, lo, hi):
+            _native.ep_fill_blocks(*fill_args, base, stride, lo, hi)
+
+        got = comm.all_to_all(None, out=self._buffer("dispatch recv", (W, lay.nbytes),
+                                                      torch.uint8), fill=fill)
         cnt = torch.empty(El, dtype=torch.int64)
         _native.ep_unpack_counts(got.data_ptr(), W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
                                  self.rank, El, cnt.data_ptr())
@@ -737,21 +747,24 @@ class ExpertParallel:
         # the counts are never read); the home's receive block gets a last row of NaN, where
         # its refused entries (CUDA) point.
         N = W * handle.ret_rows
+        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
+        y[N].view(torch.int16).fill_(NAN_BF16)
+        if shared is None:
+            shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
+        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
+                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
+                                     topk=K, H=H, R=N + 1)
+        if dev.type == "cpu" and self._stream_cpu:
+            self._combine_streamed(expert_out, handle, y, f, out)
+            return out
         send = self._buffer("combine send", (N, H), torch.bfloat16)
         if expert_out.numel():  # (none received: no send row is read)
             torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, handle.feed,
                                out=send.view(torch.int64))  # (rows as 8-byte words)
-        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
-        y[N].view(torch.int16).fill_(NAN_BF16)
         comm.all_to_all(send, out=y[:N])
-        if shared is None:
-            shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
-        out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
         if n == 0:
             return out
-        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
-                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
-                                     topk=K, H=H, R=N + 1)
         if dev.type == "cuda":
             from . import ep_cuda
             ep_cuda.finalize_rows(f, out, self._fin_bad)
@@ -759,6 +772,45 @@ class ExpertParallel:
             from . import _native
             _finalize.single_rank(_native, f, out)
         return out
+
+    def _combine_streamed(self, expert_out, handle: Handle, y, f, out) -> None:
+        """combine on CPU beside the wire: each group of the send blocks is gathered from
+        ``expert_out`` straight into the all-to-all's send slot just before it goes, and the
+        finalize runs on every token whose rows have all arrived while later ones travel
+        (the same rows, the same FMA chain per token: the same bits as finalizing at the
+        end)."""
+        from . import _native
+        W, H, Pc, n = self.world, self.hidden, handle.ret_rows, handle.num_tokens
+        RB = 2 * H
+        eo = expert_out.reshape(-1, H)
+        feed = handle.feed
+
+        def fill(base, stride, lo, hi):
+            _native.ep_fill_rows(eo.data_ptr(), eo.shape[0], RB, feed.data_ptr(), Pc, W, base,
+                                 stride, lo, hi)
+
+        args = f.native_args()
+        out_p = out.data_ptr()
+        have = [0] * W  # rows of each source's block that lie in y
+        done = [0]      # tokens finalized
+        tok: list = []  # tok[s * Pc + j]: the token of this rank's j-th entry held by s (n: none)
+
+        def arrived(source, hi):
+            if not tok:  # (the first call: this rank's own block, before any wait)
+                t = torch.full((W * Pc + 1,), n, dtype=torch.int64)
+                t[handle.pos.long()] = torch.arange(n * f.topk) // f.topk
+                tok.extend(t.tolist())
+            have[source] = hi // RB
+            # a source's rows come in this rank's (token, k) order: the tokens before the
+            # first row still missing from each source have every row here
+            ready = min(tok[s * Pc + m] if m < Pc else n for s, m in enumerate(have))
+            if ready > done[0]:
+                _native.finalize_rows(*args, done[0], ready - done[0], out_p + done[0] * RB)
+                done[0] = ready
+
+        self.comm.all_to_all(None, out=y[:W * Pc], fill=fill, arrived=arrived if n else None)
+        if done[0] < n:
+            _native.finalize_rows(*args, done[0], n - done[0], out_p + done[0] * RB)
 
     def check(self) -> None:
         """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or

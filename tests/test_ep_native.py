@@ -14,7 +14,7 @@ import torch
 
 from sparkccl.ep_reference import make_ep_input, run_experts
 from sparkccl.localrun import check, run_ranks
-from test_expert_parallel import ep_cases
+from test_expert_parallel import ep_cases, record_sent
 
 
 def _tokens_to(ep, idx):
@@ -23,8 +23,9 @@ def _tokens_to(ep, idx):
     return [int((own == d).any(1).sum()) for d in range(ep.world)]
 
 
-def _dispatch_both(ep, mine):
-    """(native, torch): (recv, handle, send blocks, overflow count) or the error's message."""
+def _dispatch_both(ep, mine, sent):
+    """(native, torch): (recv, handle, send blocks, overflow count) or the error's message.
+    ``sent``: record_sent's record of ep's communicator."""
     from sparkccl.expert_parallel import BlockLayout
     out = []
     for native in (True, False):
@@ -38,8 +39,7 @@ def _dispatch_both(ep, mine):
             continue
         lay = BlockLayout(handle.dispatch_rows, ep.hidden, handle.topk + 1, ep._row_bytes,
                           ep._scale_cols)
-        send = ep._scratch["dispatch send"][:(ep.world + 1) * lay.nbytes].view(
-            ep.world + 1, lay.nbytes)[:ep.world].clone()
+        send = sent["blocks"]
         out.append((recv, handle, send, lay, int(ep._overflow) - before))
     ep._native_cpu = True
     return out
@@ -99,6 +99,7 @@ def native_job(rank, world, store, cases):
     bad = []
     with sparkccl.Communicator(store=dist.PrefixStore("native", store), rank=rank,
                                world_size=world, timeout_s=60) as comm:
+        sent = record_sent(comm)
         for c, (T, ns, H, K, E, fp8, mode, placement, combine_rows, dev_checks) in \
                 enumerate(cases):
             name = f"world {world} case {c} ({mode}, fp8 {fp8}, E {E}, K {K})"
@@ -110,7 +111,7 @@ def native_job(rank, world, store, cases):
                                          mode=mode, placement=placement,
                                          combine_rows=combine_rows)
             ep._device_checks = dev_checks
-            a, b = _dispatch_both(ep, mine)
+            a, b = _dispatch_both(ep, mine, sent)
             bad += [f"{name}: {m}" for m in _differences(ep, mine, a, b)]
             if combine_rows == 3:  # (the routing needs more: the refusal was met)
                 met = ("more than combine_rows" in a if isinstance(a, str) else a[4] > 0)

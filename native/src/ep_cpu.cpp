@@ -9,6 +9,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/tuple.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -58,35 +59,22 @@ void ep_counts(uint64_t idx_a, int64_t n, int64_t K, uint64_t owner_a, int64_t E
     }
 }
 
-// The W + 1 send blocks (the last takes no rows, as the torch path's: only its ids are set)
-// and pos[t * K + k] = d * Pc + (the entry's rank among this rank's entries to d, in (t, k)
-// order), W * Pc for a refused entry or one past Pc. Returns (entries past Pc, the first
-// one's owner, that owner's entry count) for the caller's combine_rows refusal.
-std::tuple<int64_t, int64_t, int64_t> ep_pack(uint64_t x_a, int64_t row_bytes, uint64_t sc_a,
-                                              int64_t scale_bytes, uint64_t idx_a, int64_t n,
-                                              int64_t K, uint64_t owner_a, int64_t E, int64_t W,
-                                              int64_t Pd, int64_t Pc, uint64_t send_a,
-                                              int64_t nbytes, int64_t scales_off, int64_t idx_off,
-                                              uint64_t pos_a) {
-  need(n >= 0 && K >= 1 && W >= 1 && E >= 1 && Pd >= 1 && Pc >= 1 && row_bytes > 0 &&
-           scale_bytes >= 0,
-       "ep_pack: bad sizes");
-  need(scales_off >= Pd * row_bytes && idx_off >= scales_off + Pd * scale_bytes &&
-           nbytes >= idx_off + Pd * (K + 1) * 4,
-       "ep_pack: block layout does not fit");
-  need(send_a && (!n || (x_a && idx_a && owner_a && pos_a && (!scale_bytes || sc_a))),
-       "ep_pack: null pointer");
-  const uint8_t* x = ptr<const uint8_t>(x_a);
-  const uint8_t* sc = ptr<const uint8_t>(sc_a);
+// pos[t * K + k] = d * Pc + (the entry's rank among this rank's entries to d, in (t, k)
+// order), W * Pc for a refused entry or one past Pc; rowtok[d * Pd + r] = the token in row r
+// of the block for d (-1 past its tokens): what ep_fill_blocks then copies, group by group,
+// straight into the all-to-all's send slot. Returns (entries past Pc, the first one's
+// owner, that owner's entry count) for the caller's combine_rows refusal.
+std::tuple<int64_t, int64_t, int64_t> ep_plan(uint64_t idx_a, int64_t n, int64_t K,
+                                              uint64_t owner_a, int64_t E, int64_t W,
+                                              int64_t Pd, int64_t Pc, uint64_t pos_a,
+                                              uint64_t rowtok_a) {
+  need(n >= 0 && K >= 1 && W >= 1 && E >= 1 && Pd >= 1 && Pc >= 1, "ep_plan: bad sizes");
+  need(rowtok_a && (!n || (idx_a && owner_a && pos_a)), "ep_plan: null pointer");
   const int32_t* idx = ptr<const int32_t>(idx_a);
   const int32_t* owner = ptr<const int32_t>(owner_a);
-  uint8_t* send = ptr<uint8_t>(send_a);
   int32_t* pos = ptr<int32_t>(pos_a);
-  const int64_t cols = K + 1;
-  for (int64_t b = 0; b <= W; ++b) {
-    int32_t* ids = reinterpret_cast<int32_t*>(send + b * nbytes + idx_off);
-    for (int64_t i = 0; i < Pd * cols; ++i) ids[i] = -1;
-  }
+  int32_t* rowtok = ptr<int32_t>(rowtok_a);
+  for (int64_t i = 0; i < W * Pd; ++i) rowtok[i] = -1;
   std::vector<int64_t> rows(size_t(W), 0), ents(size_t(W) + 1, 0), seen(size_t(W) + 1, -1);
   int64_t over = 0, over_d = -1;
   for (int64_t t = 0; t < n; ++t) {
@@ -105,17 +93,101 @@ std::tuple<int64_t, int64_t, int64_t> ep_pack(uint64_t x_a, int64_t row_bytes, u
       if (d == W || seen[d] == t) continue;
       seen[d] = t;
       const int64_t r = rows[d]++;
-      need(r < Pd, "ep_pack: more tokens to one rank than the block's rows");
-      uint8_t* blk = send + d * nbytes;
-      std::memcpy(blk + r * row_bytes, x + t * row_bytes, size_t(row_bytes));
-      if (scale_bytes)
-        std::memcpy(blk + scales_off + r * scale_bytes, sc + t * scale_bytes, size_t(scale_bytes));
-      int32_t* ids = reinterpret_cast<int32_t*>(blk + idx_off) + r * cols;
-      ids[0] = int32_t(t);
-      std::memcpy(ids + 1, idx + t * K, size_t(K) * 4);
+      need(r < Pd, "ep_plan: more tokens to one rank than the block's rows");
+      rowtok[d * Pd + r] = int32_t(t);
     }
   }
   return {over, over_d, over_d >= 0 ? ents[over_d] : 0};
+}
+
+// Bytes [lo, hi) of a block (counted from its start) that fall in its section of `nrows`
+// rows of `rb` bytes at `sec`: row r's bytes from src(r) (nullptr: left as they are).
+template <class F>
+void fill_section(uint8_t* blk, int64_t sec, int64_t rb, int64_t nrows, int64_t lo, int64_t hi,
+                  F src) {
+  const int64_t a = std::max(lo, sec), b = std::min(hi, sec + nrows * rb);
+  for (int64_t r = a < b ? (a - sec) / rb : nrows; r < nrows && sec + r * rb < b; ++r) {
+    const int64_t s = sec + r * rb;
+    const int64_t x0 = std::max(a, s), x1 = std::min(b, s + rb);
+    if (const uint8_t* p = src(r)) std::memcpy(blk + x0, p + (x0 - s), size_t(x1 - x0));
+  }
+}
+
+// Bytes [lo, hi) of every dispatch block j (BlockLayout: Pd rows of row_bytes, from scales_off
+// their scales, from idx_off per row the token index and its top-k ids, -1 past the tokens)
+// at dst + j * stride + lo, from ep_plan's rowtok. Rows and scales past a block's tokens and
+// the padding between sections are not written (never read).
+void ep_fill_blocks(uint64_t x_a, int64_t row_bytes, uint64_t sc_a, int64_t scale_bytes,
+                    uint64_t idx_a, int64_t n, int64_t K, uint64_t rowtok_a, int64_t W,
+                    int64_t Pd, int64_t nbytes, int64_t scales_off, int64_t idx_off,
+                    uint64_t dst_a, int64_t stride, int64_t lo, int64_t hi) {
+  need(K >= 1 && W >= 1 && Pd >= 1 && row_bytes > 0 && scale_bytes >= 0 && lo >= 0 &&
+           lo <= hi && hi <= nbytes,
+       "ep_fill_blocks: bad sizes");
+  need(scales_off >= Pd * row_bytes && idx_off >= scales_off + Pd * scale_bytes &&
+           nbytes >= idx_off + Pd * (K + 1) * 4,
+       "ep_fill_blocks: block layout does not fit");
+  need(dst_a && rowtok_a && (!n || (x_a && idx_a && (!scale_bytes || sc_a))),
+       "ep_fill_blocks: null pointer");
+  const uint8_t* x = ptr<const uint8_t>(x_a);
+  const uint8_t* sc = ptr<const uint8_t>(sc_a);
+  const int32_t* idx = ptr<const int32_t>(idx_a);
+  const int32_t* rowtok = ptr<const int32_t>(rowtok_a);
+  const int64_t cols = K + 1;
+  int32_t ids[1 + 16 + 1];
+  need(cols <= 17, "ep_fill_blocks: topk above 16");
+  for (int64_t j = 0; j < W; ++j) {
+    uint8_t* blk = ptr<uint8_t>(dst_a) + j * stride;
+    const int32_t* tok = rowtok + j * Pd;
+    auto token = [&](int64_t r) -> int64_t {
+      const int64_t t = tok[r];
+      need(t < n, "ep_fill_blocks: token out of range");
+      return t;
+    };
+    fill_section(blk, 0, row_bytes, Pd, lo, hi, [&](int64_t r) -> const uint8_t* {
+      const int64_t t = token(r);
+      return t < 0 ? nullptr : x + t * row_bytes;
+    });
+    if (scale_bytes)
+      fill_section(blk, scales_off, scale_bytes, Pd, lo, hi, [&](int64_t r) -> const uint8_t* {
+        const int64_t t = token(r);
+        return t < 0 ? nullptr : sc + t * scale_bytes;
+      });
+    fill_section(blk, idx_off, cols * 4, Pd, lo, hi, [&](int64_t r) -> const uint8_t* {
+      const int64_t t = token(r);
+      if (t < 0) {
+        for (int64_t i = 0; i < cols; ++i) ids[i] = -1;
+      } else {
+        ids[0] = int32_t(t);
+        std::memcpy(ids + 1, idx + t * K, size_t(K) * 4);
+      }
+      return reinterpret_cast<const uint8_t*>(ids);
+    });
+  }
+}
+
+// Bytes [lo, hi) of every block j of `rows` rows of row_bytes, row i of block j being
+// src row index[j * rows + i], at dst + j * stride + lo: combine's send blocks gathered
+// from the expert outputs, group by group, straight into the all-to-all's send slot
+// (stride may be below a block's bytes: a slice of the blocks, base shifted back by its start).
+// src_rows == 0: nothing to gather (no row of the blocks is read).
+void ep_fill_rows(uint64_t src_a, int64_t src_rows, int64_t row_bytes, uint64_t index_a,
+                  int64_t rows, int64_t W, uint64_t dst_a, int64_t stride, int64_t lo,
+                  int64_t hi) {
+  need(src_rows >= 0 && row_bytes > 0 && rows >= 1 && W >= 1 && lo >= 0 && lo <= hi &&
+           hi <= rows * row_bytes,
+       "ep_fill_rows: bad sizes");
+  if (!src_rows) return;
+  need(src_a && index_a && dst_a, "ep_fill_rows: null pointer");
+  const uint8_t* src = ptr<const uint8_t>(src_a);
+  const int64_t* index = ptr<const int64_t>(index_a);
+  for (int64_t j = 0; j < W; ++j)
+    fill_section(ptr<uint8_t>(dst_a) + j * stride, 0, row_bytes, rows, lo, hi,
+                 [&](int64_t r) -> const uint8_t* {
+                   const int64_t i = index[j * rows + r];
+                   need(i >= 0 && i < src_rows, "ep_fill_rows: index out of range");
+                   return src + i * row_bytes;
+                 });
 }
 
 struct Recv {
@@ -223,11 +295,17 @@ void bind_ep_cpu(nb::module_& m) {
   m.def("ep_counts", &ep_counts, nogil, "idx_addr"_a, "n"_a, "K"_a, "owner_addr"_a, "E"_a,
         "W"_a, "counts_addr"_a,
         "EP dispatch: int32 [2W] tokens and top-k entries of this rank per destination.");
-  m.def("ep_pack", &ep_pack, nogil, "x_addr"_a, "row_bytes"_a, "scales_addr"_a,
-        "scale_bytes"_a, "idx_addr"_a, "n"_a, "K"_a, "owner_addr"_a, "E"_a, "W"_a, "Pd"_a,
-        "Pc"_a, "send_addr"_a, "nbytes"_a, "scales_off"_a, "idx_off"_a, "pos_addr"_a,
-        "EP dispatch: the W + 1 send blocks and pos; returns (entries past Pc, the first "
+  m.def("ep_plan", &ep_plan, nogil, "idx_addr"_a, "n"_a, "K"_a, "owner_addr"_a, "E"_a, "W"_a,
+        "Pd"_a, "Pc"_a, "pos_addr"_a, "rowtok_addr"_a,
+        "EP dispatch: pos and each send block's tokens; returns (entries past Pc, the first "
         "one's owner or -1, that owner's entries).");
+  m.def("ep_fill_blocks", &ep_fill_blocks, nogil, "x_addr"_a, "row_bytes"_a, "scales_addr"_a,
+        "scale_bytes"_a, "idx_addr"_a, "n"_a, "K"_a, "rowtok_addr"_a, "W"_a, "Pd"_a,
+        "nbytes"_a, "scales_off"_a, "idx_off"_a, "dst_addr"_a, "stride"_a, "lo"_a, "hi"_a,
+        "EP dispatch: bytes [lo, hi) of every send block, at dst + j * stride + lo.");
+  m.def("ep_fill_rows", &ep_fill_rows, nogil, "src_addr"_a, "src_rows"_a, "row_bytes"_a,
+        "index_addr"_a, "rows"_a, "W"_a, "dst_addr"_a, "stride"_a, "lo"_a, "hi"_a,
+        "EP combine: bytes [lo, hi) of every block of gathered rows, at dst + j * stride + lo.");
   m.def("ep_unpack_counts", &ep_unpack_counts, nogil, "got_addr"_a, "W"_a, "nbytes"_a,
         "idx_off"_a, "Pd"_a, "K"_a, "owner_addr"_a, "local_addr"_a, "E"_a, "rank"_a, "El"_a,
         "counts_addr"_a, "EP dispatch: int64 [El] received entries per local expert.");
