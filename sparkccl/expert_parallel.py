@@ -98,12 +98,24 @@ def placement_table(placement, num_experts: int, world: int) -> list[int]:
     return owners
 
 
+def _touch_pages(t: torch.Tensor | None) -> None:
+    """Write one byte per 4 KiB page of ``t`` (a fresh CPU tensor whose bytes are written
+    later anyway): its page faults are taken now, while the wire runs, not in the copies
+    after it."""
+    if t is not None and t.numel():
+        b = t.view(-1).view(torch.uint8)
+        b[::4096].fill_(0)
+        b[-1:].fill_(0)
+
+
 @dataclass
 class BlockLayout:
     """One dispatch block (bytes) from a source to a destination, the same size on every
-    rank: ``T`` token rows (bf16 or e4m3 bytes), their fp32 scales (e4m3), per row ``topk``
-    int32 (the dispatch puts the token index first, then its top-k expert ids; -1: no
-    token in that row). Sections start on 16-byte boundaries."""
+    rank: per row ``topk`` int32 (the dispatch puts the token index first, then its top-k
+    expert ids; -1: no token in that row), the rows' fp32 scales (e4m3), then ``T`` token
+    rows (bf16 or e4m3 bytes). Sections start on 16-byte boundaries. The ids come first so
+    that a receiver knows where every row goes once the block's first bytes are in, and
+    can move the rows as they arrive (the CPU twin does)."""
 
     T: int
     H: int
@@ -111,21 +123,24 @@ class BlockLayout:
     row_bytes: int
     scale_cols: int  # 0 for bf16
 
-    @property
-    def scales_off(self) -> int:
-        return _round16(self.T * self.row_bytes)
+    idx_off = 0
 
     @property
-    def idx_off(self) -> int:
+    def scales_off(self) -> int:
+        return _round16(self.T * self.topk * 4)
+
+    @property
+    def x_off(self) -> int:
         return self.scales_off + _round16(self.T * self.scale_cols * 4)
 
     @property
     def nbytes(self) -> int:
-        return self.idx_off + _round16(self.T * self.topk * 4)
+        return self.x_off + _round16(self.T * self.row_bytes)
 
     def x(self, blocks: torch.Tensor) -> torch.Tensor:
         """[B, T, row_bytes] uint8 views of the token rows of blocks [B, nbytes]."""
-        return blocks[:, :self.T * self.row_bytes].view(-1, self.T, self.row_bytes)
+        o = self.x_off
+        return blocks[:, o:o + self.T * self.row_bytes].view(-1, self.T, self.row_bytes)
 
     def scales(self, blocks: torch.Tensor) -> torch.Tensor:
         o = self.scales_off
@@ -273,6 +288,7 @@ class ExpertParallel:
         self._row_bytes = H * (1 if fp8 else 2)
         self._scale_cols = H // SCALE_COLS if fp8 else 0
         self._topk = 1  # of the dispatch being made (the low-latency bounds)
+        self._entries_in = None  # high-throughput: the entries the dispatch being made receives
         self._scratch: dict[str, torch.Tensor] = {}
         cuda = dev.type == "cuda"
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
@@ -282,8 +298,9 @@ class ExpertParallel:
         # blocks and the received rows); the torch path below stays the reference (the tests
         # turn this off to compare the two).
         self._native_cpu = dev.type == "cpu"
-        # CPU: combine's gather and finalize run beside its all-to-all (fill / arrived,
-        # Communicator.all_to_all); False: one after the other (the same bits; A/B, tests).
+        # CPU: dispatch's unpack and combine's finalize run beside their all-to-alls, as the
+        # rows arrive (arrived, Communicator.all_to_all); False: after them (the same bits;
+        # A/B, tests). The send blocks are written into the send slot group by group either way.
         self._stream_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
@@ -379,8 +396,12 @@ class ExpertParallel:
         to each rank, then the entries), called in high-throughput mode only."""
         W, T = self.world, self.max_tokens
         if self.mode == "low_latency":
+            self._entries_in = None
             return T, self.combine_rows or T * min(self._topk, self.num_local_experts)
         table = self.comm.all_gather(counts()).view(W, 2 * W)
+        # (the entries this rank receives, every source's count of those it sends here:
+        # the high-throughput receive rows, known before they arrive)
+        self._entries_in = int(table[:, W + self.rank].sum())
         rows = table.amax(0)
         return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
 
@@ -680,32 +701,76 @@ class ExpertParallel:
         # slot, each just before it goes (the first rows travel while later ones are copied)
         fill_args = (x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
                      self._scale_cols * 4, idx.data_ptr(), n, K, rowtok.data_ptr(), W, Pd,
-                     lay.nbytes, lay.scales_off, lay.idx_off)
+                     lay.nbytes, lay.idx_off, lay.scales_off, lay.x_off)
 
         def fill(base, stride, lo, hi):
             _native.ep_fill_blocks(*fill_args, base, stride, lo, hi)
 
-        got = comm.all_to_all(None, out=self._buffer("dispatch recv", (W, lay.nbytes),
-                                                      torch.uint8), fill=fill)
-        cnt = torch.empty(El, dtype=torch.int64)
-        _native.ep_unpack_counts(got.data_ptr(), W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
-                                 self.rank, El, cnt.data_ptr())
-        if self.mode == "high_throughput":
-            recv_shape = (int(cnt.sum()),)
-            offsets = torch.zeros(El + 1, dtype=torch.int64)
-            offsets[1:] = torch.cumsum(cnt, 0)
-        else:
-            recv_shape, offsets = (El, W * T), None
+        # The receive tensors, sized before the rows arrive (high-throughput: from the
+        # counts), their pages touched while the wire runs (a fresh tensor of MBs costs a
+        # page fault per 4 KiB on first write, as much as the copies into it), and each
+        # source's rows moved to them as they land, once every source's ids are in (they
+        # lead each block).
+        ll = self.mode == "low_latency"
+        recv_shape = (El, W * T) if ll else (self._entries_in,)
+        rows = math.prod(recv_shape)
         rx = torch.empty((*recv_shape, H), dtype=self.dtype)
         xs = torch.empty((*recv_shape, self._scale_cols), dtype=torch.float32) if self.fp8 \
             else None
         src = [torch.empty(recv_shape, dtype=torch.int32) for _ in range(3)]
         feed = torch.empty(W * Pc, dtype=torch.int64)
-        _native.ep_unpack(got.data_ptr(), W, lay.nbytes, self._row_bytes, lay.scales_off,
-                          self._scale_cols * 4, lay.idx_off, Pd, K, own, loc, E, self.rank, El,
-                          cnt.data_ptr(), self.mode == "low_latency", W * T, Pc, rx.data_ptr(),
-                          xs.data_ptr() if xs is not None else 0, *(t.data_ptr() for t in src),
-                          feed.data_ptr())
+        cnt = torch.empty(El, dtype=torch.int64)
+        cur = torch.empty(W * El, dtype=torch.int64)  # each source's next row per expert
+        nth = torch.zeros(W, dtype=torch.int64)       # each source's entries moved
+        got = self._buffer("dispatch recv", (W, lay.nbytes), torch.uint8)
+        g = got.data_ptr()
+        ids_in = lay.x_off  # a block's leading bytes: its ids and scales
+        have = [0] * W      # bytes of each source's block in got
+        moved = [0] * W     # rows of each source's block moved
+        planned = []
+        fresh = [rx, xs, *src] if self._stream_cpu else []
+        out_args = (rx.data_ptr(), xs.data_ptr() if xs is not None else 0,
+                    *(t.data_ptr() for t in src), feed.data_ptr())
+
+        def move(s):
+            p = min(Pd, max(have[s] - ids_in, 0) // self._row_bytes)
+            if p > moved[s]:
+                _native.ep_unpack_rows(g, W, lay.nbytes, lay.idx_off, lay.scales_off, lay.x_off,
+                                       self._row_bytes, self._scale_cols * 4, Pd, K, own, loc,
+                                       E, self.rank, El, Pc, rows, s, moved[s], p,
+                                       cur.data_ptr(), nth.data_ptr(), *out_args)
+                moved[s] = p
+
+        def arrived(source, hi):
+            while fresh:
+                _touch_pages(fresh.pop())
+            have[source] = hi
+            if planned:
+                move(source)
+            elif min(have) >= ids_in:
+                _native.ep_unpack_plan(g, W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
+                                       self.rank, El, ll, W * T, Pc, cnt.data_ptr(),
+                                       cur.data_ptr(), feed.data_ptr(),
+                                       *(t.data_ptr() for t in src))
+                if not ll and int(cnt.sum()) != rows:
+                    raise RuntimeError(f"ExpertParallel.dispatch: rank {self.rank} receives "
+                                       f"{int(cnt.sum())} entries, the counts said {rows}")
+                planned.append(True)
+                for s in range(W):
+                    move(s)
+
+        comm.all_to_all(None, out=got, fill=fill,
+                        arrived=arrived if self._stream_cpu else None)
+        if not self._stream_cpu:
+            for s in range(W):
+                arrived(s, lay.nbytes)
+        if moved != [Pd] * W:
+            raise RuntimeError(f"ExpertParallel.dispatch: rank {self.rank} moved {moved} rows "
+                               f"of {Pd} per source")
+        offsets = None
+        if not ll:
+            offsets = torch.zeros(El + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(cnt, 0)
         recv = DispatchResult(self.mode, rx, xs, cnt.to(torch.int32), offsets, *src,
                               list(self.local_experts))
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)

@@ -619,14 +619,14 @@ extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, cons
           if (k == "sccl_ep_pack")
             sccl_ep_pack(P(0, const void*), a[1], P(2, const int*), a[3], a[4], a[5], a[6],
                          a[7], a[8], a[9], P(10, const u8*), P(11, const u8*), a[12], a[13],
-                         P(14, u8*), a[15], a[16], a[17], P(18, int*), P(19, u8*),
-                         P(20, u64*), P(21, u64*), P(22, int*));
+                         P(14, u8*), a[15], a[16], a[17], a[18], P(19, int*), P(20, u8*),
+                         P(21, u64*), P(22, u64*), P(23, int*));
           else
-            sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], P(4, const int*),
-                           P(5, const int*), a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
-                           a[14], a[15], P(16, u8*), P(17, u8*), P(18, int*), P(19, int*),
-                           P(20, int*), P(21, int*), P(22, long long*),
-                           P(23, const long long*), a[24]);
+            sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const int*),
+                           P(6, const int*), a[7], a[8], a[9], a[10], a[11], a[12], a[13],
+                           a[14], a[15], a[16], P(17, u8*), P(18, u8*), P(19, int*),
+                           P(20, int*), P(21, int*), P(22, int*), P(23, long long*),
+                           P(24, const long long*), a[25]);
         });
       for (auto& t : ts) t.join();
     }
