@@ -728,7 +728,9 @@ class ExpertParallel:
         have = [0] * W      # bytes of each source's block in got
         moved = [0] * W     # rows of each source's block moved
         planned = []
-        fresh = [rx, xs, *src] if self._stream_cpu else []
+        # (low-latency: only src_*, written whole; rx's rows past the counts are never
+        # written, so their pages are never faulted)
+        fresh = ([*src] if ll else [rx, xs, *src]) if self._stream_cpu else []
         out_args = (rx.data_ptr(), xs.data_ptr() if xs is not None else 0,
                     *(t.data_ptr() for t in src), feed.data_ptr())
 

@@ -6,7 +6,8 @@ received rows and scales up to the counts, combine's feed and the combined rows;
 combine_rows refusal (the same ValueError before anything is sent; with the device-side
 checks on, the same pos / feed and overflow count). Routings of tests/test_expert_parallel.py
 (idle experts, tokens whose top-k all live on one rank, token counts that differ per rank,
-zero included), both modes, bf16 and e4m3, topk 1-16, world 1-4.
+zero included), both modes, bf16 and e4m3, topk 1-16, world 1-4; and the native path with
+its unpack and finalize beside the wire (the default) against the same after it.
 """
 from __future__ import annotations
 
@@ -125,6 +126,15 @@ def native_job(rank, world, store, cases):
             zb = ep.combine(run_experts(ep, b[0]), b[1], shared=mine["shared"])
             if not torch.equal(za.view(torch.int16), zb.view(torch.int16)):
                 bad.append(f"{name}: combined rows differ")
+            # the CPU twin's unpack and finalize beside the wire (ep._stream_cpu) against the
+            # same after it: the same dispatch and combine
+            ep._stream_cpu = False
+            c = _dispatch_both(ep, mine, sent)[0]
+            zc = ep.combine(run_experts(ep, c[0]), c[1], shared=mine["shared"])
+            ep._stream_cpu = True
+            bad += [f"{name}: not streamed: {m}" for m in _differences(ep, mine, a, c)]
+            if not torch.equal(za.view(torch.int16), zc.view(torch.int16)):
+                bad.append(f"{name}: combined rows differ, streamed or not")
     return bad
 
 
