@@ -464,7 +464,8 @@ class Communicator:
             self._handout = None
         return out
 
-    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor | None, *, out: torch.Tensor | None = None,
+                   fill=None, arrived=None) -> torch.Tensor:
         """Exchange equal blocks: ``x`` is ``[world * m, ...]`` (any dtype, contiguous); block
         j (rows ``j * m ... (j + 1) * m``) goes to rank j, and rank i's block for this rank
         lands at block i of the result (``[world * m, ...]``, a fresh tensor or ``out``,
@@ -472,12 +473,25 @@ class Communicator:
         splits. The bytes arrive unchanged. On the wire it is a reduce-scatter (the same
         slots, flags, roots and ring relays: docs/PROTOCOL.md "All-to-all") whose receiver
         copies each source's block instead of summing; blocks above the slot capacity are
-        split into several collectives."""
+        split into several collectives.
+
+        For layers that overlap their own host work with the wire (expert parallelism),
+        where the data plane streams (``DataPlaneBase.streams_all_to_all``: the CPU twin):
+        ``fill(base, stride, lo, hi)`` instead of ``x`` (``x=None``, ``out`` given: it names
+        the shape and dtype) writes bytes ``[lo, hi)`` of every block j (bytes of a block
+        counted from its start) at ``base + j * stride + lo``, in order of ``lo``, just
+        before they are sent; ``arrived(source, hi)``: bytes ``[0, hi)`` of source's block
+        lie in ``out`` (this rank's own block is told whole, before any peer's)."""
         what = "all_to_all"
         if self._closed:
             self.check_open(what)
         device = self.device
-        if not checks.usable(x, device):
+        if fill is not None:
+            if x is not None or out is None:
+                raise ValueError(f"{what}: fill takes x=None and out (the result's shape and "
+                                 "dtype)")
+            x = out
+        elif not checks.usable(x, device):
             self._check_tensor(x, what)
         shape, W = x.shape, self.world_size
         if not shape:
@@ -489,24 +503,42 @@ class Communicator:
         out = checks.out(out, device, what, tuple(shape), x.dtype)
         n = x.nbytes
         a0, b0 = x.data_ptr(), out.data_ptr()
-        if n and a0 < b0 + n and b0 < a0 + n:
+        if fill is None and n and a0 < b0 + n and b0 < a0 + n:
             raise ValueError(f"{what}: out overlaps x (an all-to-all is not done in place)")
         chunk = n // W
         if chunk == 0:
             return out
         if self.single:
-            out.copy_(x.detach())
+            if fill is not None:
+                fill(out.data_ptr(), chunk, 0, chunk)
+            else:
+                out.copy_(x.detach())
+            if arrived is not None:
+                arrived(0, chunk)
             return out
         with self._lock:
             dp = self._rs_plane(what)
             if not dp.has_all_to_all:
                 raise NotImplementedError(f"{what}: the {self.device.type} data plane "
                                           f"({type(dp).__name__}) has no all-to-all yet")
-            src = x.detach().reshape(-1).view(torch.uint8)
+            streamed = fill is not None or arrived is not None
+            if streamed and not dp.streams_all_to_all:
+                raise NotImplementedError(f"{what}: the {self.device.type} data plane "
+                                          f"({type(dp).__name__}) takes no fill / arrived")
+            src = None if fill is not None else x.detach().reshape(-1).view(torch.uint8)
             dst = out.detach().reshape(-1).view(torch.uint8)
             for off in range(0, chunk, self.max_slice):
                 L = min(self.max_slice, chunk - off)
-                dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk, x.dtype)
+                if streamed:  # (the plane counts a slice's bytes from the slice's start)
+                    f = None if fill is None else (
+                        lambda b, s, lo, hi, o=off: fill(b - o, s, lo + o, hi + o))
+                    g = None if arrived is None else (
+                        lambda i, hi, o=off: arrived(i, hi + o))
+                    dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk,
+                                  x.dtype, fill=f, arrived=g)
+                else:
+                    dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk,
+                                  x.dtype)
             if chunk > self.max_slice:
                 dp.poison_call(out)
             self._handout = None

@@ -100,8 +100,8 @@ def pack_args(*, idx, owner, E, W, Pd, Pc, limit, x, x_scales, row_bytes, scale_
     return [_ptr(idx), U64(idx.dtype == torch.int64), _ptr(owner), U64(n), U64(K), U64(E),
             U64(W), U64(Pd), U64(Pc), U64(bool(limit)), _ptr(x), _ptr(x_scales),
             U64(row_bytes), U64(scale_bytes), _ptr(send), U64(lay.nbytes), U64(lay.scales_off),
-            U64(lay.idx_off), _ptr(pos), _ptr(bad), _ptr(bad_count), _ptr(overflow),
-            _ptr(counts)]
+            U64(lay.idx_off), U64(lay.x_off), _ptr(pos), _ptr(bad), _ptr(bad_count),
+            _ptr(overflow), _ptr(counts)]
 
 
 def pack_grid(W: int, Pd: int, count_only: bool) -> tuple:
@@ -114,7 +114,8 @@ def unpack_args(*, got, lay, owner, experts, rank, E, W, Pd, K, cap, Pc, limit, 
     """sccl_ep_unpack's arguments. Low-latency: ``rx`` [E_local * cap, row_bytes] bytes.
     High-throughput: ``offsets`` (int64 [E_local + 1]) and ``rx`` [R, row_bytes]; first
     ``count_only`` (writes ``counts`` alone; the other outputs may be None)."""
-    return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), _ptr(owner),
+    return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), U64(lay.x_off),
+            _ptr(owner),
             _ptr(experts), U64(rank), U64(E), U64(W), U64(Pd), U64(K), U64(cap), U64(Pc),
             U64(bool(limit)), U64(row_bytes), U64(scale_bytes), _ptr(rx), _ptr(xs),
             _ptr(counts), _ptr(src_rank), _ptr(src_token), _ptr(src_k), _ptr(feed),

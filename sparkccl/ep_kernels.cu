@@ -89,13 +89,14 @@ __device__ __forceinline__ int ep_id(const void* idx, u64 idx64, u64 i) {
 // order: pos[t * K + k] = d * Pc + nth (limit and nth >= Pc: W * Pc, counted in *overflow).
 // Block (0, 0) also writes pos = W * Pc and bad[] = 1 for refused entries (counted in
 // *bad_count), bad[] = 0 elsewhere. counts (non-null): only count, [d] = d's tokens,
-// [W + d] = d's entries, nothing else written. Row r of d's block: the token's row bytes
-// (16-byte units), its scales (4-byte words), ids [t, id_0 .. id_{K-1}]; ids of rows past
-// d's tokens are -1 (their row bytes and scales are left as they are).
+// [W + d] = d's entries, nothing else written. Row r of d's block (BlockLayout: the ids
+// section at idx_off, the scales at scales_off, the rows at x_off): ids [t, id_0 ..
+// id_{K-1}], its scales (4-byte words), the token's row bytes (16-byte units); ids of rows
+// past d's tokens are -1 (their row bytes and scales are left as they are).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
     const void* idx, u64 idx64, const int* owner, u64 n, u64 K, u64 E, u64 W, u64 Pd, u64 Pc,
     u64 limit, const u8* x, const u8* xs, u64 row_bytes, u64 scale_bytes, u8* send,
-    u64 block_bytes, u64 scales_off, u64 idx_off, int* pos, u8* bad, u64* bad_count,
+    u64 block_bytes, u64 scales_off, u64 idx_off, u64 x_off, int* pos, u8* bad, u64* bad_count,
     u64* overflow, int* counts) {
   __shared__ u64 sh[2 * EP_THREADS];
   __shared__ int tok[EP_THREADS];
@@ -160,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
       ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
         *from = x + (u64)tok[j] * row_bytes + u * 16;
-        *to = blk + r * row_bytes + u * 16;
+        *to = blk + x_off + r * row_bytes + u * 16;
         return r < Pd;
       });
       for (u64 i = tid; i < mine * spr; i += nt) {
@@ -200,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
 // High-throughput: base = offsets[e] (packed rows; the host sized them from a count_only
 // launch, which writes counts[e] and nothing else, with no scan: one sum per block).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
-    const u8* got, u64 block_bytes, u64 scales_off, u64 idx_off, const int* owner,
+    const u8* got, u64 block_bytes, u64 scales_off, u64 idx_off, u64 x_off, const int* owner,
     const int* experts, u64 rank, u64 E, u64 W, u64 Pd, u64 K, u64 cap, u64 Pc, u64 limit,
     u64 row_bytes, u64 scale_bytes, u8* rx, u8* xs, int* counts, int* src_rank,
     int* src_token, int* src_k, long long* feed, const long long* offsets, u64 count_only) {
@@ -270,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
       ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
         const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
         const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-        *from = got + off + q * row_bytes + u * 16;
+        *from = got + off + x_off + q * row_bytes + u * 16;
         *to = rx + (base + have + j) * row_bytes + u * 16;
         return true;
       });

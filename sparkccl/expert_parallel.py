@@ -98,12 +98,24 @@ def placement_table(placement, num_experts: int, world: int) -> list[int]:
     return owners
 
 
+def _touch_pages(t: torch.Tensor | None) -> None:
+    """Write one byte per 4 KiB page of ``t`` (a fresh CPU tensor whose bytes are written
+    later anyway): its page faults are taken now, while the wire runs, not in the copies
+    after it."""
+    if t is not None and t.numel():
+        b = t.view(-1).view(torch.uint8)
+        b[::4096].fill_(0)
+        b[-1:].fill_(0)
+
+
 @dataclass
 class BlockLayout:
     """One dispatch block (bytes) from a source to a destination, the same size on every
-    rank: ``T`` token rows (bf16 or e4m3 bytes), their fp32 scales (e4m3), per row ``topk``
-    int32 (the dispatch puts the token index first, then its top-k expert ids; -1: no
-    token in that row). Sections start on 16-byte boundaries."""
+    rank: per row ``topk`` int32 (the dispatch puts the token index first, then its top-k
+    expert ids; -1: no token in that row), the rows' fp32 scales (e4m3), then ``T`` token
+    rows (bf16 or e4m3 bytes). Sections start on 16-byte boundaries. The ids come first so
+    that a receiver knows where every row goes once the block's first bytes are in, and
+    can move the rows as they arrive (the CPU twin does)."""
 
     T: int
     H: int
@@ -111,21 +123,24 @@ class BlockLayout:
     row_bytes: int
     scale_cols: int  # 0 for bf16
 
-    @property
-    def scales_off(self) -> int:
-        return _round16(self.T * self.row_bytes)
+    idx_off = 0
 
     @property
-    def idx_off(self) -> int:
+    def scales_off(self) -> int:
+        return _round16(self.T * self.topk * 4)
+
+    @property
+    def x_off(self) -> int:
         return self.scales_off + _round16(self.T * self.scale_cols * 4)
 
     @property
     def nbytes(self) -> int:
-        return self.idx_off + _round16(self.T * self.topk * 4)
+        return self.x_off + _round16(self.T * self.row_bytes)
 
     def x(self, blocks: torch.Tensor) -> torch.Tensor:
         """[B, T, row_bytes] uint8 views of the token rows of blocks [B, nbytes]."""
-        return blocks[:, :self.T * self.row_bytes].view(-1, self.T, self.row_bytes)
+        o = self.x_off
+        return blocks[:, o:o + self.T * self.row_bytes].view(-1, self.T, self.row_bytes)
 
     def scales(self, blocks: torch.Tensor) -> torch.Tensor:
         o = self.scales_off
@@ -273,6 +288,7 @@ class ExpertParallel:
         self._row_bytes = H * (1 if fp8 else 2)
         self._scale_cols = H // SCALE_COLS if fp8 else 0
         self._topk = 1  # of the dispatch being made (the low-latency bounds)
+        self._entries_in = None  # high-throughput: the entries the dispatch being made receives
         self._scratch: dict[str, torch.Tensor] = {}
         cuda = dev.type == "cuda"
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
@@ -282,6 +298,10 @@ class ExpertParallel:
         # blocks and the received rows); the torch path below stays the reference (the tests
         # turn this off to compare the two).
         self._native_cpu = dev.type == "cpu"
+        # CPU: dispatch's unpack and combine's finalize run beside their all-to-alls, as the
+        # rows arrive (arrived, Communicator.all_to_all); False: after them (the same bits;
+        # A/B, tests). The send blocks are written into the send slot group by group either way.
+        self._stream_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
@@ -376,8 +396,12 @@ class ExpertParallel:
         to each rank, then the entries), called in high-throughput mode only."""
         W, T = self.world, self.max_tokens
         if self.mode == "low_latency":
+            self._entries_in = None
             return T, self.combine_rows or T * min(self._topk, self.num_local_experts)
         table = self.comm.all_gather(counts()).view(W, 2 * W)
+        # (the entries this rank receives, every source's count of those it sends here:
+        # the high-throughput receive rows, known before they arrive)
+        self._entries_in = int(table[:, W + self.rank].sum())
         rows = table.amax(0)
         return max(int(rows[:W].max()), 1), max(int(rows[W:].max()), 1)
 
@@ -663,39 +687,92 @@ class ExpertParallel:
 
         Pd, Pc = self._capacities(counts)
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
-        send = self._buffer("dispatch send", (W + 1, lay.nbytes), torch.uint8)
         pos = torch.empty(n * K, dtype=torch.int32)
-        over, d, ents = _native.ep_pack(
-            x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
-            self._scale_cols * 4, idx.data_ptr(), n, K, own, E, W, Pd, Pc, send.data_ptr(),
-            lay.nbytes, lay.scales_off, lay.idx_off, pos.data_ptr())
+        rowtok = self._buffer("dispatch rows", (W, Pd), torch.int32)
+        over, d, ents = _native.ep_plan(idx.data_ptr(), n, K, own, E, W, Pd, Pc, pos.data_ptr(),
+                                        rowtok.data_ptr())
         if over:  # (only with combine_rows: no routing exceeds the other bounds)
             if not self._device_checks:
                 raise ValueError(f"ExpertParallel.dispatch: {ents} top-k entries of this rank's "
                                  f"tokens name experts on rank {d}, more than combine_rows = "
                                  f"{Pc}")
             self._overflow += over
-        got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
-                                                         torch.uint8))
-        cnt = torch.empty(El, dtype=torch.int64)
-        _native.ep_unpack_counts(got.data_ptr(), W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
-                                 self.rank, El, cnt.data_ptr())
-        if self.mode == "high_throughput":
-            recv_shape = (int(cnt.sum()),)
-            offsets = torch.zeros(El + 1, dtype=torch.int64)
-            offsets[1:] = torch.cumsum(cnt, 0)
-        else:
-            recv_shape, offsets = (El, W * T), None
+        # the send blocks are written group by group straight into the all-to-all's send
+        # slot, each just before it goes (the first rows travel while later ones are copied)
+        fill_args = (x.data_ptr(), self._row_bytes, x_scales.data_ptr() if self.fp8 else 0,
+                     self._scale_cols * 4, idx.data_ptr(), n, K, rowtok.data_ptr(), W, Pd,
+                     lay.nbytes, lay.idx_off, lay.scales_off, lay.x_off)
+
+        def fill(base, stride, lo, hi):
+            _native.ep_fill_blocks(*fill_args, base, stride, lo, hi)
+
+        # The receive tensors, sized before the rows arrive (high-throughput: from the
+        # counts), their pages touched while the wire runs (a fresh tensor of MBs costs a
+        # page fault per 4 KiB on first write, as much as the copies into it), and each
+        # source's rows moved to them as they land, once every source's ids are in (they
+        # lead each block).
+        ll = self.mode == "low_latency"
+        recv_shape = (El, W * T) if ll else (self._entries_in,)
+        rows = math.prod(recv_shape)
         rx = torch.empty((*recv_shape, H), dtype=self.dtype)
         xs = torch.empty((*recv_shape, self._scale_cols), dtype=torch.float32) if self.fp8 \
             else None
         src = [torch.empty(recv_shape, dtype=torch.int32) for _ in range(3)]
         feed = torch.empty(W * Pc, dtype=torch.int64)
-        _native.ep_unpack(got.data_ptr(), W, lay.nbytes, self._row_bytes, lay.scales_off,
-                          self._scale_cols * 4, lay.idx_off, Pd, K, own, loc, E, self.rank, El,
-                          cnt.data_ptr(), self.mode == "low_latency", W * T, Pc, rx.data_ptr(),
-                          xs.data_ptr() if xs is not None else 0, *(t.data_ptr() for t in src),
-                          feed.data_ptr())
+        cnt = torch.empty(El, dtype=torch.int64)
+        cur = torch.empty(W * El, dtype=torch.int64)  # each source's next row per expert
+        nth = torch.zeros(W, dtype=torch.int64)       # each source's entries moved
+        got = self._buffer("dispatch recv", (W, lay.nbytes), torch.uint8)
+        g = got.data_ptr()
+        ids_in = lay.x_off  # a block's leading bytes: its ids and scales
+        have = [0] * W      # bytes of each source's block in got
+        moved = [0] * W     # rows of each source's block moved
+        planned = []
+        # (low-latency: only src_*, written whole; rx's rows past the counts are never
+        # written, so their pages are never faulted)
+        fresh = ([*src] if ll else [rx, xs, *src]) if self._stream_cpu else []
+        out_args = (rx.data_ptr(), xs.data_ptr() if xs is not None else 0,
+                    *(t.data_ptr() for t in src), feed.data_ptr())
+
+        def move(s):
+            p = min(Pd, max(have[s] - ids_in, 0) // self._row_bytes)
+            if p > moved[s]:
+                _native.ep_unpack_rows(g, W, lay.nbytes, lay.idx_off, lay.scales_off, lay.x_off,
+                                       self._row_bytes, self._scale_cols * 4, Pd, K, own, loc,
+                                       E, self.rank, El, Pc, rows, s, moved[s], p,
+                                       cur.data_ptr(), nth.data_ptr(), *out_args)
+                moved[s] = p
+
+        def arrived(source, hi):
+            while fresh:
+                _touch_pages(fresh.pop())
+            have[source] = hi
+            if planned:
+                move(source)
+            elif min(have) >= ids_in:
+                _native.ep_unpack_plan(g, W, lay.nbytes, lay.idx_off, Pd, K, own, loc, E,
+                                       self.rank, El, ll, W * T, Pc, cnt.data_ptr(),
+                                       cur.data_ptr(), feed.data_ptr(),
+                                       *(t.data_ptr() for t in src))
+                if not ll and int(cnt.sum()) != rows:
+                    raise RuntimeError(f"ExpertParallel.dispatch: rank {self.rank} receives "
+                                       f"{int(cnt.sum())} entries, the counts said {rows}")
+                planned.append(True)
+                for s in range(W):
+                    move(s)
+
+        comm.all_to_all(None, out=got, fill=fill,
+                        arrived=arrived if self._stream_cpu else None)
+        if not self._stream_cpu:
+            for s in range(W):
+                arrived(s, lay.nbytes)
+        if moved != [Pd] * W:
+            raise RuntimeError(f"ExpertParallel.dispatch: rank {self.rank} moved {moved} rows "
+                               f"of {Pd} per source")
+        offsets = None
+        if not ll:
+            offsets = torch.zeros(El + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(cnt, 0)
         recv = DispatchResult(self.mode, rx, xs, cnt.to(torch.int32), offsets, *src,
                               list(self.local_experts))
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
@@ -737,21 +814,24 @@ class ExpertParallel:
         # the counts are never read); the home's receive block gets a last row of NaN, where
         # its refused entries (CUDA) point.
         N = W * handle.ret_rows
+        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
+        y[N].view(torch.int16).fill_(NAN_BF16)
+        if shared is None:
+            shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
+        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
+                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
+                                     topk=K, H=H, R=N + 1)
+        if dev.type == "cpu" and self._stream_cpu:
+            self._combine_streamed(expert_out, handle, y, f, out)
+            return out
         send = self._buffer("combine send", (N, H), torch.bfloat16)
         if expert_out.numel():  # (none received: no send row is read)
             torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, handle.feed,
                                out=send.view(torch.int64))  # (rows as 8-byte words)
-        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
-        y[N].view(torch.int16).fill_(NAN_BF16)
         comm.all_to_all(send, out=y[:N])
-        if shared is None:
-            shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
-        out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
         if n == 0:
             return out
-        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
-                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
-                                     topk=K, H=H, R=N + 1)
         if dev.type == "cuda":
             from . import ep_cuda
             ep_cuda.finalize_rows(f, out, self._fin_bad)
@@ -759,6 +839,45 @@ class ExpertParallel:
             from . import _native
             _finalize.single_rank(_native, f, out)
         return out
+
+    def _combine_streamed(self, expert_out, handle: Handle, y, f, out) -> None:
+        """combine on CPU beside the wire: each group of the send blocks is gathered from
+        ``expert_out`` straight into the all-to-all's send slot just before it goes, and the
+        finalize runs on every token whose rows have all arrived while later ones travel
+        (the same rows, the same FMA chain per token: the same bits as finalizing at the
+        end)."""
+        from . import _native
+        W, H, Pc, n = self.world, self.hidden, handle.ret_rows, handle.num_tokens
+        RB = 2 * H
+        eo = expert_out.reshape(-1, H)
+        feed = handle.feed
+
+        def fill(base, stride, lo, hi):
+            _native.ep_fill_rows(eo.data_ptr(), eo.shape[0], RB, feed.data_ptr(), Pc, W, base,
+                                 stride, lo, hi)
+
+        args = f.native_args()
+        out_p = out.data_ptr()
+        have = [0] * W  # rows of each source's block that lie in y
+        done = [0]      # tokens finalized
+        tok: list = []  # tok[s * Pc + j]: the token of this rank's j-th entry held by s (n: none)
+
+        def arrived(source, hi):
+            if not tok:  # (the first call: this rank's own block, before any wait)
+                t = torch.full((W * Pc + 1,), n, dtype=torch.int64)
+                t[handle.pos.long()] = torch.arange(n * f.topk) // f.topk
+                tok.extend(t.tolist())
+            have[source] = hi // RB
+            # a source's rows come in this rank's (token, k) order: the tokens before the
+            # first row still missing from each source have every row here
+            ready = min(tok[s * Pc + m] if m < Pc else n for s, m in enumerate(have))
+            if ready > done[0]:
+                _native.finalize_rows(*args, done[0], ready - done[0], out_p + done[0] * RB)
+                done[0] = ready
+
+        self.comm.all_to_all(None, out=y[:W * Pc], fill=fill, arrived=arrived if n else None)
+        if done[0] < n:
+            _native.finalize_rows(*args, done[0], n - done[0], out_p + done[0] * RB)
 
     def check(self) -> None:
         """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or

@@ -1,6 +1,8 @@
 """The all-to-all (equal blocks; the reduce-scatter's wire with a copy for a sum): every
 block arrives byte for byte, on every topology and transport, against an independent
-reference (block i of rank j's result is rank i's block j)."""
+reference (block i of rank j's result is rank i's block j); the same with the CPU twin's
+fill / arrived (the send blocks written range by range into the send slot, each source's
+bytes told as they land)."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,10 +40,54 @@ def a2a_checks(comm, seed: int, cases) -> list[str]:
             assert y.shape == xs[r].shape and y.dtype == dtype and (out is None or y is out)
             if not (bits(y) == reference(xs, r)).all():
                 bad.append(f"world {W} {comm.topology} {dtype} [{W}*{m}, {row}] differs")
+        bad += streamed_checks(comm, xs, dtype, f"world {W} {comm.topology} {dtype} "
+                                              f"[{W}*{m}, {row}]")
         # interleaved with the other collectives (slot parities move)
         g = comm.all_gather(xs[r][:1].contiguous()) if m else None
         if g is not None and not (bits(g) == np.concatenate([bits(x[:1]) for x in xs])).all():
             bad.append(f"world {W} {comm.topology}: all_gather after all_to_all differs")
+    return bad
+
+
+def streamed_checks(comm, xs, dtype, name) -> list[str]:
+    """all_to_all(None, out=, fill=, arrived=) (the CPU twin streams): fill writes x's bytes
+    range by range into the send slot (ranges in order, each once, covering every block);
+    arrived(source, hi) is told this rank's own block first, each source's hi grows to the
+    whole block, and when told, bytes [0, hi) of that source's block are already in out."""
+    import ctypes
+    W, r, bad = comm.world_size, comm.rank, []
+    x = xs[r]
+    chunk = x.nbytes // W
+    want = reference(xs, r).reshape(W, -1).view(np.uint8) if chunk else None
+    out = torch.empty_like(x)
+    ranges, told = [], []
+
+    def fill(base, stride, lo, hi):
+        ranges.append((lo, hi))
+        for j in range(W):
+            ctypes.memmove(base + j * stride + lo, x.data_ptr() + j * chunk + lo, hi - lo)
+
+    def arrived(source, hi):
+        told.append((source, hi))
+        o = bits(out).reshape(W, -1).view(np.uint8)
+        if not (o[source, :hi] == want[source, :hi]).all():
+            bad.append(f"{name}: streamed: source {source}'s bytes [0, {hi}) not in out when told")
+
+    y = comm.all_to_all(None, out=out, fill=fill, arrived=arrived)
+    if y is not out or (chunk and not (bits(y) == reference(xs, r)).all()):
+        bad.append(f"{name}: streamed all_to_all differs")
+    if not chunk:
+        return bad
+    if [b for _, b in ranges] != sorted(b for _, b in ranges) or \
+            sum(b - a for a, b in ranges) != chunk or ranges[0][0] != 0 or \
+            any(a != b for (_, a), (b, _) in zip(ranges, ranges[1:])):
+        bad.append(f"{name}: fill ranges {ranges[:4]}... do not cover [0, {chunk}) in order")
+    if told[0][0] != r:
+        bad.append(f"{name}: arrived told source {told[0][0]} first, not this rank")
+    for s in range(W):
+        his = [h for i, h in told if i == s]
+        if his != sorted(his) or his[-1] != chunk:
+            bad.append(f"{name}: arrived for source {s}: {his[:4]}... (block {chunk} bytes)")
     return bad
 
 

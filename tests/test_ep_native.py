@@ -6,7 +6,8 @@ received rows and scales up to the counts, combine's feed and the combined rows;
 combine_rows refusal (the same ValueError before anything is sent; with the device-side
 checks on, the same pos / feed and overflow count). Routings of tests/test_expert_parallel.py
 (idle experts, tokens whose top-k all live on one rank, token counts that differ per rank,
-zero included), both modes, bf16 and e4m3, topk 1-16, world 1-4.
+zero included), both modes, bf16 and e4m3, topk 1-16, world 1-4; and the native path with
+its unpack and finalize beside the wire (the default) against the same after it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from sparkccl.ep_reference import make_ep_input, run_experts
 from sparkccl.localrun import check, run_ranks
-from test_expert_parallel import ep_cases
+from test_expert_parallel import ep_cases, record_sent
 
 
 def _tokens_to(ep, idx):
@@ -23,8 +24,9 @@ def _tokens_to(ep, idx):
     return [int((own == d).any(1).sum()) for d in range(ep.world)]
 
 
-def _dispatch_both(ep, mine):
-    """(native, torch): (recv, handle, send blocks, overflow count) or the error's message."""
+def _dispatch_both(ep, mine, sent):
+    """(native, torch): (recv, handle, send blocks, overflow count) or the error's message.
+    ``sent``: record_sent's record of ep's communicator."""
     from sparkccl.expert_parallel import BlockLayout
     out = []
     for native in (True, False):
@@ -38,8 +40,7 @@ def _dispatch_both(ep, mine):
             continue
         lay = BlockLayout(handle.dispatch_rows, ep.hidden, handle.topk + 1, ep._row_bytes,
                           ep._scale_cols)
-        send = ep._scratch["dispatch send"][:(ep.world + 1) * lay.nbytes].view(
-            ep.world + 1, lay.nbytes)[:ep.world].clone()
+        send = sent["blocks"]
         out.append((recv, handle, send, lay, int(ep._overflow) - before))
     ep._native_cpu = True
     return out
@@ -99,6 +100,7 @@ def native_job(rank, world, store, cases):
     bad = []
     with sparkccl.Communicator(store=dist.PrefixStore("native", store), rank=rank,
                                world_size=world, timeout_s=60) as comm:
+        sent = record_sent(comm)
         for c, (T, ns, H, K, E, fp8, mode, placement, combine_rows, dev_checks) in \
                 enumerate(cases):
             name = f"world {world} case {c} ({mode}, fp8 {fp8}, E {E}, K {K})"
@@ -110,7 +112,7 @@ def native_job(rank, world, store, cases):
                                          mode=mode, placement=placement,
                                          combine_rows=combine_rows)
             ep._device_checks = dev_checks
-            a, b = _dispatch_both(ep, mine)
+            a, b = _dispatch_both(ep, mine, sent)
             bad += [f"{name}: {m}" for m in _differences(ep, mine, a, b)]
             if combine_rows == 3:  # (the routing needs more: the refusal was met)
                 met = ("more than combine_rows" in a if isinstance(a, str) else a[4] > 0)
@@ -124,6 +126,15 @@ def native_job(rank, world, store, cases):
             zb = ep.combine(run_experts(ep, b[0]), b[1], shared=mine["shared"])
             if not torch.equal(za.view(torch.int16), zb.view(torch.int16)):
                 bad.append(f"{name}: combined rows differ")
+            # the CPU twin's unpack and finalize beside the wire (ep._stream_cpu) against the
+            # same after it: the same dispatch and combine
+            ep._stream_cpu = False
+            c = _dispatch_both(ep, mine, sent)[0]
+            zc = ep.combine(run_experts(ep, c[0]), c[1], shared=mine["shared"])
+            ep._stream_cpu = True
+            bad += [f"{name}: not streamed: {m}" for m in _differences(ep, mine, a, c)]
+            if not torch.equal(za.view(torch.int16), zc.view(torch.int16)):
+                bad.append(f"{name}: combined rows differ, streamed or not")
     return bad
 
 

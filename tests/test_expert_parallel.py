@@ -25,6 +25,35 @@ from sparkccl.localrun import check, run_ranks
 HAVE_GPU = torch.cuda.is_available()
 
 
+def record_sent(comm) -> dict:
+    """Wrap ``comm.all_to_all`` so that ``rec["blocks"]`` ([world, block bytes] uint8) holds
+    the blocks of its latest call as they went on the wire: ``x``, or (CPU dispatch, which
+    writes its blocks group by group into the send slot through ``fill``) every range that
+    ``fill`` wrote, read back from the slot. Bytes no range covered are left undefined."""
+    import ctypes
+    rec = {}
+    real = comm.all_to_all
+
+    def all_to_all(x, *, out=None, fill=None, arrived=None):
+        W = comm.world_size
+        chunk = (out if fill is not None else x).nbytes // W
+        dev = (out if fill is not None else x).device
+        blocks = rec["blocks"] = torch.empty((W, chunk), dtype=torch.uint8, device=dev)
+        if fill is None:
+            blocks.copy_(x.reshape(-1).view(torch.uint8).view(W, chunk))
+            return real(x, out=out, arrived=arrived)
+
+        def kept(base, stride, lo, hi):
+            fill(base, stride, lo, hi)
+            for j in range(W):
+                ctypes.memmove(blocks.data_ptr() + j * chunk + lo, base + j * stride + lo,
+                               hi - lo)
+        return real(None, out=out, fill=kept, arrived=arrived)
+
+    comm.all_to_all = all_to_all
+    return rec
+
+
 def ep_cases(W: int):
     """(T, tokens per rank, H, topk, E, fp8, mode, placement, pow2 weights)."""
     per_rank = [5 + 3 * r for r in range(W)]
@@ -590,14 +619,14 @@ extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, cons
           if (k == "sccl_ep_pack")
             sccl_ep_pack(P(0, const void*), a[1], P(2, const int*), a[3], a[4], a[5], a[6],
                          a[7], a[8], a[9], P(10, const u8*), P(11, const u8*), a[12], a[13],
-                         P(14, u8*), a[15], a[16], a[17], P(18, int*), P(19, u8*),
-                         P(20, u64*), P(21, u64*), P(22, int*));
+                         P(14, u8*), a[15], a[16], a[17], a[18], P(19, int*), P(20, u8*),
+                         P(21, u64*), P(22, u64*), P(23, int*));
           else
-            sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], P(4, const int*),
-                           P(5, const int*), a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
-                           a[14], a[15], P(16, u8*), P(17, u8*), P(18, int*), P(19, int*),
-                           P(20, int*), P(21, int*), P(22, long long*),
-                           P(23, const long long*), a[24]);
+            sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const int*),
+                           P(6, const int*), a[7], a[8], a[9], a[10], a[11], a[12], a[13],
+                           a[14], a[15], a[16], P(17, u8*), P(18, u8*), P(19, int*),
+                           P(20, int*), P(21, int*), P(22, int*), P(23, long long*),
+                           P(24, const long long*), a[25]);
         });
       for (auto& t : ts) t.join();
     }
@@ -656,6 +685,7 @@ def ep_emu_job(rank, world, store, so_path):
     met = {"bad": 0, "overflow": 0}
     with sparkccl.Communicator(store=store, rank=rank, world_size=W, timeout_s=60,
                                slot_bytes=1 << 20) as comm:
+        sent = record_sent(comm)
         for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32, nt) in \
                 enumerate(_emu_cases(W)):
             name = f"case {c} ({mode}, fp8 {fp8}, K {K}, threads {nt})"
@@ -669,7 +699,7 @@ def ep_emu_job(rank, world, store, so_path):
             recv, handle = ep.dispatch(inp["x"], idx, inp["topk_weights"], inp["x_scales"])
             n, Pd, Pc = ns[rank], handle.dispatch_rows, handle.ret_rows
             lay = BlockLayout(Pd, H, K + 1, ep._row_bytes, ep._scale_cols)
-            want = ep._scratch["dispatch send"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+            want = sent["blocks"]
             got = ep._scratch["dispatch recv"][:W * lay.nbytes].view(W, lay.nbytes).clone()
             want_bad, want_over = int(ep._bad_entries), int(ep._overflow)
             met["bad"] += want_bad
@@ -865,6 +895,7 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
     with sparkccl.Communicator(store=store, rank=rank, world_size=W, device=device,
                                slot_bytes=8 << 20, timeout_s=60) as comm:
         dev = comm.device
+        sent = record_sent(comm)
         for c, (T, ns, H, K, E, fp8, mode, placement, rows, int32) in \
                 enumerate(_fused_cases(W)):
             if which != "all" and _large_fused_case(_fused_cases(W)[c]) != (which == "large"):
@@ -892,7 +923,7 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
             for ep in eps:
                 recv, handle = ep.dispatch(a["x"], idx, a["topk_weights"], a["x_scales"])
                 lay = BlockLayout(handle.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
-                send = ep._scratch["dispatch send"][:W * lay.nbytes].view(W, lay.nbytes).clone()
+                send = sent["blocks"]
                 got.append((recv, handle, lay, send))
             if device == "cuda":
                 torch.cuda.synchronize()

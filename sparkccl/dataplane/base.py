@@ -122,13 +122,25 @@ class DataPlaneBase:
     has_all_to_all = False
     """Whether :meth:`all_to_all` is implemented."""
 
-    def all_to_all(self, seq: int, src: torch.Tensor, src_off: int, src_stride: int, L: int,
-                   dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype) -> None:
+    streams_all_to_all = False
+    """Whether :meth:`all_to_all` takes ``fill`` and ``arrived`` (the CPU twin): the caller
+    writes each group of its blocks into the send slot just before it is published, and
+    hears of each source's bytes as they land, so its own host work runs beside the wire."""
+
+    def all_to_all(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                   L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
+                   dtype: torch.dtype, fill=None, arrived=None) -> None:
         """The reduce-scatter's wire (same slots, flags, relays) with a copy for a sum: chunk
         j of ``src`` (bytes ``j * src_stride + src_off ... + L``) goes to rank j, and source
         i's chunk for this rank lands, byte for byte, at ``i * dst_stride + dst_off`` of
-        ``dst``. ``dtype``: what the peers compare (the bytes are never read as numbers)."""
+        ``dst``. ``dtype``: what the peers compare (the bytes are never read as numbers).
+
+        Only where :attr:`streams_all_to_all`: ``fill(base, stride, lo, hi)`` (then ``src``
+        is None) writes bytes ``[lo, hi)`` of every chunk j at ``base + j * stride + lo``
+        (called in order of ``lo``, each range once, before that range is sent; ``base`` is
+        only valid during the call); ``arrived(source, hi)``: bytes ``[0, hi)`` of source's
+        chunk lie in ``dst`` (``hi`` grows per source; this rank's own chunk is told
+        whole, first)."""
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,

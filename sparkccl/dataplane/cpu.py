@@ -281,23 +281,49 @@ class CpuDataPlane(DataPlaneBase):
         return lp
 
     has_all_to_all = True
+    streams_all_to_all = True
 
-    def all_to_all(self, seq: int, src: torch.Tensor, src_off: int, src_stride: int, L: int,
-                   dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype) -> None:
-        """(DataPlaneBase.all_to_all) The reduce-scatter's send step, then each group of
-        every source's block moved as it arrives (this rank's own from the send slot)."""
+    def all_to_all(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
+                   L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
+                   dtype: torch.dtype, fill=None, arrived=None) -> None:
+        """(DataPlaneBase.all_to_all) The reduce-scatter's send step (``fill``: each group
+        written straight into the send slot by the caller, then published), this rank's own
+        block moved whole, then each group of every source's block moved as it arrives;
+        ``arrived`` is told after each move."""
         deadline = time.monotonic() + self.timeout_s
         call = call_word(Op.RS, dtype, ALL_TO_ALL, round_up(L, ALIGN) - L)
-        lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call)
+        if fill is None:
+            lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call)
+        else:
+            lp = self._rs_fill(seq, L, fill, deadline, call)
         me, S, move = self.rank, lp.S, ctypes.memmove
         base = dst.data_ptr() + dst_off
+        if L:  # the own block is in the send slot already: whole, before any wait
+            move(base + me * dst_stride, lp.peers[me][1], L)
+            if arrived is not None:
+                arrived(me, L)
         for g, (_, c1, a, b) in enumerate(lp.groups):
             for i, block in lp.peers:
-                if i != me:
-                    self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
+                if i == me:
+                    continue
+                self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
                 if b > a:
                     move(base + i * dst_stride + a, block + a, b - a)
+                    if arrived is not None:
+                        arrived(i, b)
+
+    def _rs_fill(self, seq: int, L: int, fill, deadline: float, call: int) -> CallPlan:
+        """The send step of an all-to-all whose blocks the caller writes: per group, ``fill(
+        send slot, S, lo, hi)`` writes bytes [lo, hi) of every block j at ``slot + j * S +
+        lo``, then the group is published (the wire sees what :meth:`_rs_send` sends)."""
+        slot_index = seq % 2
+        lp = self._call_plan((Op.RS, L, slot_index, None),
+                             lambda: self._rs_plan(L, slot_index, None))
+        for c0, c1, a, b in lp.groups:
+            if b > a:
+                fill(lp.send_base, lp.S, a, b)
+            self._publish_group(Op.RS, seq, c0, c1, lp.S, deadline, call)
+        return lp
 
     def _sum_group(self, lp: CallPlan, g: int, seq: int, deadline: float, call: int):
         """Wait for group ``g`` of this rank's chunk from every source and sum it in rank
