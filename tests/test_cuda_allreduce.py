@@ -5,6 +5,7 @@ checked bit for bit against the rank-order reference (sparkccl.reference
 .all_reduce_reference), and the bytes after the output stay untouched."""
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import numpy as np
@@ -363,28 +364,6 @@ def _communicators(w: World, oneshot_bytes: int | None = None) -> list:
     return comms
 
 
-def _load_layer_kernels(w: World) -> None:
-    """Run the torch kernels of allreduce.py's layers once on every rank's stream, before any
-    collective is waiting. This harness issues every rank from one thread, and CUDA loads a
-    kernel on its first launch (CUDA_MODULE_LOADING=LAZY, the default), which waits for the
-    kernels running in the process: a first torch kernel queued behind rank 0's collective
-    would hold this thread until that collective, which waits for rank 1's call, times out
-    (the shifted call on the proxy path did: it takes allreduce.py's all-gather and torch
-    sums). A rank of its own process only waits for its peers there, which go on."""
-    from sparkccl import allreduce as AR
-
-    for r in range(w.world):
-        with w.be.on(r):
-            for dtype in DTYPES:
-                parts = [w.be.to_dev(torch.ones(40, dtype=dtype)) for _ in range(2)]
-                for avg in (False, True):
-                    for dst_dtype in {dtype, torch.float32}:
-                        AR.rank_order_sum(parts, avg,
-                                          torch.empty(40, dtype=dst_dtype, device=w.be.device))
-                parts[0].zero_()
-    w.sync()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
 def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
@@ -411,12 +390,15 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
         comms = _communicators(w, oneshot_bytes=1024)
         dev = w.be.to_dev
 
-        def run(xs, op, mode, regime=None):
+        def run(xs, op, mode, regime=None, threads=False):
             """Every rank's all-reduce of xs[r]; returns the results (mode: "out", "fresh",
             "in_place", "shifted": out one element further into the same buffer as x; op: one
-            for every rank, or each rank's)."""
-            res = []
-            for r, c in enumerate(comms):
+            for every rank, or each rank's). ``threads``: each rank's call from a thread of
+            its own, as ranks of their own processes make them: a call through allreduce.py's
+            layers can hold its thread in a torch operation until its collective is done (on
+            the H200, CUDA's first launch of a kernel waited for the kernels running in the
+            process: rank 0's collective, which waits for rank 1's call)."""
+            def one(r, c):
                 kw = {"regime": regime} if regime else {}
                 with w.be.on(r):
                     op_r = op if isinstance(op, str) else op[r]
@@ -438,8 +420,13 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
                         out = w.keep(dev(torch.full(x.shape, 7, dtype=x.dtype)))
                         y = c.all_reduce(x, op_r, out=out, **kw)
                         assert y is out
-                    res.append(w.keep(y))
-            return res
+                    return w.keep(y)
+
+            if not threads:
+                return [one(r, c) for r, c in enumerate(comms)]
+            with concurrent.futures.ThreadPoolExecutor(len(comms)) as pool:
+                futures = [pool.submit(one, r, c) for r, c in enumerate(comms)]
+                return [f.result() for f in futures]
 
         def expect(xs, op, res, what):
             ref = all_reduce_reference(xs, op)
@@ -462,8 +449,6 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
             expect(xs, op, res, what)
         assert all(dp.plans.stats["hits"] > 0 for dp in w.dps)
 
-        if backend == "cuda":
-            _load_layer_kernels(w)
         # The rest: (shape, mode, each rank's op, regime, calls that took allreduce.py's
         # layers), every result with the reference's bits.
         for k, (shape, mode, ops, regime, layers) in enumerate([
@@ -485,7 +470,7 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
                 continue
             xs = inputs(100 + k, 2, shape, torch.bfloat16)
             before = len(layered)
-            res = run(xs, ops, mode, regime)
+            res = run(xs, ops, mode, regime, threads=backend == "cuda")
             w.sync()
             expect(xs, ops[0].lower(), res, f"{list(shape)} {mode} {ops} {regime}")
             assert len(layered) - before == layers, (shape, mode, ops, regime, layered)
