@@ -145,3 +145,39 @@ def test_all_to_all_refuses_bad_input_before_sending():
             comm.all_to_all(x, out=torch.empty(3, 3))
         with pytest.raises(ValueError, match="contiguous"):
             comm.all_to_all(torch.zeros(3, 4).t())
+
+
+def fill_raises_job(rank, nprocs, store):
+    """Rank 0's fill raises on its second range; rank 1 makes the same call plainly."""
+    import time
+
+    from sparkccl.errors import CollectiveError
+    with sparkccl.Communicator(store=store, rank=rank, world_size=2, timeout_s=60,
+                               slot_bytes=256 << 10) as comm:
+        out = torch.empty(2 * (128 << 10), dtype=torch.uint8)
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                calls = []
+
+                def fill(base, stride, lo, hi):
+                    calls.append(lo)
+                    if len(calls) == 2:
+                        raise RuntimeError("no rows for this range")
+
+                comm.all_to_all(None, out=out, fill=fill)
+            else:
+                comm.all_to_all(torch.ones_like(out), out=out)
+        except (RuntimeError, CollectiveError) as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+        return None, "", time.monotonic() - t0
+
+
+def test_all_to_all_fill_that_raises_fails_the_peers_at_once():
+    """A caller's fill raising half way through: that rank gets its exception, after
+    aborting the communicator, so the peer waiting for the rest of its block fails within
+    seconds with that cause, not at its 60 s timeout."""
+    (k0, m0, _), (k1, m1, t1) = check(run_ranks(fill_raises_job, 2, timeout_s=120))
+    assert (k0, m0) == ("RuntimeError", "no rows for this range")
+    assert k1 == "CollectiveError" and "the caller's fill raised RuntimeError: no rows" in m1, m1
+    assert t1 < 30, t1

@@ -292,6 +292,8 @@ class CpuDataPlane(DataPlaneBase):
         ``arrived`` is told after each move."""
         deadline = time.monotonic() + self.timeout_s
         call = call_word(Op.RS, dtype, ALL_TO_ALL, round_up(L, ALIGN) - L)
+        fill = self._guarded(fill, "fill", seq)
+        arrived = self._guarded(arrived, "arrived", seq)
         if fill is None:
             lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call)
         else:
@@ -311,6 +313,24 @@ class CpuDataPlane(DataPlaneBase):
                     move(base + i * dst_stride + a, block + a, b - a)
                     if arrived is not None:
                         arrived(i, b)
+
+    def _guarded(self, fn, name: str, seq: int):
+        """``fn`` (a caller's fill / arrived, or None) such that an exception from it, half
+        way through a collective, first aborts the communicator with its cause: the peers,
+        waiting for the rest of this rank's blocks, fail now with it (their proxies see the
+        abort) instead of at their timeout. The exception then goes on to the caller."""
+        if fn is None:
+            return None
+
+        def guarded(*args):
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.nat.set_abort(self.ctl, layout.ABORT_USER,
+                                   f"rank {self.rank}: all_to_all seq {seq}: the caller's "
+                                   f"{name} raised {type(e).__name__}: {e}")
+                raise
+        return guarded
 
     def _rs_fill(self, seq: int, L: int, fill, deadline: float, call: int) -> CallPlan:
         """The send step of an all-to-all whose blocks the caller writes: per group, ``fill(
