@@ -124,11 +124,15 @@ def test_shm_reports_flag_latency():
     are ordered (per sample taken <= stored, so pushed -> stored bounds pushed -> taken at
     every quantile) and within the run's time."""
     for st in check(run_ranks(_latency_job, 2, args=("shm",), timeout_s=300)):
-        # One sample per flag, but the rank returns while its last collective's flags (one per
-        # connection: mesh, 2 roots) may be on their way, and stats() reads the proxy's count
-        # before the workers' samples: those may be counted on one side only.
-        assert st["shm_flag_samples"] > 0, st
-        assert abs(st["flags"] - st["shm_flag_samples"]) <= 2, st
+        # One sample per flag: the proxy's, and the lane check's one per connection at set-up
+        # (sparkccl/transport/check.py: through the transport, not the proxy's posts; mesh,
+        # 2 roots: 2). The rank returns while its last collective's flags (one per
+        # connection) may be on their way; and stats() reads the workers' samples before the
+        # proxy's count, which takes a flag right after its push (the post in progress may
+        # have its flag sampled and not yet counted).
+        lane_checks = 2
+        assert st["shm_flag_samples"] > lane_checks, st
+        assert -1 <= st["flags"] - (st["shm_flag_samples"] - lane_checks) <= 2, st
         assert 0 < st["write_flag_samples"] <= st["flags"], st
         assert 0 < st["write_flag_p50_ns"] <= st["write_flag_p99_ns"] < 60 * 10**9, st
         for k in ("take", "store", "total"):

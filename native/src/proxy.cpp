@@ -659,6 +659,18 @@ void Proxy::record_delay(uint64_t ns, uint64_t publish_ns, bool first_piece) {
 
 ProxyStats Proxy::stats() {
   ProxyStats st{};
+  // The transport's flag samples first, then the proxy's counts: a flag is counted by the
+  // proxy right after its push, so the workers' samples exceed the flags by at most the one
+  // flag of the post in progress (read the other way round, every flag stored in between
+  // counted on one side only). (attach() happens before start(): taken under life_mu_
+  // so that a stats() racing attach() sees it whole or not at all).
+  Transport* tr;
+  {
+    std::lock_guard<std::mutex> lk(life_mu_);
+    tr = transport_.get();
+  }
+  Transport::Stats ts;
+  if (tr) tr->stats(&ts);
   st.entries = n_entries_.load();
   st.stale_entries = n_stale_.load();
   st.writes = n_writes_.load();
@@ -693,15 +705,6 @@ ProxyStats Proxy::stats() {
   percentiles(first, &st.first_p50_ns, &st.first_p99_ns);
   percentiles(first_delay, &st.first_delay_p50_ns, &st.first_delay_p99_ns);
   percentiles(write_flag, &st.write_flag_p50_ns, &st.write_flag_p99_ns);
-  // The transport's flag samples (attach() happens before start(): taken under life_mu_
-  // so that a stats() racing attach() sees it whole or not at all).
-  Transport* tr;
-  {
-    std::lock_guard<std::mutex> lk(life_mu_);
-    tr = transport_.get();
-  }
-  Transport::Stats ts;
-  if (tr) tr->stats(&ts);
   st.shm_flag_samples = ts.flags_sampled;
   st.shm_worker_sleeps = ts.worker_sleeps;
   std::vector<uint64_t> take, store, total;
