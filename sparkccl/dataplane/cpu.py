@@ -264,9 +264,12 @@ class CpuDataPlane(DataPlaneBase):
         self._rs_sum(lp, seq, dst, dst_off, dtype, deadline, call)
 
     def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
-                 L: int, dtype: torch.dtype | None, deadline: float, call: int) -> CallPlan:
+                 L: int, dtype: torch.dtype | None, deadline: float, call: int,
+                 fill=None) -> CallPlan:
         """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
-        ``seq % 2`` (unless ``src`` is None: already there) and publish it."""
+        ``seq % 2`` (unless ``src`` is None: already there) and publish it. ``fill(slot, S,
+        lo, hi)`` (an all-to-all whose blocks the caller writes, ``src`` None): writes bytes
+        [lo, hi) of every chunk j at ``slot + j * S + lo`` instead, just before they go."""
         slot_index = seq % 2
         lp = self._call_plan((Op.RS, L, slot_index, dtype),
                                lambda: self._rs_plan(L, slot_index, dtype))
@@ -274,7 +277,9 @@ class CpuDataPlane(DataPlaneBase):
         move = ctypes.memmove
         sp = src.data_ptr() + src_off if src is not None else 0
         for c0, c1, a, b in lp.groups:
-            if src is not None and b > a:
+            if fill is not None and b > a:
+                fill(lp.send_base, S, a, b)
+            elif src is not None and b > a:
                 for j in range(W):
                     move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
             self._publish_group(Op.RS, seq, c0, c1, S, deadline, call)
@@ -294,10 +299,7 @@ class CpuDataPlane(DataPlaneBase):
         call = call_word(Op.RS, dtype, ALL_TO_ALL, round_up(L, ALIGN) - L)
         fill = self._guarded(fill, "fill", seq)
         arrived = self._guarded(arrived, "arrived", seq)
-        if fill is None:
-            lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call)
-        else:
-            lp = self._rs_fill(seq, L, fill, deadline, call)
+        lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call, fill)
         me, S, move = self.rank, lp.S, ctypes.memmove
         base = dst.data_ptr() + dst_off
         if L:  # the own block is in the send slot already: whole, before any wait
@@ -331,19 +333,6 @@ class CpuDataPlane(DataPlaneBase):
                                    f"{name} raised {type(e).__name__}: {e}")
                 raise
         return guarded
-
-    def _rs_fill(self, seq: int, L: int, fill, deadline: float, call: int) -> CallPlan:
-        """The send step of an all-to-all whose blocks the caller writes: per group, ``fill(
-        send slot, S, lo, hi)`` writes bytes [lo, hi) of every block j at ``slot + j * S +
-        lo``, then the group is published (the wire sees what :meth:`_rs_send` sends)."""
-        slot_index = seq % 2
-        lp = self._call_plan((Op.RS, L, slot_index, None),
-                             lambda: self._rs_plan(L, slot_index, None))
-        for c0, c1, a, b in lp.groups:
-            if b > a:
-                fill(lp.send_base, lp.S, a, b)
-            self._publish_group(Op.RS, seq, c0, c1, lp.S, deadline, call)
-        return lp
 
     def _sum_group(self, lp: CallPlan, g: int, seq: int, deadline: float, call: int):
         """Wait for group ``g`` of this rank's chunk from every source and sum it in rank
