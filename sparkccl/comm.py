@@ -465,7 +465,7 @@ class Communicator:
         return out
 
     def all_to_all(self, x: torch.Tensor | None, *, out: torch.Tensor | None = None,
-                   fill=None, arrived=None) -> torch.Tensor:
+                   fill=None, arrived=None, sized: bool = False) -> torch.Tensor:
         """Exchange equal blocks: ``x`` is ``[world * m, ...]`` (any dtype, contiguous); block
         j (rows ``j * m ... (j + 1) * m``) goes to rank j, and rank i's block for this rank
         lands at block i of the result (``[world * m, ...]``, a fresh tensor or ``out``,
@@ -481,10 +481,20 @@ class Communicator:
         the shape and dtype) writes bytes ``[lo, hi)`` of every block j (bytes of a block
         counted from its start) at ``base + j * stride + lo``, in order of ``lo``, just
         before they are sent; ``arrived(source, hi)``: bytes ``[0, hi)`` of source's block
-        lie in ``out`` (this rank's own block is told whole, before any peer's)."""
+        lie in ``out`` (this rank's own block is told whole, before any peer's).
+
+        ``sized=True`` (blocks of at least 8 bytes; every rank the same): each block's first
+        8 bytes, a little-endian uint64 counting themselves, say how many of its bytes
+        carry data; only those travel (rounded up to 16 bytes, at most the block; below 8
+        counts as 8), read on the device where the block is (no host read: capturable).
+        In ``out`` each block's bytes past its sender's count are undefined. For blocks
+        mostly empty at run time (expert parallelism's fixed-size blocks). A block above
+        the slot capacity goes in several collectives of which only the first is cut."""
         what = "all_to_all"
         if self._closed:
             self.check_open(what)
+        if not isinstance(sized, bool):
+            raise TypeError(f"{what}: sized must be a bool, got {type(sized).__name__}")
         device = self.device
         if fill is not None:
             if x is not None or out is None:
@@ -508,6 +518,9 @@ class Communicator:
         chunk = n // W
         if chunk == 0:
             return out
+        if sized and chunk < 8:
+            raise ValueError(f"{what}: sized=True needs blocks of at least 8 bytes (their "
+                             f"first 8 say their length), got {chunk}")
         if self.single:
             if fill is not None:
                 fill(out.data_ptr(), chunk, 0, chunk)
@@ -535,10 +548,10 @@ class Communicator:
                     g = None if arrived is None else (
                         lambda i, hi, o=off: arrived(i, hi + o))
                     dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk,
-                                  x.dtype, fill=f, arrived=g)
+                                  x.dtype, fill=f, arrived=g, sized=sized and off == 0)
                 else:
                     dp.all_to_all(self._next_seq(), src, off, chunk, L, dst, off, chunk,
-                                  x.dtype)
+                                  x.dtype, sized=sized and off == 0)
             if chunk > self.max_slice:
                 dp.poison_call(out)
             self._handout = None

@@ -42,10 +42,78 @@ def a2a_checks(comm, seed: int, cases) -> list[str]:
                 bad.append(f"world {W} {comm.topology} {dtype} [{W}*{m}, {row}] differs")
         bad += streamed_checks(comm, xs, dtype, f"world {W} {comm.topology} {dtype} "
                                               f"[{W}*{m}, {row}]")
+        bad += sized_checks(comm, seed, (W * m, *row), dtype)
         # interleaved with the other collectives (slot parities move)
         g = comm.all_gather(xs[r][:1].contiguous()) if m else None
         if g is not None and not (bits(g) == np.concatenate([bits(x[:1]) for x in xs])).all():
             bad.append(f"world {W} {comm.topology}: all_gather after all_to_all differs")
+    return bad
+
+
+def _posted(comm) -> int:
+    """The bytes this rank's proxy has posted, once every collective issued so far went out
+    whole (the proxy may still be posting after a call returns)."""
+    import time
+    px = comm._wiring.proxy
+    deadline = time.monotonic() + 10
+    while (px.delivered() < comm.seq or px.outstanding()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return comm.proxy_stats()["bytes"]
+
+
+def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
+    """all_to_all(sized=True): every block's first 8 bytes say its length (random, from
+    below 8 to past the block); each source's bytes up to that length (geometry.sized_bytes)
+    arrive exact, and on a mesh (no relays) this rank's proxy posts exactly those bytes of
+    its blocks for the peers, rounded up to 16 (the first collective of a split block only;
+    the others whole)."""
+    from sparkccl.plan.geometry import ALIGN, round_up, sized_bytes
+    W, r, bad = comm.world_size, comm.rank, []
+    xs = [make_input(seed + 50, i, shape, dtype) for i in range(W)]
+    chunk = xs[0].nbytes // W
+    try:  # refused before anything is sent
+        comm.all_to_all(xs[r], sized=1)
+        bad.append(f"world {W}: all_to_all took sized=1")
+    except TypeError as e:
+        if "sized must be a bool" not in str(e):
+            bad.append(f"world {W}: {e}")
+    if 0 < chunk < 8:
+        try:
+            comm.all_to_all(xs[r], sized=True)
+            bad.append(f"world {W}: sized all_to_all took blocks of {chunk} bytes")
+        except ValueError as e:
+            if "at least 8 bytes" not in str(e):
+                bad.append(f"world {W}: {e}")
+        return bad
+    if not chunk:
+        return bad
+    g = torch.Generator().manual_seed(seed)
+    heads = torch.randint(0, chunk + 40, (W, W), generator=g)  # heads[i, j]: i's block for j
+    heads[:, 0] = torch.tensor([0, 7, chunk, chunk + 39][:W] + [5] * max(0, W - 4))
+    for i in range(W):
+        b = xs[i].reshape(-1).view(torch.uint8).view(W, chunk)
+        for j in range(W):
+            b[j, :8] = torch.tensor([int(heads[i, j])], dtype=torch.int64).view(torch.uint8)
+    first = min(chunk, comm.max_slice)  # (the bytes of a block in its first collective)
+    before = _posted(comm)
+    y = comm.all_to_all(xs[r], sized=True)
+    got = bits(y).reshape(-1).view(np.uint8).reshape(W, chunk)
+    want = reference(xs, r).reshape(-1).view(np.uint8).reshape(W, chunk)
+    for i in range(W):
+        n = sized_bytes(int(heads[i, r]), first)
+        if not ((got[i, :n] == want[i, :n]).all() and (got[i, first:] == want[i, first:]).all()):
+            bad.append(f"world {W} {comm.topology} sized {dtype} {list(shape)}: source {i}'s "
+                       f"first {n} bytes (head {int(heads[i, r])}) or bytes from {first} "
+                       "differ")
+    if comm.topology == "mesh":
+        S = round_up(first, ALIGN)
+        rest = (chunk - first) and sum(round_up(min(comm.max_slice, chunk - o), ALIGN)
+                                       for o in range(first, chunk, comm.max_slice))
+        expect = sum(sized_bytes(int(heads[r, j]), S) + rest for j in range(W) if j != r)
+        sent = _posted(comm) - before
+        if sent != expect:
+            bad.append(f"world {W} mesh sized {dtype} {list(shape)}: the proxy posted {sent} "
+                       f"bytes, not the {expect} of the blocks' lengths")
     return bad
 
 

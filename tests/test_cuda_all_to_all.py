@@ -36,7 +36,7 @@ def reference(xs, r: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def all_to_all(w: World, xs, *, out_offset: int = 0):
+def all_to_all(w: World, xs, *, out_offset: int = 0, sized: bool = False):
     """One all-to-all of every rank (CPU inputs ``[W * m, ...]``); returns the output
     buffers (``out_offset`` bytes of 0xAB, the W blocks, GUARD bytes of 0xAB)."""
     W = w.world
@@ -51,7 +51,8 @@ def all_to_all(w: World, xs, *, out_offset: int = 0):
             src = w.keep(w.be.to_dev(xs[r]).reshape(-1).view(torch.uint8))
             buf = w.keep(w.be.to_dev(torch.full((out_offset + n + GUARD,), 0xAB,
                                                 dtype=torch.uint8)))
-            w.dps[r].all_to_all(seq, src, 0, chunk, chunk, buf, out_offset, chunk, xs[r].dtype)
+            w.dps[r].all_to_all(seq, src, 0, chunk, chunk, buf, out_offset, chunk, xs[r].dtype,
+                                sized=sized)
         outs.append(buf)
     return outs
 
@@ -123,6 +124,62 @@ def test_all_to_all_exact(backend, topology, world, roots, mode):
         if mode in (None, "fused", "ce"):
             for dp in w.dps:
                 assert dp.plans.stats["hits"] >= len(cases), dp.plans.stats
+        w.healthy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ENGINES, ids=["proxy", "fused", "split", "ce"])
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("mesh", 4, 1), ("ring", 3, 2),
+                                                  ("ring", 4, 2)])
+def test_sized_all_to_all(backend, topology, world, roots, mode):
+    """A sized all-to-all (each chunk's first 8 bytes say its length; call word
+    KIND_ALL_TO_ALL_SIZED): on every engine each source's bytes up to its length arrive
+    exact (past it they are undefined), for a one-hand-off chunk and one copied out piece by
+    piece, lengths from below 8 to past the chunk; nothing outside the output is written;
+    on the proxy path of a mesh the proxies post exactly those bytes (rounded up to 16).
+    The same shape unsized right after (its own launch plan) still moves every byte."""
+    from sparkccl.plan.geometry import ALIGN, round_up, sized_bytes
+    cases = [(ONE_HANDOFF // 2 // 4, torch.float32), (ONE_HANDOFF // 4 + 12, torch.float32)]
+    with World(backend, topology, world, roots, max_slice=_max_slice(world, [
+            (m, (), d) for m, d in cases]), direct=mode is not None, mode=mode) as w:
+        for k, (m, dtype) in enumerate(cases):
+            chunk = m * 4
+            g = torch.Generator().manual_seed(k)
+            heads = torch.randint(0, chunk + 40, (world, world), generator=g)
+            heads[0, :] = torch.tensor([3, chunk // 3, chunk + 7, 0][:world] +
+                                       [100] * max(0, world - 4))
+            xs = inputs(700 + k, world, (world * m,), dtype)
+            for i in range(world):
+                b = xs[i].view(torch.uint8).view(world, chunk)
+                for j in range(world):
+                    b[j, :8] = torch.tensor([int(heads[i, j])]).view(torch.uint8)
+            before = [p.stats()["bytes"] for p in w.proxies]
+            outs = all_to_all(w, xs, out_offset=3 * k, sized=True)
+            w.sync()
+            for r, buf in enumerate(outs):
+                got = buf.cpu().numpy()
+                want = reference(xs, r).reshape(world, chunk)
+                body = got[3 * k:3 * k + world * chunk].reshape(world, chunk)
+                for i in range(world):
+                    n = sized_bytes(int(heads[i, r]), chunk)
+                    assert np.array_equal(body[i, :n], want[i, :n]), \
+                        f"{mode} rank {r} source {i}: first {n} bytes (head {heads[i, r]}) differ"
+                assert (got[:3 * k] == 0xAB).all() and (got[3 * k + world * chunk:] == 0xAB).all()
+            if mode is None and topology == "mesh":
+                deadline = time.monotonic() + 10
+                S = round_up(chunk, ALIGN)
+                for r, p in enumerate(w.proxies):
+                    want_bytes = sum(sized_bytes(int(heads[r, j]), S) for j in range(world)
+                                     if j != r)
+                    while p.stats()["bytes"] - before[r] < want_bytes and \
+                            time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    time.sleep(0.01)
+                    assert p.stats()["bytes"] - before[r] == want_bytes, (r, k)
+            xs2 = inputs(800 + k, world, (world * m,), dtype)
+            outs = all_to_all(w, xs2)
+            w.sync()
+            check_a2a(w, xs2, outs)
         w.healthy()
 
 

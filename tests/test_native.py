@@ -51,6 +51,15 @@ def test_sub_range_matches_python():
                     assert N.sub_range(lo, hi, *p) == G.sub_range(lo, hi, p), (size, c, p)
 
 
+def test_sized_bytes_matches_python():
+    for L in (0, 5, 8, 16, 17, 100, 4096, 2**40 + 3):
+        for h in (0, 1, 7, 8, 9, 15, 16, 17, 31, 99, 100, 101, 4095, L - 1 if L else 0, L,
+                  L + 1, 2**63, 2**64 - 1):
+            assert N.sized_bytes(h, L) == G.sized_bytes(h, L), (h, L)
+            got = G.sized_bytes(h, L)
+            assert got == L or (got % G.ALIGN == 0 and got >= min(max(h, 8), L))
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         N.piece_bounds(100, 8, 16)

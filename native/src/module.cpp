@@ -104,7 +104,8 @@ nb::dict protocol_dict() {
                            {"KIND_ALL_REDUCE_SUM", KIND_ALL_REDUCE_SUM},
                            {"KIND_ALL_REDUCE_AVG", KIND_ALL_REDUCE_AVG},
                            {"KIND_MOE_FINALIZE", KIND_MOE_FINALIZE},
-                           {"KIND_ALL_TO_ALL", KIND_ALL_TO_ALL}})
+                           {"KIND_ALL_TO_ALL", KIND_ALL_TO_ALL},
+                           {"KIND_ALL_TO_ALL_SIZED", KIND_ALL_TO_ALL_SIZED}})
       d[name] = nb::int_(v);
   }
   SPARKCCL_PUT(PIECES);
@@ -356,6 +357,9 @@ NB_MODULE(_native, m) {
         return geom::piece_bounds(slice, piece, granule);
       },
       "slice"_a, "piece"_a, "granule"_a = 16);
+
+  m.def("sized_bytes", [](uint64_t h, uint64_t L) { return geom::sized_bytes(h, L); },
+        "h"_a, "L"_a, "The bytes of a sized all-to-all's chunk of L bytes that travel (protocol.h).");
 
   m.def(
       "sub_range",

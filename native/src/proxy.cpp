@@ -476,16 +476,35 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
     }
     run_len = 0;
   };
+  // A sized all-to-all (KIND_ALL_TO_ALL_SIZED): this rank's own chunks say their length in
+  // their first 8 bytes, which the data plane wrote before it published piece 0; each part is
+  // cut there, so the bytes past it never travel (a piece past it sends its flag alone).
+  // Relays forward whole parts: their chunk's first bytes may have come on the other root.
+  const bool sized = s.kind == 0 && (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
+    const uint64_t chunk_off = (c.seq % reg_.slots[it.src_region]) *
+                                   reg_.stride[it.src_region].load(std::memory_order_acquire) +
+                               uint64_t(it.src_block) * c.slice;
+    uint64_t end = c.slice;
+    if (sized) {
+      if (!reg_.local_span(it.src_region, chunk_off, 8, &cause)) {
+        ok = false;
+        break;
+      }
+      uint64_t h;
+      std::memcpy(&h, reinterpret_cast<const void*>(static_cast<uintptr_t>(
+                          reg_.base[it.src_region].load(std::memory_order_acquire) + chunk_off)),
+                  8);
+      end = geom::sized_bytes(h, c.slice);
+    }
     for (int q = piece; q <= last && ok; ++q) {
       auto pb = geom::piece_bounds(c.slice, q, c.granule);
       auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
+      if (r.second > end) r.second = end > r.first ? end : r.first;
       uint64_t len = r.second - r.first;
       if (!len) continue;
-      uint64_t src_off = (c.seq % reg_.slots[it.src_region]) *
-                             reg_.stride[it.src_region].load(std::memory_order_acquire) +
-                         uint64_t(it.src_block) * c.slice + r.first;
+      uint64_t src_off = chunk_off + r.first;
       uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
                              reg_.stride[it.dst_region].load(std::memory_order_acquire) +
                          uint64_t(it.dst_block) * c.slice + r.first;

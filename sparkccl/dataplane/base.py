@@ -129,7 +129,7 @@ class DataPlaneBase:
 
     def all_to_all(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                    L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype, fill=None, arrived=None) -> None:
+                   dtype: torch.dtype, fill=None, arrived=None, sized: bool = False) -> None:
         """The reduce-scatter's wire (same slots, flags, relays) with a copy for a sum: chunk
         j of ``src`` (bytes ``j * src_stride + src_off ... + L``) goes to rank j, and source
         i's chunk for this rank lands, byte for byte, at ``i * dst_stride + dst_off`` of
@@ -140,7 +140,13 @@ class DataPlaneBase:
         (called in order of ``lo``, each range once, before that range is sent; ``base`` is
         only valid during the call); ``arrived(source, hi)``: bytes ``[0, hi)`` of source's
         chunk lie in ``dst`` (``hi`` grows per source; this rank's own chunk is told
-        whole, first)."""
+        whole, first).
+
+        ``sized`` (call word KIND_ALL_TO_ALL_SIZED; ``L >= 8``): chunk j's first 8 bytes
+        (little-endian, counting themselves) say how many of its bytes carry data
+        (:func:`sparkccl.plan.geometry.sized_bytes`); the bytes past that are not
+        published, posted or copied out (the GPU-direct copy engines, which take their sizes
+        from the host, send them all), so in ``dst`` they are undefined."""
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import layout
-from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up
+from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up, sized_bytes
 from ..plan.model import Op, RankPlan
 from .base import OP_NAMES, DataPlaneBase
 from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
-                         MOE_FINALIZE, REDUCE_SCATTER, call_word)
+                         ALL_TO_ALL_SIZED, MOE_FINALIZE, REDUCE_SCATTER, call_word)
 
 SMALL_SLICE = 64 << 10
 """Slices up to this size are copied and waited for as a whole (see ``groups``)."""
@@ -66,10 +66,16 @@ class CallPlan:
     rounded: object = None         # RS of one group: the sum rounded to dtype, then moved
 
 
+def _sized_end(block: int, L: int) -> int:
+    """A sized all-to-all's block at address ``block`` (L bytes): the bytes that carry data,
+    from its first 8 (geometry.sized_bytes)."""
+    return sized_bytes(ctypes.c_uint64.from_address(block).value, L) if L >= 8 else L
+
+
 def _name(op: Op, call: int) -> str:
     """What a failure message calls the collective: its op, but an all-to-all by its name
     (it runs as a reduce-scatter on the wire)."""
-    if call >> layout.CALL_KIND_SHIFT & 0xFF == ALL_TO_ALL:
+    if call >> layout.CALL_KIND_SHIFT & 0xFF in (ALL_TO_ALL, ALL_TO_ALL_SIZED):
         return "all_to_all"
     return OP_NAMES[op]
 
@@ -265,23 +271,29 @@ class CpuDataPlane(DataPlaneBase):
 
     def _rs_send(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                  L: int, dtype: torch.dtype | None, deadline: float, call: int,
-                 fill=None) -> CallPlan:
+                 fill=None, sized: bool = False) -> CallPlan:
         """Step 1 of a reduce-scatter: copy each piece of every chunk into RS send slot
         ``seq % 2`` (unless ``src`` is None: already there) and publish it. ``fill(slot, S,
         lo, hi)`` (an all-to-all whose blocks the caller writes, ``src`` None): writes bytes
-        [lo, hi) of every chunk j at ``slot + j * S + lo`` instead, just before they go."""
+        [lo, hi) of every chunk j at ``slot + j * S + lo`` instead, just before they go.
+        ``sized`` (a sized all-to-all): chunk j's bytes past its length (its first 8 bytes,
+        geometry.sized_bytes) are not copied; the proxy does not send them."""
         slot_index = seq % 2
         lp = self._call_plan((Op.RS, L, slot_index, dtype),
                                lambda: self._rs_plan(L, slot_index, dtype))
         S, W = lp.S, self.world
         move = ctypes.memmove
         sp = src.data_ptr() + src_off if src is not None else 0
+        ends = [_sized_end(sp + j * src_stride, L) if sized and src is not None else L
+                for j in range(W)]
         for c0, c1, a, b in lp.groups:
             if fill is not None and b > a:
                 fill(lp.send_base, S, a, b)
             elif src is not None and b > a:
                 for j in range(W):
-                    move(lp.send_base + j * S + a, sp + j * src_stride + a, b - a)
+                    if min(b, ends[j]) > a:
+                        move(lp.send_base + j * S + a, sp + j * src_stride + a,
+                             min(b, ends[j]) - a)
             self._publish_group(Op.RS, seq, c0, c1, S, deadline, call)
         return lp
 
@@ -290,20 +302,25 @@ class CpuDataPlane(DataPlaneBase):
 
     def all_to_all(self, seq: int, src: torch.Tensor | None, src_off: int, src_stride: int,
                    L: int, dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype, fill=None, arrived=None) -> None:
+                   dtype: torch.dtype, fill=None, arrived=None, sized: bool = False) -> None:
         """(DataPlaneBase.all_to_all) The reduce-scatter's send step (``fill``: each group
         written straight into the send slot by the caller, then published), this rank's own
         block moved whole, then each group of every source's block moved as it arrives;
-        ``arrived`` is told after each move."""
+        ``arrived`` is told after each move. ``sized``: each block's bytes past its length
+        (its first 8 bytes, read once they are here) are neither sent nor moved."""
         deadline = time.monotonic() + self.timeout_s
-        call = call_word(Op.RS, dtype, ALL_TO_ALL, round_up(L, ALIGN) - L)
+        call = call_word(Op.RS, dtype, ALL_TO_ALL_SIZED if sized else ALL_TO_ALL,
+                         round_up(L, ALIGN) - L)
         fill = self._guarded(fill, "fill", seq)
         arrived = self._guarded(arrived, "arrived", seq)
-        lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call, fill)
+        lp = self._rs_send(seq, src, src_off, src_stride, L, None, deadline, call, fill, sized)
         me, S, move = self.rank, lp.S, ctypes.memmove
         base = dst.data_ptr() + dst_off
+        ends = [L] * self.world
         if L:  # the own block is in the send slot already: whole, before any wait
-            move(base + me * dst_stride, lp.peers[me][1], L)
+            if sized:
+                ends[me] = _sized_end(lp.peers[me][1], L)
+            move(base + me * dst_stride, lp.peers[me][1], ends[me])
             if arrived is not None:
                 arrived(me, L)
         for g, (_, c1, a, b) in enumerate(lp.groups):
@@ -311,10 +328,12 @@ class CpuDataPlane(DataPlaneBase):
                 if i == me:
                     continue
                 self._wait(Op.RS, seq, c1, i, deadline, S, first=g == 0, call=call)
-                if b > a:
-                    move(base + i * dst_stride + a, block + a, b - a)
-                    if arrived is not None:
-                        arrived(i, b)
+                if sized and g == 0:  # (piece 0 is in: the block's first bytes)
+                    ends[i] = _sized_end(block, L)
+                if min(b, ends[i]) > a:
+                    move(base + i * dst_stride + a, block + a, min(b, ends[i]) - a)
+                if b > a and arrived is not None:
+                    arrived(i, b)
 
     def _guarded(self, fn, name: str, seq: int):
         """``fn`` (a caller's fill / arrived, or None) such that an exception from it, half

@@ -584,19 +584,21 @@ class CudaDataPlane(DataPlaneBase):
 
     def all_to_all(self, seq: int, src: torch.Tensor, src_off: int, src_stride: int, L: int,
                    dst: torch.Tensor, dst_off: int, dst_stride: int,
-                   dtype: torch.dtype) -> None:
+                   dtype: torch.dtype, sized: bool = False) -> None:
         """(DataPlaneBase.all_to_all) The reduce-scatter's wire and engines, each source's
         chunk copied out where the reduce-scatter sums (:func:`.cuda_calls.all_to_all`);
         any dtype (the bytes are never read as numbers). Later calls of the same shape run
-        from its launch plan."""
-        key = ("all_to_all", L, src_stride, dst_stride, dtype)
+        from its launch plan. ``sized``: the kernels and the proxy cut each chunk at the
+        length its first 8 bytes say (the copy engines of mode "ce" do not)."""
+        key = ("all_to_all", L, src_stride, dst_stride, dtype, sized)
         src_p, dst_p = src.data_ptr() + src_off, dst.data_ptr() + dst_off
         if self._planned(key, Op.RS, seq, round_up(L, ALIGN), src_p, dst_p, what="all_to_all"):
             return
         if self.rs_send is None:
             raise RuntimeError("all_to_all: attach_rs() was not called")
         with self.plans.planning(key, self.gpu.make_plan):
-            cuda_calls.all_to_all(self, seq, src, src_p, src_stride, L, dst_p, dst_stride, dtype)
+            cuda_calls.all_to_all(self, seq, src, src_p, src_stride, L, dst_p, dst_stride, dtype,
+                                  sized)
 
     # ---- one-shot all-reduce (allreduce_engine.py) -------------------------------------
     one_shot_all_reduce = True

@@ -20,7 +20,7 @@ from .engines import RS_WAIT, DirectCall
 from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
 from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
-                         MOE_FINALIZE, REDUCE_SCATTER, call_word)
+                         ALL_TO_ALL_SIZED, MOE_FINALIZE, REDUCE_SCATTER, call_word)
 
 RS_DIRECT = {torch.bfloat16: "sccl_rs_direct_bf16", torch.float16: "sccl_rs_direct_f16",
              torch.float32: "sccl_rs_direct_f32"}
@@ -78,11 +78,14 @@ def all_gather(plane, seq: int, src: torch.Tensor, dst: torch.Tensor | None, dst
 
 
 def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, dst_p: int,
-                    dtype: torch.dtype, part, dst_stride: int | None = None) -> None:
-    """``dst_stride`` not None: an all-to-all (:func:`all_to_all`)."""
+                    dtype: torch.dtype, part, dst_stride: int | None = None,
+                    sized: bool = False) -> None:
+    """``dst_stride`` not None: an all-to-all (:func:`all_to_all`; ``sized``: its call word
+    says KIND_ALL_TO_ALL_SIZED, by which the kernels and the proxy cut each chunk)."""
     a2a = dst_stride is not None
+    kind = (ALL_TO_ALL_SIZED if sized else ALL_TO_ALL) if a2a else REDUCE_SCATTER
     S, call, first, ts, stream, dtab, engine = _start(
-        plane, Op.RS, seq, L, dtype, part, ALL_TO_ALL if a2a else REDUCE_SCATTER,
+        plane, Op.RS, seq, L, dtype, part, kind,
         "a zero-copy input" if src is None else None, "all_to_all" if a2a else None)
     W, me = plane.world, plane.rank
     send0, recv0 = plane.rs_send_dev, plane.rs_recv_dev
@@ -128,13 +131,13 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
 
 
 def all_to_all(plane, seq: int, src: torch.Tensor, src_p: int, src_stride: int, L: int,
-               dst_p: int, dst_stride: int, dtype: torch.dtype) -> None:
+               dst_p: int, dst_stride: int, dtype: torch.dtype, sized: bool = False) -> None:
     """The all-to-all (docs/PROTOCOL.md "All-to-all"): a reduce-scatter on the wire (its
     call word's kind ALL_TO_ALL), on whichever engine the plane picks for the slice, like
     the reduce-scatter's (the peers cannot tell them apart); the receiver copies source
     i's chunk to ``dst_p + i * dst_stride`` (this rank's from its input chunk) where the
     reduce-scatter sums: the all-gather's copy-out on the reduce-scatter's tables."""
-    reduce_scatter(plane, seq, src, src_p, src_stride, L, dst_p, dtype, None, dst_stride)
+    reduce_scatter(plane, seq, src, src_p, src_stride, L, dst_p, dtype, None, dst_stride, sized)
 
 
 def all_reduce_one_shot(plane, seq: int, src_p: int, dst_p: int, L: int, dtype: torch.dtype,

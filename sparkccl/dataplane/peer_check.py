@@ -57,10 +57,11 @@ ALL_REDUCE_SUM = _P["KIND_ALL_REDUCE_SUM"]
 ALL_REDUCE_AVG = _P["KIND_ALL_REDUCE_AVG"]
 MOE_FINALIZE = _P["KIND_MOE_FINALIZE"]
 ALL_TO_ALL = _P["KIND_ALL_TO_ALL"]
+ALL_TO_ALL_SIZED = _P["KIND_ALL_TO_ALL_SIZED"]
 _KIND_NAMES = {_P["KIND_UNSAID"]: "a collective", ALL_GATHER: "all_gather",
                REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE_SUM: "all_reduce(sum)",
                ALL_REDUCE_AVG: "all_reduce(avg)", MOE_FINALIZE: "moe_finalize_reduce_scatter",
-               ALL_TO_ALL: "all_to_all"}
+               ALL_TO_ALL: "all_to_all", ALL_TO_ALL_SIZED: "all_to_all(sized)"}
 
 # The bits of a call word every rank's entries of one seq must agree on: all but the op
 # (an all-reduce publishes RS and AG entries under one seq) and the piece.

@@ -41,6 +41,12 @@ def piece_bounds(slice_bytes: int, piece: int, granule: int = ALIGN) -> tuple[in
     return lo, hi
 
 
+def sized_bytes(h: int, L: int) -> int:
+    """A sized all-to-all's chunk of ``L`` bytes whose first 8 bytes say ``h``: the bytes
+    that travel (``h`` rounded up to ALIGN, at least ALIGN, at most ``L``)."""
+    return L if h >= L else min(round_up(max(h, 8), ALIGN), L)
+
+
 def split_point(lo: int, hi: int) -> int:
     """Where ``[lo, hi)`` splits in two: at len/2 rounded up to 16, clamped to the range."""
     n = hi - lo

@@ -209,7 +209,7 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
       p.src = (const u8*)a.src; p.src_stride = 0; p.src_sys = 0; p.L = a.L; p.S = a.S;
       p.dtab = (const u64*)a.dtab; p.own_dst = (u8*)0; p.dst2 = (u8*)0; p.ring = (u8*)a.ring;
       p.state = state; p.first_index = state_word(state, STATE_RING); p.seq = w.seq;
-      p.call = a.call;
+      p.call = a.call; p.sized = false;
       p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
       direct_publish(p, blockIdx.x, npub);
     } else if (a.S <= ONE_HANDOFF_SLICE) {

@@ -46,7 +46,7 @@ __device__ void fused_rs_publish(const FusedAllReduceArgs& a, u64* state, u64 se
     p.src = src ? src : send; p.src_stride = src ? a.src_stride : a.S; p.src_sys = !src;
     p.L = a.L; p.S = a.S; p.dtab = (const u64*)a.rs_dtab; p.own_dst = (u8*)0; p.dst2 = (u8*)0;
     p.ring = ring; p.state = state; p.first_index = first; p.seq = seq; p.call = a.rs_call;
-    p.counters = counters;
+    p.sized = false; p.counters = counters;
     direct_publish(p, blk, npub);
     return;
   }

@@ -184,6 +184,20 @@ __device__ __forceinline__ void st_any16(u8* p, V16 v) {
   }
 }
 
+// KIND_ALL_TO_ALL_SIZED (a call word's kind): each chunk's first 8 bytes say its length;
+// the publish copy, the GPU-direct writes and the copy-out cut its parts there, not at L.
+__device__ __forceinline__ bool call_sized(u64 call) {
+  return (call >> CALL_KIND_SHIFT & 0xFFu) == (u64)KIND_ALL_TO_ALL_SIZED;
+}
+// The bytes of the sized chunk of L bytes at p that travel (protocol.h sized_bytes); read
+// byte by byte (a chunk of an all-to-all need not be 8-byte aligned). sys: p in host memory.
+__device__ __forceinline__ u64 sized_end(const u8* p, u64 L, bool sys) {
+  if (L < 8) return L;
+  u64 h = 0;
+  for (int k = 7; k >= 0; --k) h = h << 8 | (sys ? ld_sys8(p + k) : p[k]);
+  return sized_bytes(h, L);
+}
+
 // Copy n bytes src -> dst (and dst2 if not null), shared by a team of `nblocks` blocks
 // (this block is number `b` of them). Full 16-byte units first (UNROLL loads in flight
 // per thread), then the tail bytes.

@@ -35,6 +35,7 @@ struct PubArgs {
   u8* ring;
   u64* state;
   u64 first_index, seq, call;  // call: the ring entries' call word (publish.cu entry_fields)
+  bool sized;                  // call_sized(call): each chunk cut at its length
   u32* counters;  // this seq's set
 };
 
@@ -102,14 +103,14 @@ __device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
   for (u32 g = team; g < work; g += teams) {
     const u32 t = g / (PIECES * subs), c = g / subs % PIECES, k = g % subs;
     const u64* m = items + (u64)t * DT_ITEM;
+    const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
     u64 a, e;
     piece_bounds(p.S, (int)c, &a, &e);
-    part_cut((u32)m[DT_PART], p.L, &a, &e);
+    part_cut((u32)m[DT_PART], p.sized ? sized_end(from, p.L, SRC_SYS) : p.L, &a, &e);
     const u64 lo = a + (u64)k * SUB_BYTES;
     if (lo >= e) continue;
     const u64 hi = e < lo + SUB_BYTES ? e : lo + SUB_BYTES;
     u8* const to = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S;
-    const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
     u64 x = lo;
     if (((((u64)(to + lo)) | ((u64)(from + lo))) & 15) == 0) {
       const u32 units = (u32)((hi - lo) / 16);
@@ -152,11 +153,12 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
       const u64* row = p.dtab + 1 + s * DT_STREAM;
       for (u64 t = row[DT_FIRST]; t < row[DT_FIRST] + row[DT_ITEMS]; ++t) {
         const u64* m = items + t * DT_ITEM;
+        const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
         u64 a = lo, e = hi;
-        part_cut((u32)m[DT_PART], p.L, &a, &e);
+        part_cut((u32)m[DT_PART], p.sized ? sized_end(from, p.L, p.src_sys != 0) : p.L, &a, &e);
         if (e > a) {
           u8* d = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S + a;
-          copy_any(d, (u8*)0, p.src + m[DT_CHUNK] * p.src_stride + a, e - a, p.src_sys != 0, b, nb);
+          copy_any(d, (u8*)0, from + a, e - a, p.src_sys != 0, b, nb);
         }
       }
     }
@@ -179,6 +181,7 @@ __device__ __forceinline__ PubArgs direct_pub_args(const DirectArgs& x, u64* sta
   p.own_dst = slot_at((u8*)x.own_dst, x.own_dst_code, seq); p.dst2 = (u8*)x.dst2;
   p.ring = (u8*)x.ring; p.state = state;
   p.first_index = state_word(state, STATE_RING); p.seq = seq; p.call = x.call;
+  p.sized = call_sized(x.call);
   p.counters = (u32*)x.counters + (seq % COUNTER_SETS) * PIECES;
   return p;
 }
@@ -190,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(const Direct
   WAIT_ARGS_INIT
   const u32 npub = (u32)x.npub;
   if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub);
-  else ag_wait_role(x.wait, w, blockIdx.x - npub, gridDim.x - npub);
+  else ag_wait_role(x.wait, w, blockIdx.x - npub, gridDim.x - npub, call_sized(x.call));
   last_block_advances(state, adv_entries, adv_gate);
 }
 

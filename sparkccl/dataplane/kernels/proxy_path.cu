@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(512) sccl_ag_proxy(const ProxyArgs 
   } else {
     ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, L, S, w,
             blockIdx.x - npub, gridDim.x - npub, slot_at((const u8*)x.own, x.own_code, w.seq),
-            x.own_sys);
+            x.own_sys, call_sized(x.pub.call));
   }
   last_block_advances(state, adv_entries, adv_gate);
 }

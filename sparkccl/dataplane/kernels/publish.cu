@@ -93,7 +93,8 @@ __device__ __forceinline__ void finish_piece(u32* counter, u32 bpp, u8* ring, u6
   }
 }
 
-// Copy + publish. Chunk j (j < nchunks) of the input is src + j * src_stride (L bytes);
+// Copy + publish. Chunk j (j < nchunks) of the input is src + j * src_stride (L bytes; a
+// sized all-to-all's, the length its first 8 bytes say: call_sized);
 // it goes to dst + j * dst_stride (dst: slotted by dst_code, see slot_at; and, if dst2,
 // also to dst2: all-gather's own slice of the result). Grid: PIECES * bpp blocks, piece c
 // served by blocks [c * bpp, (c+1) * bpp). nchunks == 0: nothing to copy (zero-copy
@@ -118,10 +119,15 @@ __device__ __forceinline__ void publish_role(const PublishArgs& a, u32 block) {
   piece_bounds(S, c, &lo, &hi);
   const u64 x = lo < L ? lo : L;
   const u64 e = hi < L ? hi : L;
+  const bool sized = call_sized(a.call);
   if (e > x) {
-    for (u64 j = 0; j < a.nchunks; ++j)
-      team_copy<false>(dst + j * a.dst_stride + x, j == 0 && dst2 ? dst2 + x : (u8*)0,
-                       src + j * a.src_stride + x, e - x, b, (u32)bpp);
+    for (u64 j = 0; j < a.nchunks; ++j) {
+      const u64 end = sized ? sized_end(src + j * a.src_stride, L, false) : L;
+      const u64 ej = e < end ? e : end;
+      if (ej > x)
+        team_copy<false>(dst + j * a.dst_stride + x, j == 0 && dst2 ? dst2 + x : (u8*)0,
+                         src + j * a.src_stride + x, ej - x, b, (u32)bpp);
+    }
   }
   finish_piece(counters + c, (u32)bpp, ring, state, first_index + c, seq, S, a.call, c);
 }

@@ -321,16 +321,22 @@ extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
 // rank at i * S); own (its own block, in device memory, or pinned where own_sys) goes to
 // dst + rank * dst_stride first, while the peers' blocks travel (docs/PROTOCOL.md
 // "All-to-all"). The all-gather's own block is its publish role's (own null).
+// sized (a sized all-to-all, call_sized): each block is copied up to the length its first 8
+// bytes say; a source's is read once its piece 0 is in (from piece 1 on; piece 0 is copied
+// whole), for the first SIZED_SOURCES sources (the rest are copied whole).
+#define SIZED_SOURCES 64
 __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, const WaitArgs& w,
-                        u32 blk, u32 nblk, const u8* own = 0, u64 own_sys = 0) {
+                        u32 blk, u32 nblk, const u8* own = 0, u64 own_sys = 0,
+                        bool sized = false) {
   if (blk == 0) {
     if (threadIdx.x == 0) poller(w);
     return;
   }
   const u32 b = blk - 1, nb = nblk - 1;
   if (own && dst) {
-    if (own_sys) team_copy<true>(dst + w.rank * dst_stride, (u8*)0, own, L, b, nb);
-    else team_copy<false>(dst + w.rank * dst_stride, (u8*)0, own, L, b, nb);
+    const u64 n = sized ? sized_end(own, L, own_sys != 0) : L;
+    if (own_sys) team_copy<true>(dst + w.rank * dst_stride, (u8*)0, own, n, b, nb);
+    else team_copy<false>(dst + w.rank * dst_stride, (u8*)0, own, n, b, nb);
   }
   if (w.world < 2) return;
   u64 seen = 0;
@@ -342,19 +348,28 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
   if (S <= ONE_HANDOFF_SLICE) {  // one wait for the last unit, then each source's L bytes
     if (!wait_progress(w, unit(w, PIECES - 1, w.maxw - 1, w.world - 1), &seen, t0)) return;
     for (int i = 0; i < w.world; ++i)
-      if (i != w.rank) team_copy<true>(dst + i * dst_stride, (u8*)0, slot + i * S, L, b, nb);
+      if (i != w.rank)
+        team_copy<true>(dst + i * dst_stride, (u8*)0, slot + i * S,
+                        sized ? sized_end(slot + i * S, L, true) : L, b, nb);
     return;
   }
+  __shared__ u64 ends[SIZED_SOURCES];
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
+    if (sized && c == 1) {  // every source's piece 0 is in: read the lengths once
+      if (!wait_progress(w, unit(w, 0, w.maxw - 1, w.world - 1), &seen, t0)) return;
+      for (int i = threadIdx.x; i < w.world && i < SIZED_SOURCES; i += blockDim.x)
+        ends[i] = sized_end(slot + i * S, L, true);
+      __syncthreads();
+    }
     for (int k = 0; k < w.maxw; ++k) {
       for (int i = 0; i < w.world; ++i) {
         const u32 part = i == w.rank ? PART_NONE : (u32)w.parts[i * w.maxw + k];
         if (part == PART_NONE) continue;
         if (!wait_progress(w, unit(w, c, k, i), &seen, t0)) return;
         u64 a = lo, e = hi;
-        part_cut(part, L, &a, &e);
+        part_cut(part, sized && c > 0 && i < SIZED_SOURCES ? ends[i] : L, &a, &e);
         if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
       }
     }
@@ -363,10 +378,12 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
 
 // ag_wait of a protocol.h kargs::WaitRoleArgs (the slot `in`, the result `out`; the
 // all-to-all's own block `own`, slotted by own_code, see slot_at).
+// sized: see ag_wait (the GPU-direct kernel's call word says it; the wait role alone, in
+// modes split and ce, copies every block whole).
 __device__ __forceinline__ void ag_wait_role(const WaitRoleArgs& x, const WaitArgs& w, u32 blk,
-                                             u32 nblk) {
+                                             u32 nblk, bool sized = false) {
   ag_wait(slot_at((const u8*)x.in, x.in_code, w.seq), (u8*)x.out, x.out_stride, x.L, x.S, w,
-          blk, nblk, slot_at((const u8*)x.own, x.own_code, w.seq), x.own_sys);
+          blk, nblk, slot_at((const u8*)x.own, x.own_code, w.seq), x.own_sys, sized);
 }
 
 // Grid: 1 poller block + consumer blocks. One parameter: protocol.h kargs::WaitRoleArgs.

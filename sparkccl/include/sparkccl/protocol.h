@@ -134,6 +134,9 @@ constexpr int KIND_ALL_REDUCE_SUM = 3;
 constexpr int KIND_ALL_REDUCE_AVG = 4;
 constexpr int KIND_MOE_FINALIZE = 5;
 constexpr int KIND_ALL_TO_ALL = 6;  // the reduce-scatter's wire, each source's block copied out
+// An all-to-all whose chunks say their own length (geom::sized_bytes): only those bytes are
+// published, posted and copied out.
+constexpr int KIND_ALL_TO_ALL_SIZED = 7;
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
 
@@ -268,6 +271,14 @@ SCCL_HOST_DEVICE constexpr Range part_range(Range r, unsigned root, unsigned roo
   return r;
 }
 
+// KIND_ALL_TO_ALL_SIZED: the bytes of a chunk of L bytes that carry data, from its first 8
+// bytes h (little-endian, counting themselves): h rounded up to ALIGN, at least ALIGN, at
+// most L. Every clip (the publish copy, the proxy's writes, the copy-out) cuts a part's
+// range at this instead of at L, so the bytes past it never travel.
+SCCL_HOST_DEVICE constexpr pu64 sized_bytes(pu64 h, pu64 L) {
+  return h >= L ? L : (round_up(h < 8 ? 8 : h, ALIGN) < L ? round_up(h < 8 ? 8 : h, ALIGN) : L);
+}
+
 SCCL_HOST_DEVICE constexpr pu64 flag_value(pu64 seq, int piece) {
   return seq * FLAG_STRIDE + (pu64)piece + 1;
 }
@@ -275,6 +286,9 @@ SCCL_HOST_DEVICE constexpr pu64 flag_value(pu64 seq, int piece) {
 static_assert(piece_range(100, 6, ALIGN).lo == 96 && piece_range(100, 7, ALIGN).lo == 100,
               "piece geometry");
 static_assert(split_point(0, 48) == 32 && split_point(16, 20) == 20, "split geometry");
+static_assert(sized_bytes(0, 100) == 16 && sized_bytes(17, 100) == 32 && sized_bytes(99, 100) == 100 &&
+                  sized_bytes(~0ull, 100) == 100 && sized_bytes(8, 5) == 5,
+              "sized all-to-all geometry");
 
 }  // namespace geom
 
