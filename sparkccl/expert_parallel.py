@@ -351,6 +351,8 @@ class ExpertParallel:
         # A/B, tests). The send blocks are written into the send slot group by group either way.
         self._stream_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
+        # the sized combine's feed of its header rows (SizedCombine: they gather row 0)
+        self._zero_rows = torch.zeros((W, 1), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
@@ -679,7 +681,7 @@ class ExpertParallel:
             return c
 
         Pd, Pc = self._capacities(counts)
-        if W * (Pc + 1) >= 2 ** 31:
+        if W * (Pc + 1) + 1 >= 2 ** 31:
             raise ValueError(f"ExpertParallel.dispatch: world * combine rows = {W} * {Pc + 1} "
                              "exceeds int32 (pos); lower max_tokens or combine_rows")
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
@@ -844,15 +846,14 @@ class ExpertParallel:
     def _sized_plan(self, handle: Handle) -> SizedCombine:
         """The sized combine's feed, headers and pos for ``handle`` (:class:`SizedCombine`):
         small torch ops on the device, no host read (capturable)."""
-        W, Pc = self.world, handle.ret_rows
-        dev = handle.feed.device
-        feed = torch.zeros((W, Pc + 1), dtype=torch.int64, device=dev)
-        feed[:, 1:] = handle.feed.view(W, Pc)
-        header = (handle.ret_counts + 1) * (2 * self.hidden)
-        p = handle.pos.long()
-        # block b's row j (p = b * Pc + j) is row b * (Pc + 1) + 1 + j; the NaN row last
-        pos = torch.where(p < W * Pc, p + p // Pc + 1, W * (Pc + 1)).to(torch.int32)
-        return SizedCombine(feed.view(-1), header, pos)
+        W, Pc, RB = self.world, handle.ret_rows, 2 * self.hidden
+        feed = torch.cat([self._zero_rows, handle.feed.view(W, Pc)], dim=1).view(-1)
+        header = handle.ret_counts.mul(RB).add_(RB)
+        # block b's row j (p = b * Pc + j < W * Pc) is row b * (Pc + 1) + 1 + j; the NaN row
+        # (p = W * Pc, which that gives W * (Pc + 1) + 1) is the last, W * (Pc + 1)
+        p = handle.pos
+        pos = p.div(Pc, rounding_mode="floor").add_(p).add_(1).clamp_(max=W * (Pc + 1))
+        return SizedCombine(feed, header, pos)
 
     def combine(self, expert_out: torch.Tensor, handle: Handle,
                 shared: torch.Tensor | None = None) -> torch.Tensor:

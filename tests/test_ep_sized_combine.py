@@ -59,10 +59,37 @@ def _combine_rows(spec, inputs, owners, W):
     return need if spec == "need" else need - 2
 
 
+def _past_counts_poisoned(real):
+    """``expert_parallel._all_to_all_sized``'s double for the receiving side of the sized
+    all-to-all: the real call, then every received block's bytes past its header's count
+    (rounded up to 16, at most the block) overwritten with 0xFF (bf16 NaN), as the sized
+    call leaves them undefined: a combine that read one would not be exact."""
+    def all_to_all(comm, x, out):
+        res = real(comm, x, out)
+        b = out.view(torch.uint8).view(comm.world_size, -1)
+        for s in range(comm.world_size):
+            count = int(b[s, :8].view(torch.int64)[0])
+            b[s, min(-(-max(count, 8) // 16) * 16, b.shape[1]):] = 0xFF
+        return res
+    return all_to_all
+
+
+def _combine_problems(name, z, ref, over):
+    got = z.view(torch.int16).numpy().view(np.uint16)
+    keep = [t for t in range(ref.shape[0]) if t not in over]
+    bad = []
+    if got.shape != ref.shape or not np.array_equal(got[keep], ref[keep]):
+        bad.append(f"{name}: combined rows differ from the one-box reference")
+    elif over and not (got[sorted(over)] == 0x7FFF).all():
+        bad.append(f"{name}: refused tokens are not the canonical NaN")
+    return bad
+
+
 def sized_job(rank, world, store):
     import torch.distributed as dist
 
     import sparkccl
+    from sparkccl import expert_parallel as ep_mod
     from sparkccl.expert_parallel import placement_table
     W, bad = world, []
     with sparkccl.Communicator(store=dist.PrefixStore("sized", store), rank=rank, world_size=W,
@@ -74,7 +101,6 @@ def sized_job(rank, world, store):
             rows = _combine_rows(spec, inputs, owners, W)
             held = _held(inputs, owners, rank)
             mine = inputs[rank]
-            n = ns[rank]
             RB = 2 * H
             # the tokens of this rank with an entry past a block (refused)
             seen, over = [0] * W, set()
@@ -98,14 +124,10 @@ def sized_job(rank, world, store):
                     bad.append(f"{name}: ret_counts {rc.dtype} {rc.tolist()}, want {want}")
                 if (handle.sized is None) != stream:
                     bad.append(f"{name}: the sized plan is {handle.sized} at dispatch")
-                z = ep.combine(run_experts(ep, recv), handle, shared=mine["shared"])
-                got = z.view(torch.int16).numpy().view(np.uint16)
+                out = run_experts(ep, recv)
                 ref = combine_reference(mine)
-                keep = [t for t in range(n) if t not in over]
-                if not np.array_equal(got[keep], ref[keep]):
-                    bad.append(f"{name}: combined rows differ from the one-box reference")
-                if over and not (got[sorted(over)] == 0x7FFF).all():
-                    bad.append(f"{name}: refused tokens are not the canonical NaN")
+                z = ep.combine(out, handle, shared=mine["shared"])
+                bad += _combine_problems(name, z, ref, over)
                 if dev_checks:
                     try:
                         ep.check()
@@ -116,6 +138,14 @@ def sized_job(rank, world, store):
                             bad.append(f"{name}: check(): {e}")
                 if stream:
                     continue
+                # the same with the bytes past each received block's count undefined
+                real = ep_mod._all_to_all_sized
+                ep_mod._all_to_all_sized = _past_counts_poisoned(real)
+                try:
+                    z = ep.combine(out, handle, shared=mine["shared"])
+                finally:
+                    ep_mod._all_to_all_sized = real
+                bad += _combine_problems(f"{name}, bytes past the counts NaN", z, ref, over)
                 # the blocks as they went: block d = header, then the outputs of home d's
                 # entries held here in (t, k) order (the rest undefined)
                 blocks = sent["blocks"]
