@@ -8,7 +8,9 @@ bytes of the block carry data, ``(1 + ret_counts[d]) * 2 * hidden``, then the ro
   modes, world 2 and 4, combine_rows unset, set and not exceeded, set and exceeded (refused
   on the device-side checks); the blocks that went on the wire (header and rows) against the
   expert outputs of each home's entries, and the combined rows against the one-box
-  reference (refused tokens: the canonical NaN);
+  reference (refused tokens: the canonical NaN), also with every received block's bytes
+  past its header's count overwritten with NaN (what the sized all-to-all leaves
+  undefined);
 * the wire bytes of a combine (``comm.proxy_stats()["bytes"]``): the headers and the rows
   that exist, rounded up to 16, once ``Communicator.all_to_all`` takes ``sized``.
 """
