@@ -51,7 +51,7 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
     cpu_inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
     inp = {k: None if v is None else v.to(device) for k, v in cpu_inp.items()}
     # The combine in one collective, unless --slot-mib caps it.
-    slot = max(1 << 20, world * T * K * H * 2)
+    slot = max(1 << 20, world * (T * K + 1) * H * 2)  # (+ the sized combine's header row)
     if slot_mib:
         slot = min(slot, slot_mib << 20)
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, slot_bytes=slot,

@@ -47,8 +47,8 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
     inp["topk_idx"] = torch.rand(T, E, generator=g).topk(K).indices  # uniform routing
     a = {k: None if v is None else v.to(dev) for k, v in inp.items()}
     row = H * (1 if fp8 else 2) + (H // 128 * 4 if fp8 else 0)
-    # a slot that holds a combine's blocks: one collective per call
-    slot = max(8 << 20, world * T * min(K, E // world) * H * 2)
+    # a slot that holds a combine's blocks (their header row included): one collective per call
+    slot = max(8 << 20, world * (T * min(K, E // world) + 1) * H * 2)
     with sparkccl.Communicator(store=dist.PrefixStore("ep", store), rank=rank, world_size=world,
                                device=dev, timeout_s=120, slot_bytes=slot) as comm:
         ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,

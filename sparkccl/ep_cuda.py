@@ -110,16 +110,18 @@ def pack_grid(W: int, Pd: int, count_only: bool) -> tuple:
 
 def unpack_args(*, got, lay, owner, experts, rank, E, W, Pd, K, cap, Pc, limit, row_bytes,
                 scale_bytes, rx, xs, counts, src_rank, src_token, src_k, feed, offsets=None,
-                count_only=False) -> list:
+                count_only=False, ret_counts=None) -> list:
     """sccl_ep_unpack's arguments. Low-latency: ``rx`` [E_local * cap, row_bytes] bytes.
     High-throughput: ``offsets`` (int64 [E_local + 1]) and ``rx`` [R, row_bytes]; first
-    ``count_only`` (writes ``counts`` alone; the other outputs may be None)."""
+    ``count_only`` (writes ``counts`` alone; the other outputs may be None). ``ret_counts``
+    (int64 [W], optional): the rows combine returns to each source (its entries held here,
+    at most Pc)."""
     return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), U64(lay.x_off),
             _ptr(owner),
             _ptr(experts), U64(rank), U64(E), U64(W), U64(Pd), U64(K), U64(cap), U64(Pc),
             U64(bool(limit)), U64(row_bytes), U64(scale_bytes), _ptr(rx), _ptr(xs),
             _ptr(counts), _ptr(src_rank), _ptr(src_token), _ptr(src_k), _ptr(feed),
-            _ptr(offsets), U64(bool(count_only))]
+            _ptr(offsets), U64(bool(count_only)), _ptr(ret_counts)]
 
 
 def unpack_grid(El: int, rows: int, spread: int = SPREAD) -> tuple:

@@ -197,14 +197,16 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
 // for it). Received row i = base + rank_in takes the token's row bytes, scales, (s, token,
 // k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block (e, 0) writes counts[e];
 // block (0, 0) writes feed = 0 at the rows no entry takes (each source's rows past its mine
-// entries). Low-latency (offsets null): base = e * cap, and -1 in e's src_* past the count.
+// entries) and, where ret_counts is given, ret_counts[s] = min(source s's mine entries, Pc)
+// (the rows combine returns to s). Low-latency (offsets null): base = e * cap, and -1 in e's src_* past the count.
 // High-throughput: base = offsets[e] (packed rows; the host sized them from a count_only
 // launch, which writes counts[e] and nothing else, with no scan: one sum per block).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     const u8* got, u64 block_bytes, u64 scales_off, u64 idx_off, u64 x_off, const int* owner,
     const int* experts, u64 rank, u64 E, u64 W, u64 Pd, u64 K, u64 cap, u64 Pc, u64 limit,
     u64 row_bytes, u64 scale_bytes, u8* rx, u8* xs, int* counts, int* src_rank,
-    int* src_token, int* src_k, long long* feed, const long long* offsets, u64 count_only) {
+    int* src_token, int* src_k, long long* feed, const long long* offsets, u64 count_only,
+    long long* ret_counts) {
   __shared__ u64 sh[2 * EP_THREADS];
   __shared__ u64 srow[EP_THREADS];
   const unsigned tid = threadIdx.x, nt = blockDim.x;
@@ -288,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     if (e == 0 && lead) {
       const u64 lo = held < Pc ? held : Pc;
       for (u64 q = lo + tid; q < Pc; q += nt) feed[s * Pc + q] = 0;
+      if (ret_counts && tid == 0) ret_counts[s] = (long long)lo;
     }
   }
   if (lead) {

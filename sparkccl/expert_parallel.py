@@ -36,6 +36,7 @@ reads nothing on the host.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -56,6 +57,23 @@ _ALIGN = 16  # block sections start on 16-byte boundaries (the collectives' gran
 
 def _round16(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+_takes_sized: dict = {}
+
+
+def _all_to_all_sized(comm, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``comm.all_to_all(x, out=out, sized=True)``: the first 8 bytes of each block say how
+    many of its bytes carry data, and only those travel (the rest of each received block
+    is undefined). Until ``Communicator.all_to_all`` takes ``sized`` (being added on main),
+    the blocks travel whole, the headers with them: the same bits at the receiver, more
+    bytes on the wire. The guard goes at the merge; the call stays."""
+    cls = type(comm)
+    if cls not in _takes_sized:
+        _takes_sized[cls] = "sized" in inspect.signature(cls.all_to_all).parameters
+    if not _takes_sized[cls]:
+        return comm.all_to_all(x, out=out)
+    return comm.all_to_all(x, out=out, sized=True)
 
 
 def _int(v, name: str, what: str) -> int:
@@ -196,7 +214,15 @@ class Handle:
     every rank), ``pos`` (int32 ``[n * topk]``: where this rank's entry (t, k) arrives in
     combine's receive block; refused entries point at a NaN row), this rank's token count,
     top-k weights and top-k, the receive layout, and the entries refused on the device
-    (CUDA, see :meth:`ExpertParallel.check`)."""
+    (CUDA, see :meth:`ExpertParallel.check`).
+
+    ``ret_counts`` (int64 ``[world]``, on the device): the rows this rank returns to each
+    home rank in combine, i.e. the entries of home d's tokens held here, at most
+    ``ret_rows`` (with ``combine_rows`` the entries past it are refused, not returned).
+    The sized combine (:meth:`ExpertParallel.combine`, not streamed) sends ``1 +
+    ret_counts[d]`` rows of its block for d: a header row, then the data rows.
+    ``sized``: that combine's per-handle plan (:class:`SizedCombine`), made once (at
+    dispatch where that combine runs, else at its first use)."""
 
     mode: str
     feed: torch.Tensor
@@ -208,6 +234,28 @@ class Handle:
     weights: torch.Tensor
     bad_entries: torch.Tensor | None
     recv_shape: tuple
+    ret_counts: torch.Tensor
+    sized: SizedCombine | None = None
+
+
+@dataclass
+class SizedCombine:
+    """The sized combine's layout for one handle (all on the device, made with a few small
+    torch ops: no host read, capturable). A block is ``ret_rows + 1`` rows of ``hidden``
+    bf16: row 0 a header whose first 8 bytes (int64) are the bytes of the block that carry
+    data, ``(1 + ret_counts[d]) * 2 * hidden``, rows 1.. the returned rows (row j + 1 =
+    the unsized block's row j). Only those bytes travel (``all_to_all(..., sized=True)``);
+    the rest of a received block is undefined, and the finalize never reads it.
+
+    ``feed``: int64 ``[world * (ret_rows + 1)]``, the received row each send row takes
+    (header rows: 0, overwritten by ``header`` after the gather); ``header``: int64
+    ``[world]``; ``pos``: int32 ``[n * topk]``, ``Handle.pos`` in the receive layout
+    ``[world * (ret_rows + 1) + 1, hidden]`` (p -> p + p // ret_rows + 1; the refused
+    entries' NaN row ``world * ret_rows`` -> the last row, ``world * (ret_rows + 1)``)."""
+
+    feed: torch.Tensor
+    header: torch.Tensor
+    pos: torch.Tensor
 
 
 class ExpertParallel:
@@ -303,6 +351,8 @@ class ExpertParallel:
         # A/B, tests). The send blocks are written into the send slot group by group either way.
         self._stream_cpu = dev.type == "cpu"
         self._bad_entries = torch.zeros((), dtype=torch.int64, device=dev)
+        # the sized combine's feed of its header rows (SizedCombine: they gather row 0)
+        self._zero_rows = torch.zeros((W, 1), dtype=torch.int64, device=dev)
         self._overflow = torch.zeros((), dtype=torch.int64, device=dev)  # (combine_rows)
         # The finalize kernel's record of a bad pos (never set: combine's pos are 0..n*topk-1).
         self._fin_bad = torch.zeros(4, dtype=torch.int32, device=dev) if cuda else None
@@ -434,9 +484,17 @@ class ExpertParallel:
         reaches no expert, its token's combined row is NaN, and :meth:`check` raises.
         """
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
+        self._topk = K
+        recv, handle = self._dispatch(x, topk_idx, topk_weights, x_scales, n, K)
+        if self.comm.device.type == "cuda" or not self._stream_cpu:
+            # the sized combine will run: its plan now (CUDA: inside the same graph as the
+            # dispatch when captured), not in every combine
+            handle.sized = self._sized_plan(handle)
+        return recv, handle
+
+    def _dispatch(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
         comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
         dev = comm.device
-        self._topk = K
         if self._fused:
             return self._dispatch_fused(x, topk_idx, topk_weights, x_scales, n, K)
         idx = topk_idx.to(torch.int32)
@@ -494,14 +552,14 @@ class ExpertParallel:
         # [W, nbytes]: source s's block for this rank
         got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
                                                          torch.uint8))
-        recv, feed = self._select(got, lay, Pd, Pc, K)
+        recv, feed, ret_counts = self._select(got, lay, Pd, Pc, K)
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad,
-                        tuple(recv.src_rank.shape))
+                        tuple(recv.src_rank.shape), ret_counts)
         return recv, handle
 
     def _select(self, got: torch.Tensor, lay: BlockLayout, Pd: int, Pc: int, K: int):
         """The torch path's selection of this rank's entries from the received blocks
-        ``got`` [W, nbytes]: (recv, feed)."""
+        ``got`` [W, nbytes]: (recv, feed, ret_counts)."""
         W, T, H, El = self.world, self.max_tokens, self.hidden, self.num_local_experts
         dev = self.comm.device
 
@@ -521,6 +579,8 @@ class ExpertParallel:
         ret = (nth_in + torch.arange(W, device=dev).unsqueeze(1) * Pc).reshape(-1)
         if self.combine_rows is not None:  # (past the block: the home refused them)
             ret = torch.where(nth_in.reshape(-1) < Pc, ret, -1)
+        # the rows returned to each source: its entries held here, at most a block's
+        ret_counts = mine.view(W, Pd * K).sum(1).clamp(max=Pc)
 
         rows_got = lay.x(got).view(torch.int64)  # [W, Pd, words]: (rows as 8-byte words)
         scales_got = lay.scales(got).view(torch.float32) if self.fp8 else None
@@ -584,7 +644,7 @@ class ExpertParallel:
         recv = DispatchResult(self.mode, rx, xs, counts, offsets, src_rank.view(recv_shape),
                               src_token.view(recv_shape), src_k.view(recv_shape),
                               list(self.local_experts))
-        return recv, feed
+        return recv, feed, ret_counts
 
     def _dispatch_fused(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
         """dispatch on CUDA: sccl_ep_pack builds the send blocks, pos and the refusals (the
@@ -621,8 +681,8 @@ class ExpertParallel:
             return c
 
         Pd, Pc = self._capacities(counts)
-        if W * Pc >= 2 ** 31:
-            raise ValueError(f"ExpertParallel.dispatch: world * combine rows = {W} * {Pc} "
+        if W * (Pc + 1) + 1 >= 2 ** 31:
+            raise ValueError(f"ExpertParallel.dispatch: world * combine rows = {W} * {Pc + 1} "
                              "exceeds int32 (pos); lower max_tokens or combine_rows")
         lay = BlockLayout(Pd, H, K + 1, self._row_bytes, self._scale_cols)
         send = self._buffer("dispatch send", (W, lay.nbytes), torch.uint8)
@@ -632,6 +692,7 @@ class ExpertParallel:
         common = dict(got=got, lay=lay, owner=self._owner_dev, experts=self._experts_dev,
                       rank=self.rank, E=E, W=W, Pd=Pd, K=K, Pc=Pc, limit=limit,
                       row_bytes=self._row_bytes, scale_bytes=scale_bytes)
+        ret_counts = torch.empty(W, dtype=torch.int64, device=dev)  # (the unpack writes it)
         if self.mode == "low_latency":
             cap = W * T
             rx = torch.empty((El, cap, H), dtype=self.dtype, device=dev)
@@ -642,7 +703,7 @@ class ExpertParallel:
             feed = torch.empty(W * Pc, dtype=torch.int64, device=dev)
             ep_cuda.launch(dev, "sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), ep_cuda.unpack_args(
                 **common, cap=cap, rx=rx, xs=xs, counts=counts_e, src_rank=src[0],
-                src_token=src[1], src_k=src[2], feed=feed))
+                src_token=src[1], src_k=src[2], feed=feed, ret_counts=ret_counts))
             recv = DispatchResult(self.mode, rx, xs, counts_e, None, *src,
                                   list(self.local_experts))
         else:
@@ -665,11 +726,12 @@ class ExpertParallel:
                            ep_cuda.unpack_grid(El, -(-R // El), ep_cuda.HT_SPREAD),
                            ep_cuda.unpack_args(**common, rx=rx, xs=xs, counts=counts_e,
                                                src_rank=src[0], src_token=src[1],
-                                               src_k=src[2], feed=feed, offsets=offsets))
+                                               src_k=src[2], feed=feed, offsets=offsets,
+                                               ret_counts=ret_counts))
             recv = DispatchResult(self.mode, rx, xs, counts_e, offsets, *src,
                                   list(self.local_experts))
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad if n else None,
-                        tuple(recv.src_rank.shape))
+                        tuple(recv.src_rank.shape), ret_counts)
         return recv, handle
 
     def _dispatch_native(self, x, idx, topk_weights, x_scales, n, K, bad):
@@ -775,10 +837,24 @@ class ExpertParallel:
             offsets[1:] = torch.cumsum(cnt, 0)
         recv = DispatchResult(self.mode, rx, xs, cnt.to(torch.int32), offsets, *src,
                               list(self.local_experts))
-        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape)
+        # (nth[s]: source s's entries held here, all moved; past Pc refused by the home)
+        handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad, recv_shape,
+                        nth.clamp(max=Pc))
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
+    def _sized_plan(self, handle: Handle) -> SizedCombine:
+        """The sized combine's feed, headers and pos for ``handle`` (:class:`SizedCombine`):
+        small torch ops on the device, no host read (capturable)."""
+        W, Pc, RB = self.world, handle.ret_rows, 2 * self.hidden
+        feed = torch.cat([self._zero_rows, handle.feed.view(W, Pc)], dim=1).view(-1)
+        header = handle.ret_counts.mul(RB).add_(RB)
+        # block b's row j (p = b * Pc + j < W * Pc) is row b * (Pc + 1) + 1 + j; the NaN row
+        # (p = W * Pc, which that gives W * (Pc + 1) + 1) is the last, W * (Pc + 1)
+        p = handle.pos
+        pos = p.div(Pc, rounding_mode="floor").add_(p).add_(1).clamp_(max=W * (Pc + 1))
+        return SizedCombine(feed, header, pos)
+
     def combine(self, expert_out: torch.Tensor, handle: Handle,
                 shared: torch.Tensor | None = None) -> torch.Tensor:
         """Return every expert output row to its token's home rank and finalize there:
@@ -810,26 +886,39 @@ class ExpertParallel:
                 raise ValueError(f"{what}: shared must be [n, hidden] = [{n}, {H}], got "
                                  f"{list(shared.shape)}")
 
-        # Every computed row at its row of the block for its home rank (a gather: rows past
-        # the counts are never read); the home's receive block gets a last row of NaN, where
-        # its refused entries (CUDA) point.
-        N = W * handle.ret_rows
-        y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
-        y[N].view(torch.int16).fill_(NAN_BF16)
         if shared is None:
             shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
         out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
-        f = _finalize.FinalizeInputs(y=y, scales=None, pos=handle.pos, weights=handle.weights,
-                                     shared=shared, num_tokens=n, padded_tokens=n, world=1,
-                                     topk=K, H=H, R=N + 1)
-        if dev.type == "cpu" and self._stream_cpu:
+
+        def recv_rows(N, pos):
+            # the receive blocks and a last row of NaN, where the refused entries (CUDA and
+            # the device-side checks) point
+            y = self._buffer("combine recv", (N + 1, H), torch.bfloat16)
+            y[N].view(torch.int16).fill_(NAN_BF16)
+            return y, _finalize.FinalizeInputs(y=y, scales=None, pos=pos,
+                                               weights=handle.weights, shared=shared,
+                                               num_tokens=n, padded_tokens=n, world=1, topk=K,
+                                               H=H, R=N + 1)
+
+        if dev.type == "cpu" and self._stream_cpu:  # (unsized: blocks of ret_rows rows)
+            y, f = recv_rows(W * handle.ret_rows, handle.pos)
             self._combine_streamed(expert_out, handle, y, f, out)
             return out
+        # Sized blocks (SizedCombine): a header row, then every computed row at its row of
+        # the block for its home rank (a gather: rows past the counts are never read); only
+        # the header and the rows that exist travel.
+        plan = handle.sized
+        if plan is None:
+            plan = handle.sized = self._sized_plan(handle)
+        N = W * (handle.ret_rows + 1)
+        y, f = recv_rows(N, plan.pos)
         send = self._buffer("combine send", (N, H), torch.bfloat16)
-        if expert_out.numel():  # (none received: no send row is read)
-            torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, handle.feed,
-                               out=send.view(torch.int64))  # (rows as 8-byte words)
-        comm.all_to_all(send, out=y[:N])
+        words = send.view(torch.int64)  # (rows as 8-byte words)
+        if expert_out.numel():  # (none received: no data row is read)
+            torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, plan.feed,
+                               out=words)
+        words.view(W, -1)[:, 0] = plan.header  # each block's first 8 bytes
+        _all_to_all_sized(comm, send, y[:N])
         if n == 0:
             return out
         if dev.type == "cuda":

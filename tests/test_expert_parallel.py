@@ -34,14 +34,14 @@ def record_sent(comm) -> dict:
     rec = {}
     real = comm.all_to_all
 
-    def all_to_all(x, *, out=None, fill=None, arrived=None):
+    def all_to_all(x, *, out=None, fill=None, arrived=None, **kw):  # (kw: sized)
         W = comm.world_size
         chunk = (out if fill is not None else x).nbytes // W
         dev = (out if fill is not None else x).device
         blocks = rec["blocks"] = torch.empty((W, chunk), dtype=torch.uint8, device=dev)
         if fill is None:
             blocks.copy_(x.reshape(-1).view(torch.uint8).view(W, chunk))
-            return real(x, out=out, arrived=arrived)
+            return real(x, out=out, arrived=arrived, **kw)
 
         def kept(base, stride, lo, hi):
             fill(base, stride, lo, hi)
@@ -626,7 +626,7 @@ extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, cons
                            P(6, const int*), a[7], a[8], a[9], a[10], a[11], a[12], a[13],
                            a[14], a[15], a[16], P(17, u8*), P(18, u8*), P(19, int*),
                            P(20, int*), P(21, int*), P(22, int*), P(23, long long*),
-                           P(24, const long long*), a[25]);
+                           P(24, const long long*), a[25], P(26, long long*));
         });
       for (auto& t : ts) t.join();
     }
@@ -762,9 +762,10 @@ def ep_emu_job(rank, world, store, so_path):
             counts = torch.full((El,), -9, dtype=torch.int32)
             src = [torch.full((El, cap), -9, dtype=torch.int32) for _ in range(3)]
             feed = torch.full((W * Pc,), -9, dtype=torch.int64)
+            ret = torch.full((W,), -9, dtype=torch.int64)
             run("sccl_ep_unpack", ep_cuda.unpack_grid(El, cap), nt, ep_cuda.unpack_args(
                 **unpack, cap=cap, rx=rx, xs=xs, counts=counts, src_rank=src[0],
-                src_token=src[1], src_k=src[2], feed=feed))
+                src_token=src[1], src_k=src[2], feed=feed, ret_counts=ret))
             if not torch.equal(counts, recv.counts):
                 bad.append(f"{name}: counts {counts.tolist()}, want {recv.counts.tolist()}")
                 continue
@@ -774,6 +775,9 @@ def ep_emu_job(rank, world, store, so_path):
                     bad.append(f"{name}: {f} differs")
             if not torch.equal(feed, handle.feed):
                 bad.append(f"{name}: feed differs")
+            if not torch.equal(ret, handle.ret_counts):
+                bad.append(f"{name}: ret_counts {ret.tolist()}, want "
+                           f"{handle.ret_counts.tolist()}")
             for e, m in enumerate(counts.tolist()):
                 if not torch.equal(rx[e, :m], recv.x[e, :m].view(torch.uint8)):
                     bad.append(f"{name}: rows of local expert {e} differ")
@@ -805,12 +809,13 @@ def _emu_unpack_packed(name, run, nt, unpack, recv, handle, El, fp8, ep):
     xs = torch.full((R, ep._scale_cols), 7.0) if fp8 else None
     src = [torch.full((R,), -9, dtype=torch.int32) for _ in range(3)]
     feed = torch.full(handle.feed.shape, -9, dtype=torch.int64)
+    ret = torch.full(handle.ret_counts.shape, -9, dtype=torch.int64)
     counts.fill_(-9)
     # shares from the rows (more than one block per expert where there are rows to share)
     grid = ep_cuda.unpack_grid(El, -(-R // El), ep_cuda.HT_SPREAD)
     run("sccl_ep_unpack", grid, nt, ep_cuda.unpack_args(
         **unpack, cap=0, rx=rx, xs=xs, counts=counts, src_rank=src[0], src_token=src[1],
-        src_k=src[2], feed=feed, offsets=offsets))
+        src_k=src[2], feed=feed, offsets=offsets, ret_counts=ret))
     if not torch.equal(counts, recv.counts):
         bad.append(f"{name}: counts {counts.tolist()}, want {recv.counts.tolist()}")
     for f, a, b in zip(("src_rank", "src_token", "src_k"), src,
@@ -819,6 +824,8 @@ def _emu_unpack_packed(name, run, nt, unpack, recv, handle, El, fp8, ep):
             bad.append(f"{name}: {f} {a.tolist()[:8]}, want {b.tolist()[:8]}")
     if not torch.equal(feed, handle.feed):
         bad.append(f"{name}: feed differs")
+    if not torch.equal(ret, handle.ret_counts):
+        bad.append(f"{name}: ret_counts {ret.tolist()}, want {handle.ret_counts.tolist()}")
     if not torch.equal(rx, recv.x.view(torch.uint8).reshape(R, ep._row_bytes)):
         bad.append(f"{name}: packed rows differ")
     if fp8 and not torch.equal(xs.view(torch.int32), recv.x_scales.view(torch.int32)):
@@ -939,7 +946,7 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
                     bad.append(f"{name}: send rows of block {d} differ")
                 if fp8 and not torch.equal(lay.scales(sf)[d, :m], lay.scales(st)[d, :m]):
                     bad.append(f"{name}: send scales of block {d} differ")
-            for f in ("pos", "feed", "dispatch_rows", "ret_rows", "recv_shape"):
+            for f in ("pos", "feed", "dispatch_rows", "ret_rows", "recv_shape", "ret_counts"):
                 x, y = getattr(hf, f), getattr(ht, f)
                 if not (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y):
                     bad.append(f"{name}: handle.{f} differs")

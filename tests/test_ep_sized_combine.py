@@ -1,0 +1,247 @@
+"""The sized combine of ExpertParallel (sparkccl/expert_parallel.py, docs/EXPERT_PARALLEL.md
+"The movement"): combine's non-streamed path (CUDA always; CPU with ``ep._stream_cpu =
+False``) sends blocks of ``ret_rows + 1`` rows, a header row whose first 8 bytes say how many
+bytes of the block carry data, ``(1 + ret_counts[d]) * 2 * hidden``, then the rows.
+
+* ``handle.ret_counts`` (the rows this rank returns to each home rank) against a count made
+  from the routing alone, on the torch path and the native CPU path (not streamed), both
+  modes, world 2 and 4, combine_rows unset, set and not exceeded, set and exceeded (refused
+  on the device-side checks); the blocks that went on the wire (header and rows) against the
+  expert outputs of each home's entries, and the combined rows against the one-box
+  reference (refused tokens: the canonical NaN), also with every received block's bytes
+  past its header's count overwritten with NaN (what the sized all-to-all leaves
+  undefined);
+* the wire bytes of a combine (``comm.proxy_stats()["bytes"]``): the headers and the rows
+  that exist, rounded up to 16, once ``Communicator.all_to_all`` takes ``sized``.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from sparkccl.ep_reference import combine_reference, make_ep_input, one_box_rows, run_experts
+from sparkccl.localrun import check, run_ranks
+from test_expert_parallel import record_sent
+
+
+def _cases(W):
+    """(T, tokens per rank, H, topk, E, mode, placement, combine_rows, device checks)."""
+    T, K, E = 12, 4, 4 * W
+    zero_last = [0 if r == W - 1 else 10 for r in range(W)]
+    return [(T, [T - r for r in range(W)], 64, K, E, "high_throughput", "contiguous", None, False),
+            (T, zero_last, 32, 2, E, "high_throughput", "round_robin", None, False),
+            (T, [T - 1] * W, 64, K, E, "low_latency", "contiguous", None, False),
+            (T, zero_last, 128, 3, 2 * E, "low_latency", "round_robin", None, False),
+            # combine_rows at what the routing needs (nothing refused), then below it
+            # (refused on the device-side checks: those tokens' rows are NaN)
+            (T, [T - 1] * W, 64, K, E, "low_latency", "contiguous", "need", False),
+            (T, [T - 1] * W, 64, K, E, "low_latency", "contiguous", "need-2", True)]
+
+
+def _inputs(c, W, T, ns, H, K, E):
+    return [make_ep_input(200 + c, r, tokens=ns[r], hidden=H, topk=K, num_experts=E, world=W)
+            for r in range(W)]
+
+
+def _held(inputs, owners, rank):
+    """Per home rank d: the entries (t, k) of d's tokens whose expert this rank holds, in
+    (t, k) order (the order of combine's rows for d)."""
+    return [[(t, k) for t, row in enumerate(inp["topk_idx"].tolist())
+             for k, e in enumerate(row) if owners[e] == rank] for inp in inputs]
+
+
+def _combine_rows(spec, inputs, owners, W):
+    if spec is None:
+        return None
+    need = max(len(h) for r in range(W) for h in _held(inputs, owners, r))
+    return need if spec == "need" else need - 2
+
+
+def _past_counts_poisoned(real):
+    """``expert_parallel._all_to_all_sized``'s double for the receiving side of the sized
+    all-to-all: the real call, then every received block's bytes past its header's count
+    (rounded up to 16, at most the block) overwritten with 0xFF (bf16 NaN), as the sized
+    call leaves them undefined: a combine that read one would not be exact."""
+    def all_to_all(comm, x, out):
+        res = real(comm, x, out)
+        b = out.view(torch.uint8).view(comm.world_size, -1)
+        for s in range(comm.world_size):
+            count = int(b[s, :8].view(torch.int64)[0])
+            b[s, min(-(-max(count, 8) // 16) * 16, b.shape[1]):] = 0xFF
+        return res
+    return all_to_all
+
+
+def _combine_problems(name, z, ref, over):
+    got = z.view(torch.int16).numpy().view(np.uint16)
+    keep = [t for t in range(ref.shape[0]) if t not in over]
+    bad = []
+    if got.shape != ref.shape or not np.array_equal(got[keep], ref[keep]):
+        bad.append(f"{name}: combined rows differ from the one-box reference")
+    elif over and not (got[sorted(over)] == 0x7FFF).all():
+        bad.append(f"{name}: refused tokens are not the canonical NaN")
+    return bad
+
+
+def sized_job(rank, world, store):
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl import expert_parallel as ep_mod
+    from sparkccl.expert_parallel import placement_table
+    W, bad = world, []
+    with sparkccl.Communicator(store=dist.PrefixStore("sized", store), rank=rank, world_size=W,
+                               timeout_s=60, slot_bytes=1 << 20) as comm:
+        sent = record_sent(comm)
+        for c, (T, ns, H, K, E, mode, placement, spec, dev_checks) in enumerate(_cases(W)):
+            inputs = _inputs(c, W, T, ns, H, K, E)
+            owners = placement_table(placement, E, W)
+            rows = _combine_rows(spec, inputs, owners, W)
+            held = _held(inputs, owners, rank)
+            mine = inputs[rank]
+            RB = 2 * H
+            # the tokens of this rank with an entry past a block (refused)
+            seen, over = [0] * W, set()
+            for t, row in enumerate(mine["topk_idx"].tolist()):
+                for e in row:
+                    seen[owners[e]] += 1
+                    if rows is not None and seen[owners[e]] > rows:
+                        over.add(t)
+            for native, stream in ((True, False), (False, False), (False, True)):
+                name = (f"world {W} case {c} ({mode}, combine_rows {rows}, native {native}, "
+                        f"streamed {stream})")
+                ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                             mode=mode, placement=placement, combine_rows=rows)
+                ep._device_checks = dev_checks
+                ep._native_cpu, ep._stream_cpu = native, stream
+                recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+                Pc = handle.ret_rows
+                want = [min(len(h), Pc) for h in held]
+                rc = handle.ret_counts
+                if rc.dtype != torch.int64 or tuple(rc.shape) != (W,) or rc.tolist() != want:
+                    bad.append(f"{name}: ret_counts {rc.dtype} {rc.tolist()}, want {want}")
+                if (handle.sized is None) != stream:
+                    bad.append(f"{name}: the sized plan is {handle.sized} at dispatch")
+                out = run_experts(ep, recv)
+                ref = combine_reference(mine)
+                z = ep.combine(out, handle, shared=mine["shared"])
+                bad += _combine_problems(name, z, ref, over)
+                if dev_checks:
+                    try:
+                        ep.check()
+                        if over:
+                            bad.append(f"{name}: check() did not raise")
+                    except ValueError as e:
+                        if not over or "past combine_rows" not in str(e):
+                            bad.append(f"{name}: check(): {e}")
+                if stream:
+                    continue
+                # the same with the bytes past each received block's count undefined
+                real = ep_mod._all_to_all_sized
+                ep_mod._all_to_all_sized = _past_counts_poisoned(real)
+                try:
+                    z = ep.combine(out, handle, shared=mine["shared"])
+                finally:
+                    ep_mod._all_to_all_sized = real
+                bad += _combine_problems(f"{name}, bytes past the counts NaN", z, ref, over)
+                # the blocks as they went: block d = header, then the outputs of home d's
+                # entries held here in (t, k) order (the rest undefined)
+                blocks = sent["blocks"]
+                if tuple(blocks.shape) != (W, (Pc + 1) * RB):
+                    bad.append(f"{name}: combine blocks {list(blocks.shape)}, want "
+                               f"{[W, (Pc + 1) * RB]}")
+                    continue
+                head = blocks[:, :8].contiguous().view(torch.int64).view(-1).tolist()
+                if head != [(1 + m) * RB for m in want]:
+                    bad.append(f"{name}: headers {head}, want {[(1 + m) * RB for m in want]}")
+                for d in range(W):
+                    m = want[d]
+                    if not m:
+                        continue
+                    K_d = inputs[d]["topk_idx"].shape[1]
+                    ob = one_box_rows(inputs[d])
+                    rows_d = torch.stack([ob[t * K_d + k] for t, k in held[d][:m]])
+                    sent_d = blocks[d, RB:(1 + m) * RB].view(torch.bfloat16).view(m, H)
+                    if not torch.equal(sent_d.view(torch.int16), rows_d.view(torch.int16)):
+                        bad.append(f"{name}: rows of the block for rank {d} differ")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ret_counts_and_sized_blocks(world):
+    bad = [f"rank {r}: {b}" for r, v in enumerate(
+        check(run_ranks(sized_job, world, timeout_s=300))) for b in v]
+    assert not bad, "\n".join(bad)
+
+
+def _posted(comm, want: int | None = None, limit_s: float = 5.0) -> int:
+    """The bytes the proxy posted so far, once they reach ``want`` or stop changing for
+    0.2 s: the proxy counts a write when the transport took it, which may be a moment after
+    this rank's collective returned."""
+    deadline, last, still = time.monotonic() + limit_s, None, 0
+    while True:
+        got = comm.proxy_stats()["bytes"]
+        if got == want or time.monotonic() > deadline:
+            return got
+        still = still + 1 if got == last else 0
+        if still >= 20:
+            return got
+        last = got
+        time.sleep(0.01)
+
+
+def wire_job(rank, world, store, topology):
+    import torch.distributed as dist
+
+    import sparkccl
+    from sparkccl.expert_parallel import placement_table
+    W, bad = world, []
+    with sparkccl.Communicator(store=dist.PrefixStore("wire", store), rank=rank, world_size=W,
+                               topology=topology, transport="shm", timeout_s=60,
+                               slot_bytes=8 << 20) as comm:
+        for c, (T, ns, H, K, E, mode, placement, spec, dev_checks) in enumerate(_cases(W)):
+            inputs = _inputs(c, W, T, ns, H, K, E)
+            owners = placement_table(placement, E, W)
+            rows = _combine_rows(spec, inputs, owners, W)
+            mine = inputs[rank]
+            ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
+                                         mode=mode, placement=placement, combine_rows=rows)
+            ep._device_checks = dev_checks
+            ep._stream_cpu = False
+            recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+            out = run_experts(ep, recv)
+            ep.combine(out, handle)  # (warm: the same wire as the measured one)
+            comm.all_gather(torch.zeros(1))
+            RB, Pc = 2 * H, handle.ret_rows
+            held = _held(inputs, owners, rank)
+            want = sum(-(-(1 + min(len(held[d]), Pc)) * RB // 16) * 16
+                       for d in range(W) if d != rank)
+            start = _posted(comm)  # (the all-gather's bytes counted)
+            ep.combine(out, handle)
+            got = _posted(comm, start + want) - start
+            if got != want:
+                bad.append(f"world {W} {topology} case {c} ({mode}, combine_rows {rows}): "
+                           f"combine posted {got} bytes, want {want} (unsized: "
+                           f"{(W - 1) * (Pc + 1) * RB})")
+            comm.all_gather(torch.zeros(1))  # (every rank's count read before the next)
+    return bad
+
+
+def _all_to_all_takes_sized() -> bool:
+    import sparkccl
+    return "sized" in inspect.signature(sparkccl.Communicator.all_to_all).parameters
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sized_combine_wire_bytes(world):
+    """Mesh: each rank posts its own blocks to each peer, nothing relayed."""
+    if not _all_to_all_takes_sized():
+        pytest.skip("waits for the sized all-to-all: Communicator.all_to_all takes no "
+                    "sized= yet (the combine's blocks travel whole)")
+    bad = [f"rank {r}: {b}" for r, v in enumerate(
+        check(run_ranks(wire_job, world, args=("mesh",), timeout_s=300))) for b in v]
+    assert not bad, "\n".join(bad)
