@@ -16,8 +16,10 @@ is checked bit for bit against the one-box finalize reference before timing.
 The floor is the mechanism's, as benchmarks/decode_latency.py's proxy-path floor: the flag
 round trip (GPU -> CPU -> GPU) plus a host thread's copy of the bytes the phase must move
 off this rank at the least (each token once to every rank that holds one of its experts,
-each expert output row once back to its home rank; the equal blocks on the wire carry
-more, printed as ``wire KiB``).
+each expert output row once back to its home rank; dispatch's equal blocks on the wire
+carry more, printed as ``wire KiB``; combine's blocks are sized: a header row and the rows
+that exist). ``SPARKCCL_GPU_DIRECT=0`` in the environment: every byte through the proxy,
+the path between GB10 boxes (default: GPU-direct where the engines choose it).
 """
 from __future__ import annotations
 
@@ -41,13 +43,18 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
     from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
+    from sparkccl.plan.geometry import ALIGN, round_up
+
+    def routing(r):  # uniform routing, the same on every rank for rank r's tokens
+        g = torch.Generator().manual_seed(100 + r)
+        return torch.rand(T, E, generator=g).topk(K).indices
+
     inp = make_ep_input(5, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world,
                         fp8=fp8)
-    g = torch.Generator().manual_seed(100 + rank)
-    inp["topk_idx"] = torch.rand(T, E, generator=g).topk(K).indices  # uniform routing
+    inp["topk_idx"] = routing(rank)
     a = {k: None if v is None else v.to(dev) for k, v in inp.items()}
     row = H * (1 if fp8 else 2) + (H // 128 * 4 if fp8 else 0)
-    # a slot that holds a combine's blocks (their header row included): one collective per call
+    # a slot that holds a combine's blocks (and their header rows): one collective per call
     slot = max(8 << 20, world * (T * min(K, E // world) + 1) * H * 2)
     with sparkccl.Communicator(store=dist.PrefixStore("ep", store), rank=rank, world_size=world,
                                device=dev, timeout_s=120, slot_bytes=slot) as comm:
@@ -67,19 +74,29 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                                  if d != rank) * row,
                  "combine": sum(int((owner == d).sum()) for d in range(world)
                                 if d != rank) * H * 2}
+        # combine's blocks are sized (docs/EXPERT_PARALLEL.md): a header row, then the rows
+        # this rank returns to home d (the entries of d's tokens held here, at most a block)
+        owners = torch.tensor(ep.owners)
+        ret = [min(int((owners[routing(d)] == rank).sum()), handle.ret_rows)
+               for d in range(world)]
         wire = {"dispatch": (world - 1) * handle.dispatch_rows * (row + (K + 1) * 4),
-                "combine": (world - 1) * handle.ret_rows * H * 2}
+                "combine": sum(round_up((1 + ret[d]) * H * 2, ALIGN) for d in range(world)
+                               if d != rank)}
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
-        blocks = {p: torch.zeros((world, wire[p] // (world - 1)), dtype=torch.uint8, device=dev)
-                  for p in wire}
+        blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
+                                          dtype=torch.uint8, device=dev),
+                  "combine": torch.zeros((world, (handle.ret_rows + 1) * H * 2),
+                                         dtype=torch.uint8, device=dev)}
+        blocks["combine"][:, :8] = torch.tensor([(1 + n) * H * 2 for n in ret]).view(
+            torch.uint8).view(world, 8).to(dev)
         fns = {"dispatch": lambda: ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"],
                                                a["x_scales"]),
                "combine": lambda: ep.combine(out, handle, shared=a["shared"]),
                # the all-to-all alone, of the same blocks: the movement's share
                "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"]),
-               "a2a combine": lambda: comm.all_to_all(blocks["combine"])}
+               "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True)}
         for phase, fn in fns.items():
             fn()
             torch.cuda.synchronize()
@@ -133,13 +150,15 @@ def main() -> None:
           "calls, "
           "p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
-          "must move")
+          f"must move; SPARKCCL_GPU_DIRECT={os.environ.get('SPARKCCL_GPU_DIRECT', '(default)')} "
+          "(0: every byte through the proxy, as between boxes); wire KiB: the most a rank sends "
+          "(combine: sized blocks)")
     print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "
           f"{'write us':>9} {'floor us':>9} {'/floor':>7}")
     for phase in ("dispatch", "combine"):
         t = max(r[phase] for r in res)
         least = max(r["least " + phase] for r in res)
-        wire = res[0]["wire " + phase]
+        wire = max(r["wire " + phase] for r in res)
         write = max(r[phase + " write"] for r in res)
         floor = rtt + write
         t_a2a = max(r["a2a " + phase] for r in res)

@@ -36,7 +36,6 @@ reads nothing on the host.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -57,23 +56,6 @@ _ALIGN = 16  # block sections start on 16-byte boundaries (the collectives' gran
 
 def _round16(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-_takes_sized: dict = {}
-
-
-def _all_to_all_sized(comm, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``comm.all_to_all(x, out=out, sized=True)``: the first 8 bytes of each block say how
-    many of its bytes carry data, and only those travel (the rest of each received block
-    is undefined). Until ``Communicator.all_to_all`` takes ``sized`` (being added on main),
-    the blocks travel whole, the headers with them: the same bits at the receiver, more
-    bytes on the wire. The guard goes at the merge; the call stays."""
-    cls = type(comm)
-    if cls not in _takes_sized:
-        _takes_sized[cls] = "sized" in inspect.signature(cls.all_to_all).parameters
-    if not _takes_sized[cls]:
-        return comm.all_to_all(x, out=out)
-    return comm.all_to_all(x, out=out, sized=True)
 
 
 def _int(v, name: str, what: str) -> int:
@@ -918,7 +900,7 @@ class ExpertParallel:
             torch.index_select(expert_out.reshape(-1, H).view(torch.int64), 0, plan.feed,
                                out=words)
         words.view(W, -1)[:, 0] = plan.header  # each block's first 8 bytes
-        _all_to_all_sized(comm, send, y[:N])
+        comm.all_to_all(send, out=y[:N], sized=True)
         if n == 0:
             return out
         if dev.type == "cuda":

@@ -8,6 +8,18 @@ from typing import Any
 from sparkccl.exact_checks import reduce_scatter_via_input
 
 
+def posted_bytes(comm, limit_s: float = 10.0) -> int:
+    """The bytes this rank's proxy has posted (``proxy_stats()["bytes"]``), once every
+    collective issued so far went out whole: the proxy may still be posting after a call
+    returned."""
+    import time
+    px = comm._wiring.proxy
+    deadline = time.monotonic() + limit_s
+    while (px.delivered() < comm.seq or px.outstanding()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return comm.proxy_stats()["bytes"]
+
+
 def issue_ops(comm, ops, inputs) -> list:
     """Issue ``ops`` back to back on ``comm`` with this rank's ``inputs``: kind "ag" an
     all-gather, "rs" a reduce-scatter, anything else a reduce-scatter through the zero-copy

@@ -14,6 +14,8 @@ from sparkccl.localrun import check, run_ranks
 from sparkccl.reference import all_to_all_reference as reference
 from sparkccl.reference import bits, make_input
 
+from helpers import posted_bytes
+
 MiB = 1 << 20
 # (rows per block, row shape, dtype): odd sizes, one byte, a block over a small slot
 CASES = [(1, (), torch.uint8), (3, (5,), torch.bfloat16), (7, (129,), torch.float32),
@@ -50,17 +52,6 @@ def a2a_checks(comm, seed: int, cases) -> list[str]:
     return bad
 
 
-def _posted(comm) -> int:
-    """The bytes this rank's proxy has posted, once every collective issued so far went out
-    whole (the proxy may still be posting after a call returns)."""
-    import time
-    px = comm._wiring.proxy
-    deadline = time.monotonic() + 10
-    while (px.delivered() < comm.seq or px.outstanding()) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return comm.proxy_stats()["bytes"]
-
-
 def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
     """all_to_all(sized=True): every block's first 8 bytes say its length (random, from
     below 8 to past the block); each source's bytes up to that length (geometry.sized_bytes)
@@ -95,7 +86,7 @@ def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
         for j in range(W):
             b[j, :8] = torch.tensor([int(heads[i, j])], dtype=torch.int64).view(torch.uint8)
     first = min(chunk, comm.max_slice)  # (the bytes of a block in its first collective)
-    before = _posted(comm)
+    before = posted_bytes(comm)
     y = comm.all_to_all(xs[r], sized=True)
     got = bits(y).reshape(-1).view(np.uint8).reshape(W, chunk)
     want = reference(xs, r).reshape(-1).view(np.uint8).reshape(W, chunk)
@@ -110,7 +101,7 @@ def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
         rest = (chunk - first) and sum(round_up(min(comm.max_slice, chunk - o), ALIGN)
                                        for o in range(first, chunk, comm.max_slice))
         expect = sum(sized_bytes(int(heads[r, j]), S) + rest for j in range(W) if j != r)
-        sent = _posted(comm) - before
+        sent = posted_bytes(comm) - before
         if sent != expect:
             bad.append(f"world {W} mesh sized {dtype} {list(shape)}: the proxy posted {sent} "
                        f"bytes, not the {expect} of the blocks' lengths")

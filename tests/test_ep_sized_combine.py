@@ -16,8 +16,6 @@ bytes of the block carry data, ``(1 + ret_counts[d]) * 2 * hidden``, then the ro
 """
 from __future__ import annotations
 
-import inspect
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ import torch
 
 from sparkccl.ep_reference import combine_reference, make_ep_input, one_box_rows, run_experts
 from sparkccl.localrun import check, run_ranks
+from helpers import posted_bytes
 from test_expert_parallel import record_sent
 
 
@@ -61,19 +60,24 @@ def _combine_rows(spec, inputs, owners, W):
     return need if spec == "need" else need - 2
 
 
-def _past_counts_poisoned(real):
-    """``expert_parallel._all_to_all_sized``'s double for the receiving side of the sized
-    all-to-all: the real call, then every received block's bytes past its header's count
-    (rounded up to 16, at most the block) overwritten with 0xFF (bf16 NaN), as the sized
-    call leaves them undefined: a combine that read one would not be exact."""
-    def all_to_all(comm, x, out):
-        res = real(comm, x, out)
-        b = out.view(torch.uint8).view(comm.world_size, -1)
-        for s in range(comm.world_size):
-            count = int(b[s, :8].view(torch.int64)[0])
-            b[s, min(-(-max(count, 8) // 16) * 16, b.shape[1]):] = 0xFF
+def _past_counts_poisoned(comm):
+    """Make ``comm.all_to_all`` the real call followed, for a sized call, by every received
+    block's bytes past its header's count (rounded up to 16, at most the block) overwritten
+    with 0xFF (bf16 NaN), as the sized all-to-all leaves them undefined: a combine that read
+    one would not be exact. Returns the undo."""
+    real = comm.all_to_all
+
+    def all_to_all(x, *, out=None, sized=False, **kw):
+        res = real(x, out=out, sized=sized, **kw)
+        if sized:
+            b = res.reshape(-1).view(torch.uint8).view(comm.world_size, -1)
+            for s in range(comm.world_size):
+                count = int(b[s, :8].view(torch.int64)[0])
+                b[s, min(-(-max(count, 8) // 16) * 16, b.shape[1]):] = 0xFF
         return res
-    return all_to_all
+
+    comm.all_to_all = all_to_all
+    return lambda: setattr(comm, "all_to_all", real)
 
 
 def _combine_problems(name, z, ref, over):
@@ -91,7 +95,6 @@ def sized_job(rank, world, store):
     import torch.distributed as dist
 
     import sparkccl
-    from sparkccl import expert_parallel as ep_mod
     from sparkccl.expert_parallel import placement_table
     W, bad = world, []
     with sparkccl.Communicator(store=dist.PrefixStore("sized", store), rank=rank, world_size=W,
@@ -141,12 +144,11 @@ def sized_job(rank, world, store):
                 if stream:
                     continue
                 # the same with the bytes past each received block's count undefined
-                real = ep_mod._all_to_all_sized
-                ep_mod._all_to_all_sized = _past_counts_poisoned(real)
+                undo = _past_counts_poisoned(comm)
                 try:
                     z = ep.combine(out, handle, shared=mine["shared"])
                 finally:
-                    ep_mod._all_to_all_sized = real
+                    undo()
                 bad += _combine_problems(f"{name}, bytes past the counts NaN", z, ref, over)
                 # the blocks as they went: block d = header, then the outputs of home d's
                 # entries held here in (t, k) order (the rest undefined)
@@ -178,22 +180,6 @@ def test_ret_counts_and_sized_blocks(world):
     assert not bad, "\n".join(bad)
 
 
-def _posted(comm, want: int | None = None, limit_s: float = 5.0) -> int:
-    """The bytes the proxy posted so far, once they reach ``want`` or stop changing for
-    0.2 s: the proxy counts a write when the transport took it, which may be a moment after
-    this rank's collective returned."""
-    deadline, last, still = time.monotonic() + limit_s, None, 0
-    while True:
-        got = comm.proxy_stats()["bytes"]
-        if got == want or time.monotonic() > deadline:
-            return got
-        still = still + 1 if got == last else 0
-        if still >= 20:
-            return got
-        last = got
-        time.sleep(0.01)
-
-
 def wire_job(rank, world, store, topology):
     import torch.distributed as dist
 
@@ -220,9 +206,9 @@ def wire_job(rank, world, store, topology):
             held = _held(inputs, owners, rank)
             want = sum(-(-(1 + min(len(held[d]), Pc)) * RB // 16) * 16
                        for d in range(W) if d != rank)
-            start = _posted(comm)  # (the all-gather's bytes counted)
+            start = posted_bytes(comm)  # (the all-gather's bytes counted)
             ep.combine(out, handle)
-            got = _posted(comm, start + want) - start
+            got = posted_bytes(comm) - start
             if got != want:
                 bad.append(f"world {W} {topology} case {c} ({mode}, combine_rows {rows}): "
                            f"combine posted {got} bytes, want {want} (unsized: "
@@ -231,17 +217,9 @@ def wire_job(rank, world, store, topology):
     return bad
 
 
-def _all_to_all_takes_sized() -> bool:
-    import sparkccl
-    return "sized" in inspect.signature(sparkccl.Communicator.all_to_all).parameters
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_sized_combine_wire_bytes(world):
     """Mesh: each rank posts its own blocks to each peer, nothing relayed."""
-    if not _all_to_all_takes_sized():
-        pytest.skip("waits for the sized all-to-all: Communicator.all_to_all takes no "
-                    "sized= yet (the combine's blocks travel whole)")
     bad = [f"rank {r}: {b}" for r, v in enumerate(
         check(run_ranks(wire_job, world, args=("mesh",), timeout_s=300))) for b in v]
     assert not bad, "\n".join(bad)
