@@ -198,7 +198,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
 // k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block (e, 0) writes counts[e];
 // block (0, 0) writes feed = 0 at the rows no entry takes (each source's rows past its mine
 // entries) and, where ret_counts is given, ret_counts[s] = min(source s's mine entries, Pc)
-// (the rows combine returns to s). Low-latency (offsets null): base = e * cap, and -1 in e's src_* past the count.
+// (the rows combine returns to s). Low-latency (offsets null): base = e * cap, and -1 in
+// e's src_* past the count.
 // High-throughput: base = offsets[e] (packed rows; the host sized them from a count_only
 // launch, which writes counts[e] and nothing else, with no scan: one sum per block).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
