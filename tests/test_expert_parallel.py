@@ -341,14 +341,21 @@ def _combine_rows_refusal(comm, inputs, T, H, K, E):
             bad.append(f"combine_rows {rows}: rows of tokens within the blocks differ")
         if over and not (got[sorted(over)] == 0x7FFF).all():
             bad.append(f"combine_rows {rows}: tokens past the blocks are not the canonical NaN")
-        try:
-            ep.check()
-            if over:
-                bad.append(f"combine_rows {rows}: check() did not raise")
-        except ValueError as e:
-            if not over or "past combine_rows" not in str(e):
-                bad.append(f"combine_rows {rows}: check(): {e}")
+        bad += check_refusals(ep, over, f"combine_rows {rows}")
     return bad
+
+
+def check_refusals(ep, over, name: str) -> list[str]:
+    """ep.check() raises naming combine_rows exactly when some tokens (``over``) had entries
+    past a combine block."""
+    try:
+        ep.check()
+        if over:
+            return [f"{name}: check() did not raise"]
+    except ValueError as e:
+        if not over or "past combine_rows" not in str(e):
+            return [f"{name}: check(): {e}"]
+    return []
 
 
 def test_bad_input_raises_before_sending_and_device_checks():

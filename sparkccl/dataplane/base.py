@@ -146,7 +146,8 @@ class DataPlaneBase:
         (little-endian, counting themselves) say how many of its bytes carry data
         (:func:`sparkccl.plan.geometry.sized_bytes`); the bytes past that are not
         published, posted or copied out (the GPU-direct copy engines, which take their sizes
-        from the host, send them all), so in ``dst`` they are undefined."""
+        from the host, send them all), so in ``dst`` they are undefined (and ``arrived``'s
+        ``hi`` counts them as in)."""
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
     def moe_finalize_reduce_scatter(self, seq: int, f, row_lo: int, rows: int,
