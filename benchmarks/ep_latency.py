@@ -33,12 +33,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused):
+def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused,
+         bytes_per_block=None):
     import numpy as np
     import torch
     import torch.distributed as dist
 
     import sparkccl
+    if bytes_per_block:  # (an experiment: the engines' bytes per publish / wait block)
+        from sparkccl.dataplane import engines
+        engines.PUBLISH_BYTES_PER_BLOCK, engines.WAIT_BYTES_PER_BLOCK = bytes_per_block
     from decode_latency import _flag_rtt, _host_write
     from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     torch.cuda.set_device(0)
@@ -137,16 +141,21 @@ def main() -> None:
     ap.add_argument("--torch-dispatch", action="store_true",
                     help="dispatch with the torch ops (ExpertParallel(_fused=False)), not the "
                          "fused kernels")
+    ap.add_argument("--bytes-per-block", default=None,
+                    help="an experiment: PUBLISH,WAIT bytes per block of the engines' kernels "
+                         "(default 65536,32768: sparkccl/dataplane/engines.py)")
     a = ap.parse_args()
+    bpb = tuple(int(v) for v in a.bytes_per_block.split(",")) if a.bytes_per_block else None
     res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
                                                not a.bf16, a.iters, a.per_graph,
-                                               a.combine_rows, not a.torch_dispatch),
+                                               a.combine_rows, not a.torch_dispatch, bpb),
                           timeout_s=1200))
     rtt = max(r["flag rtt"] for r in res)
     print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
           f"{a.topk} of {a.experts} experts, dispatch {'bf16' if a.bf16 else 'e4m3'}, combine "
           f"bf16, combine_rows {a.combine_rows or 'default'}, dispatch "
-          f"{'torch ops' if a.torch_dispatch else 'fused kernels'}; replays of {a.per_graph} "
+          f"{'torch ops' if a.torch_dispatch else 'fused kernels'}"
+          f"{f', bytes per block {a.bytes_per_block}' if bpb else ''}; replays of {a.per_graph} "
           "calls, "
           "p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
