@@ -16,7 +16,8 @@ import torch
 from ..plan.geometry import ALIGN, PIECES, piece_bounds, round_up
 from ..plan.model import Op
 from .cpu import fin_slice
-from .engines import RS_WAIT, DirectCall
+from .engines import (A2A_DIRECT_PUBLISH_BYTES_PER_BLOCK, A2A_DIRECT_WAIT_BYTES_PER_BLOCK,
+                      PUBLISH_BYTES_PER_BLOCK, RS_WAIT, WAIT_BYTES_PER_BLOCK, DirectCall)
 from .kernel_args import fin_rows_args
 from .launch_plan import CallPtr, Slotted
 from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
@@ -108,8 +109,10 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
     # GPU-direct: chunks straight to the peers
     sbase, scode_d, sstride, ssys = ((base, 0, src_stride, 0) if src is not None
                                      else (send0, scode, S, 1))
+    pub_bytes, wait_bytes = PUBLISH_BYTES_PER_BLOCK, WAIT_BYTES_PER_BLOCK
     if a2a:  # the all-gather's copy-out and its kernels (kernels/wait.cu ag_wait), no sums
         kernel, wait_kernel, sum_kernel = "sccl_ag_direct", "sccl_ag_wait", None
+        pub_bytes, wait_bytes = A2A_DIRECT_PUBLISH_BYTES_PER_BLOCK, A2A_DIRECT_WAIT_BYTES_PER_BLOCK
         own_copies = [(dst_ptr + me * dst_stride, own_host, L)]  # (mode ce's)
         ce_consume, output = (recv, dst_ptr, dst_stride), (dst_ptr, dst_stride, W, L)
     else:
@@ -122,9 +125,9 @@ def reduce_scatter(plane, seq: int, src, src_p: int, src_stride: int, L: int, ds
                      dtab=dtab.data_ptr()),
         consume=dict(slot=recv0, slot_code=rcode, out=dst_ptr, out_stride=dst_stride or 0,
                      own=own, own_code=own_code, own_sys=own_sys),
-        wait_kernel=wait_kernel, nb=min(engine.slice_wait_blocks(S),
+        wait_kernel=wait_kernel, nb=min(engine.slice_wait_blocks(S, wait_bytes),
                                         plane.max_direct_wait_blocks),
-        npub=engine.direct_blocks(piece * (W - 1)),
+        npub=engine.direct_blocks(piece * (W - 1), pub_bytes),
         # A zero-copy input already lies in pinned memory: no copy engine for it.
         ce_src=(base, src_stride) if src is not None else None, own=own_copies,
         sum_kernel=sum_kernel, ce_consume=ce_consume, output=output))

@@ -44,6 +44,12 @@ FIN_THREADS = 512
 # ``max_publish_blocks`` ...: tunable, and launch plans are dropped when they change).
 PUBLISH_BYTES_PER_BLOCK = 64 << 10
 WAIT_BYTES_PER_BLOCK = 32 << 10
+# A GPU-direct all-to-all (kernels sccl_ag_direct): a quarter of those. Its slices are mid-sized
+# (expert parallelism's low-latency dispatch: 0.9-2.8 MiB, 2-4 publish blocks by the above),
+# and 16 KiB / 8 KiB made that dispatch's all-to-all 20-26% faster on an H200 (world 2 and
+# 4 under MPS), the combine's (at the blocks' caps) unchanged (benchmarks/ep_latency_h200.txt).
+A2A_DIRECT_PUBLISH_BYTES_PER_BLOCK = 16 << 10
+A2A_DIRECT_WAIT_BYTES_PER_BLOCK = 8 << 10
 # The wait role's blocks spin until their peers' data lands, and the proxy-path kernels fit
 # one 512-thread block per SM (127 registers): a grid of waiters on most SMs leaves another
 # rank's kernel on the same GPU no room to publish what they wait for (two ranks on one
@@ -123,19 +129,20 @@ class Engine:
         cap = max(1, self.plane.max_publish_blocks // PIECES)
         return max(1, min(cap, -(-work // PUBLISH_BYTES_PER_BLOCK)))
 
-    def direct_blocks(self, work: int) -> int:
+    def direct_blocks(self, work: int, per_block: int = PUBLISH_BYTES_PER_BLOCK) -> int:
         """Publish blocks of a GPU-direct launch."""
-        return max(1, min(self.plane.max_direct_blocks, -(-work // PUBLISH_BYTES_PER_BLOCK)))
+        return max(1, min(self.plane.max_direct_blocks, -(-work // per_block)))
 
-    def wait_blocks(self, work: int) -> int:
+    def wait_blocks(self, work: int, per_block: int = WAIT_BYTES_PER_BLOCK) -> int:
         """Consumer blocks of a wait role (one poller block comes on top)."""
-        return max(1, min(self.plane.max_wait_blocks, -(-work // WAIT_BYTES_PER_BLOCK)))
+        return max(1, min(self.plane.max_wait_blocks, -(-work // per_block)))
 
-    def slice_wait_blocks(self, S: int) -> int:
+    def slice_wait_blocks(self, S: int, per_block: int = WAIT_BYTES_PER_BLOCK) -> int:
         """Consumer blocks of a collective of slice S: for what they move after one wait, a
         piece, or the whole slice where it goes in one hand-off (the kernels then wait once,
         for its last unit, and need the blocks for all of it in flight at once)."""
-        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1])
+        return self.wait_blocks(S if S <= ONE_HANDOFF_SLICE else piece_bounds(S, 0)[1],
+                                per_block)
 
     def sum_wait_blocks(self, S: int, threads: int, direct: bool) -> int:
         """Consumer blocks of an all-reduce kernel (the one shot's, the fused two steps'): a
