@@ -229,9 +229,12 @@ def test_ctrl_c_on_demo_is_one_line_exit_130_nothing_left(when, tmp_path):
     import glob
     import signal
     import time
+    # (SIGINT back to its default in the demo: a test run started as a background job of a
+    # shell without job control inherits it ignored, and Python then leaves it ignored)
     p = subprocess.Popen([sys.executable, "-m", "sparkccl.cli", "demo", "--world", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().startswith("sparkccl demo: world 2")
         if when == "ranks starting":  # both ranks (and the resource tracker) started
