@@ -468,9 +468,9 @@ class ExpertParallel:
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
         self._topk = K
         recv, handle = self._dispatch(x, topk_idx, topk_weights, x_scales, n, K)
-        if self.comm.device.type == "cuda" or not self._stream_cpu:
-            # the sized combine will run: its plan now (CUDA: inside the same graph as the
-            # dispatch when captured), not in every combine
+        if self._combine_sized:
+            # its plan now (CUDA: inside the same graph as the dispatch when captured), not
+            # in every combine
             handle.sized = self._sized_plan(handle)
         return recv, handle
 
@@ -825,6 +825,12 @@ class ExpertParallel:
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
+    @property
+    def _combine_sized(self) -> bool:
+        """Whether combine sends sized blocks (:class:`SizedCombine`): everywhere but the
+        CPU twin's streamed combine, whose blocks are whole."""
+        return self.comm.device.type == "cuda" or not self._stream_cpu
+
     def _sized_plan(self, handle: Handle) -> SizedCombine:
         """The sized combine's feed, headers and pos for ``handle`` (:class:`SizedCombine`):
         small torch ops on the device, no host read (capturable)."""
@@ -882,7 +888,7 @@ class ExpertParallel:
                                                num_tokens=n, padded_tokens=n, world=1, topk=K,
                                                H=H, R=N + 1)
 
-        if dev.type == "cpu" and self._stream_cpu:  # (unsized: blocks of ret_rows rows)
+        if not self._combine_sized:  # (streamed: blocks of ret_rows rows)
             y, f = recv_rows(W * handle.ret_rows, handle.pos)
             self._combine_streamed(expert_out, handle, y, f, out)
             return out

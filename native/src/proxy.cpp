@@ -488,14 +488,13 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
                                uint64_t(it.src_block) * c.slice;
     uint64_t end = c.slice;
     if (sized) {
-      if (!reg_.local_span(it.src_region, chunk_off, 8, &cause)) {
+      const uint64_t base = reg_.local_span(it.src_region, chunk_off, 8, &cause);
+      if (!base) {
         ok = false;
         break;
       }
       uint64_t h;
-      std::memcpy(&h, reinterpret_cast<const void*>(static_cast<uintptr_t>(
-                          reg_.base[it.src_region].load(std::memory_order_acquire) + chunk_off)),
-                  8);
+      std::memcpy(&h, reinterpret_cast<const void*>(static_cast<uintptr_t>(base + chunk_off)), 8);
       end = geom::sized_bytes(h, c.slice);
     }
     for (int q = piece; q <= last && ok; ++q) {

@@ -284,8 +284,8 @@ class CpuDataPlane(DataPlaneBase):
         S, W = lp.S, self.world
         move = ctypes.memmove
         sp = src.data_ptr() + src_off if src is not None else 0
-        ends = [_sized_end(sp + j * src_stride, L) if sized and src is not None else L
-                for j in range(W)]
+        ends = ([_sized_end(sp + j * src_stride, L) for j in range(W)]
+                if sized and src is not None else [L] * W)
         for c0, c1, a, b in lp.groups:
             if fill is not None and b > a:
                 fill(lp.send_base, S, a, b)
