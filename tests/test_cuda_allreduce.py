@@ -300,15 +300,24 @@ def test_one_shot_beside_a_two_step_reduce_scatter_is_reported(backend):
             assert "rank 1 passed 80 bytes of float32 to all_reduce(sum)" in msg, msg
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["proxy", "direct"])
+@pytest.mark.parametrize("direct", WAYS, ids=WAY_IDS)
 def test_one_shot_timeline_stamps_every_step_in_order(direct, monkeypatch):
     """SPARKCCL_GPU_TIMELINE (emulation: the kernels built with SCCL_TIMELINE): every
     one-shot all-reduce stamps each step once, in the order the protocol takes them, and
-    a peer's flag is seen only after that peer handed it off; the result stays exact."""
+    a peer's flag is seen only after that peer handed it off; the result stays exact. The
+    LL way has no poller (no "seen"): its data blocks and its hand-off block each keep
+    their own order, and timeline.steps reads it with its own table."""
     from sparkccl.dataplane import timeline as T
     monkeypatch.setenv("SPARKCCL_GPU_TIMELINE", "1")
     calls = 6
-    with World("emu", "mesh", 2, 2, max_slice=1 << 14, direct=direct) as w:
+    ll = direct == "ll"
+    points = [p for p in T.POINTS if not (ll and p == "seen")]
+    chains = ((("enter", "stored", "released", "summed", "exit"),
+               ("written", "handed", "exit")) if ll else
+              (("enter", "stored", "written", "handed", "exit"),
+               ("seen", "released", "summed", "exit")))
+    table = T.STEPS_LL if ll else T.STEPS
+    with World("emu", "mesh", 2, 2, max_slice=1 << 14, direct=bool(direct), ll=ll) as w:
         first = w.seq
         pending = []
         for k in range(calls):
@@ -321,18 +330,18 @@ def test_one_shot_timeline_stamps_every_step_in_order(direct, monkeypatch):
         for r, mine in enumerate(per_rank):
             assert sorted(mine) == list(range(first, w.seq))
             for s, row in mine.items():
-                assert list(row) == list(T.POINTS), (r, s, row)
+                assert list(row) == points, (r, s, row)
                 # (the publish blocks and the wait role's run side by side: own hand-off
                 # and the peer's flag come in either order, and block 0, which notes the
                 # enter, need not start first)
-                for chain in (("enter", "stored", "written", "handed", "exit"),
-                              ("seen", "released", "summed", "exit")):
+                for chain in chains:
                     assert [row[p] for p in chain] == sorted(row[p] for p in chain), (r, s, row)
-                peer = per_rank[1 - r][s]
-                assert row["seen"] >= peer["handed"], (r, s, row, peer)
+                if not ll:
+                    peer = per_rank[1 - r][s]
+                    assert row["seen"] >= peer["handed"], (r, s, row, peer)
         steps = T.steps(per_rank)
         assert all(len(v) >= 2 * (calls - 1) for v in steps.values()), steps
-        assert [name for name, *_ in T.summary(per_rank)] == [*(n for n, _, _ in T.STEPS),
+        assert [name for name, *_ in T.summary(per_rank)] == [*(n for n, _, _ in table),
                                                               "period"]
         w.healthy()
 

@@ -73,16 +73,29 @@ STEPS = (
     ("sum", ("own", "released"), "summed"),
     ("to exit", ("own", "summed"), "exit"),
 )
+# The one shot's LL way (no poller, so no "seen"): block 0 stamps "stored" after its stores
+# and "released" once its first unit's lines all say seq; the extra block hands off the ring
+# entries and flag words beside it ("handed"), and the kernel ends after both.
+STEPS_LL = (
+    ("launch gap", ("prev", "exit"), "enter"),
+    ("stores", ("own", "enter"), "stored"),
+    ("lines to reader", ("peers", "stored"), "released"),
+    ("sum", ("own", "released"), "summed"),
+    ("to exit", ("own", "summed"), "exit"),
+    ("hand-off block", ("own", "enter"), "handed"),
+    ("of it, its start", ("own", "enter"), "written"),
+)
 
 
 def steps(per_rank: list[dict[int, dict[str, int]]]) -> dict[str, list[float]]:
     """Every call's steps (ns) over every rank, by step name, from :func:`rows` of each
     rank (ranks sharing one GPU: one clock), plus "period" (enter to the next enter)."""
-    out: dict[str, list[float]] = {name: [] for name, _, _ in STEPS}
-    out["period"] = []
+    out: dict[str, list[float]] = {}
     for r, mine in enumerate(per_rank):
         for s, row in mine.items():
-            for name, (whose, a), b in STEPS:
+            table = STEPS_LL if "seen" not in row and "released" in row else STEPS
+            for name, (whose, a), b in table:
+                out.setdefault(name, [])
                 if b not in row:
                     continue
                 if whose == "own":
@@ -97,7 +110,7 @@ def steps(per_rank: list[dict[int, dict[str, int]]]) -> dict[str, list[float]]:
                     out[name].append(row[b] - t0)
             nxt = mine.get(s + 1, {}).get("enter")
             if nxt and "enter" in row:
-                out["period"].append(nxt - row["enter"])
+                out.setdefault("period", []).append(nxt - row["enter"])
     return out
 
 

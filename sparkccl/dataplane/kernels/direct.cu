@@ -50,8 +50,10 @@ struct PubArgs {
 // all-reduce's proxy path, whose entries then say chunk CHUNK_ALL: the proxy sends).
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
-                                         int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT) {
-  if (threadIdx.x == 0) TL_STAMP(state, seq, TL_STORED);
+                                         int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT,
+                                         bool after_stores = true) {
+  // (the LL way's hand-off block stored nothing: its "stored" is the data blocks')
+  if (threadIdx.x == 0 && after_stores) TL_STAMP(state, seq, TL_STORED);
   if (!last_block_arrives(counter, n)) return;
   TL_STAMP(state, seq, TL_WRITTEN);
   // One wait for ring room, for the last entry: it is room for every entry before it (the
