@@ -233,6 +233,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank "
        "send lines that carry their own flags (no fence, flag word or poller; the same "
        "bits); on only where every rank has it on (agreed at creation); 0: the flag-word way"),
+    _v("SPARKCCL_LAUNCH_EARLY", "bool", True, "data plane (CUDA)",
+       "sm_90 and later: the one-shot all-reduce's kernel is launched with programmatic "
+       "dependent launch, so it is resident while the kernel before it ends and waits for "
+       "it on the GPU (the launch gap between two such calls shrinks); 0: plain launches"),
     _v("SPARKCCL_DIRECT_MODE", "choice", "auto", "data plane (CUDA)",
        "GPU-direct engine: fused, split, ce, or auto (ce from SPARKCCL_CE_MIN_BYTES per rank)",
        choices=("auto", *DIRECT_ENGINES)),

@@ -68,22 +68,22 @@ class OneShotEngine(Engine):
                                 p.fin_gate.data_ptr() if in_place else 0)
         name, grid = KERNELS[dtype], npub + 1 + nb
         p.plans.plannable(direct=direct)  # one launch of constants and call pointers
-        p.launch_struct(stream, name, grid, THREADS, words)
+        p.launch_struct(stream, name, grid, THREADS, words, early=True)
         if direct:
             p.direct_launches += 1
         p.poison_if_failed(stream, dst, 0, 1, L)
         p.finish(ts, stream, advanced=True)
 
     def _run_ll(self, stream, *, S, L, call, src, dst, dtype, avg, table, ll) -> None:
-        """The LL way (kernels/allreduce.cu allreduce_ll): a 16-byte unit per thread, each
+        """The LL way (kernels/allreduce.cu allreduce_ll): an 8-byte line per thread, each
         block's units stored and then summed by its own threads, and one block more that
         hands the ring entries off (with ``table``'s flag words, where it is given)."""
         p = self.plane
-        nb = max(1, min(p.max_direct_wait_blocks, -(-L // (16 * THREADS))))
+        nb = max(1, min(p.max_direct_wait_blocks, -(-L // (8 * THREADS))))  # (8 bytes a thread)
         words = all_reduce_args(p, src, dst, L, S, avg, call, 0,
                                 0 if table is None else table.data_ptr(), 0, ll.data_ptr())
         p.plans.plannable(direct=True)
-        p.launch_struct(stream, KERNELS[dtype], nb + 1, THREADS, words)
+        p.launch_struct(stream, KERNELS[dtype], nb + 1, THREADS, words, early=True)
         p.direct_launches += 1
         p.ll_launches += 1
 

@@ -225,12 +225,13 @@ class CudaDataPlane(DataPlaneBase):
         self.plans.record(name, grid, block, args)
         self.gpu.launch_kernel(stream, name, grid, block, *plain(args))
 
-    def launch_struct(self, stream, name: str, grid: int, block: int, words: list) -> None:
+    def launch_struct(self, stream, name: str, grid: int, block: int, words: list,
+                      early: bool = False) -> None:
         """Launch kernel ``name`` whose one parameter is a protocol.h ``kargs`` struct
         (``words``: :func:`sparkccl.layout.pack_struct`'s); recorded as :meth:`launch`
         records, so a call pointer's patch sets the field at its byte offset."""
         self.plans.record(name, grid, block, tuple(words), by_value=True)
-        self.gpu.launch_struct(stream, name, grid, block, plain(words))
+        self.gpu.launch_struct(stream, name, grid, block, plain(words), early=early)
 
     def end(self, ts) -> None:
         self.issued(self.gpu.mark(ts), ts)

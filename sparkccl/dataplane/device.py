@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import config
 from . import nvrtc
 from .cuda_runtime import (check, check_available, device_view,
                            host_device_pointer, kernels_for, register_host, set_current,
@@ -104,11 +105,15 @@ class Device:
     def launch_kernel(self, stream, name: str, grid: int, block: int, *args) -> None:
         raise NotImplementedError
 
-    def launch_struct(self, stream, name: str, grid: int, block: int, words) -> None:
+    def launch_struct(self, stream, name: str, grid: int, block: int, words,
+                      early: bool = False) -> None:
         """Launch a kernel whose one parameter is a struct of u64 fields (``words``, in
         field order: e.g. protocol.h ``ProxyArgs``, ``AllReduceArgs``). A launch plan's parameter words are
-        contiguous, so a recorded struct launch replays unchanged. Default: the words as
-        the arguments (the emulation takes every launch's parameters as words)."""
+        contiguous, so a recorded struct launch replays unchanged. ``early``: the kernel
+        may start before the one before it on the stream ended (programmatic dependent
+        launch; the kernel waits for it first: common.cuh wait_previous_grid). Default:
+        the words as the arguments (the emulation takes every launch's parameters as
+        words, and runs launches one after another)."""
         self.launch_kernel(stream, name, grid, block, *words)
 
     def make_plan(self, rec):
@@ -192,7 +197,11 @@ class CudaDevice(Device):
         self.device = dev
         self._index = dev.index
         self.kernels = kernels_for(dev.index)
-        self.sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        props = torch.cuda.get_device_properties(dev)
+        self.sms = int(props.multi_processor_count)
+        # Programmatic dependent launch (launch_struct's early) needs sm_90 or later; the
+        # setting turns it off everywhere.
+        self.early_launch = (props.major >= 9 and bool(config.get("SPARKCCL_LAUNCH_EARLY")))
         # release_waits: made now, because after a failure nothing may wait on the GPU.
         self._release_src = torch.empty(2, dtype=torch.int64, pin_memory=True)
         self._release_stream = torch.cuda.Stream(dev)
@@ -290,7 +299,8 @@ class CudaDevice(Device):
         with torch.cuda.device(self.device):  # this device's primary context is current
             cc.launch(stream, cfg, self.kernels[name], *args)
 
-    def launch_struct(self, stream, name: str, grid: int, block: int, words) -> None:
+    def launch_struct(self, stream, name: str, grid: int, block: int, words,
+                      early: bool = False) -> None:
         # cuda.core takes scalars and pointers only: the driver call, with kernelParams[0]
         # pointing at the struct's bytes (the words, contiguous).
         from cuda.bindings import driver as drv
@@ -298,8 +308,19 @@ class CudaDevice(Device):
         params = np.array([buf.ctypes.data], dtype=np.uint64)
         with torch.cuda.device(self.device):
             fn = drv.CUfunction(self._function(name))
-            check("cuLaunchKernel", drv.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0,
-                                                       stream.handle, params.ctypes.data, 0))
+            if not (early and self.early_launch):
+                check("cuLaunchKernel", drv.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0,
+                                                           stream.handle, params.ctypes.data, 0))
+                return
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+            cfg.sharedMemBytes, cfg.hStream = 0, stream.handle
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs, cfg.numAttrs = [attr], 1
+            check("cuLaunchKernelEx", drv.cuLaunchKernelEx(cfg, fn, params.ctypes.data, 0))
 
     def make_plan(self, rec):
         with torch.cuda.device(self.device):

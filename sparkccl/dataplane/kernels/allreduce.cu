@@ -92,29 +92,33 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
 //
 // GPU-direct peers, every one of them mapped (a mesh on one host), and a vector of L bytes,
 // L x (world - 1) <= LL_MAX_BYTES (cuda.py ll_for): the data carries its own flags
-// (docs/PROTOCOL.md "One shot, LL"). Thread t takes 16-byte units u = t, t + T, ...: it loads
-// its units of src and stores each to every peer's LL area (slot seq % LL_SLOTS, block of this
-// rank) as two lines {4 data bytes, flag} x 2, flag = (u32)(seq + 1); then, unit by unit, it
-// reads every source's lines in its own area until all four flags say seq, and sums them with
-// its own unit in rank order (sum_sources, reduce_scatter.cu: the same bits as every other
-// regime). No fence, no flag word, no poller between the stores and the sum. Each unit is
-// read and written by one thread, so dst may be src (not a partial overlap: the host copies
-// src first then). The last block hands off the eight ring entries (chunk CHUNK_DIRECT: the
-// proxy posts nothing; the peers' checks of the call see them as for any collective) and the
-// AG flag words, as direct_publish would, off the path of the sum.
+// (docs/PROTOCOL.md "One shot, LL"). Line i of a source's block (16 bytes at 16 i) holds its
+// data bytes [8 i, 8 i + 8) as {4 data bytes, flag} x 2, flag = (u32)(seq + 1). Thread t takes
+// lines i = t, t + T, ...: it stores line i of src to every peer's LL area (slot seq %
+// LL_SLOTS, block of this rank), then reads line i of every source in its own area until
+// both flags say seq, and sums them with its own 8 bytes in rank order (sum_sources,
+// reduce_scatter.cu: the same bits as every other regime). A warp's stores and reads are then
+// 512 contiguous bytes each (a thread taking two lines 16 bytes apart made every store and
+// read half a sector's worth of PCIe transaction: twice as many of them). No fence, no flag
+// word, no poller between the stores and the sum. Each line is read and written by one
+// thread, so dst may be src (not a partial overlap: the host copies src first then). The
+// last block hands off the eight ring entries (chunk CHUNK_DIRECT: the proxy posts nothing;
+// the peers' checks of the call see them as for any collective) and the AG flag words, as
+// direct_publish would, off the path of the sum.
 
-// Unit u of src (bytes past L read as zero).
-__device__ __forceinline__ V16 ll_own_unit(const u8* src, u64 L, u64 u) {
-  const u64 off = 16 * u;
-  if (off + 16 <= L) return ld_any16(src + off, false);
-  u32 w[4] = {0, 0, 0, 0};
-  for (u64 k = off; k < L; ++k) w[(k - off) / 4] |= (u32)src[k] << (8 * ((k - off) % 4));
-  return V16{w[0], w[1], w[2], w[3]};
+// Data bytes [8 i, 8 i + 8) of src in the first two words (bytes past L read as zero).
+__device__ __forceinline__ V16 ll_own_line(const u8* src, u64 L, u64 i) {
+  const u64 off = 8 * i;
+  if (off + 8 <= L && (((u64)src + off) & 7) == 0) {
+    const u64 v = *(const u64*)(src + off);
+    return V16{(u32)v, (u32)(v >> 32), 0, 0};
+  }
+  u32 w[2] = {0, 0};
+  for (u64 k = off; k < L && k < off + 8; ++k) w[(k - off) / 4] |= (u32)src[k] << (8 * ((k - off) % 4));
+  return V16{w[0], w[1], 0, 0};
 }
 
-__device__ __forceinline__ bool ll_complete(V16 lo, V16 hi, u32 f) {
-  return lo.y == f && lo.w == f && hi.y == f && hi.w == f;
-}
+__device__ __forceinline__ bool ll_complete(V16 line, u32 f) { return line.y == f && line.w == f; }
 
 template <class E>
 __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
@@ -124,7 +128,7 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
     if (!plane_failed(state))
       hand_off((u32*)a.counters + (w.seq % COUNTER_SETS) * PIECES + PIECES - 1, 1,
                (const u64*)a.dtab, (u8*)a.ring, state, state_word(state, STATE_RING), w.seq,
-               a.S, a.call, 0, PIECES - 1);
+               a.S, a.call, 0, PIECES - 1, (u32)CHUNK_DIRECT, false);
     return;
   }
   if (plane_failed(state)) {  // publish nothing; the first thread records why (as a poller)
@@ -135,32 +139,29 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
   u8* dst = (u8*)a.dst;
   const u32 f = (u32)(w.seq + 1);
   const u64 slot = (w.seq % LL_SLOTS) * (u64)w.world * LL_SOURCE_BYTES;
-  const u64 units = (a.L + 15) / 16;
+  const u64 lines = (a.L + 7) / 8;
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)nb * blockDim.x;
-  for (u64 u = tid; u < units; u += nthreads) {
-    const V16 v = ll_own_unit(src, a.L, u);
+  for (u64 i = tid; i < lines; i += nthreads) {
+    const V16 v = ll_own_line(src, a.L, i);
     for (int d = 0; d < w.world; ++d) {
       if (d == w.rank) continue;
-      u8* to = (u8*)ll[d] + slot + (u64)w.rank * LL_SOURCE_BYTES + 32 * u;
-      st_ll16(to, V16{v.x, f, v.y, f});
-      st_ll16(to + 16, V16{v.z, f, v.w, f});
+      st_ll16((u8*)ll[d] + slot + (u64)w.rank * LL_SOURCE_BYTES + 16 * i, V16{v.x, f, v.y, f});
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_STORED);
   const u8* mine = (const u8*)ll[w.rank] + slot;
   const u64 t0 = globaltimer();
-  for (u64 u = tid; u < units; u += nthreads) {
-    V16 lo[BATCH], hi[BATCH];  // (LL needs world <= BATCH; ~f: no line read yet)
+  for (u64 i = tid; i < lines; i += nthreads) {
+    V16 line[BATCH];  // (LL needs world <= BATCH; ~f: not read yet)
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) lo[i] = hi[i] = V16{0, ~f, 0, ~f};
-    for (u32 spins = 1;; ++spins) {  // every source's lines read together, again while short
+    for (int s = 0; s < BATCH; ++s) line[s] = V16{0, ~f, 0, ~f};
+    for (u32 spins = 1;; ++spins) {  // every source's line read together, again while short
       int short_at = -1;
 #pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        if (i < w.world && i != w.rank && !ll_complete(lo[i], hi[i], f)) {
-          lo[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u);
-          hi[i] = ld_ll16(mine + (u64)i * LL_SOURCE_BYTES + 32 * u + 16);
-          if (!ll_complete(lo[i], hi[i], f)) short_at = i;
+      for (int s = 0; s < BATCH; ++s) {
+        if (s < w.world && s != w.rank && !ll_complete(line[s], f)) {
+          line[s] = ld_ll16(mine + (u64)s * LL_SOURCE_BYTES + 16 * i);
+          if (!ll_complete(line[s], f)) short_at = s;
         }
       }
       if (short_at < 0) break;
@@ -170,26 +171,28 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
       if (!still_waiting(w, spins, t0, (u64)short_at, word < 0 ? NO_WORD : (u64)word, PIECES - 1))
         return;
     }
-    if (u == 0) TL_STAMP(state, w.seq, TL_RELEASED);
-    V16 v[BATCH];  // (the data halves of each source's lines, this rank's own unit at rank)
+    if (i == 0) TL_STAMP(state, w.seq, TL_RELEASED);
+    V16 v[BATCH];  // (each source's data words, this rank's own at rank; the upper 8 bytes 0)
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i)
-      if (i < w.world)
-        v[i] = i == w.rank ? ll_own_unit(src, a.L, u) : V16{lo[i].x, lo[i].z, hi[i].x, hi[i].z};
+    for (int s = 0; s < BATCH; ++s)
+      if (s < w.world)
+        v[s] = s == w.rank ? ll_own_line(src, a.L, i) : V16{line[s].x, line[s].z, 0, 0};
     const V16 r = sum_sources<E>(v, w.world, a.avg != 0);
-    const u64 off = 16 * u;
-    if (off + 16 <= a.L) {
-      st_any16(dst + off, r);
+    const u64 off = 8 * i;
+    if (off + 8 <= a.L && (((u64)dst + off) & 7) == 0) {
+      *(u64*)(dst + off) = (u64)r.x | (u64)r.y << 32;
     } else {
-      const u32 rw[4] = {r.x, r.y, r.z, r.w};
-      for (u64 k = off; k < a.L; ++k) dst[k] = (u8)(rw[(k - off) / 4] >> (8 * ((k - off) % 4)));
+      const u32 rw[2] = {r.x, r.y};
+      for (u64 k = off; k < a.L && k < off + 8; ++k) dst[k] = (u8)(rw[(k - off) / 4] >> (8 * ((k - off) % 4)));
     }
-    if (u == 0) TL_STAMP(state, w.seq, TL_SUMMED);
+    if (i == 0) TL_STAMP(state, w.seq, TL_SUMMED);
   }
 }
 
 template <class E>
 __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
+  wait_previous_grid();  // (launched early where the plane says so: allreduce_engine.py)
+  let_next_grid_start();
   const WaitParams* wp = (const WaitParams*)a.wp;
   WAIT_ARGS_INIT
   if (a.ll) {

@@ -94,6 +94,20 @@ __device__ __forceinline__ u64 globaltimer() {
   return t;
 }
 __device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+// Programmatic dependent launch (sm_90 and later; a no-op before, and for a launch made
+// without the attribute): a kernel launched with it may start while the kernel before it
+// on the stream still runs, so it waits here, every thread, before it reads anything that
+// kernel wrote (the device state first of all); then it lets the next such launch start.
+__device__ __forceinline__ void wait_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_grid_start() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 struct V16 {
   u32 x, y, z, w;
