@@ -124,11 +124,10 @@ template <class E>
 __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
   const u64* ll = (const u64*)a.ll;
   const u32 nb = gridDim.x - 1;  // (the last block hands off)
-  if (blockIdx.x == nb) {
-    if (!plane_failed(state))
-      hand_off((u32*)a.counters + (w.seq % COUNTER_SETS) * PIECES + PIECES - 1, 1,
-               (const u64*)a.dtab, (u8*)a.ring, state, state_word(state, STATE_RING), w.seq,
-               a.S, a.call, 0, PIECES - 1, (u32)CHUNK_DIRECT, false);
+  if (blockIdx.x == nb) {  // (one thread: it orders nothing of its block's, so no arrival)
+    if (threadIdx.x == 0 && !plane_failed(state))
+      hand_off_entries((const u64*)a.dtab, (u8*)a.ring, state, state_word(state, STATE_RING),
+                       w.seq, a.S, a.call, 0, PIECES - 1, (u32)CHUNK_DIRECT);
     return;
   }
   if (plane_failed(state)) {  // publish nothing; the first thread records why (as a poller)

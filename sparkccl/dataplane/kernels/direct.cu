@@ -48,13 +48,9 @@ struct PubArgs {
 // own release, took four such waits per piece.) dtab: the direct table, or null where
 // nothing goes to the peers (a failed data plane: sccl_finalize_direct; the one-shot
 // all-reduce's proxy path, whose entries then say chunk CHUNK_ALL: the proxy sends).
-__device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
-                                         u64* state, u64 first_index, u64 seq, u64 S, u64 call,
-                                         int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT,
-                                         bool after_stores = true) {
-  // (the LL way's hand-off block stored nothing: its "stored" is the data blocks')
-  if (threadIdx.x == 0 && after_stores) TL_STAMP(state, seq, TL_STORED);
-  if (!last_block_arrives(counter, n)) return;
+__device__ __forceinline__ void hand_off_entries(const u64* dtab, u8* ring, u64* state,
+                                                 u64 first_index, u64 seq, u64 S, u64 call,
+                                                 int c0, int c1, u32 chunk) {
   TL_STAMP(state, seq, TL_WRITTEN);
   // One wait for ring room, for the last entry: it is room for every entry before it (the
   // proxy's tail only grows; each wait was an acquire, ~0.4 us apiece, one after another).
@@ -74,6 +70,13 @@ __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u
   for (int c = c0; c <= c1 && room; ++c)
     st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
   TL_STAMP(state, seq, TL_HANDED);
+}
+__device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
+                                         u64* state, u64 first_index, u64 seq, u64 S, u64 call,
+                                         int c0, int c1, u32 chunk = (u32)CHUNK_DIRECT) {
+  if (threadIdx.x == 0) TL_STAMP(state, seq, TL_STORED);
+  if (!last_block_arrives(counter, n)) return;
+  hand_off_entries(dtab, ring, state, first_index, seq, S, call, c0, c1, chunk);
 }
 
 __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,
