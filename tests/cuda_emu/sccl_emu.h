@@ -38,6 +38,8 @@ inline u64 ld_acquire_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQ
 inline u64 ld_relaxed_sys(const u64* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline u64 ld_acquire_gpu(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void st_release_gpu(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void red_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+inline u32 ld_acquire_gpu32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void st_release_sys(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 inline void st_relaxed_sys(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline void st_volatile_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }

@@ -124,12 +124,35 @@ template <class E>
 __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* state) {
   const u64* ll = (const u64*)a.ll;
   const u32 nb = gridDim.x - 1;  // (the last block hands off)
-  if (blockIdx.x == nb) {  // (one thread: it orders nothing of its block's, so no arrival)
-    if (threadIdx.x == 0 && !plane_failed(state))
-      hand_off_entries((const u64*)a.dtab, (u8*)a.ring, state, state_word(state, STATE_RING),
+  // The next collective's state is written as soon as every block has read this one's (its
+  // seq, and the hand-off block its ring index), not by the last block to finish: that
+  // took a fence and a count behind the sum. Each data block counts itself in once its
+  // threads read the state; the hand-off block waits for all of them (blocks of this
+  // launch, all resident) and advances it. Nothing here reads the state's seq or ring
+  // again. (The LL way does not use the hand-off counters: this seq's set counts blocks.)
+  u32* const read = (u32*)a.counters + (w.seq % COUNTER_SETS) * PIECES;
+  if (blockIdx.x == nb) {
+    const u64 first = state_word(state, STATE_RING);
+    __syncthreads();  // (every thread read the state before it moves on)
+    if (threadIdx.x == 0 && !plane_failed(state)) {  // (one thread: nothing of its block's
+      hand_off_entries((const u64*)a.dtab, (u8*)a.ring, state, first,  // to order first)
                        w.seq, a.S, a.call, 0, PIECES - 1, (u32)CHUNK_DIRECT);
+      TL_STAMP(state, w.seq, TL_EXIT);  // (whichever of the two threads ends last stamps last)
+    }
+    if (threadIdx.x == (blockDim.x > 1 ? 1u : 0u)) {
+      const u64 t0 = globaltimer();
+      // (a failed collective may have left a count behind: on a failed plane nothing is
+      // published, so the advance need not wait; seq still moves on as the host expects)
+      for (u32 spins = 1; ld_acquire_gpu32(read) < nb && !plane_failed(state); ++spins)
+        if (!still_waiting(w, spins, t0, (u64)w.rank, NO_WORD, PIECES - 1)) return;
+      st_volatile_u32(read, 0);  // (ready for seq + COUNTER_SETS)
+      advance_state(state, PIECES, 0);
+      TL_STAMP(state, w.seq, TL_EXIT);
+    }
     return;
   }
+  __syncthreads();  // every thread of the block read the state (WAIT_ARGS_INIT)
+  if (threadIdx.x == 0) red_release_gpu(read, 1);
   if (plane_failed(state)) {  // publish nothing; the first thread records why (as a poller)
     if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
     return;
@@ -186,6 +209,10 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
     }
     if (i == 0) TL_STAMP(state, w.seq, TL_SUMMED);
   }
+#ifdef SCCL_TIMELINE  // (the block that ends last stamps last; a measurement build only)
+  __syncthreads();
+  if (threadIdx.x == 0) TL_STAMP(state, w.seq, TL_EXIT);
+#endif
 }
 
 template <class E>
@@ -196,8 +223,7 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
   WAIT_ARGS_INIT
   if (a.ll) {
     if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
-    allreduce_ll<E>(a, w, state);
-    last_block_advances(state, PIECES, 0);
+    allreduce_ll<E>(a, w, state);  // (it advances the state itself)
     return;
   }
   const u32 npub = (u32)a.npub;
