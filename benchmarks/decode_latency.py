@@ -130,8 +130,12 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
                                world_size=world, device=dev, timeout_s=120) as comm:
         row0["flag rtt"] = _flag_rtt(comm, max(50, iters))
         # What a replayed graph spends per kernel with nothing to wait for: the launch part
-        # of every replayed all-reduce (a one-element add, per_graph of them per replay).
+        # of every replayed all-reduce (a one-element add, per_graph of them per replay),
+        # every rank at once (an all-reduce before it lines them up: a peer still spinning
+        # in its flag probe took 20-35 us per add from this one).
         tiny = torch.zeros(1, device=dev)
+        comm.all_reduce(tiny)
+        sync()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(per_graph):
