@@ -28,9 +28,7 @@ The floor is the mechanism's: ``flag rtt`` (GPU-direct: the GPU stores into the 
 memory and the peer's GPU sees it, a flag each way at the least) or ``flag rtt + write`` (the
 proxy path: the GPU's entry seen by the host, the host's copy, its flag seen by the GPU); the
 table prints each replayed all-reduce's ratio to it (issue bar: <= 2) and the before/after
-ratio. Beside the floor, what a replayed graph takes per kernel that waits for nothing (a
-one-element add, ``--per-graph`` of them a replay): the launch share of every replayed call.
-Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
+ratio. Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
 bit against the rank-order reference once, before timing.
 """
 from __future__ import annotations
@@ -129,19 +127,6 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
     with sparkccl.Communicator(store=dist.PrefixStore("gpu", store), rank=rank,
                                world_size=world, device=dev, timeout_s=120) as comm:
         row0["flag rtt"] = _flag_rtt(comm, max(50, iters))
-        # What a replayed graph spends per kernel with nothing to wait for: the launch part
-        # of every replayed all-reduce (a one-element add, per_graph of them per replay),
-        # every rank at once (an all-reduce before it lines them up: a peer still spinning
-        # in its flag probe took 20-35 us per add from this one).
-        tiny = torch.zeros(1, device=dev)
-        comm.all_reduce(tiny)
-        sync()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(per_graph):
-                tiny.add_(1)
-        row0["kernel"] = p50(g.replay, max(5, iters // per_graph)) / per_graph
-        del g
         for size in sizes:
             n = size // 2
             xs = [make_input(size, r, (n,), torch.bfloat16) for r in range(world)]
@@ -215,12 +200,10 @@ def main() -> None:
         res = check(run_ranks(_job, a.world, args=(sizes, a.iters, a.per_graph, a.timeline),
                               env=env, timeout_s=1200))
         rtt = max(r[0]["flag rtt"] for r in res)
-        kernel = max(r[0]["kernel"] for r in res)
         print(f"# decode all-reduce, cuda world {a.world} mesh, {path}, bf16; p50 per call "
               f"(us, slowest rank); {a.iters} eager calls, replays of {a.per_graph} calls")
         print(f"# floor: flag rtt {rtt * 1e6:.1f} us"
-              + (" + the host's copy of the vector (write)" if key == "proxy" else "")
-              + f"; a replayed graph's kernel with no wait (a one-element add): {kernel * 1e6:.1f} us")
+              + (" + the host's copy of the vector (write)" if key == "proxy" else ""))
         keys = ["ar graph", "ar", "ar b2b", "ag+sum graph", "ag+sum"]
         print("bytes/rank " + " ".join(f"{k:>13}" for k in keys)
               + "  write  floor  graph/floor  before/after(graph)")
