@@ -22,7 +22,8 @@
 // state's STATE_GATE + npub, which the last block then advances by npub: the finalize's gate
 // words and rule, kernels/finalize.cu, so both keep one count).
 //
-// The last block to finish advances the device state (seq + 1, ring + PIECES), so a captured
+// The last block to finish advances the device state (seq + 1, ring + PIECES; the LL way as
+// soon as every block read it, allreduce_ll), so a captured
 // all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
 //
 // Small vectors between GPU-direct peers of a mesh take the LL way instead (a.ll != 0,
