@@ -506,3 +506,35 @@ def test_communicator_all_reduce_eager_fast_path(backend, direct, monkeypatch):
                     c.all_reduce(kw.pop("x", x), kw.pop("op", "sum"), **kw)
         assert (c.seq, w.dps[0].plans.stats["hits"]) == seqs
         w.healthy()
+
+
+@pytest.mark.parametrize("direct", WAYS, ids=WAY_IDS)
+def test_one_shot_kernel_asks_for_the_early_launch(direct, monkeypatch):
+    """The one shot's kernel, and no other, is launched with launch_struct(early=True) (the
+    device seam then uses programmatic dependent launch where it can: sm_90+ and
+    SPARKCCL_LAUNCH_EARLY; the kernel waits for the grid before it first thing, common.cuh
+    wait_previous_grid); the result stays exact."""
+    from test_cuda_dataplane import check_ag
+
+    from sparkccl.dataplane.device import Device
+    asked = []
+    plain = Device.launch_struct
+
+    def spy(self, stream, name, grid, block, words, early=False):
+        asked.append((name, early))
+        plain(self, stream, name, grid, block, words, early)
+
+    monkeypatch.setattr(Device, "launch_struct", spy)
+    with world_of("emu", "mesh", 2, 2, max_slice=1 << 14, direct=direct) as w:
+        xs = inputs(901, 2, (1000,), torch.bfloat16)
+        outs = all_reduce(w, xs, "sum")
+        ys = inputs(902, 2, (1000,), torch.bfloat16)
+        gathered = w.all_gather(ys)  # (another collective: launched plainly)
+        w.sync()
+        check(w, xs, "sum", outs)
+        check_ag(w, ys, gathered)
+        w.healthy()
+    ar = {e for n, e in asked if n.startswith("sccl_allreduce_")}
+    others = {e for n, e in asked if not n.startswith("sccl_allreduce_")}
+    assert ar == {True}, asked
+    assert others == {False}, asked
