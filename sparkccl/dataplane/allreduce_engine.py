@@ -76,8 +76,9 @@ class OneShotEngine(Engine):
 
     def _run_ll(self, stream, *, S, L, call, src, dst, dtype, avg, table, ll) -> None:
         """The LL way (kernels/allreduce.cu allreduce_ll): an 8-byte line per thread, each
-        block's units stored and then summed by its own threads, and one block more that
-        hands the ring entries off (with ``table``'s flag words, where it is given)."""
+        block's lines stored and then summed by its own threads, and one block more that
+        hands the ring entries off (with ``table``'s flag words, where it is given) and
+        advances the device state."""
         p = self.plane
         nb = max(1, min(p.max_direct_wait_blocks, -(-L // (8 * THREADS))))  # (8 bytes a thread)
         words = all_reduce_args(p, src, dst, L, S, avg, call, 0,

@@ -74,8 +74,9 @@ STEPS = (
     ("to exit", ("own", "summed"), "exit"),
 )
 # The one shot's LL way (no poller, so no "seen"): block 0 stamps "stored" after its stores
-# and "released" once its first unit's lines all say seq; the extra block hands off the ring
-# entries and flag words beside it ("handed"), and the kernel ends after both.
+# and "released" once every source's first line says seq; the extra block hands off the ring
+# entries and flag words beside it ("written" as it starts, "handed"), and the kernel ends
+# after both.
 STEPS_LL = (
     ("launch gap", ("prev", "exit"), "enter"),
     ("stores", ("own", "enter"), "stored"),

@@ -142,10 +142,11 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
     }
     if (threadIdx.x == (blockDim.x > 1 ? 1u : 0u)) {
       const u64 t0 = globaltimer();
-      // (a failed collective may have left a count behind: on a failed plane nothing is
-      // published, so the advance need not wait; seq still moves on as the host expects)
+      // (a failed collective may have left a count behind, and a failed wait here fails the
+      // plane: on a failed plane nothing is published, so the advance need not wait; seq
+      // still moves on as the host expects, as it does for every collective)
       for (u32 spins = 1; ld_acquire_gpu32(read) < nb && !plane_failed(state); ++spins)
-        if (!still_waiting(w, spins, t0, (u64)w.rank, NO_WORD, PIECES - 1)) return;
+        if (!still_waiting(w, spins, t0, (u64)w.rank, NO_WORD, PIECES - 1)) break;
       st_volatile_u32(read, 0);  // (ready for seq + COUNTER_SETS)
       advance_state(state, PIECES, 0);
       TL_STAMP(state, w.seq, TL_EXIT);

@@ -80,8 +80,6 @@ __device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-// After a __threadfence_system() by the same thread: the fence orders every earlier write
-// (this block's, through __syncthreads, and other blocks', through the counters) before it.
 // A count that another block of the same launch waits for (fire and forget: the adding
 // thread does not wait for the old value), and that block's read of it.
 __device__ __forceinline__ void red_release_gpu(u32* p, u32 v) {
@@ -92,6 +90,8 @@ __device__ __forceinline__ u32 ld_acquire_gpu32(const u32* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// After a __threadfence_system() by the same thread: the fence orders every earlier write
+// (this block's, through __syncthreads, and other blocks', through the counters) before it.
 __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
