@@ -17,6 +17,9 @@
 #   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
 #          world 2 and 4 (DECODE_WORLDS; DECODE_ARGS: more arguments) under MPS (GPU-direct and proxy path beside their floors), and the
 #          proxy's publish -> post figures at 8 and 64 KiB (SPARKCCL_GPU_STAMPS)
+#   decode_ab  the one-shot all-reduce, BASE against this tree in one call (kernels compiled
+#          first, then interleaved runs of decode_latency.py, world 2, 8 KiB: DECODE_AB_MAX,
+#          DECODE_AB_PATHS; AB_ROUNDS)
 # DECODE_TESTS=0: the decode stage without its tests (tests2 holds them); DECODE_PROXY_SIZES="":
 # without the proxy's figures; AB_ROUNDS, AB_MAX: the
 # A/B's rounds (2) and largest size (64M).
@@ -110,6 +113,22 @@ for s in $STAGES; do
         SPARKCCL_GPU_STAMPS=1 SPARKCCL_GPU_DIRECT=0 timeout 120 python3 -m sparkccl.cli bench \
           --device cuda --world 2 --no-baseline --iters 200 --min-bytes $n --max-bytes $n 2>&1
       done | tee "$OUT/decode_proxy_latency.txt"
+      mps_off ;;
+    decode_ab)  # BASE against this tree, one device call (machines lent differ: an A/B only holds
+      # within one): both trees' kernels compiled first, side by side, then interleaved runs
+      [ -n "$BASE" ] || { echo "decode_ab needs BASE"; continue; }
+      for root in "$PWD/$BASE" "$PWD"; do
+        (cd "$root" && PYTHONPATH=$root python3 -c "import torch; from sparkccl.dataplane import \
+nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/dev/null 2>&1) &
+      done; wait
+      mps_on
+      for round in $(seq ${AB_ROUNDS:-2}); do for t in base tree; do
+        root=$PWD; [ $t = base ] && root=$PWD/$BASE
+        stage "decode $t round $round"
+        (cd "$root" && PYTHONPATH=$root timeout 60 python3 benchmarks/decode_latency.py --world 2 \
+           --max-bytes ${DECODE_AB_MAX:-8192} --iters 200 --paths ${DECODE_AB_PATHS:-direct,proxy} 2>&1 \
+           | grep -A2 "^# floor\|^bytes")
+      done; done | tee "$OUT/decode_ab.txt"
       mps_off ;;
     epht)
       mps_on
