@@ -22,7 +22,9 @@ sends LL lines, which carry their own flags), GPU-direct with flag words only
 ``--timeline`` (SPARKCCL_GPU_TIMELINE: kernels built with step stamps, so run it apart from
 the figures above) adds, per size, where a replayed one-shot call's time goes on the GPU
 clock (sparkccl/dataplane/timeline.py): launch gap, publish, hand-off, flag to the peer's
-poller, poller to consumer, sum, exit; p50 and p90 over every rank's calls of one replay.
+poller, poller to consumer, sum, exit (the LL way: launch gap, stores, lines to the reader,
+sum, exit, and its hand-off block beside them); p50 and p90 over every rank's calls of one
+replay.
 
 The floor is the mechanism's: ``flag rtt`` (GPU-direct: the GPU stores into the peer's
 memory and the peer's GPU sees it, a flag each way at the least) or ``flag rtt + write`` (the
