@@ -195,9 +195,9 @@ def test_all_to_all_launches_the_all_gathers_consumer(mode):
         for dp in w.dps:
             orig = dp.gpu.launch_struct
 
-            def spy(stream, name, grid, block, words, orig=orig):
+            def spy(stream, name, grid, block, words, early=False, orig=orig):
                 launched.append(name)
-                return orig(stream, name, grid, block, words)
+                return orig(stream, name, grid, block, words, early)
             dp.gpu.launch_struct = spy
         xs = inputs(1, world, (world * 40,), torch.int64)
         outs = all_to_all(w, xs)
