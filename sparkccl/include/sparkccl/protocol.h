@@ -276,7 +276,9 @@ SCCL_HOST_DEVICE constexpr Range part_range(Range r, unsigned root, unsigned roo
 // most L. Every clip (the publish copy, the proxy's writes, the copy-out) cuts a part's
 // range at this instead of at L, so the bytes past it never travel.
 SCCL_HOST_DEVICE constexpr pu64 sized_bytes(pu64 h, pu64 L) {
-  return h >= L ? L : (round_up(h < 8 ? 8 : h, ALIGN) < L ? round_up(h < 8 ? 8 : h, ALIGN) : L);
+  if (h >= L) return L;  // (also keeps the rounding below from wrapping)
+  const pu64 n = round_up(h < 8 ? 8 : h, ALIGN);
+  return n < L ? n : L;
 }
 
 SCCL_HOST_DEVICE constexpr pu64 flag_value(pu64 seq, int piece) {
