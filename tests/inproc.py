@@ -95,6 +95,53 @@ class ProxyWorld:
             assert N.abort_code(self.ctl[r].addr) == 0, N.error_text(self.ctl[r].addr)
 
 
+def ll_area(ctl: Ctl, world: int) -> np.ndarray:
+    """A rank's LL area as u64 words (the lines' halves)."""
+    at, n = L.ll_area(num_flag_words(world))
+    return ctl.buf.a[at:at + n].view(np.uint64)
+
+
+def ll_block(world: int, seq: int, source: int) -> int:
+    """The first word of source's block of collective seq in an LL area."""
+    return ((seq % L.LL_SLOTS) * world + source) * L.LL_SOURCE_BYTES // 8
+
+
+def run_ll(w: ProxyWorld, slice_: int, seq=None, *, late: bool = False):
+    """One collective of LL lines through the proxies (chunk CHUNK_LL, docs/PROTOCOL.md "One
+    shot, LL, through the proxy"): each rank's lines of slice_ data bytes (a multiple of 16)
+    in its own LL block, every piece published; then every peer's LL area holds them at the
+    same place, and every flag of the seq arrived. ``late``: the entries first, the lines
+    after (the proxy waits for their flags)."""
+    seq = w.seq if seq is None else seq
+    W, n = w.world, slice_ // 4
+    lines = {}
+    for r in range(W):
+        data = pattern(seq, r, 0, slice_).view(np.uint32).astype(np.uint64)
+        lines[r] = data | np.uint64((seq + 1) & 0xFFFFFFFF) << np.uint64(32)
+    w.slices[seq] = (slice_, 16)
+
+    def write_lines():
+        for r in range(W):
+            at = ll_block(W, seq, r)
+            ll_area(w.ctl[r], W)[at:at + n] = lines[r]
+
+    if not late:
+        write_lines()
+    for r in range(W):
+        assert N.publish_range(w.ctl[r].addr, int(Op.AG), seq, 0, G.PIECES - 1, L.CHUNK_LL,
+                               slice_, 16, 5.0) == 0
+    if late:
+        write_lines()
+    w.wait_all(Op.AG, seq)
+    for r in range(W):
+        for b in range(W):
+            if b != r:
+                at = ll_block(W, seq, b)
+                got = ll_area(w.ctl[r], W)[at:at + n]
+                assert np.array_equal(got, lines[b]), ("LL", r, b, slice_, seq)
+    w.seq = seq + 1
+
+
 def pattern(seq, origin, chunk, n):
     return np.random.default_rng([seq, origin, chunk, n]).integers(0, 256, n, dtype=np.uint8)
 

@@ -74,16 +74,19 @@ def check(w: World, xs, op: str, outs, what: str = "") -> None:
 
 
 # (topology, world, roots, way): mesh and ring at world 2 and 3, every way: the proxy path
-# (False), GPU-direct with flag words (True), GPU-direct with LL lines ("ll": a mesh).
+# (False), GPU-direct with flag words (True), GPU-direct with LL lines ("ll": a mesh), LL
+# lines through the proxy ("llp": a mesh).
 CASES = [("mesh", 2, 2, False), ("mesh", 2, 2, True), ("mesh", 3, 1, True),
-         ("ring", 3, 2, False), ("ring", 3, 2, True), ("mesh", 2, 2, "ll"), ("mesh", 3, 1, "ll")]
-WAYS = [False, True, "ll"]
-WAY_IDS = ["proxy", "direct", "ll"]
+         ("ring", 3, 2, False), ("ring", 3, 2, True), ("mesh", 2, 2, "ll"), ("mesh", 3, 1, "ll"),
+         ("mesh", 2, 2, "llp"), ("mesh", 3, 2, "llp")]
+WAYS = [False, True, "ll", "llp"]
+WAY_IDS = ["proxy", "direct", "ll", "llp"]
 
 
 def world_of(backend, topology, world, roots=2, *, direct, **kw) -> World:
     """The in-process World for a way of CASES / WAYS."""
-    return World(backend, topology, world, roots, direct=bool(direct), ll=direct == "ll", **kw)
+    return World(backend, topology, world, roots, direct=direct in (True, "ll"),
+                 ll=direct in ("ll", "llp"), **kw)
 
 
 SHAPES = [(1,), (17,), (129, 7), (1000,)]
@@ -125,15 +128,16 @@ def test_one_shot_exact(backend, topology, world, roots, direct):
         outs = all_reduce(w, xs, "sum")
         w.sync()
         check(w, xs, "sum", outs, "above one hand-off")
-        assert all(dp.direct_launches > 0 for dp in w.dps) == bool(direct)
-        assert all(dp.ll_launches > 0 for dp in w.dps) == (direct == "ll")
+        assert all(dp.direct_launches > 0 for dp in w.dps) == (direct in (True, "ll"))
+        assert all(dp.ll_launches > 0 for dp in w.dps) == (direct in ("ll", "llp"))
         w.healthy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("topology,world,roots,direct", [("mesh", 2, 2, True),
                                                          ("ring", 3, 2, False),
-                                                         ("mesh", 3, 2, "ll")])
+                                                         ("mesh", 3, 2, "ll"),
+                                                         ("mesh", 2, 2, "llp")])
 def test_one_shot_capture_and_replay(backend, topology, world, roots, direct):
     """One-shot all-reduces (every dtype, both ops, one in place) captured once per rank
     and replayed with fresh inputs written into the captured tensors, an eager all-reduce
@@ -310,14 +314,14 @@ def test_one_shot_timeline_stamps_every_step_in_order(direct, monkeypatch):
     from sparkccl.dataplane import timeline as T
     monkeypatch.setenv("SPARKCCL_GPU_TIMELINE", "1")
     calls = 6
-    ll = direct == "ll"
+    ll = direct in ("ll", "llp")
     points = [p for p in T.POINTS if not (ll and p == "seen")]
     chains = ((("enter", "stored", "released", "summed", "exit"),
                ("written", "handed", "exit")) if ll else
               (("enter", "stored", "written", "handed", "exit"),
                ("seen", "released", "summed", "exit")))
     table = T.STEPS_LL if ll else T.STEPS
-    with World("emu", "mesh", 2, 2, max_slice=1 << 14, direct=bool(direct), ll=ll) as w:
+    with world_of("emu", "mesh", 2, 2, max_slice=1 << 14, direct=direct) as w:
         first = w.seq
         pending = []
         for k in range(calls):

@@ -416,8 +416,9 @@ class Buf:
 class World:
     """W ranks: control block, AG region, RS region (send then recv), Proxy, data plane.
     ``direct``: GPU-direct (the data planes write the peers' regions and flags themselves
-    and the proxies keep only the relays, as a CUDA + shm Communicator does); ``ll`` with
-    it: the one-shot all-reduce's LL way (CudaDataPlane.enable_ll). ``on_failure``:
+    and the proxies keep only the relays, as a CUDA + shm Communicator does); ``ll``: the
+    one-shot all-reduce's LL way (CudaDataPlane.enable_ll), GPU-direct with ``direct``,
+    else through the proxies (a mesh). ``on_failure``:
     "poison" by default, since a
     fail-stop trap would lose the CUDA context of this (the test) process; "stop" with mode
     "ce", which mode poison runs as "fused" (engine_choice.Engines.choose)."""
@@ -484,6 +485,9 @@ class World:
                                     self.send_bytes)
                     if ll:  # (the wiring's choice where every peer is mapped: a mesh)
                         dp.enable_ll()
+            elif ll:  # (the wiring's choice on the proxy path of a mesh)
+                for dp in self.dps:
+                    dp.enable_ll(through_proxy=True)
         except BaseException:
             self.close()
             raise

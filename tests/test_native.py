@@ -20,7 +20,8 @@ from sparkccl.plan.model import Op, Region, num_flag_words
 
 import sparkccl._native as N  # noqa: E402 - the native layer is not optional: no skip
 # (tests/ is on sys.path under pytest)
-from inproc import PID, SLOTS, Ctl, ProxyWorld, pattern, run_ag, run_rs, shm_proxy  # noqa: E402
+from inproc import (PID, SLOTS, Ctl, ProxyWorld, pattern, run_ag, run_ll, run_rs,  # noqa: E402
+                    shm_proxy)
 from membuf import wait_abort  # noqa: E402
 
 # ---------------------------------------------------------------- layout and geometry
@@ -256,6 +257,40 @@ def test_end_to_end(topology, world, roots):
         w.check_healthy()
         st = w.proxies[0].stats()
         assert st["entries"] == 8 * w.seq and st["flags"] > 0 and st["writes"] > 0
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("world,roots", [(2, 1), (2, 2), (3, 2), (8, 1)])
+def test_ll_lines_through_the_proxy(world, roots):
+    """Entries of chunk CHUNK_LL on a mesh: each proxy posts its rank's LL lines into every
+    peer's LL area (Transport::put_lines, each root's part of them where there are two),
+    once every line carries the seq's flag (also when the entries come first), then the
+    flags; every LL slot in turn, between all-gathers of the same op."""
+    w = World("mesh", world, roots, 8192)
+    w.start()
+    try:
+        for k, slice_ in enumerate([16, 1008, 8192, 64, 4096, 32]):
+            run_ll(w, slice_, late=k % 2 == 1)
+            if k == 2:
+                run_ag(w, 1000)
+        w.check_healthy()
+        st = w.proxies[0].stats()
+        assert st["flags"] > 0 and st["writes"] >= 6 * (world - 1)
+    finally:
+        w.stop()
+
+
+def test_ll_lines_refused_where_a_stream_relays():
+    """A ring of 4 relays: CHUNK_LL entries there are a protocol error, named."""
+    w = World("ring", 4, 1, 4096)
+    w.start()
+    try:
+        assert N.publish_range(w.ctl[0].addr, int(Op.AG), 0, 0, G.PIECES - 1, L.CHUNK_LL, 64,
+                               16, 5.0) == 0
+        code, text = wait_abort(w.ctl[0].addr, 5.0)
+        assert code == L.ABORT_TRANSPORT and "bad publish entry 0" in text, text
+        assert "LL lines through the proxy need every stream of the op publish-triggered" in text
     finally:
         w.stop()
 

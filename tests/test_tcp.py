@@ -32,6 +32,8 @@ from membuf import Buf, wait_abort  # noqa: E402
 SLOTS = [REGION_SLOTS[Region.AG], REGION_SLOTS[Region.RS_SEND], REGION_SLOTS[Region.RS_RECV]]
 HDR = struct.Struct("<IIQQ")
 K_WRITE, K_FLAG, K_ABORT, K_BYE = 0x57524954, 0x47414C46, 0x54524241, 0x20455942
+K_LINES = 0x454E494C
+LL_AT, LL_BYTES = L.ll_area(num_flag_words(2))  # (in the control segment)
 
 
 # ---------------------------------------------------------------- native frames
@@ -131,8 +133,77 @@ def test_native_sender_frames_in_order():
         r.close()
 
 
+def read_frames(sock, until, timeout=5.0) -> list:
+    """Frames (kind, region, a, b, payload) from ``sock`` until ``until(frames)``."""
+    got, frames = bytearray(), []
+    sock.settimeout(timeout)
+    while not until(frames):
+        got += sock.recv(65536)
+        while len(got) >= HDR.size:
+            kind, region, a, b = HDR.unpack_from(got)
+            n = HDR.size + (b if kind in (K_WRITE, K_LINES) else 0)
+            if len(got) < n:
+                break
+            frames.append((kind, region, a, b, bytes(got[HDR.size:n])))
+            del got[:n]
+    return frames
+
+
+def ll_lines(data: bytes, seq: int) -> bytes:
+    """LL lines of ``data`` (a multiple of 8 bytes) for collective ``seq``: each 4 data bytes
+    beside the flag (u32)(seq + 1) (docs/PROTOCOL.md "One shot, LL")."""
+    words = np.frombuffer(data, dtype=np.uint32).astype(np.uint64)
+    return (words | np.uint64(seq + 1) << np.uint64(32)).tobytes()
+
+
+def test_native_ll_lines_land_in_the_ll_area():
+    """A LINES frame is stored at its offset of the LL area, nothing else touched."""
+    r = OneRank()
+    try:
+        lines = ll_lines(bytes(range(64)), 4)
+        at = 3 * 16384 + 32  # (slot 1, block of rank 1, line 2)
+        r.send(K_LINES, 0, at, len(lines), lines)
+        r.send(K_FLAG, 0, 3, 9)  # (a flag after it: the frames were read in order)
+        t0 = time.monotonic()
+        while r.flags[3] != 9 and time.monotonic() - t0 < 5:
+            time.sleep(0.001)
+        area = r.ctl.a[LL_AT:LL_AT + LL_BYTES]
+        assert bytes(area[at:at + len(lines)]) == lines
+        assert not area[:at].any() and not area[at + len(lines):].any()
+        assert N.abort_code(r.ctl.addr) == 0
+    finally:
+        r.close()
+
+
+def test_native_ll_lines_sent_once_every_flag_is_there():
+    """Entries of chunk CHUNK_LL: the proxy sends nothing until every line of this rank's own
+    LL block (seq 0: slot 0, block 0) carries the seq's flag; then the call entry, the lines as
+    one LINES frame to the same place, and the piece's flag."""
+    r = OneRank()
+    try:
+        slice_ = 64
+        lines = ll_lines(bytes(range(100, 100 + slice_)), 0)
+        area = r.ctl.a[LL_AT:LL_AT + LL_BYTES]
+        area[:len(lines) - 8] = np.frombuffer(lines[:-8], dtype=np.uint8)  # the last half late
+        assert N.publish_range(r.ctl.addr, 0, 0, 0, 7, L.CHUNK_LL, slice_, 16, 5.0) == 0
+        r.out_far.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            r.out_far.recv(1)
+        area[len(lines) - 8:len(lines)] = np.frombuffer(lines[-8:], dtype=np.uint8)
+        frames = read_frames(r.out_far, lambda fs: any(f[0] == K_FLAG and f[3] == 8 for f in fs))
+        nfw = num_flag_words(2)
+        assert [(f[0], f[2]) for f in frames[:2]] == [(K_FLAG, nfw), (K_FLAG, nfw + 1)], frames
+        assert [(f[0], f[2], f[3], f[4]) for f in frames[2:3]] == [(K_LINES, 0, 128, lines)]
+        assert [(f[0], f[3]) for f in frames[3:]] == [(K_FLAG, 8)], frames
+        assert N.abort_code(r.ctl.addr) == 0
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("frame,expect", [
     (HDR.pack(0xDEAD, 0, 0, 0), "bad frame header"),
+    (HDR.pack(K_LINES, 0, 4, 16), "not whole 8-byte halves inside the LL area"),
+    (HDR.pack(K_LINES, 0, LL_BYTES - 8, 16), "not whole 8-byte halves inside the LL area"),
     (HDR.pack(K_WRITE, 7, 0, 1), "region 7, which does not exist"),
     (HDR.pack(K_WRITE, 0, 3 * 4096 - 8, 16), "past the end of region AG"),
     (HDR.pack(K_WRITE, 0, 2 ** 64 - 1, 16), "past the end of region AG"),

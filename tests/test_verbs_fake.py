@@ -36,7 +36,7 @@ from sparkccl.plan.model import Op, Region, decode_flag_word, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
 # (tests/ is on sys.path under pytest)
-from inproc import SLOTS, ProxyWorld, run_ag, run_rs  # noqa: E402
+from inproc import SLOTS, ProxyWorld, run_ag, run_ll, run_rs  # noqa: E402
 from membuf import Buf, wait_abort  # noqa: E402
 import verbsfake as FAKE  # noqa: E402
 
@@ -155,7 +155,7 @@ class VWorld(ProxyWorld):
             rv = Rendezvous(store, "t", r, world, 30.0)
             s = (rank_settings or {}).get(r, settings) or V.VerbsSettings()
             sel = selections[r] if selections else selection(topology, roots)
-            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, L.flag_section_words(nfw) * 8)}
+            memory = {V.KEY_FLAGS: (self.ctl[r].flags_addr, V.flags_key_bytes(nfw))}
             for g in range(3):
                 memory[g] = (self.regions[r][g].addr, SLOTS[g] * self.stride[g])
             self.links[r] = V.connect(rv, self.plans, r, topology, roots, self.proxies[r],
@@ -366,6 +366,23 @@ def test_one_root(fake, topology, world, roots):
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("mesh", 4), ("ring", 3), ("ring", 4)])
 def test_strict_ordering_writes_exactly_the_plan(fake, topology, world):
     _exercise(topology, world, 2, strict=True)
+
+
+@pytest.mark.parametrize("world,roots,strict", [(2, 2, False), (3, 1, False), (2, 1, True)])
+def test_ll_lines_through_the_proxy(fake, world, roots, strict):
+    """CHUNK_LL entries over verbs: each rank's LL lines reach every peer's LL area as RDMA
+    WRITEs within the flag words' registration (flags_key_bytes), then the flags."""
+    settings = V.VerbsSettings(ordering="strict" if strict else "inline")
+    w = VWorld("mesh", world, roots, 8192, settings=settings)
+    w.check_setup()
+    w.start()
+    try:
+        for k, slice_ in enumerate([16, 8192, 1008, 64]):
+            run_ll(w, slice_, late=k % 2 == 1)
+        run_ag(w, 1000)
+        w.check_healthy()
+    finally:
+        w.stop()
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["inline", "strict"])

@@ -90,7 +90,8 @@ int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64
                 uint64_t granule, double timeout_s, uint64_t call) {
   if (op < 0 || op >= NUM_OPS) throw std::invalid_argument("publish: op out of range");
   if (piece < 0 || piece >= geom::PIECES) throw std::invalid_argument("publish: piece out of range");
-  if (chunk < -1 || chunk >= 32) throw std::invalid_argument("publish: chunk must be -1..31");
+  if ((chunk < -1 && chunk != CHUNK_LL) || chunk >= 32)
+    throw std::invalid_argument("publish: chunk must be -1..31 or CHUNK_LL (-3)");
   if (granule == 0) throw std::invalid_argument("publish: granule must be > 0");
   if (call & (0xFFull | 0xFFull << CALL_PIECE_SHIFT))
     throw std::invalid_argument("publish: call word with op or piece bits set");

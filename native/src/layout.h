@@ -30,5 +30,17 @@ inline uint64_t call_entry_word(int world, int source, uint64_t seq) {
   return num_flag_words(world) + (uint64_t(source) * CALL_SLOTS + seq % CALL_SLOTS) * CALL_ENTRY_WORDS;
 }
 
+// The LL area (sparkccl/layout.py ll_area): its byte offset from the flag words (FLAGS_OFFSET),
+// page-aligned after the call words, and its size.
+inline uint64_t ll_area_from_flags(int world) {
+  const uint64_t end = FLAGS_OFFSET + flag_section_words(world) * FLAG_BYTES;
+  return (end + PAGE - 1) / PAGE * PAGE - FLAGS_OFFSET;
+}
+inline uint64_t ll_area_bytes(int world) { return LL_SLOTS * uint64_t(world) * LL_SOURCE_BYTES; }
+// Source's block of collective seq within the LL area (slot seq % LL_SLOTS).
+inline uint64_t ll_block_offset(uint64_t seq, int source, int world) {
+  return (seq % LL_SLOTS * uint64_t(world) + uint64_t(source)) * LL_SOURCE_BYTES;
+}
+
 }  // namespace layout
 }  // namespace sparkccl

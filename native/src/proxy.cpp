@@ -187,6 +187,11 @@ void Proxy::start() {
   if (!transport_)
     throw std::runtime_error("Proxy: no transport attached before start() (Proxy.attach)");
   started_ = true;
+  for (auto& o : ops_) {
+    o.ll_ok = !o.streams.empty();
+    for (size_t k : o.streams)
+      if (streams_[k].kind != 0 || streams_[k].gpu) o.ll_ok = false;
+  }
   tail_ = load_acquire(word_at(ctl_, CTL_RING_TAIL));
   transport_->start();
   try {
@@ -329,7 +334,7 @@ bool Proxy::consume_ring() {
     };
     if (op >= uint32_t(NUM_OPS)) { bad("op out of range"); continue; }
     if (piece >= uint32_t(geom::PIECES)) { bad("piece out of range"); continue; }
-    if (chunk < -2 || chunk >= 32) { bad("chunk out of range"); continue; }
+    if (chunk < CHUNK_LL || chunk >= 32) { bad("chunk out of range"); continue; }
     if (granule == 0) { bad("granule is 0"); continue; }
 
     OpState& o = ops_[op];
@@ -366,11 +371,30 @@ bool Proxy::consume_ring() {
           "writers");
       continue;
     }
+    if (chunk == CHUNK_LL) {
+      if (!o.ll_ok) {
+        bad("LL lines through the proxy need every stream of the op publish-triggered (no "
+            "relays: a mesh) and none executed by the data plane");
+        continue;
+      }
+      if (2 * slice > LL_SOURCE_BYTES) {
+        bad("a slice of " + std::to_string(slice) + " bytes does not fit an LL block (" +
+            std::to_string(LL_SOURCE_BYTES) + " bytes of lines)");
+        continue;
+      }
+    }
+    uint32_t earlier = c->all | c->direct;  // (pieces of the collective consumed before)
+    for (uint32_t m : c->chunks) earlier |= m;
+    if ((chunk == CHUNK_LL) != (c->ll != 0) && earlier) {
+      bad("LL lines and other pieces in one collective");
+      continue;
+    }
     if (!c->seen_ns[piece]) {
       c->seen_ns[piece] = now_ns();
       c->publish_ns[piece] = publish_ns;
     }
-    if (chunk == -2) c->direct |= uint8_t(1u << piece);
+    if (chunk == CHUNK_DIRECT) c->direct |= uint8_t(1u << piece);
+    if (chunk == CHUNK_LL) c->ll |= uint8_t(1u << piece);
     if (chunk < 0)
       c->all |= uint8_t(1u << piece);
     else
@@ -395,6 +419,9 @@ bool Proxy::advance_streams() {
       return ((c.all >> q) & 1u) || (c.chunks[q] & mask) == mask;
     };
     if (!ready(p)) continue;
+    // CHUNK_LL (o.ll_ok: publish streams only): the collective goes out whole, once every
+    // piece's entry is in and the lines say they are written.
+    if (c.ll && (c.all != uint8_t((1u << geom::PIECES) - 1) || !lines_written(c))) continue;
     // set_relay_lead: a publish stream's pieces all become ready at once (the data plane
     // publishes faster than a link drains), and a connection's queue is FIFO: posted
     // together they hold back the pieces this rank relays on the same connection, and with
@@ -420,7 +447,7 @@ bool Proxy::advance_streams() {
     }
     // BATCH_SLICE: every piece ready now goes with this one (not past a piece the data
     // plane sent itself, and not under a relay lead, which meters pieces one by one).
-    int last = p;
+    int last = c.ll ? geom::PIECES - 1 : p;
     if (c.slice <= BATCH_SLICE && relay_lead_ < 0)
       while (last + 1 < geom::PIECES && ready(last + 1) &&
              !(s.kind == 0 && s.gpu && ((c.direct >> (last + 1)) & 1u)))
@@ -468,8 +495,9 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   auto flush = [&]() {
     if (!run_len || !ok) return;
     if (!t_write) t_write = now_ns();
-    ok = transport_->write(s.conn, run_item->src_region, run_src, run_item->dst_region, run_dst,
-                           run_len, &cause);
+    ok = c.ll ? transport_->put_lines(s.conn, run_src, run_len, &cause)
+              : transport_->write(s.conn, run_item->src_region, run_src, run_item->dst_region,
+                                  run_dst, run_len, &cause);
     if (ok) {
       n_writes_.fetch_add(1, std::memory_order_relaxed);
       n_bytes_.fetch_add(run_len, std::memory_order_relaxed);
@@ -481,6 +509,9 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   // cut there, so the bytes past it never travel (a piece past it sends its flag alone).
   // Relays forward whole parts: their chunk's first bytes may have come on the other root.
   const bool sized = s.kind == 0 && (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
+  // CHUNK_LL: the same parts, as lines of this rank's LL block (data byte x at line byte 2 x),
+  // to the same place in the peer's LL area.
+  const uint64_t ll_block = ll_block_offset(c.seq, rank_, world_);
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
     const uint64_t chunk_off = (c.seq % reg_.slots[it.src_region]) *
@@ -507,6 +538,10 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
       uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
                              reg_.stride[it.dst_region].load(std::memory_order_acquire) +
                          uint64_t(it.dst_block) * c.slice + r.first;
+      if (c.ll) {
+        src_off = dst_off = ll_block + 2 * r.first;
+        len *= 2;
+      }
       if (run_len && run_item == &it && run_src + run_len == src_off &&
           run_dst + run_len == dst_off) {
         run_len += len;
@@ -538,6 +573,16 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
     return false;
   }
   n_flags_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+bool Proxy::lines_written(Coll& c) {
+  if (c.lines_seen) return true;
+  const uint64_t* line = word_at(flags_, reg_.ll_off + ll_block_offset(c.seq, rank_, world_));
+  const uint64_t f = uint64_t(uint32_t(c.seq + 1));
+  for (uint64_t k = 0; k < 2 * c.slice / 8; ++k)  // (each half: {4 data bytes, the flag})
+    if (__atomic_load_n(line + k, __ATOMIC_ACQUIRE) >> 32 != f) return false;
+  c.lines_seen = true;
   return true;
 }
 

@@ -112,6 +112,8 @@ class Proxy {
     uint8_t all = 0;                    // pieces published for every chunk (chunk -1, -2)
     uint8_t direct = 0;                 // pieces the data plane sent itself (chunk -2)
     uint8_t posted = 0;                 // pieces that went out on some publish stream
+    uint8_t ll = 0;                     // pieces whose entries said CHUNK_LL
+    bool lines_seen = false;            // CHUNK_LL: every line of ours carries the seq's flag
     uint64_t seen_ns[geom::PIECES];     // when the piece's first entry was consumed
     uint64_t publish_ns[geom::PIECES];  // its ENT_PUBLISH_NS stamp (0: none)
   };
@@ -122,6 +124,7 @@ class Proxy {
     uint64_t last_seq = 0;
     std::vector<size_t> streams;
     bool publish_on_gpu = false;  // set_gpu_streams covers every publish-triggered stream
+    bool ll_ok = false;  // CHUNK_LL may come: publish streams only, none on the GPU (start())
   };
 
   void run();
@@ -129,6 +132,9 @@ class Proxy {
   bool advance_streams();
   // Pieces piece..last of collective c on stream s: their writes, then one flag (last's).
   bool post_pieces(StreamRow& s, Coll& c, int piece, int last);
+  // CHUNK_LL: whether every line of collective c in this rank's own LL block carries its
+  // flag (the data plane hands the entries off without a fence: the lines say they are there).
+  bool lines_written(Coll& c);
   int send_call(const StreamRow& s, const Coll& c);
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();

@@ -26,6 +26,7 @@ struct CopyOp {
   uint64_t value[layout::CALL_ENTRY_WORDS];  // flag: value[0]; call entry: its words
   uint64_t pushed_ns;  // a data flag: when the proxy pushed it (sampled)
   bool call;           // a call entry (put_call)
+  bool lines;          // LL lines (put_lines): stored a half at a time
 };
 
 // Data flags sampled per worker (Transport::stats); one sample per data flag: a
@@ -73,6 +74,8 @@ struct Worker : OrderedQueue<CopyOp> {
           std::atomic_thread_fence(std::memory_order_seq_cst);
           store_release(op.flag, op.value[0]);
           if (op.pushed_ns) flag_ring.add(flag_sample(op.pushed_ns, taken_ns, now_ns()));
+        } else if (op.lines) {
+          store_lines(op.dst, op.src, op.len);
         } else {
           std::memcpy(op.dst, op.src, op.len);
         }
@@ -85,8 +88,8 @@ struct Worker : OrderedQueue<CopyOp> {
 
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Registry* reg, std::vector<ConnInfo> conns, uint64_t spin_ns)
-      : reg_(reg), conns_(std::move(conns)) {
+  ShmTransport(Registry* reg, std::vector<ConnInfo> conns, uint64_t flags, uint64_t spin_ns)
+      : reg_(reg), conns_(std::move(conns)), flags_(flags) {
     workers_.reserve(conns_.size());
     for (size_t i = 0; i < conns_.size(); ++i) {
       workers_.emplace_back(new Worker);
@@ -128,7 +131,7 @@ class ShmTransport final : public Transport {
     if (!dst_base) return false;
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(dst_base + dst_off)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(src_base + src_off)), len,
-              nullptr, {}, 0, false};
+              nullptr, {}, 0, false, false};
     // Queued with the post's flag (below), which always follows: one lock and one batch
     // for the worker, and one wake-up if it sleeps.
     workers_[size_t(conn)]->defer(op);
@@ -143,7 +146,7 @@ class ShmTransport final : public Transport {
     }
     uint64_t* at = peer_word(conn, word, cause);
     if (!at) return false;
-    CopyOp op{nullptr, nullptr, 0, at, {value}, now_ns(), false};
+    CopyOp op{nullptr, nullptr, 0, at, {value}, now_ns(), false, false};
     workers_[size_t(conn)]->push(op);
     return true;
   }
@@ -154,9 +157,23 @@ class ShmTransport final : public Transport {
     if (!call_entry_in_range(*reg_, word, cause)) return false;
     uint64_t* at = peer_word(conn, word, cause);
     if (!at) return false;
-    CopyOp op{nullptr, nullptr, 0, at, {}, 0, true};
+    CopyOp op{nullptr, nullptr, 0, at, {}, 0, true, false};
     for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) op.value[k] = values[k];
     workers_[size_t(conn)]->push(op);
+    return true;
+  }
+
+  // From this rank's LL area to the peer's, mapped here; deferred like a write (the post's
+  // flag follows).
+  bool put_lines(int conn, uint64_t off, uint64_t len, std::string* cause) override {
+    if (!lines_in_range(*reg_, off, len, cause)) return false;
+    uint64_t* at = peer_word(conn, 0, cause);
+    if (!at) return false;
+    const uint64_t to = reinterpret_cast<uintptr_t>(at) + reg_->ll_off + off;
+    CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(to)),
+              reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(flags_ + reg_->ll_off + off)),
+              len, nullptr, {}, 0, false, true};
+    workers_[size_t(conn)]->defer(op);
     return true;
   }
 
@@ -188,6 +205,7 @@ class ShmTransport final : public Transport {
  private:
   Registry* reg_;
   std::vector<ConnInfo> conns_;
+  const uint64_t flags_;  // this rank's flag words (the LL area lies past them)
   std::vector<std::unique_ptr<Worker>> workers_;
   bool started_ = false;
 };
@@ -195,7 +213,7 @@ class ShmTransport final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> ShmFactory::make(const ProxySide& side) {
-  return std::unique_ptr<Transport>(new ShmTransport(side.reg, side.conns, spin_ns_));
+  return std::unique_ptr<Transport>(new ShmTransport(side.reg, side.conns, side.flags, spin_ns_));
 }
 
 }  // namespace sparkccl

@@ -6,6 +6,8 @@
 // {u32 kind, u32 region, u64 a, u64 b} and then:
 //   WRITE  region = destination region, a = offset, b = length; then b payload bytes
 //   FLAG   a = flag word, b = value (also a call word's, Transport::put_call)
+//   LINES  a = offset in the LL area, b = length; then b payload bytes (Transport::put_lines:
+//          received whole, then stored a half at a time, store_lines)
 //   ABORT  b = length of the text that follows (the sender's abort record)
 //   BYE    nothing; the sender closes cleanly after it (no more frames)
 //
@@ -42,6 +44,7 @@ constexpr uint32_t KIND_WRITE = 0x57524954;  // "TIRW" in memory
 constexpr uint32_t KIND_FLAG = 0x47414C46;
 constexpr uint32_t KIND_ABORT = 0x54524241;
 constexpr uint32_t KIND_BYE = 0x20455942;
+constexpr uint32_t KIND_LINES = 0x454E494C;  // "LINE"
 constexpr uint64_t MAX_ABORT_TEXT = 4096;
 constexpr uint64_t FINISH_WAIT_NS = 5000000000ull;  // clean close: drain at most this long
 constexpr uint64_t ABORT_FLUSH_NS = 1000000000ull;  // stop: let abort frames out first
@@ -323,6 +326,14 @@ class TcpTransport final : public Transport {
     return true;
   }
 
+  bool put_lines(int conn, uint64_t off, uint64_t len, std::string* cause) override {
+    if (!lines_in_range(*reg_, off, len, cause)) return false;
+    senders_[size_t(conn)]->push(SendOp{
+        Header{KIND_LINES, 0, off, len},
+        reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(flags_ + reg_->ll_off + off))});
+    return true;
+  }
+
   bool poll(int* conn, std::string* cause) override {
     for (size_t i = 0; i < senders_.size(); ++i) {
       if (senders_[i]->failed.load(std::memory_order_acquire)) {
@@ -350,6 +361,7 @@ class TcpTransport final : public Transport {
       set_abort(ctl_, layout::ABORT_TRANSPORT, who() + why);
     };
     std::string text;
+    std::vector<uint8_t> lines;  // LINES frames' payload, before store_lines
     for (;;) {
       Header h;
       int err = 0;
@@ -400,6 +412,24 @@ class TcpTransport final : public Transport {
               return;
             }
           }
+          break;
+        }
+        case KIND_LINES: {
+          std::string why;
+          if (!lines_in_range(*reg_, h.a, h.b, &why)) {
+            fail(why);
+            return;
+          }
+          // (received whole first: recv() may fill the buffer in any order and width)
+          lines.resize(size_t(h.b));
+          if (h.b && recv_all(fd, lines.data(), h.b, &err) != 1) {
+            fail(err ? "receive failed in the middle of LL lines: " + errno_text(err)
+                     : "connection closed by the peer in the middle of LL lines");
+            return;
+          }
+          store_lines(reinterpret_cast<uint8_t*>(
+                          static_cast<uintptr_t>(flags_ + reg_->ll_off + h.a)),
+                      lines.data(), h.b);
           break;
         }
         case KIND_FLAG: {

@@ -35,6 +35,7 @@ struct Registry {
   Registry(int rank_, int world_, const std::vector<int>& slots_)
       : rank(rank_), world(world_), num_flags(layout::num_flag_words(world_)),
         num_words(layout::flag_section_words(world_)),
+        ll_off(layout::ll_area_from_flags(world_)), ll_bytes(layout::ll_area_bytes(world_)),
         peers(new Peer[size_t(world_)]) {
     for (int r = 0; r < layout::NUM_REGIONS; ++r) slots[r] = uint64_t(slots_[size_t(r)]);
   }
@@ -85,6 +86,8 @@ struct Registry {
   const int rank, world;
   const uint64_t num_flags;
   const uint64_t num_words;  // flag words, then call words (layout::flag_section_words)
+  // The LL area (Transport::put_lines): its byte offset from the flag words, and its size.
+  const uint64_t ll_off, ll_bytes;
   uint64_t slots[layout::NUM_REGIONS];
   std::atomic<uint64_t> base[layout::NUM_REGIONS]{}, stride[layout::NUM_REGIONS]{},
       size[layout::NUM_REGIONS]{};
@@ -156,6 +159,12 @@ class Transport {
   // Not a flag (nothing waits on it; verbs strict mode writes it plainly, not as an
   // immediate).
   virtual bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) = 0;
+  // LL lines (docs/PROTOCOL.md "One shot, LL, through the proxy"): bytes [off, off + len) of
+  // this rank's LL area (Registry::ll_off past its flag words) to the same bytes of the
+  // peer's, ordered like a write. Every 8-byte half {data, flag} lands whole (store_lines):
+  // the peer's GPU reads the lines while they arrive and takes a half once its flag says
+  // the collective's, with no flag or fence after them to wait for.
+  virtual bool put_lines(int conn, uint64_t off, uint64_t len, std::string* cause) = 0;
   // Asynchronous completions: false with *conn / *cause for the first failed operation.
   virtual bool poll(int* conn, std::string* cause) = 0;
   // Operations posted and not yet completed (all connections).
@@ -302,6 +311,25 @@ inline bool call_entry_in_range(const Registry& reg, uint64_t word, std::string*
   *cause = "call entry at word " + std::to_string(word) + " outside the call words [" +
            std::to_string(reg.num_flags) + ", " + std::to_string(reg.num_words) + ")";
   return false;
+}
+
+// put_lines' bounds: whole 8-byte halves inside the LL area. False with *cause otherwise.
+inline bool lines_in_range(const Registry& reg, uint64_t off, uint64_t len, std::string* cause) {
+  if (off % 8 == 0 && len % 8 == 0 && off <= reg.ll_bytes && len <= reg.ll_bytes - off)
+    return true;
+  *cause = "LL lines [" + std::to_string(off) + ", " + std::to_string(off + len) +
+           ") not whole 8-byte halves inside the LL area (" + std::to_string(reg.ll_bytes) +
+           " bytes)";
+  return false;
+}
+
+// LL lines into memory a GPU may be polling: one 8-byte store per half, so that a reader
+// never sees a half's flag without its data (memcpy may store a large copy in any order and
+// width: fast-string moves).
+inline void store_lines(uint8_t* dst, const uint8_t* src, uint64_t len) {
+  auto* d = reinterpret_cast<uint64_t*>(dst);
+  const auto* s = reinterpret_cast<const uint64_t*>(src);
+  for (uint64_t k = 0; k < len / 8; ++k) __atomic_store_n(d + k, s[k], __ATOMIC_RELAXED);
 }
 
 // Operations posted and not yet done over every queue of a transport.

@@ -734,22 +734,28 @@ bool VerbsEndpoint::write(Registry* reg, int conn, int src_region, uint64_t src_
              " (not registered by the peer yet)";
     return false;
   }
-  const uint32_t rkey = q.rkey[dst_region];
+  return post_write(conn, laddr, k.lkey, src_region, src_off, dst_base + dst_off,
+                    q.rkey[dst_region], dst_region, dst_off, len, cause);
+}
+
+bool VerbsEndpoint::post_write(int conn, uint64_t laddr, uint32_t lkey, int src_key,
+                               uint64_t src_off, uint64_t remote, uint32_t rkey, int dst_key,
+                               uint64_t dst_off, uint64_t len, std::string* cause) {
   for (uint64_t done = 0; done < len;) {
     uint64_t n = std::min(len - done, MAX_MESSAGE);
-    sge sg{laddr + done, uint32_t(n), k.lkey};
+    sge sg{laddr + done, uint32_t(n), lkey};
     send_wr wr;
     std::memset(&wr, 0, sizeof wr);
     wr.sg_list = &sg;
     wr.num_sge = 1;
     wr.opcode = WR_RDMA_WRITE;
     wr.send_flags = 0;
-    wr.rdma.remote_addr = dst_base + dst_off + done;
+    wr.rdma.remote_addr = remote + done;
     wr.rdma.rkey = rkey;
     WrDesc desc;
     desc.kind = WrDesc::WRITE;
-    desc.src_key = int8_t(src_region);
-    desc.dst_key = int8_t(dst_region);
+    desc.src_key = int8_t(src_key);
+    desc.dst_key = int8_t(dst_key);
     desc.src_off = src_off + done;
     desc.dst_off = dst_off + done;
     desc.len = n;
@@ -760,6 +766,31 @@ bool VerbsEndpoint::write(Registry* reg, int conn, int src_region, uint64_t src_
     done += n;
   }
   return true;
+}
+
+// The LL area lies in the flag words' registration (sparkccl/transport/verbs.py registers
+// the flag words, the call words and the LL area as one: VERBS_KEY_FLAGS), on both sides.
+bool VerbsEndpoint::put_lines(Registry* reg, int conn, uint64_t off, uint64_t len,
+                              std::string* cause) {
+  if (!usable(conn, cause)) return false;
+  if (!lines_in_range(*reg, off, len, cause)) return false;
+  Qp& q = *qps_[size_t(conn)];
+  const ConnInfo& c = conns_[size_t(conn)];
+  Dev& d = *devs_[size_t(q.dev)];
+  const Dev::Key& k = d.keys[VERBS_KEY_FLAGS];
+  const uint64_t at = reg->ll_off + off;  // (from the flag words)
+  if (!k.ready.load(std::memory_order_acquire) || at + len > k.size) {
+    *cause = "the LL area [" + std::to_string(at) + ", " + std::to_string(at + len) +
+             ") past the flag words is not in their memory registration on " + d.name;
+    return false;
+  }
+  uint64_t fbase = reg->peers[c.peer].flags.load(std::memory_order_acquire);
+  if (!fbase || !q.key_set[VERBS_KEY_FLAGS].load(std::memory_order_acquire)) {
+    *cause = "the address or rkey of the peer's flag words is unknown";
+    return false;
+  }
+  return post_write(conn, k.addr + at, k.lkey, VERBS_KEY_FLAGS, at, fbase + at,
+                    q.rkey[VERBS_KEY_FLAGS], VERBS_KEY_FLAGS, at, len, cause);
 }
 
 bool VerbsEndpoint::post_imm(int conn, uint64_t word, uint64_t value, uint64_t remote,
@@ -1030,6 +1061,9 @@ class VerbsTransport final : public Transport {
   }
   bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
     return ep_->put_call(reg_, conn, word, values, cause);
+  }
+  bool put_lines(int conn, uint64_t off, uint64_t len, std::string* cause) override {
+    return ep_->put_lines(reg_, conn, off, len, cause);
   }
   bool poll(int* conn, std::string* cause) override { return ep_->poll(conn, cause); }
   void on_abort(const std::string& text) override { ep_->notify_abort(text); }

@@ -104,6 +104,7 @@ class VerbsEndpoint final : public TransportFactory {
   bool flag(Registry* reg, int conn, uint64_t word, uint64_t value, std::string* cause);
   bool put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values,
                 std::string* cause);
+  bool put_lines(Registry* reg, int conn, uint64_t off, uint64_t len, std::string* cause);
   bool poll(int* conn, std::string* cause);
   uint64_t outstanding() const;
   void notify_abort(const std::string& text);
@@ -116,6 +117,10 @@ class VerbsEndpoint final : public TransportFactory {
   bool room(int conn, uint64_t n, std::string* cause);
   bool post(int conn, ibv::send_wr* wr, const verbs_detail::WrDesc& d, uint64_t reserve_after,
             std::string* cause);
+  // RDMA WRITEs of [laddr, laddr + len) to remote (keys and offsets: for the messages).
+  bool post_write(int conn, uint64_t laddr, uint32_t lkey, int src_key, uint64_t src_off,
+                  uint64_t remote, uint32_t rkey, int dst_key, uint64_t dst_off, uint64_t len,
+                  std::string* cause);
   // An inline RDMA WRITE of n u64 values to remote (words word.. of the peer's flag section).
   bool post_words(int conn, uint64_t word, const uint64_t* values, uint32_t n, uint64_t remote,
                   uint32_t rkey, bool signaled, std::string* cause);

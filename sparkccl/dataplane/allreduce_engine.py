@@ -78,14 +78,17 @@ class OneShotEngine(Engine):
         """The LL way (kernels/allreduce.cu allreduce_ll): an 8-byte line per thread, each
         block's lines stored and then summed by its own threads, and one block more that
         hands the ring entries off (with ``table``'s flag words, where it is given) and
-        advances the device state."""
+        advances the device state. GPU-direct, or through the proxy where the plane says so
+        (``ll_proxy``: the lines into this rank's own LL block, the entries CHUNK_LL)."""
         p = self.plane
-        nb = max(1, min(p.max_direct_wait_blocks, -(-L // (8 * THREADS))))  # (8 bytes a thread)
+        direct = not p.ll_proxy
+        nb = max(1, min(p.max_direct_wait_blocks, -(-S // (8 * THREADS))))  # (8 bytes a thread)
         words = all_reduce_args(p, src, dst, L, S, avg, call, 0,
-                                0 if table is None else table.data_ptr(), 0, ll.data_ptr())
-        p.plans.plannable(direct=True)
+                                0 if table is None or not direct else table.data_ptr(), 0,
+                                ll.data_ptr(), ll_proxy=not direct)
+        p.plans.plannable(direct=direct)
         p.launch_struct(stream, KERNELS[dtype], nb + 1, THREADS, words, early=True)
-        p.direct_launches += 1
+        p.direct_launches += direct
         p.ll_launches += 1
 
 

@@ -189,6 +189,7 @@ class CudaDataPlane(DataPlaneBase):
         self.direct = DirectTables(plan, self.rank, self._register_peer, self.gpu.to_device)
         self.direct_launches = 0
         self.ll_table = None  # the ranks' LL areas (enable_ll), else the flag-word way
+        self.ll_proxy = False  # enable_ll(through_proxy=True): the proxy posts the lines
         self.ll_launches = 0
         self.engines = Engines(self)  # proxy path, fused, split, ce: chosen per collective
         # What a failed wait does (kernels/wait.cu record_failure), before the first launch.
@@ -369,17 +370,23 @@ class CudaDataPlane(DataPlaneBase):
         self.direct.map("ag", ag)
         self._build_direct(Op.AG)
 
-    def enable_ll(self) -> None:
+    def enable_ll(self, through_proxy: bool = False) -> None:
         """One-shot all-reduces of ``L`` bytes, ``L * (world - 1) <= layout.LL_MAX_BYTES``,
         go the LL way from now on
-        (kernels/allreduce.cu allreduce_ll: lines that carry their own flags, written
-        straight into every rank's LL area). After :meth:`map_peers` with every peer's control
-        segment; every rank calls it or none (a rank waiting for lines a peer never writes
-        would time out), so the wiring agrees on it at creation (``SPARKCCL_ALLREDUCE_LL``)."""
+        (kernels/allreduce.cu allreduce_ll: lines that carry their own flags, read by each
+        rank in its LL area). GPU-direct: written straight into every rank's LL area, after
+        :meth:`map_peers` with every peer's control segment. ``through_proxy``: written into
+        this rank's own LL block, and the proxy posts them (ring entries of chunk
+        ``CHUNK_LL``; a mesh: the proxy refuses them where a stream relays or the data plane
+        sends). Every rank calls it or none, the same way (a rank waiting for lines a peer
+        never writes would time out), so the wiring agrees on it at creation
+        (``SPARKCCL_ALLREDUCE_LL``)."""
         off = layout.ll_area(self.plan.num_flag_words)[0]
-        addrs = [self.ctl_dev + off if r == self.rank else self.direct.peers[(r, "ctl")][0] + off
+        addrs = [self.ctl_dev + off if r == self.rank
+                 else 0 if through_proxy else self.direct.peers[(r, "ctl")][0] + off
                  for r in range(self.world)]
         self.ll_table = self.gpu.to_device(torch.tensor(addrs, dtype=torch.int64))
+        self.ll_proxy = through_proxy
         self.plans.invalidate()
 
     def map_peers_rs(self, rs: dict[int, tuple[int, int]], send_bytes: int) -> None:

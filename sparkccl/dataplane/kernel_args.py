@@ -107,17 +107,18 @@ def finalize_direct_args(plane, rows: list, dtab: int, call: int, npub: int, own
 
 
 def all_reduce_args(plane, src, dst, L: int, S: int, avg: bool, call: int, npub: int,
-                    dtab: int, gate: int, ll: int = 0) -> list:
+                    dtab: int, gate: int, ll: int = 0, ll_proxy: bool = False) -> list:
     """``AllReduceArgs`` (the one-shot all-reduce, :mod:`.allreduce_engine`): this rank's
     vector to the AG slot (GPU-direct along direct table ``dtab``, else the proxy path:
     ``dtab`` 0), the rank-order sum of the W vectors into ``dst``; ``gate``: the
     finalize's gate words where ``dst`` is ``src`` (0: not in place); ``ll``: the ranks' LL
-    areas (the LL way; then ``npub`` and ``gate`` are not read), or 0."""
+    areas (the LL way; then ``npub`` and ``gate`` are not read), or 0; ``ll_proxy``: the LL
+    lines go through the proxy (``ll`` gives this rank's own area only)."""
     return layout.pack_struct("AR", dict(
         SRC=src, DST=dst, L=L, S=S, AVG=int(avg), SLOT=plane.ag_dev, SLOT_CODE=plane.ag_code,
         DTAB=dtab, RING=ring(plane), CALL=call,
         COUNTERS=(plane.dcounters if dtab else plane.counters).data_ptr(), NPUB=npub,
-        GATE=gate, WP=plane.waits.block[Op.AG], LL=ll))
+        GATE=gate, WP=plane.waits.block[Op.AG], LL=ll, LL_PROXY=int(ll_proxy)))
 
 
 def fused_all_reduce_args(plane, src, src_stride: int, dst, dst_stride: int, L: int, S: int,

@@ -169,6 +169,14 @@ def probe(topology: str, roots: int, env: Mapping[str, str] | None = None) -> st
 
 # ---- records ----------------------------------------------------------------------------
 
+def flags_key_bytes(num_flag_words: int) -> int:
+    """The bytes ``KEY_FLAGS`` registers from the flag words on: the flag words, the call
+    words after them (Transport::put_call) and the LL area past those (Transport::put_lines,
+    the one-shot all-reduce's LL lines through the proxy), one registration."""
+    start, n = layout.ll_area(num_flag_words)
+    return start + n - layout.FLAGS_OFFSET
+
+
 def _lane_key(ch: int, k: int) -> str:
     return f"{ch}/{k}"
 
@@ -533,9 +541,7 @@ class VerbsTransport(Transport):
 
     def attach(self, proxy) -> None:
         c = self.ctx
-        # the flag words and the call words after them (Transport::put_call)
-        words = layout.flag_section_words(c.plans[c.rank].num_flag_words)
-        memory = {KEY_FLAGS: (c.flags_addr, words * layout.FLAG_BYTES)}
+        memory = {KEY_FLAGS: (c.flags_addr, flags_key_bytes(c.plans[c.rank].num_flag_words))}
         for kind in c.buffers.segments:
             memory.update(self._memory(kind))
         self.link = connect(c.rv, c.plans, c.rank, c.topology, c.roots, proxy, memory,

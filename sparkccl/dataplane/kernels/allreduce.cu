@@ -106,6 +106,12 @@ __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const 
 // last block hands off the eight ring entries (chunk CHUNK_DIRECT: the proxy posts nothing;
 // the peers' checks of the call see them as for any collective) and the AG flag words, as
 // direct_publish would, off the path of the sum.
+//
+// Through the proxy (a.ll_proxy: a mesh whose peers are not mapped, e.g. one GPU a host), each
+// thread stores its lines once, into this rank's own block of its own LL area, and the
+// entries say CHUNK_LL: the proxy waits until every line carries f (no fence here), then
+// posts them into each peer's LL area (Transport::put_lines), and the peers read them as
+// above (docs/PROTOCOL.md "One shot, LL, through the proxy").
 
 // Data bytes [8 i, 8 i + 8) of src in the first two words (bytes past L read as zero).
 __device__ __forceinline__ V16 ll_own_line(const u8* src, u64 L, u64 i) {
@@ -137,7 +143,8 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
     __syncthreads();  // (every thread read the state before it moves on)
     if (threadIdx.x == 0 && !plane_failed(state)) {  // (one thread: nothing of its block's
       hand_off_entries((const u64*)a.dtab, (u8*)a.ring, state, first,  // to order first)
-                       w.seq, a.S, a.call, 0, PIECES - 1, (u32)CHUNK_DIRECT);
+                       w.seq, a.S, a.call, 0, PIECES - 1,
+                       (u32)(a.ll_proxy ? CHUNK_LL : CHUNK_DIRECT));
       TL_STAMP(state, w.seq, TL_EXIT);  // (whichever of the two threads ends last stamps last)
     }
     if (threadIdx.x == (blockDim.x > 1 ? 1u : 0u)) {
@@ -165,11 +172,19 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
   const u64 slot = (w.seq % LL_SLOTS) * (u64)w.world * LL_SOURCE_BYTES;
   const u64 lines = (a.L + 7) / 8;
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)nb * blockDim.x;
-  for (u64 i = tid; i < lines; i += nthreads) {
-    const V16 v = ll_own_line(src, a.L, i);
-    for (int d = 0; d < w.world; ++d) {
-      if (d == w.rank) continue;
-      st_ll16((u8*)ll[d] + slot + (u64)w.rank * LL_SOURCE_BYTES + 16 * i, V16{v.x, f, v.y, f});
+  if (a.ll_proxy) {  // once, into this rank's own block: the proxy posts the slice's S / 8
+    u8* const own = (u8*)ll[w.rank] + slot + (u64)w.rank * LL_SOURCE_BYTES;  // lines (CHUNK_LL)
+    for (u64 i = tid; i < a.S / 8; i += nthreads) {
+      const V16 v = ll_own_line(src, a.L, i);
+      st_ll16(own + 16 * i, V16{v.x, f, v.y, f});
+    }
+  } else {
+    for (u64 i = tid; i < lines; i += nthreads) {
+      const V16 v = ll_own_line(src, a.L, i);
+      for (int d = 0; d < w.world; ++d) {
+        if (d == w.rank) continue;
+        st_ll16((u8*)ll[d] + slot + (u64)w.rank * LL_SOURCE_BYTES + 16 * i, V16{v.x, f, v.y, f});
+      }
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_STORED);

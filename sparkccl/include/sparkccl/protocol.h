@@ -139,6 +139,11 @@ constexpr int KIND_ALL_TO_ALL = 6;  // the reduce-scatter's wire, each source's 
 constexpr int KIND_ALL_TO_ALL_SIZED = 7;
 constexpr int CHUNK_ALL = -1;     // every chunk of the piece: the proxy sends it
 constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish streams itself
+// The data plane wrote the collective's vector as LL lines into its own LL area (block of
+// this rank, slot seq % LL_SLOTS; every piece's entry says so): the proxy posts the lines
+// to each peer's LL area (Transport::put_lines) once it sees every line's flag, then the
+// piece's flag as usual (docs/PROTOCOL.md "One shot, LL, through the proxy").
+constexpr int CHUNK_LL = -3;
 
 constexpr pu64 FLAGS_OFFSET = RING_OFFSET + RING_ENTRIES * RING_ENTRY_BYTES;
 constexpr pu64 FLAG_BYTES = 8;
@@ -159,7 +164,8 @@ constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 
 // The low-latency (LL) area of the control segment (docs/PROTOCOL.md "One shot, LL"): page-
 // aligned after the call words, LL_SLOTS slots (seq % LL_SLOTS) of one LL_SOURCE_BYTES block
-// per source rank, which that source's GPU writes directly (GPU-direct peers only). Each
+// per source rank, which that source's GPU writes directly (GPU-direct peers), or which its
+// proxy copies there from the source's own block (the proxy path: CHUNK_LL). Each
 // 16-byte line is two 8-byte halves {4 data bytes, the flag (u32)(seq + 1)}, each written
 // at once, so a reader that sees a half's flag has its data: no fence, no separate flag.
 // A source's vector of L bytes takes 2 L bytes of lines. The way is taken while L x (world - 1)
@@ -485,6 +491,8 @@ struct AllReduceArgs {
   pu64 wp;         // the plane's AG WaitParams (device)
   pu64 ll;         // LL: u64[world] the ranks' LL areas (mapped; this rank's own at its
                    // index); 0: not LL (kernels/allreduce.cu allreduce_ll)
+  pu64 ll_proxy;   // LL through the proxy: 1: the lines go into this rank's own block (the
+                   // only area ll gives), for the proxy to post (CHUNK_LL); 0: GPU-direct
 };
 constexpr pu64 AR_SRC = 0;
 constexpr pu64 AR_DST = 8;
@@ -501,7 +509,8 @@ constexpr pu64 AR_NPUB = 88;
 constexpr pu64 AR_GATE = 96;
 constexpr pu64 AR_WP = 104;
 constexpr pu64 AR_LL = 112;
-constexpr pu64 AR_BYTES = 120;
+constexpr pu64 AR_LL_PROXY = 120;
+constexpr pu64 AR_BYTES = 128;
 static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
                   SCCL_OFFSET_IS(AllReduceArgs, dst, AR_DST) &&
                   SCCL_OFFSET_IS(AllReduceArgs, L, AR_L) &&
@@ -517,6 +526,7 @@ static_assert(SCCL_OFFSET_IS(AllReduceArgs, src, AR_SRC) &&
                   SCCL_OFFSET_IS(AllReduceArgs, gate, AR_GATE) &&
                   SCCL_OFFSET_IS(AllReduceArgs, wp, AR_WP) &&
                   SCCL_OFFSET_IS(AllReduceArgs, ll, AR_LL) &&
+                  SCCL_OFFSET_IS(AllReduceArgs, ll_proxy, AR_LL_PROXY) &&
                   sizeof(AllReduceArgs) == AR_BYTES,
               "AllReduceArgs offsets (sparkccl/layout.py pack_struct writes them)");
 
