@@ -3,10 +3,12 @@
     python benchmarks/decode_latency.py --world 2            # one GPU shared under MPS
     python benchmarks/decode_latency.py --world 4 --iters 300
 
-Runs the ranks three times: GPU-direct (the default on one host: a one shot of up to 32 KiB
-sends LL lines, which carry their own flags), GPU-direct with flag words only
-(``SPARKCCL_ALLREDUCE_LL=0``, the way before LL) and the proxy path
-(``SPARKCCL_GPU_DIRECT=0``). Per run, every rank measures:
+Runs the ranks once per path: GPU-direct (the default on one host: a one shot of up to
+8 KiB / (world - 1) sends LL lines, which carry their own flags), GPU-direct with flag words
+only (``SPARKCCL_ALLREDUCE_LL=0``, the way before LL), the proxy path
+(``SPARKCCL_GPU_DIRECT=0``: GB10's, one GPU a box; the same LL lines, posted by the proxy)
+and, with ``--paths proxyflags``, the proxy path with flag words only. Per run, every rank
+measures:
 
 * ``flag rtt``: a GPU -> CPU -> GPU flag round trip (sccl_clock_probe: the host writes a
   word in pinned memory, the spinning kernel answers with a store the host sees), p50;
@@ -186,15 +188,19 @@ def main() -> None:
     ap.add_argument("--per-graph", type=int, default=20)
     ap.add_argument("--max-bytes", type=int, default=2 << 20)
     ap.add_argument("--paths", default="direct,flags,proxy",
-                    help="a comma list of direct (GPU-direct, LL lines up to 32 KiB), flags "
-                         "(GPU-direct with flag words only: SPARKCCL_ALLREDUCE_LL=0), proxy")
+                    help="a comma list of direct (GPU-direct, LL lines up to 8 KiB / "
+                         "(world - 1)), flags (GPU-direct with flag words only: "
+                         "SPARKCCL_ALLREDUCE_LL=0), proxy (LL lines through the proxy), "
+                         "proxyflags (the proxy path with flag words only)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the GPU step timeline of the replayed one shot (SPARKCCL_GPU_TIMELINE)")
     a = ap.parse_args()
     sizes = [s for s in SIZES if s <= a.max_bytes]
     paths = {"direct": ("GPU-direct", {}),
              "flags": ("GPU-direct, flag words only", {"SPARKCCL_ALLREDUCE_LL": "0"}),
-             "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"})}
+             "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"}),
+             "proxyflags": ("proxy path, flag words only", {"SPARKCCL_GPU_DIRECT": "0",
+                                                            "SPARKCCL_ALLREDUCE_LL": "0"})}
     for key in a.paths.split(","):
         path, env = paths[key]
         if a.timeline:  # (the proxy path: its publish -> post too, on the GPU's stamps)
@@ -205,13 +211,13 @@ def main() -> None:
         print(f"# decode all-reduce, cuda world {a.world} mesh, {path}, bf16; p50 per call "
               f"(us, slowest rank); {a.iters} eager calls, replays of {a.per_graph} calls")
         print(f"# floor: flag rtt {rtt * 1e6:.1f} us"
-              + (" + the host's copy of the vector (write)" if key == "proxy" else ""))
+              + (" + the host's copy of the vector (write)" if key.startswith("proxy") else ""))
         keys = ["ar graph", "ar", "ar b2b", "ag+sum graph", "ag+sum"]
         print("bytes/rank " + " ".join(f"{k:>13}" for k in keys)
               + "  write  floor  graph/floor  before/after(graph)")
         for i, row in enumerate(res[0][1]):
             t = {k: max(r[1][i][k] for r in res) for k in [*keys, "write"]}
-            floor = rtt + (t["write"] if key == "proxy" else 0.0)
+            floor = rtt + (t["write"] if key.startswith("proxy") else 0.0)
             print(f"{row['size']:>10} " + " ".join(f"{t[k] * 1e6:13.1f}" for k in keys)
                   + f"  {t['write'] * 1e6:5.1f}  {floor * 1e6:5.1f}  {t['ar graph'] / floor:11.2f}"
                   + f"  {t['ag+sum graph'] / t['ar graph']:19.2f}")

@@ -230,9 +230,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),
     _v("SPARKCCL_ALLREDUCE_LL", "bool", True, "data plane (CUDA)",
-       "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank "
-       "send lines that carry their own flags (no fence, flag word or poller; the same "
-       "bits); on only where every rank has it on (agreed at creation); 0: the flag-word way"),
+       "a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank send lines "
+       "that carry their own flags (no fence, flag word or poller; the same bits), straight "
+       "into the peers' memory (GPU-direct) or posted by the proxy (any transport); on only "
+       "where every rank has it on (agreed at creation); 0: the flag-word way"),
     _v("SPARKCCL_LAUNCH_EARLY", "bool", True, "data plane (CUDA)",
        "sm_90 and later: the one-shot all-reduce's kernel is launched with programmatic "
        "dependent launch, so it is resident while the kernel before it ends and waits for "

@@ -209,16 +209,19 @@ class Wiring:
 
     def _agree_ll(self) -> None:
         """The one-shot all-reduce's LL way (CudaDataPlane.enable_ll) where every rank can
-        take it: GPU-direct to every peer (a mesh on one host, world <= 8) and
-        ``SPARKCCL_ALLREDUCE_LL`` on. All or none: a rank that waits for LL lines a peer
-        never writes would time out, so the ranks say what they can through the store."""
-        if not (self.link.maps_peers and self.topology == "mesh"):  # (agreed: no exchange)
+        take it: CUDA, a mesh (no relays), world <= 8 and ``SPARKCCL_ALLREDUCE_LL`` on. Each
+        rank GPU-direct to every peer writes its lines into the peers' LL areas; any other
+        (tcp, verbs, shm without GPU-direct) has its proxy post them (``CHUNK_LL``): a
+        reader cannot tell the two apart, so each rank takes its own. All or none: a rank
+        that waits for LL lines a peer never writes would time out, so the ranks say what
+        they can through the store."""
+        if self.topology != "mesh":  # (agreed: no exchange)
             return
-        able = bool(self.gpu_direct and self.settings.allreduce_ll
+        able = bool(self.device.type == "cuda" and self.settings.allreduce_ll
                     and self.world <= LL_MAX_WORLD)
         if all(self.rv.exchange("allreduce_ll", able, "agree on the LL all-reduce",
                                 self.dp.check_abort)):
-            self.dp.enable_ll()
+            self.dp.enable_ll(through_proxy=not self.gpu_direct)
 
     def _attach_rs_dataplane(self) -> None:
         sz = self.sizes
