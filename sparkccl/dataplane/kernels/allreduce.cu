@@ -199,7 +199,9 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
 #pragma unroll
       for (int s = 0; s < BATCH; ++s) {
         if (s < w.world && s != w.rank && !ll_complete(line[s], f)) {
-          line[s] = ld_ll16(mine + (u64)s * LL_SOURCE_BYTES + 16 * i);
+          const u8* at = mine + (u64)s * LL_SOURCE_BYTES + 16 * i;
+          line[s] = a.ll_proxy ? ld_sys16(at) : ld_ll16(at);  // (a CPU thread or NIC wrote
+                                                               // it: ld.cv, cached lines stale)
           if (!ll_complete(line[s], f)) short_at = s;
         }
       }
