@@ -201,6 +201,27 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
   if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_STORED);
   const u8* mine = (const u8*)ll[w.rank] + slot;
   const u64 t0 = globaltimer();
+  // Through the proxy the lines come from a host thread (or NIC) into host memory, and each
+  // read of them crosses PCIe (GPU-direct on one GPU they sit in its L2): a thousand threads
+  // polling a line each put as many small reads in flight at a time, and the lines took
+  // 60 us to be seen where they landed in 10 (H200). So one thread per block waits for every
+  // source's last line (the copies store lines in order, so the others are there by then, or
+  // nearly: each thread still checks its own below), then the block reads its lines.
+  if (a.ll_proxy && lines) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < w.world; ++s) {
+        if (s == w.rank) continue;
+        const u8* at = mine + (u64)s * LL_SOURCE_BYTES + 16 * (lines - 1);
+        for (u32 spins = 1; !ll_complete(ld_sys16(at), f); ++spins) {
+          const int word = w.waits[s * w.maxw];
+          if (plane_failed(state) ||
+              !still_waiting(w, spins, t0, (u64)s, word < 0 ? NO_WORD : (u64)word, PIECES - 1))
+            break;  // (the threads' own reads below find the plane failed)
+        }
+      }
+    }
+    __syncthreads();
+  }
   for (u64 i = tid; i < lines; i += nthreads) {
     V16 line[BATCH];  // (LL needs world <= BATCH; ~f: not read yet)
 #pragma unroll
