@@ -142,15 +142,6 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
     const u64 first = state_word(state, STATE_RING);
     __syncthreads();  // (every thread read the state before it moves on)
     if (threadIdx.x == 0 && !plane_failed(state)) {  // (one thread: nothing of its block's
-      // Through the proxy, the entries wait until every data block has stored its lines: the
-      // proxy then finds them written at its first look, and its reads do not meet the GPU's
-      // stores (no fence: the proxy checks the lines' flags all the same).
-      if (a.ll_proxy) {
-        const u64 t0 = globaltimer();
-        for (u32 spins = 1; ld_acquire_gpu32(read + 1) < nb && !plane_failed(state); ++spins)
-          if (!still_waiting(w, spins, t0, (u64)w.rank, NO_WORD, PIECES - 1)) break;
-        st_volatile_u32(read + 1, 0);  // (ready for seq + COUNTER_SETS)
-      }
       hand_off_entries((const u64*)a.dtab, (u8*)a.ring, state, first,  // to order first)
                        w.seq, a.S, a.call, 0, PIECES - 1,
                        (u32)(a.ll_proxy ? CHUNK_LL : CHUNK_DIRECT));
@@ -187,8 +178,6 @@ __device__ void allreduce_ll(const AllReduceArgs& a, const WaitArgs& w, u64* sta
       const V16 v = ll_own_line(src, a.L, i);
       st_ll16(own + 16 * i, V16{v.x, f, v.y, f});
     }
-    __syncthreads();  // (the block's lines stored: the hand-off thread counts blocks)
-    if (threadIdx.x == 0) red_release_gpu(read + 1, 1);
   } else {
     for (u64 i = tid; i < lines; i += nthreads) {
       const V16 v = ll_own_line(src, a.L, i);
