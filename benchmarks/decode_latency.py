@@ -6,9 +6,9 @@
 Runs the ranks once per path: GPU-direct (the default on one host: a one shot of up to
 8 KiB / (world - 1) sends LL lines, which carry their own flags), GPU-direct with flag words
 only (``SPARKCCL_ALLREDUCE_LL=0``, the way before LL), the proxy path
-(``SPARKCCL_GPU_DIRECT=0``: GB10's, one GPU a box; the same LL lines, posted by the proxy)
-and, with ``--paths proxyflags``, the proxy path with flag words only. Per run, every rank
-measures:
+(``SPARKCCL_GPU_DIRECT=0``: GB10's, one GPU a box; flag words) and, with ``--paths
+proxyll``, the proxy path with the LL lines posted by the proxy
+(``SPARKCCL_ALLREDUCE_LL_PROXY=1``). Per run, every rank measures:
 
 * ``flag rtt``: a GPU -> CPU -> GPU flag round trip (sccl_clock_probe: the host writes a
   word in pinned memory, the spinning kernel answers with a store the host sees), p50;
@@ -190,8 +190,8 @@ def main() -> None:
     ap.add_argument("--paths", default="direct,flags,proxy",
                     help="a comma list of direct (GPU-direct, LL lines up to 8 KiB / "
                          "(world - 1)), flags (GPU-direct with flag words only: "
-                         "SPARKCCL_ALLREDUCE_LL=0), proxy (LL lines through the proxy), "
-                         "proxyflags (the proxy path with flag words only)")
+                         "SPARKCCL_ALLREDUCE_LL=0), proxy (flag words), proxyll (LL lines "
+                         "through the proxy: SPARKCCL_ALLREDUCE_LL_PROXY=1)")
     ap.add_argument("--timeline", action="store_true",
                     help="also the GPU step timeline of the replayed one shot (SPARKCCL_GPU_TIMELINE)")
     a = ap.parse_args()
@@ -199,8 +199,8 @@ def main() -> None:
     paths = {"direct": ("GPU-direct", {}),
              "flags": ("GPU-direct, flag words only", {"SPARKCCL_ALLREDUCE_LL": "0"}),
              "proxy": ("proxy path", {"SPARKCCL_GPU_DIRECT": "0"}),
-             "proxyflags": ("proxy path, flag words only", {"SPARKCCL_GPU_DIRECT": "0",
-                                                            "SPARKCCL_ALLREDUCE_LL": "0"})}
+             "proxyll": ("proxy path, LL lines", {"SPARKCCL_GPU_DIRECT": "0",
+                                                  "SPARKCCL_ALLREDUCE_LL_PROXY": "1"})}
     for key in a.paths.split(","):
         path, env = paths[key]
         if a.timeline:  # (the proxy path: its publish -> post too, on the GPU's stamps)

@@ -230,10 +230,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "CUDA on one host (shm): the GPU writes its data straight into the peers' mapped "
        "regions and flags; 0: the proxy's copy workers send it"),
     _v("SPARKCCL_ALLREDUCE_LL", "bool", True, "data plane (CUDA)",
-       "a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank send lines "
-       "that carry their own flags (no fence, flag word or poller; the same bits), straight "
-       "into the peers' memory (GPU-direct) or posted by the proxy (any transport); on only "
-       "where every rank has it on (agreed at creation); 0: the flag-word way"),
+       "GPU-direct on a mesh: one-shot all-reduces of up to 8 KiB / (world - 1) per rank "
+       "send lines that carry their own flags (no fence, flag word or poller; the same "
+       "bits); on only where every rank has it on (agreed at creation); 0: the flag-word way"),
+    _v("SPARKCCL_ALLREDUCE_LL_PROXY", "bool", False, "data plane (CUDA)",
+       "with SPARKCCL_ALLREDUCE_LL, ranks that are not GPU-direct (tcp, verbs, shm without "
+       "GPU-direct) send those lines too, posted by their proxy; off by default: on an H200, "
+       "where the GPU polls them across PCIe, 8 KiB at world 2 took 39-40 us against 23-28 "
+       "us with flag words (GB10's memory is coherent: not measured there)"),
     _v("SPARKCCL_LAUNCH_EARLY", "bool", True, "data plane (CUDA)",
        "sm_90 and later: the one-shot all-reduce's kernel is launched with programmatic "
        "dependent launch, so it is resident while the kernel before it ends and waits for "
@@ -374,6 +378,7 @@ class Settings:
     worker_spin_us: int  # shm copy workers (SPARKCCL_SHM_WORKER_SPIN_US)
     gpu_direct: bool = True
     allreduce_ll: bool = True
+    allreduce_ll_proxy: bool = False
     relay_lead: int = -1
     allreduce_oneshot_bytes: int = DEFAULT_ALLREDUCE_ONESHOT_BYTES
 
@@ -433,6 +438,7 @@ def resolve(*, slot_bytes: int | str | None = None, timeout_s: float | None = No
                     (spin if spin is not None else DEFAULT_SPIN_US) if workers_fit else 0,
                     gpu_direct=get("SPARKCCL_GPU_DIRECT", env),
                     allreduce_ll=get("SPARKCCL_ALLREDUCE_LL", env),
+                    allreduce_ll_proxy=get("SPARKCCL_ALLREDUCE_LL_PROXY", env),
                     relay_lead=get("SPARKCCL_RELAY_LEAD", env),
                     allreduce_oneshot_bytes=oneshot_bytes(
                         get("SPARKCCL_ALLREDUCE_ONESHOT_BYTES", env), world))

@@ -211,14 +211,15 @@ class Wiring:
         """The one-shot all-reduce's LL way (CudaDataPlane.enable_ll) where every rank can
         take it: CUDA, a mesh (no relays), world <= 8 and ``SPARKCCL_ALLREDUCE_LL`` on. Each
         rank GPU-direct to every peer writes its lines into the peers' LL areas; any other
-        (tcp, verbs, shm without GPU-direct) has its proxy post them (``CHUNK_LL``): a
-        reader cannot tell the two apart, so each rank takes its own. All or none: a rank
-        that waits for LL lines a peer never writes would time out, so the ranks say what
-        they can through the store."""
+        (tcp, verbs, shm without GPU-direct) has its proxy post them (``CHUNK_LL``), where
+        ``SPARKCCL_ALLREDUCE_LL_PROXY`` says so: a reader cannot tell the two apart, so each
+        rank takes its own. All or none: a rank that waits for LL lines a peer never writes
+        would time out, so the ranks say what they can through the store."""
         if self.topology != "mesh":  # (agreed: no exchange)
             return
-        able = bool(self.device.type == "cuda" and self.settings.allreduce_ll
-                    and self.world <= LL_MAX_WORLD)
+        s = self.settings
+        able = bool(self.device.type == "cuda" and s.allreduce_ll and self.world <= LL_MAX_WORLD
+                    and (self.gpu_direct or s.allreduce_ll_proxy))
         if all(self.rv.exchange("allreduce_ll", able, "agree on the LL all-reduce",
                                 self.dp.check_abort)):
             self.dp.enable_ll(through_proxy=not self.gpu_direct)

@@ -209,10 +209,11 @@ def _bad_input_job(rank, world, store):
                          ids=["direct", "proxy", "mixed"])
 def test_ll_way_is_taken_by_every_rank_or_none(able, taken, direct):
     """The LL all-reduce (wiring.py _agree_ll): each rank of a CUDA mesh says whether it can
-    take it (SPARKCCL_ALLREDUCE_LL, world <= 8) through the store, and every rank enables it
-    only if all can, so no rank waits for lines a peer never writes; each rank writes its
-    lines GPU-direct where it is, else through its proxy (readers cannot tell them apart).
-    (A ring is not asked at all; a CPU plane says no.)"""
+    take it (SPARKCCL_ALLREDUCE_LL, world <= 8; not GPU-direct: SPARKCCL_ALLREDUCE_LL_PROXY
+    as well) through the store, and every rank enables it only if all can, so no rank waits
+    for lines a peer never writes; each rank writes its lines GPU-direct where it is, else
+    through its proxy (readers cannot tell them apart). (A ring is not asked at all; a CPU
+    plane says no; a rank neither GPU-direct nor set to send through its proxy says no.)"""
     import types
 
     from sparkccl import wiring
@@ -222,7 +223,7 @@ def test_ll_way_is_taken_by_every_rank_or_none(able, taken, direct):
         w = object.__new__(wiring.Wiring)
         w.rank, w.world, w.topology, w.gpu_direct = rank, 2, "mesh", direct[rank]
         w.device = torch.device("cuda")
-        w.settings = types.SimpleNamespace(allreduce_ll=able[rank])
+        w.settings = types.SimpleNamespace(allreduce_ll=able[rank], allreduce_ll_proxy=True)
         w.dp = types.SimpleNamespace(
             check_abort=None,
             enable_ll=lambda through_proxy, rank=rank: enabled.append((rank, through_proxy)))
@@ -232,6 +233,10 @@ def test_ll_way_is_taken_by_every_rank_or_none(able, taken, direct):
     assert said == list(able)
     assert enabled == ([(0, not direct[0]), (1, not direct[1])] if taken else [])
     w.device, said[:] = torch.device("cpu"), []
+    w._agree_ll()
+    assert said == [False]
+    w.device, w.gpu_direct, said[:] = torch.device("cuda"), False, []
+    w.settings = types.SimpleNamespace(allreduce_ll=True, allreduce_ll_proxy=False)
     w._agree_ll()
     assert said == [False]
     w.topology, said[:] = "ring", []
@@ -286,12 +291,13 @@ def _graph_job(rank, world, store, topology, replays, transport="auto"):
             if not (bits(ey.cpu()) == all_reduce_reference(ex, "avg")).all():
                 bad.append(f"eager after replay {it} differs")
         # a mesh: the one shots up to 8 KiB / (W - 1) went the LL way, GPU-direct on shm,
-        # else through the proxy
-        ll = topology == "mesh"
+        # else through the proxy where SPARKCCL_ALLREDUCE_LL_PROXY says so
+        proxy = transport == "tcp" or os.environ.get("SPARKCCL_GPU_DIRECT", "1") == "0"
+        ll = topology == "mesh" and (
+            not proxy or os.environ.get("SPARKCCL_ALLREDUCE_LL_PROXY", "0") == "1")
         dp = comm.data_plane
         if (dp.ll_launches > 0) != ll:
             bad.append(f"LL launches {dp.ll_launches}, expected {'some' if ll else 'none'}")
-        proxy = transport == "tcp" or os.environ.get("SPARKCCL_GPU_DIRECT", "1") == "0"
         if ll and dp.ll_proxy != proxy:
             bad.append(f"LL lines through the proxy: {dp.ll_proxy}, expected {proxy}")
     return bad
@@ -300,8 +306,9 @@ def _graph_job(rank, world, store, topology, replays, transport="auto"):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: "
                     "torch.cuda.is_available() is False")
-@pytest.mark.parametrize("env,transport", [({}, "auto"), ({"SPARKCCL_GPU_DIRECT": "0"}, "auto"),
-                                           ({}, "tcp")], ids=["direct", "proxy", "tcp-fused"])
+@pytest.mark.parametrize("env,transport", [
+    ({}, "auto"), ({"SPARKCCL_GPU_DIRECT": "0"}, "auto"), ({}, "tcp"),
+    ({"SPARKCCL_ALLREDUCE_LL_PROXY": "1"}, "tcp")], ids=["direct", "proxy", "tcp-fused", "tcp-ll"])
 @pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 3), ("mesh", 4)])
 def test_cuda_graph_capture_and_replay(topology, world, env, transport):
     values = check(run_ranks(_graph_job, world, args=(topology, 10, transport), env=env,
