@@ -1,5 +1,6 @@
 // shm transport (docs/PROTOCOL.md "The transport contract"): ranks on one host. Each connection has one copy worker thread
-// that performs its operations in order: memcpy for a write, for a flag a full fence then a
+// that performs its operations in order: memcpy for a write, 8-byte stores for LL lines
+// (store_lines), for a flag a full fence then a
 // release store of the value into the peer's flag word, and for a call entry its words'
 // release stores (no fence: the entry need only precede later flags, and their fences order
 // it). An idle worker spins for
