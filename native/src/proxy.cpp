@@ -383,11 +383,13 @@ bool Proxy::consume_ring() {
         continue;
       }
     }
-    uint32_t earlier = c->all | c->direct;  // (pieces of the collective consumed before)
-    for (uint32_t m : c->chunks) earlier |= m;
-    if ((chunk == CHUNK_LL) != (c->ll != 0) && earlier) {
-      bad("LL lines and other pieces in one collective");
-      continue;
+    if ((chunk == CHUNK_LL) != (c->ll != 0)) {  // (then: was any piece consumed before?)
+      uint32_t earlier = c->all | c->direct;
+      for (uint32_t m : c->chunks) earlier |= m;
+      if (earlier) {
+        bad("LL lines and other pieces in one collective");
+        continue;
+      }
     }
     if (!c->seen_ns[piece]) {
       c->seen_ns[piece] = now_ns();
@@ -511,7 +513,7 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   const bool sized = s.kind == 0 && (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
   // CHUNK_LL: the same parts, as lines of this rank's LL block (data byte x at line byte 2 x),
   // to the same place in the peer's LL area.
-  const uint64_t ll_block = ll_block_offset(c.seq, rank_, world_);
+  const uint64_t ll_block = c.ll ? ll_block_offset(c.seq, rank_, world_) : 0;
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
     const uint64_t chunk_off = (c.seq % reg_.slots[it.src_region]) *

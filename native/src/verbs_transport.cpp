@@ -775,7 +775,6 @@ bool VerbsEndpoint::put_lines(Registry* reg, int conn, uint64_t off, uint64_t le
   if (!usable(conn, cause)) return false;
   if (!lines_in_range(*reg, off, len, cause)) return false;
   Qp& q = *qps_[size_t(conn)];
-  const ConnInfo& c = conns_[size_t(conn)];
   Dev& d = *devs_[size_t(q.dev)];
   const Dev::Key& k = d.keys[VERBS_KEY_FLAGS];
   const uint64_t at = reg->ll_off + off;  // (from the flag words)
@@ -784,11 +783,8 @@ bool VerbsEndpoint::put_lines(Registry* reg, int conn, uint64_t off, uint64_t le
              ") past the flag words is not in their memory registration on " + d.name;
     return false;
   }
-  uint64_t fbase = reg->peers[c.peer].flags.load(std::memory_order_acquire);
-  if (!fbase || !q.key_set[VERBS_KEY_FLAGS].load(std::memory_order_acquire)) {
-    *cause = "the address or rkey of the peer's flag words is unknown";
-    return false;
-  }
+  const uint64_t fbase = peer_flags(reg, conn, cause);
+  if (!fbase) return false;
   return post_write(conn, k.addr + at, k.lkey, VERBS_KEY_FLAGS, at, fbase + at,
                     q.rkey[VERBS_KEY_FLAGS], VERBS_KEY_FLAGS, at, len, cause);
 }
@@ -870,17 +866,23 @@ bool VerbsEndpoint::post_words(int conn, uint64_t word, const uint64_t* values, 
   return post(conn, &wr, d, signaled ? 0 : 1, cause);
 }
 
+// The peer's flag words' address, once its rkey is known too (put_call, put_lines); 0 and
+// *cause otherwise.
+uint64_t VerbsEndpoint::peer_flags(Registry* reg, int conn, std::string* cause) const {
+  const uint64_t fbase = reg->peers[conns_[size_t(conn)].peer].flags.load(std::memory_order_acquire);
+  if (fbase && qps_[size_t(conn)]->key_set[VERBS_KEY_FLAGS].load(std::memory_order_acquire))
+    return fbase;
+  *cause = "the address or rkey of the peer's flag words is unknown";
+  return 0;
+}
+
 bool VerbsEndpoint::put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values,
                              std::string* cause) {
   if (!usable(conn, cause)) return false;
   if (!call_entry_in_range(*reg, word, cause)) return false;
   Qp& q = *qps_[size_t(conn)];
-  const ConnInfo& c = conns_[size_t(conn)];
-  uint64_t fbase = reg->peers[c.peer].flags.load(std::memory_order_acquire);
-  if (!fbase || !q.key_set[VERBS_KEY_FLAGS].load(std::memory_order_acquire)) {
-    *cause = "the address or rkey of the peer's flag words is unknown";
-    return false;
-  }
+  const uint64_t fbase = peer_flags(reg, conn, cause);
+  if (!fbase) return false;
   // A plain (unsignaled, like a data write) RDMA WRITE in both modes: strict mode's
   // immediate carries only a flag's low bits. One WR where the QP inlines the entry.
   const uint32_t rkey = q.rkey[VERBS_KEY_FLAGS];

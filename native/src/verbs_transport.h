@@ -117,6 +117,7 @@ class VerbsEndpoint final : public TransportFactory {
   bool room(int conn, uint64_t n, std::string* cause);
   bool post(int conn, ibv::send_wr* wr, const verbs_detail::WrDesc& d, uint64_t reserve_after,
             std::string* cause);
+  uint64_t peer_flags(Registry* reg, int conn, std::string* cause) const;
   // RDMA WRITEs of [laddr, laddr + len) to remote (keys and offsets: for the messages).
   bool post_write(int conn, uint64_t laddr, uint32_t lkey, int src_key, uint64_t src_off,
                   uint64_t remote, uint32_t rkey, int dst_key, uint64_t dst_off, uint64_t len,
