@@ -39,7 +39,8 @@ struct ProxyStats {
   // a data flag's way through the transport's workers (Transport::stats; shm only,
   // 0 elsewhere): pushed by the proxy -> taken from its connection's queue by the copy
   // worker (take), taken -> stored in the peer's flag word (store: the batch's earlier
-  // copies, the fence), and pushed -> stored (total); the last 1024 per connection
+  // copies, the fence), and pushed -> stored (total); the last 1024 per connection (and
+  // as many of the flags the proxy stored itself, take 0: shm_transport.cpp's inline ops)
   uint64_t shm_flag_samples, shm_flag_take_p50_ns, shm_flag_take_p99_ns,
       shm_flag_store_p50_ns, shm_flag_store_p99_ns, shm_flag_total_p50_ns,
       shm_flag_total_p99_ns;

@@ -8,6 +8,13 @@
 // waking a sleeping worker is a futex call in the proxy's post, several microseconds of its
 // publish -> post latency on the H200 machine, benchmarks/proxy_latency_h200.txt), then
 // blocks on a condition variable (0 where many ranks share few cores: no busy waiting).
+//
+// A small operation on a connection whose worker has nothing left to do (every operation
+// pushed so far done) is performed by the calling thread (the proxy) at once: the hand-over
+// to the worker and its wake-up cost more than the copy (an 8 KiB all-reduce at world 2, a
+// 4 KiB write and a flag per connection: the worker's pushed -> stored was 1.5 us p50 on
+// the H200 machine, benchmarks/decode_latency_h200.txt). The connection's order holds: the
+// worker is drained, and the caller's next operation comes after this one returns.
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -34,12 +41,30 @@ struct CopyOp {
 // decode-sized post has one, so the ring holds the last thousand posts or so.
 constexpr size_t FLAG_SAMPLES = 1024;
 
+// Operations of at most this many bytes go inline where the worker is drained (above): a
+// memcpy of 8 KiB from host memory a GPU just wrote takes well under the worker's hop.
+constexpr uint64_t INLINE_BYTES = 8192;
+
+void perform(const CopyOp& op) {
+  if (op.call) {
+    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) store_release(op.flag + k, op.value[k]);
+  } else if (op.flag) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    store_release(op.flag, op.value[0]);
+  } else if (op.lines) {
+    store_lines(op.dst, op.src, op.len);
+  } else {
+    std::memcpy(op.dst, op.src, op.len);
+  }
+}
+
 struct Worker : OrderedQueue<CopyOp> {
   bool stopping = false;
   std::atomic<bool> quit{false};
   std::thread thread;
   uint64_t spin_ns = 0;
   SampleRing<FLAG_SAMPLES> flag_ring;  // written by this worker only
+  SampleRing<FLAG_SAMPLES> inline_ring;  // flags stored inline, by the pushing thread only
   std::atomic<uint64_t> sleeps{0};     // cv waits (the slow path: a futex each way)
 
   void run() {
@@ -68,18 +93,9 @@ struct Worker : OrderedQueue<CopyOp> {
       const uint64_t taken_ns = now_ns();  // (one clock read per batch, for the samples)
       for (const CopyOp& op : batch) {
         if (quit.load(std::memory_order_relaxed)) return;
-        if (op.call) {
-          for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
-            store_release(op.flag + k, op.value[k]);
-        } else if (op.flag) {
-          std::atomic_thread_fence(std::memory_order_seq_cst);
-          store_release(op.flag, op.value[0]);
-          if (op.pushed_ns) flag_ring.add(flag_sample(op.pushed_ns, taken_ns, now_ns()));
-        } else if (op.lines) {
-          store_lines(op.dst, op.src, op.len);
-        } else {
-          std::memcpy(op.dst, op.src, op.len);
-        }
+        perform(op);
+        if (op.flag && !op.call && op.pushed_ns)
+          flag_ring.add(flag_sample(op.pushed_ns, taken_ns, now_ns()));
         done.fetch_add(1, std::memory_order_release);
       }
       batch.clear();
@@ -135,7 +151,7 @@ class ShmTransport final : public Transport {
               nullptr, {}, 0, false, false};
     // Queued with the post's flag (below), which always follows: one lock and one batch
     // for the worker, and one wake-up if it sleeps.
-    workers_[size_t(conn)]->defer(op);
+    submit(conn, op, len, true);
     return true;
   }
 
@@ -148,7 +164,7 @@ class ShmTransport final : public Transport {
     uint64_t* at = peer_word(conn, word, cause);
     if (!at) return false;
     CopyOp op{nullptr, nullptr, 0, at, {value}, now_ns(), false, false};
-    workers_[size_t(conn)]->push(op);
+    submit(conn, op, 0, false);
     return true;
   }
 
@@ -160,7 +176,7 @@ class ShmTransport final : public Transport {
     if (!at) return false;
     CopyOp op{nullptr, nullptr, 0, at, {}, 0, true, false};
     for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) op.value[k] = values[k];
-    workers_[size_t(conn)]->push(op);
+    submit(conn, op, 0, false);
     return true;
   }
 
@@ -174,7 +190,7 @@ class ShmTransport final : public Transport {
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(to)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(flags_ + reg_->ll_off + off)),
               len, nullptr, {}, 0, false, true};
-    workers_[size_t(conn)]->defer(op);
+    submit(conn, op, len, true);
     return true;
   }
 
@@ -183,11 +199,32 @@ class ShmTransport final : public Transport {
   void stats(Stats* out) const override {
     for (auto& w : workers_) {
       out->flags_sampled += w->flag_ring.read(&out->flag_samples);
+      out->flags_sampled += w->inline_ring.read(&out->flag_samples);
       out->worker_sleeps += w->sleeps.load(std::memory_order_relaxed);
     }
   }
 
  private:
+  // An operation of `bytes` on connection conn: performed here if small and the worker is
+  // drained (see the file's head), else queued: deferred (a write's bytes, which its post's
+  // flag follows) or pushed.
+  void submit(int conn, const CopyOp& op, uint64_t bytes, bool deferred) {
+    Worker& w = *workers_[size_t(conn)];
+    // (posted counts what this thread queued, deferred ones included: equal to done, the
+    // worker has performed all of it, and the acquire orders those stores before ours)
+    if (bytes <= INLINE_BYTES &&
+        w.posted.load(std::memory_order_relaxed) == w.done.load(std::memory_order_acquire)) {
+      perform(op);
+      if (op.flag && !op.call) {
+        const uint64_t t = now_ns();
+        w.inline_ring.add(flag_sample(op.pushed_ns, op.pushed_ns, t > op.pushed_ns ? t : op.pushed_ns + 1));
+      }
+      return;
+    }
+    if (deferred) w.defer(op);
+    else w.push(op);
+  }
+
   // The peer's word (from FLAGS_OFFSET) as mapped here, or nullptr and *cause.
   uint64_t* peer_word(int conn, uint64_t word, std::string* cause) {
     const ConnInfo& c = conns_[size_t(conn)];
