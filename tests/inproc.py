@@ -146,15 +146,20 @@ def pattern(seq, origin, chunk, n):
     return np.random.default_rng([seq, origin, chunk, n]).integers(0, 256, n, dtype=np.uint8)
 
 
-def run_ag(w: ProxyWorld, slice_: int, seq=None):
-    """One all-gather of slice_ bytes per rank (sequence ``seq``, default the next), checked."""
+def run_ag(w: ProxyWorld, slice_: int, seq=None, whole: bool = False):
+    """One all-gather of slice_ bytes per rank (sequence ``seq``, default the next), checked.
+    ``whole``: each rank publishes one entry for the eight pieces (CHUNK_WHOLE)."""
     seq = w.seq if seq is None else seq
     W = w.world
     for r in range(W):
         for b in range(W):
             w.block(r, Region.AG, seq, b, slice_)[:] = pattern(seq, r, 0, slice_) if b == r else 0xEE
     w.slices[seq] = (slice_, 16)
-    for c in range(G.PIECES):
+    if whole:
+        for r in range(W):
+            assert N.publish_range(w.ctl[r].addr, int(Op.AG), seq, 0, G.PIECES - 1,
+                                   L.CHUNK_WHOLE, slice_, 16, 5.0) == 0
+    for c in range(0 if whole else G.PIECES):
         for r in range(W):
             assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
     w.wait_all(Op.AG, seq)

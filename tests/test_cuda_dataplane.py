@@ -1380,17 +1380,25 @@ def test_graph_replay_interleaved_with_eager(backend, topology, world, roots, mo
 
 
 def check_ring_tickets(w: World, r: int, count: int) -> None:
-    """The last 32 collectives' publish-ring entries of rank r (8 each): entry i carries tag
-    i + 1 and seq i // 8, so no seq was taken twice or skipped and every slot (seq % 3,
-    seq % 2) followed the one numbering the reuse chain is defined by (docs/PROTOCOL.md
-    "Slot reuse")."""
+    """The last 32 collectives' publish-ring entries of rank r (8 indices each): entry i
+    carries tag i + 1 and seq i // 8, so no seq was taken twice or skipped and every slot
+    (seq % 3, seq % 2) followed the one numbering the reuse chain is defined by
+    (docs/PROTOCOL.md "Slot reuse"). A collective handed off in one entry (CHUNK_WHOLE, the
+    one-shot all-reduce's proxy path) has it at its first index, for all 8 pieces."""
     ring = np.frombuffer((ctypes.c_uint64 * (L.RING_ENTRIES * L.RING_ENTRY_BYTES // 8))
                          .from_address(w.ctl[r].addr + L.RING_OFFSET), dtype=np.uint64)
     ring = ring.reshape(L.RING_ENTRIES, -1)
     head = 8 * count
+    whole = None  # the seq of the CHUNK_WHOLE entry whose indices these are
     for i in range(max(0, head - L.RING_ENTRIES), head):
+        if whole == i // 8:
+            continue
         e = ring[i % L.RING_ENTRIES]
         assert (int(e[L.ENT_TAG // 8]), int(e[L.ENT_SEQ // 8])) == (i + 1, i // 8), (r, i)
+        chunk = int(e[L.ENT_CHUNK // 8]) & 0xFFFFFFFF
+        if chunk == L.CHUNK_WHOLE & 0xFFFFFFFF:
+            assert i % 8 == 0 and int(e[L.ENT_OP // 8]) >> L.CALL_PIECE_SHIFT & 0xFF == 7, (r, i)
+            whole = i // 8
 
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")

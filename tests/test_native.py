@@ -281,6 +281,40 @@ def test_ll_lines_through_the_proxy(world, roots):
         w.stop()
 
 
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 2, 2), ("mesh", 3, 1), ("ring", 4, 2),
+                                                   ("ring", 5, 1)])
+def test_whole_entry_stands_for_eight_pieces(topology, world, roots):
+    """One ring entry of chunk CHUNK_WHOLE (the one-shot all-reduce's proxy path) publishes
+    all eight pieces: the proxy sends them as eight CHUNK_ALL entries would be sent (relays
+    too), and its tail moves past the eight ring indices, so entries published after it are
+    read in turn; slices below and above ONE_HANDOFF_SLICE, between collectives of eight
+    entries, over the whole ring (more indices than it has)."""
+    w = World(topology, world, roots, 65536)
+    w.start()
+    try:
+        n = 0
+        while n * G.PIECES < 3 * L.RING_ENTRIES:
+            for slice_, whole in [(1024, True), (4096, False), (65536, True), (16, True)]:
+                run_ag(w, slice_, whole=whole)
+                n += 1
+            run_rs(w, 2048)
+            n += 1
+        w.check_healthy()
+        for r in range(world):
+            assert w.ctl[r].word(L.CTL_RING_TAIL) == w.ctl[r].word(L.CTL_RING_HEAD) == n * G.PIECES
+    finally:
+        w.stop()
+
+
+def test_whole_entry_publish_checks():
+    """The host publish of a CHUNK_WHOLE entry stands for pieces 0..last: another first piece
+    is refused before anything is published."""
+    c = Ctl(2)
+    with pytest.raises(ValueError, match="CHUNK_WHOLE"):
+        N.publish_range(c.addr, int(Op.AG), 0, 1, G.PIECES - 1, L.CHUNK_WHOLE, 64, 16, 1.0)
+    assert c.word(L.CTL_RING_HEAD) == 0
+
+
 def test_ll_lines_refused_where_a_stream_relays():
     """A ring of 4 relays: CHUNK_LL entries there are a protocol error, named."""
     w = World("ring", 4, 1, 4096)

@@ -90,20 +90,24 @@ int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64
                 uint64_t granule, double timeout_s, uint64_t call) {
   if (op < 0 || op >= NUM_OPS) throw std::invalid_argument("publish: op out of range");
   if (piece < 0 || piece >= geom::PIECES) throw std::invalid_argument("publish: piece out of range");
-  if ((chunk < -1 && chunk != CHUNK_LL) || chunk >= 32)
-    throw std::invalid_argument("publish: chunk must be -1..31 or CHUNK_LL (-3)");
+  if ((chunk < -1 && chunk != CHUNK_LL && chunk != CHUNK_WHOLE) || chunk >= 32)
+    throw std::invalid_argument("publish: chunk must be -1..31, CHUNK_LL (-3) or CHUNK_WHOLE (-4)");
   if (granule == 0) throw std::invalid_argument("publish: granule must be > 0");
   if (call & (0xFFull | 0xFFull << CALL_PIECE_SHIFT))
     throw std::invalid_argument("publish: call word with op or piece bits set");
   uint64_t code = abort_code(ctl);
   if (code) return int64_t(code);
 
-  uint64_t index = __atomic_fetch_add(word_at(ctl, CTL_RING_HEAD), 1, __ATOMIC_ACQ_REL);
+  // CHUNK_WHOLE: one entry for pieces 0..piece, which takes their piece + 1 ring indices (the
+  // entry at the first; `last` needs the ring's room)
+  const uint64_t span = chunk == CHUNK_WHOLE ? uint64_t(piece) + 1 : 1;
+  uint64_t index = __atomic_fetch_add(word_at(ctl, CTL_RING_HEAD), span, __ATOMIC_ACQ_REL);
+  const uint64_t last = index + span - 1;
   const uint64_t* tail = word_at(ctl, CTL_RING_TAIL);
-  if (index - load_acquire(tail) >= RING_ENTRIES) {
+  if (last - load_acquire(tail) >= RING_ENTRIES) {
     Backoff backoff;
     uint64_t start = now_ns();
-    while (index - load_acquire(tail) >= RING_ENTRIES) {
+    while (last - load_acquire(tail) >= RING_ENTRIES) {
       code = abort_code(ctl);
       if (code) return int64_t(code);
       if (deadline_passed(start, timeout_s)) {
@@ -117,6 +121,7 @@ int64_t publish(uint64_t ctl, int op, uint64_t seq, int piece, int chunk, uint64
     }
   }
   auto b = geom::piece_bounds(slice, piece, granule);
+  if (chunk == CHUNK_WHOLE) b.first = 0;
   uint64_t ent = ctl + RING_OFFSET + (index % RING_ENTRIES) * RING_ENTRY_BYTES;
   *word_at(ent, ENT_SEQ) = seq;
   *word_at(ent, ENT_SLICE) = slice;

@@ -67,6 +67,7 @@ nb::dict layout_dict() {
   SPARKCCL_PUT(CHUNK_ALL);
   SPARKCCL_PUT(CHUNK_DIRECT);
   SPARKCCL_PUT(CHUNK_LL);
+  SPARKCCL_PUT(CHUNK_WHOLE);
   SPARKCCL_PUT(FLAGS_OFFSET);
   SPARKCCL_PUT(FLAG_BYTES);
   SPARKCCL_PUT(FLAG_WORDS_PER_RANK);
@@ -400,8 +401,11 @@ NB_MODULE(_native, m) {
         check_addr(ctl, "publish_range");
         if (first < 0 || last < first || last >= geom::PIECES)
           throw std::invalid_argument("publish_range: pieces must satisfy 0 <= first <= last < 8");
+        // (CHUNK_WHOLE: one entry for pieces 0..last)
+        if (chunk == layout::CHUNK_WHOLE && first != 0)
+          throw std::invalid_argument("publish_range: CHUNK_WHOLE stands for pieces 0..last");
         nb::gil_scoped_release nogil;
-        for (int piece = first; piece <= last; ++piece) {
+        for (int piece = chunk == layout::CHUNK_WHOLE ? last : first; piece <= last; ++piece) {
           int64_t code = publish(ctl, op, seq, piece, chunk, slice, granule, timeout_s, call);
           if (code) return code;
         }

@@ -319,7 +319,8 @@ bool Proxy::consume_ring() {
     uint64_t publish_ns = *word_at(ent, ENT_PUBLISH_NS);
     *word_at(ent, ENT_PUBLISH_NS) = 0;
     uint64_t index = tail_;
-    ++tail_;
+    // (CHUNK_WHOLE stands for pieces 0..piece, at piece 0's index: their indices are done)
+    tail_ += chunk == CHUNK_WHOLE && piece < uint32_t(geom::PIECES) ? piece + 1 : 1;
     store_release(tail_word, tail_);
     n_entries_.fetch_add(1, std::memory_order_relaxed);
     progress = true;
@@ -334,7 +335,7 @@ bool Proxy::consume_ring() {
     };
     if (op >= uint32_t(NUM_OPS)) { bad("op out of range"); continue; }
     if (piece >= uint32_t(geom::PIECES)) { bad("piece out of range"); continue; }
-    if (chunk < CHUNK_LL || chunk >= 32) { bad("chunk out of range"); continue; }
+    if (chunk < CHUNK_WHOLE || chunk >= 32) { bad("chunk out of range"); continue; }
     if (granule == 0) { bad("granule is 0"); continue; }
 
     OpState& o = ops_[op];
@@ -391,14 +392,17 @@ bool Proxy::consume_ring() {
         continue;
       }
     }
-    if (!c->seen_ns[piece]) {
-      c->seen_ns[piece] = now_ns();
-      c->publish_ns[piece] = publish_ns;
-    }
-    if (chunk == CHUNK_DIRECT) c->direct |= uint8_t(1u << piece);
-    if (chunk == CHUNK_LL) c->ll |= uint8_t(1u << piece);
+    const uint32_t first = chunk == CHUNK_WHOLE ? 0 : piece;
+    for (uint32_t q = first; q <= piece; ++q)
+      if (!c->seen_ns[q]) {
+        c->seen_ns[q] = q == first ? now_ns() : c->seen_ns[first];
+        c->publish_ns[q] = publish_ns;
+      }
+    const uint8_t pieces = uint8_t((2u << piece) - (1u << first));
+    if (chunk == CHUNK_DIRECT) c->direct |= pieces;
+    if (chunk == CHUNK_LL) c->ll |= pieces;
     if (chunk < 0)
-      c->all |= uint8_t(1u << piece);
+      c->all |= pieces;
     else
       c->chunks[piece] |= 1u << chunk;
   }

@@ -8,8 +8,9 @@
 //      writes the vector straight into the peers' AG slots and hands it off (flags and ring
 //      entries, chunk CHUNK_DIRECT). Proxy path (dtab == 0): publish.cu's publish_role copies
 //      it into this rank's block of AG slot seq % 3 and writes one ring entry per piece for
-//      the proxy (a slice of at most ONE_HANDOFF_SLICE: the eight entries at once, behind one
-//      fence, by the last block: the proxy then posts it in one go).
+//      the proxy (a slice of at most ONE_HANDOFF_SLICE: one entry for all eight, CHUNK_WHOLE,
+//      its fields written by block 0 before its arrival, its tag by the last block to arrive,
+//      one fence between: the proxy then posts it in one go).
 //   block npub: the poller (wait.cu), which relays the peers' flags to the progress word.
 //   blocks npub + 1 ..: the consumers. Once every source's vector is there (a slice of at
 //      most ONE_HANDOFF_SLICE: one wait, for the last unit; larger: piece by piece), the
@@ -282,13 +283,16 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
       direct_publish(p, blockIdx.x, npub);
     } else if (a.S <= ONE_HANDOFF_SLICE) {
       // The proxy path, one hand-off: every block copies its share of the vector into the
-      // own AG block, the last one writes the eight entries behind one fence, so the proxy
-      // reads them in one turn and posts the slice in one go (docs/PROTOCOL.md "Streams").
+      // own AG block; block 0 writes one entry's fields for the eight pieces (CHUNK_WHOLE)
+      // beside its copy, and the last block to arrive its tag, all behind the arrivals'
+      // fence: the proxy reads one entry and posts the slice in one go (docs/PROTOCOL.md
+      // "Streams").
       if (!plane_failed(state)) {
         team_copy<false>(slot + w.rank * a.S, (u8*)0, (const u8*)a.src, a.L, blockIdx.x, npub);
-        hand_off(counters + (w.seq % COUNTER_SETS) * PIECES, npub, (const u64*)0, (u8*)a.ring,
-                 state, state_word(state, STATE_RING), w.seq, a.S, a.call, 0,
-                 PIECES - 1, (u32)CHUNK_ALL);
+        hand_off_fields_first(counters + (w.seq % COUNTER_SETS) * PIECES, npub,
+                              blockIdx.x == 0, (u8*)a.ring, state,
+                              state_word(state, STATE_RING), w.seq, a.S, a.call, 0,
+                              PIECES - 1, (u32)CHUNK_WHOLE);
       }
     } else {
       PublishArgs pub;

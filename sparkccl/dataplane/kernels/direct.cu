@@ -39,6 +39,40 @@ struct PubArgs {
   u32* counters;  // this seq's set
 };
 
+// The entries' fields of pieces c0..c1 (not their tags) once the ring has room for them;
+// false (the failure recorded) if that wait failed: then no tag may be written.
+__device__ __forceinline__ bool hand_off_fields(u8* ring, u64* state, u64 first_index, u64 seq,
+                                                u64 S, u64 call, int c0, int c1, u32 chunk) {
+  // One wait for ring room, for the last entry: it is room for every entry before it (the
+  // proxy's tail only grows; each wait was an acquire, ~0.4 us apiece, one after another).
+  if (!ring_room(ring, state, first_index + c1, seq, (u32)c1)) return false;
+  // CHUNK_WHOLE (c0 == 0): one entry, at piece 0's index, for pieces 0..c1 (protocol.h)
+  const bool whole = chunk == (u32)CHUNK_WHOLE;
+  const u64 clock = state[STATE_CLOCK];
+  for (int c = whole ? c1 : c0; c <= c1; ++c) {  // (the entry of piece c: first_index + c)
+    u64 lo, hi;
+    piece_bounds(S, c, &lo, &hi);
+    fields_only(ring, clock, first_index + (whole ? 0 : c), seq, S, whole ? 0 : lo, hi, call,
+                (u32)c, chunk, ALIGN);
+  }
+  return true;
+}
+
+// Once the fields and the data are ordered before them: each stream's flag, then the tags.
+__device__ __forceinline__ void hand_off_tags(const u64* dtab, u8* ring, u64* state,
+                                              u64 first_index, u64 seq, int c0, int c1,
+                                              u32 chunk, bool room) {
+  const u64 ns = dtab ? dtab[0] : 0;
+  for (u64 s = 0; s < ns; ++s)
+    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
+  const bool whole = chunk == (u32)CHUNK_WHOLE;
+  for (int c = whole ? c1 : c0; c <= c1 && room; ++c) {
+    const u64 index = first_index + (whole ? 0 : c);
+    st_relaxed_sys(entry_tag(ring, index), index + 1);
+  }
+  TL_STAMP(state, seq, TL_HANDED);
+}
+
 // Pieces c0..c1 of a GPU-direct publish are written by every one of the n blocks: the last
 // to arrive hands them off. Each step that waits for host memory costs 0.6-1.4 us on an
 // H200 (benchmarks/sysmem_sync.cu), so all of it sits behind one system fence: first the
@@ -46,30 +80,14 @@ struct PubArgs {
 // every block's data (through the counter) and those fields before what follows, then
 // each stream's flag and the entries' tags. (A flag and a tag per piece, each behind its
 // own release, took four such waits per piece.) dtab: the direct table, or null where
-// nothing goes to the peers (a failed data plane: sccl_finalize_direct; the one-shot
-// all-reduce's proxy path, whose entries then say chunk CHUNK_ALL: the proxy sends).
+// nothing goes to the peers (a failed data plane: sccl_finalize_direct).
 __device__ __forceinline__ void hand_off_entries(const u64* dtab, u8* ring, u64* state,
                                                  u64 first_index, u64 seq, u64 S, u64 call,
                                                  int c0, int c1, u32 chunk) {
   TL_STAMP(state, seq, TL_WRITTEN);
-  // One wait for ring room, for the last entry: it is room for every entry before it (the
-  // proxy's tail only grows; each wait was an acquire, ~0.4 us apiece, one after another).
-  const bool room = ring_room(ring, state, first_index + c1, seq, (u32)c1);
-  if (room) {
-    const u64 clock = state[STATE_CLOCK];
-    for (int c = c0; c <= c1; ++c) {
-      u64 lo, hi;
-      piece_bounds(S, c, &lo, &hi);
-      fields_only(ring, clock, first_index + c, seq, S, lo, hi, call, (u32)c, chunk, ALIGN);
-    }
-  }
+  const bool room = hand_off_fields(ring, state, first_index, seq, S, call, c0, c1, chunk);
   __threadfence_system();
-  const u64 ns = dtab ? dtab[0] : 0;
-  for (u64 s = 0; s < ns; ++s)
-    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
-  for (int c = c0; c <= c1 && room; ++c)
-    st_relaxed_sys(entry_tag(ring, first_index + c), first_index + c + 1);
-  TL_STAMP(state, seq, TL_HANDED);
+  hand_off_tags(dtab, ring, state, first_index, seq, c0, c1, chunk, room);
 }
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
@@ -77,6 +95,26 @@ __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u
   if (threadIdx.x == 0) TL_STAMP(state, seq, TL_STORED);
   if (!last_block_arrives(counter, n)) return;
   hand_off_entries(dtab, ring, state, first_index, seq, S, call, c0, c1, chunk);
+}
+
+// hand_off with the entries' fields written ahead, by thread 0 of the block `writer` says
+// (one of the n) before it arrives: its arrival's system fence orders them with its data,
+// and the last block to arrive stores the tags after its acquire of the count, with no
+// fence of its own (one wait for host memory fewer: the one-shot all-reduce's proxy path).
+// A failed wait for ring room is recorded before the writer arrives, so the last block
+// finds the plane failed and writes no tag.
+__device__ __forceinline__ void hand_off_fields_first(u32* counter, u32 n, bool writer, u8* ring,
+                                                      u64* state, u64 first_index, u64 seq,
+                                                      u64 S, u64 call, int c0, int c1,
+                                                      u32 chunk) {
+  if (threadIdx.x == 0) {
+    TL_STAMP(state, seq, TL_STORED);
+    if (writer) hand_off_fields(ring, state, first_index, seq, S, call, c0, c1, chunk);
+  }
+  if (!last_block_arrives(counter, n)) return;
+  TL_STAMP(state, seq, TL_WRITTEN);
+  hand_off_tags((const u64*)0, ring, state, first_index, seq, c0, c1, chunk,
+                !plane_failed(state));
 }
 
 __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n, bool sys, u32 b,

@@ -95,7 +95,7 @@ constexpr pu64 ENT_PIECE = 43;    // u8: piece (< PIECES)
 constexpr pu64 ENT_PAD = 44;      // u32: zero bytes the collective carries past the caller's
                                   // data (S - the caller's bytes per rank; an all-reduce:
                                   // over its W chunks), so the caller's exact bytes cross
-constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_ALL, CHUNK_DIRECT, or j = only chunk j (finalize)
+constexpr pu64 ENT_CHUNK = 48;    // i32: CHUNK_* below, or j = only chunk j (finalize)
 constexpr pu64 ENT_GRANULE = 52;  // u32: piece step granule (16, or row bytes for finalize)
 // u64: CLOCK_MONOTONIC ns when the CPU data plane published the entry (the proxy's
 // publish -> first post latency); 0 from publishers without the host clock (GPU kernels).
@@ -144,6 +144,11 @@ constexpr int CHUNK_DIRECT = -2;  // the data plane sent the piece's publish str
 // to each peer's LL area (Transport::put_lines) once it sees every line's flag, then the
 // piece's flag as usual (docs/PROTOCOL.md "One shot, LL, through the proxy").
 constexpr int CHUNK_LL = -3;
+// Every chunk of pieces 0..piece at once (the proxy sends them, as CHUNK_ALL): one entry, at
+// piece 0's ring index, that stands for the piece + 1 indices of those pieces (the proxy's
+// tail moves past all of them). A slice handed off once (ONE_HANDOFF_SLICE, the proxy path)
+// costs the GPU one entry's stores and the proxy one entry's reads, not eight.
+constexpr int CHUNK_WHOLE = -4;
 
 constexpr pu64 FLAGS_OFFSET = RING_OFFSET + RING_ENTRIES * RING_ENTRY_BYTES;
 constexpr pu64 FLAG_BYTES = 8;
