@@ -22,6 +22,11 @@
 //   load 4 KiB                        256 x 16-byte ld.cv loads + __syncthreads()
 //   fence.sys, nothing outstanding    one thread's fence with no store before it
 //   atomicAdd + fence (device)        a counter in device memory, as last_block_arrives
+//   + fence.acq_rel.sys per thread    as "+ fence.sys per thread" with fence.acq_rel.sys, the
+//                                     weakest fence that makes a release (or, after relaxed
+//                                     loads, an acquire) pattern; __threadfence_system() is
+//                                     fence.sc.sys
+//   fence.acq_rel.sys, nothing out    one thread's fence.acq_rel.sys with no store before it
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,13 +38,19 @@
 #include "../sparkccl/dataplane/kernels/common.cuh"
 
 enum {
-  STORE, FENCE_EACH, BAR_FENCE, BAR_RELEASE, PIECE, HAND_OFF, ACQUIRE, LOAD, FENCE_IDLE, ATOMIC, N
+  STORE, FENCE_EACH, BAR_FENCE, BAR_RELEASE, PIECE, HAND_OFF, ACQUIRE, LOAD, FENCE_IDLE, ATOMIC,
+  ACQREL_EACH, ACQREL_IDLE, N
 };
 const char* NAMES[N] = {"store 4 KiB", "+ fence.sys per thread", "+ bar, one fence.sys",
                         "+ bar, st.release.sys", "piece as published (1 block)",
                         "piece as handed off (1 block)",
                         "ld.acquire.sys (1 thread)", "load 4 KiB", "fence.sys, nothing outstanding",
-                        "atomicAdd + fence (device)"};
+                        "atomicAdd + fence (device)", "+ fence.acq_rel.sys per thread",
+                        "fence.acq_rel.sys, nothing out"};
+
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 
 __global__ void probe(int test, int rounds, u8* pin, u64* pin_words, u32* counter,
                       u64* out) {
@@ -112,6 +123,10 @@ __global__ void probe(int test, int rounds, u8* pin, u64* pin_words, u32* counte
           atomicAdd(counter + 64, 1u);
           __threadfence();
         }
+        break;
+      case ACQREL_EACH: st16(mine, v); fence_acq_rel_sys(); break;
+      case ACQREL_IDLE:
+        if (t == 0) fence_acq_rel_sys();
         break;
     }
   }
