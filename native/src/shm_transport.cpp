@@ -157,7 +157,7 @@ class ShmTransport final : public Transport {
               nullptr, {}, 0, false, false};
     // Queued with the post's flag (below), which always follows: one lock and one batch
     // for the worker, and one wake-up if it sleeps.
-    submit(conn, op, len, true);
+    submit(conn, op);
     return true;
   }
 
@@ -170,7 +170,7 @@ class ShmTransport final : public Transport {
     uint64_t* at = peer_word(conn, word, cause);
     if (!at) return false;
     CopyOp op{nullptr, nullptr, 0, at, {value}, now_ns(), false, false};
-    submit(conn, op, 0, false);
+    submit(conn, op);
     return true;
   }
 
@@ -182,7 +182,7 @@ class ShmTransport final : public Transport {
     if (!at) return false;
     CopyOp op{nullptr, nullptr, 0, at, {}, 0, true, false};
     for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) op.value[k] = values[k];
-    submit(conn, op, 0, false);
+    submit(conn, op);
     return true;
   }
 
@@ -196,7 +196,7 @@ class ShmTransport final : public Transport {
     CopyOp op{reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(to)),
               reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(flags_ + reg_->ll_off + off)),
               len, nullptr, {}, 0, false, true};
-    submit(conn, op, len, true);
+    submit(conn, op);
     return true;
   }
 
@@ -211,11 +211,12 @@ class ShmTransport final : public Transport {
   }
 
  private:
-  // An operation of `bytes` on connection conn: performed here if small and the worker is
-  // drained (see the file's head), else queued: deferred (a write's bytes, which its post's
-  // flag follows) or pushed.
-  void submit(int conn, const CopyOp& op, uint64_t bytes, bool deferred) {
+  // An operation on connection conn: performed here if small and the worker is drained (see
+  // the file's head), else queued: deferred (bytes to copy, which their post's flag follows)
+  // or pushed (a flag, a call entry).
+  void submit(int conn, const CopyOp& op) {
     Worker& w = *workers_[size_t(conn)];
+    const uint64_t bytes = op.len;  // (0 for a flag or a call entry)
     // (posted counts what this thread queued, deferred ones included: equal to done, the
     // worker has performed all of it, and the acquire orders those stores before ours)
     if (bytes <= INLINE_BYTES &&
@@ -232,7 +233,7 @@ class ShmTransport final : public Transport {
         return;
       }
     }
-    if (deferred) w.defer(op);
+    if (op.dst) w.defer(op);
     else w.push(op);
   }
 
