@@ -20,12 +20,13 @@
 //
 // In place (dst overlaps src, a.gate != 0): the consumers also wait until every publish
 // block has read src (each bumps every word of the gate once; the target is the device
-// state's STATE_GATE + npub, which the last block then advances by npub: the finalize's gate
-// words and rule, kernels/finalize.cu, so both keep one count).
+// state's STATE_GATE + npub, which the state's advance then moves by npub: the finalize's
+// gate words and rule, kernels/finalize.cu, so both keep one count).
 //
-// The last block to finish advances the device state (seq + 1, ring + PIECES; the LL way as
-// soon as every block read it, allreduce_ll), so a captured
-// all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
+// The device state advances (seq + 1, ring + PIECES) as soon as every block read it: for a
+// one-hand-off slice by the poller once it relayed the flags (advance_early), the LL way by
+// its hand-off block (allreduce_ll); a larger slice's by the last block to finish. So a
+// captured all-reduce replays with fresh numbers (docs/PROTOCOL.md "Sequence state").
 //
 // Small vectors between GPU-direct peers of a mesh take the LL way instead (a.ll != 0,
 // allreduce_ll below): no flag words, poller or fence between the stores and the sum.
@@ -56,13 +57,32 @@ __device__ void poll_whole_slice(const WaitArgs& w) {
   st_release_gpu(w.state, w.seq * PROG_STRIDE + unit(w, PIECES - 1, w.maxw - 1, w.world - 1));
 }
 
+// A one-hand-off slice's state advance (the poller's thread, once its relay is done): as
+// soon as every other block counted itself in (each once it read the state: seq, ring
+// index, gate), not by the last block to finish, whose fence and count came after the sum
+// (the LL way's early advance, allreduce_ll). Blocks of this launch, all resident (the
+// consumers already wait for this poller). A failed plane need not wait (nothing is
+// published on it; seq still moves on as the host expects).
+__device__ void advance_early(u64* state, const WaitArgs& w, u64 gate_add) {
+  u32* const read = (u32*)(state + STATE_EXITS);
+  const u64 t0 = globaltimer();
+  for (u32 spins = 1; ld_acquire_gpu32(read) < gridDim.x - 1 && !plane_failed(state); ++spins)
+    if (!still_waiting(w, spins, t0, (u64)w.rank, NO_WORD, PIECES - 1)) break;
+  st_volatile_u64(state + STATE_EXITS, 0);  // (ready for the next launch)
+  advance_state(state, PIECES, gate_add);
+}
+
 template <class E>
 __device__ void allreduce_consume(const AllReduceArgs& a, const u8* slot, const WaitArgs& w,
-                                  u32 blk, u32 nblk, u32 gate_target) {
+                                  u32 blk, u32 nblk, u32 gate_target, u64 gate_add) {
   if (blk == 0) {
     if (threadIdx.x == 0) {
-      if (a.S <= ONE_HANDOFF_SLICE) poll_whole_slice(w);
-      else poller(w);
+      if (a.S <= ONE_HANDOFF_SLICE) {
+        poll_whole_slice(w);
+        advance_early(w.state, w, gate_add);
+      } else {
+        poller(w);
+      }
     }
     return;
   }
@@ -269,15 +289,24 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
   }
   const u32 npub = (u32)a.npub;
   const u32 gate_target = (u32)state_word(state, STATE_GATE) + npub;
+  const u64 gate_add = a.gate ? npub : 0;
+  // A one-hand-off slice: every block reads the state here, then counts itself in, and the
+  // poller advances it early (advance_early); a larger one: the last block to finish.
+  const bool early = a.S <= ONE_HANDOFF_SLICE;
+  const u64 first_index = state_word(state, STATE_RING);
   u8* slot = slot_at((u8*)a.slot, a.slot_code, w.seq);
   u32* counters = (u32*)a.counters;
   if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
+  if (early) {
+    __syncthreads();  // (every thread of the block read the state)
+    if (threadIdx.x == 0 && blockIdx.x != npub) red_release_gpu((u32*)(state + STATE_EXITS), 1);
+  }
   if (blockIdx.x < npub) {
     if (a.dtab) {
       PubArgs p;
       p.src = (const u8*)a.src; p.src_stride = 0; p.src_sys = 0; p.L = a.L; p.S = a.S;
       p.dtab = (const u64*)a.dtab; p.own_dst = (u8*)0; p.dst2 = (u8*)0; p.ring = (u8*)a.ring;
-      p.state = state; p.first_index = state_word(state, STATE_RING); p.seq = w.seq;
+      p.state = state; p.first_index = first_index; p.seq = w.seq;
       p.call = a.call; p.sized = false;
       p.counters = counters + (w.seq % COUNTER_SETS) * PIECES;
       direct_publish(p, blockIdx.x, npub);
@@ -290,9 +319,8 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
       if (!plane_failed(state)) {
         team_copy<false>(slot + w.rank * a.S, (u8*)0, (const u8*)a.src, a.L, blockIdx.x, npub);
         hand_off_fields_first(counters + (w.seq % COUNTER_SETS) * PIECES, npub,
-                              blockIdx.x == 0, (u8*)a.ring, state,
-                              state_word(state, STATE_RING), w.seq, a.S, a.call, 0,
-                              PIECES - 1, (u32)CHUNK_WHOLE);
+                              blockIdx.x == 0, (u8*)a.ring, state, first_index, w.seq, a.S,
+                              a.call, 0, PIECES - 1, (u32)CHUNK_WHOLE);
       }
     } else {
       PublishArgs pub;
@@ -305,9 +333,17 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
     }
     allreduce_src_read((u32*)a.gate);
   } else {
-    allreduce_consume<E>(a, slot, w, blockIdx.x - npub, gridDim.x - npub, gate_target);
+    allreduce_consume<E>(a, slot, w, blockIdx.x - npub, gridDim.x - npub, gate_target,
+                         gate_add);
   }
-  last_block_advances(state, PIECES, a.gate ? npub : 0);
+  if (!early) {
+    last_block_advances(state, PIECES, gate_add);
+    return;
+  }
+#ifdef SCCL_TIMELINE  // (the block that ends last stamps last; a measurement build only)
+  __syncthreads();
+  if (threadIdx.x == 0) TL_STAMP(state, w.seq, TL_EXIT);
+#endif
 }
 
 #define ALLREDUCE_KERNEL(NAME, E)                                                            \
