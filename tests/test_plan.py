@@ -9,7 +9,7 @@ import pytest
 
 from sparkccl.plan.build import build_all, build_plan
 from sparkccl.plan.geometry import (
-    ALIGN, PIECES, Part, cut, piece_bounds, split_point, sub_range,
+    ALIGN, PIECES, ROOT_SPLIT_MIN, Part, cut, piece_bounds, split_point, sub_range,
 )
 from sparkccl.plan.model import OnFlag, OnPublish, Op, Region, decode_flag_word, flag_word
 from sparkccl.plan.verify import (
@@ -56,6 +56,20 @@ def test_parts_tile_a_piece():
                                for k in range(roots) for h in range(halves))
                 assert spans[0][0] == 64 and spans[-1][1] == 64 + n
                 assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_small_pieces_go_whole_on_root_0():
+    """A piece of at most ROOT_SPLIT_MIN bytes is not split between two roots (root 0 carries
+    it, root 1's range is empty, its flag goes alone); a larger one is, at split_point; the
+    direction halves split either way."""
+    for n in (0, 16, 1000, ROOT_SPLIT_MIN, ROOT_SPLIT_MIN + 16, 4 * ROOT_SPLIT_MIN):
+        r0, r1 = (sub_range(64, 64 + n, Part(k, 2, 0, 1)) for k in (0, 1))
+        if n <= ROOT_SPLIT_MIN:
+            assert r0 == (64, 64 + n) and r1 == (64 + n, 64 + n), n
+        else:
+            assert r0 == (64, split_point(64, 64 + n)) and r1 == (r0[1], 64 + n), n
+        h0, h1 = (sub_range(64, 64 + n, Part(0, 1, h, 2)) for h in (0, 1))
+        assert h0 == (64, split_point(64, 64 + n)) and h1 == (h0[1], 64 + n), n
 
 
 def test_flag_words_decode():

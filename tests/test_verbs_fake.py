@@ -529,7 +529,8 @@ def _wait_abort(w, r, timeout=10.0):
 
 
 def test_completion_error_names_peer_device_qp_and_status(fake):
-    w = VWorld("mesh", 3, 2, 4096)
+    slice_ = 2 * G.PIECES * G.ROOT_SPLIT_MIN  # (pieces split between the roots)
+    w = VWorld("mesh", 3, 2, slice_)
     try:
         w.check_setup()
         i = _conn_index(w, 0, 2, 1)
@@ -538,7 +539,7 @@ def test_completion_error_names_peer_device_qp_and_status(fake):
         # Every entry is there before the proxy runs: the collective goes out in one go,
         # root 1's halves of the eight pieces (eight writes), then one flag of piece 7's
         # value (docs/PROTOCOL.md "Streams"): the ninth work request fails.
-        _publish_ag(w, 0)
+        _publish_ag(w, 0, slice_)
         assert FAKE.inject(qpn, WC_RETRY_EXC_ERR, 0x81, G.PIECES)
         w.start()
         code, text = _wait_abort(w, 0)

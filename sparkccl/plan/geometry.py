@@ -18,6 +18,9 @@ PIECES: int = protocol_constants()["PIECES"]
 ALIGN: int = protocol_constants()["ALIGN"]
 """Piece boundaries and half splits fall on multiples of this many bytes."""
 
+ROOT_SPLIT_MIN: int = protocol_constants()["ROOT_SPLIT_MIN"]
+"""A piece of at most this many bytes is not split between two roots: root 0 carries it."""
+
 FLAG_STRIDE: int = protocol_constants()["FLAG_STRIDE"]
 """Flag value for (seq, piece c) is ``seq * FLAG_STRIDE + c + 1``."""
 
@@ -68,9 +71,10 @@ class Part(NamedTuple):
 
 
 def sub_range(lo: int, hi: int, part: Part) -> tuple[int, int]:
-    """The byte range of ``part`` within piece ``[lo, hi)``."""
+    """The byte range of ``part`` within piece ``[lo, hi)``: a piece of at most
+    ROOT_SPLIT_MIN bytes goes whole on root 0 (root 1's range is empty)."""
     if part.roots == 2:
-        h = split_point(lo, hi)
+        h = hi if hi - lo <= ROOT_SPLIT_MIN else split_point(lo, hi)
         lo, hi = (lo, h) if part.root == 0 else (h, hi)
     if part.halves == 2:
         h = split_point(lo, hi)
