@@ -260,15 +260,16 @@ SCCL_HOST_DEVICE constexpr Range piece_range(pu64 slice, int piece, pu64 granule
   return Range{lo < slice ? lo : slice, piece == PIECES - 1 ? slice : (hi < slice ? hi : slice)};
 }
 
-// Where [lo, hi) splits in two: at len/2 rounded up to ALIGN, clamped to the range.
 // Two roots pipeline a piece over two flag words (docs/PROTOCOL.md "Geometry"); a small
 // piece split between them only costs more: each root's stream posts its halves of the
 // eight pieces as as many small writes (not contiguous, so not one), and the reader waits for
-// two flags. On the H200's proxy path an 8 KiB all-reduce at world 2 took 17 us with its
-// pieces split between two roots and 13.4 us with one (benchmarks/decode_latency_h200.txt
-// section 11). Pieces of at most this many bytes (slices up to 32 KiB) go whole on root 0.
+// two flags. Pieces of at most this many bytes (slices up to 32 KiB) go whole on root 0
+// (part_range). On the H200's proxy path an 8 KiB all-reduce at world 2 took 16.8-17.0 us
+// split, 15.7-16.6 us so, and 13.4-14.2 us with one root (benchmarks/decode_latency_h200.txt
+// section 11).
 constexpr pu64 ROOT_SPLIT_MIN = 4096;
 
+// Where [lo, hi) splits in two: at len/2 rounded up to ALIGN, clamped to the range.
 SCCL_HOST_DEVICE constexpr pu64 split_point(pu64 lo, pu64 hi) {
   const pu64 n = hi - lo;
   const pu64 h = round_up((n + 1) / 2, ALIGN);
@@ -310,8 +311,10 @@ static_assert(piece_range(100, 6, ALIGN).lo == 96 && piece_range(100, 7, ALIGN).
               "piece geometry");
 static_assert(split_point(0, 48) == 32 && split_point(16, 20) == 20, "split geometry");
 static_assert(part_range(Range{64, 64 + ROOT_SPLIT_MIN}, 0, 2, 0, 1).hi == 64 + ROOT_SPLIT_MIN &&
-                  part_range(Range{64, 64 + ROOT_SPLIT_MIN}, 1, 2, 0, 1).lo == 64 + ROOT_SPLIT_MIN &&
-                  part_range(Range{0, ROOT_SPLIT_MIN + 16}, 1, 2, 0, 1).lo == ROOT_SPLIT_MIN / 2 + 16,
+                  part_range(Range{64, 64 + ROOT_SPLIT_MIN}, 1, 2, 0, 1).lo ==
+                      64 + ROOT_SPLIT_MIN &&
+                  part_range(Range{0, ROOT_SPLIT_MIN + 16}, 1, 2, 0, 1).lo ==
+                      ROOT_SPLIT_MIN / 2 + 16,
               "root split geometry");
 static_assert(sized_bytes(0, 100) == 16 && sized_bytes(17, 100) == 32 && sized_bytes(99, 100) == 100 &&
                   sized_bytes(~0ull, 100) == 100 && sized_bytes(8, 5) == 5,
