@@ -20,6 +20,9 @@
 #   decode_ab  the one-shot all-reduce, BASE against this tree in one call (kernels compiled
 #          first, then interleaved runs of decode_latency.py, world 2, 8 KiB: DECODE_AB_MAX,
 #          DECODE_AB_PATHS; AB_ROUNDS)
+#   decode_roots  the proxy path at 8 KiB alone (so the proxy's stats are of that size), world 2,
+#          the default roots against SPARKCCL_ROOTS=1, interleaved (AB_ROUNDS), each with its
+#          GPU step timeline (decode_latency_h200.txt section 11: what one root saves)
 # DECODE_TESTS=0: the decode stage without its tests (tests2 holds them); DECODE_PROXY_SIZES="":
 # without the proxy's figures; AB_ROUNDS, AB_MAX: the
 # A/B's rounds (2) and largest size (64M).
@@ -113,6 +116,16 @@ for s in $STAGES; do
         SPARKCCL_GPU_STAMPS=1 SPARKCCL_GPU_DIRECT=0 timeout 120 python3 -m sparkccl.cli bench \
           --device cuda --world 2 --no-baseline --iters 200 --min-bytes $n --max-bytes $n 2>&1
       done | tee "$OUT/decode_proxy_latency.txt"
+      mps_off ;;
+    decode_roots)
+      mps_on
+      for round in $(seq ${AB_ROUNDS:-2}); do for roots in 2 1; do
+        stage "decode roots $roots round $round"
+        SPARKCCL_ROOTS=$roots timeout 90 python3 benchmarks/decode_latency.py \
+          --world 2 --max-bytes 8192 --iters 200 --paths proxy 2>&1 | grep -v "^$"
+        SPARKCCL_ROOTS=$roots timeout 90 python3 benchmarks/decode_latency.py --world 2 --timeline \
+          --max-bytes 8192 --iters 100 --paths proxy 2>&1 | grep -A1 "GPU timeline"
+      done; done | tee "$OUT/decode_roots.txt"
       mps_off ;;
     decode_ab)  # BASE against this tree, one device call (machines lent differ: an A/B only holds
       # within one): both trees' kernels compiled first, side by side, then interleaved runs
