@@ -36,6 +36,7 @@ reads nothing on the host.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import operator
 from dataclasses import dataclass
@@ -201,10 +202,9 @@ class Handle:
     ``ret_counts`` (int64 ``[world]``, on the device): the rows this rank returns to each
     home rank in combine, i.e. the entries of home d's tokens held here, at most
     ``ret_rows`` (with ``combine_rows`` the entries past it are refused, not returned).
-    The sized combine (:meth:`ExpertParallel.combine`, not streamed) sends ``1 +
+    Combine (:meth:`ExpertParallel.combine`, sized on every path) sends ``1 +
     ret_counts[d]`` rows of its block for d: a header row, then the data rows.
-    ``sized``: that combine's per-handle plan (:class:`SizedCombine`), made once (at
-    dispatch where that combine runs, else at its first use)."""
+    ``sized``: its per-handle plan (:class:`SizedCombine`), made once, at dispatch."""
 
     mode: str
     feed: torch.Tensor
@@ -468,10 +468,9 @@ class ExpertParallel:
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
         self._topk = K
         recv, handle = self._dispatch(x, topk_idx, topk_weights, x_scales, n, K)
-        if self._combine_sized:
-            # its plan now (CUDA: inside the same graph as the dispatch when captured), not
-            # in every combine
-            handle.sized = self._sized_plan(handle)
+        # the sized combine's plan now (CUDA: inside the same graph as the dispatch when
+        # captured), not in every combine
+        handle.sized = self._sized_plan(handle)
         return recv, handle
 
     def _dispatch(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
@@ -825,12 +824,6 @@ class ExpertParallel:
         return recv, handle
 
     # ---- combine ----------------------------------------------------------------------
-    @property
-    def _combine_sized(self) -> bool:
-        """Whether combine sends sized blocks (:class:`SizedCombine`): everywhere but the
-        CPU twin's streamed combine, whose blocks are whole."""
-        return self.comm.device.type == "cuda" or not self._stream_cpu
-
     def _sized_plan(self, handle: Handle) -> SizedCombine:
         """The sized combine's feed, headers and pos for ``handle`` (:class:`SizedCombine`):
         small torch ops on the device, no host read (capturable)."""
@@ -888,10 +881,6 @@ class ExpertParallel:
                                                num_tokens=n, padded_tokens=n, world=1, topk=K,
                                                H=H, R=N + 1)
 
-        if not self._combine_sized:  # (streamed: blocks of ret_rows rows)
-            y, f = recv_rows(W * handle.ret_rows, handle.pos)
-            self._combine_streamed(expert_out, handle, y, f, out)
-            return out
         # Sized blocks (SizedCombine): a header row, then every computed row at its row of
         # the block for its home rank (a gather: rows past the counts are never read); only
         # the header and the rows that exist travel.
@@ -900,6 +889,9 @@ class ExpertParallel:
             plan = handle.sized = self._sized_plan(handle)
         N = W * (handle.ret_rows + 1)
         y, f = recv_rows(N, plan.pos)
+        if self._stream_cpu:
+            self._combine_streamed(expert_out, handle, plan, y, f, out)
+            return out
         send = self._buffer("combine send", (N, H), torch.bfloat16)
         words = send.view(torch.int64)  # (rows as 8-byte words)
         if expert_out.numel():  # (none received: no data row is read)
@@ -917,42 +909,52 @@ class ExpertParallel:
             _finalize.single_rank(_native, f, out)
         return out
 
-    def _combine_streamed(self, expert_out, handle: Handle, y, f, out) -> None:
-        """combine on CPU beside the wire: each group of the send blocks is gathered from
-        ``expert_out`` straight into the all-to-all's send slot just before it goes, and the
-        finalize runs on every token whose rows have all arrived while later ones travel
-        (the same rows, the same FMA chain per token: the same bits as finalizing at the
-        end)."""
+    def _combine_streamed(self, expert_out, handle: Handle, plan: SizedCombine, y, f,
+                          out) -> None:
+        """combine on CPU beside the wire, in the sized blocks (:class:`SizedCombine`):
+        each group of the send blocks is gathered from ``expert_out`` straight into the
+        all-to-all's send slot just before it goes (the header's first 8 bytes with the
+        first group), and the finalize runs on every token whose rows have all arrived while
+        later ones travel (the same rows, the same FMA chain per token: the same bits as
+        finalizing at the end). Rows past a block's count never travel and are never read."""
         from . import _native
         W, H, Pc, n = self.world, self.hidden, handle.ret_rows, handle.num_tokens
-        RB = 2 * H
+        RB, B = 2 * H, handle.ret_rows + 1  # (a block: the header row, then Pc rows)
         eo = expert_out.reshape(-1, H)
-        feed = handle.feed
+        feed = plan.feed  # (header rows take row 0 of eo: their first 8 bytes are then set)
+        header = [h.to_bytes(8, "little") for h in plan.header.tolist()]
 
         def fill(base, stride, lo, hi):
-            _native.ep_fill_rows(eo.data_ptr(), eo.shape[0], RB, feed.data_ptr(), Pc, W, base,
+            _native.ep_fill_rows(eo.data_ptr(), eo.shape[0], RB, feed.data_ptr(), B, W, base,
                                  stride, lo, hi)
+            if lo < 8:  # (each block's length: the part of its first 8 bytes in [lo, hi))
+                e = min(hi, 8)
+                for j, h in enumerate(header):
+                    ctypes.memmove(base + j * stride + lo, h[lo:e], e - lo)
 
         args = f.native_args()
         out_p = out.data_ptr()
-        have = [0] * W  # rows of each source's block that lie in y
+        have = [0] * W  # data rows of each source's block that lie in y
         done = [0]      # tokens finalized
-        tok: list = []  # tok[s * Pc + j]: the token of this rank's j-th entry held by s (n: none)
+        tok: list = []  # tok[s * B + 1 + j]: the token of this rank's j-th entry held by s
+                        # (n: none)
 
         def arrived(source, hi):
             if not tok:  # (the first call: this rank's own block, before any wait)
-                t = torch.full((W * Pc + 1,), n, dtype=torch.int64)
-                t[handle.pos.long()] = torch.arange(n * f.topk) // f.topk
+                t = torch.full((W * B + 1,), n, dtype=torch.int64)
+                t[plan.pos.long()] = torch.arange(n * f.topk) // f.topk
                 tok.extend(t.tolist())
-            have[source] = hi // RB
+            have[source] = max(0, hi // RB - 1)
             # a source's rows come in this rank's (token, k) order: the tokens before the
-            # first row still missing from each source have every row here
-            ready = min(tok[s * Pc + m] if m < Pc else n for s, m in enumerate(have))
+            # first row still missing from each source have every row here (past a block's
+            # count no row holds a token)
+            ready = min(tok[s * B + 1 + m] if m < Pc else n for s, m in enumerate(have))
             if ready > done[0]:
                 _native.finalize_rows(*args, done[0], ready - done[0], out_p + done[0] * RB)
                 done[0] = ready
 
-        self.comm.all_to_all(None, out=y[:W * Pc], fill=fill, arrived=arrived if n else None)
+        self.comm.all_to_all(None, out=y[:W * B], fill=fill, arrived=arrived if n else None,
+                             sized=True)
         if done[0] < n:
             _native.finalize_rows(*args, done[0], n - done[0], out_p + done[0] * RB)
 
