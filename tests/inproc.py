@@ -83,11 +83,14 @@ class ProxyWorld:
         return self.regions[r][region].a[off:off + slice_]
 
     def wait_all(self, op, seq, timeout=20.0):
+        """Every rank's every wait word of ``op`` for collective ``seq`` (its slice as
+        recorded in ``slices``: an idle root 1's words are not waited for)."""
         for r, plan in enumerate(self.plans):
             for src in range(self.world):
+                words = G.waited_words(plan.waits[op][src], *self.slices[seq])
                 for c in range(G.PIECES):
-                    got = N.wait_flags(self.ctl[r].addr, self.ctl[r].flags_addr,
-                                       list(plan.waits[op][src]), G.flag_value(seq, c), timeout)
+                    got = N.wait_flags(self.ctl[r].addr, self.ctl[r].flags_addr, words,
+                                       G.flag_value(seq, c), timeout)
                     assert got == (0, -1), (r, src, c, got, N.error_text(self.ctl[r].addr))
 
     def check_healthy(self):

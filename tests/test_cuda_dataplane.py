@@ -979,6 +979,14 @@ def test_wait_blocks_cover_a_one_handoff_slice_and_stay_capped(monkeypatch):
         assert grids.slice_wait_blocks(1 << 30) == EN.MAX_WAIT_BLOCKS
 
 
+def direct_streams(plan, op, S: int) -> int:
+    """How many of ``plan``'s publish-triggered streams of ``op`` carry a collective of slice
+    ``S`` (an idle root 1's send nothing: G.root1_idle)."""
+    idle = G.root1_idle(S)
+    return len([s for s in plan.publish_streams() if plan.streams[s].op == op
+                and not (idle and plan.connections[plan.streams[s].conn].root == 1)])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", config.DIRECT_ENGINES)
 @pytest.mark.parametrize("topology,world,roots", DIRECT_CONFIGS)
@@ -1015,9 +1023,14 @@ def test_direct_exact(backend, topology, world, roots, mode):
             assert w.dps[r].direct_launches == n_coll
             # Every publish-triggered stream piece went from the GPU, none from the proxy
             # (which consumes the last entries on its own time: the GPU no longer waits for it).
+            # (an idle root 1's streams send nothing: G.root1_idle of the slice)
+            ag_slices = [*ag_sizes, 640 * 4]
+            rs_slices = [int(np.prod(s)) * torch.empty((), dtype=d).element_size() // world
+                         for d, s in rs_cases] + [1024]
+            want = sum(8 * direct_streams(w.plans[r], op, G.round_up(n, G.ALIGN))
+                       for op, slices in ((0, ag_slices), (1, rs_slices)) for n in slices)
             n_pub = [len([s for s in w.plans[r].publish_streams() if w.plans[r].streams[s].op == op])
                      for op in (0, 1)]
-            want = 8 * ((len(ag_sizes) + 1) * n_pub[0] + (len(rs_cases) + 1) * n_pub[1])
             deadline = time.monotonic() + 10
             while True:
                 st = w.proxies[r].stats()

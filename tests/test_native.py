@@ -52,6 +52,15 @@ def test_sub_range_matches_python():
                     assert N.sub_range(lo, hi, *p) == G.sub_range(lo, hi, p), (size, c, p)
 
 
+def test_root1_idle_matches_python():
+    for granule in (16, 48, 4096 + 16, 14336):
+        for size in [*range(0, 40000, 97), 32752, 32768, 32769, 32784, 2**40]:
+            assert N.root1_idle(size, granule) == G.root1_idle(size, granule), (size, granule)
+    assert G.root1_idle(32768) and not G.root1_idle(32769) and not G.root1_idle(8 * 14336, 14336)
+    assert G.waited_words([4, 5, 6, 7], 100) == [4, 6]
+    assert G.waited_words([4, 5], 65536) == [4, 5]
+
+
 def test_sized_bytes_matches_python():
     for L in (0, 5, 8, 16, 17, 100, 4096, 2**40 + 3):
         for h in (0, 1, 7, 8, 9, 15, 16, 17, 31, 99, 100, 101, 4095, L - 1 if L else 0, L,
@@ -396,7 +405,9 @@ def test_finalize_style_publishes(topology, world):
 
 
 def fill_own_ag(w, seq: int, slice_: int) -> None:
-    """Every rank's own block of all-gather slot ``seq`` holds its pattern."""
+    """Every rank's own block of all-gather slot ``seq`` holds its pattern (and the world
+    notes the slice, for its waits)."""
+    w.slices[seq] = (slice_, 16)
     for r in range(w.world):
         w.block(r, Region.AG, seq, r, slice_)[:] = pattern(seq, r, 0, slice_)
 
@@ -740,7 +751,7 @@ def test_relay_lead_holds_own_pieces_back():
     pieces it relays on the same connection (rank 3's, not published yet), so rank 1 sees
     only pieces 0 and 1 of rank 0; once every rank published, all of it arrives."""
     from sparkccl.plan.model import PREV, flag_word
-    W, slice_, lead = 4, 4096, 1
+    W, slice_, lead = 4, 65536, 1  # (pieces both roots carry: G.root1_idle)
     w = World("ring", W, 2, slice_)
     for p in w.proxies:
         p.set_relay_lead(lead)
@@ -769,7 +780,7 @@ def test_relay_waits_for_own_entry():
     """Ring 4: rank 1 relays rank 0's data to rank 2, but only once rank 1 itself has seen
     the collective in its own ring (it takes the piece bounds from there)."""
     from sparkccl.plan.model import PREV, flag_word
-    W, slice_ = 4, 4096
+    W, slice_ = 4, 65536  # (pieces both roots carry: G.root1_idle)
     w = World("ring", W, 2, slice_)
     w.start()
     try:
@@ -835,14 +846,15 @@ def test_gpu_streams_skipped_for_direct_collectives_only(topology, world):
     and flags itself) are skipped on those streams; relays and chunk -1 collectives still go
     out. Here the test plays the GPU: it writes every rank's publish-stream data straight
     into the peers and the flags after it."""
-    w = World(topology, world, 2, max_slice=4096)
+    w = World(topology, world, 2, max_slice=40000)
     for r, p in enumerate(w.proxies):
         p.set_gpu_streams(w.plans[r].publish_streams())
     w.start()
     try:
         run_ag(w, 1000)  # chunk -1: the proxies send
         writes = [p.stats()["writes"] for p in w.proxies]
-        seq, S = w.seq, 2000
+        seq, S = w.seq, 40000  # (pieces both roots carry: root 1's streams are not idle)
+        w.slices[seq] = (S, 16)
         for r in range(world):
             w.block(r, Region.AG, seq, r, S)[:] = pattern(seq, r, 0, S)
         for c in range(G.PIECES):
@@ -991,6 +1003,7 @@ def test_one_handoff_collective_is_posted_in_one_go(topology, world, roots):
                                                                  if b == r else 0xEE)
                 for c in range(G.PIECES):
                     assert N.publish(w.ctl[r].addr, int(Op.AG), seq, c, -1, slice_, 16, 5.0) == 0
+            w.slices[seq] = (slice_, 16)
             w.start()  # (every entry is there before any proxy runs)
             w.wait_all(Op.AG, seq)
             for r in range(world):
@@ -1006,3 +1019,31 @@ def test_one_handoff_collective_is_posted_in_one_go(topology, world, roots):
                     assert st["writes"] == streams * (1 if batched else G.PIECES), (r, st)
         finally:
             w.stop()
+
+
+@pytest.mark.parametrize("topology,world", [("mesh", 2), ("ring", 4)])
+def test_idle_root_1_sends_nothing(topology, world):
+    """A collective whose pieces all go whole on root 0 (G.root1_idle: a slice of at most
+    32 KiB) leaves root 1 idle: its streams, relays too, write no flag (and no byte), and the
+    waits leave its words out; a larger one uses both roots again. Exact either way."""
+    w = World(topology, world, 2, 65536)
+    w.start()
+    try:
+        for slice_, idle in ((4096, True), (8 * G.ROOT_SPLIT_MIN, True),
+                             (8 * G.ROOT_SPLIT_MIN + 16, False), (16, True)):
+            assert G.root1_idle(slice_) == idle
+            seq = w.seq
+            run_ag(w, slice_)
+            run_rs(w, slice_)
+            for r, plan in enumerate(w.plans):
+                for op, s in ((Op.AG, seq), (Op.RS, seq + 1)):
+                    words = {x for ws in plan.waits[op] for x in ws}
+                    root1 = [int(w.ctl[r].flags[x]) for x in sorted(words) if x % 2 == 1]
+                    assert root1, (r, op)
+                    if idle:
+                        assert all(v < G.flag_value(s, 0) for v in root1), (r, op, slice_, root1)
+                    else:
+                        assert all(v == G.flag_value(s, G.PIECES - 1) for v in root1), (r, op)
+        w.check_healthy()
+    finally:
+        w.stop()

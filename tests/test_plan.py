@@ -212,7 +212,12 @@ def test_relay_on_the_wrong_flag_is_caught():
     w = plans[1].streams[k].trigger.word
     other_root = w ^ 1  # same origin and channel, the other root's connection
     broken = _mutate(plans, 1, k, trigger=OnFlag(other_root))
+    # Slices whose pieces both roots carry: the relay fires on a flag that proves nothing
+    # about the bytes it forwards.
     with pytest.raises(PlanError, match="before a flag that proves"):
+        verify_plans(broken, default_sequence(sizes=(65537, 100000)))
+    # Small slices leave root 1 idle: that flag never comes.
+    with pytest.raises(PlanError, match="deadlock"):
         verify_plans(broken)
 
 

@@ -362,6 +362,15 @@ NB_MODULE(_native, m) {
       },
       "slice"_a, "piece"_a, "granule"_a = 16);
 
+  m.def(
+      "root1_idle",
+      [](uint64_t slice, uint64_t granule) {
+        if (granule == 0) throw std::invalid_argument("granule must be > 0");
+        return geom::root1_idle(slice, granule);
+      },
+      "slice"_a, "granule"_a = 16,
+      "Whether a collective of this slice leaves root 1 idle (protocol.h).");
+
   m.def("sized_bytes", [](uint64_t h, uint64_t L) { return geom::sized_bytes(h, L); },
         "h"_a, "L"_a, "The bytes of a sized all-to-all's chunk of L bytes that travel (protocol.h).");
 

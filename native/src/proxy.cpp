@@ -417,6 +417,16 @@ bool Proxy::advance_streams() {
     uint64_t idx = s.coll - o.base;
     if (idx >= o.hist.size()) continue;  // collective not issued here yet
     Coll& c = o.hist[idx];
+    // A collective that leaves root 1 idle (geom::root1_idle: its pieces all go whole on
+    // root 0): root 1's streams, relays too, send nothing for it, no call entry, no flag, and
+    // nobody waits for their words. (A flag alone there still cost the H200's proxy path
+    // 2.2 us on an 8 KiB all-reduce.)
+    if (conns_[size_t(s.conn)].root == 1 && geom::root1_idle(c.slice, c.granule)) {
+      s.piece = 0;
+      ++s.coll;
+      progress = true;
+      continue;
+    }
     const int p = s.piece;
     const uint64_t trigger = s.kind == 0 ? 0 : load_acquire(word_at(flags_, s.arg * FLAG_BYTES));
     auto ready = [&](int q) {

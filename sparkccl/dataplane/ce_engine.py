@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .. import layout
-from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds
+from ..plan.geometry import ALIGN, PIECES, cut, flag_value, piece_bounds, root1_idle
 from ..plan.model import Op
 from ..plan.waits import PART_NONE, PART_WHOLE, ce_words, wait_parts, wait_table
 from .base import OP_NAMES
@@ -301,7 +301,7 @@ class CeEngine(Engine):
         # The kernel table: parameter words with CallPtr marks become patches (the first
         # word is each launch's own value); the direct, wait and sum kernels take one struct
         # (args: DirectArgs, WaitRoleArgs), whose words a launch passes as they are.
-        table = {K_PIECE: ("sccl_wait_piece", 32, (0, *waits)),
+        table = {K_PIECE: ("sccl_wait_piece", 32, (0, S, *waits)),
                  K_PUBLISH: (call.kernel, DIRECT_THREADS, args[0]),
                  K_WAIT: (call.wait_kernel, WAIT_THREADS, args[1]),
                  K_GUARD: ("sccl_fail_guard", 32, waits),
@@ -380,10 +380,13 @@ class CeEngine(Engine):
         """Per piece, what the sending side copies and flags and what the receiving side's
         units move, and the ring entries' fields (seq filled per call)."""
         pub, recv, rows = [], [], []
+        idle1 = root1_idle(S)
         for c in range(PIECES):
             lo, hi = piece_bounds(S, c)
             sends = []
             for flag, items in host or ():
+                if idle1 and items and items[0][5].roots == 2 and items[0][5].root == 1:
+                    continue  # (an idle root 1 sends nothing: protocol.h root1_idle)
                 for chunk, dbase, dstride, slots, block, part in items:
                     a, e = cut(lo, hi, part, L)
                     if e > a:

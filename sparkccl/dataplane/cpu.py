@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import layout
-from ..plan.geometry import ALIGN, PIECES, flag_value, piece_bounds, round_up, sized_bytes
+from ..plan.geometry import (ALIGN, PIECES, flag_value, piece_bounds, round_up, sized_bytes,
+                             waited_words)
 from ..plan.model import Op, RankPlan
 from .base import OP_NAMES, DataPlaneBase
 from .peer_check import (ALL_GATHER, ALL_REDUCE_AVG, ALL_REDUCE_SUM, ALL_TO_ALL,
@@ -189,7 +190,7 @@ class CpuDataPlane(DataPlaneBase):
         """Wait for piece ``piece`` of ``source``; ``first``: its first, so then compare
         this rank's call (``call``, its call word) with the source's (peer_check.py)
         before anything of it is used."""
-        words = self.waits[op][source]
+        words = waited_words(self.waits[op][source], slice_bytes)
         if not words:
             return
         value = flag_value(seq, piece)

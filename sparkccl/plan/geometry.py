@@ -50,6 +50,23 @@ def sized_bytes(h: int, L: int) -> int:
     return L if h >= L else min(round_up(max(h, 8), ALIGN), L)
 
 
+def root1_idle(slice_bytes: int, granule: int = ALIGN) -> bool:
+    """Whether a collective of this slice leaves root 1 idle: every piece goes whole on
+    root 0 (piece 0, the largest, is at most ROOT_SPLIT_MIN bytes), so root 1's streams
+    send nothing for it (no call entry, no flag) and no reader waits for its flag words
+    (protocol.h ``root1_idle``; docs/PROTOCOL.md "Geometry")."""
+    return piece_bounds(slice_bytes, 0, granule)[1] <= ROOT_SPLIT_MIN
+
+
+def waited_words(words, slice_bytes: int, granule: int = ALIGN) -> list[int]:
+    """Of a source's wait words (flag word indices), those a collective of this slice
+    waits for: root 1's are left out where :func:`root1_idle` (a flag word's root is its
+    index modulo 2: ``sparkccl.plan.model.flag_word``)."""
+    if not root1_idle(slice_bytes, granule):
+        return list(words)
+    return [w for w in words if w % 2 == 0]
+
+
 def split_point(lo: int, hi: int) -> int:
     """Where ``[lo, hi)`` splits in two: at len/2 rounded up to 16, clamped to the range."""
     n = hi - lo

@@ -61,7 +61,7 @@ extern "C" int sccl_emu_run(const char* name, unsigned grid, const u64* a) {
   } else if (n == "sccl_fail_guard") {
     run_grid(grid, [=] { sccl_fail_guard(WAIT_ARGS(0)); });
   } else if (n == "sccl_wait_piece") {
-    run_grid(grid, [=] { sccl_wait_piece(a[0], WAIT_ARGS(1)); });
+    run_grid(grid, [=] { sccl_wait_piece(a[0], a[1], WAIT_ARGS(2)); });
   }
 // A kernel whose one parameter is protocol.h kargs struct T.
 #define BY_VALUE(K, T)                                                                      \

@@ -281,7 +281,7 @@ __device__ __forceinline__ void allreduce_one_shot(const AllReduceArgs& a) {
   wait_previous_grid();  // (launched early where the plane says so: allreduce_engine.py)
   let_next_grid_start();
   const WaitParams* wp = (const WaitParams*)a.wp;
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(a.S)
   if (a.ll) {
     if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
     allreduce_ll<E>(a, w, state);  // (it advances the state itself)

@@ -178,7 +178,7 @@ __device__ void fused_consume(const FusedAllReduceArgs& a, const WaitArgs& wr,
 template <class E>
 __device__ __forceinline__ void allreduce_fused(const FusedAllReduceArgs& a) {
   const WaitParams* wp = (const WaitParams*)a.wp_rs;
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(a.S)
   // The AG part's wait differs from the RS part's only in its tables (the WaitParams blocks
   // of one plane share everything else, maxw included) and in where its units start.
   const WaitParams* const wp_ag = (const WaitParams*)a.wp_ag;

@@ -58,13 +58,23 @@ __device__ __forceinline__ bool hand_off_fields(u8* ring, u64* state, u64 first_
   return true;
 }
 
-// Once the fields and the data are ordered before them: each stream's flag, then the tags.
+// Whether stream s of direct table dtab (ns streams) goes on root 1 (its items' part).
+__device__ __forceinline__ bool stream_on_root1(const u64* dtab, u64 ns, u64 s) {
+  const u64 first = dtab[1 + s * DT_STREAM + DT_FIRST];
+  const u64 part = dtab[1 + ns * DT_STREAM + first * DT_ITEM + DT_PART];
+  return (part & 3u) == 1;
+}
+
+// Once the fields and the data are ordered before them: each stream's flag (none on an idle
+// root 1: protocol.h root1_idle), then the tags.
 __device__ __forceinline__ void hand_off_tags(const u64* dtab, u8* ring, u64* state,
-                                              u64 first_index, u64 seq, int c0, int c1,
+                                              u64 first_index, u64 seq, u64 S, int c0, int c1,
                                               u32 chunk, bool room) {
   const u64 ns = dtab ? dtab[0] : 0;
+  const bool idle1 = root1_idle(S, ALIGN);
   for (u64 s = 0; s < ns; ++s)
-    st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
+    if (!(idle1 && stream_on_root1(dtab, ns, s)))
+      st_relaxed_sys((u64*)dtab[1 + s * DT_STREAM + DT_FLAG], seq * FLAG_STRIDE + c1 + 1);
   const bool whole = chunk == (u32)CHUNK_WHOLE;
   for (int c = whole ? c1 : c0; c <= c1 && room; ++c) {
     const u64 index = first_index + (whole ? 0 : c);
@@ -87,7 +97,7 @@ __device__ __forceinline__ void hand_off_entries(const u64* dtab, u8* ring, u64*
   TL_STAMP(state, seq, TL_WRITTEN);
   const bool room = hand_off_fields(ring, state, first_index, seq, S, call, c0, c1, chunk);
   __threadfence_system();
-  hand_off_tags(dtab, ring, state, first_index, seq, c0, c1, chunk, room);
+  hand_off_tags(dtab, ring, state, first_index, seq, S, c0, c1, chunk, room);
 }
 __device__ __forceinline__ void hand_off(u32* counter, u32 n, const u64* dtab, u8* ring,
                                          u64* state, u64 first_index, u64 seq, u64 S, u64 call,
@@ -113,7 +123,7 @@ __device__ __forceinline__ void hand_off_fields_first(u32* counter, u32 n, bool 
   }
   if (!last_block_arrives(counter, n)) return;
   TL_STAMP(state, seq, TL_WRITTEN);
-  hand_off_tags((const u64*)0, ring, state, first_index, seq, c0, c1, chunk,
+  hand_off_tags((const u64*)0, ring, state, first_index, seq, S, c0, c1, chunk,
                 !plane_failed(state));
 }
 
@@ -233,7 +243,7 @@ __device__ __forceinline__ PubArgs direct_pub_args(const DirectArgs& x, u64* sta
 // One parameter: protocol.h kargs::DirectArgs, by value (the wait role in x.wait).
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(const DirectArgs x) {
   WAIT_PARAMS_OF(x.wait)
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(x.wait.S)
   const u32 npub = (u32)x.npub;
   if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub);
   else ag_wait_role(x.wait, w, blockIdx.x - npub, gridDim.x - npub, call_sized(x.call));
@@ -243,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(const Direct
 #define RS_DIRECT_KERNEL(NAME, E)                                                            \
   extern "C" __global__ void __launch_bounds__(256, 2) NAME(const DirectArgs x) {            \
     WAIT_PARAMS_OF(x.wait)                                                                   \
-    WAIT_ARGS_INIT                                                                           \
+    WAIT_ARGS_INIT(x.wait.S)                                                                 \
     const u32 npub = (u32)x.npub;                                                            \
     if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub); \
     else rs_wait_role<E>(x.wait, w, blockIdx.x - npub, gridDim.x - npub);                    \

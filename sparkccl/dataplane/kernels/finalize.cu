@@ -299,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sccl_finalize_direct(
     const FinalizeDirectArgs x) {
   WAIT_PARAMS_OF(x)
   const u64 npub = x.npub;
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(x.rows.rows_pad * 2 * x.rows.H)  // (rs_wait's S below)
   const u64 seq = w.seq;
   const u64 first_index = state_word(state, STATE_RING);
   const u64 gate_target = state_word(state, STATE_GATE) + npub;

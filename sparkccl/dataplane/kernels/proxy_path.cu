@@ -16,7 +16,7 @@
 // the consume side, WAIT_PARAMS).
 #define PROXY_ROLES_INIT                                                                     \
   WAIT_PARAMS_OF(x)                                                                          \
-  WAIT_ARGS_INIT                                                                             \
+  WAIT_ARGS_INIT(x.pub.S)                                                                    \
   const u32 npub = PIECES * (u32)x.pub.bpp;                                                  \
   const u64 L = x.pub.L, S = x.pub.S;
 

@@ -233,7 +233,7 @@ __device__ __forceinline__ void rs_wait_role(const WaitRoleArgs& x, const WaitAr
 #define RS_KERNEL(NAME, E)                                                                   \
   extern "C" __global__ void __launch_bounds__(512) NAME(const WaitRoleArgs x) {             \
     WAIT_PARAMS_OF(x)                                                                        \
-    WAIT_ARGS_INIT                                                                           \
+    WAIT_ARGS_INIT(x.S)                                                                      \
     rs_wait_role<E>(x, w, blockIdx.x, gridDim.x);                                            \
     last_block_advances(state, adv_entries, adv_gate);                                       \
   }

@@ -18,7 +18,15 @@ struct WaitArgs {
   u64 ubase;  // units before this wait's first: a second wait of the same collective on the
               // one progress word (the fused all-reduce's all-gather part after its
               // reduce-scatter part, allreduce_fused.cu) counts on from where the first ends
+  bool root1_idle;  // protocol.h root1_idle of the collective's slice: root 1's words unwaited
 };
+
+// Source i's wait word k, or -1 where there is nothing to wait for: this rank, no such word,
+// or root 1's word of a collective that leaves root 1 idle (protocol.h root1_idle).
+__device__ __forceinline__ int waited_word(const WaitArgs& w, int i, int k) {
+  const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+  return word >= 0 && w.root1_idle && flag_word_root((u64)word) == 1 ? -1 : word;
+}
 
 // Progress unit of (piece c, wait-word index k, source i).
 __device__ __forceinline__ u64 unit(const WaitArgs& w, int c, int k, int i) {
@@ -95,7 +103,7 @@ __device__ __forceinline__ bool still_waiting(const WaitArgs& w, u32 spins, u64 
 // the source is this rank or has no word k). False: the abort word was set or the timeout
 // (from t0) passed; the failure is recorded.
 __device__ bool wait_word(const WaitArgs& w, int c, int k, int i, u64 t0, FlagsSeen& seen) {
-  const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
+  const int word = waited_word(w, i, k);
   if (word < 0) return true;
   const u64 value = w.seq * FLAG_STRIDE + c + 1;
   const int at = i * w.maxw + k;
@@ -133,7 +141,7 @@ __device__ bool wait_all_words(const WaitArgs& w, int c, u64 t0, FlagsSeen& seen
 #pragma unroll
       for (int j = 0; j < WORDS_AT_ONCE; ++j) {
         const int at = first + j;
-        const int word = at < n && at / w.maxw != w.rank ? w.waits[at] : -1;
+        const int word = at < n ? waited_word(w, at / w.maxw, at % w.maxw) : -1;
         v[j] = word >= 0 && seen.v[at] < value ? ld_relaxed_sys(w.flags + word) : ~0ull;
       }
 #pragma unroll
@@ -202,8 +210,7 @@ __device__ bool relay_piece(const WaitArgs& w, int c, u64 t0, FlagsSeen& seen) {
   for (int k = 0; k < w.maxw; ++k) {
     for (int i = 0; i < w.world; ++i) {
       if (!wait_word(w, c, k, i, t0, seen)) return false;
-      const int word = i == w.rank ? -1 : w.waits[i * w.maxw + k];
-      if (word >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
+      if (waited_word(w, i, k) >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
     }
   }
   return true;
@@ -273,14 +280,15 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 // data plane and op, built by the host from the header's offsets), and the two values that
 // differ per launch (see last_block_advances).
 #define WAIT_PARAMS const WaitParams *wp, u64 adv_entries, u64 adv_gate
-#define WAIT_ARGS_INIT                                                                      \
+#define WAIT_ARGS_INIT(SLICE)                                                               \
   WaitArgs w;                                                                               \
   u64* const state = (u64*)wp->state;                                                       \
   w.flags = (const u64*)wp->flags; w.abort_w = (const u64*)wp->abort_w;                     \
   w.status = (u64*)wp->status; w.waits = (const int*)wp->waits;                             \
   w.parts = (const int*)wp->parts; w.state = state; w.seq = state_word(state, STATE_SEQ);   \
   w.rank = (int)wp->rank; w.world = (int)wp->world;                                         \
-  w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns; w.ubase = 0;
+  w.maxw = (int)wp->maxw; w.timeout_ns = wp->timeout_ns; w.ubase = 0;                      \
+  w.root1_idle = root1_idle((SLICE), ALIGN);
 
 // WAIT_PARAMS adv_entries, adv_gate: see last_block_advances (0 in sccl_wait_piece).
 // A kernel whose struct argument x carries them (protocol.h kargs: wp, adv_entries,
@@ -296,8 +304,8 @@ __device__ __forceinline__ bool wait_progress(const WaitArgs& w, u64 need, u64* 
 // A failure sets the progress word to FAILED, which releases every such stream wait of the
 // collective: in mode GPU_FAIL_STOP this kernel then traps, so the copies never complete as
 // a success; in mode GPU_FAIL_POISON sccl_poison, queued after them, overwrites the output.
-extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
-  WAIT_ARGS_INIT
+extern "C" __global__ void sccl_wait_piece(u64 piece, u64 S, WAIT_PARAMS) {
+  WAIT_ARGS_INIT(S)
   if (threadIdx.x != 0 || earlier_wait_failed(w)) return;
   FlagsSeen seen = {};
   relay_piece(w, (int)piece, globaltimer(), seen);
@@ -309,7 +317,7 @@ extern "C" __global__ void sccl_wait_piece(u64 piece, WAIT_PARAMS) {
 // that would have failed never ran), the copies after them moved whatever had arrived, and
 // nothing queued after the collective may read that as a result.
 extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(0)  // (it waits for no word)
   if (blockIdx.x == 0 && threadIdx.x == 0) earlier_wait_failed(w);
 }
 
@@ -389,7 +397,7 @@ __device__ __forceinline__ void ag_wait_role(const WaitRoleArgs& x, const WaitAr
 // Grid: 1 poller block + consumer blocks. One parameter: protocol.h kargs::WaitRoleArgs.
 extern "C" __global__ void __launch_bounds__(512) sccl_ag_wait(const WaitRoleArgs x) {
   WAIT_PARAMS_OF(x)
-  WAIT_ARGS_INIT
+  WAIT_ARGS_INIT(x.S)
   ag_wait_role(x, w, blockIdx.x, gridDim.x);
   last_block_advances(state, adv_entries, adv_gate);
 }

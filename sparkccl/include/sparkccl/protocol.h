@@ -279,7 +279,7 @@ SCCL_HOST_DEVICE constexpr pu64 split_point(pu64 lo, pu64 hi) {
 // The sub-range of a piece an item carries: first split between roots (root of roots),
 // then that share between travel directions (half of halves); a count of 1: no split.
 // A piece of at most ROOT_SPLIT_MIN bytes is not split between roots: root 0 carries it
-// whole, root 1 sends its flag alone (below).
+// whole (below; root1_idle).
 SCCL_HOST_DEVICE constexpr Range part_range(Range r, unsigned root, unsigned roots, unsigned half,
                                        unsigned halves) {
   if (roots == 2) {
@@ -292,6 +292,19 @@ SCCL_HOST_DEVICE constexpr Range part_range(Range r, unsigned root, unsigned roo
   }
   return r;
 }
+
+// A collective whose slice's pieces all go whole on root 0 (piece 0, the largest, is at most
+// ROOT_SPLIT_MIN bytes: a slice of at most 32 KiB at granule ALIGN) leaves root 1 idle: its
+// streams send nothing for it, no call entry and no flag, and no reader waits for its flag
+// words (docs/PROTOCOL.md "Geometry"). A flag alone on root 1 still cost the proxy path's
+// 8 KiB all-reduce 2.2 us on the H200 (15.7-16.2 us against 13.7-14.0 us without it,
+// benchmarks/decode_latency_h200.txt section 12). Every writer and reader decides it from
+// the same (slice, granule) as its piece geometry.
+SCCL_HOST_DEVICE constexpr bool root1_idle(pu64 slice, pu64 granule) {
+  return piece_range(slice, 0, granule).hi <= ROOT_SPLIT_MIN;
+}
+// The root whose stream writes flag word `word` (flag_word: the root is its lowest digit).
+SCCL_HOST_DEVICE constexpr unsigned flag_word_root(pu64 word) { return (unsigned)(word % 2); }
 
 // KIND_ALL_TO_ALL_SIZED: the bytes of a chunk of L bytes that carry data, from its first 8
 // bytes h (little-endian, counting themselves): h rounded up to ALIGN, at least ALIGN, at
@@ -316,6 +329,9 @@ static_assert(part_range(Range{64, 64 + ROOT_SPLIT_MIN}, 0, 2, 0, 1).hi == 64 + 
                   part_range(Range{0, ROOT_SPLIT_MIN + 16}, 1, 2, 0, 1).lo ==
                       ROOT_SPLIT_MIN / 2 + 16,
               "root split geometry");
+static_assert(root1_idle(8 * ROOT_SPLIT_MIN, ALIGN) && !root1_idle(8 * ROOT_SPLIT_MIN + 1, ALIGN) &&
+                  !root1_idle(8 * 14336, 14336) && root1_idle(0, ALIGN),
+              "idle root geometry");
 static_assert(sized_bytes(0, 100) == 16 && sized_bytes(17, 100) == 32 && sized_bytes(99, 100) == 100 &&
                   sized_bytes(~0ull, 100) == 100 && sized_bytes(8, 5) == 5,
               "sized all-to-all geometry");
