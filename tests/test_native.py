@@ -646,7 +646,7 @@ def _rank_main(tag, topology, world, rank, slice_, stride, barrier, results, lea
                     if code:
                         break
                 for src in range(world):
-                    code, _ = N.wait_flags(ctl, flags, list(plan.waits[op][src]),
+                    code, _ = N.wait_flags(ctl, flags, G.waited_words(plan.waits[op][src], slice_),
                                            G.flag_value(seq, 7), 10.0)
                     if code:
                         break
