@@ -6,6 +6,11 @@ One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
   ep            ExpertParallel.dispatch (bf16 tokens) + combine (bf16 expert outputs, the
                 finalize on the home rank): two all-to-alls (docs/EXPERT_PARALLEL.md "The
                 movement"), bit-exact with one box
+  ep partial    the same dispatch, combine(partial=True): each expert rank sums its own
+                experts' weighted rows of a token first and returns one row per (token,
+                rank); the home adds them in rank order (an opt-in with its own bits, those
+                of the grouping ag+rs uses; docs/EXPERT_PARALLEL.md "Per-rank partial
+                combine")
   ag+rs         all_gather of the tokens and of the routing (ids + weights), then every
                 rank's partial outputs finalized into the reduce-scatter
                 (moe_finalize_reduce_scatter over world * T rows): vLLM's
@@ -15,8 +20,8 @@ One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
 The experts' own compute is not timed in either (the expert outputs are made once). Each
 time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
 first, and on CUDA the stream synchronized), median over --iters; ``ratio`` is ag+rs / ep
-(above 1: EP is faster). The combine result is checked against the one-box reference once
-per world.
+(above 1: EP is faster), ``ratio partial`` ag+rs / ep partial. The combine results are
+checked against their references (one box; the per-rank partial sums) once per world.
 
     python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
     # one GPU, ranks sharing it (the issue's sizes: decode, then prefill)
@@ -45,7 +50,8 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
     import torch
 
     import sparkccl
-    from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
+    from sparkccl.ep_reference import (combine_reference, make_ep_input,
+                                       partial_combine_reference, run_experts)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     cpu_inp = make_ep_input(7, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
@@ -63,6 +69,9 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
         z = ep.combine(out, handle, shared=shared)
         exact = bool(np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
                                     combine_reference(cpu_inp)))
+        z = ep.combine(out, handle, shared=shared, partial=True)
+        exact &= bool(np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
+                                     partial_combine_reference(cpu_inp, ep.owners, world)))
 
         # ag+rs: the routing travels as one all-gather of [T, K] int32 ids + fp32 weights.
         routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
@@ -79,9 +88,9 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        def ep_layer(e=ep):
+        def ep_layer(e=ep, partial=False):
             r, h = e.dispatch(x, idx, w)
-            return e.combine(out, h, shared=shared)
+            return e.combine(out, h, shared=shared, partial=partial)
 
         def agrs_layer():
             xs = comm.all_gather(x)
@@ -91,7 +100,8 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
             return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all,
                                                     num_tokens=N, padded_tokens=N)
 
-        layers = [("ep", ep_layer), ("ag+rs", agrs_layer)]
+        layers = [("ep", ep_layer), ("ep partial", lambda: ep_layer(partial=True)),
+                  ("ag+rs", agrs_layer)]
         if torch_dispatch:  # the same layer with dispatch's torch ops (the fused kernels' spec)
             ep_t = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
                                            mode=mode, _fused=False)
@@ -133,6 +143,7 @@ def main():
              f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, {a.device} ranks over "
              "shm; median of the slowest rank, ms",
              f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"
+             f" {'ep partial ms':>14} {'ratio partial':>14}"
              + (f" {'ep torch ms':>12}" if a.torch_dispatch else "")]
     print("\n".join(lines), flush=True)
     for W in a.worlds:
@@ -147,6 +158,7 @@ def main():
             med[name] = statistics.median(max(t) for t in per_iter) * 1e3
         line = (f"{W:>5} {med['ep']:>9.2f} {med['ag+rs']:>9.2f} "
                 f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}"
+                f" {med['ep partial']:>14.2f} {med['ag+rs'] / med['ep partial']:>14.2f}"
                 + (f" {med['ep torch']:>12.2f}" if a.torch_dispatch else ""))
         print(line, flush=True)
         lines.append(line)

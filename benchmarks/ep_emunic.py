@@ -14,12 +14,15 @@ released at one instant, as benchmarks/emunic_efficiency.py):
   all-to-all, the receiver's selection);
 * ``combine``: ``ExpertParallel.combine`` (the all-to-all back and the finalize);
 * ``a2a``: ``all_to_all`` alone of blocks of the same sizes (the wire's share);
+* ``partial``: ``combine(partial=True)`` (the per-rank partial combine, an opt-in with its
+  own bits: one row per (token, rank) returns instead of one per entry), beside the exact
+  combine (``partial / combine``: below 1, the opt-in is faster);
 
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
 block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
 wire carries whole blocks; a fill below 1 is what equal blocks cost against pieces of
 each pair's own size). The combine is checked bit for bit against the one-box finalize
-reference before timing.
+reference before timing, the partial combine against its own reference.
 
     nice -n 19 python benchmarks/ep_emunic.py --rate-gbps 0.2 --worlds 2,3,4,5,6
 """
@@ -46,7 +49,8 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
     import torch
 
     import sparkccl
-    from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
+    from sparkccl.ep_reference import (combine_reference, make_ep_input,
+                                       partial_combine_reference, run_experts)
     inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
     # uniform routing (the tests' routings are skewed on purpose: idle experts, tokens whose
     # top-k all live on one rank)
@@ -63,11 +67,15 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         if not np.array_equal(z.view(torch.int16).numpy().view(np.uint16),
                               combine_reference(inp)):
             raise AssertionError(f"rank {rank}: combine differs from the one-box reference")
+        z = ep.combine(out, handle, shared=shared, partial=True)
+        if not np.array_equal(z.view(torch.int16).numpy().view(np.uint16),
+                              partial_combine_reference(inp, ep.owners, world)):
+            raise AssertionError(f"rank {rank}: the partial combine differs from its reference")
         # this rank's rows to each destination: tokens (once each) and entries
         owner = torch.tensor(ep.owners)[idx]
         sent = [int((owner == d).any(1).sum()) for d in range(world)]
         back = [int((owner == d).sum()) for d in range(world)]
-        ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine")}
+        ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial")}
         blocks = {"a2a dispatch": torch.zeros(world, handle.dispatch_rows * (H * 2 + (K + 1) * 4)
                                               + 16, dtype=torch.uint8),
                   "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
@@ -85,6 +93,10 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
             t0 = time.perf_counter()
             ep.combine(out, handle, shared=shared)
             ts["combine"].append(time.perf_counter() - t0)
+            barrier()
+            t0 = time.perf_counter()
+            ep.combine(out, handle, shared=shared, partial=True)
+            ts["partial"].append(time.perf_counter() - t0)
         return {"t": ts, "rows": (handle.dispatch_rows, handle.ret_rows), "sent": sent,
                 "back": back, "row_bytes": (H * 2, H * 2)}
 
@@ -108,7 +120,8 @@ def main(argv=None) -> int:
           "(slowest rank)")
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
           + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'a2a ms':>7} "
-                     f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES))
+                     f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES)
+          + f" {'partial ms':>10} {'partial / combine':>17}")
     for topology in a.topologies.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
             E = a.experts_per_rank * world
@@ -116,10 +129,11 @@ def main(argv=None) -> int:
                                   timeout_s=1800))
             load = max_port_load(topology, world, a.roots, "reduce_scatter")
             cols = []
+
+            def med(name):
+                return statistics.median(max(r["t"][name][j] for r in res)
+                                         for j in range(a.iters))
             for i, (p, key) in enumerate(zip(PHASES, ("sent", "back"))):
-                def med(name):
-                    return statistics.median(max(r["t"][name][j] for r in res)
-                                             for j in range(a.iters))
                 t, t_a2a = med(p), med("a2a " + p)
                 rows = res[0]["rows"][i]
                 block = rows * res[0]["row_bytes"][i]
@@ -128,6 +142,7 @@ def main(argv=None) -> int:
                 bound = load * block * 8 / (a.rate_gbps * 1e9 * a.roots)
                 cols.append(f"{block / 1024:>13.0f} {fill:>5.2f} {bound * 1e3:>8.1f} "
                             f"{t_a2a * 1e3:>7.1f} {t * 1e3:>11.1f} {bound / t:>8.0%}")
+            cols.append(f"{med('partial') * 1e3:>10.1f} {med('partial') / med('combine'):>17.2f}")
             print(f"{topology:<8} {world:>5} {load:>5g} " + " ".join(cols)
                   + f"  load {load_average().split()[0]}", flush=True)
     return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .reference import finalize_rows_reference, make_rows, make_weights_and_shared
+from .reference import (bf16_bits_to_f32, finalize_bf16_bits, finalize_rows_reference, fma_f32,
+                        make_rows, make_weights_and_shared)
 
 
 def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
@@ -71,6 +72,33 @@ def combine_reference(inp: dict, shared: bool = True) -> np.ndarray:
              weights=inp["topk_weights"], shared=sh, y_scales=None)
     rows = finalize_rows_reference(f, n, n)
     return (rows.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def partial_combine_reference(inp: dict, owners: list, world: int,
+                              shared: bool = True) -> np.ndarray:
+    """uint16 bf16 bits ``[n, H]`` of ``combine(partial=True)`` for this rank's tokens:
+    per rank s (in rank order) the fp32 FMA chain from +0.0 over the k whose expert s owns
+    (``owners[e]``), rounded to bf16; those added in fp32 to ``shared`` (or +0.0), rounded
+    once."""
+    idx, w = inp["topk_idx"], inp["topk_weights"].numpy().astype(np.float32)
+    n, K = idx.shape
+    H = inp["x"].shape[1]
+    def f32(t):  # (bf16 -> fp32, exactly)
+        return bf16_bits_to_f32(t.contiguous().view(torch.int16).numpy().view(np.uint16))
+
+    y = f32(one_box_rows(inp)).reshape(n * K, H)
+    acc = f32(inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16))
+    own = np.array([[owners[int(e)] for e in row] for row in idx.tolist()],
+                   dtype=np.int64).reshape(n, K)
+    for s in range(world):
+        p = np.zeros((n, H), np.float32)
+        for k in range(K):
+            m = own[:, k] == s
+            p[m] = fma_f32(w[m, k:k + 1], y[np.arange(n)[m] * K + k], p[m])
+        p = bf16_bits_to_f32(finalize_bf16_bits(p))
+        with np.errstate(invalid="ignore", over="ignore"):
+            acc = (acc + p).astype(np.float32)
+    return finalize_bf16_bits(acc)
 
 
 def run_experts(ep, recv) -> torch.Tensor:

@@ -218,6 +218,10 @@ class Handle:
     recv_shape: tuple
     ret_counts: torch.Tensor
     sized: SizedCombine | None = None
+    # the received rows' (token, k) at their source, recv.x's layout flattened: for
+    # combine(partial=True), which groups a token's entries held here
+    row_token: torch.Tensor | None = None
+    row_k: torch.Tensor | None = None
 
 
 @dataclass
@@ -468,6 +472,7 @@ class ExpertParallel:
         n, K = self._check_dispatch(x, topk_idx, topk_weights, x_scales)
         self._topk = K
         recv, handle = self._dispatch(x, topk_idx, topk_weights, x_scales, n, K)
+        handle.row_token, handle.row_k = recv.src_token.reshape(-1), recv.src_k.reshape(-1)
         # the sized combine's plan now (CUDA: inside the same graph as the dispatch when
         # captured), not in every combine
         handle.sized = self._sized_plan(handle)
@@ -837,13 +842,24 @@ class ExpertParallel:
         return SizedCombine(feed, header, pos)
 
     def combine(self, expert_out: torch.Tensor, handle: Handle,
-                shared: torch.Tensor | None = None) -> torch.Tensor:
+                shared: torch.Tensor | None = None, *, partial: bool = False) -> torch.Tensor:
         """Return every expert output row to its token's home rank and finalize there:
         ``[n, hidden]`` bf16 with row t = ``shared[t] + sum_k w[t, k] * out(t, k)`` (fp32 FMA
         chain in k order, rounded once; ``shared=None`` starts the chain from +0.0).
 
         ``expert_out``: bf16 in ``recv.x``'s layout (``[R, H]`` high-throughput,
         ``[E_local, world * max_tokens, H]`` low-latency; rows past the counts are ignored).
+
+        ``partial=True`` (an opt-in: other bits): each rank first sums, per token, the
+        weighted rows of its own experts, ``p_s[t]`` = the fp32 FMA chain from +0.0 over the
+        k (in top-k order) whose expert rank s holds, rounded to bf16, and returns one row
+        per (token, rank) instead of one per entry; the home rank then adds them in rank
+        order, ``shared[t] + p_0[t] + ... + p_{W-1}[t]`` in fp32 (``p_s`` = +0.0 where s
+        holds none of t's experts), rounded once. The grouping of DeepEP's normal-mode
+        combine and of the all-gather + reduce-scatter formulation: fewer rows on the wire
+        (about ``W (1 - (1 - 1/W)^topk)`` per token instead of ``topk``), bits that are the
+        same on every topology and transport, deterministic, but that depend on the world
+        size and the placement (docs/EXPERT_PARALLEL.md "Per-rank partial combine").
         """
         what = "ExpertParallel.combine"
         comm, W, H = self.comm, self.world, self.hidden
@@ -867,9 +883,15 @@ class ExpertParallel:
                 raise ValueError(f"{what}: shared must be [n, hidden] = [{n}, {H}], got "
                                  f"{list(shared.shape)}")
 
+        if not isinstance(partial, bool):
+            raise TypeError(f"{what}: partial must be a bool, got {type(partial).__name__}")
+
         if shared is None:
             shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)
         out = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
+        if partial:
+            self._combine_partial(expert_out, handle, shared, out)
+            return out
 
         def recv_rows(N, pos):
             # the receive blocks and a last row of NaN, where the refused entries (CUDA and
@@ -899,15 +921,94 @@ class ExpertParallel:
                                out=words)
         words.view(W, -1)[:, 0] = plan.header  # each block's first 8 bytes
         comm.all_to_all(send, out=y[:N], sized=True)
-        if n == 0:
-            return out
-        if dev.type == "cuda":
+        if n:
+            self._finalize(f, out)
+        return out
+
+    def _finalize(self, f, out: torch.Tensor) -> None:
+        """``out`` = the finalize rows of ``f`` (the one-box FMA chain per row)."""
+        if self.comm.device.type == "cuda":
             from . import ep_cuda
             ep_cuda.finalize_rows(f, out, self._fin_bad)
         else:
             from . import _native
             _finalize.single_rank(_native, f, out)
-        return out
+
+    def _combine_partial(self, expert_out, handle: Handle, shared, out) -> None:
+        """combine(partial=True): torch ops on the device and two finalize passes, no host
+        read (capturable in low-latency mode). The top-k weights go to the expert ranks
+        first, in combine's block order (one small all-to-all: ``pos`` numbers this rank's
+        entries per owner); each rank gathers the rows it returns (as the exact combine
+        does) plus a zero row, sums each home token's entries into one row (a finalize whose
+        rows are the (home, token) groups, its slots the top-k positions, the empty ones
+        the zero row with weight 0, its shared rows zero), and sends per home a header row,
+        then those rows in token order (sized: only they travel). The home finalizes with
+        one slot per rank (weight 1: fp32 additions in rank order, from shared)."""
+        comm, W, H, dev = self.comm, self.world, self.hidden, self.comm.device
+        n, K, Pc, Pd = handle.num_tokens, handle.topk, handle.ret_rows, handle.dispatch_rows
+        RB, B, N = 2 * H, Pd + 1, W * Pc  # (a returned block: a header, then <= Pd tokens)
+        # 1. the weights of this rank's entries, to their owners, in pos order
+        wsend = self._buffer("partial w send", (N + 1,), torch.float32)
+        wsend.zero_()
+        if n:
+            wsend[handle.pos.long()] = handle.weights.reshape(-1)
+        wrecv = comm.all_to_all(wsend[:N], out=self._buffer("partial w recv", (N,),
+                                                           torch.float32))
+        # 2. the rows held here for each home (slot i = s * Pc + j: home s's j-th entry
+        # held here, in its (token, k) order), then a zero row
+        y = self._buffer("partial rows", (N + 1, H), torch.bfloat16)
+        if expert_out.numel():
+            torch.index_select(expert_out.reshape(-1, H), 0, handle.feed, out=y[:N])
+        y[N].zero_()
+        valid = (torch.arange(Pc, device=dev).unsqueeze(0)
+                 < handle.ret_counts.unsqueeze(1))  # [W, Pc]
+        if handle.row_token.numel():
+            tok = torch.where(valid, handle.row_token[handle.feed].view(W, Pc), -1)
+            kk = handle.row_k[handle.feed].view(W, Pc).long().clamp_(min=0)  # (-1: no row)
+        else:  # (nothing received here)
+            tok = torch.full((W, Pc), -1, dtype=torch.int32, device=dev)
+            kk = torch.zeros((W, Pc), dtype=torch.int64, device=dev)
+        # each slot's group (a home token): a new one where the token changes
+        new = torch.ones_like(valid)
+        new[:, 1:] = tok[:, 1:] != tok[:, :-1]
+        new &= valid
+        g = new.long().cumsum(1) - 1  # [W, Pc]
+        groups = new.sum(1)  # [W]: the tokens of each home held here
+        # the group rows: block s's row 1 + g (row 0: the header); invalid slots go to a
+        # row of their own past the end, dropped
+        M = W * B
+        row = torch.where(valid, torch.arange(W, device=dev).unsqueeze(1) * B + 1 + g,
+                          M).view(-1)
+        pos1 = torch.full((M + 1, K), N, dtype=torch.int32, device=dev)
+        w1 = torch.zeros((M + 1, K), dtype=torch.float32, device=dev)
+        at = (row, kk.reshape(-1))
+        pos1[at] = torch.arange(N, dtype=torch.int32, device=dev)
+        w1[at] = wrecv
+        zeros = self._buffer("partial zeros", (M, H), torch.bfloat16)
+        zeros.zero_()
+        send = self._buffer("partial send", (M, H), torch.bfloat16)
+        self._finalize(_finalize.FinalizeInputs(
+            y=y, scales=None, pos=pos1[:M].reshape(-1), weights=w1[:M].contiguous(),
+            shared=zeros, num_tokens=M, padded_tokens=M, world=1, topk=K, H=H, R=N + 1), send)
+        send.view(W, B, H)[:, 0].view(torch.int64)[:, 0] = groups.mul(RB).add_(RB)
+        # 3. the home: one slot per rank; a token with a refused entry reads a NaN row
+        recv = self._buffer("partial recv", (M + 2, H), torch.bfloat16)
+        recv[M].zero_()
+        recv[M + 1].view(torch.int16).fill_(NAN_BF16)
+        comm.all_to_all(send, out=recv[:M], sized=True)
+        if n == 0:
+            return
+        idx = handle.pos.view(n, K).long()
+        refused = idx == N
+        owner = torch.where(refused, W, idx // Pc)  # [n, K]
+        hit = (owner.unsqueeze(2) == torch.arange(W, device=dev)).any(1)  # [n, W]
+        nth = hit.long().cumsum(0) - 1
+        pos2 = torch.where(hit, torch.arange(W, device=dev) * B + 1 + nth, M)
+        pos2[:, 0] = torch.where(refused.any(1), M + 1, pos2[:, 0])
+        ones = torch.ones((n, W), dtype=torch.float32, device=dev)
+        self._finalize(_finalize.FinalizeInputs(
+            y=recv, scales=None, pos=pos2.to(torch.int32).reshape(-1), weights=ones,
+            shared=shared, num_tokens=n, padded_tokens=n, world=1, topk=W, H=H, R=M + 2), out)
 
     def _combine_streamed(self, expert_out, handle: Handle, plan: SizedCombine, y, f,
                           out) -> None:

@@ -210,6 +210,17 @@ def finalize_rows_reference(inp: dict, num_tokens: int, padded_tokens: int):
     return bf16_bits_to_f32(raw.view(np.uint8)).reshape(Tpad, H)
 
 
+def finalize_bf16_bits(a):
+    """uint16 bf16 bits of an fp32 numpy array as the finalize rounds (nearest even; a NaN
+    element is the canonical NaN 0x7FFF)."""
+    import numpy as np
+    import torch
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    raw = _round_f32(a.reshape(-1), torch.bfloat16).view(np.uint16).reshape(a.shape)
+    raw[np.isnan(a)] = 0x7FFF
+    return raw
+
+
 def bf16_bits_to_f32(raw):
     """fp32 values of bfloat16 bits (a uint8 or uint16 numpy array, same shape in 16-bit
     units), exactly."""

@@ -14,7 +14,8 @@ streamed beside the wire, the CPU default).
   undefined);
 * the wire bytes of a combine (``comm.proxy_stats()["bytes"]``): the headers and the rows
   that exist, rounded up to 16, once ``Communicator.all_to_all`` takes ``sized``, gathered
-  at once and streamed.
+  at once and streamed; and of ``combine(partial=True)``: the weights' all-to-all, then a
+  header and one row per (home token, rank).
 """
 from __future__ import annotations
 
@@ -211,6 +212,24 @@ def wire_job(rank, world, store, topology):
                                f"streamed {stream}): combine posted {got} bytes, want {want} "
                                f"(unsized: {(W - 1) * (Pc + 1) * RB})")
                 comm.all_gather(torch.zeros(1))  # (every rank's count read before the next)
+                if stream:
+                    continue
+                # combine(partial=True): the weights' all-to-all (measured alone), then per
+                # home a header and one row per token of it held here
+                start = posted_bytes(comm)
+                comm.all_to_all(torch.zeros(W * Pc))
+                weights = posted_bytes(comm) - start
+                want = weights + sum(
+                    -(-(1 + len({t for t, _ in held[d][:Pc]})) * RB // 16) * 16
+                    for d in range(W) if d != rank)
+                comm.all_gather(torch.zeros(1))
+                start = posted_bytes(comm)
+                ep.combine(out, handle, partial=True)
+                got = posted_bytes(comm) - start
+                if got != want:
+                    bad.append(f"world {W} {topology} case {c} ({mode}, combine_rows {rows}): "
+                               f"the partial combine posted {got} bytes, want {want}")
+                comm.all_gather(torch.zeros(1))
     return bad
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
+from sparkccl.ep_reference import (combine_reference, make_ep_input, partial_combine_reference,
+                                  run_experts)
 from helpers import assert_no_problems, expect_errors
 from sparkccl.localrun import check, run_ranks
 
@@ -138,6 +139,14 @@ def ep_job(rank, nprocs, store, configs, device):
                         where = np.argwhere(got != want)[:3] if got.shape == want.shape else \
                             f"shape {got.shape}"
                         bad.append(f"{name} shared {with_shared}: combine differs at {where}")
+                # the per-rank partial combine (an opt-in: its own bits)
+                z = ep.combine(out, handle, shared=mine["shared"], partial=True)
+                want = partial_combine_reference(inputs[rank], ep.owners, W)
+                got = z.cpu().view(torch.int16).numpy().view(np.uint16)
+                if got.shape != want.shape or not np.array_equal(got, want):
+                    where = np.argwhere(got != want)[:3] if got.shape == want.shape else \
+                        f"shape {got.shape}"
+                    bad.append(f"{name}: partial combine differs at {where}")
     return bad
 
 
@@ -268,6 +277,8 @@ def _bad_combine_cases(ep, recv, handle, H):
          ValueError, "shared must be [n, hidden]"),
         ("combine shared fp32", lambda: ep.combine(out, handle, torch.zeros(n, H)), TypeError,
          "shared must be torch.bfloat16"),
+        ("combine partial not a bool", lambda: ep.combine(out, handle, partial=1), TypeError,
+         "partial must be a bool"),
     ]
 
 
