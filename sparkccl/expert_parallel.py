@@ -885,6 +885,9 @@ class ExpertParallel:
 
         if not isinstance(partial, bool):
             raise TypeError(f"{what}: partial must be a bool, got {type(partial).__name__}")
+        if partial and W > MAX_TOPK:  # (the home's finalize takes one slot per rank)
+            raise ValueError(f"{what}: partial=True takes at most {MAX_TOPK} ranks, the "
+                             f"world size is {W}")
 
         if shared is None:
             shared = torch.zeros((n, H), dtype=torch.bfloat16, device=dev)

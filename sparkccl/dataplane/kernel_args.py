@@ -44,8 +44,8 @@ class WaitBlocks:
 
 def wait_params(plane, op: Op) -> tuple:
     """WAIT_PARAMS of the small positional kernels (mode ce's ``sccl_wait_piece``, after its
-    piece and slice, and ``sccl_fail_guard``): the op's WaitParams block, then adv_entries, adv_gate,
-    0 (they never move the device state on: sccl_advance does)."""
+    piece and slice, and ``sccl_fail_guard``): the op's WaitParams block, then adv_entries,
+    adv_gate, 0 (they never move the device state on: sccl_advance does)."""
     return plane.waits.block[op], 0, 0
 
 

@@ -210,7 +210,8 @@ __device__ bool relay_piece(const WaitArgs& w, int c, u64 t0, FlagsSeen& seen) {
   for (int k = 0; k < w.maxw; ++k) {
     for (int i = 0; i < w.world; ++i) {
       if (!wait_word(w, c, k, i, t0, seen)) return false;
-      if (waited_word(w, i, k) >= 0 || i == w.world - 1) st_release_gpu(w.state, base + unit(w, c, k, i));
+      if (waited_word(w, i, k) >= 0 || i == w.world - 1)
+        st_release_gpu(w.state, base + unit(w, c, k, i));
     }
   }
   return true;
