@@ -330,6 +330,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_SGLANG_EP_MAX_TOKENS", "int", None, "integrations",
        "SGLang EP: most tokens one rank dispatches in one MoE call (the ExpertParallel "
        "max_tokens)", default_text="SGLang's chunked_prefill_size", lo=1),
+    _v("SPARKCCL_ENGINE_EP_PARTIAL", "bool", False, "integrations",
+       "vLLM / SGLang EP: 1: the combine sums each rank's experts of a token first "
+       "(ExpertParallel.combine(partial=True): DeepEP normal mode's grouping, fewer rows "
+       "back, bits that depend on the world size and placement); 0: one box's bits"),
     _v("SPARKCCL_ENGINE_MIN_BYTES", "bytes", 32 << 20, "integrations",
        "vLLM / SGLang: smallest collective (gathered output / reduce-scatter input, all "
        "ranks) sent to sparkccl; smaller ones stay on the engine's NCCL", lo=0),

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparkccl.ep_reference import combine_reference, expert_fn, make_ep_input
+from sparkccl.ep_reference import (combine_reference, expert_fn, make_ep_input,
+                                   partial_combine_reference)
 from sparkccl.localrun import check, run_ranks
 from test_sglang_hook import _import_sglang, sglang_env  # noqa: F401 - the fixture
 
@@ -138,14 +139,23 @@ def _ep_job(rank, world, store):
             rows[sel] = expert_fn(e + rank * El, a[sel], None)
         y = disp.combine(StandardCombineInput(hidden_states=rows))
         got = y.view(torch.int16).numpy().view(np.uint16)
-        if not np.array_equal(got, combine_reference(mine, shared=False)):
-            bad.append(f"round {rnd}: combine differs from the one-box reference")
+        if os.environ.get("SPARKCCL_ENGINE_EP_PARTIAL") == "1":  # (contiguous placement)
+            ref = partial_combine_reference(mine, [e // El for e in range(E)], world,
+                                            shared=False)
+        else:
+            ref = combine_reference(mine, shared=False)
+        if not np.array_equal(got, ref):
+            bad.append(f"round {rnd}: combine differs from the reference")
     out["bad"] = bad
     return out
 
 
-def test_sglang_ep_dispatcher_is_the_one_box_finalize(sglang_ep_env):
-    env = {**sglang_ep_env, "SPARKCCL_SGLANG": "1"}
+@pytest.mark.parametrize("partial", [False, True], ids=["exact", "partial"])
+def test_sglang_ep_dispatcher_is_the_one_box_finalize(sglang_ep_env, partial):
+    """The one-box finalize's bits; SPARKCCL_ENGINE_EP_PARTIAL=1: the per-rank partial
+    combine's (an opt-in)."""
+    env = {**sglang_ep_env, "SPARKCCL_SGLANG": "1",
+           "SPARKCCL_ENGINE_EP_PARTIAL": "1" if partial else "0"}
     for rank, r in enumerate(check(run_ranks(_ep_job, world=2, env=env, timeout_s=600))):
         assert r["inert"] and r["hooked"], (rank, r)
         assert r["none"] == "StandardDispatcher", r["none"]

@@ -9,7 +9,8 @@ builds the EP group. The layer's ``FusedMoEConfig`` is vLLM's own class, and the
 prepare/finalize comes from vLLM's ``maybe_make_prepare_finalize`` as the fused-MoE oracles
 call it. The experts are the tests' stand-ins (sparkccl/ep_reference.py: vLLM's expert kernels
 need a GPU); finalize's output is checked bit for bit against the one-box fused finalize
-reference of each rank's tokens.
+reference of each rank's tokens (with SPARKCCL_ENGINE_EP_PARTIAL=1: against the per-rank
+partial combine's reference).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparkccl.ep_reference import combine_reference, expert_fn, make_ep_input
+from sparkccl.ep_reference import (combine_reference, expert_fn, make_ep_input,
+                                   partial_combine_reference)
 from sparkccl.localrun import check, run_ranks
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "sparkccl", "VLLM_DISABLE_PYNCCL": "1",
@@ -166,16 +168,24 @@ def _ep_job(rank, world, store):
             y = torch.full((ns[rank], H), float("nan"), dtype=torch.bfloat16)
             pf.finalize(y, fused, w, ids, False, TopKWeightAndReduceDelegate())
             got = y.view(torch.int16).numpy().view(np.uint16)
-            if not np.array_equal(got, combine_reference(mine, shared=False)):
-                bad.append(f"layer {layer} round {rnd}: finalize differs from the one-box "
-                           "reference")
+            if os.environ.get("SPARKCCL_ENGINE_EP_PARTIAL") == "1":
+                owners = [e % world if rr else e // (E // world) for e in range(E)]
+                want = partial_combine_reference(mine, owners, world, shared=False)
+            else:
+                want = combine_reference(mine, shared=False)
+            if not np.array_equal(got, want):
+                bad.append(f"layer {layer} round {rnd}: finalize differs from the reference")
     out["bad"] = bad
     return out
 
 
-def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok):
+@pytest.mark.parametrize("partial", [False, True], ids=["exact", "partial"])
+def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
+    """The one-box finalize's bits; SPARKCCL_ENGINE_EP_PARTIAL=1: the per-rank partial
+    combine's (an opt-in)."""
     world = 2
-    for rank, r in enumerate(check(run_ranks(_ep_job, world=world, env=VLLM_ENV,
+    env = {**VLLM_ENV, "SPARKCCL_ENGINE_EP_PARTIAL": "1" if partial else "0"}
+    for rank, r in enumerate(check(run_ranks(_ep_job, world=world, env=env,
                                              timeout_s=600))):
         assert r["inert"] and r["hooked"], (rank, r)
         for name, (got, want) in r["declined"].items():

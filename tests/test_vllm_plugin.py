@@ -119,6 +119,8 @@ def test_rule_settings_from_env():
     assert routing.RouteSettings.from_env({}).min_bytes == 32 << 20
     assert not routing.RouteSettings.from_env({}).captured
     assert routing.RouteSettings.from_env({"SPARKCCL_ENGINE_CAPTURED": "1"}).captured
+    assert not routing.RouteSettings.from_env({}).ep_partial
+    assert routing.RouteSettings.from_env({"SPARKCCL_ENGINE_EP_PARTIAL": "1"}).ep_partial
     from sparkccl.errors import ConfigError
     with pytest.raises(ConfigError, match="SPARKCCL_ENGINE_TRANSPORT='ib'"):
         routing.RouteSettings.from_env({"SPARKCCL_ENGINE_TRANSPORT": "ib"})

@@ -8,7 +8,9 @@ the engines"): one sparkccl Communicator per engine EP group, one
   1.0, so any engine expert kernel computes ``expert(row) * 1.0`` — the row itself;
 * :func:`combine_rows` returns those rows to their home ranks and finalizes there with the
   routing weights kept at dispatch: the one-box finalize bits (fp32 FMA chain in top-k
-  order, rounded once).
+  order, rounded once); with ``SPARKCCL_ENGINE_EP_PARTIAL=1`` (agreed by every rank of the
+  group, :func:`partial_combine`) the per-rank partial combine instead
+  (``ExpertParallel.combine(partial=True)``: an explicit opt-in with other bits).
 
 Everything here is collective over the EP group, in the same order on every rank, as the
 engines' own all-to-all backends are.
@@ -27,6 +29,7 @@ log = logging.getLogger("sparkccl.ep")
 
 _lock = threading.Lock()
 _comms: dict = {}  # engine group name -> Communicator
+_partial: dict = {}  # engine group name -> its combines take partial=True
 _eps: dict = {}    # (group name, E, H, T, placement) -> ExpertParallel
 
 
@@ -41,9 +44,19 @@ def group_comm(cpu_group, device, name: str, what: str):
         s = routing.agreed_settings(cpu_group, what)
         comm = _comms[name] = Communicator(group=cpu_group, device=device,
                                            topology=s.topology, transport=s.transport)
+        _partial[name] = s.ep_partial
         log.info("sparkccl: %s (world %d): MoE dispatch / combine on sparkccl, topology %s, "
-                 "transport %s", what, comm.world_size, comm.topology, comm.transport)
+                 "transport %s, combine %s", what, comm.world_size, comm.topology,
+                 comm.transport, "per-rank partial" if s.ep_partial else "one-box exact")
         return comm
+
+
+def partial_combine(name: str) -> bool:
+    """Whether group ``name``'s combines take ``partial=True`` (SPARKCCL_ENGINE_EP_PARTIAL,
+    read with the group's other settings when :func:`group_comm` built it: the same on
+    every rank)."""
+    with _lock:
+        return _partial.get(name, False)
 
 
 def placement_from_local_ids(comm, local_ids: torch.Tensor, num_experts: int) -> list[int]:
@@ -113,11 +126,12 @@ def dispatch_rows(ep, x: torch.Tensor, topk_ids: torch.Tensor,
 
 
 def combine_rows(ep, d: Dispatched, expert_out: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, *, partial: bool = False) -> torch.Tensor:
     """The expert outputs of ``d``'s rows (``[R, H]`` or ``[R, 1, H]``, bf16) back home,
-    finalized: ``[n, H]`` bf16 (into ``out`` when given)."""
+    finalized: ``[n, H]`` bf16 (into ``out`` when given); ``partial``: the per-rank partial
+    combine (:func:`partial_combine` of the group)."""
     R, H = d.x.shape
-    y = ep.combine(expert_out.reshape(R, H).contiguous(), d.handle)
+    y = ep.combine(expert_out.reshape(R, H).contiguous(), d.handle, partial=partial)
     if out is None:
         return y
     return out.copy_(y)

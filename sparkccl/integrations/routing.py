@@ -49,16 +49,19 @@ class RouteSettings:
     transport: str
     captured: bool = False  # calls under CUDA graph capture route too
     all_reduce: bool = True  # the group's all-reduce routes (at every size)
+    ep_partial: bool = False  # the EP hooks' combine: partial=True
 
     @classmethod
     def from_env(cls, env=None) -> "RouteSettings":
         """From ``SPARKCCL_ENGINE_MIN_BYTES`` / ``_TOPOLOGY`` / ``_TRANSPORT`` /
-        ``_CAPTURED`` / ``_ALL_REDUCE`` (raises ``ConfigError`` naming a bad value)."""
+        ``_CAPTURED`` / ``_ALL_REDUCE`` / ``_EP_PARTIAL`` (raises ``ConfigError`` naming a
+        bad value)."""
         return cls(min_bytes=config.get("SPARKCCL_ENGINE_MIN_BYTES", env),
                    topology=config.get("SPARKCCL_ENGINE_TOPOLOGY", env),
                    transport=config.get("SPARKCCL_ENGINE_TRANSPORT", env),
                    captured=config.get("SPARKCCL_ENGINE_CAPTURED", env),
-                   all_reduce=config.get("SPARKCCL_ENGINE_ALL_REDUCE", env))
+                   all_reduce=config.get("SPARKCCL_ENGINE_ALL_REDUCE", env),
+                   ep_partial=config.get("SPARKCCL_ENGINE_EP_PARTIAL", env))
 
 
 def agreed_settings(group, what: str, env=None) -> RouteSettings:
@@ -69,7 +72,7 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
     import torch.distributed as dist
     try:
         s, error = RouteSettings.from_env(env), None
-        mine = (s.min_bytes, s.topology, s.transport, s.captured, s.all_reduce)
+        mine = (s.min_bytes, s.topology, s.transport, s.captured, s.all_reduce, s.ep_partial)
     except ConfigError as e:
         s, mine, error = None, None, str(e)
     seen: list = [None] * dist.get_world_size(group)
@@ -79,11 +82,11 @@ def agreed_settings(group, what: str, env=None) -> RouteSettings:
         raise ConfigError(f"sparkccl: {what}: " + "; ".join(errors))
     if any(m != seen[0][0] for m, _ in seen):
         rows = "; ".join(f"rank {i}: min_bytes={m[0]} topology={m[1]} transport={m[2]} "
-                         f"captured={int(m[3])} all_reduce={int(m[4])}"
+                         f"captured={int(m[3])} all_reduce={int(m[4])} ep_partial={int(m[5])}"
                          for i, (m, _) in enumerate(seen))
         raise ValueError(f"sparkccl: {what}: the ranks disagree on SPARKCCL_ENGINE_MIN_BYTES "
-                         f"/ _TOPOLOGY / _TRANSPORT / _CAPTURED / _ALL_REDUCE ({rows}); set them "
-                         "alike on "
+                         f"/ _TOPOLOGY / _TRANSPORT / _CAPTURED / _ALL_REDUCE / _EP_PARTIAL "
+                         f"({rows}); set them alike on "
                          "every rank, or ranks would pick different paths for one collective "
                          "and hang")
     return s

@@ -130,7 +130,8 @@ def make_dispatcher(cfg):
             if self._pending is None:
                 raise RuntimeError(f"sparkccl: {what}: combine without a dispatch")
             d, self._pending = self._pending, None
-            return engine_ep.combine_rows(self.ep, d, combine_input.hidden_states)
+            return engine_ep.combine_rows(self.ep, d, combine_input.hidden_states,
+                                          partial=engine_ep.partial_combine(g.unique_name))
 
     SparkcclDispatcher.__module__ = __name__
     SparkcclDispatcher.__qualname__ = "SparkcclDispatcher"

@@ -182,7 +182,8 @@ def _make_class():
             if self._pending is None:
                 raise RuntimeError("sparkccl EP: finalize without a prepare")
             (ep, d), self._pending = self._pending, None
-            engine_ep.combine_rows(ep, d, fused_expert_output, out=output)
+            engine_ep.combine_rows(ep, d, fused_expert_output, out=output,
+                                   partial=engine_ep.partial_combine(self.group_name))
 
     SparkcclPrepareAndFinalize.__module__ = __name__
     return SparkcclPrepareAndFinalize
