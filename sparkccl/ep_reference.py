@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from .reference import (bf16_bits_to_f32, finalize_bf16_bits, finalize_rows_reference, fma_f32,
-                        make_rows, make_weights_and_shared)
+                        make_rows, make_weights_and_shared, to_f32)
 
 
 def make_ep_input(seed: int, rank: int, *, tokens: int, hidden: int, topk: int,
@@ -83,11 +83,8 @@ def partial_combine_reference(inp: dict, owners: list, world: int,
     idx, w = inp["topk_idx"], inp["topk_weights"].numpy().astype(np.float32)
     n, K = idx.shape
     H = inp["x"].shape[1]
-    def f32(t):  # (bf16 -> fp32, exactly)
-        return bf16_bits_to_f32(t.contiguous().view(torch.int16).numpy().view(np.uint16))
-
-    y = f32(one_box_rows(inp)).reshape(n * K, H)
-    acc = f32(inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16))
+    y = to_f32(one_box_rows(inp)).reshape(n * K, H)
+    acc = to_f32(inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16))
     own = np.array([[owners[int(e)] for e in row] for row in idx.tolist()],
                    dtype=np.int64).reshape(n, K)
     for s in range(world):

@@ -324,6 +324,7 @@ class ExpertParallel:
         self._topk = 1  # of the dispatch being made (the low-latency bounds)
         self._entries_in = None  # high-throughput: the entries the dispatch being made receives
         self._scratch: dict[str, torch.Tensor] = {}
+        self._zeros: torch.Tensor | None = None  # (_zero_hidden_rows)
         cuda = dev.type == "cuda"
         # CUDA checks the routing on the device (no stream sync) and counts refused entries
         # there (see check()); the tests turn this on for CPU too.
@@ -451,6 +452,15 @@ class ExpertParallel:
             buf = self._scratch[name] = torch.empty(n, dtype=torch.uint8,
                                                     device=self.comm.device)
         return buf[:n].view(dtype).view(shape)
+
+    def _zero_hidden_rows(self, n: int) -> torch.Tensor:
+        """``[n, hidden]`` bf16 zeros kept between calls (zeroed once when made, never
+        written after: no memset per call)."""
+        z = self._zeros
+        if z is None or z.shape[0] < n:
+            z = self._zeros = torch.zeros((n, self.hidden), dtype=torch.bfloat16,
+                                          device=self.comm.device)
+        return z[:n]
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -987,12 +997,11 @@ class ExpertParallel:
         at = (row, kk.reshape(-1))
         pos1[at] = torch.arange(N, dtype=torch.int32, device=dev)
         w1[at] = wrecv
-        zeros = self._buffer("partial zeros", (M, H), torch.bfloat16)
-        zeros.zero_()
         send = self._buffer("partial send", (M, H), torch.bfloat16)
         self._finalize(_finalize.FinalizeInputs(
             y=y, scales=None, pos=pos1[:M].reshape(-1), weights=w1[:M].contiguous(),
-            shared=zeros, num_tokens=M, padded_tokens=M, world=1, topk=K, H=H, R=N + 1), send)
+            shared=self._zero_hidden_rows(M), num_tokens=M, padded_tokens=M, world=1, topk=K,
+            H=H, R=N + 1), send)
         send.view(W, B, H)[:, 0].view(torch.int64)[:, 0] = groups.mul(RB).add_(RB)
         # 3. the home: one slot per rank; a token with a refused entry reads a NaN row
         recv = self._buffer("partial recv", (M + 2, H), torch.bfloat16)

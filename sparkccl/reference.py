@@ -38,7 +38,8 @@ def bits(t):
     return t.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
 
 
-def _to_f32(t):
+def to_f32(t):
+    """fp32 values (numpy, same shape) of a bf16 / fp16 / fp32 tensor, exactly."""
     import numpy as np
     import torch
     if t.dtype == torch.bfloat16:
@@ -74,7 +75,7 @@ def reduce_scatter_reference(inputs, rank: int):
     m = inputs[0].shape[0] // world
     acc = None
     for x in inputs:
-        part = _to_f32(x[rank * m:(rank + 1) * m].reshape(-1))
+        part = to_f32(x[rank * m:(rank + 1) * m].reshape(-1))
         acc = part.copy() if acc is None else acc + part
     return _round_f32(acc, inputs[0].dtype)
 
@@ -86,7 +87,7 @@ def all_reduce_reference(inputs, op: str = "sum"):
     import numpy as np
     acc = None
     for x in inputs:
-        part = _to_f32(x.reshape(-1))
+        part = to_f32(x.reshape(-1))
         acc = part.copy() if acc is None else acc + part
     if op == "avg":
         acc = (acc / np.float32(len(inputs))).astype(np.float32)
@@ -196,18 +197,16 @@ def finalize_rows_reference(inp: dict, num_tokens: int, padded_tokens: int):
         yf = yv.to(torch.float32).numpy()
         yf = (yf * np.repeat(scales.numpy().astype(np.float32), 128, axis=1)).astype(np.float32)
     else:
-        yf = _to_f32(y.reshape(-1)).reshape(y.shape[0], H) if y.numel() else \
+        yf = to_f32(y.reshape(-1)).reshape(y.shape[0], H) if y.numel() else \
             np.zeros((y.shape[0], H), np.float32)
-    acc = _to_f32(shared[:T].reshape(-1)).reshape(T, H)
+    acc = to_f32(shared[:T].reshape(-1)).reshape(T, H)
     p = pos.reshape(-1)[:T * topk].numpy().reshape(T, topk).astype(np.int64)
     wn = w[:T].numpy().astype(np.float32)
     for k in range(topk):
         acc = fma_f32(wn[:, k:k + 1], yf[p[:, k]], acc)
     rows = np.zeros((Tpad, H), np.float32)
     rows[:T] = acc
-    raw = _round_f32(rows.reshape(-1), torch.bfloat16).view(np.uint16)
-    raw[np.isnan(rows.reshape(-1))] = 0x7FFF  # a NaN row element is the canonical NaN
-    return bf16_bits_to_f32(raw.view(np.uint8)).reshape(Tpad, H)
+    return bf16_bits_to_f32(finalize_bf16_bits(rows))
 
 
 def finalize_bf16_bits(a):
