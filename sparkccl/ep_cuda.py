@@ -6,8 +6,9 @@ stream with no host read (capturable in a CUDA graph):
   every row computed with the data plane's own ``fin_unit`` (``dataplane/kernels/finalize.cu``),
   so the bits are those of the fused finalize and of its CPU twin;
 * ``sccl_ep_pack`` / ``sccl_ep_unpack``, :meth:`sparkccl.ExpertParallel.dispatch`'s send
-  blocks and its selection of this rank's entries (both modes): the same bytes as the torch
-  path of ``expert_parallel.py``, which stays the specification (and the CPU path).
+  blocks and its selection of this rank's entries (both modes), and ``sccl_ep_sized_plan``,
+  the sized combine's plan of a dispatch: the same bytes as the torch path of
+  ``expert_parallel.py``, which stays the specification (and the CPU path).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .dataplane.cuda_runtime import kernel_u64, set_current
 
 SOURCE = Path(__file__).with_name("ep_kernels.cu")
 KERNEL = "sccl_ep_finalize"
-KERNELS = (KERNEL, "sccl_ep_pack", "sccl_ep_unpack")
+KERNELS = (KERNEL, "sccl_ep_pack", "sccl_ep_unpack", "sccl_ep_sized_plan")
 THREADS = 256  # EP_THREADS of ep_kernels.cu (the pack / unpack scans' shared arrays)
 MAX_BLOCKS = 1024
 SPREAD = 256  # pack / unpack: about this many blocks share the row copies
@@ -129,6 +130,24 @@ def unpack_grid(El: int, rows: int, spread: int = SPREAD) -> tuple:
     its mean, R / E_local). Prefill passes a larger ``spread``: its copies dwarf the
     re-scan of the received ids that every extra block costs."""
     return (El, max(1, min(rows, spread // El)))
+
+
+def sized_plan(feed: torch.Tensor, ret_counts: torch.Tensor, pos: torch.Tensor, W: int,
+               Pc: int, row_bytes: int) -> tuple:
+    """The sized combine's (feed, header, pos) of a dispatch in one launch
+    (``sccl_ep_sized_plan``; :meth:`sparkccl.ExpertParallel._sized_plan`'s torch ops are the
+    specification): int64 ``[W * (Pc + 1)]``, int64 ``[W]``, int32 like ``pos``."""
+    dev = feed.device
+    feed2 = torch.empty(W * (Pc + 1), dtype=torch.int64, device=dev)
+    header = torch.empty(W, dtype=torch.int64, device=dev)
+    pos2 = torch.empty_like(pos)
+    most = max(W * (Pc + 1), pos.numel())
+    grid = max(1, min(MAX_BLOCKS, -(-most // THREADS)))
+    launch(dev, "sccl_ep_sized_plan", (grid,),
+           [feed.data_ptr(), ret_counts.data_ptr(), pos.data_ptr(), U64(W), U64(Pc),
+            U64(pos.numel()), U64(row_bytes), feed2.data_ptr(), header.data_ptr(),
+            pos2.data_ptr()])
+    return feed2, header, pos2
 
 
 def finalize_rows(f, out: torch.Tensor, bad: torch.Tensor) -> None:

@@ -303,3 +303,25 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     }
   }
 }
+
+// The sized combine's plan of one dispatch (expert_parallel.py SizedCombine; the torch ops of
+// ExpertParallel._sized_plan are its specification): feed2[d * (Pc + 1)] = 0 (the header
+// row), feed2[d * (Pc + 1) + 1 + j] = feed[d * Pc + j]; header[d] = (1 + ret_counts[d]) * rb;
+// pos2[i] = min(pos[i] + pos[i] / Pc + 1, W * (Pc + 1)) (pos >= 0). One launch where the
+// torch ops take seven: a decode dispatch is a string of small launches.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_sized_plan(
+    const long long* feed, const long long* ret_counts, const int* pos, u64 W, u64 Pc, u64 n,
+    u64 rb, long long* feed2, long long* header, int* pos2) {
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 i0 = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (u64 i = i0; i < W * (Pc + 1); i += stride) {
+    const u64 d = i / (Pc + 1), j = i % (Pc + 1);
+    feed2[i] = j == 0 ? 0 : feed[d * Pc + j - 1];
+  }
+  for (u64 i = i0; i < W; i += stride) header[i] = (1 + ret_counts[i]) * (long long)rb;
+  const long long cap = (long long)(W * (Pc + 1));
+  for (u64 i = i0; i < n; i += stride) {
+    const long long p = pos[i], q = p + p / (long long)Pc + 1;
+    pos2[i] = (int)(q < cap ? q : cap);
+  }
+}

@@ -841,8 +841,14 @@ class ExpertParallel:
     # ---- combine ----------------------------------------------------------------------
     def _sized_plan(self, handle: Handle) -> SizedCombine:
         """The sized combine's feed, headers and pos for ``handle`` (:class:`SizedCombine`):
-        small torch ops on the device, no host read (capturable)."""
+        small torch ops on the device, no host read (capturable), which are the
+        specification; the fused CUDA path makes the same in one launch
+        (:func:`sparkccl.ep_cuda.sized_plan`)."""
         W, Pc, RB = self.world, handle.ret_rows, 2 * self.hidden
+        if self._fused and handle.pos.is_contiguous() and handle.feed.is_contiguous():
+            from . import ep_cuda
+            return SizedCombine(*ep_cuda.sized_plan(handle.feed, handle.ret_counts, handle.pos,
+                                                    W, Pc, RB))
         feed = torch.cat([self._zero_rows, handle.feed.view(W, Pc)], dim=1).view(-1)
         header = handle.ret_counts.mul(RB).add_(RB)
         # block b's row j (p = b * Pc + j < W * Pc) is row b * (Pc + 1) + 1 + j; the NaN row

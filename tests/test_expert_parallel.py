@@ -625,7 +625,7 @@ static void emu_syncthreads() { emu_bar.wait(); }
 #define P(i, T) ((T)(uintptr_t)a[i])
 extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, const u64* a) {
   const std::string k(name);
-  if (k != "sccl_ep_pack" && k != "sccl_ep_unpack") return -1;
+  if (k != "sccl_ep_pack" && k != "sccl_ep_unpack" && k != "sccl_ep_sized_plan") return -1;
   for (unsigned by = 0; by < gy; ++by)
     for (unsigned bx = 0; bx < gx; ++bx) {
       emu_bar.n = nt;
@@ -639,6 +639,10 @@ extern "C" int run(const char* name, unsigned gx, unsigned gy, unsigned nt, cons
                          a[7], a[8], a[9], P(10, const u8*), P(11, const u8*), a[12], a[13],
                          P(14, u8*), a[15], a[16], a[17], a[18], P(19, int*), P(20, u8*),
                          P(21, u64*), P(22, u64*), P(23, int*));
+          else if (k == "sccl_ep_sized_plan")
+            sccl_ep_sized_plan(P(0, const long long*), P(1, const long long*),
+                               P(2, const int*), a[3], a[4], a[5], a[6], P(7, long long*),
+                               P(8, long long*), P(9, int*));
           else
             sccl_ep_unpack(P(0, const u8*), a[1], a[2], a[3], a[4], P(5, const int*),
                            P(6, const int*), a[7], a[8], a[9], a[10], a[11], a[12], a[13],
@@ -890,7 +894,8 @@ def _emu_launcher(so_path: str, threads: int):
 
     def launch(dev, name, grid, args, threads=threads):
         a = (ctypes.c_uint64 * len(args))(*(int(v) for v in args))
-        assert so.run(name.encode(), grid[0], grid[1], threads, a) == 0, name
+        gy = grid[1] if len(grid) > 1 else 1
+        assert so.run(name.encode(), grid[0], gy, threads, a) == 0, name
     return launch
 
 
@@ -968,6 +973,9 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
                 x, y = getattr(hf, f), getattr(ht, f)
                 if not (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y):
                     bad.append(f"{name}: handle.{f} differs")
+            for f in ("feed", "header", "pos"):  # (sccl_ep_sized_plan against its torch ops)
+                if not torch.equal(getattr(hf.sized, f), getattr(ht.sized, f)):
+                    bad.append(f"{name}: handle.sized.{f} differs")
             if (hf.bad_entries is None) != (ht.bad_entries is None) or (
                     hf.bad_entries is not None and not torch.equal(hf.bad_entries,
                                                                    ht.bad_entries)):
