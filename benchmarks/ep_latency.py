@@ -33,8 +33,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+def _profile(graph, per_graph: int, replays: int = 5):
+    """Where a replayed phase's time goes on the GPU: per kernel (name shortened), launches
+    and device us per call, over ``replays`` replays of ``per_graph`` calls (torch.profiler,
+    which traces the kernels of a replayed graph), and the span from the first kernel's start
+    to the last one's end per call (the span less the kernels: gaps and waits between them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    calls = replays * per_graph
+    rows: dict = {}
+    lo, hi = None, None
+    for e in prof.events():
+        if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+            continue
+        r = e.time_range
+        lo = r.start if lo is None else min(lo, r.start)
+        hi = r.end if hi is None else max(hi, r.end)
+        name = e.name if len(e.name) <= 48 else e.name[:45] + "..."
+        n, t = rows.get(name, (0, 0.0))
+        rows[name] = (n + 1, t + (r.end - r.start))
+    table = sorted(((name, n / calls, t / calls) for name, (n, t) in rows.items()),
+                   key=lambda row: -row[2])
+    return table, ((hi - lo) / calls if lo is not None else 0.0)
+
+
 def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused,
-         bytes_per_block=None):
+         bytes_per_block=None, prof=False, phases=None):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -43,7 +72,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
     if bytes_per_block:  # (an experiment: the engines' bytes per publish / wait block)
         from sparkccl.dataplane import engines
         engines.PUBLISH_BYTES_PER_BLOCK, engines.WAIT_BYTES_PER_BLOCK = bytes_per_block
-    from decode_latency import _flag_rtt, _host_write
+    from decode_latency import PROXY_KEYS, _barrier, _flag_rtt, _host_write
     from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -89,6 +118,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
+        _barrier(store, "probes", world)  # (no rank's collective beside another's probe)
         blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
                                           dtype=torch.uint8, device=dev),
                   "combine": torch.zeros((world, (handle.ret_rows + 1) * H * 2),
@@ -102,6 +132,8 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"]),
                "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True)}
         for phase, fn in fns.items():
+            if phases and phase not in phases:
+                continue
             fn()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -117,9 +149,13 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                 torch.cuda.synchronize()
                 each.append((time.perf_counter() - t0) / per_graph)
             res[phase] = statistics.median(each)
+            if prof:
+                res["profile " + phase] = _profile(graph, per_graph)
             del graph
         comm.check()
         ep.check()
+        stats = comm.proxy_stats()
+        res["proxy"] = {k: stats.get(k) for k in PROXY_KEYS}
         res.update({"least " + k: v for k, v in least.items()})
         res.update({"wire " + k: v for k, v in wire.items()})
         return res
@@ -141,14 +177,22 @@ def main() -> None:
     ap.add_argument("--torch-dispatch", action="store_true",
                     help="dispatch with the torch ops (ExpertParallel(_fused=False)), not the "
                          "fused kernels")
+    ap.add_argument("--phases", default=None,
+                    help="a comma list of the phases to time (dispatch, combine, a2a dispatch, "
+                         "a2a combine; default: all): the proxy's figures printed after the "
+                         "table are then of those alone")
+    ap.add_argument("--profile", action="store_true",
+                    help="also rank 0's kernels per replayed call (torch.profiler)")
     ap.add_argument("--bytes-per-block", default=None,
                     help="an experiment: PUBLISH,WAIT bytes per block of the engines' kernels "
                          "(default 65536,32768: sparkccl/dataplane/engines.py)")
     a = ap.parse_args()
     bpb = tuple(int(v) for v in a.bytes_per_block.split(",")) if a.bytes_per_block else None
+    phases = a.phases.split(",") if a.phases else None
     res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
                                                not a.bf16, a.iters, a.per_graph,
-                                               a.combine_rows, not a.torch_dispatch, bpb),
+                                               a.combine_rows, not a.torch_dispatch, bpb,
+                                               a.profile, phases),
                           timeout_s=1200))
     rtt = max(r["flag rtt"] for r in res)
     print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
@@ -165,6 +209,11 @@ def main() -> None:
     print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "
           f"{'write us':>9} {'floor us':>9} {'/floor':>7}")
     for phase in ("dispatch", "combine"):
+        if phase not in res[0] or "a2a " + phase not in res[0]:
+            for k in (phase, "a2a " + phase):
+                if k in res[0]:
+                    print(f"{k:<12} {max(r[k] for r in res) * 1e6:>9.1f} us")
+            continue
         t = max(r[phase] for r in res)
         least = max(r["least " + phase] for r in res)
         wire = max(r["wire " + phase] for r in res)
@@ -174,6 +223,17 @@ def main() -> None:
         print(f"{phase:<9} {t * 1e6:>9.1f} {t_a2a * 1e6:>7.1f} {least / 1024:>10.0f} "
               f"{wire / 1024:>9.0f} "
               f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f}")
+    from decode_latency import print_proxy_stats
+    print_proxy_stats(res[0]["proxy"])
+    if a.profile:
+        for phase in ("dispatch", "a2a dispatch", "combine", "a2a combine"):
+            if "profile " + phase not in res[0]:
+                continue
+            table, span = res[0]["profile " + phase]
+            print(f"# rank 0, {phase}, replayed: kernel span {span:.1f} us per call; per call: "
+                  "launches, device us")
+            for name, n, t in table:
+                print(f"#   {n:5.2f}  {t:8.1f}  {name}")
 
 
 if __name__ == "__main__":
