@@ -66,6 +66,18 @@ def _flag_rtt(comm, rounds: int) -> float:
     ts, stream = gpu.probe_stream()
     gpu.launch_kernel(stream, "sccl_clock_probe", 1, 32, dev, dev + 8 * rounds,
                       kernel_u64(rounds), kernel_u64(10 * 10**9))
+    try:
+        return _probe_rounds("sccl_clock_probe", go, stamp)
+    finally:
+        ts.synchronize()
+        gpu.unregister(buf.ctypes.data)
+
+
+def _probe_rounds(name: str, go, stamp, after=None) -> float:
+    """The host's side of a spinning probe kernel: round k writes go[k] and waits for
+    stamp[k] (then calls ``after``, if given); p50 seconds per round, the first tenth left
+    out (they warm up). Every go word is set on the way out, so the kernel ends."""
+    rounds = len(go)
     time.sleep(0.05)  # (the probe is spinning on go[0])
     each = []
     deadline = time.monotonic() + 60
@@ -75,14 +87,14 @@ def _flag_rtt(comm, rounds: int) -> float:
             go[k].value = 1
             while stamp[k].value == 0:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"sccl_clock_probe: no answer to round {k} in 60 s")
+                    raise RuntimeError(f"{name}: no answer to round {k} in 60 s")
+            if after is not None:
+                after()
             each.append(time.perf_counter_ns() - t0)
     finally:
         for w in go:
             w.value = 1
-        ts.synchronize()
-        gpu.unregister(buf.ctypes.data)
-    return statistics.median(each[rounds // 10:]) / 1e9  # (the first rounds warm up)
+    return statistics.median(each[rounds // 10:]) / 1e9
 
 
 PIECE_MAX = 16 << 10
@@ -123,24 +135,11 @@ def _piece_rtt(comm, nbytes: int, rounds: int) -> float:
     cc.launch(stream, cc.LaunchConfig(grid=1, block=512), kernel, dev, dev + 8 * rounds,
               dev + 8 * words, dev + 8 * words + n, kernel_u64(n), kernel_u64(rounds),
               kernel_u64(10 * 10**9))
-    time.sleep(0.05)  # (the probe is spinning on go[0])
-    each = []
-    deadline = time.monotonic() + 60
     try:
-        for k in range(rounds):
-            t0 = time.perf_counter_ns()
-            go[k].value = 1
-            while stamp[k].value == 0:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"piece_probe: no answer to round {k} in 60 s")
-            ctypes.memmove(src, dst, n)
-            each.append(time.perf_counter_ns() - t0)
+        return _probe_rounds("piece_probe", go, stamp, lambda: ctypes.memmove(src, dst, n))
     finally:
-        for w in go:
-            w.value = 1
         ts.synchronize()
         gpu.unregister(base)
-    return statistics.median(each[rounds // 10:]) / 1e9
 
 
 # proxy_stats() keys returned by _job (rank 0's are printed): consumed -> first post, the
