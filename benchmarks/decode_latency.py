@@ -40,8 +40,9 @@ crossing of the bus that any proxy-path design makes once per call where the hos
 reach device memory, with no sum, launch or bookkeeping; ``graph/piece`` is the ratio to it
 (vectors up to PIECE_MAX, where one block carries them in one trip each way; at world W a
 rank sends its vector to W - 1 peers and reads theirs, so the probe is world 2's floor).
-``--sm-share`` for worlds above 2 under MPS (see its help). Figures are the slowest rank's. Every timed all-reduce's result is checked bit for
-bit against the rank-order reference once, before timing.
+``--sm-share`` for worlds above 2 under MPS (see its help). Figures are the slowest rank's.
+Every timed all-reduce's result is checked bit for bit against the rank-order reference
+once, before timing.
 """
 from __future__ import annotations
 
@@ -155,14 +156,10 @@ PROXY_KEYS = ("delay_p50_ns", "delay_p99_ns", "delay_samples",
               "first_p50_ns", "first_p99_ns", "first_samples", "naps", "turns")
 
 
-def _barrier(store, name: str, world: int, timeout_s: float = 120.0) -> None:
-    """Every rank got here (through the Store, no collective)."""
-    store.add(name, 1)
-    deadline = time.monotonic() + timeout_s
-    while int(store.add(name, 0)) < world:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"barrier {name!r}: not every rank arrived in {timeout_s:g} s")
-        time.sleep(0.001)
+def _barrier(store, name: str, rank: int, world: int) -> None:
+    """Every rank got here (through the Store, no collective: the bootstrap's barrier)."""
+    from sparkccl.bootstrap import Rendezvous
+    Rendezvous(store, "bench", rank, world, 120.0).barrier(name, f"finish the {name}")
 
 
 def print_proxy_stats(proxy: dict) -> None:
@@ -240,7 +237,7 @@ def _job(rank, world, store, sizes, iters, per_graph, with_timeline=False):
         # scheduled while other ranks' spinning all-reduce kernels fill the GPU they share
         pieces = {size: _piece_rtt(comm, size, max(50, iters)) if size <= PIECE_MAX else None
                   for size in sizes}
-        _barrier(store, "probes", world)
+        _barrier(store, "probes", rank, world)
         for size in sizes:
             n = size // 2
             xs = [make_input(size, r, (n,), torch.bfloat16) for r in range(world)]

@@ -118,7 +118,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
-        _barrier(store, "probes", world)  # (no rank's collective beside another's probe)
+        _barrier(store, "probes", rank, world)  # (no rank's collective beside another's probe)
         blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
                                           dtype=torch.uint8, device=dev),
                   "combine": torch.zeros((world, (handle.ret_rows + 1) * H * 2),
