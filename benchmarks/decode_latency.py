@@ -189,16 +189,22 @@ def print_proxy_stats(proxy: dict) -> None:
               f"; the workers blocked {proxy['shm_worker_sleeps']} times")
 
 
-def _host_write(nbytes: int, rounds: int) -> float:
-    """p50 seconds of a host thread's copy of nbytes between two pinned buffers."""
+def _host_write(nbytes: int, rounds: int, fresh: bool = False) -> float:
+    """p50 seconds of a host thread's copy of nbytes between two pinned buffers. ``fresh``:
+    the GPU writes the source before each copy (as the proxy's copies find it: bytes a GPU
+    just published, not in the host's caches); else the same bytes copied again and again."""
     import ctypes
 
     import torch
     src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    gpu = torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda") if fresh else None
     a, b = dst.data_ptr(), src.data_ptr()
     each = []
     for _ in range(rounds):
+        if fresh:
+            src.copy_(gpu)
+            torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         ctypes.memmove(a, b, nbytes)
         each.append(time.perf_counter_ns() - t0)

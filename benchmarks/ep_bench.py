@@ -20,7 +20,8 @@ One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
 The experts' own compute is not timed in either (the expert outputs are made once). Each
 time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
 first, and on CUDA the stream synchronized), median over --iters; ``ratio`` is ag+rs / ep
-(above 1: EP is faster), ``ratio partial`` ag+rs / ep partial. The combine results are
+(above 1: EP is faster), ``ratio partial`` ag+rs / ep partial; ``dispatch`` the dispatch
+alone (the rest of ep, ep partial is their combine). The combine results are
 checked against their references (one box; the per-rank partial sums) once per world.
 
     python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
@@ -101,7 +102,7 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
                                                     num_tokens=N, padded_tokens=N)
 
         layers = [("ep", ep_layer), ("ep partial", lambda: ep_layer(partial=True)),
-                  ("ag+rs", agrs_layer)]
+                  ("ag+rs", agrs_layer), ("dispatch", lambda: ep.dispatch(x, idx, w))]
         if torch_dispatch:  # the same layer with dispatch's torch ops (the fused kernels' spec)
             ep_t = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
                                            mode=mode, _fused=False)
@@ -143,7 +144,7 @@ def main():
              f"{a.experts_per_rank} experts/rank, bf16, mode {a.mode}, {a.device} ranks over "
              "shm; median of the slowest rank, ms",
              f"{'world':>5} {'ep ms':>9} {'ag+rs ms':>9} {'ratio ag+rs/ep':>15} {'exact':>6}"
-             f" {'ep partial ms':>14} {'ratio partial':>14}"
+             f" {'ep partial ms':>14} {'ratio partial':>14} {'dispatch ms':>12}"
              + (f" {'ep torch ms':>12}" if a.torch_dispatch else "")]
     print("\n".join(lines), flush=True)
     for W in a.worlds:
@@ -159,6 +160,7 @@ def main():
         line = (f"{W:>5} {med['ep']:>9.2f} {med['ag+rs']:>9.2f} "
                 f"{med['ag+rs'] / med['ep']:>15.2f} {str(all(v['exact'] for v in vals)):>6}"
                 f" {med['ep partial']:>14.2f} {med['ag+rs'] / med['ep partial']:>14.2f}"
+                f" {med['dispatch']:>12.2f}"
                 + (f" {med['ep torch']:>12.2f}" if a.torch_dispatch else ""))
         print(line, flush=True)
         lines.append(line)

@@ -18,8 +18,11 @@ round trip (GPU -> CPU -> GPU) plus a host thread's copy of the bytes the phase 
 off this rank at the least (each token once to every rank that holds one of its experts,
 each expert output row once back to its home rank; dispatch's equal blocks on the wire
 carry more, printed as ``wire KiB``; combine's blocks are sized: a header row and the rows
-that exist). ``SPARKCCL_GPU_DIRECT=0`` in the environment: every byte through the proxy,
-the path between GB10 boxes (default: GPU-direct where the engines choose it).
+that exist). ``fresh us``: the same copy with its source just written by the GPU, as the
+proxy's copies find it (``/fresh`` against the flag round trip and it). ``SPARKCCL_GPU_DIRECT=0``
+in the environment: every byte through the proxy, the path between GB10 boxes (default:
+GPU-direct where the engines choose it). ``--timeline``: the dispatch's all-to-all kernel
+step by step on the GPU clock (GPU-direct; kernels built with stamps, so a run of its own).
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ def _profile(graph, per_graph: int, replays: int = 5):
 
 
 def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused,
-         bytes_per_block=None, prof=False, phases=None):
+         bytes_per_block=None, prof=False, phases=None, with_timeline=False,
+         a2a_bytes_per_block=None):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -72,6 +76,10 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
     if bytes_per_block:  # (an experiment: the engines' bytes per publish / wait block)
         from sparkccl.dataplane import engines
         engines.PUBLISH_BYTES_PER_BLOCK, engines.WAIT_BYTES_PER_BLOCK = bytes_per_block
+    if a2a_bytes_per_block:  # (the same, of the GPU-direct all-to-all's kernel)
+        from sparkccl.dataplane import cuda_calls
+        (cuda_calls.A2A_DIRECT_PUBLISH_BYTES_PER_BLOCK,
+         cuda_calls.A2A_DIRECT_WAIT_BYTES_PER_BLOCK) = a2a_bytes_per_block
     from decode_latency import PROXY_KEYS, _barrier, _flag_rtt, _host_write
     from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
     torch.cuda.set_device(0)
@@ -118,6 +126,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
+            res[phase + " fresh"] = _host_write(max(least[phase], 16), max(50, iters), True)
         _barrier(store, "probes", rank, world)  # (no rank's collective beside another's probe)
         blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
                                           dtype=torch.uint8, device=dev),
@@ -149,6 +158,11 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                 torch.cuda.synchronize()
                 each.append((time.perf_counter() - t0) / per_graph)
             res[phase] = statistics.median(each)
+            if with_timeline and phase in ("dispatch", "a2a dispatch"):
+                from sparkccl.dataplane import timeline
+                graph.replay()
+                torch.cuda.synchronize()
+                res["timeline " + phase] = timeline.last_rows(comm.data_plane, per_graph)
             if prof:
                 res["profile " + phase] = _profile(graph, per_graph)
             del graph
@@ -183,31 +197,46 @@ def main() -> None:
                          "table are then of those alone")
     ap.add_argument("--profile", action="store_true",
                     help="also rank 0's kernels per replayed call (torch.profiler)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also the GPU step timeline of the dispatch's all-to-all "
+                         "(SPARKCCL_GPU_TIMELINE: kernels with step stamps, so not the timed "
+                         "figures' build)")
     ap.add_argument("--bytes-per-block", default=None,
                     help="an experiment: PUBLISH,WAIT bytes per block of the engines' kernels "
                          "(default 65536,32768: sparkccl/dataplane/engines.py)")
+    ap.add_argument("--a2a-bytes-per-block", default=None,
+                    help="an experiment: PUBLISH,WAIT bytes per block of the GPU-direct "
+                         "all-to-all's kernel (default 16384,8192: "
+                         "engines.A2A_DIRECT_*_BYTES_PER_BLOCK)")
     a = ap.parse_args()
     bpb = tuple(int(v) for v in a.bytes_per_block.split(",")) if a.bytes_per_block else None
+    a2a_bpb = (tuple(int(v) for v in a.a2a_bytes_per_block.split(","))
+               if a.a2a_bytes_per_block else None)
     phases = a.phases.split(",") if a.phases else None
     res = check(run_ranks(_job, a.world, args=(a.tokens, a.hidden, a.topk, a.experts,
                                                not a.bf16, a.iters, a.per_graph,
                                                a.combine_rows, not a.torch_dispatch, bpb,
-                                               a.profile, phases),
+                                               a.profile, phases, a.timeline, a2a_bpb),
+                          env={"SPARKCCL_GPU_TIMELINE": "1"} if a.timeline else None,
                           timeout_s=1200))
     rtt = max(r["flag rtt"] for r in res)
     print(f"# EP low latency, cuda world {a.world} mesh, {a.tokens} tokens x {a.hidden}, top-"
           f"{a.topk} of {a.experts} experts, dispatch {'bf16' if a.bf16 else 'e4m3'}, combine "
           f"bf16, combine_rows {a.combine_rows or 'default'}, dispatch "
           f"{'torch ops' if a.torch_dispatch else 'fused kernels'}"
-          f"{f', bytes per block {a.bytes_per_block}' if bpb else ''}; replays of {a.per_graph} "
+          f"{f', bytes per block {a.bytes_per_block}' if bpb else ''}"
+          f"{f', all-to-all bytes per block {a.a2a_bytes_per_block}' if a2a_bpb else ''}"
+          f"; replays of {a.per_graph} "
           "calls, "
           "p50 per call (us, slowest rank)")
     print(f"# floor = flag rtt {rtt * 1e6:.1f} us + the host's copy of the least bytes a rank "
           f"must move; SPARKCCL_GPU_DIRECT={os.environ.get('SPARKCCL_GPU_DIRECT', '(default)')} "
           "(0: every byte through the proxy, as between boxes); wire KiB: the most a rank sends "
           "(combine: sized blocks)")
+    print("# fresh us: that copy with its source just written by the GPU (as the proxy finds "
+          "it), /fresh: against flag rtt + it")
     print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "
-          f"{'write us':>9} {'floor us':>9} {'/floor':>7}")
+          f"{'write us':>9} {'floor us':>9} {'/floor':>7} {'fresh us':>9} {'/fresh':>7}")
     for phase in ("dispatch", "combine"):
         if phase not in res[0] or "a2a " + phase not in res[0]:
             for k in (phase, "a2a " + phase):
@@ -219,12 +248,23 @@ def main() -> None:
         wire = max(r["wire " + phase] for r in res)
         write = max(r[phase + " write"] for r in res)
         floor = rtt + write
+        fresh = max(r[phase + " fresh"] for r in res)
         t_a2a = max(r["a2a " + phase] for r in res)
         print(f"{phase:<9} {t * 1e6:>9.1f} {t_a2a * 1e6:>7.1f} {least / 1024:>10.0f} "
               f"{wire / 1024:>9.0f} "
-              f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f}")
+              f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f} "
+              f"{fresh * 1e6:>9.1f} {t / (rtt + fresh):>7.2f}")
     from decode_latency import print_proxy_stats
     print_proxy_stats(res[0]["proxy"])
+    for phase in ("dispatch", "a2a dispatch"):
+        if "timeline " + phase in res[0]:
+            from sparkccl.dataplane import timeline
+            print(f"# {phase}, replayed: the all-to-all kernel's steps on the GPU clock (every "
+                  "rank; publish = block 0's entry to the last block's last piece stored; "
+                  "flag to poller = the last peer's hand-off to the poller seeing every "
+                  "piece): step, p50 us, p90 us, samples")
+            for name, p50, p90, n in timeline.summary([r["timeline " + phase] for r in res]):
+                print(f"#   {name:<20} {p50:8.1f} {p90:8.1f} {n:5d}")
     if a.profile:
         for phase in ("dispatch", "a2a dispatch", "combine", "a2a combine"):
             if "profile " + phase not in res[0]:

@@ -254,7 +254,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "for the proxy's publish -> first post figure (proxy_stats, sparkccl bench)"),
     _v("SPARKCCL_GPU_TIMELINE", "bool", False, "data plane (CUDA)",
        "1: kernels compiled with step stamps on the GPU clock (a measurement aid: "
-       "dataplane/timeline.py, benchmarks/decode_latency.py --timeline)"),
+       "dataplane/timeline.py, benchmarks/decode_latency.py and ep_latency.py --timeline)"),
     _v("SPARKCCL_CE_MIN_BYTES", "bytes", 16 << 20, "data plane (CUDA)",
        "auto: the smallest per-rank slice that uses the copy engines", lo=0),
     _v("SPARKCCL_DIRECT_BLOCKS", "list", None, "data plane (CUDA)",

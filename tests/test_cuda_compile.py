@@ -77,6 +77,29 @@ def test_kernels_compile_with_the_timeline(monkeypatch):
     assert nvrtc.cache_key("sm_90", src) != nvrtc.cache_key("sm_90")
 
 
+def test_timeline_steps_of_each_kind_of_kernel():
+    """timeline.steps picks the step table from the points a call stamped: the one shot's
+    (a sum: released, summed), its LL way (no poller: no seen) and a GPU-direct gather /
+    all-to-all (a poller, no sum); peers' steps from the latest peer."""
+    from sparkccl.dataplane import timeline as T
+    gather = [{7: {"enter": 100, "stored": 150, "written": 151, "handed": 153, "seen": 170,
+                   "exit": 181}},
+              {7: {"enter": 104, "stored": 149, "written": 152, "handed": 160, "seen": 172,
+                   "exit": 180}}]
+    got = {k: v for k, v in T.steps(gather).items() if v}
+    assert set(got) == {name for name, _, _ in T.STEPS_GATHER} - {"launch gap"}
+    assert got["publish"] == [50, 45] and got["flag to poller"] == [170 - 160, 172 - 153]
+    assert got["poller to exit"] == [11, 8]
+    one_shot = [{3: {"enter": 1, "stored": 2, "written": 3, "handed": 4, "seen": 5,
+                     "released": 6, "summed": 8, "exit": 9}}] * 2
+    assert {k for k, v in T.steps(one_shot).items() if v} == {
+        name for name, _, _ in T.STEPS} - {"launch gap"}
+    ll = [{3: {"enter": 1, "stored": 2, "released": 4, "summed": 5, "exit": 6, "handed": 3,
+               "written": 2}}] * 2
+    assert {k for k, v in T.steps(ll).items() if v} == {
+        name for name, _, _ in T.STEPS_LL} - {"launch gap"}
+
+
 @needs_nvrtc
 def test_cache_key_depends_on_source_and_arch():
     k90 = nvrtc.cache_key("sm_90")

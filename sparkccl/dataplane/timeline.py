@@ -87,6 +87,11 @@ STEPS_LL = (
     ("of it, its start", ("own", "enter"), "written"),
 )
 
+# A GPU-direct all-gather / all-to-all (sccl_ag_direct: no sum, so no "released" or
+# "summed"): "stored" and "handed" are its last piece's (the last publish block's), "seen"
+# the poller's once every piece of every peer is in; then the consumers' last copies.
+STEPS_GATHER = STEPS[:5] + (("poller to exit", ("own", "seen"), "exit"),)
+
 
 def steps(per_rank: list[dict[int, dict[str, int]]]) -> dict[str, list[float]]:
     """Every call's steps (ns) over every rank, by step name, from :func:`rows` of each
@@ -94,7 +99,8 @@ def steps(per_rank: list[dict[int, dict[str, int]]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for r, mine in enumerate(per_rank):
         for s, row in mine.items():
-            table = STEPS_LL if "seen" not in row and "released" in row else STEPS
+            table = (STEPS_LL if "seen" not in row and "released" in row else
+                     STEPS_GATHER if "seen" in row and "released" not in row else STEPS)
             for name, (whose, a), b in table:
                 out.setdefault(name, [])
                 if b not in row:

@@ -244,6 +244,7 @@ __device__ __forceinline__ PubArgs direct_pub_args(const DirectArgs& x, u64* sta
 extern "C" __global__ void __launch_bounds__(256, 2) sccl_ag_direct(const DirectArgs x) {
   WAIT_PARAMS_OF(x.wait)
   WAIT_ARGS_INIT(x.wait.S)
+  if (blockIdx.x == 0 && threadIdx.x == 0) TL_STAMP(state, w.seq, TL_ENTER);
   const u32 npub = (u32)x.npub;
   if (blockIdx.x < npub) direct_publish(direct_pub_args(x, state, w.seq), blockIdx.x, npub);
   else ag_wait_role(x.wait, w, blockIdx.x - npub, gridDim.x - npub, call_sized(x.call));
