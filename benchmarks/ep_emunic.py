@@ -17,6 +17,11 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 * ``partial``: ``combine(partial=True)`` (the per-rank partial combine, an opt-in with its
   own bits: one row per (token, rank) returns instead of one per entry), beside the exact
   combine (``partial / combine``: below 1, the opt-in is faster);
+* ``ag+rs``: the all-gather + reduce-scatter formulation of the same layer (as
+  benchmarks/ep_bench.py: all-gather of the tokens and the routing, then every rank's
+  partial outputs finalized into ``moe_finalize_reduce_scatter``), and the ratios
+  ``ag+rs / ep`` (dispatch + combine) and ``ag+rs / partial`` (dispatch + partial combine):
+  above 1, EP is faster;
 
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
 block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
@@ -75,7 +80,21 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         owner = torch.tensor(ep.owners)[idx]
         sent = [int((owner == d).any(1).sum()) for d in range(world)]
         back = [int((owner == d).sum()) for d in range(world)]
-        ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial")}
+        ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial", "ag+rs")}
+        # ag+rs (benchmarks/ep_bench.py): the routing travels as ids + weights
+        routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
+                             w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
+        N = world * T
+        y_all = (torch.randn((N * K, H), generator=g) * 0.5).to(torch.bfloat16)
+        pos = torch.arange(N * K, dtype=torch.int32)
+        shared_all = torch.zeros((N, H), dtype=torch.bfloat16)
+        shared_all[rank * T:(rank + 1) * T] = shared
+
+        def agrs():
+            comm.all_gather(x)
+            wts = comm.all_gather(routing)[:, K * 4:].contiguous().view(torch.float32)
+            comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all, num_tokens=N,
+                                             padded_tokens=N)
         blocks = {"a2a dispatch": torch.zeros(world, handle.dispatch_rows * (H * 2 + (K + 1) * 4)
                                               + 16, dtype=torch.uint8),
                   "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
@@ -97,6 +116,10 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
             t0 = time.perf_counter()
             ep.combine(out, handle, shared=shared, partial=True)
             ts["partial"].append(time.perf_counter() - t0)
+            barrier()
+            t0 = time.perf_counter()
+            agrs()
+            ts["ag+rs"].append(time.perf_counter() - t0)
         return {"t": ts, "rows": (handle.dispatch_rows, handle.ret_rows), "sent": sent,
                 "back": back, "row_bytes": (H * 2, H * 2)}
 
@@ -121,7 +144,8 @@ def main(argv=None) -> int:
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
           + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'a2a ms':>7} "
                      f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES)
-          + f" {'partial ms':>10} {'partial / combine':>17}")
+          + f" {'partial ms':>10} {'partial / combine':>17} {'ag+rs ms':>9}"
+          f" {'ag+rs / ep':>10} {'ag+rs / partial':>15}")
     for topology in a.topologies.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
             E = a.experts_per_rank * world
@@ -143,6 +167,9 @@ def main(argv=None) -> int:
                 cols.append(f"{block / 1024:>13.0f} {fill:>5.2f} {bound * 1e3:>8.1f} "
                             f"{t_a2a * 1e3:>7.1f} {t * 1e3:>11.1f} {bound / t:>8.0%}")
             cols.append(f"{med('partial') * 1e3:>10.1f} {med('partial') / med('combine'):>17.2f}")
+            ep, ep_partial = med("dispatch") + med("combine"), med("dispatch") + med("partial")
+            cols.append(f"{med('ag+rs') * 1e3:>9.1f} {med('ag+rs') / ep:>10.2f} "
+                        f"{med('ag+rs') / ep_partial:>15.2f}")
             print(f"{topology:<8} {world:>5} {load:>5g} " + " ".join(cols)
                   + f"  load {load_average().split()[0]}", flush=True)
     return 0
