@@ -1003,19 +1003,15 @@ class ExpertParallel:
         at = (row, kk.reshape(-1))
         pos1[at] = torch.arange(N, dtype=torch.int32, device=dev)
         w1[at] = wrecv
-        send = self._buffer("partial send", (M, H), torch.bfloat16)
-        self._finalize(_finalize.FinalizeInputs(
+        sums = _finalize.FinalizeInputs(
             y=y, scales=None, pos=pos1[:M].reshape(-1), weights=w1[:M].contiguous(),
             shared=self._zero_hidden_rows(M), num_tokens=M, padded_tokens=M, world=1, topk=K,
-            H=H, R=N + 1), send)
-        send.view(W, B, H)[:, 0].view(torch.int64)[:, 0] = groups.mul(RB).add_(RB)
+            H=H, R=N + 1)
+        lengths = groups.mul(RB).add_(RB)  # each block's data bytes: its header's first 8
         # 3. the home: one slot per rank; a token with a refused entry reads a NaN row
         recv = self._buffer("partial recv", (M + 2, H), torch.bfloat16)
         recv[M].zero_()
         recv[M + 1].view(torch.int16).fill_(NAN_BF16)
-        comm.all_to_all(send, out=recv[:M], sized=True)
-        if n == 0:
-            return
         idx = handle.pos.view(n, K).long()
         refused = idx == N
         owner = torch.where(refused, W, idx // Pc)  # [n, K]
@@ -1024,9 +1020,66 @@ class ExpertParallel:
         pos2 = torch.where(hit, torch.arange(W, device=dev) * B + 1 + nth, M)
         pos2[:, 0] = torch.where(refused.any(1), M + 1, pos2[:, 0])
         ones = torch.ones((n, W), dtype=torch.float32, device=dev)
-        self._finalize(_finalize.FinalizeInputs(
+        home = _finalize.FinalizeInputs(
             y=recv, scales=None, pos=pos2.to(torch.int32).reshape(-1), weights=ones,
-            shared=shared, num_tokens=n, padded_tokens=n, world=1, topk=W, H=H, R=M + 2), out)
+            shared=shared, num_tokens=n, padded_tokens=n, world=1, topk=W, H=H, R=M + 2)
+        if self._stream_cpu:
+            self._combine_partial_streamed(sums, lengths, home, hit, recv, out, B)
+            return
+        send = self._buffer("partial send", (M, H), torch.bfloat16)
+        self._finalize(sums, send)
+        send.view(W, B, H)[:, 0].view(torch.int64)[:, 0] = lengths
+        comm.all_to_all(send, out=recv[:M], sized=True)
+        if n:
+            self._finalize(home, out)
+
+    def _combine_partial_streamed(self, sums, lengths, home, hit, recv, out, B: int) -> None:
+        """combine(partial=True) on CPU beside the wire: each send block's rows (``sums``:
+        this rank's per-(home, token) sums) are computed straight into the all-to-all's send
+        slot just before their bytes go, and the home's sums (``home``) run on every token
+        whose rows from every rank holding its experts have arrived while later ones travel.
+        The same FMA chains per row as :meth:`_combine_partial`'s two passes: the same bits.
+        ``lengths``: each block's data bytes (its header's first 8 bytes); ``hit`` [n, W]:
+        the ranks that hold one of each token's experts (their rows come in token order)."""
+        from . import _native
+        W, H = self.world, self.hidden
+        n, RB = home.num_tokens, 2 * H
+        sums_args, home_args = sums.native_args(), home.native_args()
+        header = [int(v).to_bytes(8, "little") for v in lengths.tolist()]
+        rows_of = [v // RB for v in lengths.tolist()]  # (the header row included)
+        scratch = self._buffer("partial scratch", (B, H), torch.bfloat16)
+        sp = scratch.data_ptr()
+
+        def fill(base, stride, lo, hi):
+            r0 = lo // RB
+            for s in range(W):
+                r1 = min(-(-hi // RB), rows_of[s])  # (rows past the block's count never go)
+                if r0 >= r1:
+                    continue
+                _native.finalize_rows(*sums_args, s * B + r0, r1 - r0, sp)
+                if r0 == 0:
+                    ctypes.memmove(sp, header[s], 8)
+                a, e = lo, min(hi, r1 * RB)
+                ctypes.memmove(base + s * stride + a, sp + a - r0 * RB, e - a)
+
+        out_p = out.data_ptr()
+        have = [0] * W  # data rows of each source's block in recv
+        done = [0]      # tokens finalized
+        # the tokens each source returns rows for, in order (then n: none left)
+        toks = [hit[:, s].nonzero().flatten().tolist() + [n] for s in range(W)]
+
+        def arrived(source, hi):
+            have[source] = max(have[source], hi // RB - 1)
+            ready = min(toks[s][min(m, len(toks[s]) - 1)] for s, m in enumerate(have))
+            if ready > done[0]:
+                _native.finalize_rows(*home_args, done[0], ready - done[0],
+                                      out_p + done[0] * RB)
+                done[0] = ready
+
+        self.comm.all_to_all(None, out=recv[:W * B], fill=fill, arrived=arrived if n else None,
+                             sized=True)
+        if done[0] < n:
+            _native.finalize_rows(*home_args, done[0], n - done[0], out_p + done[0] * RB)
 
     def _combine_streamed(self, expert_out, handle: Handle, plan: SizedCombine, y, f,
                           out) -> None:
