@@ -7,7 +7,8 @@ combine_rows refusal (the same ValueError before anything is sent; with the devi
 checks on, the same pos / feed and overflow count). Routings of tests/test_expert_parallel.py
 (idle experts, tokens whose top-k all live on one rank, token counts that differ per rank,
 zero included), both modes, bf16 and e4m3, topk 1-16, world 1-4; and the native path with
-its unpack and finalize beside the wire (the default) against the same after it.
+its unpack and finalize beside the wire (the default) against the same after it, for the
+exact and the partial combine.
 """
 from __future__ import annotations
 
@@ -135,6 +136,13 @@ def native_job(rank, world, store, cases):
             bad += [f"{name}: not streamed: {m}" for m in _differences(ep, mine, a, c)]
             if not torch.equal(za.view(torch.int16), zc.view(torch.int16)):
                 bad.append(f"{name}: combined rows differ, streamed or not")
+            # the partial combine beside the wire against the same after it
+            pa = ep.combine(run_experts(ep, a[0]), a[1], shared=mine["shared"], partial=True)
+            ep._stream_cpu = False
+            pc = ep.combine(run_experts(ep, c[0]), c[1], shared=mine["shared"], partial=True)
+            ep._stream_cpu = True
+            if not torch.equal(pa.view(torch.int16), pc.view(torch.int16)):
+                bad.append(f"{name}: partial combine differs, streamed or not")
     return bad
 
 
