@@ -244,6 +244,36 @@ class SizedCombine:
     pos: torch.Tensor
 
 
+def _finalize_as_rows_arrive(args: tuple, out: torch.Tensor, W: int, token_rows):
+    """A combine's finalize beside its all-to-all (the CPU twin): ``(arrived, finish)``, the
+    all-to-all's ``arrived`` hook and what to call after it. Each source's block is a header
+    row, then rows in the home's token order; ``token_rows()`` (called at the first arrival:
+    this rank's own block, before any wait) gives per source the token of each of its data
+    rows, then ``n`` (none left). Once the rows before each source's first missing one are
+    in, every token before the least of those tokens has all its rows: those are finalized
+    (``_native.finalize_rows`` with ``args``, into ``out``, ``[n, H]`` bf16) while later
+    ones travel; ``finish`` finalizes the rest."""
+    from . import _native
+    n, RB = out.shape[0], 2 * out.shape[1]
+    out_p = out.data_ptr()
+    have = [0] * W  # data rows of each source's block that are in
+    done = [0]      # tokens finalized
+    toks: list = []
+
+    def upto(ready):
+        if ready > done[0]:
+            _native.finalize_rows(*args, done[0], ready - done[0], out_p + done[0] * RB)
+            done[0] = ready
+
+    def arrived(source, hi):
+        if not toks:
+            toks.extend(token_rows())
+        have[source] = max(have[source], hi // RB - 1)
+        upto(min(t[min(m, len(t) - 1)] for t, m in zip(toks, have)))
+
+    return arrived, lambda: upto(n)
+
+
 class ExpertParallel:
     """Expert-parallel dispatch and combine over a :class:`sparkccl.Communicator`.
 
@@ -1042,12 +1072,11 @@ class ExpertParallel:
         ``lengths``: each block's data bytes (its header's first 8 bytes); ``hit`` [n, W]:
         the ranks that hold one of each token's experts (their rows come in token order)."""
         from . import _native
-        W, H = self.world, self.hidden
-        n, RB = home.num_tokens, 2 * H
-        sums_args, home_args = sums.native_args(), home.native_args()
-        header = [int(v).to_bytes(8, "little") for v in lengths.tolist()]
-        rows_of = [v // RB for v in lengths.tolist()]  # (the header row included)
-        scratch = self._buffer("partial scratch", (B, H), torch.bfloat16)
+        W, n, RB = self.world, home.num_tokens, 2 * self.hidden
+        sums_args, lengths = sums.native_args(), lengths.tolist()
+        header = [v.to_bytes(8, "little") for v in lengths]
+        rows_of = [v // RB for v in lengths]  # (the header row included)
+        scratch = self._buffer("partial scratch", (B, self.hidden), torch.bfloat16)
         sp = scratch.data_ptr()
 
         def fill(base, stride, lo, hi):
@@ -1062,24 +1091,13 @@ class ExpertParallel:
                 a, e = lo, min(hi, r1 * RB)
                 ctypes.memmove(base + s * stride + a, sp + a - r0 * RB, e - a)
 
-        out_p = out.data_ptr()
-        have = [0] * W  # data rows of each source's block in recv
-        done = [0]      # tokens finalized
-        # the tokens each source returns rows for, in order (then n: none left)
-        toks = [hit[:, s].nonzero().flatten().tolist() + [n] for s in range(W)]
+        def token_rows():  # (each source's rows: the tokens it holds experts of, in order)
+            return [hit[:, s].nonzero().flatten().tolist() + [n] for s in range(W)]
 
-        def arrived(source, hi):
-            have[source] = max(have[source], hi // RB - 1)
-            ready = min(toks[s][min(m, len(toks[s]) - 1)] for s, m in enumerate(have))
-            if ready > done[0]:
-                _native.finalize_rows(*home_args, done[0], ready - done[0],
-                                      out_p + done[0] * RB)
-                done[0] = ready
-
+        arrived, finish = _finalize_as_rows_arrive(home.native_args(), out, W, token_rows)
         self.comm.all_to_all(None, out=recv[:W * B], fill=fill, arrived=arrived if n else None,
                              sized=True)
-        if done[0] < n:
-            _native.finalize_rows(*home_args, done[0], n - done[0], out_p + done[0] * RB)
+        finish()
 
     def _combine_streamed(self, expert_out, handle: Handle, plan: SizedCombine, y, f,
                           out) -> None:
@@ -1104,31 +1122,18 @@ class ExpertParallel:
                 for j, h in enumerate(header):
                     ctypes.memmove(base + j * stride + lo, h[lo:e], e - lo)
 
-        args = f.native_args()
-        out_p = out.data_ptr()
-        have = [0] * W  # data rows of each source's block that lie in y
-        done = [0]      # tokens finalized
-        tok: list = []  # tok[s * B + 1 + j]: the token of this rank's j-th entry held by s
-                        # (n: none)
+        def token_rows():
+            # the token of this rank's j-th entry held by s (a source's rows come in this
+            # rank's (token, k) order; past a block's count no row holds a token: n)
+            t = torch.full((W * B + 1,), n, dtype=torch.int64)
+            t[plan.pos.long()] = torch.arange(n * f.topk) // f.topk
+            t = t.tolist()
+            return [t[s * B + 1:s * B + 1 + Pc] + [n] for s in range(W)]
 
-        def arrived(source, hi):
-            if not tok:  # (the first call: this rank's own block, before any wait)
-                t = torch.full((W * B + 1,), n, dtype=torch.int64)
-                t[plan.pos.long()] = torch.arange(n * f.topk) // f.topk
-                tok.extend(t.tolist())
-            have[source] = max(0, hi // RB - 1)
-            # a source's rows come in this rank's (token, k) order: the tokens before the
-            # first row still missing from each source have every row here (past a block's
-            # count no row holds a token)
-            ready = min(tok[s * B + 1 + m] if m < Pc else n for s, m in enumerate(have))
-            if ready > done[0]:
-                _native.finalize_rows(*args, done[0], ready - done[0], out_p + done[0] * RB)
-                done[0] = ready
-
+        arrived, finish = _finalize_as_rows_arrive(f.native_args(), out, W, token_rows)
         self.comm.all_to_all(None, out=y[:W * B], fill=fill, arrived=arrived if n else None,
                              sized=True)
-        if done[0] < n:
-            _native.finalize_rows(*args, done[0], n - done[0], out_p + done[0] * RB)
+        finish()
 
     def check(self) -> None:
         """CUDA: raise ``ValueError`` if a dispatch met top-k entries that are out of range or
