@@ -165,9 +165,8 @@ def _barrier(store, name: str, rank: int, world: int) -> None:
 def print_proxy_stats(proxy: dict) -> None:
     """Rank 0's proxy figures (``proxy_stats()``, keys PROXY_KEYS) as comment lines."""
     if proxy.get("delay_samples"):
-        print(f"# proxy (rank 0): ring entry consumed -> first write posted: p50 "
-              f"{proxy['delay_p50_ns'] / 1e3:.1f} us, p99 {proxy['delay_p99_ns'] / 1e3:.1f} "
-              f"us over {proxy['delay_samples']} entries")
+        from sparkccl.bench import proxy_delay_line
+        print("# " + proxy_delay_line(proxy))
     if proxy.get("first_samples"):
         print(f"# proxy (rank 0): GPU publish of a collective's piece 0 -> its first write "
               f"posted: p50 {proxy['first_p50_ns'] / 1e3:.1f} us, p99 "

@@ -220,9 +220,7 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
               f"of it ring entry consumed -> posted: p50 {stats['first_delay_p50_ns'] / 1e3:.1f} "
               f"us, p99 {stats['first_delay_p99_ns'] / 1e3:.1f} us")
     if stats.get("delay_samples"):
-        print(f"\nproxy (rank 0): ring entry consumed -> first write posted: p50 "
-              f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "
-              f"over {stats['delay_samples']} entries")
+        print("\n" + proxy_delay_line(stats))
     if stats.get("gpu_pieces"):
         print(f"\nGPU-direct (rank 0): the GPU wrote {stats['gpu_pieces']} stream pieces straight "
               f"into the peers' mapped regions; the proxy posted {stats.get('writes', 0)} writes "
@@ -235,6 +233,14 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
 
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'sparkccl[plot]' (or: pip install matplotlib)"
+
+
+def proxy_delay_line(stats: dict) -> str:
+    """Rank 0's ring entry consumed -> first write posted, from ``proxy_stats()`` (where it
+    has ``delay_samples``), as one line (sparkccl bench, benchmarks/decode_latency.py)."""
+    return (f"proxy (rank 0): ring entry consumed -> first write posted: p50 "
+            f"{stats['delay_p50_ns'] / 1e3:.1f} us, p99 {stats['delay_p99_ns'] / 1e3:.1f} us "
+            f"over {stats['delay_samples']} entries")
 
 
 def have_matplotlib() -> bool:
