@@ -115,8 +115,8 @@ def unpack_args(*, got, lay, owner, experts, rank, E, W, Pd, K, cap, Pc, limit, 
     """sccl_ep_unpack's arguments. Low-latency: ``rx`` [E_local * cap, row_bytes] bytes.
     High-throughput: ``offsets`` (int64 [E_local + 1]) and ``rx`` [R, row_bytes]; first
     ``count_only`` (writes ``counts`` alone; the other outputs may be None). ``ret_counts``
-    (int64 [W], optional): the rows combine returns to each source (its entries held here,
-    at most Pc)."""
+    (int64 [W], needed but by ``count_only``): the rows combine returns to each source (its
+    entries held here, at most Pc)."""
     return [_ptr(got), U64(lay.nbytes), U64(lay.scales_off), U64(lay.idx_off), U64(lay.x_off),
             _ptr(owner),
             _ptr(experts), U64(rank), U64(E), U64(W), U64(Pd), U64(K), U64(cap), U64(Pc),

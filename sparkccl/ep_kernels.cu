@@ -82,6 +82,34 @@ __device__ __forceinline__ int ep_id(const void* idx, u64 idx64, u64 i) {
   return idx64 ? (int)((const long long*)idx)[i] : ((const int*)idx)[i];
 }
 
+// Whether expert v (0 <= v < E) lives on rank `target`: a table in the block's shared memory
+// where E fits, filled once per block, so that a scanned row's K lookups are not K trips to
+// global memory one after another; owner[] itself above EP_OWN_MAX experts.
+#define EP_OWN_MAX 8192
+struct EpOwned {
+  const int* owner;
+  const u8* tab;  // tab[v] = owner[v] == target, or null
+  u64 target;
+  __device__ __forceinline__ bool operator()(int v) const {
+    return tab ? tab[v] != 0 : (u64)owner[v] == target;
+  }
+};
+// Every thread of the block calls it (a __syncthreads inside).
+__device__ __forceinline__ EpOwned ep_owned(const int* owner, u64 E, u64 target, u8* tab) {
+  const bool fits = E <= EP_OWN_MAX;
+  if (fits)
+    for (u64 v = threadIdx.x; v < E; v += blockDim.x) tab[v] = (u64)owner[v] == target;
+  __syncthreads();
+  return EpOwned{owner, fits ? tab : nullptr, target};
+}
+
+// A row's K ids into registers, all loads issued before any is used (ids past K: -1).
+template <class Load>
+__device__ __forceinline__ void ep_ids(u64 K, int* v, Load load) {
+#pragma unroll
+  for (int k = 0; k < EP_MAX_TOPK; ++k) v[k] = (u64)k < K ? load((u64)k) : -1;
+}
+
 // Pack. Block x = destination d (0..W-1), y = which of gridDim.y shares of d's rows it copies.
 // Per token t (thread), the cleaned ids (out of range, or equal to an earlier k: -1), the
 // owner of each, hit = some id on d, cnt = its ids on d; a block scan gives t's row in d's
@@ -100,9 +128,11 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
     u64* overflow, int* counts) {
   __shared__ u64 sh[2 * EP_THREADS];
   __shared__ int tok[EP_THREADS];
+  __shared__ u8 own_tab[EP_OWN_MAX];
   const unsigned tid = threadIdx.x, nt = blockDim.x;
   const u64 d = blockIdx.x, share = blockIdx.y, shares = gridDim.y;
   const bool lead = share == 0;
+  const EpOwned on_d = ep_owned(owner, E, d, own_tab);
   u8* blk = send + d * block_bytes;
   int* ids = (int*)(blk + idx_off);
   const u64 upr = row_bytes / 16, spr = scale_bytes / 4;
@@ -113,12 +143,13 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
     int cid[EP_MAX_TOPK], raw[EP_MAX_TOPK];
     u64 hit = 0, cnt = 0;
     if (t < n) {
+      ep_ids(K, raw, [&](u64 k) { return ep_id(idx, idx64, t * K + k); });
       for (u64 k = 0; k < K; ++k) {
-        const int v = raw[k] = ep_id(idx, idx64, t * K + k);
+        const int v = raw[k];
         bool b = v < 0 || (u64)v >= E;
         for (u64 j = 0; j < k; ++j) b = b || raw[j] == v;
         cid[k] = b ? -1 : v;
-        if (!b && (u64)owner[v] == d) ++cnt;
+        if (!b && on_d(v)) ++cnt;
       }
       hit = cnt ? 1 : 0;
     }
@@ -132,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
         u64 nth = nth0;
         for (u64 k = 0; k < K; ++k) {
           const int v = cid[k];
-          if (v >= 0 && (u64)owner[v] == d) {
+          if (v >= 0 && on_d(v)) {
             const bool over = limit && nth >= Pc;
             nover += over;
             pos[t * K + k] = (int)(over ? W * Pc : d * Pc + nth);
@@ -158,14 +189,16 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
       // this share's rows of the tile: j = j0, j0 + shares, ... (row = rows + j)
       const u64 j0 = (share + shares - rows % shares) % shares;
       const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
-        const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares, r = rows + j;
-        *from = x + (u64)tok[j] * row_bytes + u * 16;
-        *to = blk + x_off + r * row_bytes + u * 16;
+      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {  // (32-bit: see unpack)
+        const u32 jj = (u32)i / (u32)upr, u = (u32)i - jj * (u32)upr;
+        const u64 j = j0 + (u64)jj * shares, r = rows + j;
+        *from = x + (u64)tok[j] * row_bytes + (u64)u * 16;
+        *to = blk + x_off + r * row_bytes + (u64)u * 16;
         return r < Pd;
       });
       for (u64 i = tid; i < mine * spr; i += nt) {
-        const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares, r = rows + j;
+        const u32 jj = (u32)i / (u32)spr, w = (u32)i - jj * (u32)spr;
+        const u64 j = j0 + (u64)jj * shares, r = rows + j;
         if (r < Pd)
           ((u32*)(blk + scales_off + r * scale_bytes))[w] =
               ((const u32*)(xs + (u64)tok[j] * scale_bytes))[w];
@@ -196,10 +229,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
 // before it) and nth_in (source s's mine entries before (p, k), the row the source numbered
 // for it). Received row i = base + rank_in takes the token's row bytes, scales, (s, token,
 // k); feed[s * Pc + nth_in] = i (not past Pc when limit). Block (e, 0) writes counts[e];
-// block (0, 0) writes feed = 0 at the rows no entry takes (each source's rows past its mine
-// entries) and, where ret_counts is given, ret_counts[s] = min(source s's mine entries, Pc)
-// (the rows combine returns to s). Low-latency (offsets null): base = e * cap, and -1 in
-// e's src_* past the count.
+// block (0, 0) writes ret_counts[s] = min(source s's mine entries, Pc) (the rows combine
+// returns to s) and feed = 0 at the rows no entry takes (each source's rows past those).
+// Low-latency (offsets null): base = e * cap, and -1 in e's src_* past the count.
 // High-throughput: base = offsets[e] (packed rows; the host sized them from a count_only
 // launch, which writes counts[e] and nothing else, with no scan: one sum per block).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
@@ -209,7 +241,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     int* src_token, int* src_k, long long* feed, const long long* offsets, u64 count_only,
     long long* ret_counts) {
   __shared__ u64 sh[2 * EP_THREADS];
-  __shared__ u64 srow[EP_THREADS];
+  __shared__ u64 srx[EP_THREADS], srs[EP_THREADS];  // e's rows of the tile: got offsets
+  __shared__ u64 mexs[EP_THREADS];
+  __shared__ u8 own_tab[EP_OWN_MAX];
   const unsigned tid = threadIdx.x, nt = blockDim.x;
   const u64 e = blockIdx.x, share = blockIdx.y, shares = gridDim.y;
   const bool lead = share == 0;
@@ -230,69 +264,92 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
   }
   const u64 base = offsets ? (u64)offsets[e] : e * cap;
   const u64 upr = row_bytes / 16, spr = scale_bytes / 4;
-  u64 have = 0;  // e's rows before this tile
-  for (u64 s = 0; s < W; ++s) {
-    const int* ids = (const int*)(got + s * block_bytes + idx_off);
-    u64 held = 0;  // source s's mine entries before this tile
-    for (u64 p0 = 0; p0 < Pd; p0 += nt) {
-      const u64 p = p0 + tid;
-      u64 has = 0, m = 0, before = 0;  // before: mine entries of the row ahead of e's
-      int kk = -1, token = -1;
-      if (p < Pd) {
-        const int* r = ids + p * (K + 1);
-        token = r[0];
-        for (u64 k = 0; k < K; ++k) {
-          const int v = r[k + 1];
-          if (v >= 0 && (u64)v < E && (u64)owner[v] == rank) {
-            if (v == ge && kk < 0) {
-              kk = (int)k;
-              before = m;
-            }
-            ++m;
+  const EpOwned is_mine = ep_owned(owner, E, rank, own_tab);
+  // The received rows g = s * Pd + p of every source, nt to a tile (a tile may span
+  // sources: one scan per tile, not one per source). nth_in counts source s's mine entries
+  // from its first row: within the tile, the exclusive sum at that row (mexs[], shared);
+  // where s began in an earlier tile, carry = its mine entries there (only the tile's first
+  // source can have).
+  u64 have = 0;   // e's rows before this tile
+  u64 carry = 0;  // mine entries, in earlier tiles, of the source of this tile's first row
+  const u64 rows_all = W * Pd;
+  for (u64 g0 = 0; g0 < rows_all; g0 += nt) {
+    const u64 g = g0 + tid, s = g / Pd, p = g - s * Pd;
+    u64 has = 0, m = 0, before = 0;  // before: mine entries of the row ahead of e's
+    int kk = -1, token = -1;
+    if (g < rows_all) {
+      const int* r = (const int*)(got + s * block_bytes + idx_off) + p * (K + 1);
+      int v[EP_MAX_TOPK];
+      token = r[0];
+      ep_ids(K, v, [&](u64 k) { return r[k + 1]; });
+      for (u64 k = 0; k < K; ++k) {
+        if (v[k] >= 0 && (u64)v[k] < E && is_mine(v[k])) {
+          if (v[k] == ge && kk < 0) {
+            kk = (int)k;
+            before = m;
           }
-        }
-        has = kk >= 0;
-      }
-      u64 tile;
-      const u64 ex = ep_block_scan((has << 32) | m, sh, &tile);
-      const u64 rank_in = have + (ex >> 32);
-      const u64 nth_in = held + (ex & 0xffffffffull) + before;
-      const u64 tile_rows = tile >> 32;
-      if (has) {
-        srow[ex >> 32] = s * Pd + p;
-        const u64 i = base + rank_in;
-        if (rank_in % shares == share) {
-          src_rank[i] = (int)s;
-          src_token[i] = token;
-          src_k[i] = kk;
-          if (!limit || nth_in < Pc) feed[s * Pc + nth_in] = (long long)i;
+          ++m;
         }
       }
-      __syncthreads();  // srow[] complete
-      const u64 j0 = (share + shares - have % shares) % shares;
-      const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
-      ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
-        const u64 jj = i / upr, u = i - jj * upr, j = j0 + jj * shares;
-        const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-        *from = got + off + x_off + q * row_bytes + u * 16;
-        *to = rx + (base + have + j) * row_bytes + u * 16;
-        return true;
-      });
-      for (u64 i = tid; i < mine * spr; i += nt) {
-        const u64 jj = i / spr, w = i - jj * spr, j = j0 + jj * shares;
-        const u64 q = srow[j] % Pd, off = srow[j] / Pd * block_bytes;
-        ((u32*)(xs + (base + have + j) * scale_bytes))[w] =
-            ((const u32*)(got + off + scales_off + q * scale_bytes))[w];
+      has = kk >= 0;
+    }
+    u64 tile;
+    const u64 ex = ep_block_scan((has << 32) | m, sh, &tile);
+    const u64 mex = ex & 0xffffffffull;
+    mexs[tid] = mex;
+    if (has) {  // (the row's offsets in got, so that the copies below divide by nothing wide)
+      srx[ex >> 32] = s * block_bytes + x_off + p * row_bytes;
+      srs[ex >> 32] = s * block_bytes + scales_off + p * scale_bytes;
+    }
+    __syncthreads();  // mexs[], srx[], srs[] complete
+    const u64 first = s * Pd;  // source s's first row
+    const u64 from_s = first >= g0 ? mex - mexs[first - g0] : carry + mex;
+    const u64 rank_in = have + (ex >> 32);
+    const u64 nth_in = from_s + before;
+    const u64 tile_rows = tile >> 32;
+    if (has) {
+      const u64 i = base + rank_in;
+      if (rank_in % shares == share) {
+        src_rank[i] = (int)s;
+        src_token[i] = token;
+        src_k[i] = kk;
+        if (!limit || nth_in < Pc) feed[s * Pc + nth_in] = (long long)i;
       }
-      __syncthreads();  // srow[] is rewritten by the next tile
-      have += tile_rows;
-      held += tile & 0xffffffffull;
     }
-    if (e == 0 && lead) {
-      const u64 lo = held < Pc ? held : Pc;
-      for (u64 q = lo + tid; q < Pc; q += nt) feed[s * Pc + q] = 0;
-      if (ret_counts && tid == 0) ret_counts[s] = (long long)lo;
+    if (e == 0 && lead && g < rows_all && p == Pd - 1) {  // source s's last row
+      const u64 held = from_s + m;
+      ret_counts[s] = (long long)(held < Pc ? held : Pc);
     }
+    const u64 j0 = (share + shares - have % shares) % shares;
+    const u64 mine = j0 < tile_rows ? (tile_rows - j0 + shares - 1) / shares : 0;
+    // (unit indices within a tile's rows fit 32 bits: 32-bit divisions, a few instructions
+    // where a 64-bit one is a call of ~70, per 16-byte unit)
+    ep_copy16(mine * upr, [&](u64 i, const u8** from, u8** to) {
+      const u32 jj = (u32)i / (u32)upr, u = (u32)i - jj * (u32)upr;
+      const u64 j = j0 + (u64)jj * shares;
+      *from = got + srx[j] + (u64)u * 16;
+      *to = rx + (base + have + j) * row_bytes + (u64)u * 16;
+      return true;
+    });
+    for (u64 i = tid; i < mine * spr; i += nt) {
+      const u32 jj = (u32)i / (u32)spr, w = (u32)i - jj * (u32)spr;
+      const u64 j = j0 + (u64)jj * shares;
+      ((u32*)(xs + (base + have + j) * scale_bytes))[w] = ((const u32*)(got + srs[j]))[w];
+    }
+    // the carry into the next tile: the mine entries so far of the source of its first row
+    const u64 g_end = g0 + nt < rows_all ? g0 + nt : rows_all;  // (this tile's rows end)
+    const u64 s_next = g_end / Pd, first_next = s_next * Pd;
+    const u64 tile_m = tile & 0xffffffffull;
+    carry = first_next >= g_end ? 0
+            : first_next >= g0 ? tile_m - mexs[first_next - g0] : carry + tile_m;
+    __syncthreads();  // srx[], srs[], mexs[] are rewritten by the next tile
+    have += tile_rows;
+  }
+  if (e == 0 && lead) {  // feed = 0 at the rows no entry takes: source s's from ret_counts[s]
+    for (u64 s = tid; Pd == 0 && s < W; s += nt) ret_counts[s] = 0;
+    __syncthreads();  // (this block's ret_counts[] written)
+    for (u64 s = 0; s < W; ++s)
+      for (u64 q = (u64)ret_counts[s] + tid; q < Pc; q += nt) feed[s * Pc + q] = 0;
   }
   if (lead) {
     if (tid == 0) counts[e] = (int)have;
