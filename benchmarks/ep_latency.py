@@ -19,7 +19,14 @@ off this rank at the least (each token once to every rank that holds one of its 
 each expert output row once back to its home rank; dispatch's equal blocks on the wire
 carry more, printed as ``wire KiB``; combine's blocks are sized: a header row and the rows
 that exist). ``fresh us``: the same copy with its source just written by the GPU, as the
-proxy's copies find it (``/fresh`` against the flag round trip and it). ``SPARKCCL_GPU_DIRECT=0``
+proxy's copies find it (``/fresh`` against the flag round trip and it). ``sm link`` / ``ce
+link``: the one GPU's link to host memory, which every rank here shares, carrying world x
+rank 0's least bytes out to pinned memory and as many back in at once, by kernels' stores
+and loads (as the GPU-direct kernels move bytes) and by copy engines (the link's best);
+``/link`` against the flag round trip and the latter: how far a phase is from what this
+rig's link allows (a GB10 box has no such link: its GPU and its NIC share its memory).
+``pack`` / ``unpack``: the dispatch's own kernels alone, replayed with its buffers.
+``SPARKCCL_GPU_DIRECT=0``
 in the environment: every byte through the proxy, the path between GB10 boxes (default:
 GPU-direct where the engines choose it). ``--timeline``: the dispatch's all-to-all kernel
 step by step on the GPU clock (GPU-direct; kernels built with stamps, so a run of its own).
@@ -65,6 +72,45 @@ def _profile(graph, per_graph: int, replays: int = 5):
     return table, ((hi - lo) / calls if lo is not None else 0.0)
 
 
+def _link(nbytes: int, rounds: int, engine: str) -> float:
+    """p50 seconds this GPU's link to host memory takes to carry ``nbytes`` out to pinned
+    memory and ``nbytes`` in from it at once (two streams started by one event): ``sm``
+    by kernels' 16-byte stores and loads (torch's vectorized elementwise kernel, as the
+    GPU-direct kernels move bytes and the only way inside a replayed graph), ``ce`` by copy
+    engines (the link's best; benchmarks/pcie_duplex.py has both at other sizes). The
+    pinned memory is torch's (cudaHostAlloc), not the communicator's /dev/shm regions."""
+    import torch
+
+    from sparkccl.dataplane.cuda_runtime import device_view
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = -(-nbytes // 16) * 4  # int32 words, whole 16-byte units
+    pinned = [torch.empty(n, dtype=torch.int32).pin_memory() for _ in range(2)]
+    out_, in_ = (device_view(t.data_ptr(), 4 * n, dev).view(torch.int32) for t in pinned)
+    src = torch.arange(n, dtype=torch.int32, device=dev)
+    dst = torch.empty_like(src)
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    main = torch.cuda.current_stream(dev)
+    each = []
+    for i in range(rounds + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # the GPU idles ~0.5 ms first, so that the start is not the host's queueing of the rest
+        torch.cuda._sleep(1 << 20)
+        start.record(main)
+        for st, to, fro in ((s1, out_, src), (s2, dst, in_)):
+            st.wait_event(start)
+            with torch.cuda.stream(st):
+                if engine == "sm":
+                    torch.bitwise_not(fro, out=to)
+                else:
+                    to.copy_(fro, non_blocking=True)
+            main.wait_stream(st)
+        end.record(main)
+        end.synchronize()
+        if i:  # (the first round warms both kernels up)
+            each.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(each)
+
+
 def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused,
          bytes_per_block=None, prof=False, phases=None, with_timeline=False,
          a2a_bytes_per_block=None):
@@ -103,7 +149,16 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                                      dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                                      mode="low_latency", combine_rows=combine_rows,
                                      _fused=fused)
+        from sparkccl import ep_cuda
+        launched = {}  # the dispatch's own kernels' last launches, to replay them alone
+        plain_launch = ep_cuda.launch
+
+        def recording_launch(dev_, name, grid, args):
+            launched[name] = (dev_, name, grid, args)
+            plain_launch(dev_, name, grid, args)
+        ep_cuda.launch = recording_launch
         recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
+        ep_cuda.launch = plain_launch
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=a["shared"])
         torch.cuda.synchronize()
@@ -127,6 +182,13 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
         for phase in ("dispatch", "combine"):
             res[phase + " write"] = _host_write(max(least[phase], 16), max(50, iters))
             res[phase + " fresh"] = _host_write(max(least[phase], 16), max(50, iters), True)
+        # the one GPU's link, shared by every rank here: measured by rank 0 alone (the others
+        # wait at the barrier) for what all ranks move, W x the least bytes each way
+        _barrier(store, "host probes", rank, world)
+        for phase in ("dispatch", "combine"):
+            nbytes, rounds = world * max(least[phase], 16), max(20, iters // 5)
+            res[phase + " link"] = ({e: _link(nbytes, rounds, e) for e in ("sm", "ce")}
+                                    if rank == 0 else None)
         _barrier(store, "probes", rank, world)  # (no rank's collective beside another's probe)
         blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
                                           dtype=torch.uint8, device=dev),
@@ -140,6 +202,9 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                # the all-to-all alone, of the same blocks: the movement's share
                "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"]),
                "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True)}
+        for name in ("sccl_ep_pack", "sccl_ep_unpack"):  # (the dispatch's buffers, kept)
+            if name in launched:
+                fns[name[8:]] = lambda call=launched[name]: plain_launch(*call)
         for phase, fn in fns.items():
             if phases and phase not in phases:
                 continue
@@ -193,7 +258,8 @@ def main() -> None:
                          "fused kernels")
     ap.add_argument("--phases", default=None,
                     help="a comma list of the phases to time (dispatch, combine, a2a dispatch, "
-                         "a2a combine; default: all): the proxy's figures printed after the "
+                         "a2a combine, pack, unpack: the dispatch's kernels alone; default: "
+                         "all): the proxy's figures printed after the "
                          "table are then of those alone")
     ap.add_argument("--profile", action="store_true",
                     help="also rank 0's kernels per replayed call (torch.profiler)")
@@ -235,8 +301,12 @@ def main() -> None:
           "(combine: sized blocks)")
     print("# fresh us: that copy with its source just written by the GPU (as the proxy finds "
           "it), /fresh: against flag rtt + it")
+    print("# link: this one GPU's link to host memory carrying every rank's least bytes out "
+          "and in at once (world x least KiB each way, measured by rank 0 alone): sm by "
+          "kernels' stores and loads, ce by copy engines; /link: against flag rtt + ce link")
     print(f"{'phase':<9} {'us':>9} {'a2a us':>7} {'least KiB':>10} {'wire KiB':>9} "
-          f"{'write us':>9} {'floor us':>9} {'/floor':>7} {'fresh us':>9} {'/fresh':>7}")
+          f"{'write us':>9} {'floor us':>9} {'/floor':>7} {'fresh us':>9} {'/fresh':>7} "
+          f"{'sm link':>8} {'ce link':>8} {'/link':>6}")
     for phase in ("dispatch", "combine"):
         if phase not in res[0] or "a2a " + phase not in res[0]:
             for k in (phase, "a2a " + phase):
@@ -250,10 +320,16 @@ def main() -> None:
         floor = rtt + write
         fresh = max(r[phase + " fresh"] for r in res)
         t_a2a = max(r["a2a " + phase] for r in res)
+        link = res[0][phase + " link"]
         print(f"{phase:<9} {t * 1e6:>9.1f} {t_a2a * 1e6:>7.1f} {least / 1024:>10.0f} "
               f"{wire / 1024:>9.0f} "
               f"{write * 1e6:>9.1f} {floor * 1e6:>9.1f} {t / floor:>7.2f} "
-              f"{fresh * 1e6:>9.1f} {t / (rtt + fresh):>7.2f}")
+              f"{fresh * 1e6:>9.1f} {t / (rtt + fresh):>7.2f} "
+              f"{link['sm'] * 1e6:>8.1f} {link['ce'] * 1e6:>8.1f} {t / (rtt + link['ce']):>6.2f}")
+    for k in ("pack", "unpack"):
+        if k in res[0]:
+            print(f"{k:<9} {max(r[k] for r in res) * 1e6:>9.1f} us (the dispatch's kernel alone, "
+                  "every rank's at once)")
     from decode_latency import print_proxy_stats
     print_proxy_stats(res[0]["proxy"])
     for phase in ("dispatch", "a2a dispatch"):

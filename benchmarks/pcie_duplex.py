@@ -284,7 +284,7 @@ def main() -> None:
     import warnings
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # cupy's ExternalStream
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=128)
+    ap.add_argument("--mib", type=float, default=128, help="per direction (fractions too)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpus", type=int, default=1,
                     help="run every case on this many GPUs at once (0: all of them)")
@@ -297,7 +297,7 @@ def main() -> None:
     ap.add_argument("--wait", choices=["none", "value", "kernel"], default="none",
                     help="ring mode: the reader waits for each chunk's publish, and how")
     args = ap.parse_args()
-    n = args.mib << 20
+    n = int(args.mib * (1 << 20)) // 16 * 16
     ring, chunk = int(args.ring * (1 << 20)), args.chunk_kib << 10
     if ring and (ring % chunk or n % chunk):
         ap.error("--ring and --mib must be whole multiples of --chunk-kib")
@@ -315,8 +315,8 @@ def main() -> None:
     if args.cases != "all":
         cases = [tuple(None if e == "-" else e for e in c.split("/")) for c in args.cases.split(",")]
     props = torch.cuda.get_device_properties(rigs[0].dev)
-    print(f"# {props.name} x {count} at once: {args.mib} MiB per direction per GPU, median of "
-          f"{args.iters}, time of the slowest GPU; GB/s = bytes one GPU moved (both "
+    print(f"# {props.name} x {count} at once: {args.mib:g} MiB per direction per GPU, median "
+          f"of {args.iters}, time of the slowest GPU; GB/s = bytes one GPU moved (both "
           f"directions) / time; host memory {args.backing} ({huge_kib()})"
           + (f"; ring {args.ring:g} MiB in {args.chunk_kib} KiB copies, read by the neighbour"
              f", waits: {args.wait}" if ring else ""))
