@@ -157,8 +157,10 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
             launched[name] = (dev_, name, grid, args)
             plain_launch(dev_, name, grid, args)
         ep_cuda.launch = recording_launch
-        recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
-        ep_cuda.launch = plain_launch
+        try:
+            recv, handle = ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"], a["x_scales"])
+        finally:
+            ep_cuda.launch = plain_launch
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=a["shared"])
         torch.cuda.synchronize()
