@@ -45,6 +45,33 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
+def agrs_formulation(comm, x, idx, w, shared, generator=None):
+    """The all-gather + reduce-scatter formulation of one MoE layer (vLLM's
+    ``allgather_reducescatter``) on ``comm``, as a callable: the tokens ``x`` [T, H] and the
+    routing (one all-gather of [T, K] int32 ids + fp32 weights) gathered, then every rank's
+    expert outputs for all W * T tokens finalized into ``moe_finalize_reduce_scatter``
+    (the rows made once here, randn * 0.5 from ``generator``; the shared expert counted on
+    its own rank only)."""
+    import torch
+    T, K = idx.shape
+    H, rank, world, dev = x.shape[1], comm.rank, comm.world_size, comm.device
+    routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
+                         w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
+    N = world * T
+    y_all = (torch.randn((N * K, H), device=dev, generator=generator) * 0.5).to(
+        torch.bfloat16)  # (token, k) rows
+    pos = torch.arange(N * K, dtype=torch.int32, device=dev)
+    shared_all = torch.zeros((N, H), dtype=torch.bfloat16, device=dev)
+    shared_all[rank * T:(rank + 1) * T] = shared
+
+    def layer():
+        comm.all_gather(x)
+        wts = comm.all_gather(routing)[:, K * 4:].contiguous().view(torch.float32)  # [N, K]
+        return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all, num_tokens=N,
+                                                padded_tokens=N)
+    return layer
+
+
 def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
               torch_dispatch=False):
     import numpy as np
@@ -74,15 +101,8 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
         exact &= bool(np.array_equal(z.cpu().view(torch.int16).numpy().view(np.uint16),
                                      partial_combine_reference(cpu_inp, ep.owners, world)))
 
-        # ag+rs: the routing travels as one all-gather of [T, K] int32 ids + fp32 weights.
-        routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
-                             w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
-        N = world * T
+        agrs_layer = agrs_formulation(comm, x, idx, w, shared)
         dev = comm.device
-        y_all = (torch.randn((N * K, H), device=dev) * 0.5).to(torch.bfloat16)  # (token, k) rows
-        pos = torch.arange(N * K, dtype=torch.int32, device=dev)
-        shared_all = torch.zeros((N, H), dtype=torch.bfloat16, device=dev)
-        shared_all[rank * T:(rank + 1) * T] = shared  # the shared expert counted once
         tick = torch.zeros(16, dtype=torch.uint8, device=dev)
 
         def sync():
@@ -92,14 +112,6 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
         def ep_layer(e=ep, partial=False):
             r, h = e.dispatch(x, idx, w)
             return e.combine(out, h, shared=shared, partial=partial)
-
-        def agrs_layer():
-            xs = comm.all_gather(x)
-            rt = comm.all_gather(routing)
-            wts = rt[:, K * 4:].contiguous().view(torch.float32)  # [N, K]
-            del xs
-            return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all,
-                                                    num_tokens=N, padded_tokens=N)
 
         layers = [("ep", ep_layer), ("ep partial", lambda: ep_layer(partial=True)),
                   ("ag+rs", agrs_layer), ("dispatch", lambda: ep.dispatch(x, idx, w))]

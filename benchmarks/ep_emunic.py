@@ -42,6 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from ep_bench import agrs_formulation  # noqa: E402
 from emunic_efficiency import (  # noqa: E402
     add_nic_arguments, common_start, load_average, max_port_load, nic_env,
 )
@@ -81,20 +82,7 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         sent = [int((owner == d).any(1).sum()) for d in range(world)]
         back = [int((owner == d).sum()) for d in range(world)]
         ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial", "ag+rs")}
-        # ag+rs (benchmarks/ep_bench.py): the routing travels as ids + weights
-        routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
-                             w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
-        N = world * T
-        y_all = (torch.randn((N * K, H), generator=g) * 0.5).to(torch.bfloat16)
-        pos = torch.arange(N * K, dtype=torch.int32)
-        shared_all = torch.zeros((N, H), dtype=torch.bfloat16)
-        shared_all[rank * T:(rank + 1) * T] = shared
-
-        def agrs():
-            comm.all_gather(x)
-            wts = comm.all_gather(routing)[:, K * 4:].contiguous().view(torch.float32)
-            comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all, num_tokens=N,
-                                             padded_tokens=N)
+        agrs = agrs_formulation(comm, x, idx, w, shared, generator=g)
         blocks = {"a2a dispatch": torch.zeros(world, handle.dispatch_rows * (H * 2 + (K + 1) * 4)
                                               + 16, dtype=torch.uint8),
                   "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
