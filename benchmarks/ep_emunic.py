@@ -13,7 +13,8 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 * ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
   all-to-all, the receiver's selection);
 * ``combine``: ``ExpertParallel.combine`` (the all-to-all back and the finalize);
-* ``a2a``: ``all_to_all`` alone of blocks of the same sizes (the wire's share);
+* ``a2a``: ``all_to_all`` alone of blocks of the same sizes (the wire's share; dispatch's
+  sized as its own blocks are);
 * ``partial``: ``combine(partial=True)`` (the per-rank partial combine, an opt-in with its
   own bits: one row per (token, rank) returns instead of one per entry), beside the exact
   combine (``partial / combine``: below 1, the opt-in is faster);
@@ -25,8 +26,9 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
 block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
-wire carries whole blocks; a fill below 1 is what equal blocks cost against pieces of
-each pair's own size). The combine is checked bit for bit against the one-box finalize
+bound counts whole blocks of the largest pair; both phases' blocks are sized, so only each
+pair's own rows travel, plus dispatch's ids: a fill below 1 is what equal blocks would
+cost). The combine is checked bit for bit against the one-box finalize
 reference before timing, the partial combine against its own reference.
 
     nice -n 19 python benchmarks/ep_emunic.py --rate-gbps 0.2 --worlds 2,3,4,5,6
@@ -55,6 +57,7 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
     import torch
 
     import sparkccl
+    from sparkccl.expert_parallel import BlockLayout
     from sparkccl.ep_reference import (combine_reference, make_ep_input,
                                        partial_combine_reference, run_experts)
     inp = make_ep_input(11, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
@@ -83,14 +86,17 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         back = [int((owner == d).sum()) for d in range(world)]
         ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial", "ag+rs")}
         agrs = agrs_formulation(comm, x, idx, w, shared, generator=g)
-        blocks = {"a2a dispatch": torch.zeros(world, handle.dispatch_rows * (H * 2 + (K + 1) * 4)
-                                              + 16, dtype=torch.uint8),
+        # the all-to-all alone of blocks of the same sizes, dispatch's sized as its blocks are
+        # (a header, the ids, the rows of the tokens that go there)
+        lay = BlockLayout(handle.dispatch_rows, H, K + 1, H * 2, 0)
+        blocks = {"a2a dispatch": torch.zeros(world, lay.nbytes, dtype=torch.uint8),
                   "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
+        lay.header(blocks["a2a dispatch"])[:] = lay.data_bytes(torch.tensor(sent))
         for _ in range(iters):
-            for p, b in blocks.items():  # the all-to-all alone, blocks of the same size
+            for p, b in blocks.items():
                 barrier()
                 t0 = time.perf_counter()
-                comm.all_to_all(b)
+                comm.all_to_all(b, sized=p == "a2a dispatch")
                 ts[p].append(time.perf_counter() - t0)
             barrier()
             t0 = time.perf_counter()

@@ -16,10 +16,11 @@ is checked bit for bit against the one-box finalize reference before timing.
 The floor is the mechanism's, as benchmarks/decode_latency.py's proxy-path floor: the flag
 round trip (GPU -> CPU -> GPU) plus a host thread's copy of the bytes the phase must move
 off this rank at the least (each token once to every rank that holds one of its experts,
-each expert output row once back to its home rank; dispatch's equal blocks on the wire
-carry more, printed as ``wire KiB``; combine's blocks are sized: a header row and the rows
-that exist). ``fresh us``: the same copy with its source just written by the GPU, as the
-proxy's copies find it (``/fresh`` against the flag round trip and it). ``sm link`` / ``ce
+each expert output row once back to its home rank; the blocks on the wire carry more,
+printed as ``wire KiB``: both phases' blocks are sized, dispatch's a header, every row's
+ids and scales and the rows that exist, combine's a header row and the rows that exist).
+``fresh us``: the same copy with its source just written by the GPU, as the proxy's
+copies find it (``/fresh`` against the flag round trip and it). ``sm link`` / ``ce
 link``: the one GPU's link to host memory, which every rank here shares, carrying world x
 rank 0's least bytes out to pinned memory and as many back in at once, by kernels' stores
 and loads (as the GPU-direct kernels move bytes) and by copy engines (the link's best);
@@ -128,6 +129,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
          cuda_calls.A2A_DIRECT_WAIT_BYTES_PER_BLOCK) = a2a_bytes_per_block
     from decode_latency import PROXY_KEYS, _barrier, _flag_rtt, _host_write
     from sparkccl.ep_reference import combine_reference, make_ep_input, run_experts
+    from sparkccl.expert_parallel import BlockLayout
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     from sparkccl.plan.geometry import ALIGN, round_up
@@ -177,7 +179,12 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
         owners = torch.tensor(ep.owners)
         ret = [min(int((owners[routing(d)] == rank).sum()), handle.ret_rows)
                for d in range(world)]
-        wire = {"dispatch": (world - 1) * handle.dispatch_rows * (row + (K + 1) * 4),
+        # dispatch's blocks are sized too: a header, every row's ids and scales, then the
+        # rows of the tokens that go to that rank
+        lay = BlockLayout(handle.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
+        tok = [int((owner == d).any(1).sum()) for d in range(world)]
+        wire = {"dispatch": sum(round_up(lay.data_bytes(tok[d]), ALIGN) for d in range(world)
+                                if d != rank),
                 "combine": sum(round_up((1 + ret[d]) * H * 2, ALIGN) for d in range(world)
                                if d != rank)}
         res = {"flag rtt": _flag_rtt(comm, max(50, iters))}
@@ -192,17 +199,18 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
             res[phase + " link"] = ({e: _link(nbytes, rounds, e) for e in ("sm", "ce")}
                                     if rank == 0 else None)
         _barrier(store, "probes", rank, world)  # (no rank's collective beside another's probe)
-        blocks = {"dispatch": torch.zeros((world, handle.dispatch_rows * (row + (K + 1) * 4)),
-                                          dtype=torch.uint8, device=dev),
+        blocks = {"dispatch": torch.zeros((world, lay.nbytes), dtype=torch.uint8, device=dev),
                   "combine": torch.zeros((world, (handle.ret_rows + 1) * H * 2),
                                          dtype=torch.uint8, device=dev)}
         blocks["combine"][:, :8] = torch.tensor([(1 + n) * H * 2 for n in ret]).view(
+            torch.uint8).view(world, 8).to(dev)
+        blocks["dispatch"][:, :8] = torch.tensor([lay.data_bytes(n) for n in tok]).view(
             torch.uint8).view(world, 8).to(dev)
         fns = {"dispatch": lambda: ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"],
                                                a["x_scales"]),
                "combine": lambda: ep.combine(out, handle, shared=a["shared"]),
                # the all-to-all alone, of the same blocks: the movement's share
-               "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"]),
+               "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"], sized=True),
                "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True)}
         for name in ("sccl_ep_pack", "sccl_ep_unpack"):  # (the dispatch's buffers, kept)
             if name in launched:

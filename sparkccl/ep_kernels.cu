@@ -120,7 +120,8 @@ __device__ __forceinline__ void ep_ids(u64 K, int* v, Load load) {
 // [W + d] = d's entries, nothing else written. Row r of d's block (BlockLayout: the ids
 // section at idx_off, the scales at scales_off, the rows at x_off): ids [t, id_0 ..
 // id_{K-1}], its scales (4-byte words), the token's row bytes (16-byte units); ids of rows
-// past d's tokens are -1 (their row bytes and scales are left as they are).
+// past d's tokens are -1 (their row bytes and scales are left as they are). The block's
+// first 8 bytes: x_off + its tokens * row_bytes, the bytes the sized all-to-all sends.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
     const void* idx, u64 idx64, const int* owner, u64 n, u64 K, u64 E, u64 W, u64 Pd, u64 Pc,
     u64 limit, const u8* x, const u8* xs, u64 row_bytes, u64 scale_bytes, u8* send,
@@ -216,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_pack(
     return;
   }
   if (lead) {
+    if (tid == 0) *(u64*)blk = x_off + (rows < Pd ? rows : Pd) * row_bytes;
     for (u64 i = rows * (K + 1) + tid; i < Pd * (K + 1); i += nt) ids[i] = -1;
     if (nbad) atomicAdd((unsigned long long*)bad_count, (unsigned long long)nbad);
     if (nover) atomicAdd((unsigned long long*)overflow, (unsigned long long)nover);

@@ -18,9 +18,9 @@ reduce-scatter's wire, so the same slots, roots, ring relays and failure behavio
 one block per (source, destination) pair of a capacity every rank knows:
 
 * dispatch: each token goes once to every rank that holds one of its experts, with its
-  token index and top-k ids (a block of ``P`` such rows per destination, in token order);
-  the receiver keeps the entries of its own experts, ordered by (local expert, source
-  rank, token);
+  token index and top-k ids (a block of ``P`` such rows per destination, in token order,
+  of which only the rows that exist travel: :class:`BlockLayout`); the receiver keeps the
+  entries of its own experts, ordered by (local expert, source rank, token);
 * combine: each computed row goes back to its token's home rank at the place that rank
   computed for it at dispatch (the entries (t, k) it sent to that rank, in (t, k) order),
   and the home rank runs the finalize over them.
@@ -30,9 +30,11 @@ the torch code here is their specification and the CPU path.
 
 ``high_throughput`` learns the capacities from the counts, exchanged first (one small
 all-gather: per destination the tokens and the entries; ``P`` = the largest pair), so the
-wire carries the largest pair's rows, not ``max_tokens``; ``low_latency`` uses the fixed
+blocks hold the largest pair's rows, not ``max_tokens``; ``low_latency`` uses the fixed
 bounds (``max_tokens`` tokens, ``max_tokens * min(topk, E / world)`` entries per pair) and
-reads nothing on the host.
+reads nothing on the host. Both all-to-alls are sized (each block's first bytes say how
+much of it carries data, read on the device), so in either mode only each pair's own rows
+travel.
 """
 from __future__ import annotations
 
@@ -112,11 +114,15 @@ def _touch_pages(t: torch.Tensor | None) -> None:
 @dataclass
 class BlockLayout:
     """One dispatch block (bytes) from a source to a destination, the same size on every
-    rank: per row ``topk`` int32 (the dispatch puts the token index first, then its top-k
-    expert ids; -1: no token in that row), the rows' fp32 scales (e4m3), then ``T`` token
-    rows (bf16 or e4m3 bytes). Sections start on 16-byte boundaries. The ids come first so
-    that a receiver knows where every row goes once the block's first bytes are in, and
-    can move the rows as they arrive (the CPU twin does)."""
+    rank: a 16-byte header whose first 8 bytes (int64, little-endian) say how many of the
+    block's bytes carry data (:meth:`data_bytes` of its token count: the all-to-all runs
+    ``sized``, so only those travel), then per row ``topk`` int32 (the dispatch puts the
+    token index first, then its top-k expert ids; -1: no token in that row), the rows' fp32
+    scales (e4m3), then ``T`` token rows (bf16 or e4m3 bytes). Sections start on 16-byte
+    boundaries. The ids come first so that a receiver knows where every row goes once the
+    block's first bytes are in, and can move the rows as they arrive (the CPU twin does);
+    they and the scales travel whole (a few percent of the block), the rows up to the
+    block's tokens."""
 
     T: int
     H: int
@@ -124,11 +130,20 @@ class BlockLayout:
     row_bytes: int
     scale_cols: int  # 0 for bf16
 
-    idx_off = 0
+    idx_off = 16
+
+    def data_bytes(self, rows):
+        """The header's value for a block of ``rows`` tokens (an int or a tensor of them):
+        everything up to the end of its last row."""
+        return self.x_off + rows * self.row_bytes
+
+    def header(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[B] int64 view of the headers of blocks [B, nbytes]."""
+        return blocks[:, :8].view(torch.int64).view(-1)
 
     @property
     def scales_off(self) -> int:
-        return _round16(self.T * self.topk * 4)
+        return self.idx_off + _round16(self.T * self.topk * 4)
 
     @property
     def x_off(self) -> int:
@@ -575,9 +590,10 @@ class ExpertParallel:
                 ids[at] = tagged
                 if sb is not None:
                     scales[at] = sb
-        # [W, nbytes]: source s's block for this rank
+        lay.header(send)[:W] = lay.data_bytes(hit.sum(0))
+        # [W, nbytes]: source s's block for this rank (past its header's bytes undefined)
         got = comm.all_to_all(send[:W], out=self._buffer("dispatch recv", (W, lay.nbytes),
-                                                         torch.uint8))
+                                                         torch.uint8), sized=True)
         recv, feed, ret_counts = self._select(got, lay, Pd, Pc, K)
         handle = Handle(self.mode, feed, Pd, Pc, pos, n, K, topk_weights, bad,
                         tuple(recv.src_rank.shape), ret_counts)
@@ -714,7 +730,7 @@ class ExpertParallel:
         send = self._buffer("dispatch send", (W, lay.nbytes), torch.uint8)
         pack(Pd, Pc, send, lay)
         got = comm.all_to_all(send, out=self._buffer("dispatch recv", (W, lay.nbytes),
-                                                     torch.uint8))
+                                                     torch.uint8), sized=True)
         common = dict(got=got, lay=lay, owner=self._owner_dev, experts=self._experts_dev,
                       rank=self.rank, E=E, W=W, Pd=Pd, K=K, Pc=Pc, limit=limit,
                       row_bytes=self._row_bytes, scale_bytes=scale_bytes)
@@ -850,7 +866,7 @@ class ExpertParallel:
                     move(s)
 
         comm.all_to_all(None, out=got, fill=fill,
-                        arrived=arrived if self._stream_cpu else None)
+                        arrived=arrived if self._stream_cpu else None, sized=True)
         if not self._stream_cpu:
             for s in range(W):
                 arrived(s, lay.nbytes)

@@ -76,6 +76,10 @@ def _differences(ep, mine, a, b):
         same(f"send {d} rows", lay.x(sa)[d, :m], lay.x(sb)[d, :m])
         same(f"send {d} scales", lay.scales(sa)[d, :m], lay.scales(sb)[d, :m])
         same(f"send {d} ids", lay.idx(sa)[d], lay.idx(sb)[d])
+        for which, blocks in (("native", sa), ("torch", sb)):
+            if int(lay.header(blocks)[d]) != lay.data_bytes(m):
+                bad.append(f"send {d} header ({which}) {int(lay.header(blocks)[d])}, want "
+                           f"{lay.data_bytes(m)} ({m} rows)")
     same("counts", ra.counts, rb.counts)
     same("offsets", ra.offsets, rb.offsets)
     for f in ("src_rank", "src_token", "src_k"):

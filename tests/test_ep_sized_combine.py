@@ -15,7 +15,12 @@ streamed beside the wire, the CPU default).
 * the wire bytes of a combine (``comm.proxy_stats()["bytes"]``): the headers and the rows
   that exist, rounded up to 16, once ``Communicator.all_to_all`` takes ``sized``, gathered
   at once and streamed; and of ``combine(partial=True)``: the weights' all-to-all, then a
-  header and one row per (home token, rank).
+  header and one row per (home token, rank);
+* the wire bytes of a dispatch, whose blocks are sized too (``BlockLayout``: a header, the
+  ids and scales whole, then the rows of the tokens that go to that rank), gathered at once
+  and streamed; the received blocks past their headers' counts poisoned for the combine
+  above, and (CUDA, tests/test_expert_parallel.py) the kernels' headers against the torch
+  path's.
 """
 from __future__ import annotations
 
@@ -177,11 +182,17 @@ def test_ret_counts_and_sized_blocks(world):
     assert not bad, "\n".join(bad)
 
 
+def _tokens_to(inp, owners, W):
+    """The tokens of ``inp`` that go to each rank (once each, whatever their k)."""
+    rows = inp["topk_idx"].tolist()
+    return [sum(any(owners[e] == d for e in row) for row in rows) for d in range(W)]
+
+
 def wire_job(rank, world, store, topology):
     import torch.distributed as dist
 
     import sparkccl
-    from sparkccl.expert_parallel import placement_table
+    from sparkccl.expert_parallel import BlockLayout, placement_table
     W, bad = world, []
     with sparkccl.Communicator(store=dist.PrefixStore("wire", store), rank=rank, world_size=W,
                                topology=topology, transport="shm", timeout_s=60,
@@ -196,7 +207,26 @@ def wire_job(rank, world, store, topology):
                                              mode=mode, placement=placement, combine_rows=rows)
                 ep._device_checks = dev_checks
                 ep._stream_cpu = stream
+                _, warm = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+                comm.all_gather(torch.zeros(1))
+                # dispatch: per peer the header, ids and scales, then the rows of the tokens
+                # that go there (high-throughput: after the counts' all-gather, measured alone)
+                lay = BlockLayout(warm.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
+                want = sum(-(-lay.data_bytes(n) // 16) * 16
+                           for d, n in enumerate(_tokens_to(mine, owners, W)) if d != rank)
+                if mode == "high_throughput":
+                    start = posted_bytes(comm)
+                    comm.all_gather(torch.zeros(2 * W, dtype=torch.int32))
+                    want += posted_bytes(comm) - start
+                    comm.all_gather(torch.zeros(1))
+                start = posted_bytes(comm)
                 recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+                got = posted_bytes(comm) - start
+                if got != want:
+                    bad.append(f"world {W} {topology} case {c} ({mode}, streamed {stream}): "
+                               f"dispatch posted {got} bytes, want {want} (unsized: "
+                               f"{(W - 1) * lay.nbytes})")
+                comm.all_gather(torch.zeros(1))
                 out = run_experts(ep, recv)
                 ep.combine(out, handle)  # (warm: the same wire as the measured one)
                 comm.all_gather(torch.zeros(1))

@@ -49,7 +49,7 @@ def record_sent(comm) -> dict:
             for j in range(W):
                 ctypes.memmove(blocks.data_ptr() + j * chunk + lo, base + j * stride + lo,
                                hi - lo)
-        return real(None, out=out, fill=kept, arrived=arrived)
+        return real(None, out=out, fill=kept, arrived=arrived, **kw)
 
     comm.all_to_all = all_to_all
     return rec
@@ -756,6 +756,10 @@ def ep_emu_job(rank, world, store, so_path):
                 bad_count=nbad, overflow=nover))
             if not torch.equal(lay.idx(send), lay.idx(want[:W])):
                 bad.append(f"{name}: send ids differ")
+            heads = [lay.data_bytes(m) for m in want_counts[:W]]
+            if lay.header(send).tolist() != heads or lay.header(want[:W]).tolist() != heads:
+                bad.append(f"{name}: send headers {lay.header(send).tolist()}, torch path "
+                           f"{lay.header(want[:W]).tolist()}, want {heads}")
             for d in range(W):
                 m = want_counts[d]
                 if not torch.equal(lay.x(send)[d, :m], lay.x(want)[d, :m]):
@@ -964,6 +968,10 @@ def ep_fused_job(rank, world, store, device="cuda", so_path=None, which="all"):
             if not torch.equal(lay.idx(sf), lay.idx(st)):
                 bad.append(f"{name}: send ids differ")
             filled = (lay.idx(st).view(torch.int32).view(W, lay.T, K + 1)[:, :, 0] >= 0).sum(1)
+            if not torch.equal(lay.header(sf).cpu(), lay.data_bytes(filled).cpu()) or \
+                    not torch.equal(lay.header(st), lay.data_bytes(filled)):
+                bad.append(f"{name}: send headers {lay.header(sf).tolist()}, torch path "
+                           f"{lay.header(st).tolist()}, rows {filled.tolist()}")
             for d, m in enumerate(filled.tolist()):
                 if not torch.equal(lay.x(sf)[d, :m], lay.x(st)[d, :m]):
                     bad.append(f"{name}: send rows of block {d} differ")

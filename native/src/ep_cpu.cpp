@@ -3,11 +3,13 @@
 // after it. The torch path there stays the reference (tests compare the two field by field);
 // on 2 cores shared by every rank its many small ops cost several ms per call, a single pass
 // here costs the row copies. Pointers are addresses from tensor.data_ptr(); the Python side
-// checks shapes, dtypes and the routing first. One dispatch block (BlockLayout): from idx_off
-// Pd rows of 1 + K int32 (token index, top-k ids; -1: no token), from scales_off Pd rows of
-// scale_bytes, from x_off Pd rows of row_bytes. The send side writes the blocks range by
-// range into the all-to-all's send slot (ep_fill_blocks); the receive side moves each
-// source's rows as they land (ep_unpack_rows), once every source's ids are in (ep_unpack_plan).
+// checks shapes, dtypes and the routing first. One dispatch block (BlockLayout): its first 8
+// bytes the int64 count of its bytes that carry data (x_off + its tokens * row_bytes: the
+// all-to-all is sized), from idx_off Pd rows of 1 + K int32 (token index, top-k ids; -1: no
+// token), from scales_off Pd rows of scale_bytes, from x_off Pd rows of row_bytes. The send
+// side writes the blocks range by range into the all-to-all's send slot (ep_fill_blocks); the
+// receive side moves each source's rows as they land (ep_unpack_rows), once every source's
+// ids are in (ep_unpack_plan).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/tuple.h>
 
@@ -102,10 +104,10 @@ std::tuple<int64_t, int64_t, int64_t> ep_plan(uint64_t idx_a, int64_t n, int64_t
   return {over, over_d, over_d >= 0 ? ents[over_d] : 0};
 }
 
-// The sections (ids, scales, rows) in this order, apart, inside the block.
+// The sections (header, ids, scales, rows) in this order, apart, inside the block.
 bool fits(int64_t idx_off, int64_t scales_off, int64_t x_off, int64_t nbytes, int64_t Pd,
           int64_t K, int64_t scale_bytes, int64_t row_bytes) {
-  return idx_off >= 0 && scales_off >= idx_off + Pd * (K + 1) * 4 &&
+  return idx_off >= 8 && scales_off >= idx_off + Pd * (K + 1) * 4 &&
          x_off >= scales_off + Pd * scale_bytes && nbytes >= x_off + Pd * row_bytes;
 }
 
@@ -122,9 +124,10 @@ void fill_section(uint8_t* blk, int64_t sec, int64_t rb, int64_t nrows, int64_t 
   }
 }
 
-// Bytes [lo, hi) of every dispatch block j (BlockLayout; ids -1 past the block's tokens) at
-// dst + j * stride + lo, from ep_plan's rowtok. Rows and scales past a block's tokens and
-// the padding between sections are not written (never read).
+// Bytes [lo, hi) of every dispatch block j (BlockLayout: its header; ids -1 past the block's
+// tokens) at dst + j * stride + lo, from ep_plan's rowtok. Rows and scales past a block's
+// tokens and the padding between sections are not written (never read; the rows past its
+// tokens do not travel).
 void ep_fill_blocks(uint64_t x_a, int64_t row_bytes, uint64_t sc_a, int64_t scale_bytes,
                     uint64_t idx_a, int64_t n, int64_t K, uint64_t rowtok_a, int64_t W,
                     int64_t Pd, int64_t nbytes, int64_t idx_off, int64_t scales_off,
@@ -151,6 +154,13 @@ void ep_fill_blocks(uint64_t x_a, int64_t row_bytes, uint64_t sc_a, int64_t scal
       need(t < n, "ep_fill_blocks: token out of range");
       return t;
     };
+    if (lo < 8) {  // the header: the block's rows are its first tokens' (rowtok >= 0)
+      int64_t rows = 0;
+      while (rows < Pd && tok[rows] >= 0) ++rows;
+      const int64_t head = x_off + rows * row_bytes;  // (little-endian, as the host)
+      std::memcpy(blk + lo, reinterpret_cast<const uint8_t*>(&head) + lo,
+                  size_t(std::min<int64_t>(hi, 8) - lo));
+    }
     fill_section(blk, x_off, row_bytes, Pd, lo, hi, [&](int64_t r) -> const uint8_t* {
       const int64_t t = token(r);
       return t < 0 ? nullptr : x + t * row_bytes;
