@@ -672,7 +672,10 @@ def _emu_cases(W: int):
              64),
             (16, [16 if r else 5 for r in range(W - 1)] + [0], 128, 3, 4 * W, True,
              "high_throughput", "round_robin", None, False, 5),
-            (9, [9] * W, 64, 1, 2 * W, False, "high_throughput", "contiguous", None, True, 3)]
+            (9, [9] * W, 64, 1, 2 * W, False, "high_throughput", "contiguous", None, True, 3),
+            # more experts than the kernels' owner table in shared memory holds (EP_OWN_MAX):
+            # they read owner[] itself
+            (8, [8] * W, 32, 4, 4100 * W, False, "low_latency", "round_robin", None, False, 32)]
 
 
 def _emu_routing(inp, rank, E, int32):
@@ -864,7 +867,8 @@ def test_ep_dispatch_kernels_emulated(world, tmp_path):
     """sccl_ep_pack / sccl_ep_unpack compiled as host C++ (whole blocks of threads with a
     barrier for __syncthreads; blocks of 5 to 256 threads, so the scans cover several tiles)
     against the torch path on CPU ranks: bad entries, combine_rows overflow, an empty rank,
-    experts with no tokens, one-rank tokens, int32 and int64 ids, both modes."""
+    experts with no tokens, one-rank tokens, int32 and int64 ids, both modes, more experts
+    than the owner table in shared memory holds."""
     so = _emu_build(tmp_path, _EMU_DISPATCH, "ep_dispatch_emu")
     values = check(run_ranks(ep_emu_job, world, args=(so,), timeout_s=600))
     bad = [f"rank {r}: {b}" for r, v in enumerate(values) for b in v]
