@@ -16,11 +16,11 @@ streamed beside the wire, the CPU default).
   that exist, rounded up to 16, once ``Communicator.all_to_all`` takes ``sized``, gathered
   at once and streamed; and of ``combine(partial=True)``: the weights' all-to-all, then a
   header and one row per (home token, rank);
-* the wire bytes of a dispatch, whose blocks are sized too (``BlockLayout``: a header, the
-  ids and scales whole, then the rows of the tokens that go to that rank), gathered at once
-  and streamed; the received blocks past their headers' counts poisoned for the combine
-  above, and (CUDA, tests/test_expert_parallel.py) the kernels' headers against the torch
-  path's.
+* the dispatch's blocks, sized too (``BlockLayout``: a header, the ids and scales whole,
+  then the rows of the tokens that go to that rank): the received blocks' bytes past their
+  headers' counts overwritten with NaN before the rows are selected (the combine above is
+  then exact), and the wire bytes of a dispatch, gathered at once and streamed (the
+  headers on every path: tests/test_expert_parallel.py, tests/test_ep_native.py).
 """
 from __future__ import annotations
 
@@ -129,7 +129,15 @@ def sized_job(rank, world, store):
                                              mode=mode, placement=placement, combine_rows=rows)
                 ep._device_checks = dev_checks
                 ep._native_cpu, ep._stream_cpu = native, stream
-                recv, handle = ep.dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+                # (gathered at once: every received dispatch block's bytes past its header's
+                # count NaN before they are selected; the combine below then checks the rows)
+                undo = None if stream else _past_counts_poisoned(comm)
+                try:
+                    recv, handle = ep.dispatch(mine["x"], mine["topk_idx"],
+                                               mine["topk_weights"])
+                finally:
+                    if undo is not None:
+                        undo()
                 Pc = handle.ret_rows
                 want = [min(len(h), Pc) for h in held]
                 rc = handle.ret_counts
