@@ -25,7 +25,9 @@ released at one instant, as benchmarks/emunic_efficiency.py):
   above 1, EP is faster;
 
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
-block bytes x 8 / (rate x roots). ``fill``: the mean pair's rows / the block's rows (the
+block bytes x 8 / (rate x roots), and ``sent ms``, the same of the bytes the proxies posted
+for one call (the most loaded rank's over its ports: one on a mesh, two on a ring), which
+is what the sized blocks send; ``of bound`` is the latter over the phase's time. ``fill``: the mean pair's rows / the block's rows (the
 bound counts whole blocks of the largest pair; both phases' blocks are sized, so only each
 pair's own rows travel, plus dispatch's ids: a fill below 1 is what equal blocks would
 cost). The combine is checked bit for bit against the one-box finalize
@@ -114,8 +116,23 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
             t0 = time.perf_counter()
             agrs()
             ts["ag+rs"].append(time.perf_counter() - t0)
+        # the bytes this rank's proxy posts for one call of each phase (its own blocks, cut
+        # at their lengths, and on a ring the parts it relays)
+        px = comm._wiring.proxy
+
+        def posted():
+            while px.delivered() < comm.seq or px.outstanding():
+                time.sleep(0.001)
+            return comm.proxy_stats()["bytes"]
+        wire = {}
+        for p, fn in (("dispatch", lambda: ep.dispatch(x, idx, w)),
+                      ("combine", lambda: ep.combine(out, handle, shared=shared))):
+            barrier()
+            b0 = posted()
+            fn()
+            wire[p] = posted() - b0
         return {"t": ts, "rows": (handle.dispatch_rows, handle.ret_rows), "sent": sent,
-                "back": back, "row_bytes": (H * 2, H * 2)}
+                "back": back, "row_bytes": (H * 2, H * 2), "wire": wire}
 
 
 def main(argv=None) -> int:
@@ -136,7 +153,7 @@ def main(argv=None) -> int:
           f"bf16, top-{K} of {a.experts_per_rank} experts/rank; median of {a.iters} calls "
           "(slowest rank)")
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
-          + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'a2a ms':>7} "
+          + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'sent ms':>7} {'a2a ms':>7} "
                      f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES)
           + f" {'partial ms':>10} {'partial / combine':>17} {'ag+rs ms':>9}"
           f" {'ag+rs / ep':>10} {'ag+rs / partial':>15}")
@@ -158,8 +175,12 @@ def main(argv=None) -> int:
                 pairs = [r[key][d] for q, r in enumerate(res) for d in range(world) if d != q]
                 fill = statistics.mean(pairs) / rows
                 bound = load * block * 8 / (a.rate_gbps * 1e9 * a.roots)
+                # (a mesh rank has one port, a ring rank two, which the ring plans load alike)
+                port = max(r["wire"][p] for r in res) / (1 if topology == "mesh" else 2)
+                sent_bound = port * 8 / (a.rate_gbps * 1e9 * a.roots)
                 cols.append(f"{block / 1024:>13.0f} {fill:>5.2f} {bound * 1e3:>8.1f} "
-                            f"{t_a2a * 1e3:>7.1f} {t * 1e3:>11.1f} {bound / t:>8.0%}")
+                            f"{sent_bound * 1e3:>7.1f} {t_a2a * 1e3:>7.1f} {t * 1e3:>11.1f} "
+                            f"{sent_bound / t:>8.0%}")
             cols.append(f"{med('partial') * 1e3:>10.1f} {med('partial') / med('combine'):>17.2f}")
             ep, ep_partial = med("dispatch") + med("combine"), med("dispatch") + med("partial")
             cols.append(f"{med('ag+rs') * 1e3:>9.1f} {med('ag+rs') / ep:>10.2f} "
