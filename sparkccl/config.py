@@ -322,11 +322,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_VLLM_EP", "bool", False, "integrations",
        "with SPARKCCL_VLLM=1: 1: vLLM MoE layers run with --enable-expert-parallel (data "
        "parallel, --all2all-backend allgather_reducescatter) dispatch and combine through "
-       "sparkccl ExpertParallel (docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's backend"),
+       "sparkccl ExpertParallel, and such configurations run without CUDA graphs, as vLLM "
+       "does for DeepEP high-throughput (docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's "
+       "backend"),
     _v("SPARKCCL_SGLANG_EP", "bool", False, "integrations",
        "with SPARKCCL_SGLANG=1: 1: SGLang MoE layers run with --moe-a2a-backend customized "
-       "dispatch and combine through sparkccl ExpertParallel (docs/EXPERT_PARALLEL.md); 0: "
-       "customized stays unsupported, as in SGLang"),
+       "dispatch and combine through sparkccl ExpertParallel (not capturable: run SGLang "
+       "with --cuda-graph-backend-decode=disabled; docs/EXPERT_PARALLEL.md); 0: customized "
+       "stays unsupported, as in SGLang"),
     _v("SPARKCCL_SGLANG_EP_MAX_TOKENS", "int", None, "integrations",
        "SGLang EP: most tokens one rank dispatches in one MoE call (the ExpertParallel "
        "max_tokens)", default_text="SGLang's chunked_prefill_size", lo=1),

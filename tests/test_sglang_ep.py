@@ -112,6 +112,18 @@ def _ep_job(rank, world, store):
         out["fp16"] = str(e)
     disp = layer.create_moe_dispatcher(cfg(), quant_method=None)
     out["class"] = type(disp).__name__
+    # Under CUDA graph capture (simulated): refused before anything is sent.
+    from sparkccl.integrations import routing
+    mine = make_ep_input(80, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    capturing, routing.stream_capturing = routing.stream_capturing, lambda: True
+    try:
+        disp.dispatch(mine["x"], StandardTopKOutput(mine["topk_weights"],
+                                                    mine["topk_idx"].to(torch.int32), None))
+        out["capture"] = "no error"
+    except RuntimeError as e:
+        out["capture"] = str(e)
+    finally:
+        routing.stream_capturing = capturing
     bad = []
     for rnd in range(2):
         ns = [5 + 3 * r for r in range(world)] if rnd == 0 else \
@@ -161,4 +173,6 @@ def test_sglang_ep_dispatcher_is_the_one_box_finalize(sglang_ep_env, partial):
         assert r["none"] == "StandardDispatcher", r["none"]
         assert "cannot take this MoE layer: activations torch.float16" in r["fp16"], r["fp16"]
         assert r["class"] == "SparkcclDispatcher", r["class"]
+        assert "under CUDA graph capture" in r["capture"] and \
+            "--cuda-graph-backend-decode=disabled" in r["capture"], (rank, r["capture"])
         assert r["bad"] == [], (rank, r["bad"])

@@ -80,8 +80,10 @@ def _ep_job(rank, world, store):
     out = {}
     # Off (SPARKCCL_VLLM_EP unset): registering changes nothing.
     vllm_ep.register()
+    from vllm.config import CompilationConfig, ParallelConfig, VllmConfig
     out["inert"] = not hasattr(importlib.import_module(AU).maybe_make_prepare_finalize,
-                               "_sparkccl_original")
+                               "_sparkccl_original") and \
+        not hasattr(VllmConfig.__post_init__, "_sparkccl_original")
     os.environ["SPARKCCL_VLLM_EP"] = "1"
     from vllm.platforms import current_platform
     type(current_platform).get_device_communicator_cls = classmethod(
@@ -91,7 +93,26 @@ def _ep_job(rank, world, store):
     au = importlib.import_module(AU)
     oracle = importlib.import_module("vllm.model_executor.layers.fused_moe.oracle.unquantized")
     out["hooked"] = oracle.maybe_make_prepare_finalize is au.maybe_make_prepare_finalize \
-        and hasattr(au.maybe_make_prepare_finalize, "_sparkccl_original")
+        and hasattr(au.maybe_make_prepare_finalize, "_sparkccl_original") \
+        and hasattr(VllmConfig.__post_init__, "_sparkccl_original")
+
+    # CUDA graphs: off where the hook takes the MoE layers, as vLLM's own rule for DeepEP
+    # high-throughput (the CPU platform has none: it is made to claim them here).
+    platform = type(current_platform)
+    static = platform.__dict__.get("support_static_graph_mode")
+    platform.support_static_graph_mode = classmethod(lambda cls: True)
+    try:
+        out["graphs"] = {
+            name: VllmConfig(parallel_config=ParallelConfig(data_parallel_size=dp,
+                                                            enable_expert_parallel=ep),
+                             compilation_config=CompilationConfig()
+                             ).compilation_config.cudagraph_mode.name
+            for name, dp, ep in (("dp2 ep", 2, True), ("dp2", 2, False), ("ep", 1, True))}
+    finally:
+        if static is None:
+            del platform.support_static_graph_mode
+        else:
+            platform.support_static_graph_mode = static
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     import vllm.distributed.parallel_state as ps
@@ -123,6 +144,22 @@ def _ep_job(rank, world, store):
         want = au.maybe_make_prepare_finalize._sparkccl_original(
             moe, qc, allow_new_interface=True, all2all_manager=manager)
         out["declined"][name] = (type(got).__name__, type(want).__name__)
+
+    # Under CUDA graph capture (simulated): refused before anything is sent, the same on
+    # every rank.
+    from sparkccl.integrations import routing
+    pf = make(_moe(world, rank, E), FUSED_MOE_UNQUANTIZED_CONFIG, allow_new_interface=True)
+    mine = make_ep_input(60, rank, tokens=T, hidden=H, topk=K, num_experts=E, world=world)
+    capturing, routing.stream_capturing = routing.stream_capturing, lambda: True
+    try:
+        pf.prepare(mine["x"], mine["topk_weights"], mine["topk_idx"], E,
+                   _expert_map(E, world, rank, False), False, FUSED_MOE_UNQUANTIZED_CONFIG,
+                   False)
+        out["capture"] = "no error"
+    except RuntimeError as e:
+        out["capture"] = str(e)
+    finally:
+        routing.stream_capturing = capturing
 
     # Taken: two layers (contiguous and round-robin expert maps), tokens per rank that
     # differ (rank 1 none in the second round).
@@ -188,6 +225,10 @@ def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
     for rank, r in enumerate(check(run_ranks(_ep_job, world=world, env=env,
                                              timeout_s=600))):
         assert r["inert"] and r["hooked"], (rank, r)
+        g = r["graphs"]  # (the others keep vLLM's default mode, whatever it is)
+        assert g["dp2 ep"] == "NONE" and g["dp2"] != "NONE" and g["ep"] != "NONE", (rank, g)
+        assert "under CUDA graph capture" in r["capture"] and \
+            "cudagraph_mode NONE" in r["capture"], (rank, r["capture"])
         for name, (got, want) in r["declined"].items():
             assert got == want and got != "SparkcclPrepareAndFinalize", (rank, name, got, want)
         for layer in (0, 1):

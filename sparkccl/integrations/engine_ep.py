@@ -113,9 +113,18 @@ class Dispatched:
 
 
 def dispatch_rows(ep, x: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> Dispatched:
+                  topk_weights: torch.Tensor, *, capture_hint: str) -> Dispatched:
     """Dispatch this rank's tokens (``[n, H]`` bf16, top-k ids and fp32 weights ``[n, K]``);
-    the weights stay with the handle for :func:`combine_rows`."""
+    the weights stay with the handle for :func:`combine_rows`. Under CUDA graph capture it
+    raises ``RuntimeError`` before anything is sent (the high-throughput mode reads the
+    received row count on the host), naming ``capture_hint``: what the engine's user does
+    about it. Every rank of the group captures the same layers, so none is left waiting."""
+    if routing.stream_capturing():
+        raise RuntimeError(
+            f"sparkccl EP: a MoE dispatch under CUDA graph capture (ExpertParallel "
+            f"{ep.mode}, rank {ep.rank} of {ep.world}): the engine hooks' high-throughput "
+            f"dispatch reads the received row count on the host, which a graph cannot "
+            f"capture. {capture_hint}")
     recv, handle = ep.dispatch(x.contiguous(), topk_ids.contiguous(),
                                topk_weights.to(torch.float32).contiguous())
     counts = recv.counts.to(torch.int64)

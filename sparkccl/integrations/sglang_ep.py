@@ -30,6 +30,10 @@ from . import engine_ep
 log = logging.getLogger("sparkccl.sglang")
 
 TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher"
+# The dispatch is the high-throughput mode's (it reads the received row count on the host),
+# which SGLang's decode graphs cannot capture: a dispatch under capture raises this.
+CAPTURE_HINT = ("SGLang: run with --cuda-graph-backend-decode=disabled (and "
+                "--cuda-graph-backend-prefill=disabled where prefill is captured)")
 
 
 def register() -> None:
@@ -114,7 +118,7 @@ def make_dispatcher(cfg):
             if TopKOutputChecker.format_is_bypassed(topk_output):
                 topk_output = topk_output.to_standard()
             d = engine_ep.dispatch_rows(self.ep, hidden_states, topk_output.topk_ids,
-                                        topk_output.topk_weights)
+                                        topk_output.topk_weights, capture_hint=CAPTURE_HINT)
             self._pending = d
             ids = (d.expert_global if global_ids else d.expert_local)
             ids = ids.to(topk_output.topk_ids.dtype).view(-1, 1)

@@ -16,6 +16,15 @@ caller sees it): for a layer it takes (see :func:`decline_reason`, which looks o
 the layer's configuration, the same on every rank), it returns
 :class:`SparkcclPrepareAndFinalize`; for any other it calls vLLM's function unchanged.
 
+CUDA graphs: the dispatch is the high-throughput mode's, which reads the received row
+count on the host, so it cannot be captured. vLLM turns graphs off itself for the backends
+that cannot (DeepEP high-throughput, MoonEP), not for ``allgather_reducescatter``, so
+:func:`register` also wraps ``VllmConfig.__post_init__``: a configuration whose MoE layers
+this hook can take (expert parallelism with an all-to-all, the ``allgather_reducescatter``
+backend, a bf16 model) gets ``cudagraph_mode`` NONE before vLLM resolves it, as if
+``--enforce-eager`` had been given (:func:`graphs_off_reason`; logged). A prepare under
+capture anyway (e.g. a mode set after the config) raises before anything is sent.
+
 The format is vLLM's ``Standard`` one, as DeepEP high-throughput's: prepare returns the
 ``R`` rows this rank's experts received (grouped by local expert, in (source rank,
 token) order), each as a token with top-k 1, its expert's global id and weight 1.0, so the
@@ -38,6 +47,9 @@ log = logging.getLogger("sparkccl.vllm")
 TARGET_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
 TARGET = "maybe_make_prepare_finalize"
 BACKEND = "allgather_reducescatter"
+CONFIG_MODULE = "vllm.config.vllm"
+CAPTURE_HINT = ("vLLM: the sparkccl hook sets cudagraph_mode NONE for expert parallelism "
+                "with an all-to-all; keep it so (or run with --enforce-eager)")
 
 
 def register() -> None:
@@ -57,8 +69,57 @@ def register() -> None:
         if getattr(m, "__name__", "").startswith("vllm.") and \
                 getattr(m, TARGET, None) is original:
             setattr(m, TARGET, wrapper)
+    _hook_config(importlib.import_module(CONFIG_MODULE).VllmConfig)
     log.info("sparkccl: vLLM EP hook on: --enable-expert-parallel layers with "
              "--all2all-backend %s dispatch and combine through sparkccl", BACKEND)
+
+
+def _hook_config(cls) -> None:
+    """Wrap ``cls.__post_init__`` (vLLM's ``VllmConfig``) so that a configuration whose MoE
+    layers the hook takes runs without CUDA graphs (module docstring). Once only."""
+    original = cls.__post_init__
+    if getattr(original, "_sparkccl_original", None) is not None:
+        return
+
+    def __post_init__(self, *args, **kwargs):
+        try:
+            why = graphs_off_reason(self)
+        except AttributeError as e:  # (another vLLM's config: graphs as it decides)
+            log.warning("sparkccl: vLLM EP hook: cannot read the configuration (%s); CUDA "
+                        "graphs as vLLM sets them: a captured MoE dispatch will raise", e)
+            why = None
+        if why is not None:
+            from vllm.config.compilation import CUDAGraphMode
+            log.info("sparkccl: vLLM CUDA graphs off (cudagraph_mode NONE, as vLLM does for "
+                     "DeepEP high-throughput): %s", why)
+            self.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        return original(self, *args, **kwargs)
+    __post_init__._sparkccl_original = original
+    __post_init__.__wrapped__ = original
+    cls.__post_init__ = __post_init__
+
+
+def graphs_off_reason(vllm_config) -> str | None:
+    """Why this configuration must run without CUDA graphs (None: it need not): its MoE
+    layers would take the hook's dispatch, which cannot be captured. Where the layers' own
+    answer (:func:`decline_reason`) is not known yet, from the configuration: expert
+    parallelism with an all-to-all (``ParallelConfig.use_all2all``: data, sequence or
+    prefill-context parallelism), the ``allgather_reducescatter`` backend, a MoE model in
+    bf16 (other dtypes are declined). Graphs already off: None."""
+    p, m = vllm_config.parallel_config, vllm_config.model_config
+    c = vllm_config.compilation_config
+    if not (p.enable_expert_parallel and p.use_all2all and p.all2all_backend == BACKEND):
+        return None
+    if m is not None and (not getattr(m, "is_moe", True) or m.dtype != torch.bfloat16):
+        return None
+    mode = c.cudagraph_mode
+    if mode is not None and getattr(mode, "name", None) == "NONE":
+        return None
+    return (f"the sparkccl EP hook takes the MoE layers (--enable-expert-parallel, "
+            f"--all2all-backend {BACKEND}, an all-to-all: data parallel size "
+            f"{p.data_parallel_size}); its high-throughput dispatch reads the row count on "
+            "the host, which a graph cannot capture (SPARKCCL_VLLM_EP=0 keeps graphs and "
+            "vLLM's backend)")
 
 
 def _make_wrapper(original):
@@ -169,7 +230,8 @@ def _make_class():
                                      f"got top-{topk_ids.shape[1]}")
                 a1 = a1 * topk_weights.to(a1.dtype)
                 topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
-            d = engine_ep.dispatch_rows(ep, a1, topk_ids, topk_weights)
+            d = engine_ep.dispatch_rows(ep, a1, topk_ids, topk_weights,
+                                        capture_hint=CAPTURE_HINT)
             self._pending = (ep, d)
             meta = mk.ExpertTokensMetadata(expert_num_tokens=d.counts,
                                            expert_num_tokens_cpu=d.counts.cpu())
