@@ -235,3 +235,32 @@ def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
             assert r[f"class{layer}"] == ("SparkcclPrepareAndFinalize", True, True, True,
                                           world), (rank, r[f"class{layer}"])
         assert r["bad"] == [], (rank, r["bad"])
+
+
+def test_graphs_off_reason_reads_the_configuration():
+    """Which vLLM configurations the hook runs without CUDA graphs (vllm_ep.graphs_off_reason,
+    a pure function of the configuration's fields; the real VllmConfig is in the test above):
+    expert parallelism with an all-to-all on allgather_reducescatter, an unquantized bf16 MoE
+    model (or none known yet), graphs not already off."""
+    from types import SimpleNamespace as NS
+
+    from sparkccl.integrations.vllm_ep import BACKEND, graphs_off_reason
+
+    def cfg(ep=True, a2a=True, backend=BACKEND, model="bf16", quant=None, mode="FULL"):
+        m = None if model is None else NS(
+            is_moe=model != "dense", quantization=quant,
+            dtype=torch.float16 if model == "fp16" else torch.bfloat16)
+        return NS(parallel_config=NS(enable_expert_parallel=ep, use_all2all=a2a,
+                                     all2all_backend=backend, data_parallel_size=2),
+                  model_config=m,
+                  compilation_config=NS(cudagraph_mode=None if mode is None else NS(name=mode)))
+
+    off = {"taken": cfg(), "no model yet": cfg(model=None), "mode unset": cfg(mode=None)}
+    kept = {"ep off": cfg(ep=False), "no all-to-all": cfg(a2a=False),
+            "other backend": cfg(backend="deepep_low_latency"), "dense": cfg(model="dense"),
+            "fp16": cfg(model="fp16"), "fp8": cfg(quant="fp8"), "graphs off": cfg(mode="NONE")}
+    for name, c in off.items():
+        why = graphs_off_reason(c)
+        assert why is not None and "cannot capture" in why, (name, why)
+    for name, c in kept.items():
+        assert graphs_off_reason(c) is None, name

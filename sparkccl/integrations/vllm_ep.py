@@ -20,10 +20,11 @@ CUDA graphs: the dispatch is the high-throughput mode's, which reads the receive
 count on the host, so it cannot be captured. vLLM turns graphs off itself for the backends
 that cannot (DeepEP high-throughput, MoonEP), not for ``allgather_reducescatter``, so
 :func:`register` also wraps ``VllmConfig.__post_init__``: a configuration whose MoE layers
-this hook can take (expert parallelism with an all-to-all, the ``allgather_reducescatter``
-backend, a bf16 model) gets ``cudagraph_mode`` NONE before vLLM resolves it, as if
-``--enforce-eager`` had been given (:func:`graphs_off_reason`; logged). A prepare under
-capture anyway (e.g. a mode set after the config) raises before anything is sent.
+this hook takes (expert parallelism with an all-to-all, the ``allgather_reducescatter``
+backend, an unquantized bf16 model) gets ``cudagraph_mode`` NONE before vLLM resolves it,
+as if ``--enforce-eager`` had been given (:func:`graphs_off_reason`; logged). A prepare
+under capture anyway (a quantized model whose layers the hook takes, a mode set after the
+config) raises before anything is sent, naming the remedy.
 
 The format is vLLM's ``Standard`` one, as DeepEP high-throughput's: prepare returns the
 ``R`` rows this rank's experts received (grouped by local expert, in (source rank,
@@ -104,13 +105,16 @@ def graphs_off_reason(vllm_config) -> str | None:
     layers would take the hook's dispatch, which cannot be captured. Where the layers' own
     answer (:func:`decline_reason`) is not known yet, from the configuration: expert
     parallelism with an all-to-all (``ParallelConfig.use_all2all``: data, sequence or
-    prefill-context parallelism), the ``allgather_reducescatter`` backend, a MoE model in
-    bf16 (other dtypes are declined). Graphs already off: None."""
+    prefill-context parallelism), the ``allgather_reducescatter`` backend, an unquantized
+    MoE model in bf16 (other dtypes are declined; a quantized model's layers may be too,
+    fp8 activations are, so its graphs stay: a layer taken under capture raises with the
+    remedy). Graphs already off: None."""
     p, m = vllm_config.parallel_config, vllm_config.model_config
     c = vllm_config.compilation_config
     if not (p.enable_expert_parallel and p.use_all2all and p.all2all_backend == BACKEND):
         return None
-    if m is not None and (not getattr(m, "is_moe", True) or m.dtype != torch.bfloat16):
+    if m is not None and (not getattr(m, "is_moe", True) or m.dtype != torch.bfloat16
+                          or getattr(m, "quantization", None) is not None):
         return None
     mode = c.cudagraph_mode
     if mode is not None and getattr(mode, "name", None) == "NONE":
