@@ -11,6 +11,8 @@
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
+#   ep_ab  benchmarks/ep_latency.py, BASE against this tree, interleaved under MPS (EP_AB_WORLDS,
+#          AB_ROUNDS; EP_AB_ENV=SPARKCCL_GPU_DIRECT=0 for the proxy path)
 #   epht   benchmarks/ep_bench.py high-throughput at prefill sizes (4096 tokens x 7168, top-8 of 64
 #          experts per rank, world 4), the fused and the torch-op dispatch in the same run
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
@@ -142,6 +144,22 @@ nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/d
            --max-bytes ${DECODE_AB_MAX:-8192} --iters 200 --paths ${DECODE_AB_PATHS:-direct,proxy} 2>&1 \
            | grep -A2 "^# floor\|^bytes")
       done; done | tee "$OUT/decode_ab.txt"
+      mps_off ;;
+    ep_ab)  # BASE against this tree, one device call: benchmarks/ep_latency.py of each tree
+      # (its own phases and blocks), interleaved under MPS, world EP_AB_WORLDS (default "2 4");
+      # EP_AB_ENV: an environment setting for both (e.g. SPARKCCL_GPU_DIRECT=0, the proxy path)
+      [ -n "$BASE" ] || { echo "ep_ab needs BASE"; continue; }
+      for root in "$PWD/$BASE" "$PWD"; do
+        (cd "$root" && PYTHONPATH=$root python3 -c "import torch; from sparkccl.dataplane import \
+nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/dev/null 2>&1) &
+      done; wait
+      mps_on
+      for round in $(seq ${AB_ROUNDS:-2}); do for w in ${EP_AB_WORLDS:-2 4}; do for t in base tree; do
+        root=$PWD; [ $t = base ] && root=$PWD/$BASE
+        stage "ep_latency $t world $w round $round ${EP_AB_ENV:-}"
+        (cd "$root" && env ${EP_AB_ENV:-EP_AB=1} PYTHONPATH=$root timeout 150 \
+           python3 benchmarks/ep_latency.py --world $w --iters 100 2>&1)
+      done; done; done | tee "$OUT/ep_ab.txt"
       mps_off ;;
     epht)
       mps_on
