@@ -6,7 +6,7 @@
 #          tests1 and tests2 split it, the data plane's and all-reduce's files, then the rest)
 #   demos  sparkccl demo --device cuda, world 2 and 4, mesh and ring (DEMOS="2:mesh 4:ring" picks)
 #   torch  the torch.distributed backend's GPU tests (tests/test_torch_backend.py -m cuda)
-#   eplat  expert parallelism: its GPU tests, then benchmarks/ep_latency.py under MPS for EP_CASES
+#   eplat  expert parallelism: its GPU tests (EP_TESTS_ONLY=1: only they), then benchmarks/ep_latency.py under MPS for EP_CASES
 #          (world[:combine_rows|:torch], default "2 4 2:640 4:384 2:torch"; torch: the torch-op dispatch)
 #   ab     sparkccl bench, BASE against this tree, interleaved B T B T under MPS (host time
 #          per call and GPU time per collective, default engines)
@@ -75,7 +75,9 @@ for s in $STAGES; do
     eplat)
       stage "EP GPU tests"
       timeout ${TESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider -m cuda \
-        tests/test_expert_parallel.py 2>&1 | tail -20 | tee "$OUT/gpu_ep.txt"
+        tests/test_expert_parallel.py tests/test_ep_sized_combine.py 2>&1 | tail -20 \
+        | tee "$OUT/gpu_ep.txt"
+      [ "${EP_TESTS_ONLY:-0}" = 1 ] && continue
       mps_on
       for wc in ${EP_CASES:-2 4 2:640 4:384 2:torch}; do
         w=${wc%%:*} c=${wc#$w}; c=${c#:}; arg=()
