@@ -52,6 +52,12 @@ mps_on() {
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
   mkdir -p /tmp/mps /tmp/mpslog; nvidia-cuda-mps-control -d 2>/dev/null || true
 }
+compile_both() {  # BASE's and this tree's kernels compiled first, side by side (for the A/Bs)
+  for root in "$PWD/$BASE" "$PWD"; do
+    (cd "$root" && PYTHONPATH=$root python3 -c "import torch; from sparkccl.dataplane import \
+nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/dev/null 2>&1) &
+  done; wait
+}
 mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 for s in $STAGES; do
   case $s in
@@ -134,10 +140,7 @@ for s in $STAGES; do
     decode_ab)  # BASE against this tree, one device call (machines lent differ: an A/B only holds
       # within one): both trees' kernels compiled first, side by side, then interleaved runs
       [ -n "$BASE" ] || { echo "decode_ab needs BASE"; continue; }
-      for root in "$PWD/$BASE" "$PWD"; do
-        (cd "$root" && PYTHONPATH=$root python3 -c "import torch; from sparkccl.dataplane import \
-nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/dev/null 2>&1) &
-      done; wait
+      compile_both
       mps_on
       for round in $(seq ${AB_ROUNDS:-2}); do for t in base tree; do
         root=$PWD; [ $t = base ] && root=$PWD/$BASE
@@ -151,15 +154,12 @@ nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/d
       # (its own phases and blocks), interleaved under MPS, world EP_AB_WORLDS (default "2 4");
       # EP_AB_ENV: an environment setting for both (e.g. SPARKCCL_GPU_DIRECT=0, the proxy path)
       [ -n "$BASE" ] || { echo "ep_ab needs BASE"; continue; }
-      for root in "$PWD/$BASE" "$PWD"; do
-        (cd "$root" && PYTHONPATH=$root python3 -c "import torch; from sparkccl.dataplane import \
-nvrtc as n; n.compile_cubin(n.arch_of(torch.cuda.get_device_capability(0)))" >/dev/null 2>&1) &
-      done; wait
+      compile_both
       mps_on
       for round in $(seq ${AB_ROUNDS:-2}); do for w in ${EP_AB_WORLDS:-2 4}; do for t in base tree; do
         root=$PWD; [ $t = base ] && root=$PWD/$BASE
         stage "ep_latency $t world $w round $round ${EP_AB_ENV:-}"
-        (cd "$root" && env ${EP_AB_ENV:-EP_AB=1} PYTHONPATH=$root timeout 150 \
+        (cd "$root" && env ${EP_AB_ENV:-} PYTHONPATH=$root timeout 150 \
            python3 benchmarks/ep_latency.py --world $w --iters 100 2>&1)
       done; done; done | tee "$OUT/ep_ab.txt"
       mps_off ;;
