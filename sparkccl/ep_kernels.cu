@@ -348,8 +348,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) sccl_ep_unpack(
     have += tile_rows;
   }
   if (e == 0 && lead) {  // feed = 0 at the rows no entry takes: source s's from ret_counts[s]
-    for (u64 s = tid; Pd == 0 && s < W; s += nt) ret_counts[s] = 0;
-    __syncthreads();  // (this block's ret_counts[] written)
+    __syncthreads();  // (this block's ret_counts[] written, by each source's last row: Pd >= 1)
     for (u64 s = 0; s < W; ++s)
       for (u64 q = (u64)ret_counts[s] + tid; q < Pc; q += nt) feed[s * Pc + q] = 0;
   }
