@@ -27,11 +27,12 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 and each one's bound: the reduce-scatter plan's max port load (``sparkccl plan``) x its
 block bytes x 8 / (rate x roots), and ``sent ms``, the same of the bytes the proxies posted
 for one call (the most loaded rank's over its ports: one on a mesh, two on a ring), which
-is what the sized blocks send; ``of bound`` is the latter over the phase's time. ``fill``: the mean pair's rows / the block's rows (the
-bound counts whole blocks of the largest pair; both phases' blocks are sized, so only each
-pair's own rows travel, plus dispatch's ids: a fill below 1 is what equal blocks would
-cost). The combine is checked bit for bit against the one-box finalize
-reference before timing, the partial combine against its own reference.
+is what the sized blocks send; ``of bound`` is the latter over the phase's time.
+``fill``: the mean pair's rows / the block's rows (the bound counts whole blocks of the
+largest pair; both phases' blocks are sized, so only each pair's own rows travel, plus
+dispatch's ids: a fill below 1 is what equal blocks would cost). The combine is checked bit
+for bit against the one-box finalize reference before timing, the partial combine against
+its own reference.
 
     nice -n 19 python benchmarks/ep_emunic.py --rate-gbps 0.2 --worlds 2,3,4,5,6
 """
@@ -47,9 +48,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from ep_bench import agrs_formulation  # noqa: E402
-from emunic_efficiency import (  # noqa: E402
+from emunic_efficiency import (  # noqa: E402  (puts tests/ on the path)
     add_nic_arguments, common_start, load_average, max_port_load, nic_env,
 )
+from helpers import posted_bytes  # noqa: E402
 
 PHASES = ("dispatch", "combine")
 
@@ -118,19 +120,13 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
             ts["ag+rs"].append(time.perf_counter() - t0)
         # the bytes this rank's proxy posts for one call of each phase (its own blocks, cut
         # at their lengths, and on a ring the parts it relays)
-        px = comm._wiring.proxy
-
-        def posted():
-            while px.delivered() < comm.seq or px.outstanding():
-                time.sleep(0.001)
-            return comm.proxy_stats()["bytes"]
         wire = {}
         for p, fn in (("dispatch", lambda: ep.dispatch(x, idx, w)),
                       ("combine", lambda: ep.combine(out, handle, shared=shared))):
             barrier()
-            b0 = posted()
+            b0 = posted_bytes(comm)
             fn()
-            wire[p] = posted() - b0
+            wire[p] = posted_bytes(comm) - b0
         return {"t": ts, "rows": (handle.dispatch_rows, handle.ret_rows), "sent": sent,
                 "back": back, "row_bytes": (H * 2, H * 2), "wire": wire}
 

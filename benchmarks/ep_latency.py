@@ -27,9 +27,8 @@ and loads (as the GPU-direct kernels move bytes) and by copy engines (the link's
 ``/link`` against the flag round trip and the latter: how far a phase is from what this
 rig's link allows (a GB10 box has no such link: its GPU and its NIC share its memory).
 ``pack`` / ``unpack``: the dispatch's own kernels alone, replayed with its buffers.
-``SPARKCCL_GPU_DIRECT=0``
-in the environment: every byte through the proxy, the path between GB10 boxes (default:
-GPU-direct where the engines choose it). ``--timeline``: the dispatch's all-to-all kernel
+``SPARKCCL_GPU_DIRECT=0`` in the environment: every byte through the proxy, the path
+between GB10 boxes (default: GPU-direct where the engines choose it). ``--timeline``: the dispatch's all-to-all kernel
 step by step on the GPU clock (GPU-direct; kernels built with stamps, so a run of its own).
 """
 from __future__ import annotations
@@ -204,8 +203,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                                          dtype=torch.uint8, device=dev)}
         blocks["combine"][:, :8] = torch.tensor([(1 + n) * H * 2 for n in ret]).view(
             torch.uint8).view(world, 8).to(dev)
-        blocks["dispatch"][:, :8] = torch.tensor([lay.data_bytes(n) for n in tok]).view(
-            torch.uint8).view(world, 8).to(dev)
+        lay.header(blocks["dispatch"])[:] = lay.data_bytes(torch.tensor(tok)).to(dev)
         fns = {"dispatch": lambda: ep.dispatch(a["x"], a["topk_idx"], a["topk_weights"],
                                                a["x_scales"]),
                "combine": lambda: ep.combine(out, handle, shared=a["shared"]),

@@ -32,6 +32,7 @@ import torch
 from sparkccl.ep_reference import combine_reference, make_ep_input, one_box_rows, run_experts
 from sparkccl.localrun import check, run_ranks
 from helpers import posted_bytes
+from test_ep_native import _tokens_to
 from test_expert_parallel import check_refusals, record_sent
 
 
@@ -190,12 +191,6 @@ def test_ret_counts_and_sized_blocks(world):
     assert not bad, "\n".join(bad)
 
 
-def _tokens_to(inp, owners, W):
-    """The tokens of ``inp`` that go to each rank (once each, whatever their k)."""
-    rows = inp["topk_idx"].tolist()
-    return [sum(any(owners[e] == d for e in row) for row in rows) for d in range(W)]
-
-
 def wire_job(rank, world, store, topology):
     import torch.distributed as dist
 
@@ -221,7 +216,7 @@ def wire_job(rank, world, store, topology):
                 # that go there (high-throughput: after the counts' all-gather, measured alone)
                 lay = BlockLayout(warm.dispatch_rows, H, K + 1, ep._row_bytes, ep._scale_cols)
                 want = sum(-(-lay.data_bytes(n) // 16) * 16
-                           for d, n in enumerate(_tokens_to(mine, owners, W)) if d != rank)
+                           for d, n in enumerate(_tokens_to(ep, mine["topk_idx"])) if d != rank)
                 if mode == "high_throughput":
                     start = posted_bytes(comm)
                     comm.all_gather(torch.zeros(2 * W, dtype=torch.int32))
