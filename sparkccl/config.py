@@ -322,9 +322,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     _v("SPARKCCL_VLLM_EP", "bool", False, "integrations",
        "with SPARKCCL_VLLM=1: 1: vLLM MoE layers run with --enable-expert-parallel (data "
        "parallel, --all2all-backend allgather_reducescatter) dispatch and combine through "
-       "sparkccl ExpertParallel, and such configurations run without CUDA graphs, as vLLM "
-       "does for DeepEP high-throughput (docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's "
-       "backend"),
+       "sparkccl ExpertParallel: with --moe-backend batched_triton in the low-latency mode "
+       "and vLLM's batched format, which CUDA graphs capture; otherwise high-throughput, and "
+       "such configurations run without CUDA graphs, as vLLM does for DeepEP high-throughput "
+       "(docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's backend"),
     _v("SPARKCCL_SGLANG_EP", "bool", False, "integrations",
        "with SPARKCCL_SGLANG=1: 1: SGLang MoE layers run with --moe-a2a-backend customized "
        "dispatch and combine through sparkccl ExpertParallel (not capturable: run SGLang "

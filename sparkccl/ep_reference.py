@@ -62,28 +62,31 @@ def one_box_rows(inp: dict) -> torch.Tensor:
     return out
 
 
-def combine_reference(inp: dict, shared: bool = True) -> np.ndarray:
+def combine_reference(inp: dict, shared: bool = True, rows: torch.Tensor | None = None
+                      ) -> np.ndarray:
     """uint16 bf16 bits ``[n, H]`` of the one-box fused finalize of this rank's tokens (the
-    numpy reference of sparkccl/reference.py)."""
+    numpy reference of sparkccl/reference.py); ``rows``: the experts' outputs ``[n * topk,
+    H]`` bf16 when not the stand-ins' (:func:`one_box_rows`)."""
     n, K = inp["topk_idx"].shape
     H = inp["x"].shape[1]
     sh = inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16)
-    f = dict(y=one_box_rows(inp), pos=torch.arange(n * K, dtype=torch.int32),
+    f = dict(y=one_box_rows(inp) if rows is None else rows, pos=torch.arange(n * K, dtype=torch.int32),
              weights=inp["topk_weights"], shared=sh, y_scales=None)
     rows = finalize_rows_reference(f, n, n)
     return (rows.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def partial_combine_reference(inp: dict, owners: list, world: int,
-                              shared: bool = True) -> np.ndarray:
+                              shared: bool = True, rows: torch.Tensor | None = None
+                              ) -> np.ndarray:
     """uint16 bf16 bits ``[n, H]`` of ``combine(partial=True)`` for this rank's tokens:
     per rank s (in rank order) the fp32 FMA chain from +0.0 over the k whose expert s owns
     (``owners[e]``), rounded to bf16; those added in fp32 to ``shared`` (or +0.0), rounded
-    once."""
+    once. ``rows`` as for :func:`combine_reference`."""
     idx, w = inp["topk_idx"], inp["topk_weights"].numpy().astype(np.float32)
     n, K = idx.shape
     H = inp["x"].shape[1]
-    y = to_f32(one_box_rows(inp)).reshape(n * K, H)
+    y = to_f32(one_box_rows(inp) if rows is None else rows).reshape(n * K, H)
     acc = to_f32(inp["shared"] if shared else torch.zeros((n, H), dtype=torch.bfloat16))
     own = np.array([[owners[int(e)] for e in row] for row in idx.tolist()],
                    dtype=np.int64).reshape(n, K)

@@ -47,7 +47,7 @@ def vllm_ok():
 
 
 def _moe(world, rank, E, backend="allgather_reducescatter", use_ep=True, eplb=False,
-         dtype=torch.bfloat16):
+         dtype=torch.bfloat16, moe_backend="auto"):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
                                                              FusedMoEParallelConfig,
@@ -59,7 +59,7 @@ def _moe(world, rank, E, backend="allgather_reducescatter", use_ep=True, eplb=Fa
                           intermediate_size=128, num_local_experts=E // world,
                           num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
                           routing_method=RoutingMethodType.Renormalize, moe_parallel_config=p,
-                          in_dtype=dtype, max_num_tokens=T)
+                          in_dtype=dtype, max_num_tokens=T, moe_backend=moe_backend)
 
 
 def _expert_map(E, world, rank, round_robin):
@@ -80,7 +80,7 @@ def _ep_job(rank, world, store):
     out = {}
     # Off (SPARKCCL_VLLM_EP unset): registering changes nothing.
     vllm_ep.register()
-    from vllm.config import CompilationConfig, ParallelConfig, VllmConfig
+    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig
     out["inert"] = not hasattr(importlib.import_module(AU).maybe_make_prepare_finalize,
                                "_sparkccl_original") and \
         not hasattr(VllmConfig.__post_init__, "_sparkccl_original")
@@ -105,9 +105,12 @@ def _ep_job(rank, world, store):
         out["graphs"] = {
             name: VllmConfig(parallel_config=ParallelConfig(data_parallel_size=dp,
                                                             enable_expert_parallel=ep),
-                             compilation_config=CompilationConfig()
+                             compilation_config=CompilationConfig(),
+                             kernel_config=KernelConfig(moe_backend=moe_backend)
                              ).compilation_config.cudagraph_mode.name
-            for name, dp, ep in (("dp2 ep", 2, True), ("dp2", 2, False), ("ep", 1, True))}
+            for name, dp, ep, moe_backend in (
+                ("dp2 ep", 2, True, "auto"), ("dp2", 2, False, "auto"), ("ep", 1, True, "auto"),
+                ("dp2 ep batched", 2, True, "batched_triton"))}
     finally:
         if static is None:
             del platform.support_static_graph_mode
@@ -212,8 +215,141 @@ def _ep_job(rank, world, store):
                 want = combine_reference(mine, shared=False)
             if not np.array_equal(got, want):
                 bad.append(f"layer {layer} round {rnd}: finalize differs from the reference")
-    out["bad"] = bad
+    out["batched"], b = _batched_checks(make, rank, world, E)
+    out["bad"] = bad + b
     return out
+
+
+def _want_rows(inputs, emap):
+    """Each row this rank's experts receive, (global expert, source rank, token), grouped by
+    local expert, (rank, token) order within."""
+    K_ = inputs[0]["topk_idx"].shape[1]
+    rows = [(int(inp["topk_idx"][t, k]), s, t) for s, inp in enumerate(inputs)
+            for t in range(inp["topk_idx"].shape[0]) for k in range(K_)
+            if int(emap[int(inp["topk_idx"][t, k])]) >= 0]
+    rows.sort(key=lambda v: int(emap[v[0]]))  # stable: (rank, token) kept
+    return rows
+
+
+def _batched_checks(make, rank, world, E):
+    """Layers whose experts run in vLLM's batched format (--moe-backend batched_triton) get
+    the low-latency prepare/finalize: the receive layout ``[E_local, world * T, H]`` with
+    device counts, rows past the counts never read (NaN there), the one-box finalize bits
+    (or the partial combine's, with SPARKCCL_ENGINE_EP_PARTIAL=1), and no refusal under a
+    simulated capture (round 2); then the same layer run by vLLM's own modular kernel
+    (``FusedMoEKernel`` with ``NaiveBatchedExperts``, the batched experts that run on CPU)."""
+    import os
+
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+        TopKWeightAndReduceDelegate)
+
+    from sparkccl.integrations import routing
+    out, bad = {}, []
+    El, partial = E // world, os.environ.get("SPARKCCL_ENGINE_EP_PARTIAL") == "1"
+    for layer, rr in enumerate((False, True)):
+        pf = make(_moe(world, rank, E, moe_backend="batched_triton"),
+                  FUSED_MOE_UNQUANTIZED_CONFIG, allow_new_interface=True)
+        out[f"class{layer}"] = (
+            type(pf).__name__, pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts,
+            pf.max_num_tokens_per_rank(), pf.num_dispatchers(), pf.output_is_reduced())
+        emap = _expert_map(E, world, rank, rr)
+        local = sorted((e for e in range(E) if int(emap[e]) >= 0), key=lambda e: int(emap[e]))
+        owners = [e % world if rr else e // El for e in range(E)]
+        for rnd in range(3):
+            ns = [[5 + 3 * r for r in range(world)], [0 if r == 1 else T for r in range(world)],
+                  [T - r for r in range(world)]][rnd]
+            inputs = [make_ep_input(90 + 10 * layer + rnd, r, tokens=ns[r], hidden=H, topk=K,
+                                    num_experts=E, world=world) for r in range(world)]
+            mine, what = inputs[rank], f"batched layer {layer} round {rnd}"
+            capturing = routing.stream_capturing
+            if rnd == 2:
+                routing.stream_capturing = lambda: True
+            try:
+                a, a_scale, meta, ids, w = pf.prepare(
+                    mine["x"], mine["topk_weights"], mine["topk_idx"], E, emap, False,
+                    FUSED_MOE_UNQUANTIZED_CONFIG, False)
+                if a.shape != (El, world * T, H) or a_scale is not None or ids is not None \
+                        or w is not None or meta.expert_num_tokens_cpu is not None:
+                    bad.append(f"{what}: prepare gave {tuple(a.shape)}, {a_scale}, {ids}, {w}, "
+                               f"{meta.expert_num_tokens_cpu}")
+                    continue
+                want = _want_rows(inputs, emap)
+                counts = meta.expert_num_tokens.tolist()
+                if counts != [sum(int(emap[e]) == i for e, _, _ in want) for i in range(El)]:
+                    bad.append(f"{what}: counts {counts}")
+                    continue
+                fused = torch.full(a.shape, float("nan"), dtype=torch.bfloat16)
+                for i, e in enumerate(local):
+                    rows = [inputs[s]["x"][t] for g, s, t in want if g == e]
+                    if rows and not torch.equal(a[i, :counts[i]].view(torch.int16),
+                                                torch.stack(rows).view(torch.int16)):
+                        bad.append(f"{what}: expert {e}'s received rows differ")
+                    fused[i, :counts[i]] = expert_fn(e, a[i, :counts[i]], None)
+                y = torch.full((ns[rank], H), float("nan"), dtype=torch.bfloat16)
+                pf.finalize(y, fused, mine["topk_weights"], mine["topk_idx"], False,
+                            TopKWeightAndReduceDelegate())
+            finally:
+                routing.stream_capturing = capturing
+            ref = partial_combine_reference(mine, owners, world, shared=False) if partial \
+                else combine_reference(mine, shared=False)
+            if not np.array_equal(y.view(torch.int16).numpy().view(np.uint16), ref):
+                bad.append(f"{what}: finalize differs from the reference")
+    bad += _batched_kernel_checks(make, rank, world, E, partial)
+    return out, bad
+
+
+def _batched_kernel_checks(make, rank, world, E, partial):
+    """The batched layer through vLLM's ``FusedMoEKernel`` and ``NaiveBatchedExperts`` (its
+    torch GEMMs per expert, reading the counts): expert weights that select columns (so
+    each GEMM is exact whatever its blocking) around a SiLU-and-mul (vLLM's op is a CUDA
+    kernel: a torch stand-in, elementwise), against the one-box finalize of each token's
+    rows computed one token at a time."""
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
+
+    fbm._is_capturing_or_compiling = lambda: False  # (it asks the accelerator: none on CPU)
+    N = 32
+    moe = _moe(world, rank, E, moe_backend="batched_triton")
+    pf = make(moe, FUSED_MOE_UNQUANTIZED_CONFIG, allow_new_interface=True)
+    experts = fbm.NaiveBatchedExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG,
+                                      max_num_tokens=pf.max_num_tokens_per_rank(),
+                                      num_dispatchers=pf.num_dispatchers())
+
+    def act(x):  # [m, 2N] -> [m, N]
+        return (torch.nn.functional.silu(x[:, :N].float()) * x[:, N:].float()).to(x.dtype)
+
+    experts.activation = lambda activation, output, input, **kw: output.copy_(act(input))
+    kernel = mk.FusedMoEKernel(pf, experts)
+    w1 = torch.zeros((E, 2 * N, H), dtype=torch.bfloat16)
+    w2 = torch.zeros((E, H, N), dtype=torch.bfloat16)
+    for e in range(E):
+        w1[e, torch.arange(2 * N), (torch.arange(2 * N) * 3 + e) % H] = 2.0 ** (e % 3 - 1)
+        w2[e, torch.arange(H), (torch.arange(H) + e) % N] = 1.0
+    emap = _expert_map(E, world, rank, False)
+    local = [e for e in range(E) if int(emap[e]) >= 0]
+    owners = [e // (E // world) for e in range(E)]
+
+    def expert(e, x):  # [m, H] -> [m, H], as NaiveBatchedExperts computes it
+        return act(x @ w1[e].T) @ w2[e].T
+
+    bad = []
+    for rnd in range(2):
+        inp = make_ep_input(130 + rnd, rank, tokens=T - rnd * rank, hidden=H, topk=K,
+                            num_experts=E, world=world)
+        y = kernel.apply(inp["x"], w1[local], w2[local], inp["topk_weights"], inp["topk_idx"],
+                         MoEActivation.SILU, E, emap, False)
+        n = inp["x"].shape[0]
+        rows = torch.stack([expert(int(inp["topk_idx"][t, k]), inp["x"][t:t + 1])[0]
+                            for t in range(n) for k in range(K)])
+        ref = partial_combine_reference(inp, owners, world, shared=False, rows=rows) \
+            if partial else combine_reference(inp, shared=False, rows=rows)
+        if not np.array_equal(y.view(torch.int16).numpy().view(np.uint16), ref):
+            bad.append(f"vLLM FusedMoEKernel round {rnd}: output differs from the reference")
+    return bad
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["exact", "partial"])
@@ -226,7 +362,8 @@ def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
                                              timeout_s=600))):
         assert r["inert"] and r["hooked"], (rank, r)
         g = r["graphs"]  # (the others keep vLLM's default mode, whatever it is)
-        assert g["dp2 ep"] == "NONE" and g["dp2"] != "NONE" and g["ep"] != "NONE", (rank, g)
+        assert g["dp2 ep"] == "NONE" and g["dp2"] != "NONE" and g["ep"] != "NONE" and \
+            g["dp2 ep batched"] != "NONE", (rank, g)
         assert "under CUDA graph capture" in r["capture"] and \
             "cudagraph_mode NONE" in r["capture"], (rank, r["capture"])
         for name, (got, want) in r["declined"].items():
@@ -234,6 +371,9 @@ def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
         for layer in (0, 1):
             assert r[f"class{layer}"] == ("SparkcclPrepareAndFinalize", True, True, True,
                                           world), (rank, r[f"class{layer}"])
+        for layer in (0, 1):
+            assert r["batched"][f"class{layer}"] == (
+                "SparkcclBatchedPrepareAndFinalize", True, T, world, True), (rank, r["batched"])
         assert r["bad"] == [], (rank, r["bad"])
 
 
@@ -241,24 +381,31 @@ def test_graphs_off_reason_reads_the_configuration():
     """Which vLLM configurations the hook runs without CUDA graphs (vllm_ep.graphs_off_reason,
     a pure function of the configuration's fields; the real VllmConfig is in the test above):
     expert parallelism with an all-to-all on allgather_reducescatter, an unquantized bf16 MoE
-    model (or none known yet), graphs not already off."""
+    model (or none known yet), experts not in the batched format (whose low-latency
+    dispatch graphs capture), graphs not already off."""
     from types import SimpleNamespace as NS
 
     from sparkccl.integrations.vllm_ep import BACKEND, graphs_off_reason
 
-    def cfg(ep=True, a2a=True, backend=BACKEND, model="bf16", quant=None, mode="FULL"):
+    def cfg(ep=True, a2a=True, backend=BACKEND, model="bf16", quant=None, mode="FULL",
+            moe_backend="auto"):
         m = None if model is None else NS(
             is_moe=model != "dense", quantization=quant,
             dtype=torch.float16 if model == "fp16" else torch.bfloat16)
-        return NS(parallel_config=NS(enable_expert_parallel=ep, use_all2all=a2a,
-                                     all2all_backend=backend, data_parallel_size=2),
-                  model_config=m,
-                  compilation_config=NS(cudagraph_mode=None if mode is None else NS(name=mode)))
+        c = NS(parallel_config=NS(enable_expert_parallel=ep, use_all2all=a2a,
+                                  all2all_backend=backend, data_parallel_size=2),
+               model_config=m,
+               compilation_config=NS(cudagraph_mode=None if mode is None else NS(name=mode)))
+        if moe_backend is not None:
+            c.kernel_config = NS(moe_backend=moe_backend)
+        return c
 
-    off = {"taken": cfg(), "no model yet": cfg(model=None), "mode unset": cfg(mode=None)}
+    off = {"taken": cfg(), "no model yet": cfg(model=None), "mode unset": cfg(mode=None),
+           "triton experts": cfg(moe_backend="triton"), "no kernel config": cfg(moe_backend=None)}
     kept = {"ep off": cfg(ep=False), "no all-to-all": cfg(a2a=False),
             "other backend": cfg(backend="deepep_low_latency"), "dense": cfg(model="dense"),
-            "fp16": cfg(model="fp16"), "fp8": cfg(quant="fp8"), "graphs off": cfg(mode="NONE")}
+            "fp16": cfg(model="fp16"), "fp8": cfg(quant="fp8"), "graphs off": cfg(mode="NONE"),
+            "batched experts": cfg(moe_backend="batched_triton")}
     for name, c in off.items():
         why = graphs_off_reason(c)
         assert why is not None and "cannot capture" in why, (name, why)

@@ -10,7 +10,11 @@ the engines"): one sparkccl Communicator per engine EP group, one
   routing weights kept at dispatch: the one-box finalize bits (fp32 FMA chain in top-k
   order, rounded once); with ``SPARKCCL_ENGINE_EP_PARTIAL=1`` (agreed by every rank of the
   group, :func:`partial_combine`) the per-rank partial combine instead
-  (``ExpertParallel.combine(partial=True)``: an explicit opt-in with other bits).
+  (``ExpertParallel.combine(partial=True)``: an explicit opt-in with other bits);
+* :func:`dispatch_batched` / :func:`combine_batched`, the same in the low-latency mode:
+  the receive rows in the engines' batched format (``[E_local, world * max_tokens, H]``
+  with per-expert counts on the device), nothing read on the host, so a CUDA graph can
+  capture them.
 
 Everything here is collective over the EP group, in the same order on every rank, as the
 engines' own all-to-all backends are.
@@ -84,18 +88,23 @@ def placement_from_local_ids(comm, local_ids: torch.Tensor, num_experts: int) ->
 
 
 def expert_parallel(comm, name: str, *, num_experts: int, hidden: int, max_tokens: int,
-                    placement):
-    """One ExpertParallel per (group, layer shape, placement), shared by the layers that
-    have it (its send block is max_tokens * hidden bf16)."""
+                    placement, mode: str = "high_throughput"):
+    """One ExpertParallel per (group, layer shape, placement, mode), shared by the layers
+    that have it (a layer's dispatch and combine run before the next layer's: the engines
+    call them in order on one stream)."""
     from ..expert_parallel import ExpertParallel
     key = (name, num_experts, hidden, max_tokens,
-           placement if isinstance(placement, str) else tuple(placement))
+           placement if isinstance(placement, str) else tuple(placement), mode)
     with _lock:
         ep = _eps.get(key)
         if ep is None:
             ep = _eps[key] = ExpertParallel(comm, num_experts=num_experts, hidden=hidden,
                                             max_tokens=max_tokens, dtype=torch.bfloat16,
-                                            mode="high_throughput", placement=placement)
+                                            mode=mode, placement=placement)
+            if mode == "low_latency":  # (fixed buffers: say what they take)
+                log.info("sparkccl: %s: low-latency EP, %d experts, hidden %d, max_tokens "
+                         "%d: the receive rows alone take %.2f GiB", name, num_experts,
+                         hidden, max_tokens, num_experts * max_tokens * hidden * 2 / 2**30)
         return ep
 
 
@@ -112,6 +121,16 @@ class Dispatched:
     handle: object
 
 
+def refuse_capture(rank: int, world: int, capture_hint: str) -> None:
+    """Raise ``RuntimeError`` under CUDA graph capture: the high-throughput dispatch of
+    :func:`dispatch_rows` cannot be captured."""
+    if routing.stream_capturing():
+        raise RuntimeError(
+            f"sparkccl EP: a MoE dispatch under CUDA graph capture (rank {rank} of {world}): "
+            f"the engine hooks' high-throughput dispatch reads the received row count on "
+            f"the host, which a graph cannot capture. {capture_hint}")
+
+
 def dispatch_rows(ep, x: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, *, capture_hint: str) -> Dispatched:
     """Dispatch this rank's tokens (``[n, H]`` bf16, top-k ids and fp32 weights ``[n, K]``);
@@ -119,12 +138,7 @@ def dispatch_rows(ep, x: torch.Tensor, topk_ids: torch.Tensor,
     raises ``RuntimeError`` before anything is sent (the high-throughput mode reads the
     received row count on the host), naming ``capture_hint``: what the engine's user does
     about it. Every rank of the group captures the same layers, so none is left waiting."""
-    if routing.stream_capturing():
-        raise RuntimeError(
-            f"sparkccl EP: a MoE dispatch under CUDA graph capture (ExpertParallel "
-            f"{ep.mode}, rank {ep.rank} of {ep.world}): the engine hooks' high-throughput "
-            f"dispatch reads the received row count on the host, which a graph cannot "
-            f"capture. {capture_hint}")
+    refuse_capture(ep.rank, ep.world, capture_hint)
     recv, handle = ep.dispatch(x.contiguous(), topk_ids.contiguous(),
                                topk_weights.to(torch.float32).contiguous())
     counts = recv.counts.to(torch.int64)
@@ -140,7 +154,30 @@ def combine_rows(ep, d: Dispatched, expert_out: torch.Tensor,
     finalized: ``[n, H]`` bf16 (into ``out`` when given); ``partial``: the per-rank partial
     combine (:func:`partial_combine` of the group)."""
     R, H = d.x.shape
-    y = ep.combine(expert_out.reshape(R, H).contiguous(), d.handle, partial=partial)
-    if out is None:
-        return y
-    return out.copy_(y)
+    return _combine(ep, d.handle, expert_out.reshape(R, H), out, partial)
+
+
+def _combine(ep, handle, expert_out, out, partial):
+    y = ep.combine(expert_out.contiguous(), handle, partial=partial)
+    return y if out is None else out.copy_(y)
+
+
+def dispatch_batched(ep, x: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor):
+    """Dispatch in the low-latency mode (``ep.mode``): returns ``(recv, handle)``, ``recv.x``
+    ``[E_local, world * max_tokens, H]`` bf16 with expert ``e``'s rows
+    ``recv.x[e, :recv.counts[e]]`` in (source rank, token) order (the engines' batched
+    experts format), ``recv.counts`` int32 on the device. Nothing is read on the host:
+    capturable, once an eager call has set the buffers up."""
+    if ep.mode != "low_latency":
+        raise ValueError(f"sparkccl EP: dispatch_batched needs a low-latency ExpertParallel, "
+                         f"got mode {ep.mode!r}")
+    return ep.dispatch(x.contiguous(), topk_ids.contiguous(),
+                       topk_weights.to(torch.float32).contiguous())
+
+
+def combine_batched(ep, handle, expert_out: torch.Tensor, out: torch.Tensor | None = None,
+                    *, partial: bool = False) -> torch.Tensor:
+    """The expert outputs of a :func:`dispatch_batched` (``recv.x``'s shape, bf16; rows past
+    the counts ignored) back home, finalized as :func:`combine_rows`."""
+    return _combine(ep, handle, expert_out, out, partial)

@@ -16,22 +16,32 @@ caller sees it): for a layer it takes (see :func:`decline_reason`, which looks o
 the layer's configuration, the same on every rank), it returns
 :class:`SparkcclPrepareAndFinalize`; for any other it calls vLLM's function unchanged.
 
-CUDA graphs: the dispatch is the high-throughput mode's, which reads the received row
-count on the host, so it cannot be captured. vLLM turns graphs off itself for the backends
-that cannot (DeepEP high-throughput, MoonEP), not for ``allgather_reducescatter``, so
-:func:`register` also wraps ``VllmConfig.__post_init__``: a configuration whose MoE layers
-this hook takes (expert parallelism with an all-to-all, the ``allgather_reducescatter``
-backend, an unquantized bf16 model) gets ``cudagraph_mode`` NONE before vLLM resolves it,
-as if ``--enforce-eager`` had been given (:func:`graphs_off_reason`; logged). A prepare
-under capture anyway (a quantized model whose layers the hook takes, a mode set after the
-config) raises before anything is sent, naming the remedy.
+Two formats, as vLLM's DeepEP backends (the experts kernel vLLM picks decides which):
 
-The format is vLLM's ``Standard`` one, as DeepEP high-throughput's: prepare returns the
-``R`` rows this rank's experts received (grouped by local expert, in (source rank,
-token) order), each as a token with top-k 1, its expert's global id and weight 1.0, so the
-experts compute exactly ``expert(row)``; finalize sends those rows home and computes
-``sum_k w[t, k] * out(t, k)`` in fp32, k in top-k order, rounded once — the bits of every
-expert on one box, whatever the EP size.
+* ``Standard`` (:class:`SparkcclPrepareAndFinalize`, as DeepEP high-throughput's): prepare
+  returns the ``R`` rows this rank's experts received (grouped by local expert, in (source
+  rank, token) order), each as a token with top-k 1, its expert's global id and weight 1.0,
+  so the experts compute exactly ``expert(row)``. The high-throughput dispatch reads ``R``
+  on the host, so it cannot be captured in a CUDA graph.
+* ``BatchedExperts`` (:class:`SparkcclBatchedPrepareAndFinalize`, as DeepEP low-latency's),
+  for layers whose experts vLLM runs in its batched format (``--moe-backend
+  batched_triton``): sparkccl's low-latency mode, ``[E_local, world * max_num_tokens, H]``
+  with per-expert counts on the device; nothing is read on the host, so vLLM's CUDA graphs
+  capture it (decode).
+
+Either way finalize sends the expert outputs home and computes ``sum_k w[t, k] * out(t, k)``
+in fp32, k in top-k order, rounded once: the bits of every expert on one box, whatever
+the EP size.
+
+CUDA graphs: vLLM turns graphs off itself for the backends that cannot be captured
+(DeepEP high-throughput, MoonEP), not for ``allgather_reducescatter``, so :func:`register`
+also wraps ``VllmConfig.__post_init__``: a configuration whose MoE layers this hook takes
+in the ``Standard`` format (expert parallelism with an all-to-all, the
+``allgather_reducescatter`` backend, an unquantized bf16 model, a MoE backend other than
+``batched_triton``) gets ``cudagraph_mode`` NONE before vLLM resolves it, as if
+``--enforce-eager`` had been given (:func:`graphs_off_reason`; logged). A ``Standard``
+prepare under capture anyway (a quantized model whose layers the hook takes, a mode set
+after the config) raises before anything is sent, naming the remedy.
 """
 from __future__ import annotations
 
@@ -41,16 +51,19 @@ import sys
 import torch
 
 from .. import config
-from . import engine_ep
+from . import engine_ep, routing
 
 log = logging.getLogger("sparkccl.vllm")
 
 TARGET_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
 TARGET = "maybe_make_prepare_finalize"
 BACKEND = "allgather_reducescatter"
+BATCHED_MOE_BACKEND = "batched_triton"  # vLLM's experts in the batched format
 CONFIG_MODULE = "vllm.config.vllm"
 CAPTURE_HINT = ("vLLM: the sparkccl hook sets cudagraph_mode NONE for expert parallelism "
-                "with an all-to-all; keep it so (or run with --enforce-eager)")
+                "with an all-to-all; keep it so (or run with --enforce-eager), or run the "
+                f"experts in the batched format (--moe-backend {BATCHED_MOE_BACKEND}), "
+                "whose low-latency dispatch graphs capture")
 
 
 def register() -> None:
@@ -108,10 +121,14 @@ def graphs_off_reason(vllm_config) -> str | None:
     prefill-context parallelism), the ``allgather_reducescatter`` backend, an unquantized
     MoE model in bf16 (other dtypes are declined; a quantized model's layers may be too,
     fp8 activations are, so its graphs stay: a layer taken under capture raises with the
-    remedy). Graphs already off: None."""
+    remedy), a MoE backend other than ``batched_triton`` (whose layers take the batched
+    format's low-latency dispatch, which graphs capture). Graphs already off: None."""
     p, m = vllm_config.parallel_config, vllm_config.model_config
     c = vllm_config.compilation_config
     if not (p.enable_expert_parallel and p.use_all2all and p.all2all_backend == BACKEND):
+        return None
+    kernel = getattr(vllm_config, "kernel_config", None)
+    if getattr(kernel, "moe_backend", None) == BATCHED_MOE_BACKEND:
         return None
     if m is not None and (not getattr(m, "is_moe", True) or m.dtype != torch.bfloat16
                           or getattr(m, "quantization", None) is not None):
@@ -133,7 +150,8 @@ def _make_wrapper(original):
             log.info("sparkccl: vLLM MoE layer stays on vLLM's %s: %s",
                      moe.moe_parallel_config.all2all_backend, why)
             return original(moe, quant_config, *args, **kwargs)
-        return _pf_class().for_layer(moe)
+        batched = getattr(moe, "moe_backend", None) == BATCHED_MOE_BACKEND
+        return _pf_class(batched).for_layer(moe)
     maybe_make_prepare_finalize._sparkccl_original = original
     maybe_make_prepare_finalize.__wrapped__ = original
     maybe_make_prepare_finalize.__doc__ = original.__doc__
@@ -177,13 +195,15 @@ def _make_class():
         finalize. The ExpertParallel is built at the first prepare, from the expert map
         vLLM passes there (gathered from every rank: collective, as prepare is)."""
 
+        MODE = "high_throughput"  # the ExpertParallel's
+
         def __init__(self, comm, group_name: str, num_experts: int, hidden: int,
                      max_tokens: int):
             super().__init__()
             self.comm, self.group_name = comm, group_name
             self.num_experts, self.hidden, self.max_tokens = num_experts, hidden, max_tokens
             self.ep = None
-            self._pending = None  # (ExpertParallel, Dispatched) from prepare to finalize
+            self._pending = None  # (ExpertParallel, what dispatch gave) prepare -> finalize
 
         @classmethod
         def for_layer(cls, moe):
@@ -214,26 +234,39 @@ def _make_class():
         # ---- prepare / finalize --------------------------------------------------------
         def _expert_parallel(self, expert_map):
             if self.ep is None:
+                if routing.stream_capturing():
+                    raise RuntimeError(
+                        "sparkccl EP: the layer's first prepare is under CUDA graph "
+                        "capture; it gathers the expert map (a collective read on the "
+                        "host): vLLM runs an eager pass first (its profile run), keep it")
                 if expert_map is None:
                     raise ValueError("sparkccl EP: vLLM passed no expert map to prepare")
                 owners = engine_ep.placement_from_local_ids(self.comm, expert_map,
                                                             self.num_experts)
                 self.ep = engine_ep.expert_parallel(
                     self.comm, self.group_name, num_experts=self.num_experts,
-                    hidden=self.hidden, max_tokens=self.max_tokens, placement=owners)
+                    hidden=self.hidden, max_tokens=self.max_tokens, placement=owners,
+                    mode=self.MODE)
             return self.ep
+
+        @staticmethod
+        def _weights_on_input(a1, topk_weights, topk_ids, apply_router_weight_on_input):
+            if not apply_router_weight_on_input:
+                return a1, topk_weights
+            # vLLM's rule for all its all-to-all backends: top-1 only, weight on the
+            # input; the finalize then weighs by 1.0.
+            if topk_ids.shape[1] != 1:
+                raise ValueError("sparkccl EP: apply_router_weight_on_input needs top-1, "
+                                 f"got top-{topk_ids.shape[1]}")
+            return (a1 * topk_weights.to(a1.dtype),
+                    torch.ones_like(topk_weights, dtype=torch.float32))
 
         def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                     apply_router_weight_on_input, quant_config, defer_input_quant=False):
+            engine_ep.refuse_capture(self.comm.rank, self.comm.world_size, CAPTURE_HINT)
             ep = self._expert_parallel(expert_map)
-            if apply_router_weight_on_input:
-                # vLLM's rule for all its all-to-all backends: top-1 only, weight on the
-                # input; the finalize then weighs by 1.0.
-                if topk_ids.shape[1] != 1:
-                    raise ValueError("sparkccl EP: apply_router_weight_on_input needs top-1, "
-                                     f"got top-{topk_ids.shape[1]}")
-                a1 = a1 * topk_weights.to(a1.dtype)
-                topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+            a1, topk_weights = self._weights_on_input(a1, topk_weights, topk_ids,
+                                                      apply_router_weight_on_input)
             d = engine_ep.dispatch_rows(ep, a1, topk_ids, topk_weights,
                                         capture_hint=CAPTURE_HINT)
             self._pending = (ep, d)
@@ -251,19 +284,57 @@ def _make_class():
             engine_ep.combine_rows(ep, d, fused_expert_output, out=output,
                                    partial=engine_ep.partial_combine(self.group_name))
 
-    SparkcclPrepareAndFinalize.__module__ = __name__
-    return SparkcclPrepareAndFinalize
+    class SparkcclBatchedPrepareAndFinalize(SparkcclPrepareAndFinalize):
+        """The same in vLLM's batched format, as DeepEP low-latency's: prepare = sparkccl's
+        low-latency dispatch (``[E_local, world * max_num_tokens, H]``, per-expert counts
+        on the device), finalize = its combine; no host read, so CUDA graphs capture both
+        (after vLLM's eager profile run has built the ExpertParallel)."""
+
+        MODE = "low_latency"
+
+        @property
+        def activation_format(self):
+            return mk.FusedMoEActivationFormat.BatchedExperts
+
+        def max_num_tokens_per_rank(self):
+            return self.max_tokens
+
+        def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                    apply_router_weight_on_input, quant_config, defer_input_quant=False):
+            ep = self._expert_parallel(expert_map)
+            a1, topk_weights = self._weights_on_input(a1, topk_weights, topk_ids,
+                                                      apply_router_weight_on_input)
+            recv, handle = engine_ep.dispatch_batched(ep, a1, topk_ids, topk_weights)
+            self._pending = (ep, handle)
+            meta = mk.ExpertTokensMetadata(expert_num_tokens=recv.counts,
+                                           expert_num_tokens_cpu=None)
+            return recv.x, None, meta, None, None
+
+        def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                     apply_router_weight_on_input, weight_and_reduce_impl) -> None:
+            if self._pending is None:
+                raise RuntimeError("sparkccl EP: finalize without a prepare")
+            (ep, handle), self._pending = self._pending, None
+            engine_ep.combine_batched(ep, handle, fused_expert_output, out=output,
+                                      partial=engine_ep.partial_combine(self.group_name))
+
+    for cls in (SparkcclPrepareAndFinalize, SparkcclBatchedPrepareAndFinalize):
+        cls.__module__ = __name__
+    return SparkcclPrepareAndFinalize, SparkcclBatchedPrepareAndFinalize
 
 
-def _pf_class():
-    return sys.modules[__name__].SparkcclPrepareAndFinalize
+def _pf_class(batched: bool = False):
+    mod = sys.modules[__name__]
+    return mod.SparkcclBatchedPrepareAndFinalize if batched else mod.SparkcclPrepareAndFinalize
+
+
+_CLASSES = ("SparkcclPrepareAndFinalize", "SparkcclBatchedPrepareAndFinalize")
 
 
 def __getattr__(name):
     # Built on first use: importing this module must not import vLLM's fused MoE while
     # the hook is off.
-    if name == "SparkcclPrepareAndFinalize":
-        cls = _make_class()
-        globals()[name] = cls
-        return cls
+    if name in _CLASSES:
+        globals().update(zip(_CLASSES, _make_class()))
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
