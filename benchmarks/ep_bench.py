@@ -17,12 +17,15 @@ One MoE layer, every rank with T tokens of hidden H routed to topk of E experts:
                 ``allgather_reducescatter`` backend on sparkccl's collectives (not bit-exact
                 with one box: each rank's partial sum is rounded before the rank-order sum)
 
-The experts' own compute is not timed in either (the expert outputs are made once). Each
-time is the slowest rank's wall time of one layer (ranks aligned by a small all-gather
-first, and on CUDA the stream synchronized), median over --iters; ``ratio`` is ag+rs / ep
-(above 1: EP is faster), ``ratio partial`` ag+rs / ep partial; ``dispatch`` the dispatch
-alone (the rest of ep, ep partial is their combine). The combine results are
-checked against their references (one box; the per-rank partial sums) once per world.
+``sparkccl bench --collective ep`` runs the same layer (sparkccl/ep_bench.py, which this
+script's formulation and timing come from) over several token counts of one world; this
+script runs several worlds. The experts' own compute is not timed in either (the expert
+outputs are made once). Each time is the slowest rank's wall time of one layer (ranks
+aligned by a small all-gather first, and on CUDA the stream synchronized), median over
+--iters; ``ratio`` is ag+rs / ep (above 1: EP is faster), ``ratio partial`` ag+rs / ep
+partial; ``dispatch`` the dispatch alone (the rest of ep, ep partial is their combine). The
+combine results are checked against their references (one box; the per-rank partial sums)
+once per world.
 
     python3 benchmarks/ep_bench.py --worlds 2 3 4 --out benchmarks/ep_bench_cpu.txt
     # one GPU, ranks sharing it (the issue's sizes: decode, then prefill)
@@ -38,38 +41,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def agrs_formulation(comm, x, idx, w, shared, generator=None):
-    """The all-gather + reduce-scatter formulation of one MoE layer (vLLM's
-    ``allgather_reducescatter``) on ``comm``, as a callable: the tokens ``x`` [T, H] and the
-    routing (one all-gather of [T, K] int32 ids + fp32 weights) gathered, then every rank's
-    expert outputs for all W * T tokens finalized into ``moe_finalize_reduce_scatter``
-    (the rows made once here, randn * 0.5 from ``generator``; the shared expert counted on
-    its own rank only)."""
-    import torch
-    T, K = idx.shape
-    H, rank, world, dev = x.shape[1], comm.rank, comm.world_size, comm.device
-    routing = torch.cat([idx.to(torch.int32).view(torch.uint8).view(T, -1),
-                         w.view(torch.uint8).view(T, -1)], dim=1).contiguous()
-    N = world * T
-    y_all = (torch.randn((N * K, H), device=dev, generator=generator) * 0.5).to(
-        torch.bfloat16)  # (token, k) rows
-    pos = torch.arange(N * K, dtype=torch.int32, device=dev)
-    shared_all = torch.zeros((N, H), dtype=torch.bfloat16, device=dev)
-    shared_all[rank * T:(rank + 1) * T] = shared
-
-    def layer():
-        comm.all_gather(x)
-        wts = comm.all_gather(routing)[:, K * 4:].contiguous().view(torch.float32)  # [N, K]
-        return comm.moe_finalize_reduce_scatter(y_all, pos, wts, shared_all, num_tokens=N,
-                                                padded_tokens=N)
-    return layer
+from sparkccl.ep_bench import agrs_formulation, timed  # noqa: E402
 
 
 def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
@@ -119,17 +96,7 @@ def bench_job(rank, world, store, T, H, K, E, iters, mode, device, slot_mib,
             ep_t = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T,
                                            mode=mode, _fused=False)
             layers.append(("ep torch", lambda: ep_layer(ep_t)))
-        times = {name: [] for name, _ in layers}
-        for it in range(iters + 2):
-            for name, fn in layers:
-                comm.all_gather(tick)  # align the ranks
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                dt = time.perf_counter() - t0
-                if it >= 2:
-                    times[name].append(dt)
+        times = timed(layers, iters, lambda: comm.all_gather(tick), sync)
         return {"times": times, "exact": exact}
 
 

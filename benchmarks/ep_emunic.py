@@ -46,8 +46,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from ep_bench import agrs_formulation  # noqa: E402
+from sparkccl.ep_bench import agrs_formulation  # noqa: E402
 from emunic_efficiency import (  # noqa: E402  (puts tests/ on the path)
     add_nic_arguments, common_start, load_average, max_port_load, nic_env,
 )

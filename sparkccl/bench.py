@@ -6,10 +6,15 @@ all-gather, the input of a reduce-scatter), algbw = size / time, busbw = algbw x
 invocation: gloo on CPU; on CUDA, NCCL three ways (default, P2P off = through host
 shared memory, P2P and SHM off = sockets), each in fresh processes because NCCL reads
 its environment once. The ratio column is baseline time / sparkccl time (above 1:
-sparkccl is faster). ``--plot FILE.png`` draws bus bandwidth against size for sparkccl and
-each baseline, one panel per collective (matplotlib: ``pip install 'sparkccl[plot]'``).
+sparkccl is faster). ``--collective`` picks the tables: all_gather and reduce_scatter by
+default, all_reduce (busbw = algbw x 2 (world - 1) / world, as nccl-tests), and ep (one
+MoE layer's dispatch + combine per token count, sparkccl/ep_bench.py). ``--plot FILE.png``
+draws bus bandwidth against size for sparkccl and each baseline, one panel per collective
+(matplotlib: ``pip install 'sparkccl[plot]'``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .bench_timing import buffers, setup_device, slowest, time_calls, timer
 
@@ -19,6 +24,12 @@ CUDA_BASELINES = (
     ("nccl-sockets", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
 )
 CPU_BASELINES = (("gloo", {}),)
+# --collective name -> (key in the timing rows, busbw factor of the world size)
+SIZED = {"all_gather": ("ag", lambda w: (w - 1) / w),
+         "reduce_scatter": ("rs", lambda w: (w - 1) / w),
+         "all_reduce": ("ar", lambda w: 2 * (w - 1) / w)}
+COLLECTIVES = (*SIZED, "ep")
+DEFAULT_COLLECTIVES = ("all_gather", "reduce_scatter")
 # NVLink multicast stays off on shared GPU hosts.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -38,7 +49,8 @@ def _progress(rank: int, label: str, done: int, total: int) -> None:
         report_progress((label, done, total, "sizes"))
 
 
-def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters):
+def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters,
+                   collectives=DEFAULT_COLLECTIVES):
     import sparkccl
 
     dev = setup_device(device, rank)
@@ -54,11 +66,13 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
         barrier_token = torch.zeros(16, dtype=torch.uint8, device=dev)
         for size in sizes:
             x_ag, out, x_rs, out_rs = buffers(size, world, dev)
+            calls = {"ag": lambda: comm.all_gather(x_ag, out=out),
+                     "rs": lambda: comm.reduce_scatter(x_rs, out=out_rs),
+                     "ar": lambda: comm.all_reduce(x_rs, out=out)}
             t = {}
-            t["ag"] = time_calls(lambda: comm.all_gather(x_ag, out=out), iters, barrier, sync,
-                                  t, "ag_host")
-            t["rs"] = time_calls(lambda: comm.reduce_scatter(x_rs, out=out_rs), iters, barrier,
-                                  sync, t, "rs_host")
+            for name in collectives:
+                key = SIZED[name][0]
+                t[key] = time_calls(calls[key], iters, barrier, sync, t, key + "_host")
             rows.append((size, t))
             _progress(rank, "sparkccl", len(rows), len(sizes))
         stats = comm.proxy_stats()
@@ -67,7 +81,8 @@ def _sparkccl_rank(rank, world, store, topology, transport, device, sizes, iters
     return {"rows": rows, "proxy": stats}
 
 
-def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None):
+def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None,
+                   collectives=DEFAULT_COLLECTIVES):
     import warnings
 
     import torch.distributed as dist
@@ -84,15 +99,18 @@ def _baseline_rank(rank, world, store, backend, device, sizes, iters, label=None
             dist.barrier()
         for size in sizes:
             x_ag, out, x_rs, out_rs = buffers(size, world, dev)
+            calls = {"ag": lambda: dist.all_gather_into_tensor(out, x_ag),
+                     "rs": lambda: dist.reduce_scatter_tensor(out_rs, x_rs),
+                     "ar": lambda: dist.all_reduce(out)}  # (in place: on a copy of the input)
+            out.copy_(x_rs)
             t = {}
-            t["ag"] = time_calls(lambda: dist.all_gather_into_tensor(out, x_ag), iters,
-                                  barrier, sync, t, "ag_host")
-            try:
-                t["rs"] = time_calls(lambda: dist.reduce_scatter_tensor(out_rs, x_rs), iters,
-                                      barrier, sync, t, "rs_host")
-            except (RuntimeError, ValueError, NotImplementedError) as e:
-                t["rs"] = None
-                t["rs_why"] = str(e).splitlines()[0][:60]
+            for name in collectives:
+                key = SIZED[name][0]
+                try:
+                    t[key] = time_calls(calls[key], iters, barrier, sync, t, key + "_host")
+                except (RuntimeError, ValueError, NotImplementedError) as e:
+                    t[key] = None  # (gloo has no reduce_scatter_tensor)
+                    t[key + "_why"] = str(e).splitlines()[0][:60]
             rows.append((size, t))
             _progress(rank, label or backend, len(rows), len(sizes))
     finally:
@@ -130,25 +148,75 @@ def baselines_for(device: str, baseline: bool = True, only: list[str] | None = N
     return tuple(b for b in have if b[0] in only)
 
 
+@dataclass(frozen=True)
+class EpShape:
+    """``--collective ep``'s MoE layer: token counts per rank (one row each), hidden size,
+    top-k, experts per rank, ExpertParallel mode."""
+    tokens: tuple = (128, 1024)
+    hidden: int = 2048
+    topk: int = 8
+    experts_per_rank: int = 8
+    mode: str = "high_throughput"
+
+
 def run_bench(world: int = 4, topology: str = "mesh", transport: str = "shm", device: str = "cpu",
               min_bytes: int = 1 << 20, max_bytes: int = 64 << 20, iters: int = 5,
               baseline: bool = True, runner=None, only: list[str] | None = None,
-              plot: str | None = None, api: str = "direct") -> int:
+              plot: str | None = None, api: str = "direct",
+              collectives: tuple = DEFAULT_COLLECTIVES, ep: EpShape = EpShape()) -> int:
     """``runner(fn, args, env) -> [RankResult]`` starts the ranks (default: local processes
     through sparkccl.localrun.run_ranks). ``only``: the names of the baselines to run (default:
     all of the device's). ``plot``: write a bus bandwidth plot (PNG) there. ``api="torch"``:
-    also time the same calls through torch.distributed (backend "sparkccl")."""
+    also time the same calls through torch.distributed (backend "sparkccl").
+    ``collectives``: of :data:`COLLECTIVES`; ``"ep"`` runs the MoE layer ``ep``."""
     from .progress import Progress
     progress = Progress("bench")
     try:
-        return _bench(world, topology, transport, device, min_bytes, max_bytes, iters,
-                      baseline, runner, only, plot, api, progress)
+        sized = tuple(c for c in COLLECTIVES if c in collectives and c != "ep")
+        rc = 0
+        if sized:
+            rc = _bench(world, topology, transport, device, min_bytes, max_bytes, iters,
+                        baseline, runner, only, plot, api, progress, sized)
+        if "ep" in collectives and rc == 0:
+            rc = _bench_ep(world, topology, transport, device, iters, baseline, runner, only,
+                           progress, ep)
+        return rc
     finally:
         progress.close()
 
 
+def _bench_ep(world, topology, transport, device, iters, baseline, runner, only, progress,
+              shape: EpShape) -> int:
+    from . import ep_bench
+    E = shape.experts_per_rank * world
+    baselines = baselines_for(device, baseline, only)
+    print(f"\nsparkccl bench ep: world {world}, topology {topology}, transport {transport}, "
+          f"device {device}; one MoE layer: tokens per rank {', '.join(map(str, shape.tokens))}, "
+          f"hidden {shape.hidden} bf16, top-{shape.topk} of {E} experts "
+          f"({shape.experts_per_rank} per rank), {shape.mode}; median of {iters} calls, "
+          f"slowest rank; baselines in the same run: ag+rs (sparkccl), "
+          f"{', '.join(b for b, _ in baselines) or 'no torch.distributed'}")
+    env = dict(SAFE_ENV) if device == "cuda" else {}
+    layer = (tuple(shape.tokens), shape.hidden, shape.topk, E, iters)
+    ours = _run(ep_bench.sparkccl_rank, world,
+                (topology, transport, device, *layer, shape.mode), env, "sparkccl ep", runner,
+                progress)
+    if ours is None:
+        return 1
+    base = {}
+    for name, extra in baselines:
+        backend = "nccl" if name.startswith("nccl") else "gloo"
+        got = _run(ep_bench.baseline_rank, world, (backend, device, *layer),
+                   {**env, **extra}, name, runner, progress)
+        if got is not None:
+            base[name] = got
+    ep_bench.print_table(ours, base, shape.hidden)
+    exact = all(r["exact"] and r["partial_exact"] for v in ours for r in v)
+    return 0 if exact else 1
+
+
 def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, baseline, runner,
-           only, plot, api, progress) -> int:
+           only, plot, api, progress, collectives=DEFAULT_COLLECTIVES) -> int:
     align = 16 * world
     sizes = [max(align, s // align * align) for s in _sizes(min_bytes, max_bytes)]
     baselines = baselines_for(device, baseline, only)
@@ -156,8 +224,8 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
           f"device {device}, bf16, {iters} iterations per size; baselines in the same run: "
           f"{', '.join(b for b, _ in baselines) or 'none'}")
     env = dict(SAFE_ENV) if device == "cuda" else {}
-    ours = _run(_sparkccl_rank, world, (topology, transport, device, sizes, iters), env,
-                "sparkccl", runner, progress)
+    ours = _run(_sparkccl_rank, world, (topology, transport, device, sizes, iters, collectives),
+                env, "sparkccl", runner, progress)
     if ours is None:
         return 1
     via_torch = None
@@ -170,13 +238,14 @@ def _bench(world, topology, transport, device, min_bytes, max_bytes, iters, base
     base = {}
     for name, extra in baselines:
         backend = "nccl" if name.startswith("nccl") else "gloo"
-        got = _run(_baseline_rank, world, (backend, device, sizes, iters, name),
+        got = _run(_baseline_rank, world, (backend, device, sizes, iters, name, collectives),
                    {**env, **extra}, name, runner, progress)
         if got is not None:
             base[name] = got
-    factor = (world - 1) / world
     busbw: dict[str, dict[str, list]] = {}  # collective -> series name -> GB/s per size
-    for key, title in (("ag", "all_gather"), ("rs", "reduce_scatter")):
+    for title in collectives:
+        key, factor_of = SIZED[title]
+        factor = factor_of(world)
         series = busbw[title] = {"sparkccl": []}
         print(f"\n{title}")
         head = f"{'size':>12} {'time(us)':>10} {'host(us)':>9} {'algbw':>8} {'busbw':>8}"

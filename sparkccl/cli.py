@@ -45,6 +45,17 @@ def _positive(text: str) -> int:
     return n
 
 
+def _token_counts(text: str) -> tuple:
+    try:
+        counts = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token counts, e.g. 128,1024"
+                                         ) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
+    return counts
+
+
 def _bytes(text: str) -> int:
     from .config import parse_bytes
     try:
@@ -91,7 +102,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import PLOT_HINT, baselines_for, have_matplotlib, run_bench
+    from .bench import (DEFAULT_COLLECTIVES, PLOT_HINT, EpShape, baselines_for,
+                        have_matplotlib, run_bench)
 
     try:
         baselines_for(args.device, not args.no_baseline, args.baseline)
@@ -103,10 +115,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and not have_matplotlib():
         args.parser.error(PLOT_HINT)
     _check_before_start(args)
+    collectives = tuple(args.collective or DEFAULT_COLLECTIVES)
+    if "ep" in collectives:
+        from .expert_parallel import MAX_TOPK
+        if not args.topk <= min(MAX_TOPK, args.experts_per_rank * args.world):
+            args.parser.error(f"--topk {args.topk}: at most {MAX_TOPK} and at most the "
+                              f"experts ({args.experts_per_rank} per rank x {args.world})")
+        if args.hidden % 8:
+            args.parser.error(f"--hidden {args.hidden}: must be a multiple of 8")
+    if args.plot and collectives == ("ep",):
+        args.parser.error("--plot draws the sized collectives' bus bandwidth; ep has none")
     return run_bench(world=args.world, topology=args.topology, transport=args.transport,
                      device=args.device, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                      iters=args.iters, baseline=not args.no_baseline,
-                     only=args.baseline or None, plot=args.plot, api=args.api)
+                     only=args.baseline or None, plot=args.plot, api=args.api,
+                     collectives=collectives,
+                     ep=EpShape(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                                experts_per_rank=args.experts_per_rank, mode=args.ep_mode))
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -168,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--api", choices=["direct", "torch"], default="direct",
                    help="torch: also time the calls through torch.distributed (backend "
                         "\"sparkccl\") and print the overhead against the direct API")
+    from .bench import COLLECTIVES
+    b.add_argument("--collective", action="append", choices=COLLECTIVES, metavar="NAME",
+                   help="a table to print (repeatable): " + ", ".join(COLLECTIVES) +
+                        " (ep: one MoE layer's dispatch + combine per token count, beside "
+                        "the all-gather + reduce-scatter formulation and torch.distributed's "
+                        "all-to-all of the same rows) (default: all_gather, reduce_scatter)")
+    e = b.add_argument_group("--collective ep", "the MoE layer (every rank the same shape)")
+    e.add_argument("--tokens", type=_token_counts, default="128,1024",
+                   help="tokens per rank, one row each (comma-separated)")
+    e.add_argument("--hidden", type=_positive, default=2048, help="hidden size (bf16)")
+    e.add_argument("--topk", type=_positive, default=8, help="experts per token")
+    e.add_argument("--experts-per-rank", type=_positive, default=8,
+                   help="experts each rank holds")
+    e.add_argument("--ep-mode", choices=["high_throughput", "low_latency"],
+                   default="high_throughput", help="the ExpertParallel mode")
     b.set_defaults(func=_cmd_bench)
 
     p = _sub(sub, "plan", "print a collective's per-port load against its lower bound, and "

@@ -198,8 +198,8 @@ def test_no_module_reads_another_modules_private_attributes():
 
 
 SHARED = {"sparkccl.layout", "sparkccl.config", "sparkccl.errors"}
-COMMAND_LINE = {"cli", "demo", "bench", "bench_timing", "doctor", "selftest", "localrun",
-                "reference", "ep_reference", "exact_checks", "progress"}
+COMMAND_LINE = {"cli", "demo", "bench", "bench_timing", "ep_bench", "doctor", "selftest",
+                "localrun", "reference", "ep_reference", "exact_checks", "progress"}
 # Layer-4 modules the transports use: segments and the rendezvous, no communicator logic.
 LAYER_EXCEPTIONS = {"sparkccl.buffers", "sparkccl.shm", "sparkccl.bootstrap"}
 

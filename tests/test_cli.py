@@ -1,5 +1,6 @@
 """The command line (sparkccl/cli.py): argument checks before anything starts, help, version,
-progress lines, the bench plot. Nothing here starts ranks except one small run_ranks check."""
+progress lines, the bench plot and its tables. Nothing here starts ranks except one small
+run_ranks check and one small bench run (all_reduce and ep at toy sizes, world 2)."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,14 @@ def _exit_code(argv, capsys) -> tuple[int, str]:
     (["bench", "--min-bytes", "2M", "--max-bytes", "1M"], "--min-bytes 2097152 is larger"),
     (["bench", "--baseline", "gloo", "--baseline", "mpi"],
      "unknown baseline mpi for device cpu (have: gloo)"),
+    (["bench", "--collective", "alltoall"], "argument --collective: invalid choice: 'alltoall'"),
+    (["bench", "--collective", "ep", "--tokens", "128,x"],
+     "argument --tokens: '128,x': expected token counts"),
+    (["bench", "--collective", "ep", "--tokens", "0"], "every count must be at least 1"),
+    (["bench", "--collective", "ep", "--topk", "17"], "--topk 17: at most 16"),
+    (["bench", "--collective", "ep", "--world", "2", "--experts-per-rank", "2", "--topk", "5"],
+     "--topk 5: at most 16 and at most the experts (2 per rank x 2)"),
+    (["bench", "--collective", "ep", "--hidden", "100"], "--hidden 100: must be a multiple of 8"),
 ])
 def test_bad_arguments_exit_2_before_anything_starts(argv, message, capsys, nothing_starts):
     code, err = _exit_code(argv, capsys)
@@ -98,6 +107,37 @@ def test_bench_sizes_parse_like_the_settings(monkeypatch):
     assert seen["min_bytes"] == 3 << 19 and seen["max_bytes"] == 64 << 20
     assert main(["bench", "--no-baseline"]) == 0  # string defaults go through the same type
     assert seen["min_bytes"] == 1 << 20 and seen["max_bytes"] == 64 << 20
+
+
+def test_bench_collectives_and_the_ep_layer_are_passed_through(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or 0)
+    assert main(["bench", "--no-baseline"]) == 0
+    assert seen["collectives"] == ("all_gather", "reduce_scatter")
+    assert main(["bench", "--collective", "all_reduce", "--collective", "ep", "--tokens", "64,512",
+                 "--hidden", "7168", "--topk", "8", "--experts-per-rank", "64",
+                 "--ep-mode", "low_latency"]) == 0
+    assert seen["collectives"] == ("all_reduce", "ep")
+    assert seen["ep"] == bench.EpShape(tokens=(64, 512), hidden=7168, topk=8,
+                                       experts_per_rank=64, mode="low_latency")
+
+
+def test_bench_all_reduce_and_ep_tables(capsys):
+    """A real run at toy sizes: the all_reduce table beside gloo, the ep table (its combines
+    checked bit for bit inside: exact True, exit code 0) beside ag+rs and gloo's all-to-all."""
+    rc = bench.run_bench(world=2, min_bytes=64 << 10, max_bytes=64 << 10, iters=1,
+                         collectives=("all_reduce", "ep"),
+                         ep=bench.EpShape(tokens=(8, 20), hidden=64, topk=4,
+                                          experts_per_rank=4))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    ar = out[out.index("\nall_reduce\n"):]
+    assert "gloo busbw" in ar and "65536" in ar and "all_gather\n" not in out, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["tokens", "ep", "ms"])
+    rows = [line.split() for line in lines[head + 1:head + 3]]
+    assert [r[0] for r in rows] == ["8", "20"] and all(r[4] == "True" for r in rows), out
+    assert "gloo a2a ms" in out, out
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, nothing_starts):

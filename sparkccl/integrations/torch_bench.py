@@ -45,6 +45,8 @@ def print_overhead(direct: list, via_torch: list, sizes: list[int]) -> None:
     print("\nsparkccl through torch.distributed (backend \"sparkccl\") vs the direct API"
           + (f" -- calls sent to the fallback: {declined[0]}" if declined else ""))
     for key, title in (("ag", "all_gather_into_tensor"), ("rs", "reduce_scatter_tensor")):
+        if slowest(direct, 0, key) is None:  # (not among the bench's --collective)
+            continue
         print(f"\n{title}")
         print(f"{'size':>12} {'direct(us)':>11} {'torch(us)':>11} {'overhead':>9}")
         for i, size in enumerate(sizes):
