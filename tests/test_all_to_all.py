@@ -55,9 +55,11 @@ def a2a_checks(comm, seed: int, cases) -> list[str]:
 def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
     """all_to_all(sized=True): every block's first 8 bytes say its length (random, from
     below 8 to past the block); each source's bytes up to that length (geometry.sized_bytes)
-    arrive exact, and on a mesh (no relays) this rank's proxy posts exactly those bytes of
-    its blocks for the peers, rounded up to 16 (the first collective of a split block only;
-    the others whole)."""
+    arrive exact, and this rank's proxy posts exactly those bytes of its blocks for the
+    peers, rounded up to 16 (the first collective of a split block only; the others whole):
+    on a mesh each rank's own; on a ring, where relays cut each part at the length the
+    origin's call entry says, every rank's together come to each block's bytes times its
+    hops."""
     from sparkccl.plan.geometry import ALIGN, round_up, sized_bytes
     W, r, bad = comm.world_size, comm.rank, []
     xs = [make_input(seed + 50, i, shape, dtype) for i in range(W)]
@@ -96,15 +98,23 @@ def sized_checks(comm, seed: int, shape, dtype) -> list[str]:
             bad.append(f"world {W} {comm.topology} sized {dtype} {list(shape)}: source {i}'s "
                        f"first {n} bytes (head {int(heads[i, r])}) or bytes from {first} "
                        "differ")
+    S = round_up(first, ALIGN)
+    rest = (chunk - first) and sum(round_up(min(comm.max_slice, chunk - o), ALIGN)
+                                   for o in range(first, chunk, comm.max_slice))
+    sent = posted_bytes(comm) - before
     if comm.topology == "mesh":
-        S = round_up(first, ALIGN)
-        rest = (chunk - first) and sum(round_up(min(comm.max_slice, chunk - o), ALIGN)
-                                       for o in range(first, chunk, comm.max_slice))
         expect = sum(sized_bytes(int(heads[r, j]), S) + rest for j in range(W) if j != r)
-        sent = posted_bytes(comm) - before
         if sent != expect:
             bad.append(f"world {W} mesh sized {dtype} {list(shape)}: the proxy posted {sent} "
                        f"bytes, not the {expect} of the blocks' lengths")
+        return bad
+    every = comm.all_gather(torch.tensor([sent], dtype=torch.int64)).tolist()
+    expect = sum((sized_bytes(int(heads[i, j]), S) + rest) * min((j - i) % W, (i - j) % W)
+                 for i in range(W) for j in range(W) if j != i)
+    if sum(every) != expect:
+        bad.append(f"world {W} ring sized {dtype} {list(shape)}: the proxies posted "
+                   f"{sum(every)} bytes ({every}), not the {expect} of the blocks' lengths "
+                   "times their hops")
     return bad
 
 

@@ -241,6 +241,18 @@ def test_wrong_destination_block_is_caught():
         verify_plans(broken)
 
 
+def test_relay_item_naming_another_chunk_is_caught():
+    """A relay of a sized all-to-all cuts its parts at the length of chunk ``target`` (the
+    origin's call entry): an item naming another chunk than the bytes it carries would cut
+    them at the wrong length."""
+    plans = build_all("ring", 4, 2)
+    k = _first(plans[1], lambda s: s.op == Op.RS and isinstance(s.trigger, OnFlag))
+    st = plans[1].streams[k]
+    it = dataclasses.replace(st.items[0], target=(st.items[0].target + 1) % 4)
+    with pytest.raises(PlanError, match="as chunk"):
+        verify_plans(_mutate(plans, 1, k, items=(it, *st.items[1:])))
+
+
 @pytest.mark.parametrize("region", [Region.AG, Region.RS_SEND, Region.RS_RECV])
 def test_too_few_slots_are_caught(region):
     slots = {Region.AG: 3, Region.RS_SEND: 2, Region.RS_RECV: 2}

@@ -213,13 +213,15 @@ def check_work_requests(w: VWorld, log, strict=False):
         call_area = w.ctl[conn.peer].flags_addr + 8 * nflags
         for e in wrs:
             if e["inline"] and not e["signaled"]:  # a call entry (both orderings): plainly,
-                # one write of its two words, or two where the QP inlines only 8 bytes
-                assert e["opcode"] == WR_RDMA_WRITE and e["length"] == 16 // w.entry_writes, e
+                # one write of its words, or one per word where the QP inlines only 8 bytes
+                n = L.CALL_ENTRY_WORDS
+                assert e["opcode"] == WR_RDMA_WRITE and \
+                    e["length"] == 8 * n // w.entry_writes, e
                 word = (e["remote_addr"] - call_area) // 8
-                assert e["remote_addr"] % 8 == 0 and 0 <= word < 2 * w.world * L.CALL_SLOTS, e
-                assert e["length"] == 8 or word % 2 == 0, e
+                assert e["remote_addr"] % 8 == 0 and 0 <= word < n * w.world * L.CALL_SLOTS, e
+                assert e["length"] == 8 or word % n == 0, e
                 assert e["rkey"] == paired["mem"][V.KEY_FLAGS][2]
-                calls.add(divmod(word // 2, L.CALL_SLOTS))
+                calls.add(divmod(word // n, L.CALL_SLOTS))
                 continue
             is_flag = (e["opcode"] == WR_RDMA_WRITE_WITH_IMM) if strict else e["inline"]
             if not is_flag:
@@ -328,7 +330,7 @@ SLICES = [16, 1000, 4096 * 3 + 5]
 def _exercise(topology, world, roots, strict=False, entry_writes=1):
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
-    w.entry_writes = entry_writes  # 2: the QPs inline 8 bytes
+    w.entry_writes = entry_writes  # CALL_ENTRY_WORDS: the QPs inline 8 bytes
     w.check_setup()
     setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
@@ -389,15 +391,15 @@ def test_ll_lines_through_the_proxy(fake, world, roots, strict):
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["inline", "strict"])
-def test_call_entries_go_as_two_writes_where_the_qp_inlines_8_bytes(strict):
-    """A device that inlines only a flag's 8 bytes: each call entry is two 8-byte inline
-    writes, still ahead of the origin's first flag on the connection."""
+def test_call_entries_go_word_by_word_where_the_qp_inlines_8_bytes(strict):
+    """A device that inlines only a flag's 8 bytes: each call entry is one 8-byte inline
+    write per word, still ahead of the origin's first flag on the connection."""
     devices = fake_devices()
     for d in devices:
         d["max_inline"] = 8
     FAKE.install(devices)
     try:
-        _exercise("ring", 3, 2, strict=strict, entry_writes=2)
+        _exercise("ring", 3, 2, strict=strict, entry_writes=L.CALL_ENTRY_WORDS)
     finally:
         FAKE.uninstall()
 

@@ -14,6 +14,9 @@ constexpr int NUM_OPS = 2;       // Op.AG, Op.RS
 constexpr int NUM_REGIONS = 3;   // Region.AG, RS_SEND, RS_RECV
 constexpr int CHANNELS = 2;
 constexpr int MAX_ROOTS = 2;
+constexpr int OP_RS = 1;          // Op.RS
+constexpr int REGION_RS_SEND = 1;  // Region.RS_SEND: block j = the chunk for rank j
+constexpr int REGION_RS_RECV = 2;  // Region.RS_RECV
 
 inline uint64_t num_flag_words(int world) {
   return uint64_t(NUM_OPS) * uint64_t(world) * CHANNELS * MAX_ROOTS;

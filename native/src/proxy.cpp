@@ -78,14 +78,15 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
   const uint64_t nflags = reg_.num_flags;
   for (auto& c : connections) conns_.push_back(conn_from_row(c, rank, world, "Proxy"));
   for (auto& it : items) {
-    need(it.size() == 8, "item rows have 8 fields");
+    need(it.size() == 9, "item rows have 9 fields");
     need(it[0] >= 0 && it[0] < NUM_REGIONS && it[2] >= 0 && it[2] < NUM_REGIONS,
          "item region out of range");
     need(it[1] >= 0 && it[3] >= 0, "item block negative");
     need(it[5] >= 1 && it[5] <= 2 && it[4] >= 0 && it[4] < it[5], "item root/roots invalid");
     need(it[7] >= 1 && it[7] <= 2 && it[6] >= 0 && it[6] < it[7], "item half/halves invalid");
+    need(it[8] >= 0 && it[8] < world, "item target out of range");
     items_.push_back(ItemRow{int(it[0]), int(it[1]), int(it[2]), int(it[3]), int(it[4]),
-                             int(it[5]), int(it[6]), int(it[7])});
+                             int(it[5]), int(it[6]), int(it[7]), int(it[8])});
   }
   for (auto& s : streams) {
     need(s.size() == 7, "stream rows have 7 fields");
@@ -102,6 +103,10 @@ Proxy::Proxy(int rank, int world, uint64_t ctl, uint64_t flags,
     StreamRow row{int(s[0]), int(s[1]), uint64_t(s[2]), int(s[3]), uint64_t(s[4]),
                   size_t(s[5]), size_t(s[6])};
     ops_[row.op].streams.push_back(streams_.size());
+    if (row.kind == 0)
+      send_chunks_[row.op] |= uint32_t(row.arg);
+    else
+      relays_ = true;
     streams_.push_back(row);
   }
   for (auto& own : streams_)
@@ -499,6 +504,59 @@ bool Proxy::relays_caught_up(const StreamRow& s, int piece) const {
   return true;
 }
 
+bool Proxy::sized(const Coll& c) {
+  return (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
+}
+
+bool Proxy::own_end(int region, int block, const Coll& c, uint64_t* end,
+                    std::string* cause) const {
+  const uint64_t off = (c.seq % reg_.slots[region]) *
+                           reg_.stride[region].load(std::memory_order_acquire) +
+                       uint64_t(block) * c.slice;
+  const uint64_t base = reg_.local_span(region, off, 8, cause);
+  if (!base) return false;
+  uint64_t h;
+  std::memcpy(&h, reinterpret_cast<const void*>(static_cast<uintptr_t>(base + off)), 8);
+  *end = geom::sized_bytes(h, c.slice);
+  return true;
+}
+
+// The lengths go only where a relay needs them (a plan with relays), and only where this
+// proxy sends the data: a GPU-direct data plane wrote its chunks from device memory.
+int Proxy::own_lengths(const StreamRow& s, const Coll& c, uint64_t* words) {
+  uint64_t units[CALL_SIZED_CHUNKS];
+  for (uint64_t& u : units) u = CALL_LEN_UNKNOWN;
+  const uint32_t want = send_chunks_[s.op];
+  if (relays_ && s.op == OP_RS && sized(c) && !(c.direct & 1u)) {
+    if (!(c.all & 1u) && (c.chunks[0] & want) != want) return 0;
+    for (int j = 0; j < world_ && j < int(CALL_SIZED_CHUNKS); ++j) {
+      if (!(want >> j & 1u)) continue;
+      uint64_t end = 0;
+      std::string cause;
+      if (!own_end(REGION_RS_SEND, j, c, &end, &cause)) {
+        fail(ABORT_TRANSPORT, "rank " + std::to_string(rank_) + ": " + op_name(s.op) +
+                                  " seq " + std::to_string(c.seq) + ": the length of chunk " +
+                                  std::to_string(j) + " for its call entry: " + cause);
+        return -1;
+      }
+      units[j] = std::min<uint64_t>((end + 15) / 16, CALL_LEN_UNKNOWN);
+    }
+  }
+  const uint64_t tag = call_tag(c.seq) << CALL_SLICE_TAG_SHIFT;
+  for (uint64_t w = 0; w < CALL_SIZED_CHUNKS / 2; ++w)
+    words[w] = units[2 * w] | units[2 * w + 1] << CALL_LEN_BITS | tag;
+  return 1;
+}
+
+uint64_t Proxy::relayed_end(int origin, int target, const Coll& c) const {
+  if (target < 0 || uint64_t(target) >= CALL_SIZED_CHUNKS) return c.slice;
+  const uint64_t word = call_entry_word(world_, origin, c.seq) + CALL_SIZED + target / 2;
+  const uint64_t v = load_acquire(word_at(flags_, word * FLAG_BYTES));
+  if (v >> CALL_SLICE_TAG_SHIFT != call_tag(c.seq)) return c.slice;  // (send_call checked)
+  const uint64_t units = v >> (CALL_LEN_BITS * uint64_t(target % 2)) & CALL_LEN_UNKNOWN;
+  return units == CALL_LEN_UNKNOWN ? c.slice : std::min(units * 16, c.slice);
+}
+
 bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   std::string cause;
   bool ok = true;
@@ -522,9 +580,10 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   };
   // A sized all-to-all (KIND_ALL_TO_ALL_SIZED): this rank's own chunks say their length in
   // their first 8 bytes, which the data plane wrote before it published piece 0; each part is
-  // cut there, so the bytes past it never travel (a piece past it sends its flag alone).
-  // Relays forward whole parts: their chunk's first bytes may have come on the other root.
-  const bool sized = s.kind == 0 && (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
+  // cut there, so the bytes past it never travel (a piece past it sends its flag alone). A
+  // relay cuts at the length the origin's call entry says (the chunk's first bytes may have
+  // come over the other root, or not this way at all).
+  const bool cut = sized(c);
   // CHUNK_LL: the same parts, as lines of this rank's LL block (data byte x at line byte 2 x),
   // to the same place in the peer's LL area.
   const uint64_t ll_block = c.ll ? ll_block_offset(c.seq, rank_, world_) : 0;
@@ -534,16 +593,11 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
                                    reg_.stride[it.src_region].load(std::memory_order_acquire) +
                                uint64_t(it.src_block) * c.slice;
     uint64_t end = c.slice;
-    if (sized) {
-      const uint64_t base = reg_.local_span(it.src_region, chunk_off, 8, &cause);
-      if (!base) {
-        ok = false;
-        break;
-      }
-      uint64_t h;
-      std::memcpy(&h, reinterpret_cast<const void*>(static_cast<uintptr_t>(base + chunk_off)), 8);
-      end = geom::sized_bytes(h, c.slice);
+    if (cut && s.kind == 0 && !own_end(it.src_region, it.src_block, c, &end, &cause)) {
+      ok = false;
+      break;
     }
+    if (cut && s.kind != 0) end = relayed_end(s.origin, it.target, c);
     for (int q = piece; q <= last && ok; ++q) {
       auto pb = geom::piece_bounds(c.slice, q, c.granule);
       auto r = geom::sub_range(pb.first, pb.second, it.root, it.roots, it.half, it.halves);
@@ -622,14 +676,20 @@ int Proxy::send_call(const StreamRow& s, const Coll& c) {
   if (s.origin == rank_) {
     entry[CALL_TAGGED] = call_tagged(c.call, c.seq);
     entry[CALL_SLICE] = call_slice(c.slice, c.seq);
+    const int got = own_lengths(s, c, entry + CALL_SIZED);
+    if (got <= 0) return got;
   } else {
     for (uint64_t k = 0; k < CALL_ENTRY_WORDS; ++k)
       entry[k] = load_acquire(word_at(flags_, (word + k) * FLAG_BYTES));
     const uint64_t want = call_tag(c.seq);
-    const uint64_t tags[2] = {(entry[CALL_TAGGED] & 0xFF) |
-                                  (entry[CALL_TAGGED] >> CALL_PIECE_SHIFT & 0xFF) << 8,
-                              entry[CALL_SLICE] >> CALL_SLICE_TAG_SHIFT};
-    if (tags[0] != want || tags[1] != want) {
+    uint64_t tags[CALL_ENTRY_WORDS];
+    tags[CALL_TAGGED] =
+        (entry[CALL_TAGGED] & 0xFF) | (entry[CALL_TAGGED] >> CALL_PIECE_SHIFT & 0xFF) << 8;
+    for (uint64_t k = CALL_SLICE; k < CALL_ENTRY_WORDS; ++k)
+      tags[k] = entry[k] >> CALL_SLICE_TAG_SHIFT;
+    bool mine = true;
+    for (uint64_t t : tags) mine = mine && t == want;
+    if (!mine) {
       // A later seq's entry in the slot (the origin is CALL_SLOTS collectives on, which the
       // collectives' dependencies rule out): nothing to forward, and nothing to wait for.
       for (uint64_t t : tags)

@@ -105,6 +105,7 @@ class Proxy {
   };
   struct ItemRow {
     int src_region, src_block, dst_region, dst_block, root, roots, half, halves;
+    int target;  // the rank the bytes are for (the origin's chunk, for a reduce-scatter)
   };
   struct Coll {
     uint64_t seq, slice, granule;
@@ -137,6 +138,18 @@ class Proxy {
   // flag (the data plane hands the entries off without a fence: the lines say they are there).
   bool lines_written(Coll& c);
   int send_call(const StreamRow& s, const Coll& c);
+  // A sized all-to-all (KIND_ALL_TO_ALL_SIZED) and its cuts (docs/PROTOCOL.md "Sized blocks").
+  static bool sized(const Coll& c);
+  // Where this rank's own block `block` of `region` ends for collective c: geom::sized_bytes
+  // of the length in its first 8 bytes. False with *cause where they cannot be read.
+  bool own_end(int region, int block, const Coll& c, uint64_t* end, std::string* cause) const;
+  // Words CALL_SIZED.. of this rank's own call entry for c: its chunks' ends where relays
+  // will cut them, else CALL_LEN_UNKNOWN. 0: not yet (a sent chunk's piece 0 is not
+  // published: its length may not be written); -1: failed; 1: written to `words`.
+  int own_lengths(const StreamRow& s, const Coll& c, uint64_t* words);
+  // Where a relay cuts origin's chunk `target` of collective c: the length in the origin's
+  // call entry, or c.slice where it does not say.
+  uint64_t relayed_end(int origin, int target, const Coll& c) const;
   bool relays_caught_up(const StreamRow& s, int piece) const;
   void trim();
   void note_delivered();
@@ -160,6 +173,8 @@ class Proxy {
   // (send_call; an all-reduce's RS and AG streams share one)
   std::vector<uint64_t> calls_sent_;
   OpState ops_[layout::NUM_OPS];
+  uint32_t send_chunks_[layout::NUM_OPS] = {};  // per op: the chunks the publish streams send
+  bool relays_ = false;  // the plan relays (a ring): own call entries carry sized lengths
   std::unique_ptr<Transport> transport_;
   std::thread thread_;
   std::atomic<bool> stop_{false};

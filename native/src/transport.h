@@ -154,8 +154,8 @@ class Transport {
                      uint64_t dst_off, uint64_t len, std::string* cause) = 0;
   virtual bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) = 0;
   // A call entry (docs/PROTOCOL.md "Call words"): store the CALL_ENTRY_WORDS values at the
-  // peer's words word, word + 1 (past its flag words: num_flags <= word, word + 1 <
-  // num_words), ordered like a write: visible before every later flag on the connection.
+  // peer's words word .. word + CALL_ENTRY_WORDS - 1 (past its flag words), ordered like a
+  // write: visible before every later flag on the connection.
   // Not a flag (nothing waits on it; verbs strict mode writes it plainly, not as an
   // immediate).
   virtual bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) = 0;

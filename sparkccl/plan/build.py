@@ -171,7 +171,7 @@ def build_plan(topology: str, world: int, rank: int, roots: int = 2) -> RankPlan
                         for k in range(roots):
                             key = (op, origin, leg.channels[hop], leg.path[hop + 1], k)
                             groups.setdefault(key, []).append(
-                                Item(*regions, _leg_part(leg, k, roots)))
+                                Item(*regions, _leg_part(leg, k, roots), target))
 
     streams = []
     for conn_id, conn in enumerate(conns):

@@ -83,13 +83,17 @@ class Connection:
 
 @dataclass(frozen=True)
 class Item:
-    """One data write per piece: ``part`` of piece c of a local block to a peer's block."""
+    """One data write per piece: ``part`` of piece c of a local block to a peer's block.
+    ``target``: the rank the bytes are for (a reduce-scatter's chunk index at the origin;
+    a relay of a sized all-to-all cuts its parts at that chunk's length); an all-gather's
+    item: the leg's farthest target."""
 
     src_region: Region
     src_block: int
     dst_region: Region
     dst_block: int
     part: Part
+    target: int
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class RankPlan:
             streams.append([int(s.op), s.conn, s.dst_flag, kind, arg, len(items), len(s.items)])
             for it in s.items:
                 items.append([int(it.src_region), it.src_block, int(it.dst_region), it.dst_block,
-                              it.part.root, it.part.roots, it.part.half, it.part.halves])
+                              it.part.root, it.part.roots, it.part.half, it.part.halves,
+                              it.target])
         conns = [[c.peer, c.channel, c.root] for c in self.connections]
         return {"connections": conns, "streams": streams, "items": items}

@@ -417,6 +417,11 @@ class _Sim:
                 if rec.origin != st.origin:
                     self._fail(f"{what}: forwards rank {rec.origin}'s bytes on origin "
                                f"{st.origin}'s stream")
+                # A relay of a sized all-to-all cuts its parts at chunk `target`'s length.
+                if st.op == Op.RS and it.src_region == Region.RS_RECV and \
+                        rec.content_block != it.target:
+                    self._fail(f"{what}: relays rank {rec.origin}'s chunk {rec.content_block} "
+                               f"as chunk {it.target}")
             self._note_read(r, it.src_region, s, ("flag", conn.peer, st.dst_flag, s, c))
             self._note_write(conn.peer, it.dst_region, s, vec)
             idx = self.conn_next.get(ckey, 0)

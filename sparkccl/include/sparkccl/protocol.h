@@ -158,12 +158,22 @@ constexpr pu64 FLAG_BYTES = 8;
 // connection to this rank: CALL_TAGGED = s's call word with the tag in its op and piece
 // bytes, CALL_SLICE = its slice bytes | the tag << CALL_SLICE_TAG_SHIFT; the tag is seq + 1's
 // low 16 bits (never 0 in a slot's first lap: zeroed memory is no entry). Each word carries
-// the tag, so a word is trusted alone (no torn pair across two seqs).
+// the tag, so a word is trusted alone (no torn pair across two seqs). Words CALL_SIZED ..:
+// the lengths of s's chunks in a sized all-to-all (KIND_ALL_TO_ALL_SIZED), which the
+// proxies that relay its parts cut them at (docs/PROTOCOL.md "Sized blocks"): chunk j's
+// geom::sized_bytes in 16-byte units (rounded up) in word CALL_SIZED + j / 2, bits
+// CALL_LEN_BITS * (j % 2) up, CALL_LEN_UNKNOWN where s's proxy did not read it (GPU-direct
+// data, chunks from CALL_SIZED_CHUNKS on, lengths past the field, other kinds: relays then
+// forward the part whole), the tag above bit CALL_SLICE_TAG_SHIFT as in CALL_SLICE.
 constexpr pu64 FLAG_WORDS_PER_RANK = 8;  // NUM_OPS * CHANNELS * MAX_ROOTS (native/src/layout.h)
 constexpr pu64 CALL_SLOTS = 32;
-constexpr pu64 CALL_ENTRY_WORDS = 2;
 constexpr pu64 CALL_TAGGED = 0;
 constexpr pu64 CALL_SLICE = 1;
+constexpr pu64 CALL_SIZED = 2;
+constexpr pu64 CALL_SIZED_CHUNKS = 8;  // the plans' largest world
+constexpr pu64 CALL_ENTRY_WORDS = 6;  // CALL_SIZED + CALL_SIZED_CHUNKS / 2
+constexpr pu64 CALL_LEN_BITS = 24;
+constexpr pu64 CALL_LEN_UNKNOWN = 0xFFFFFF;  // (1 << CALL_LEN_BITS) - 1
 constexpr pu64 CALL_TAG_MASK = 0xFFFF;
 constexpr pu64 CALL_SLICE_TAG_SHIFT = 48;
 
@@ -210,12 +220,16 @@ SCCL_HOST_DEVICE constexpr pu64 call_word(pu64 op, pu64 dtype, pu64 kind, pu64 p
 }
 static_assert(call_word(1, DTYPE_BF16, KIND_ALL_REDUCE_AVG, 20) == 0x1400040301ull,
               "call word packing");
-static_assert(CALL_TAGGED < CALL_ENTRY_WORDS && CALL_SLICE < CALL_ENTRY_WORDS &&
+static_assert(CALL_TAGGED < CALL_SIZED && CALL_SLICE < CALL_SIZED &&
+                  CALL_ENTRY_WORDS == CALL_SIZED + CALL_SIZED_CHUNKS / 2 &&
+                  CALL_LEN_UNKNOWN == (pu64(1) << CALL_LEN_BITS) - 1 &&
+                  2 * CALL_LEN_BITS <= CALL_SLICE_TAG_SHIFT &&
                   (CALL_SLOTS & (CALL_SLOTS - 1)) == 0 && CALL_SLOTS <= CALL_TAG_MASK,
-              "call entries: two words, slots wrap by modulo within the tag");
+              "call entries: the call and slice words, then two lengths a word below the tag; "
+              "slots wrap by modulo within the tag");
 
-// A call entry's two words (see CALL_SLOTS): seq's tag in the call word's op and piece
-// bytes (the bytes every rank's calls may differ in), and above the slice's 48 bits.
+// A call entry's first two words (see CALL_SLOTS): seq's tag in the call word's op and
+// piece bytes (the bytes every rank's calls may differ in), and above the slice's 48 bits.
 SCCL_HOST_DEVICE constexpr pu64 call_tag(pu64 seq) { return (seq + 1) & CALL_TAG_MASK; }
 SCCL_HOST_DEVICE constexpr pu64 call_tagged(pu64 call, pu64 seq) {
   return (call & ~(pu64(0xFF) | pu64(0xFF) << CALL_PIECE_SHIFT)) | (call_tag(seq) & 0xFF) |
