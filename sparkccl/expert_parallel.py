@@ -534,7 +534,7 @@ class ExpertParallel:
         return recv, handle
 
     def _dispatch(self, x, topk_idx, topk_weights, x_scales, n: int, K: int):
-        comm, W, T, H = self.comm, self.world, self.max_tokens, self.hidden
+        comm, W, H = self.comm, self.world, self.hidden
         dev = comm.device
         if self._fused:
             return self._dispatch_fused(x, topk_idx, topk_weights, x_scales, n, K)
