@@ -16,6 +16,9 @@
 #   epht   benchmarks/ep_bench.py high-throughput at prefill sizes (4096 tokens x 7168, top-8 of 64
 #          experts per rank, world 4), the fused and the torch-op dispatch in the same run
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
+#   epbench  sparkccl bench --collective ep, world 2, x 7168, top-8 of 64 experts per rank:
+#          high-throughput 128 and 4096 tokens, low-latency 128 (EPBENCH_ARGS, default --no-baseline:
+#          NCCL takes no two ranks on one GPU; on nvidia-h200-x2 pass --baseline nccl)
 #   decode the one-shot all-reduce (issue 30): its GPU tests, then benchmarks/decode_latency.py
 #          world 2 and 4 (DECODE_WORLDS; DECODE_ARGS: more arguments) under MPS (GPU-direct and proxy path beside their floors), and the
 #          proxy's publish -> post figures at 8 and 64 KiB (SPARKCCL_GPU_STAMPS)
@@ -168,6 +171,15 @@ for s in $STAGES; do
       stage "EP high throughput (prefill), world 4, fused and torch-op dispatch"
       timeout 300 python3 benchmarks/ep_bench.py --device cuda --worlds 4 --tokens 4096 --hidden 7168 \
         --topk 8 --experts-per-rank 64 --slot-mib 256 --iters 5 --torch-dispatch 2>&1 | tee "$OUT/ep_bench_ht.txt"
+      mps_off ;;
+    epbench)
+      mps_on
+      for mode in high_throughput:128,4096 low_latency:128; do
+        stage "sparkccl bench --collective ep, ${mode%%:*}"
+        timeout 280 python3 -m sparkccl.cli bench --device cuda --world 2 --collective ep \
+          --tokens ${mode##*:} --hidden 7168 --topk 8 --experts-per-rank 64 --ep-mode ${mode%%:*} \
+          --iters 10 ${EPBENCH_ARGS:---no-baseline} 2>&1 | grep -v "^bench:"
+      done | tee "$OUT/epbench.txt"
       mps_off ;;
     ep)
       mps_on

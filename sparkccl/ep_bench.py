@@ -100,7 +100,8 @@ def sparkccl_rank(rank, world, store, topology, transport, device, tokens, H, K,
     from .bench_timing import setup_device
     from .ep_reference import combine_reference, partial_combine_reference, run_experts
     dev = setup_device(device, rank)
-    slot = max(1 << 20, world * (max(tokens) * K + 1) * H * 2)  # a combine in one slot
+    # a combine in one slot, up to 256 MiB (above, its blocks go in several collectives)
+    slot = min(max(1 << 20, world * (max(tokens) * K + 1) * H * 2), 256 << 20)
     rows = []
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport=transport, device=dev, slot_bytes=slot,
