@@ -107,15 +107,14 @@ def test_native_sender_frames_in_order():
                     break
                 frames.append((kind, region, a, b, bytes(got[HDR.size:n])))
                 del got[:n]
-        # first the call entry (six words past the flag words: rank 0's, seq 0's slot; a
-        # plain reduce-scatter's lengths unknown, docs/PROTOCOL.md "Call words")
+        # first the call entry (its first two words past the flag words: rank 0's, seq 0's
+        # slot; a sized all-to-all's lengths go only where relays cut at them,
+        # docs/PROTOCOL.md "Call words")
         nfw = num_flag_words(2)
-        n = L.CALL_ENTRY_WORDS
-        entry, frames = frames[:n], frames[n:]
+        entry, frames = frames[:2], frames[2:]
         tag = 1  # (seq 0 + 1)
-        assert [(f[0], f[2]) for f in entry] == [(K_FLAG, nfw + k) for k in range(n)], entry
+        assert [(f[0], f[2]) for f in entry] == [(K_FLAG, nfw), (K_FLAG, nfw + 1)], entry
         assert entry[0][3] & 0xFF == tag and entry[1][3] == slice_ | tag << 48, entry
-        assert all(f[3] == 0xFFFFFF | 0xFFFFFF << 24 | tag << 48 for f in entry[2:]), entry
         writes = [f for f in frames if f[0] == K_WRITE]
         flags = [f for f in frames if f[0] == K_FLAG]
         assert [f[0] for f in frames[:2]] == [K_WRITE, K_FLAG]
@@ -194,11 +193,10 @@ def test_native_ll_lines_sent_once_every_flag_is_there():
             r.out_far.recv(1)
         area[len(lines) - 8:len(lines)] = np.frombuffer(lines[-8:], dtype=np.uint8)
         frames = read_frames(r.out_far, lambda fs: any(f[0] == K_FLAG and f[3] == 8 for f in fs))
-        nfw, n = num_flag_words(2), L.CALL_ENTRY_WORDS
-        assert [(f[0], f[2]) for f in frames[:n]] == [(K_FLAG, nfw + k) for k in range(n)], \
-            frames
-        assert [(f[0], f[2], f[3], f[4]) for f in frames[n:n + 1]] == [(K_LINES, 0, 128, lines)]
-        assert [(f[0], f[3]) for f in frames[n + 1:]] == [(K_FLAG, 8)], frames
+        nfw = num_flag_words(2)
+        assert [(f[0], f[2]) for f in frames[:2]] == [(K_FLAG, nfw), (K_FLAG, nfw + 1)], frames
+        assert [(f[0], f[2], f[3], f[4]) for f in frames[2:3]] == [(K_LINES, 0, 128, lines)]
+        assert [(f[0], f[3]) for f in frames[3:]] == [(K_FLAG, 8)], frames
         assert N.abort_code(r.ctl.addr) == 0
     finally:
         r.close()

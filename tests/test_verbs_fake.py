@@ -213,10 +213,11 @@ def check_work_requests(w: VWorld, log, strict=False):
         call_area = w.ctl[conn.peer].flags_addr + 8 * nflags
         for e in wrs:
             if e["inline"] and not e["signaled"]:  # a call entry (both orderings): plainly,
-                # one write of its words, or one per word where the QP inlines only 8 bytes
+                # one write of its first two words (the call and the slice: no sized
+                # all-to-all here), or one per word where the QP inlines only 8 bytes
                 n = L.CALL_ENTRY_WORDS
                 assert e["opcode"] == WR_RDMA_WRITE and \
-                    e["length"] == 8 * n // w.entry_writes, e
+                    e["length"] == 8 * L.CALL_SIZED // w.entry_writes, e
                 word = (e["remote_addr"] - call_area) // 8
                 assert e["remote_addr"] % 8 == 0 and 0 <= word < n * w.world * L.CALL_SLOTS, e
                 assert e["length"] == 8 or word % n == 0, e
@@ -330,7 +331,7 @@ SLICES = [16, 1000, 4096 * 3 + 5]
 def _exercise(topology, world, roots, strict=False, entry_writes=1):
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
-    w.entry_writes = entry_writes  # CALL_ENTRY_WORDS: the QPs inline 8 bytes
+    w.entry_writes = entry_writes  # 2: the QPs inline 8 bytes
     w.check_setup()
     setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
@@ -399,7 +400,7 @@ def test_call_entries_go_word_by_word_where_the_qp_inlines_8_bytes(strict):
         d["max_inline"] = 8
     FAKE.install(devices)
     try:
-        _exercise("ring", 3, 2, strict=strict, entry_writes=L.CALL_ENTRY_WORDS)
+        _exercise("ring", 3, 2, strict=strict, entry_writes=2)
     finally:
         FAKE.uninstall()
 

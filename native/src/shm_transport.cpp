@@ -29,7 +29,7 @@ namespace {
 struct CopyOp {
   uint8_t* dst;        // write: destination bytes; else nullptr
   const uint8_t* src;
-  uint64_t len;
+  uint64_t len;        // write: bytes; call entry: its words
   uint64_t* flag;      // flag: the peer's word; call entry: its first word
   uint64_t value[layout::CALL_ENTRY_WORDS];  // flag: value[0]; call entry: its words
   uint64_t pushed_ns;  // a data flag: when the proxy pushed it (sampled)
@@ -53,7 +53,7 @@ constexpr uint64_t BURST_GAP_NS = 2000;
 
 void perform(const CopyOp& op) {
   if (op.call) {
-    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) store_release(op.flag + k, op.value[k]);
+    for (uint64_t k = 0; k < op.len; ++k) store_release(op.flag + k, op.value[k]);
   } else if (op.flag) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     store_release(op.flag, op.value[0]);
@@ -176,12 +176,13 @@ class ShmTransport final : public Transport {
 
   // One operation for the whole entry (one push, and no fence per word: it needs to precede
   // only the connection's later flags, whose own fences see to that).
-  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
-    if (!call_entry_in_range(*reg_, word, cause)) return false;
+  bool put_call(int conn, uint64_t word, const uint64_t* values, uint64_t n,
+                std::string* cause) override {
+    if (!call_entry_in_range(*reg_, word, n, cause)) return false;
     uint64_t* at = peer_word(conn, word, cause);
     if (!at) return false;
-    CopyOp op{nullptr, nullptr, 0, at, {}, 0, true, false};
-    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k) op.value[k] = values[k];
+    CopyOp op{nullptr, nullptr, n, at, {}, 0, true, false};
+    for (uint64_t k = 0; k < n; ++k) op.value[k] = values[k];
     submit(conn, op);
     return true;
   }

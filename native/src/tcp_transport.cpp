@@ -318,10 +318,11 @@ class TcpTransport final : public Transport {
     return true;
   }
 
-  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
-    if (!call_entry_in_range(*reg_, word, cause)) return false;
+  bool put_call(int conn, uint64_t word, const uint64_t* values, uint64_t n,
+                std::string* cause) override {
+    if (!call_entry_in_range(*reg_, word, n, cause)) return false;
     // As flag frames: the receiver stores any word of its flag section the same way.
-    for (uint64_t k = 0; k < layout::CALL_ENTRY_WORDS; ++k)
+    for (uint64_t k = 0; k < n; ++k)
       senders_[size_t(conn)]->push(SendOp{Header{KIND_FLAG, 0, word + k, values[k]}, nullptr});
     return true;
   }

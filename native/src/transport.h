@@ -153,12 +153,14 @@ class Transport {
   virtual bool write(int conn, int src_region, uint64_t src_off, int dst_region,
                      uint64_t dst_off, uint64_t len, std::string* cause) = 0;
   virtual bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) = 0;
-  // A call entry (docs/PROTOCOL.md "Call words"): store the CALL_ENTRY_WORDS values at the
-  // peer's words word .. word + CALL_ENTRY_WORDS - 1 (past its flag words), ordered like a
-  // write: visible before every later flag on the connection.
+  // A call entry (docs/PROTOCOL.md "Call words"): store its first n values (CALL_SIZED: the
+  // call and the slice; CALL_ENTRY_WORDS: with a sized all-to-all's lengths, for relays) at
+  // the peer's words word .. word + n - 1 (past its flag words), ordered like a write:
+  // visible before every later flag on the connection.
   // Not a flag (nothing waits on it; verbs strict mode writes it plainly, not as an
   // immediate).
-  virtual bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) = 0;
+  virtual bool put_call(int conn, uint64_t word, const uint64_t* values, uint64_t n,
+                        std::string* cause) = 0;
   // LL lines (docs/PROTOCOL.md "One shot, LL, through the proxy"): bytes [off, off + len) of
   // this rank's LL area (Registry::ll_off past its flag words) to the same bytes of the
   // peer's, ordered like a write. Every 8-byte half {data, flag} lands whole (store_lines):
@@ -306,10 +308,14 @@ struct OrderedQueue {
 };
 
 // put_call's bounds: the entry lies in the call words. False with *cause otherwise.
-inline bool call_entry_in_range(const Registry& reg, uint64_t word, std::string* cause) {
-  if (word >= reg.num_flags && word + layout::CALL_ENTRY_WORDS <= reg.num_words) return true;
-  *cause = "call entry at word " + std::to_string(word) + " outside the call words [" +
-           std::to_string(reg.num_flags) + ", " + std::to_string(reg.num_words) + ")";
+inline bool call_entry_in_range(const Registry& reg, uint64_t word, uint64_t n,
+                                std::string* cause) {
+  if (n >= 1 && n <= layout::CALL_ENTRY_WORDS && word >= reg.num_flags &&
+      word + layout::CALL_ENTRY_WORDS <= reg.num_words)
+    return true;
+  *cause = "call entry of " + std::to_string(n) + " words at word " + std::to_string(word) +
+           " outside the call words [" + std::to_string(reg.num_flags) + ", " +
+           std::to_string(reg.num_words) + ")";
   return false;
 }
 

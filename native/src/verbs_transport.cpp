@@ -877,9 +877,9 @@ uint64_t VerbsEndpoint::peer_flags(Registry* reg, int conn, std::string* cause) 
 }
 
 bool VerbsEndpoint::put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values,
-                             std::string* cause) {
+                             uint64_t n_words, std::string* cause) {
   if (!usable(conn, cause)) return false;
-  if (!call_entry_in_range(*reg, word, cause)) return false;
+  if (!call_entry_in_range(*reg, word, n_words, cause)) return false;
   Qp& q = *qps_[size_t(conn)];
   const uint64_t fbase = peer_flags(reg, conn, cause);
   if (!fbase) return false;
@@ -887,7 +887,7 @@ bool VerbsEndpoint::put_call(Registry* reg, int conn, uint64_t word, const uint6
   // immediate carries only a flag's low bits. One WR where the QP inlines the entry.
   const uint32_t rkey = q.rkey[VERBS_KEY_FLAGS];
   const uint64_t remote = fbase + word * layout::FLAG_BYTES;
-  constexpr uint32_t n = uint32_t(layout::CALL_ENTRY_WORDS);
+  const uint32_t n = uint32_t(n_words);
   if (q.max_inline >= n * 8) return post_words(conn, word, values, n, remote, rkey, false, cause);
   for (uint32_t k = 0; k < n; ++k)
     if (!post_words(conn, word + k, values + k, 1, remote + 8 * k, rkey, false, cause))
@@ -1061,8 +1061,9 @@ class VerbsTransport final : public Transport {
   bool flag(int conn, uint64_t word, uint64_t value, std::string* cause) override {
     return ep_->flag(reg_, conn, word, value, cause);
   }
-  bool put_call(int conn, uint64_t word, const uint64_t* values, std::string* cause) override {
-    return ep_->put_call(reg_, conn, word, values, cause);
+  bool put_call(int conn, uint64_t word, const uint64_t* values, uint64_t n,
+                std::string* cause) override {
+    return ep_->put_call(reg_, conn, word, values, n, cause);
   }
   bool put_lines(int conn, uint64_t off, uint64_t len, std::string* cause) override {
     return ep_->put_lines(reg_, conn, off, len, cause);

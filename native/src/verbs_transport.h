@@ -102,7 +102,7 @@ class VerbsEndpoint final : public TransportFactory {
   bool write(Registry* reg, int conn, int src_region, uint64_t src_off, int dst_region,
              uint64_t dst_off, uint64_t len, std::string* cause);
   bool flag(Registry* reg, int conn, uint64_t word, uint64_t value, std::string* cause);
-  bool put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values,
+  bool put_call(Registry* reg, int conn, uint64_t word, const uint64_t* values, uint64_t n,
                 std::string* cause);
   bool put_lines(Registry* reg, int conn, uint64_t off, uint64_t len, std::string* cause);
   bool poll(int* conn, std::string* cause);

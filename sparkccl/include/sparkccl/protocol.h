@@ -158,13 +158,14 @@ constexpr pu64 FLAG_BYTES = 8;
 // connection to this rank: CALL_TAGGED = s's call word with the tag in its op and piece
 // bytes, CALL_SLICE = its slice bytes | the tag << CALL_SLICE_TAG_SHIFT; the tag is seq + 1's
 // low 16 bits (never 0 in a slot's first lap: zeroed memory is no entry). Each word carries
-// the tag, so a word is trusted alone (no torn pair across two seqs). Words CALL_SIZED ..:
-// the lengths of s's chunks in a sized all-to-all (KIND_ALL_TO_ALL_SIZED), which the
-// proxies that relay its parts cut them at (docs/PROTOCOL.md "Sized blocks"): chunk j's
-// geom::sized_bytes in 16-byte units (rounded up) in word CALL_SIZED + j / 2, bits
-// CALL_LEN_BITS * (j % 2) up, CALL_LEN_UNKNOWN where s's proxy did not read it (GPU-direct
-// data, chunks from CALL_SIZED_CHUNKS on, lengths past the field, other kinds: relays then
-// forward the part whole), the tag above bit CALL_SLICE_TAG_SHIFT as in CALL_SLICE.
+// the tag, so a word is trusted alone (no torn pair across two seqs). Words CALL_SIZED ..,
+// written only for a sized all-to-all (KIND_ALL_TO_ALL_SIZED) on a plan with relays: the
+// lengths of s's chunks, which the proxies that relay its parts cut them at
+// (docs/PROTOCOL.md "Sized blocks"): chunk j's geom::sized_bytes in 16-byte units (rounded
+// up) in word CALL_SIZED + j / 2, bits CALL_LEN_BITS * (j % 2) up, CALL_LEN_UNKNOWN where
+// s's proxy did not read it (GPU-direct data, chunks from CALL_SIZED_CHUNKS on, lengths past
+// the field: relays then forward the part whole), the tag above bit CALL_SLICE_TAG_SHIFT as
+// in CALL_SLICE.
 constexpr pu64 FLAG_WORDS_PER_RANK = 8;  // NUM_OPS * CHANNELS * MAX_ROOTS (native/src/layout.h)
 constexpr pu64 CALL_SLOTS = 32;
 constexpr pu64 CALL_TAGGED = 0;
