@@ -41,8 +41,9 @@ FRAME_HEADER = 24  # native/src/tcp_transport.cpp
 def plan_port_bytes(topology: str, world: int, roots: int, op_name: str, slice_bytes: int):
     """{(rank, channel): (payload bytes, frames)} one collective puts out through each port.
     Frames: one per write, one per flag, and the call entries (docs/PROTOCOL.md "Call
-    words": CALL_ENTRY_WORDS flag frames per (connection, origin) per collective)."""
-    from sparkccl.layout import CALL_ENTRY_WORDS
+    words": a flag frame per word, CALL_SIZED words per (connection, origin) per collective
+    that is not a sized all-to-all)."""
+    from sparkccl.layout import CALL_SIZED
     from sparkccl.plan.build import build_plan
     from sparkccl.plan.geometry import PIECES, piece_bounds, sub_range
     from sparkccl.plan.model import Op
@@ -63,7 +64,7 @@ def plan_port_bytes(topology: str, world: int, roots: int, op_name: str, slice_b
                 frames += 1  # the flag
             if (s.conn, s.origin) not in calls:
                 calls.add((s.conn, s.origin))
-                frames += CALL_ENTRY_WORDS
+                frames += CALL_SIZED
             out[(r, ch)] = (payload, frames)
     return out
 
