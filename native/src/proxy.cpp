@@ -508,11 +508,14 @@ bool Proxy::sized(const Coll& c) {
   return (c.call >> CALL_KIND_SHIFT & 0xFF) == KIND_ALL_TO_ALL_SIZED;
 }
 
+uint64_t Proxy::chunk_offset(int region, int block, const Coll& c) const {
+  return (c.seq % reg_.slots[region]) * reg_.stride[region].load(std::memory_order_acquire) +
+         uint64_t(block) * c.slice;
+}
+
 bool Proxy::own_end(int region, int block, const Coll& c, uint64_t* end,
                     std::string* cause) const {
-  const uint64_t off = (c.seq % reg_.slots[region]) *
-                           reg_.stride[region].load(std::memory_order_acquire) +
-                       uint64_t(block) * c.slice;
+  const uint64_t off = chunk_offset(region, block, c);
   const uint64_t base = reg_.local_span(region, off, 8, cause);
   if (!base) return false;
   uint64_t h;
@@ -521,13 +524,13 @@ bool Proxy::own_end(int region, int block, const Coll& c, uint64_t* end,
   return true;
 }
 
-// The lengths go only where a relay needs them (a plan with relays), and only where this
-// proxy sends the data: a GPU-direct data plane wrote its chunks from device memory.
+// Only where this proxy sends the data: a GPU-direct data plane wrote its chunks from
+// device memory.
 int Proxy::own_lengths(const StreamRow& s, const Coll& c, uint64_t* words) {
   uint64_t units[CALL_SIZED_CHUNKS];
   for (uint64_t& u : units) u = CALL_LEN_UNKNOWN;
   const uint32_t want = send_chunks_[s.op];
-  if (relays_ && s.op == OP_RS && sized(c) && !(c.direct & 1u)) {
+  if (s.op == OP_RS && !(c.direct & 1u)) {
     if (!(c.all & 1u) && (c.chunks[0] & want) != want) return 0;
     for (int j = 0; j < world_ && j < int(CALL_SIZED_CHUNKS); ++j) {
       if (!(want >> j & 1u)) continue;
@@ -589,9 +592,7 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
   const uint64_t ll_block = c.ll ? ll_block_offset(c.seq, rank_, world_) : 0;
   for (size_t i = s.first; i < s.first + s.n && ok; ++i) {
     const ItemRow& it = items_[i];
-    const uint64_t chunk_off = (c.seq % reg_.slots[it.src_region]) *
-                                   reg_.stride[it.src_region].load(std::memory_order_acquire) +
-                               uint64_t(it.src_block) * c.slice;
+    const uint64_t chunk_off = chunk_offset(it.src_region, it.src_block, c);
     uint64_t end = c.slice;
     if (cut && s.kind == 0 && !own_end(it.src_region, it.src_block, c, &end, &cause)) {
       ok = false;
@@ -605,9 +606,7 @@ bool Proxy::post_pieces(StreamRow& s, Coll& c, int piece, int last) {
       uint64_t len = r.second - r.first;
       if (!len) continue;
       uint64_t src_off = chunk_off + r.first;
-      uint64_t dst_off = (c.seq % reg_.slots[it.dst_region]) *
-                             reg_.stride[it.dst_region].load(std::memory_order_acquire) +
-                         uint64_t(it.dst_block) * c.slice + r.first;
+      uint64_t dst_off = chunk_offset(it.dst_region, it.dst_block, c) + r.first;
       if (c.ll) {
         src_off = dst_off = ll_block + 2 * r.first;
         len *= 2;
@@ -680,8 +679,10 @@ int Proxy::send_call(const StreamRow& s, const Coll& c) {
   if (s.origin == rank_) {
     entry[CALL_TAGGED] = call_tagged(c.call, c.seq);
     entry[CALL_SLICE] = call_slice(c.slice, c.seq);
-    const int got = own_lengths(s, c, entry + CALL_SIZED);
-    if (got <= 0) return got;
+    if (n == CALL_ENTRY_WORDS) {
+      const int got = own_lengths(s, c, entry + CALL_SIZED);
+      if (got <= 0) return got;
+    }
   } else {
     for (uint64_t k = 0; k < n; ++k)
       entry[k] = load_acquire(word_at(flags_, (word + k) * FLAG_BYTES));

@@ -140,12 +140,15 @@ class Proxy {
   int send_call(const StreamRow& s, const Coll& c);
   // A sized all-to-all (KIND_ALL_TO_ALL_SIZED) and its cuts (docs/PROTOCOL.md "Sized blocks").
   static bool sized(const Coll& c);
+  // The offset in `region` of block `block` of collective c's slot.
+  uint64_t chunk_offset(int region, int block, const Coll& c) const;
   // Where this rank's own block `block` of `region` ends for collective c: geom::sized_bytes
   // of the length in its first 8 bytes. False with *cause where they cannot be read.
   bool own_end(int region, int block, const Coll& c, uint64_t* end, std::string* cause) const;
-  // Words CALL_SIZED.. of this rank's own call entry for c: its chunks' ends where relays
-  // will cut them, else CALL_LEN_UNKNOWN. 0: not yet (a sent chunk's piece 0 is not
-  // published: its length may not be written); -1: failed; 1: written to `words`.
+  // Words CALL_SIZED.. of this rank's own call entry for c (a sized all-to-all on a plan
+  // with relays): its chunks' ends, or CALL_LEN_UNKNOWN where this proxy does not send the
+  // data. 0: not yet (a sent chunk's piece 0 is not published: its length may not be
+  // written); -1: failed; 1: written to `words`.
   int own_lengths(const StreamRow& s, const Coll& c, uint64_t* words);
   // Where a relay cuts origin's chunk `target` of collective c: the length in the origin's
   // call entry, or c.slice where it does not say.
