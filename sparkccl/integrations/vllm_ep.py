@@ -249,24 +249,31 @@ def _make_class():
                     mode=self.MODE)
             return self.ep
 
-        @staticmethod
-        def _weights_on_input(a1, topk_weights, topk_ids, apply_router_weight_on_input):
+        def _inputs(self, a1, topk_weights, topk_ids, expert_map,
+                    apply_router_weight_on_input):
+            """(ExpertParallel, tokens, weights) of a prepare call."""
+            ep = self._expert_parallel(expert_map)
             if not apply_router_weight_on_input:
-                return a1, topk_weights
+                return ep, a1, topk_weights
             # vLLM's rule for all its all-to-all backends: top-1 only, weight on the
             # input; the finalize then weighs by 1.0.
             if topk_ids.shape[1] != 1:
                 raise ValueError("sparkccl EP: apply_router_weight_on_input needs top-1, "
                                  f"got top-{topk_ids.shape[1]}")
-            return (a1 * topk_weights.to(a1.dtype),
+            return (ep, a1 * topk_weights.to(a1.dtype),
                     torch.ones_like(topk_weights, dtype=torch.float32))
+
+        def _take_pending(self):
+            if self._pending is None:
+                raise RuntimeError("sparkccl EP: finalize without a prepare")
+            pending, self._pending = self._pending, None
+            return pending
 
         def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                     apply_router_weight_on_input, quant_config, defer_input_quant=False):
             engine_ep.refuse_capture(self.comm.rank, self.comm.world_size, CAPTURE_HINT)
-            ep = self._expert_parallel(expert_map)
-            a1, topk_weights = self._weights_on_input(a1, topk_weights, topk_ids,
-                                                      apply_router_weight_on_input)
+            ep, a1, topk_weights = self._inputs(a1, topk_weights, topk_ids, expert_map,
+                                                apply_router_weight_on_input)
             d = engine_ep.dispatch_rows(ep, a1, topk_ids, topk_weights,
                                         capture_hint=CAPTURE_HINT)
             self._pending = (ep, d)
@@ -278,9 +285,7 @@ def _make_class():
 
         def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                      apply_router_weight_on_input, weight_and_reduce_impl) -> None:
-            if self._pending is None:
-                raise RuntimeError("sparkccl EP: finalize without a prepare")
-            (ep, d), self._pending = self._pending, None
+            ep, d = self._take_pending()
             engine_ep.combine_rows(ep, d, fused_expert_output, out=output,
                                    partial=engine_ep.partial_combine(self.group_name))
 
@@ -301,9 +306,8 @@ def _make_class():
 
         def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                     apply_router_weight_on_input, quant_config, defer_input_quant=False):
-            ep = self._expert_parallel(expert_map)
-            a1, topk_weights = self._weights_on_input(a1, topk_weights, topk_ids,
-                                                      apply_router_weight_on_input)
+            ep, a1, topk_weights = self._inputs(a1, topk_weights, topk_ids, expert_map,
+                                                apply_router_weight_on_input)
             recv, handle = engine_ep.dispatch_batched(ep, a1, topk_ids, topk_weights)
             self._pending = (ep, handle)
             meta = mk.ExpertTokensMetadata(expert_num_tokens=recv.counts,
@@ -312,9 +316,7 @@ def _make_class():
 
         def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                      apply_router_weight_on_input, weight_and_reduce_impl) -> None:
-            if self._pending is None:
-                raise RuntimeError("sparkccl EP: finalize without a prepare")
-            (ep, handle), self._pending = self._pending, None
+            ep, handle = self._take_pending()
             engine_ep.combine_batched(ep, handle, fused_expert_output, out=output,
                                       partial=engine_ep.partial_combine(self.group_name))
 
