@@ -111,6 +111,11 @@ def _link(nbytes: int, rounds: int, engine: str) -> float:
     return statistics.median(each)
 
 
+# Phases timed only where --phases names them.
+EXTRA_PHASES = ("a2a dispatch unsized", "a2a dispatch empty")
+TIMELINE_PHASES = ("dispatch", "a2a dispatch") + EXTRA_PHASES
+
+
 def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fused,
          bytes_per_block=None, prof=False, phases=None, with_timeline=False,
          a2a_bytes_per_block=None):
@@ -209,12 +214,19 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                "combine": lambda: ep.combine(out, handle, shared=a["shared"]),
                # the all-to-all alone, of the same blocks: the movement's share
                "a2a dispatch": lambda: comm.all_to_all(blocks["dispatch"], sized=True),
-               "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True)}
+               "a2a combine": lambda: comm.all_to_all(blocks["combine"], sized=True),
+               # (asked for by --phases only) the same blocks unsized, and sized but empty:
+               # what cutting at the lengths costs or saves on this path
+               "a2a dispatch unsized": lambda: comm.all_to_all(blocks["dispatch"]),
+               "a2a dispatch empty": lambda: comm.all_to_all(blocks["dispatch empty"],
+                                                             sized=True)}
+        blocks["dispatch empty"] = blocks["dispatch"].clone()
+        lay.header(blocks["dispatch empty"])[:] = lay.x_off
         for name in ("sccl_ep_pack", "sccl_ep_unpack"):  # (the dispatch's buffers, kept)
             if name in launched:
                 fns[name[8:]] = lambda call=launched[name]: plain_launch(*call)
         for phase, fn in fns.items():
-            if phases and phase not in phases:
+            if (phases and phase not in phases) or (not phases and phase in EXTRA_PHASES):
                 continue
             fn()
             torch.cuda.synchronize()
@@ -231,7 +243,7 @@ def _job(rank, world, store, T, H, K, E, fp8, iters, per_graph, combine_rows, fu
                 torch.cuda.synchronize()
                 each.append((time.perf_counter() - t0) / per_graph)
             res[phase] = statistics.median(each)
-            if with_timeline and phase in ("dispatch", "a2a dispatch"):
+            if with_timeline and phase in TIMELINE_PHASES:
                 from sparkccl.dataplane import timeline
                 graph.replay()
                 torch.cuda.synchronize()
@@ -266,7 +278,9 @@ def main() -> None:
                          "fused kernels")
     ap.add_argument("--phases", default=None,
                     help="a comma list of the phases to time (dispatch, combine, a2a dispatch, "
-                         "a2a combine, pack, unpack: the dispatch's kernels alone; default: "
+                         "a2a combine, pack, unpack: the dispatch's kernels alone; only when named: "
+                         "a2a dispatch unsized / empty, the same blocks unsized and sized but "
+                         "empty; default: "
                          "all): the proxy's figures printed after the "
                          "table are then of those alone")
     ap.add_argument("--profile", action="store_true",
@@ -340,7 +354,10 @@ def main() -> None:
                   "every rank's at once)")
     from decode_latency import print_proxy_stats
     print_proxy_stats(res[0]["proxy"])
-    for phase in ("dispatch", "a2a dispatch"):
+    for k in EXTRA_PHASES:
+        if k in res[0]:
+            print(f"{k:<12} {max(r[k] for r in res) * 1e6:>9.1f} us")
+    for phase in TIMELINE_PHASES:
         if "timeline " + phase in res[0]:
             from sparkccl.dataplane import timeline
             print(f"# {phase}, replayed: the all-to-all kernel's steps on the GPU clock (every "

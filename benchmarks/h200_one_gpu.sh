@@ -13,6 +13,8 @@
 #   ar     benchmarks/allreduce_regimes.py, world 2 and 4, eager and replayed, under MPS
 #   ep_ab  benchmarks/ep_latency.py, BASE against this tree, interleaved under MPS (EP_AB_WORLDS,
 #          AB_ROUNDS; EP_AB_ENV=SPARKCCL_GPU_DIRECT=0 for the proxy path)
+#   epsized  benchmarks/ep_latency.py: the dispatch blocks' all-to-all sized, unsized, sized-empty,
+#          both paths, EPSIZED_WORLDS (default "2 4"), with and without the GPU step timeline
 #   epht   benchmarks/ep_bench.py high-throughput at prefill sizes (4096 tokens x 7168, top-8 of 64
 #          experts per rank, world 4), the fused and the torch-op dispatch in the same run
 #   ep     benchmarks/ep_bench.py low-latency (128 tokens x 7168, top-8 of 64 experts per rank)
@@ -165,6 +167,18 @@ for s in $STAGES; do
         (cd "$root" && env ${EP_AB_ENV:-} PYTHONPATH=$root timeout 150 \
            python3 benchmarks/ep_latency.py --world $w --iters 100 2>&1)
       done; done; done | tee "$OUT/ep_ab.txt"
+      mps_off ;;
+    epsized)  # the dispatch's blocks' all-to-all sized, unsized and sized-empty in one run,
+      # each path (GPU-direct, proxy), worlds EPSIZED_WORLDS (default "2 4"), then with the GPU
+      # step timeline (its kernels carry stamps: not the timed figures' build)
+      mps_on
+      for env in SPARKCCL_GPU_DIRECT=1 SPARKCCL_GPU_DIRECT=0; do for w in ${EPSIZED_WORLDS:-2 4}; do
+        for tl in "" --timeline; do
+          stage "ep_latency sized/unsized all-to-all, world $w $env $tl"
+          env $env timeout 150 python3 benchmarks/ep_latency.py --world $w --iters 100 $tl \
+            --phases "a2a dispatch,a2a dispatch unsized,a2a dispatch empty" 2>&1 | grep -v "^# \(floor\|fresh\|link\)"
+        done
+      done; done | tee "$OUT/epsized.txt"
       mps_off ;;
     epht)
       mps_on
