@@ -213,13 +213,35 @@ __device__ __forceinline__ void st_any16(u8* p, V16 v) {
 __device__ __forceinline__ bool call_sized(u64 call) {
   return (call >> CALL_KIND_SHIFT & 0xFFu) == (u64)KIND_ALL_TO_ALL_SIZED;
 }
-// The bytes of the sized chunk of L bytes at p that travel (protocol.h sized_bytes); read
-// byte by byte (a chunk of an all-to-all need not be 8-byte aligned). sys: p in host memory.
+// The bytes of the sized chunk of L bytes at p that travel (protocol.h sized_bytes); one
+// 8-byte load where p is aligned (a slot's blocks), else byte by byte (a chunk of an
+// all-to-all's input need not be). sys: p in host memory.
 __device__ __forceinline__ u64 sized_end(const u8* p, u64 L, bool sys) {
   if (L < 8) return L;
   u64 h = 0;
-  for (int k = 7; k >= 0; --k) h = h << 8 | (sys ? ld_sys8(p + k) : p[k]);
+  if ((((u64)p) & 7) == 0) {
+    h = sys ? ld_relaxed_sys((const u64*)p) : *(const u64*)p;
+  } else {
+    for (int k = 7; k >= 0; --k) h = h << 8 | (sys ? ld_sys8(p + k) : p[k]);
+  }
   return sized_bytes(h, L);
+}
+// A sized all-to-all's copies cut chunks at their lengths, read once per block into shared
+// memory (ends[j], chunk j at base + j * stride) for the first SIZED_CHUNKS chunks, before
+// the block's first copy; chunk_end reads the rest where used. Read per item and piece
+// instead (8 byte loads by every thread, between its copies), the GPU-direct all-to-all's
+// publish of 928 KiB blocks took 265 us on the H200 against 88 unsized; read once, 102
+// (benchmarks/ep_latency_h200.txt, fourteenth session).
+#define SIZED_CHUNKS 64
+__device__ __forceinline__ void read_chunk_ends(u64* ends, const u8* base, u64 stride, u64 n,
+                                                u64 L, bool sys) {
+  for (u64 j = threadIdx.x; j < n && j < SIZED_CHUNKS; j += blockDim.x)
+    ends[j] = sized_end(base + j * stride, L, sys);
+  __syncthreads();
+}
+__device__ __forceinline__ u64 chunk_end(const u64* ends, u64 j, const u8* base, u64 stride, u64 L,
+                                         bool sys) {
+  return j < SIZED_CHUNKS ? ends[j] : sized_end(base + j * stride, L, sys);
 }
 
 // Copy n bytes src -> dst (and dst2 if not null), shared by a team of `nblocks` blocks

@@ -141,13 +141,39 @@ __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n
 // the other: an 8 KiB all-reduce at world 2 spent 8-13 us publishing on an H200, the
 // copying itself well under 1 us; benchmarks/decode_latency.py --timeline.)
 #define SUB_BYTES 2048u  // 32 lanes x 4 units of 16 bytes
+
+// A sized all-to-all (p.sized): item t's chunk's length, ends[t] for the first SIZED_CHUNKS
+// items (read_item_ends: once per block, before its first copy; see read_chunk_ends), read
+// where used for the rest; L otherwise.
+__device__ __forceinline__ void read_item_ends(u64* ends, const PubArgs& p, const u64* items,
+                                               u32 nitems) {
+  if (!p.sized) return;
+  for (u32 t = threadIdx.x; t < nitems && t < SIZED_CHUNKS; t += blockDim.x)
+    ends[t] = sized_end(p.src + items[(u64)t * DT_ITEM + DT_CHUNK] * p.src_stride, p.L,
+                        p.src_sys != 0);
+  __syncthreads();
+}
+__device__ __forceinline__ u64 item_end(const u64* ends, const PubArgs& p, const u64* items,
+                                        u32 t) {
+  if (!p.sized) return p.L;
+  if (t < SIZED_CHUNKS) return ends[t];
+  return sized_end(p.src + items[(u64)t * DT_ITEM + DT_CHUNK] * p.src_stride, p.L,
+                   p.src_sys != 0);
+}
+__device__ __forceinline__ u32 direct_items(const u64* dtab) {
+  const u64 ns = dtab[0];
+  if (!ns) return 0;
+  const u64* last = dtab + 1 + (ns - 1) * DT_STREAM;  // (items are numbered in row order)
+  return (u32)(last[DT_FIRST] + last[DT_ITEMS]);
+}
 template <bool SRC_SYS>
 __device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
   const u32 ns = (u32)p.dtab[0];
   if (!ns) return;
-  const u64* last = p.dtab + 1 + (u64)(ns - 1) * DT_STREAM;  // (items are numbered in row order)
-  const u32 nitems = (u32)(last[DT_FIRST] + last[DT_ITEMS]);
+  const u32 nitems = direct_items(p.dtab);
   const u64* items = p.dtab + 1 + (u64)ns * DT_STREAM;
+  __shared__ u64 ends[SIZED_CHUNKS];
+  read_item_ends(ends, p, items, nitems);
   const u32 subs = (u32)((piece_step(p.S, ALIGN) + SUB_BYTES - 1) / SUB_BYTES);
   const u32 lanes = blockDim.x < 32 ? blockDim.x : 32;  // (the emulation: one thread a block)
   const u32 lane = threadIdx.x % lanes;
@@ -159,7 +185,7 @@ __device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
     const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
     u64 a, e;
     piece_bounds(p.S, (int)c, &a, &e);
-    part_cut((u32)m[DT_PART], p.sized ? sized_end(from, p.L, SRC_SYS) : p.L, &a, &e);
+    part_cut((u32)m[DT_PART], item_end(ends, p, items, t), &a, &e);
     const u64 lo = a + (u64)k * SUB_BYTES;
     if (lo >= e) continue;
     const u64 hi = e < lo + SUB_BYTES ? e : lo + SUB_BYTES;
@@ -199,6 +225,8 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
                p.src_sys != 0, b, nb);
     return;
   }
+  __shared__ u64 ends[SIZED_CHUNKS];
+  read_item_ends(ends, p, items, direct_items(p.dtab));
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(p.S, c, &lo, &hi);
@@ -208,7 +236,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
         const u64* m = items + t * DT_ITEM;
         const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
         u64 a = lo, e = hi;
-        part_cut((u32)m[DT_PART], p.sized ? sized_end(from, p.L, p.src_sys != 0) : p.L, &a, &e);
+        part_cut((u32)m[DT_PART], item_end(ends, p, items, (u32)t), &a, &e);
         if (e > a) {
           u8* d = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S + a;
           copy_any(d, (u8*)0, from + a, e - a, p.src_sys != 0, b, nb);

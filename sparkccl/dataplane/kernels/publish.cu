@@ -120,9 +120,11 @@ __device__ __forceinline__ void publish_role(const PublishArgs& a, u32 block) {
   const u64 x = lo < L ? lo : L;
   const u64 e = hi < L ? hi : L;
   const bool sized = call_sized(a.call);
+  __shared__ u64 ends[SIZED_CHUNKS];
+  if (sized && e > x) read_chunk_ends(ends, src, a.src_stride, a.nchunks, L, false);
   if (e > x) {
     for (u64 j = 0; j < a.nchunks; ++j) {
-      const u64 end = sized ? sized_end(src + j * a.src_stride, L, false) : L;
+      const u64 end = sized ? chunk_end(ends, j, src, a.src_stride, L, false) : L;
       const u64 ej = e < end ? e : end;
       if (ej > x)
         team_copy<false>(dst + j * a.dst_stride + x, j == 0 && dst2 ? dst2 + x : (u8*)0,

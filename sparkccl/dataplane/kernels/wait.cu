@@ -332,8 +332,7 @@ extern "C" __global__ void sccl_fail_guard(WAIT_PARAMS) {
 // "All-to-all"). The all-gather's own block is its publish role's (own null).
 // sized (a sized all-to-all, call_sized): each block is copied up to the length its first 8
 // bytes say; a source's is read once its piece 0 is in (from piece 1 on; piece 0 is copied
-// whole), for the first SIZED_SOURCES sources (the rest are copied whole).
-#define SIZED_SOURCES 64
+// whole), for the first SIZED_CHUNKS sources (the rest are copied whole).
 __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, const WaitArgs& w,
                         u32 blk, u32 nblk, const u8* own = 0, u64 own_sys = 0,
                         bool sized = false) {
@@ -362,13 +361,13 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
                         sized ? sized_end(slot + i * S, L, true) : L, b, nb);
     return;
   }
-  __shared__ u64 ends[SIZED_SOURCES];
+  __shared__ u64 ends[SIZED_CHUNKS];
   for (int c = 0; c < PIECES; ++c) {
     u64 lo, hi;
     piece_bounds(S, c, &lo, &hi);
     if (sized && c == 1) {  // every source's piece 0 is in: read the lengths once
       if (!wait_progress(w, unit(w, 0, w.maxw - 1, w.world - 1), &seen, t0)) return;
-      for (int i = threadIdx.x; i < w.world && i < SIZED_SOURCES; i += blockDim.x)
+      for (int i = threadIdx.x; i < w.world && i < SIZED_CHUNKS; i += blockDim.x)
         ends[i] = sized_end(slot + i * S, L, true);
       __syncthreads();
     }
@@ -378,7 +377,7 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
         if (part == PART_NONE) continue;
         if (!wait_progress(w, unit(w, c, k, i), &seen, t0)) return;
         u64 a = lo, e = hi;
-        part_cut(part, sized && c > 0 && i < SIZED_SOURCES ? ends[i] : L, &a, &e);
+        part_cut(part, sized && c > 0 && i < SIZED_CHUNKS ? ends[i] : L, &a, &e);
         if (e > a) team_copy<true>(dst + i * dst_stride + a, (u8*)0, slot + i * S + a, e - a, b, nb);
       }
     }
