@@ -1,11 +1,12 @@
-"""Expert-parallel dispatch and combine (high-throughput mode) on the emulated RoCE NIC
-(tests/emunic, every root rate-limited), against their plans' line-rate bound, in the
-same run.
+"""Expert-parallel dispatch and combine on the emulated RoCE NIC (tests/emunic, every root
+rate-limited), against their plans' line-rate bound, in the same run; high-throughput mode
+by default, ``--mode low_latency`` for the decode mode's fixed blocks.
 
 Both move their rows with one all-to-all each (docs/PROTOCOL.md "All-to-all": the
 reduce-scatter's wire), of one block per (source, destination) pair sized by the largest
 pair (dispatch: the tokens a rank sends another, each once; combine: the expert rows that
-go back). Per (topology, world), every rank has ``--tokens`` tokens of hidden ``--hidden``
+go back; in low-latency mode the fixed bounds instead: ``--tokens`` rows, and ``--tokens x
+min(topk, experts per rank)`` back). Per (topology, world), every rank has ``--tokens`` tokens of hidden ``--hidden``
 (bf16) routed to top-``--topk`` of ``--experts-per-rank`` x world experts (random, as the
 tests' routings). Times are the slowest rank's call (median of ``--iters``, every rank
 released at one instant, as benchmarks/emunic_efficiency.py):
@@ -13,8 +14,8 @@ released at one instant, as benchmarks/emunic_efficiency.py):
 * ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
   all-to-all, the receiver's selection);
 * ``combine``: ``ExpertParallel.combine`` (the all-to-all back and the finalize);
-* ``a2a``: ``all_to_all`` alone of blocks of the same sizes (the wire's share; dispatch's
-  sized as its own blocks are);
+* ``a2a``: ``all_to_all`` alone of blocks of the same sizes, sized as the phases' own
+  blocks are (the wire's share);
 * ``partial``: ``combine(partial=True)`` (the per-rank partial combine, an opt-in with its
   own bits: one row per (token, rank) returns instead of one per entry), beside the exact
   combine (``partial / combine``: below 1, the opt-in is faster);
@@ -57,7 +58,7 @@ from helpers import posted_bytes  # noqa: E402
 PHASES = ("dispatch", "combine")
 
 
-def _job(rank, world, store, topology, T, H, K, E, iters):
+def _job(rank, world, store, topology, T, H, K, E, iters, mode):
     import numpy as np
     import torch
 
@@ -74,7 +75,7 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
     with sparkccl.Communicator(store=store, rank=rank, world_size=world, topology=topology,
                                transport="verbs", timeout_s=300) as comm:
         barrier = common_start(store, rank, world)
-        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T)
+        ep = sparkccl.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens=T, mode=mode)
         recv, handle = ep.dispatch(x, idx, w)
         out = run_experts(ep, recv)
         z = ep.combine(out, handle, shared=shared)
@@ -91,17 +92,21 @@ def _job(rank, world, store, topology, T, H, K, E, iters):
         back = [int((owner == d).sum()) for d in range(world)]
         ts = {p: [] for p in PHASES + ("a2a dispatch", "a2a combine", "partial", "ag+rs")}
         agrs = agrs_formulation(comm, x, idx, w, shared, generator=g)
-        # the all-to-all alone of blocks of the same sizes, dispatch's sized as its blocks are
-        # (a header, the ids, the rows of the tokens that go there)
+        # the all-to-all alone of blocks of the same sizes, sized as the phases' blocks are
+        # (dispatch: a header, the ids, the rows of the tokens that go there; combine: a
+        # header row, then the rows that go back)
         lay = BlockLayout(handle.dispatch_rows, H, K + 1, H * 2, 0)
         blocks = {"a2a dispatch": torch.zeros(world, lay.nbytes, dtype=torch.uint8),
-                  "a2a combine": torch.zeros(world, handle.ret_rows * H * 2, dtype=torch.uint8)}
+                  "a2a combine": torch.zeros(world, (handle.ret_rows + 1) * H * 2,
+                                             dtype=torch.uint8)}
         lay.header(blocks["a2a dispatch"])[:] = lay.data_bytes(torch.tensor(sent))
+        blocks["a2a combine"][:, :8].view(torch.int64).view(-1)[:] = (
+            (1 + handle.ret_counts.cpu()) * H * 2)
         for _ in range(iters):
             for p, b in blocks.items():
                 barrier()
                 t0 = time.perf_counter()
-                comm.all_to_all(b, sized=p == "a2a dispatch")
+                comm.all_to_all(b, sized=True)
                 ts[p].append(time.perf_counter() - t0)
             barrier()
             t0 = time.perf_counter()
@@ -140,13 +145,16 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--experts-per-rank", type=int, default=8)
+    ap.add_argument("--mode", choices=("high_throughput", "low_latency"),
+                    default="high_throughput")
     a = ap.parse_args(argv)
     env = nic_env(a, "emunic-ep-")
     T, H, K = a.tokens, a.hidden, a.topk
     print(f"# python benchmarks/ep_emunic.py {' '.join(argv or sys.argv[1:])}")
     print(f"# load average at start: {load_average()}")
     print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
-          f"{a.latency_us:g} us latency; {os.cpu_count()} CPUs; {T} tokens/rank, hidden {H} "
+          f"{a.latency_us:g} us latency; {os.cpu_count()} CPUs; {a.mode}; {T} tokens/rank, "
+          f"hidden {H} "
           f"bf16, top-{K} of {a.experts_per_rank} experts/rank; median of {a.iters} calls "
           "(slowest rank)")
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
     for topology in a.topologies.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
             E = a.experts_per_rank * world
-            res = check(run_ranks(_job, world, args=(topology, T, H, K, E, a.iters), env=env,
+            res = check(run_ranks(_job, world, args=(topology, T, H, K, E, a.iters, a.mode), env=env,
                                   timeout_s=1800))
             load = max_port_load(topology, world, a.roots, "reduce_scatter")
             cols = []
