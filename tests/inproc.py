@@ -69,6 +69,7 @@ class ProxyWorld:
             self.proxies.append(p)
         self.seq = 0
         self.slices = {}  # seq -> (slice, granule) of the collectives run so far
+        self.sized = {}  # seq -> the lengths of a sized all-to-all (run_sized)
 
     def start(self):
         for p in self.proxies:
@@ -171,6 +172,43 @@ def run_ag(w: ProxyWorld, slice_: int, seq=None, whole: bool = False):
             got = w.block(r, Region.AG, seq, b, slice_)
             assert np.array_equal(got, pattern(seq, b, 0, slice_)), ("AG", r, b, slice_, seq)
     w.seq = seq + 1
+
+
+def run_sized(w: ProxyWorld, slice_: int, rng, seq=None) -> list[list[int]]:
+    """One sized all-to-all's transfers (call kind KIND_ALL_TO_ALL_SIZED, docs/PROTOCOL.md
+    "Sized blocks"): chunk j of rank r starts with a length from ``rng`` (below 8 to past
+    the chunk); each destination's block is checked up to geometry.sized_bytes of it (the
+    bytes past it are not sent: rings' relays cut at the origin's call entry). Returns the
+    lengths, [origin][chunk]; ``w.sized[seq]`` keeps them for the work-request checks."""
+    seq = w.seq if seq is None else seq
+    W = w.world
+    heads = [[int(rng.integers(0, slice_ + 40)) for _ in range(W)] for _ in range(W)]
+    sent = {}
+    for r in range(W):
+        for j in range(W):
+            data = pattern(seq, r, j, slice_).copy()
+            data[:8] = np.array([heads[r][j]], dtype=np.uint64).view(np.uint8)
+            sent[r, j] = data
+            w.block(r, Region.RS_SEND, seq, j, slice_)[:] = data
+        for b in range(w.plans[r].rs_recv_blocks):
+            w.block(r, Region.RS_RECV, seq, b, slice_)[:] = 0xEE
+    w.slices[seq] = (slice_, 16)
+    w.sized[seq] = heads
+    P = L.protocol_constants()
+    call = L.call_word(0, P["DTYPE_U8"], P["KIND_ALL_TO_ALL_SIZED"], 0)
+    for c in range(G.PIECES):
+        for r in range(W):
+            assert N.publish(w.ctl[r].addr, int(Op.RS), seq, c, -1, slice_, 16, 5.0,
+                             call) == 0
+    w.wait_all(Op.RS, seq)
+    for r in range(W):
+        for i in range(W):
+            if i != r:
+                n = G.sized_bytes(heads[i][r], slice_)
+                got = w.block(r, Region.RS_RECV, seq, i, slice_)[:n]
+                assert np.array_equal(got, sent[i, r][:n]), ("sized", r, i, slice_, seq, n)
+    w.seq = seq + 1
+    return heads
 
 
 def run_rs(w: ProxyWorld, slice_: int, seq=None, finalize: bool = False, granule: int = 16,

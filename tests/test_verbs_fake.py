@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from sparkccl import layout as L
@@ -36,7 +37,7 @@ from sparkccl.plan.model import Op, Region, decode_flag_word, num_flag_words
 from sparkccl.transport import check as lane_check
 from sparkccl.transport import verbs as V
 # (tests/ is on sys.path under pytest)
-from inproc import SLOTS, ProxyWorld, run_ag, run_ll, run_rs  # noqa: E402
+from inproc import SLOTS, ProxyWorld, run_ag, run_ll, run_rs, run_sized  # noqa: E402
 from membuf import Buf, wait_abort  # noqa: E402
 import verbsfake as FAKE  # noqa: E402
 
@@ -201,6 +202,7 @@ def check_work_requests(w: VWorld, log, strict=False):
     seen = set()
     nflags = num_flag_words(w.world)
     value_bits = 32 - max(1, (nflags - 1).bit_length())
+    relays = any(s.origin != r for r, plan in enumerate(w.plans) for s in plan.streams)
     last_value = {}
     last_piece = {}  # (rank, stream, seq) -> the piece its latest flag said
     for (r, i), wrs in by_conn.items():
@@ -213,11 +215,13 @@ def check_work_requests(w: VWorld, log, strict=False):
         call_area = w.ctl[conn.peer].flags_addr + 8 * nflags
         for e in wrs:
             if e["inline"] and not e["signaled"]:  # a call entry (both orderings): plainly,
-                # one write of its first two words (the call and the slice: no sized
-                # all-to-all here), or one per word where the QP inlines only 8 bytes
+                # one write of its first two words (the call and the slice), or of all six
+                # (a sized all-to-all on a plan with relays: its lengths' words too), or one
+                # per word where the QP inlines only 8 bytes
                 n = L.CALL_ENTRY_WORDS
-                assert e["opcode"] == WR_RDMA_WRITE and \
-                    e["length"] == 8 * L.CALL_SIZED // w.entry_writes, e
+                lengths = ({8} if w.entry_writes > 1 else
+                           {8 * L.CALL_SIZED} | ({8 * n} if w.sized and relays else set()))
+                assert e["opcode"] == WR_RDMA_WRITE and e["length"] in lengths, e
                 word = (e["remote_addr"] - call_area) // 8
                 assert e["remote_addr"] % 8 == 0 and 0 <= word < n * w.world * L.CALL_SLOTS, e
                 assert e["length"] == 8 or word % n == 0, e
@@ -268,8 +272,13 @@ def check_work_requests(w: VWorld, log, strict=False):
             want = []
             for it in s.items:
                 run = None
+                # a sized all-to-all's parts end at the chunk's length, the origin's own
+                # and every relay's alike (docs/PROTOCOL.md "Sized blocks")
+                end = (G.sized_bytes(w.sized[seq][s.origin][it.target], slice_)
+                       if seq in w.sized else slice_)
                 for c in range(first, piece + 1):
                     a, b = G.sub_range(*G.piece_bounds(slice_, c, granule), it.part)
+                    b = min(b, max(end, a))
                     if b == a:
                         continue
                     src = (w.regions[r][it.src_region].addr + (seq % SLOTS[it.src_region])
@@ -328,7 +337,9 @@ RING_WORLDS = [2, 3, 4, 5, 6]
 SLICES = [16, 1000, 4096 * 3 + 5]
 
 
-def _exercise(topology, world, roots, strict=False, entry_writes=1):
+def _exercise(topology, world, roots, strict=False, entry_writes=1, sized=False):
+    """The plan's collectives through the verbs transport on the fake, every work request
+    checked (check_work_requests); ``sized``: a sized all-to-all after each slice's four."""
     settings = V.VerbsSettings(ordering="strict" if strict else "inline")
     w = VWorld(topology, world, roots, max(SLICES), settings=settings)
     w.entry_writes = entry_writes  # 2: the QPs inline 8 bytes
@@ -336,12 +347,16 @@ def _exercise(topology, world, roots, strict=False, entry_writes=1):
     setup_log = FAKE.log(True)
     w.lkeys = collect_lkeys(w, setup_log)
     w.slices_op = {}
+    rng = np.random.default_rng([world, roots, entry_writes])
     w.start()
     try:
         for slice_ in SLICES:
             for kind in ("ag", "rs", "rs", "ag"):
                 w.slices_op[w.seq] = Op.AG if kind == "ag" else Op.RS
                 (run_ag if kind == "ag" else run_rs)(w, slice_)
+            if sized:
+                w.slices_op[w.seq] = Op.RS
+                run_sized(w, slice_, rng)
         w.check_healthy()
         deadline = time.monotonic() + 5
         while any(p.outstanding() for p in w.proxies) and time.monotonic() < deadline:
@@ -401,6 +416,24 @@ def test_call_entries_go_word_by_word_where_the_qp_inlines_8_bytes(strict):
     FAKE.install(devices)
     try:
         _exercise("ring", 3, 2, strict=strict, entry_writes=2)
+    finally:
+        FAKE.uninstall()
+
+
+@pytest.mark.parametrize("topology,world,entry_writes",
+                         [("mesh", 3, 1), ("ring", 3, 1), ("ring", 4, 1), ("ring", 4, 2)],
+                         ids=["mesh3", "ring3", "ring4", "ring4-inline8"])
+def test_sized_all_to_all_writes_only_the_lengths(topology, world, entry_writes):
+    """A sized all-to-all: every data write stops at its chunk's length, the origin's (from
+    the chunk's first bytes) and each relay's (from the origin's six-word call entry, one
+    inline write, or six where the QP inlines 8 bytes), and the data arrives up to it."""
+    devices = fake_devices()
+    if entry_writes > 1:
+        for d in devices:
+            d["max_inline"] = 8
+    FAKE.install(devices)
+    try:
+        _exercise(topology, world, 2, entry_writes=entry_writes, sized=True)
     finally:
         FAKE.uninstall()
 
