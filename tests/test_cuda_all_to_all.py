@@ -185,6 +185,20 @@ def test_sized_all_to_all(backend, topology, world, roots, mode):
 
 @pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
 @pytest.mark.parametrize("mode", ENGINES, ids=["proxy", "fused", "split", "ce"])
+@pytest.mark.parametrize("topology,world,roots", [("mesh", 4, 1), ("ring", 4, 2)])
+def test_sized_all_to_all_past_the_lengths_in_shared_memory(monkeypatch, topology, world,
+                                                             roots, mode):
+    """The kernels keep the first SIZED_CHUNKS chunks' lengths in shared memory (read once
+    per block); built with 2 (the emulation), the chunks and sources past them take the
+    other way (the publish reads a length where it uses it, the copy-out copies such a
+    source whole): test_sized_all_to_all's checks still hold at world 4."""
+    import test_cuda_dataplane
+    monkeypatch.setattr(test_cuda_dataplane, "EMU_DEFINES", ("-DSIZED_CHUNKS=2",))
+    test_sized_all_to_all("emu", topology, world, roots, mode)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++ to build the CPU emulation of the kernels")
+@pytest.mark.parametrize("mode", ENGINES, ids=["proxy", "fused", "split", "ce"])
 def test_all_to_all_launches_the_all_gathers_consumer(mode):
     """No reduce-scatter kernel runs (nothing is summed or staged): the proxy path launches
     sccl_ag_proxy, "fused" and "split" sccl_ag_direct (mode ce: copy rows only); the host

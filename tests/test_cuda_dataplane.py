@@ -71,23 +71,28 @@ BACKENDS = [pytest.param("cuda", marks=cuda_only),
 
 # ---------------------------------------------------------------- the CPU emulation backend
 
-_emu_lib = None
+_emu_libs: dict = {}
 _emu_lock = threading.Lock()
+# Extra -D flags of the emulation streams started from now on (a test that reaches a
+# kernel's rare branch with a smaller constant sets them, e.g. -DSIZED_CHUNKS=2).
+EMU_DEFINES: tuple[str, ...] = ()
 
 
 def emu_lib():
-    """tests/cuda_emu/emu.cpp + kernels.cu built as a shared library (once per session)."""
-    global _emu_lib
+    """tests/cuda_emu/emu.cpp + kernels.cu built as a shared library (once per session and
+    EMU_DEFINES)."""
+    defines = tuple(EMU_DEFINES)
     with _emu_lock:
-        if _emu_lib is None:
+        if defines not in _emu_libs:
             kernels = Path(nvrtc.KERNELS_CU).resolve()
             srcs = [*nvrtc.source_files(), EMU_DIR / "emu.cpp", EMU_DIR / "sccl_emu.h"]
-            h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
+            h = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)
+                               + " ".join(defines).encode()).hexdigest()[:16]
             out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sparkccl-emu-{os.getuid()}-{h}.so"
             if not out.exists():
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 cmd = [CXX, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread",
-                       "-Wno-unknown-pragmas", "-DSCCL_TIMELINE", f"-I{EMU_DIR}",
+                       "-Wno-unknown-pragmas", "-DSCCL_TIMELINE", *defines, f"-I{EMU_DIR}",
                        *(f"-I{d}" for d in nvrtc.INCLUDE_DIRS), f'-DKERNELS_CU="{kernels}"',
                        str(EMU_DIR / "emu.cpp"), "-o", str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
@@ -96,8 +101,8 @@ def emu_lib():
             lib = ctypes.CDLL(str(out))
             lib.sccl_emu_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)]
             lib.sccl_emu_run.restype = ctypes.c_int
-            _emu_lib = lib
-        return _emu_lib
+            _emu_libs[defines] = lib
+        return _emu_libs[defines]
 
 
 class EmuContext:

@@ -232,7 +232,9 @@ __device__ __forceinline__ u64 sized_end(const u8* p, u64 L, bool sys) {
 // instead (8 byte loads by every thread, between its copies), the GPU-direct all-to-all's
 // publish of 928 KiB blocks took 265 us on the H200 against 88 unsized; read once, 102
 // (benchmarks/ep_latency_h200.txt, fourteenth session).
+#ifndef SIZED_CHUNKS  // (tests build the emulation with fewer, to reach the fallback)
 #define SIZED_CHUNKS 64
+#endif
 __device__ __forceinline__ void read_chunk_ends(u64* ends, const u8* base, u64 stride, u64 n,
                                                 u64 L, bool sys) {
   for (u64 j = threadIdx.x; j < n && j < SIZED_CHUNKS; j += blockDim.x)
