@@ -6,9 +6,9 @@ Both move their rows with one all-to-all each (docs/PROTOCOL.md "All-to-all": th
 reduce-scatter's wire), of one block per (source, destination) pair sized by the largest
 pair (dispatch: the tokens a rank sends another, each once; combine: the expert rows that
 go back; in low-latency mode the fixed bounds instead: ``--tokens`` rows, and ``--tokens x
-min(topk, experts per rank)`` back). Per (topology, world), every rank has ``--tokens`` tokens of hidden ``--hidden``
-(bf16) routed to top-``--topk`` of ``--experts-per-rank`` x world experts (random, as the
-tests' routings). Times are the slowest rank's call (median of ``--iters``, every rank
+min(topk, experts per rank)`` back). Per (topology, world), every rank has ``--tokens``
+tokens of hidden ``--hidden`` (bf16) routed to top-``--topk`` of ``--experts-per-rank`` x
+world experts (random, as the tests' routings). Times are the slowest rank's call (median of ``--iters``, every rank
 released at one instant, as benchmarks/emunic_efficiency.py):
 
 * ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     for topology in a.topologies.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
             E = a.experts_per_rank * world
-            res = check(run_ranks(_job, world, args=(topology, T, H, K, E, a.iters, a.mode), env=env,
-                                  timeout_s=1800))
+            res = check(run_ranks(_job, world, args=(topology, T, H, K, E, a.iters, a.mode),
+                                  env=env, timeout_s=1800))
             load = max_port_load(topology, world, a.roots, "reduce_scatter")
             cols = []
 

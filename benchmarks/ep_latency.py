@@ -278,10 +278,9 @@ def main() -> None:
                          "fused kernels")
     ap.add_argument("--phases", default=None,
                     help="a comma list of the phases to time (dispatch, combine, a2a dispatch, "
-                         "a2a combine, pack, unpack: the dispatch's kernels alone; only when named: "
-                         "a2a dispatch unsized / empty, the same blocks unsized and sized but "
-                         "empty; default: "
-                         "all): the proxy's figures printed after the "
+                         "a2a combine, pack, unpack: the dispatch's kernels alone; only when "
+                         "named: a2a dispatch unsized / empty, the same blocks unsized and sized "
+                         "but empty; default: all): the proxy's figures printed after the "
                          "table are then of those alone")
     ap.add_argument("--profile", action="store_true",
                     help="also rank 0's kernels per replayed call (torch.profiler)")
