@@ -174,12 +174,12 @@ def run_ag(w: ProxyWorld, slice_: int, seq=None, whole: bool = False):
     w.seq = seq + 1
 
 
-def run_sized(w: ProxyWorld, slice_: int, rng, seq=None) -> list[list[int]]:
+def run_sized(w: ProxyWorld, slice_: int, rng, seq=None) -> None:
     """One sized all-to-all's transfers (call kind KIND_ALL_TO_ALL_SIZED, docs/PROTOCOL.md
     "Sized blocks"): chunk j of rank r starts with a length from ``rng`` (below 8 to past
     the chunk); each destination's block is checked up to geometry.sized_bytes of it (the
-    bytes past it are not sent: rings' relays cut at the origin's call entry). Returns the
-    lengths, [origin][chunk]; ``w.sized[seq]`` keeps them for the work-request checks."""
+    bytes past it are not sent: rings' relays cut at the origin's call entry).
+    ``w.sized[seq]`` keeps the lengths, [origin][chunk], for the work-request checks."""
     seq = w.seq if seq is None else seq
     W = w.world
     heads = [[int(rng.integers(0, slice_ + 40)) for _ in range(W)] for _ in range(W)]
@@ -208,7 +208,6 @@ def run_sized(w: ProxyWorld, slice_: int, rng, seq=None) -> list[list[int]]:
                 got = w.block(r, Region.RS_RECV, seq, i, slice_)[:n]
                 assert np.array_equal(got, sent[i, r][:n]), ("sized", r, i, slice_, seq, n)
     w.seq = seq + 1
-    return heads
 
 
 def run_rs(w: ProxyWorld, slice_: int, seq=None, finalize: bool = False, granule: int = 16,

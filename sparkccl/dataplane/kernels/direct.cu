@@ -144,7 +144,7 @@ __device__ __forceinline__ void copy_any(u8* dst, u8* dst2, const u8* src, u64 n
 
 // A sized all-to-all (p.sized): item t's chunk's length, ends[t] for the first SIZED_CHUNKS
 // items (read_item_ends: once per block, before its first copy; see read_chunk_ends), read
-// where used for the rest; L otherwise.
+// from its chunk `from` where used for the rest; L otherwise.
 __device__ __forceinline__ void read_item_ends(u64* ends, const PubArgs& p, const u64* items,
                                                u32 nitems) {
   if (!p.sized) return;
@@ -153,12 +153,10 @@ __device__ __forceinline__ void read_item_ends(u64* ends, const PubArgs& p, cons
                         p.src_sys != 0);
   __syncthreads();
 }
-__device__ __forceinline__ u64 item_end(const u64* ends, const PubArgs& p, const u64* items,
-                                        u32 t) {
+__device__ __forceinline__ u64 item_end(const u64* ends, const PubArgs& p, u32 t,
+                                        const u8* from) {
   if (!p.sized) return p.L;
-  if (t < SIZED_CHUNKS) return ends[t];
-  return sized_end(p.src + items[(u64)t * DT_ITEM + DT_CHUNK] * p.src_stride, p.L,
-                   p.src_sys != 0);
+  return t < SIZED_CHUNKS ? ends[t] : sized_end(from, p.L, p.src_sys != 0);
 }
 __device__ __forceinline__ u32 direct_items(const u64* dtab) {
   const u64 ns = dtab[0];
@@ -185,7 +183,7 @@ __device__ void direct_publish_whole(const PubArgs& p, u32 b, u32 nb) {
     const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
     u64 a, e;
     piece_bounds(p.S, (int)c, &a, &e);
-    part_cut((u32)m[DT_PART], item_end(ends, p, items, t), &a, &e);
+    part_cut((u32)m[DT_PART], item_end(ends, p, t, from), &a, &e);
     const u64 lo = a + (u64)k * SUB_BYTES;
     if (lo >= e) continue;
     const u64 hi = e < lo + SUB_BYTES ? e : lo + SUB_BYTES;
@@ -236,7 +234,7 @@ __device__ void direct_publish(const PubArgs& p, u32 b, u32 nb) {
         const u64* m = items + t * DT_ITEM;
         const u8* const from = p.src + m[DT_CHUNK] * p.src_stride;
         u64 a = lo, e = hi;
-        part_cut((u32)m[DT_PART], item_end(ends, p, items, (u32)t), &a, &e);
+        part_cut((u32)m[DT_PART], item_end(ends, p, (u32)t, from), &a, &e);
         if (e > a) {
           u8* d = (u8*)m[DT_BASE] + (p.seq % m[DT_SLOTS]) * m[DT_STRIDE] + m[DT_BLOCK] * p.S + a;
           copy_any(d, (u8*)0, from + a, e - a, p.src_sys != 0, b, nb);

@@ -367,9 +367,7 @@ __device__ void ag_wait(const u8* slot, u8* dst, u64 dst_stride, u64 L, u64 S, c
     piece_bounds(S, c, &lo, &hi);
     if (sized && c == 1) {  // every source's piece 0 is in: read the lengths once
       if (!wait_progress(w, unit(w, 0, w.maxw - 1, w.world - 1), &seen, t0)) return;
-      for (int i = threadIdx.x; i < w.world && i < SIZED_CHUNKS; i += blockDim.x)
-        ends[i] = sized_end(slot + i * S, L, true);
-      __syncthreads();
+      read_chunk_ends(ends, slot, S, (u64)w.world, L, true);
     }
     for (int k = 0; k < w.maxw; ++k) {
       for (int i = 0; i < w.world; ++i) {
