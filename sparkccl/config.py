@@ -323,7 +323,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
        "with SPARKCCL_VLLM=1: 1: vLLM MoE layers run with --enable-expert-parallel (data "
        "parallel, --all2all-backend allgather_reducescatter) dispatch and combine through "
        "sparkccl ExpertParallel: with --moe-backend batched_triton in the low-latency mode "
-       "and vLLM's batched format, which CUDA graphs capture; otherwise high-throughput, and "
+       "and vLLM's batched format, which CUDA graphs capture (fp8 layers too: e4m3 dispatch "
+       "for blocks of 128); otherwise high-throughput (bf16 layers), and "
        "such configurations run without CUDA graphs, as vLLM does for DeepEP high-throughput "
        "(docs/EXPERT_PARALLEL.md); 0: they stay on vLLM's backend"),
     _v("SPARKCCL_SGLANG_EP", "bool", False, "integrations",

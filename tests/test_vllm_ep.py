@@ -47,7 +47,7 @@ def vllm_ok():
 
 
 def _moe(world, rank, E, backend="allgather_reducescatter", use_ep=True, eplb=False,
-         dtype=torch.bfloat16, moe_backend="auto"):
+         dtype=torch.bfloat16, moe_backend="auto", hidden=H):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
                                                              FusedMoEParallelConfig,
@@ -55,7 +55,7 @@ def _moe(world, rank, E, backend="allgather_reducescatter", use_ep=True, eplb=Fa
     p = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=world, ep_size=world,
                                tp_rank=0, pcp_rank=0, dp_rank=rank, ep_rank=rank, sp_size=1,
                                use_ep=use_ep, all2all_backend=backend, enable_eplb=eplb)
-    return FusedMoEConfig(num_experts=E, experts_per_token=K, hidden_dim=H,
+    return FusedMoEConfig(num_experts=E, experts_per_token=K, hidden_dim=hidden,
                           intermediate_size=128, num_local_experts=E // world,
                           num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
                           routing_method=RoutingMethodType.Renormalize, moe_parallel_config=p,
@@ -138,6 +138,9 @@ def _ep_job(rank, world, store):
         "fp8": (_moe(world, rank, E), fp8_w8a8_moe_quant_config(
             w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None,
             block_shape=[128, 128])),
+        # batched, but one dynamic fp8 scale per tensor (a scale over a batch)
+        "fp8 per tensor": (_moe(world, rank, E, moe_backend="batched_triton"),
+                           fp8_w8a8_moe_quant_config(w1_scale=None, w2_scale=None)),
     }
     out["declined"] = {}
     # (vLLM's all-to-all manager needs CUDA; its EP world size is all these paths read.)
@@ -216,7 +219,9 @@ def _ep_job(rank, world, store):
             if not np.array_equal(got, want):
                 bad.append(f"layer {layer} round {rnd}: finalize differs from the reference")
     out["batched"], b = _batched_checks(make, rank, world, E)
-    out["bad"] = bad + b
+    out["fp8"], b8 = _fp8_kernel_checks(make, rank, world, E,
+                                        os.environ.get("SPARKCCL_ENGINE_EP_PARTIAL") == "1")
+    out["bad"] = bad + b + b8
     return out
 
 
@@ -352,6 +357,95 @@ def _batched_kernel_checks(make, rank, world, E, partial):
     return bad
 
 
+def _fp8_twin(A, A_scale, quant_dtype, per_act_token_quant, block_shape=None, **kw):
+    """A torch stand-in for vLLM's activation quantizer (``moe_kernel_quantize_input``,
+    whose fp8 kernels need CUDA and triton) with its shapes: e4m3 rows and fp32 scales, one
+    per ``block_shape[1]`` columns of a row, one per row (per-token), or the static
+    ``A_scale``; a dynamic scale is the group's absolute maximum / 448 (vLLM's own floor on
+    it aside). Row-wise, as the layers the hook takes are."""
+    assert quant_dtype == torch.float8_e4m3fn, quant_dtype
+    a = A.float()
+    m, n = a.shape
+    if block_shape is not None:
+        g = block_shape[1]
+        scale = a.view(m, n // g, g).abs().amax(-1).clamp(min=1e-10) / 448.0
+        q = a.view(m, n // g, g) / scale.unsqueeze(-1)
+    elif per_act_token_quant:
+        scale = a.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+        q = a / scale
+    else:
+        scale = A_scale
+        q = a / scale
+    return q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(m, n), scale
+
+
+def _fp8_kernel_checks(make, rank, world, E, partial):
+    """fp8 layers in the batched format (DeepSeek's block-quantized checkpoints; per-token
+    scales) through vLLM's ``FusedMoEKernel`` and ``NaiveBatchedExperts`` (fp8 weights that
+    select columns, scales 1: exact GEMMs), with vLLM's quantizer replaced by
+    :func:`_fp8_twin`. Blocks of 128 columns: the home rank quantizes and the e4m3 rows
+    travel with their scales (the hook's ExpertParallel is e4m3); per-token scales: bf16
+    travels and the received rows are quantized. Against the one-box finalize of each
+    token's rows, each quantized alone (quantization is row-wise, so where it happens
+    changes no bit)."""
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe import utils as moe_utils
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
+    from vllm.model_executor.layers.quantization.utils.quant_utils import group_broadcast
+
+    fbm._is_capturing_or_compiling = lambda: False  # (it asks the accelerator: none on CPU)
+    moe_utils.moe_kernel_quantize_input = _fp8_twin
+    F8, Hq, N = torch.float8_e4m3fn, 128, 64
+    w1 = torch.zeros((E, 2 * N, Hq))
+    w2 = torch.zeros((E, Hq, N))
+    for e in range(E):
+        w1[e, torch.arange(2 * N), (torch.arange(2 * N) * 3 + e) % Hq] = 2.0 ** (e % 3 - 1)
+        w2[e, torch.arange(Hq), (torch.arange(Hq) + e) % N] = 1.0
+    w1, w2 = w1.to(F8), w2.to(F8)
+    emap = _expert_map(E, world, rank, False)
+    local = [e for e in range(E) if int(emap[e]) >= 0]
+    owners = [e // (E // world) for e in range(E)]
+    ones = torch.ones((len(local), 1, 1))
+
+    def act(x):  # [m, 2N] -> [m, N], as in _batched_kernel_checks
+        return (torch.nn.functional.silu(x[:, :N].float()) * x[:, N:].float()).to(x.dtype)
+
+    bad, travelled = [], {}
+    for name, block, per_token in (("block 128", [128, 128], False),
+                                   ("per token", None, True)):
+        qc = fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, block_shape=block,
+                                       per_act_token_quant=per_token)
+        moe = _moe(world, rank, E, moe_backend="batched_triton", hidden=Hq)
+        pf = make(moe, qc, allow_new_interface=True)
+        experts = fbm.NaiveBatchedExperts(moe, qc, max_num_tokens=pf.max_num_tokens_per_rank(),
+                                          num_dispatchers=pf.num_dispatchers())
+        experts.activation = lambda activation, output, input, **kw: output.copy_(act(input))
+        kernel = mk.FusedMoEKernel(pf, experts)
+
+        def expert(e, x):  # one token's row, quantized alone, as NaiveBatchedExperts computes
+            q, sc = _fp8_twin(x, None, F8, per_token, block)
+            h = q.float() * group_broadcast(sc, q.shape)
+            return act((h @ w1[e].float().T).to(torch.bfloat16)) @ \
+                w2[e].float().to(torch.bfloat16).T
+
+        for rnd in range(2):
+            inp = make_ep_input(150 + rnd, rank, tokens=T - rnd * rank, hidden=Hq, topk=K,
+                                num_experts=E, world=world)
+            y = kernel.apply(inp["x"], w1[local], w2[local], inp["topk_weights"],
+                             inp["topk_idx"], MoEActivation.SILU, E, emap, False)
+            n = inp["x"].shape[0]
+            rows = torch.stack([expert(int(inp["topk_idx"][t, k]), inp["x"][t:t + 1])[0]
+                                for t in range(n) for k in range(K)])
+            ref = partial_combine_reference(inp, owners, world, shared=False, rows=rows) \
+                if partial else combine_reference(inp, shared=False, rows=rows)
+            if not np.array_equal(y.view(torch.int16).numpy().view(np.uint16), ref):
+                bad.append(f"fp8 {name} round {rnd}: output differs from the reference")
+        travelled[name] = sorted(str(d) for d in pf._eps)
+    return travelled, bad
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["exact", "partial"])
 def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
     """The one-box finalize's bits; SPARKCCL_ENGINE_EP_PARTIAL=1: the per-rank partial
@@ -374,6 +468,8 @@ def test_vllm_ep_prepare_finalize_is_the_one_box_finalize(vllm_ok, partial):
         for layer in (0, 1):
             assert r["batched"][f"class{layer}"] == (
                 "SparkcclBatchedPrepareAndFinalize", True, T, world, True), (rank, r["batched"])
+        assert r["fp8"] == {"block 128": ["torch.float8_e4m3fn"],
+                            "per token": ["torch.bfloat16"]}, (rank, r["fp8"])
         assert r["bad"] == [], (rank, r["bad"])
 
 

@@ -88,23 +88,24 @@ def placement_from_local_ids(comm, local_ids: torch.Tensor, num_experts: int) ->
 
 
 def expert_parallel(comm, name: str, *, num_experts: int, hidden: int, max_tokens: int,
-                    placement, mode: str = "high_throughput"):
-    """One ExpertParallel per (group, layer shape, placement, mode), shared by the layers
-    that have it (a layer's dispatch and combine run before the next layer's: the engines
-    call them in order on one stream)."""
+                    placement, mode: str = "high_throughput", dtype=torch.bfloat16):
+    """One ExpertParallel per (group, layer shape, placement, mode, dispatch dtype), shared
+    by the layers that have it (a layer's dispatch and combine run before the next layer's:
+    the engines call them in order on one stream)."""
     from ..expert_parallel import ExpertParallel
     key = (name, num_experts, hidden, max_tokens,
-           placement if isinstance(placement, str) else tuple(placement), mode)
+           placement if isinstance(placement, str) else tuple(placement), mode, dtype)
     with _lock:
         ep = _eps.get(key)
         if ep is None:
             ep = _eps[key] = ExpertParallel(comm, num_experts=num_experts, hidden=hidden,
-                                            max_tokens=max_tokens, dtype=torch.bfloat16,
+                                            max_tokens=max_tokens, dtype=dtype,
                                             mode=mode, placement=placement)
             if mode == "low_latency":  # (fixed buffers: say what they take)
                 log.info("sparkccl: %s: low-latency EP, %d experts, hidden %d, max_tokens "
-                         "%d: the receive rows alone take %.2f GiB", name, num_experts,
-                         hidden, max_tokens, num_experts * max_tokens * hidden * 2 / 2**30)
+                         "%d, %s: the receive rows alone take %.2f GiB", name, num_experts,
+                         hidden, max_tokens, dtype, num_experts * max_tokens * hidden
+                         * dtype.itemsize / 2**30)
         return ep
 
 
@@ -163,9 +164,10 @@ def _combine(ep, handle, expert_out, out, partial):
 
 
 def dispatch_batched(ep, x: torch.Tensor, topk_ids: torch.Tensor,
-                     topk_weights: torch.Tensor):
+                     topk_weights: torch.Tensor, x_scales: torch.Tensor | None = None):
     """Dispatch in the low-latency mode (``ep.mode``): returns ``(recv, handle)``, ``recv.x``
-    ``[E_local, world * max_tokens, H]`` bf16 with expert ``e``'s rows
+    ``[E_local, world * max_tokens, H]`` (bf16, or e4m3 with ``recv.x_scales`` for an e4m3
+    ExpertParallel, ``x_scales`` fp32 ``[n, H / 128]``) with expert ``e``'s rows
     ``recv.x[e, :recv.counts[e]]`` in (source rank, token) order (the engines' batched
     experts format), ``recv.counts`` int32 on the device. Nothing is read on the host:
     capturable, once an eager call has set the buffers up."""
@@ -173,7 +175,8 @@ def dispatch_batched(ep, x: torch.Tensor, topk_ids: torch.Tensor,
         raise ValueError(f"sparkccl EP: dispatch_batched needs a low-latency ExpertParallel, "
                          f"got mode {ep.mode!r}")
     return ep.dispatch(x.contiguous(), topk_ids.contiguous(),
-                       topk_weights.to(torch.float32).contiguous())
+                       topk_weights.to(torch.float32).contiguous(),
+                       None if x_scales is None else x_scales.contiguous())
 
 
 def combine_batched(ep, handle, expert_out: torch.Tensor, out: torch.Tensor | None = None,

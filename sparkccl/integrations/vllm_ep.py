@@ -27,7 +27,10 @@ Two formats, as vLLM's DeepEP backends (the experts kernel vLLM picks decides wh
   for layers whose experts vLLM runs in its batched format (``--moe-backend
   batched_triton``): sparkccl's low-latency mode, ``[E_local, world * max_num_tokens, H]``
   with per-expert counts on the device; nothing is read on the host, so vLLM's CUDA graphs
-  capture it (decode).
+  capture it (decode). fp8 layers are taken here too (``quant_reason``): for blocks of
+  128 columns vLLM's quantizer runs on the home rank and the e4m3 rows travel with their
+  scales (as vLLM's DeepEP low-latency backend sends them), otherwise the received rows
+  are quantized by the same call.
 
 Either way finalize sends the expert outputs home and computes ``sum_k w[t, k] * out(t, k)``
 in fp32, k in top-k order, rounded once: the bits of every expert on one box, whatever
@@ -171,8 +174,9 @@ def decline_reason(moe, quant_config) -> str | None:
         return "EPLB (redundant experts) is not supported"
     if moe.in_dtype != torch.bfloat16:
         return f"activations {moe.in_dtype} (sparkccl dispatches bf16)"
-    if quant_config is not None and quant_config.quant_dtype is not None:
-        return f"quantized activations ({quant_config.quant_dtype}); bf16 dispatch only"
+    why = quant_reason(moe, quant_config)
+    if why is not None:
+        return why
     if moe.num_experts % p.ep_size:
         return f"{moe.num_experts} experts over {p.ep_size} ranks"
     if moe.hidden_dim % 8:
@@ -180,6 +184,59 @@ def decline_reason(moe, quant_config) -> str | None:
     if not 1 <= moe.experts_per_token <= MAX_TOPK:
         return f"top-{moe.experts_per_token} (at most {MAX_TOPK})"
     return None
+
+
+FP8 = torch.float8_e4m3fn
+FP8_GROUP = 128  # ExpertParallel's e4m3 dispatch: one fp32 scale per row and 128 columns
+
+
+def quant_reason(moe, quant_config) -> str | None:
+    """Why the layer's activation quantization keeps it on vLLM's backend (None: none, or
+    one the hook takes). Taken: fp8 e4m3 with a scale per row or group of a row, or a static
+    one (each row's bits the same whichever batch it is quantized in), in the batched format
+    (whose low-latency dispatch graphs capture; a quantized model keeps its graphs)."""
+    q = _activation_quant(quant_config)
+    if q is None:
+        return None
+    if getattr(moe, "moe_backend", None) != BATCHED_MOE_BACKEND:
+        return (f"quantized activations ({q.quant_dtype}): sparkccl takes them in vLLM's "
+                f"batched format only (--moe-backend {BATCHED_MOE_BACKEND})")
+    if q.quant_dtype != FP8:
+        return f"quantized activations ({q.quant_dtype}): sparkccl takes fp8 e4m3 only"
+    if q.block_shape is None and not q.per_act_token_quant and q.a1_scale is None:
+        return ("fp8 activations with one dynamic scale per tensor (a scale over a batch: "
+                "the experts would see scales of other batches than one box's)")
+    return None
+
+
+def _activation_quant(quant_config):
+    """The layer's quant config where its activations are quantized, else None."""
+    if quant_config is None or quant_config.quant_dtype is None:
+        return None
+    return quant_config
+
+
+def _fp8_dispatch(quant_config, hidden: int) -> bool:
+    """Whether the tokens travel as vLLM quantized them (e4m3 and a scale per 128
+    columns, what ExpertParallel sends), as vLLM's DeepEP low-latency backend does for
+    blocks of 128; otherwise bf16 travels and the received rows are quantized."""
+    b = quant_config.block_shape
+    return b is not None and b[1] == FP8_GROUP and hidden % FP8_GROUP == 0
+
+
+def _quantize(rows: torch.Tensor, quant_config):
+    """vLLM's own activation quantizer (moe_kernel_quantize_input, as its prepare/finalize
+    classes call it) over ``rows`` [m, H]: (e4m3 rows, scales)."""
+    from vllm.model_executor.layers.fused_moe import utils
+    return utils.moe_kernel_quantize_input(rows, quant_config.a1_scale,
+                                           quant_config.quant_dtype,
+                                           quant_config.per_act_token_quant,
+                                           quant_config.block_shape)
+
+
+def _batched_scales(scales, num_experts: int):
+    from vllm.model_executor.layers.fused_moe.utils import normalize_batched_scales_shape
+    return normalize_batched_scales_shape(scales, num_experts)
 
 
 def _modular_base():
@@ -202,7 +259,7 @@ def _make_class():
             super().__init__()
             self.comm, self.group_name = comm, group_name
             self.num_experts, self.hidden, self.max_tokens = num_experts, hidden, max_tokens
-            self.ep = None
+            self._eps = {}  # dispatch dtype -> ExpertParallel (one dtype per layer in practice)
             self._pending = None  # (ExpertParallel, what dispatch gave) prepare -> finalize
 
         @classmethod
@@ -232,8 +289,9 @@ def _make_class():
             return True  # finalize leaves each token's whole sum on its home rank
 
         # ---- prepare / finalize --------------------------------------------------------
-        def _expert_parallel(self, expert_map):
-            if self.ep is None:
+        def _expert_parallel(self, expert_map, dtype=torch.bfloat16):
+            ep = self._eps.get(dtype)
+            if ep is None:
                 if routing.stream_capturing():
                     raise RuntimeError(
                         "sparkccl EP: the layer's first prepare is under CUDA graph "
@@ -243,16 +301,16 @@ def _make_class():
                     raise ValueError("sparkccl EP: vLLM passed no expert map to prepare")
                 owners = engine_ep.placement_from_local_ids(self.comm, expert_map,
                                                             self.num_experts)
-                self.ep = engine_ep.expert_parallel(
+                ep = self._eps[dtype] = engine_ep.expert_parallel(
                     self.comm, self.group_name, num_experts=self.num_experts,
                     hidden=self.hidden, max_tokens=self.max_tokens, placement=owners,
-                    mode=self.MODE)
-            return self.ep
+                    mode=self.MODE, dtype=dtype)
+            return ep
 
         def _inputs(self, a1, topk_weights, topk_ids, expert_map,
-                    apply_router_weight_on_input):
+                    apply_router_weight_on_input, dtype=torch.bfloat16):
             """(ExpertParallel, tokens, weights) of a prepare call."""
-            ep = self._expert_parallel(expert_map)
+            ep = self._expert_parallel(expert_map, dtype)
             if not apply_router_weight_on_input:
                 return ep, a1, topk_weights
             # vLLM's rule for all its all-to-all backends: top-1 only, weight on the
@@ -306,13 +364,28 @@ def _make_class():
 
         def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                     apply_router_weight_on_input, quant_config, defer_input_quant=False):
-            ep, a1, topk_weights = self._inputs(a1, topk_weights, topk_ids, expert_map,
-                                                apply_router_weight_on_input)
-            recv, handle = engine_ep.dispatch_batched(ep, a1, topk_ids, topk_weights)
+            quant = None if defer_input_quant else _activation_quant(quant_config)
+            fp8 = quant is not None and _fp8_dispatch(quant, self.hidden)
+            ep, a1, topk_weights = self._inputs(
+                a1, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
+                FP8 if fp8 else torch.bfloat16)
+            if fp8:  # vLLM's quantizer here, its bits sent as they are (as DeepEP LL's)
+                a1q, scales = _quantize(a1, quant)
+                recv, handle = engine_ep.dispatch_batched(ep, a1q, topk_ids, topk_weights,
+                                                          x_scales=scales)
+                x, x_scales = recv.x, recv.x_scales
+            else:
+                recv, handle = engine_ep.dispatch_batched(ep, a1, topk_ids, topk_weights)
+                x, x_scales = recv.x, None
+                if quant is not None:  # the received rows, one by one (row-wise scales)
+                    E_local, M, H = x.shape
+                    x, x_scales = _quantize(x.view(E_local * M, H), quant)
+                    x = x.view(E_local, M, H)
+                    x_scales = _batched_scales(x_scales, E_local)
             self._pending = (ep, handle)
             meta = mk.ExpertTokensMetadata(expert_num_tokens=recv.counts,
                                            expert_num_tokens_cpu=None)
-            return recv.x, None, meta, None, None
+            return x, x_scales, meta, None, None
 
         def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                      apply_router_weight_on_input, weight_and_reduce_impl) -> None:
