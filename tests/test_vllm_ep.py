@@ -312,7 +312,6 @@ def _batched_kernel_checks(make, rank, world, E, partial):
     kernel: a torch stand-in, elementwise), against the one-box finalize of each token's
     rows computed one token at a time."""
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
 
@@ -341,11 +340,21 @@ def _batched_kernel_checks(make, rank, world, E, partial):
     def expert(e, x):  # [m, H] -> [m, H], as NaiveBatchedExperts computes it
         return act(x @ w1[e].T) @ w2[e].T
 
+    return _kernel_rounds(kernel, w1[local], w2[local], expert, emap, owners, rank, world, E,
+                          H, 130, partial, "vLLM FusedMoEKernel")
+
+
+def _kernel_rounds(kernel, w1, w2, expert, emap, owners, rank, world, E, hidden, seed, partial,
+                   what):
+    """Two rounds of a layer through vLLM's ``FusedMoEKernel`` (tokens per rank that differ
+    in the second), each output against the one-box finalize (or the partial combine's
+    reference) of the rows ``expert`` computes one token at a time."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     bad = []
     for rnd in range(2):
-        inp = make_ep_input(130 + rnd, rank, tokens=T - rnd * rank, hidden=H, topk=K,
+        inp = make_ep_input(seed + rnd, rank, tokens=T - rnd * rank, hidden=hidden, topk=K,
                             num_experts=E, world=world)
-        y = kernel.apply(inp["x"], w1[local], w2[local], inp["topk_weights"], inp["topk_idx"],
+        y = kernel.apply(inp["x"], w1, w2, inp["topk_weights"], inp["topk_idx"],
                          MoEActivation.SILU, E, emap, False)
         n = inp["x"].shape[0]
         rows = torch.stack([expert(int(inp["topk_idx"][t, k]), inp["x"][t:t + 1])[0]
@@ -353,7 +362,7 @@ def _batched_kernel_checks(make, rank, world, E, partial):
         ref = partial_combine_reference(inp, owners, world, shared=False, rows=rows) \
             if partial else combine_reference(inp, shared=False, rows=rows)
         if not np.array_equal(y.view(torch.int16).numpy().view(np.uint16), ref):
-            bad.append(f"vLLM FusedMoEKernel round {rnd}: output differs from the reference")
+            bad.append(f"{what} round {rnd}: output differs from the reference")
     return bad
 
 
@@ -390,7 +399,6 @@ def _fp8_kernel_checks(make, rank, world, E, partial):
     changes no bit)."""
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe import utils as moe_utils
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
     from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
     from vllm.model_executor.layers.quantization.utils.quant_utils import group_broadcast
@@ -430,18 +438,8 @@ def _fp8_kernel_checks(make, rank, world, E, partial):
             return act((h @ w1[e].float().T).to(torch.bfloat16)) @ \
                 w2[e].float().to(torch.bfloat16).T
 
-        for rnd in range(2):
-            inp = make_ep_input(150 + rnd, rank, tokens=T - rnd * rank, hidden=Hq, topk=K,
-                                num_experts=E, world=world)
-            y = kernel.apply(inp["x"], w1[local], w2[local], inp["topk_weights"],
-                             inp["topk_idx"], MoEActivation.SILU, E, emap, False)
-            n = inp["x"].shape[0]
-            rows = torch.stack([expert(int(inp["topk_idx"][t, k]), inp["x"][t:t + 1])[0]
-                                for t in range(n) for k in range(K)])
-            ref = partial_combine_reference(inp, owners, world, shared=False, rows=rows) \
-                if partial else combine_reference(inp, shared=False, rows=rows)
-            if not np.array_equal(y.view(torch.int16).numpy().view(np.uint16), ref):
-                bad.append(f"fp8 {name} round {rnd}: output differs from the reference")
+        bad += _kernel_rounds(kernel, w1[local], w2[local], expert, emap, owners, rank, world,
+                              E, Hq, 150, partial, f"fp8 {name}")
         travelled[name] = sorted(str(d) for d in pf._eps)
     return travelled, bad
 
