@@ -8,8 +8,8 @@ pair (dispatch: the tokens a rank sends another, each once; combine: the expert 
 go back; in low-latency mode the fixed bounds instead: ``--tokens`` rows, and ``--tokens x
 min(topk, experts per rank)`` back). Per (topology, world), every rank has ``--tokens``
 tokens of hidden ``--hidden`` (bf16) routed to top-``--topk`` of ``--experts-per-rank`` x
-world experts (random, as the tests' routings). Times are the slowest rank's call (median of ``--iters``, every rank
-released at one instant, as benchmarks/emunic_efficiency.py):
+world experts (random, as the tests' routings). Times are the slowest rank's call (median
+of ``--iters``, every rank released at one instant, as benchmarks/emunic_efficiency.py):
 
 * ``dispatch``: ``ExpertParallel.dispatch`` (the counts' all-gather, packing, the
   all-to-all, the receiver's selection);
@@ -154,9 +154,8 @@ def main(argv=None) -> int:
     print(f"# load average at start: {load_average()}")
     print(f"emulated roots at {a.rate_gbps:g} Gb/s each, {a.roots} per port, "
           f"{a.latency_us:g} us latency; {os.cpu_count()} CPUs; {a.mode}; {T} tokens/rank, "
-          f"hidden {H} "
-          f"bf16, top-{K} of {a.experts_per_rank} experts/rank; median of {a.iters} calls "
-          "(slowest rank)")
+          f"hidden {H} bf16, top-{K} of {a.experts_per_rank} experts/rank; median of "
+          f"{a.iters} calls (slowest rank)")
     print(f"{'topology':<8} {'world':>5} {'load':>5} "
           + " ".join(f"{p + ' KiB':>13} {'fill':>5} {'bound ms':>8} {'sent ms':>7} {'a2a ms':>7} "
                      f"{p + ' ms':>11} {'of bound':>8}" for p in PHASES)
